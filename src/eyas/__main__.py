@@ -1,0 +1,3 @@
+from eyas.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""The `eyas` command line: one table maps each subcommand to its step function and config.
+
+Flags, types, defaults and help all come from the config dataclass fields
+(see `eyas.config.option`). `--config FILE.yaml` works for every step; flags given
+on the command line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+import typing
+
+from eyas import __version__
+from eyas.config import ConfigError, base_type, field_types, from_dict, load_yaml
+from eyas.errors import EyasError
+
+# subcommand -> (module, step function, config class, one-line summary)
+COMMANDS = {
+    "prepare": ("eyas.prepare", "prepare", "PrepareConfig",
+                "chat data -> token ids + assistant-only loss masks"),
+    "regenerate": ("eyas.regenerate", "regenerate", "RegenerateConfig",
+                   "rewrite assistant turns with the target itself"),
+    "capture": ("eyas.capture", "capture", "CaptureConfig",
+                "run the target, store aux hidden states for training"),
+    "vocab": ("eyas.vocab", "vocab", "VocabConfig",
+              "draft vocabulary (d2t / t2d) from token counts"),
+    "train": ("eyas.train", "train", "TrainConfig",
+              "train the EAGLE-3 draft with training-time test"),
+    "export": ("eyas.export", "export", "ExportConfig",
+               "write a draft folder vLLM / SGLang load as is"),
+    "eval": ("eyas.evaluate", "evaluate", "EvalConfig",
+             "measure acceptance length with speculative decoding"),
+    "doctor": ("eyas.doctor", "doctor", "DoctorConfig",
+               "will this model work, and what must change"),
+    "run": ("eyas.pipeline", "run", "RunConfig",
+            "run the whole pipeline from one YAML, resuming"),
+    "demo": ("eyas.demo", "demo", "DemoConfig",
+             "the whole pipeline on CPU with a built-in tiny target"),
+}
+
+
+def _load(command: str):
+    module, fn, cls, _ = COMMANDS[command]
+    mod = importlib.import_module(module)
+    return getattr(mod, fn), getattr(mod, cls)
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> None:
+    help_text = f.metadata.get("help", "")
+    tp, _ = base_type(tp)
+    default = None if f.default is dataclasses.MISSING else f.default
+    if default is not None and default != ():
+        help_text += f" (default: {default})"
+    elif f.default is dataclasses.MISSING:
+        help_text += " (required)"
+    kwargs: dict = {"help": help_text, "default": argparse.SUPPRESS}
+    if f.metadata.get("choices"):
+        kwargs["choices"] = f.metadata["choices"]
+    if tp is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(tp) is tuple:
+        kwargs["metavar"] = "A,B,..."
+    if f.metadata.get("positional"):
+        kwargs.pop("default")
+        parser.add_argument(f.name, nargs="?", default=argparse.SUPPRESS,
+                            **{k: v for k, v in kwargs.items() if k != "action"})
+        return
+    parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eyas", description="Train EAGLE-3 draft models for any Hugging Face LLM.")
+    parser.add_argument("--version", action="version", version=f"eyas {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, _, _, summary) in COMMANDS.items():
+        sp = sub.add_parser(name, help=summary, description=summary)
+        sp.add_argument("--config", dest="_config_file", metavar="FILE.yaml", default=None,
+                        help="read settings from a YAML file; flags given here override it")
+        try:
+            _, cls = _load(name)
+        except ImportError as err:  # a step whose optional dependency is missing
+            sp.set_defaults(_unavailable=str(err))
+            continue
+        hints = field_types(cls)
+        for f in dataclasses.fields(cls):
+            _add_field(sp, f, hints[f.name])
+    return parser
+
+
+def parse_config(command: str, argv: list[str]):
+    """Parse `argv` (without the subcommand) into the step's config object."""
+    args = build_parser().parse_args([command, *argv])
+    return _config_from_args(command, args)
+
+
+def _config_from_args(command: str, args: argparse.Namespace):
+    _, cls = _load(command)
+    values = load_yaml(args._config_file) if args._config_file else {}
+    cli = {k: v for k, v in vars(args).items()
+           if not k.startswith("_") and k not in ("command", "verbose")}
+    values.update(cli)
+    return from_dict(cls, values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
+    if not args.command:
+        parser.print_help()
+        return 2
+    if getattr(args, "_unavailable", None):
+        print(f"eyas {args.command} is not available: {args._unavailable}", file=sys.stderr)
+        return 2
+    fn, _ = _load(args.command)
+    try:
+        cfg = _config_from_args(args.command, args)
+        fn(cfg)
+    except (ConfigError, EyasError) as err:
+        print(f"eyas {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+

@@ -1,0 +1,143 @@
+"""How step configs are declared, loaded from YAML and turned into CLI flags.
+
+Every pipeline step is a plain function taking one frozen dataclass. Each field is
+declared once with `option(...)`: its type annotation, default and help text are
+all the CLI (`eyas STEP --help`), the YAML loader and the library API need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message says which key and how to fix it."""
+
+
+def option(default: Any, help: str, *, choices: tuple | None = None, positional: bool = False):
+    """Declare a config field: default, help text for the CLI, allowed choices."""
+    meta = {"help": help, "choices": choices, "positional": positional}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple (immutable) for sequence defaults")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def required(help: str, *, positional: bool = False):
+    """Declare a field that has no default (the user must give it)."""
+    return dataclasses.field(metadata={"help": help, "choices": None, "positional": positional})
+
+
+def field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def base_type(tp) -> tuple[Any, bool]:
+    """(underlying type, is_optional) for `X | None` / `Optional[X]`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def coerce(name: str, tp, value):
+    """Convert a YAML/CLI value to the field's declared type, or raise ConfigError."""
+    tp, optional = base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"config key '{name}' may not be null")
+    origin = typing.get_origin(tp)
+    try:
+        if origin is tuple:
+            (item,) = typing.get_args(tp)[:1]
+            if isinstance(value, str):
+                value = [v for v in value.replace(",", " ").split() if v]
+            if not isinstance(value, (list, tuple)):
+                value = [value]
+            return tuple(coerce(name, item, v) for v in value)
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError(value)
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key '{name}': cannot read {value!r} as {tp}") from None
+    return value
+
+
+def from_dict(cls, values: dict[str, Any]):
+    """Build config `cls` from a plain dict; unknown keys are an error naming the key."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {unknown} for {cls.__name__}; valid keys: {sorted(names)}"
+        )
+    hints = field_types(cls)
+    kwargs = {k: coerce(k, hints[k], v) for k, v in values.items()}
+    missing = [
+        f.name for f in dataclasses.fields(cls)
+        if f.name not in kwargs and f.default is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{cls.__name__} needs {missing} (give --{missing[0].replace('_', '-')})")
+    return cls(**kwargs)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of key: value")
+    return data
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    """JSON-friendly dict of a config (tuples become lists)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+# Fields shared by every step that touches the target. Declared through functions so
+# each config dataclass stays flat (no inheritance) yet spells them identically.
+
+def target_option(help: str = "target model: hub name or local folder"):
+    return required(help)
+
+
+def trust_remote_code_option():
+    return option(False, "allow the target's own Python code (needed for e.g. Kimi-K2.5)")
+
+
+def revision_option():
+    return option(None, "hub revision (branch, tag or commit) of the target")
+
+
+def out_option(help: str = "output folder"):
+    return required(help)

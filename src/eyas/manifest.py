@@ -1,0 +1,137 @@
+"""Self-describing step folders: every step writes `eyas.json` beside its payload.
+
+A manifest records the step, its resolved config, library versions, the target it
+belongs to and the ids of the manifests it consumed. The next step reads it with
+`read_manifest(folder, step=...)` and refuses a folder from another step or target
+with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from eyas import __version__
+from eyas.config import to_dict
+from eyas.errors import EyasError
+
+MANIFEST = "eyas.json"
+# Written into every manifest that stores aux layer ids.
+LAYER_ID_CONVENTION = (
+    "vllm: aux id k = residual stream entering decoder layer k "
+    "= HF output_hidden_states[k] for k < L; id L = last layer output before the final norm"
+)
+
+
+def versions() -> dict[str, str]:
+    out = {"eyas": __version__, "python": platform.python_version()}
+    for name in ("torch", "transformers", "datasets", "safetensors"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            continue
+    return out
+
+
+def manifest_id(body: dict[str, Any]) -> str:
+    """Content hash of a manifest body (time stamps excluded) used to chain steps."""
+    stable = {k: v for k, v in body.items() if k not in ("id", "created", "versions", "stats")}
+    blob = json.dumps(stable, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def write_manifest(folder: str | Path, step: str, config, *, target: dict | None = None,
+                   inputs: list[dict] | tuple = (), **extra: Any) -> dict[str, Any]:
+    """Write `folder/eyas.json` atomically and return it.
+
+    `target` describes the target model (see `target_record`); `inputs` are the
+    manifests this step consumed (their step and id are recorded); `extra` holds
+    step-specific facts (aux_layer_ids, stats, files, ...).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    body: dict[str, Any] = {
+        "step": step,
+        "config": to_dict(config) if config is not None and not isinstance(config, dict) else config,
+        "target": target,
+        "inputs": [{"step": m["step"], "id": m["id"], "path": m.get("path")} for m in inputs],
+    }
+    body.update(extra)
+    if "aux_layer_ids" in body and "layer_id_convention" not in body:
+        body["layer_id_convention"] = LAYER_ID_CONVENTION
+    body["id"] = manifest_id(body)
+    body["versions"] = versions()
+    body["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(body, indent=2, default=str) + "\n")
+    os.replace(tmp, folder / MANIFEST)
+    return body
+
+
+def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Read `folder/eyas.json`, checking it was written by `step` (one of them, if a tuple)."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        want = f"`eyas {step if isinstance(step, str) else step[0]}`" if step else "an eyas step"
+        raise EyasError(f"{folder} has no {MANIFEST}: it was not written by {want}. "
+                        f"Point this option at the output folder of {want}.")
+    body = json.loads(path.read_text())
+    steps = (step,) if isinstance(step, str) else step
+    if steps and body.get("step") not in steps:
+        raise EyasError(f"{folder} holds the output of `eyas {body.get('step')}`, but "
+                        f"`eyas {steps[0]}` output is needed here; run `eyas {steps[0]}` first "
+                        f"and pass its --out folder.")
+    body["path"] = str(folder)
+    return body
+
+
+def target_record(name_or_path: str, revision: str | None = None, *, config=None,
+                  tokenizer=None) -> dict[str, Any]:
+    """Identify a target: name, revision/commit if known, and fingerprints that let
+    later steps detect a different model or tokenizer behind the same name."""
+    rec: dict[str, Any] = {"name_or_path": str(name_or_path), "revision": revision}
+    commit = getattr(config, "_commit_hash", None) if config is not None else None
+    rec["commit"] = commit
+    if config is not None:
+        text = getattr(config, "get_text_config", lambda: config)()
+        rec["model_type"] = getattr(config, "model_type", None)
+        rec["num_hidden_layers"] = getattr(text, "num_hidden_layers", None)
+        rec["hidden_size"] = getattr(text, "hidden_size", None)
+        rec["vocab_size"] = getattr(text, "vocab_size", None)
+    if tokenizer is not None:
+        rec["tokenizer_hash"] = tokenizer_fingerprint(tokenizer)
+    return rec
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's vocabulary and chat template: equal iff token ids mean the same."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    h = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
+    return h.hexdigest()[:16]
+
+
+def check_same_target(found: dict | None, expected: dict | None, what: str) -> None:
+    """Refuse an artifact made for another target (different name or tokenizer/shape)."""
+    if not found or not expected:
+        return
+    for key in ("tokenizer_hash", "hidden_size", "num_hidden_layers", "vocab_size"):
+        a, b = found.get(key), expected.get(key)
+        if a is not None and b is not None and a != b:
+            raise EyasError(
+                f"{what} was made for target {found.get('name_or_path')} ({key}={a}) but this run "
+                f"uses {expected.get('name_or_path')} ({key}={b}); re-run that step with "
+                f"--target {expected.get('name_or_path')} or point at the matching folder.")
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
