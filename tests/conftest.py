@@ -1,0 +1,36 @@
+"""Shared fixtures: the tiny tokenizer and tiny saved targets of every architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from eyas.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_tokenizer_fixture(tiny_tok):
+    return tiny_tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: `tiny_model_dir("llama")` -> folder with a saved tiny random model + tokenizer."""
+    cache: dict[str, object] = {}
+
+    def make(arch: str):
+        assert arch in TINY_ARCHS, arch
+        if arch not in cache:
+            cache[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
