@@ -1,0 +1,166 @@
+"""`eyas run CONFIG.yaml`: the whole pipeline from one file, skipping finished steps.
+
+The YAML holds the shared keys (`target`, `trust_remote_code`, `revision`, `data`,
+`work_dir`) and one section per step with that step's own config keys. Steps read and
+write fixed folders under `work_dir`; a step is skipped when its folder's manifest was
+written with the same config from the same inputs, and every step after the first one
+that runs is run again (its inputs changed). Interrupted steps resume by themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.config import ConfigError, from_dict, load_yaml, option, required, to_dict
+from eyas.errors import EyasError
+from eyas.manifest import MANIFEST
+
+log = logging.getLogger(__name__)
+
+STEPS = ("prepare", "regenerate", "capture", "vocab", "train", "export", "eval")
+# step -> (module, function, config class)
+STEP_FUNCS = {
+    "prepare": ("eyas.prepare", "prepare", "PrepareConfig"),
+    "regenerate": ("eyas.regenerate", "regenerate", "RegenerateConfig"),
+    "capture": ("eyas.capture", "capture", "CaptureConfig"),
+    "vocab": ("eyas.vocab", "vocab", "VocabConfig"),
+    "train": ("eyas.train", "train", "TrainConfig"),
+    "export": ("eyas.export", "export", "ExportConfig"),
+    "eval": ("eyas.evaluate", "evaluate", "EvalConfig"),
+}
+SHARED_KEYS = ("target", "trust_remote_code", "revision")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Run the pipeline described by a YAML file."""
+
+    pipeline: str = required("pipeline YAML (target, data, work_dir, one section per step)",
+                             positional=True)
+    from_step: str | None = option(None, "start at this step (earlier ones must be done)",
+                                   choices=STEPS)
+    until_step: str | None = option(None, "stop after this step", choices=STEPS)
+    dry_run: bool = option(False, "print what would run and why, run nothing")
+    force: bool = option(False, "re-run steps even when their outputs are up to date")
+
+
+@dataclass(frozen=True)
+class Plan:
+    step: str
+    config: object
+    out: Path
+    action: str  # "run" | "skip"
+    reason: str
+
+
+def _step_config(step: str, spec: dict, work: Path):
+    """The step's config: YAML section + shared keys + the fixed folder wiring."""
+    module, _, cls_name = STEP_FUNCS[step]
+    cls = getattr(importlib.import_module(module), cls_name)
+    names = {f.name for f in dataclasses.fields(cls)}
+    section = dict(spec.get(step) or {})
+    section.pop("enabled", None)
+    values = {k: spec[k] for k in SHARED_KEYS if k in spec and k in names}
+    prepared_from = (work / "regenerated" / "conversations.jsonl"
+                     if _enabled(spec, "regenerate") else spec.get("data"))
+    online = bool((spec.get("train") or {}).get("online", False))
+    wiring = {
+        "prepare": {"data": prepared_from, "out": work / "prepared"},
+        "regenerate": {"data": spec.get("data"), "out": work / "regenerated"},
+        "capture": {"data": work / "prepared", "out": work / "captured"},
+        "vocab": {"data": (str(work / "prepared"),), "out": work / "vocab"},
+        "train": {"data": work / ("prepared" if online else "captured"),
+                  "vocab": work / "vocab", "out": work / "train"},
+        "export": {"checkpoint": work / "train", "out": work / "draft"},
+        "eval": {"draft": work / "draft", "data": work / "prepared", "out": work / "eval"},
+    }[step]
+    for key, value in wiring.items():
+        if key in names and key not in section:
+            values[key] = value if isinstance(value, tuple) else str(value)
+    values.update(section)
+    try:
+        return from_dict(cls, values)
+    except ConfigError as err:
+        raise ConfigError(f"section '{step}' of the pipeline: {err}") from None
+
+
+def _enabled(spec: dict, step: str) -> bool:
+    if step == "regenerate":
+        return bool((spec.get("regenerate") or {}).get("enabled", False))
+    if step == "capture":
+        return not bool((spec.get("train") or {}).get("online", False))
+    return True
+
+
+def _normalise(cfg) -> dict:
+    return json.loads(json.dumps(to_dict(cfg), default=str))
+
+
+def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
+    path = out / MANIFEST
+    if upstream_ran:
+        return False, "an earlier step ran, so its inputs changed"
+    if not path.is_file():
+        return False, "no finished output yet (or it was interrupted: the step resumes)"
+    manifest = json.loads(path.read_text())
+    if manifest.get("complete") is False:
+        return False, "the previous run was interrupted: the step resumes"
+    if manifest.get("config") != _normalise(cfg):
+        old, new = manifest.get("config") or {}, _normalise(cfg)
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return False, f"config changed ({', '.join(changed)})"
+    return True, "up to date"
+
+
+def plan(cfg: RunConfig) -> list[Plan]:
+    spec = load_yaml(cfg.pipeline)
+    for key in ("target", "data", "work_dir"):
+        if key not in spec:
+            raise ConfigError(f"pipeline {cfg.pipeline} needs a top-level '{key}' key")
+    unknown = set(spec) - {*SHARED_KEYS, "data", "work_dir", *STEPS}
+    if unknown:
+        raise ConfigError(f"pipeline {cfg.pipeline}: unknown top-level key(s) {sorted(unknown)}; "
+                          f"valid: target, trust_remote_code, revision, data, work_dir, {STEPS}")
+    work = Path(spec["work_dir"])
+    if not work.is_absolute():
+        work = Path(cfg.pipeline).resolve().parent / work
+    steps = [s for s in STEPS if _enabled(spec, s)]
+    if cfg.from_step:
+        steps = steps[steps.index(cfg.from_step):]
+    if cfg.until_step:
+        steps = steps[: steps.index(cfg.until_step) + 1]
+    plans, upstream_ran = [], False
+    for step in steps:
+        step_cfg = _step_config(step, spec, work)
+        out = Path(step_cfg.out)
+        if cfg.force or (cfg.from_step == step):
+            ok, why = False, "forced" if cfg.force else "--from-step"
+        else:
+            ok, why = _up_to_date(step_cfg, out, upstream_ran)
+        plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why))
+        upstream_ran = upstream_ran or not ok
+    return plans
+
+
+def run(cfg: RunConfig) -> list[Plan]:
+    """Run (or with dry_run, describe) the pipeline; returns the plan that was executed."""
+    plans = plan(cfg)
+    for p in plans:
+        log.info("%-10s %-4s  %s  -> %s", p.step, p.action, p.reason, p.out)
+    if cfg.dry_run:
+        return plans
+    for p in plans:
+        if p.action == "skip":
+            continue
+        module, fn, _ = STEP_FUNCS[p.step]
+        log.info("== eyas %s ==", p.step)
+        try:
+            getattr(importlib.import_module(module), fn)(p.config)
+        except EyasError as err:
+            raise EyasError(f"step {p.step} failed: {err}") from err
+    return plans

@@ -1,0 +1,68 @@
+"""The config/CLI conventions every step shares: one declaration -> flags, YAML, validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from eyas import cli
+from eyas.config import ConfigError, from_dict, option, required, to_dict
+
+
+@dataclass(frozen=True)
+class Demo:
+    target: str = required("the target")
+    ids: tuple[int, ...] = option((2, 4, 5), "layer ids")
+    lr: float = option(1e-4, "learning rate")
+    name: str | None = option(None, "optional")
+    flag: bool = option(False, "a switch")
+
+
+def test_from_dict_coerces_and_rejects_unknown_keys():
+    cfg = from_dict(Demo, {"target": "m", "ids": "1,2,3", "lr": "0.5", "flag": "yes"})
+    assert cfg == Demo(target="m", ids=(1, 2, 3), lr=0.5, flag=True)
+    assert to_dict(cfg)["ids"] == [1, 2, 3]
+    with pytest.raises(ConfigError, match="unknown config key.*'lrr'"):
+        from_dict(Demo, {"target": "m", "lrr": 1})
+    with pytest.raises(ConfigError, match="needs \\['target'\\]"):
+        from_dict(Demo, {})
+    with pytest.raises(ConfigError, match="'lr'"):
+        from_dict(Demo, {"target": "m", "lr": "fast"})
+    with pytest.raises(ConfigError, match="may not be null"):
+        from_dict(Demo, {"target": None})
+
+
+def test_every_command_has_help_and_documents_every_field(capsys):
+    import dataclasses
+    for name in cli.COMMANDS:
+        try:
+            _, cls = cli._load(name)
+        except ImportError:
+            continue
+        with pytest.raises(SystemExit) as exc:
+            cli.main([name, "--help"])
+        assert exc.value.code == 0
+        text = capsys.readouterr().out
+        for f in dataclasses.fields(cls):
+            flag = f.name if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
+            assert flag in text, (name, flag)
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+
+
+def test_yaml_config_is_overridden_by_flags(tmp_path):
+    from eyas.pipeline import RunConfig  # noqa: F401  (a real config class of the CLI)
+    path = tmp_path / "c.yaml"
+    path.write_text("dry_run: true\nforce: false\n")
+    cfg = cli.parse_config("run", ["p.yaml", "--config", str(path), "--force"])
+    assert cfg.dry_run is True and cfg.force is True and cfg.pipeline == "p.yaml"
+    path.write_text("dry_runn: true\n")
+    with pytest.raises(ConfigError, match="dry_runn"):
+        cli.parse_config("run", ["p.yaml", "--config", str(path)])
+
+
+def test_cli_prints_error_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nope: 1\n")
+    assert cli.main(["run", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
