@@ -34,3 +34,12 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tiny_model_dir):
     return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def kimi_like_dir(tmp_path_factory):
+    """Folder with a tiny Kimi-K2.5-like remote-code wrapper (load with trust_remote_code=True):
+    DeepSeek-V3 text decoder at `language_model.model`, a fake vision tower, the tiny tokenizer."""
+    from eyas.kimi_like import build_kimi_like
+
+    return build_kimi_like(tmp_path_factory.mktemp("kimi-like"))

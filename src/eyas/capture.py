@@ -1,0 +1,540 @@
+"""`eyas capture`: run the target over prepared samples and store what the draft trains on.
+
+Per token: the residual stream entering the aux decoder layers (vLLM ids, default
+(2, L//2, L-3); id L is the last layer's output before the final norm), the final hidden state
+after the final norm, and the target's top-1 next-token id. The target is the transformers
+model itself (`eyas.models.load_target`); hooks on its decoder layers and final norm keep only
+those tensors, and top-1 comes from the lm_head run over chunks of tokens so that (N, V)
+logits never exist at once. Samples are packed by length into `batch_tokens`-token batches,
+either flattened with position resets (when the attention honours them: checked, not assumed)
+or right-padded with an attention mask. On GPU, results are copied to pinned host memory on a
+side stream and a writer thread (`eyas.shards.PartWriter`) writes safetensors parts while the
+next batch runs. Files appear atomically, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.config import (ConfigError, option, out_option, required, revision_option,
+                         target_option, trust_remote_code_option)
+from eyas.errors import EyasError
+from eyas.manifest import check_same_target, read_manifest, target_record, write_manifest
+from eyas import shards
+
+log = logging.getLogger(__name__)
+
+MODEL_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # models.load_target names
+LOGIT_CHUNK_ELEMENTS = 1 << 26  # lm_head chunk: tokens * vocab <= 64M logits (128 MiB in bf16)
+PROBE_TOKENS = 16               # length of the two sequences the packing self-check runs
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """Run the target over a prepared folder and write aux/final hidden states to shards."""
+
+    target: str = target_option()
+    data: str = required("prepared folder written by `eyas prepare`")
+    out: str = out_option("capture folder (several --shard jobs may share it)")
+    revision: str | None = revision_option()
+    trust_remote_code: bool = trust_remote_code_option()
+    split: str = option("train", "which prepared split to capture", choices=("train", "eval", "all"))
+    aux_layer_ids: tuple[int, ...] = option(
+        (), "aux layers in vLLM's convention (id k = residual entering layer k; id L = last "
+            "layer output before the final norm); empty = (2, L//2, L-3)")
+    dtype: str = option("bf16", "storage dtype of aux states (fp8 = e4m3 with per-token scales)",
+                        choices=("bf16", "fp8"))
+    model_dtype: str = option("bf16", "dtype the target runs in", choices=tuple(MODEL_DTYPES))
+    batch_tokens: int = option(16384, "tokens per forward pass (padding included)")
+    packing: str = option("auto", "flat = one row with position resets (needs varlen attention); "
+                          "padded = length-sorted rows + mask; auto = flat only where it is "
+                          "verified to match per-sample forwards under flash attention",
+                          choices=("auto", "flat", "padded"))
+    attn_implementation: str | None = option(
+        None, "attention kernel for the target, e.g. flash_attention_2 (enables flat packing); "
+              "default: transformers' choice (sdpa)")
+    device: str | None = option(None, "device for the target (default: cuda if present, else cpu)")
+    device_map: str | None = option(None, "'auto' spreads a big target over all GPUs (accelerate)")
+    shard: str = option("0/1", "I/N: this job captures every N-th sample from I, into the shared "
+                        "--out; run N jobs (any order, any machines) to capture everything")
+    file_mb: float = option(1024.0, "approximate size of one shard part file in MiB")
+    limit: int | None = option(None, "capture only the first N samples of the split (trials)")
+    overwrite: bool = option(False, "delete a capture in --out that was made with other settings "
+                                    "(otherwise that is an error)")
+
+    def __post_init__(self):
+        if self.batch_tokens < 1:
+            raise ConfigError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
+        if self.file_mb <= 0:
+            raise ConfigError(f"file_mb must be > 0, got {self.file_mb}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit must be >= 1 (or unset), got {self.limit}")
+        if self.aux_layer_ids:
+            from eyas.models import validate_aux_layer_ids
+
+            validate_aux_layer_ids(self.aux_layer_ids, None)
+        self.shard_index()  # validates the I/N spelling
+
+    def shard_index(self) -> tuple[int, int]:
+        """(I, N) from `shard`."""
+        try:
+            i, n = (int(x) for x in self.shard.split("/"))
+        except ValueError:
+            raise ConfigError(f"shard must look like I/N (e.g. 0/4), got {self.shard!r}") from None
+        if n < 1 or not 0 <= i < n:
+            raise ConfigError(f"shard {self.shard!r}: need 0 <= I < N, e.g. --shard 0/{max(n, 1)}")
+        return i, n
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def capture(cfg: CaptureConfig) -> dict:
+    """Capture `cfg.split` of the prepared folder into `cfg.out`; returns the summary stats."""
+    from eyas.models import load_target, load_tokenizer
+
+    prepared = read_manifest(cfg.data, step="prepare")
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
+                               trust_remote_code=cfg.trust_remote_code)
+    what = f"the prepared folder {cfg.data}"
+    # Before loading a possibly huge model: token ids from another tokenizer mean nothing here.
+    check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
+                                                            tokenizer=tokenizer), what)
+    dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
+    model, info = load_target(cfg.target, revision=cfg.revision,
+                              trust_remote_code=cfg.trust_remote_code,
+                              dtype=MODEL_DTYPES[cfg.model_dtype], device_map=cfg.device_map,
+                              device=_default_device(cfg))
+    if cfg.attn_implementation:
+        model.set_attn_implementation(cfg.attn_implementation)
+    target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
+    check_same_target(prepared.get("target"), target, what)
+    return capture_loaded(cfg, model, info, dataset, target=target, inputs=[prepared],
+                          split_rows=split_rows)
+
+
+def _default_device(cfg: CaptureConfig) -> str | None:
+    if cfg.device_map is not None:
+        return cfg.device  # accelerate placed the layers; move nothing unless asked
+    return cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_split(prepared: str | Path, split: str, limit: int | None = None):
+    """(dataset, split_rows) of a prepared folder; for `all`, train rows then eval rows, and
+    `split_rows` maps each split to its [start, end) row range in that order."""
+    import datasets
+
+    path = Path(prepared) / "dataset"
+    if not path.is_dir():
+        raise EyasError(f"{prepared} has no dataset/ folder; run `eyas prepare --out {prepared}`.")
+    dd = datasets.load_from_disk(str(path))
+    names = ("train", "eval") if split == "all" else (split,)
+    missing = [n for n in names if n not in dd]
+    if missing:
+        raise EyasError(f"{prepared} has no {missing} split; re-run `eyas prepare` (it writes "
+                        f"train and eval) or choose --split from {sorted(dd)}.")
+    parts = [dd[n] for n in names]
+    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    split_rows, start = {}, 0
+    for n, p in zip(names, parts):
+        split_rows[n] = [start, start + len(p)]
+        start += len(p)
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
+    return ds, split_rows
+
+
+def iter_captured_batches(model, info, dataset, aux_layer_ids, batch_tokens: int, *,
+                          rows=None, packing: str = "auto", sort_by_length: bool = True,
+                          drop_nonfinite: bool = True) -> Iterator[dict[str, torch.Tensor]]:
+    """Capture in-process (online training): yields one dict per forward, on the model's device,
+    with a shard's keys: `aux_hidden` (N, 3, H) and `final_hidden` (N, H) in the model dtype,
+    `target_top1`/`input_ids` (N,) int32, `loss_mask` (N,) uint8, `sample_offsets` (n+1,) and
+    `sample_index` (n,) int64 (rows of `dataset`). `rows` restricts/orders the rows; with
+    `sort_by_length` they are length-sorted for minimal padding. Samples with NaN/Inf are
+    dropped and logged (costs one host sync per batch) unless `drop_nonfinite` is False."""
+    for out, meta in _captured(model, info, dataset, rows, aux_layer_ids, batch_tokens,
+                               packing, sort_by_length):
+        bad = out.pop("nonfinite")
+        batch = {**out, **{k: v.to(out["aux_hidden"].device) for k, v in meta.items()
+                           if isinstance(v, torch.Tensor)}}
+        if drop_nonfinite and bool(bad.any()):
+            batch, dropped = shards.drop_samples(batch, bad)
+            log.warning("dropped samples with NaN/Inf hidden states: %s",
+                        [meta["sample_ids"][i] for i in dropped])
+        yield batch
+
+
+def capture_samples(model, info, rows_ds, aux_layer_ids, *, dtype: torch.dtype | None = None,
+                    batch_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Capture the rows of `rows_ds` (a datasets.Dataset) and return one dict per row, in its
+    order, on the model's device: `aux_hidden` (T, 3, H), `final_hidden` (T, H) (in `dtype`,
+    default the model's), `target_top1`, `input_ids` (T,) int32, `loss_mask` (T,) uint8. A
+    sample with NaN/Inf states is returned zeroed with loss_mask 0 (logged), so it adds no loss."""
+    budget = batch_tokens or max(1, sum(int(n) for n in rows_ds["num_tokens"]))
+    result: list[dict | None] = [None] * len(rows_ds)
+    for out, meta in _captured(model, info, rows_ds, None, aux_layer_ids, budget, "auto", True):
+        bad = out.pop("nonfinite")
+        off = meta["sample_offsets"].tolist()
+        for j, row in enumerate(meta["sample_index"].tolist()):
+            s, e = off[j], off[j + 1]
+            sample = {k: v[s:e] for k, v in out.items()}
+            sample["input_ids"] = meta["input_ids"][s:e].to(out["aux_hidden"].device)
+            sample["loss_mask"] = meta["loss_mask"][s:e].to(out["aux_hidden"].device)
+            if bool(bad[s:e].any()):
+                log.warning("sample %s has NaN/Inf hidden states: zeroed, loss_mask 0",
+                            meta["sample_ids"][j])
+                for k in ("aux_hidden", "final_hidden", "loss_mask"):
+                    sample[k] = torch.zeros_like(sample[k])
+            if dtype is not None:
+                for k in ("aux_hidden", "final_hidden"):
+                    sample[k] = sample[k].to(dtype)
+            result[row] = sample
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward pass and its taps
+
+
+class _Taps:
+    """Hooks that keep, at real-token positions only, the residual stream entering each aux
+    layer (pre-hooks; id L = forward hook on the last layer) and the final norm's output.
+    They are attached only for the duration of one capture forward (`attached`), so the
+    model behaves as usual in between (online training may run it for other purposes)."""
+
+    def __init__(self, layers, norm, aux_layer_ids, num_layers: int):
+        self.layers, self.norm, self.num_layers = layers, norm, num_layers
+        self.ids = tuple(aux_layer_ids)
+        self.kept: dict = {}
+        self.gather: torch.Tensor | None = None  # flat indices of real tokens in (B*T), or None
+
+    @contextlib.contextmanager
+    def attached(self, gather: torch.Tensor | None):
+        self.gather, self.kept = gather, {}
+        last = self.layers[self.num_layers - 1]
+        handles = [self.layers[k].register_forward_pre_hook(
+                       functools.partial(self._before, k), with_kwargs=True)
+                   if k < self.num_layers else
+                   last.register_forward_hook(functools.partial(self._after, k))
+                   for k in self.ids]
+        handles.append(self.norm.register_forward_hook(functools.partial(self._after, "final")))
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _before(self, key, module, args, kwargs):
+        self._keep(key, args[0] if args else kwargs["hidden_states"])
+
+    def _after(self, key, module, args, output):
+        self._keep(key, output[0] if isinstance(output, (tuple, list)) else output)
+
+    def _keep(self, key, hidden: torch.Tensor):
+        flat = hidden.reshape(-1, hidden.shape[-1])                         # (B*T, H)
+        # clone/index_select copy: a later layer may update the residual tensor in place
+        self.kept[key] = (flat.clone() if self.gather is None
+                          else flat.index_select(0, self.gather.to(flat.device)))
+
+    def collect(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = torch.stack([self.kept[k].to(device) for k in self.ids], dim=1)  # (N, 3, H)
+        final = self.kept["final"].to(device)                                # (N, H)
+        self.kept = {}
+        return aux, final
+
+
+def top1_chunked(lm_head, final: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """argmax of lm_head(final) per token, (N,) int32, over token chunks so (N, V) logits are
+    never materialised at once."""
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // max(vocab_size, 1))
+    weight = next(lm_head.parameters(), None)
+    dev = weight.device if weight is not None and weight.device.type != "meta" else final.device
+    out = [lm_head(final[s:s + chunk].to(dev)).argmax(dim=-1).to(final.device)
+           for s in range(0, final.shape[0], chunk)]
+    return torch.cat(out).to(torch.int32) if out else torch.zeros(0, dtype=torch.int32)
+
+
+def _forward(parts, taps: _Taps, inputs: dict) -> dict[str, torch.Tensor]:
+    """One target forward; returns device tensors aux_hidden, final_hidden, target_top1 and the
+    per-token `nonfinite` flags."""
+    text_model, lm_head, device, vocab = parts
+    with taps.attached(_to(inputs["gather"], device)):
+        text_model(input_ids=inputs["input_ids"].to(device, non_blocking=True),
+                   attention_mask=_to(inputs["attention_mask"], device),
+                   position_ids=_to(inputs["position_ids"], device), use_cache=False)
+    aux, final = taps.collect(taps.kept["final"].device)
+    finite = aux.isfinite().all(dim=2).all(dim=1) & final.isfinite().all(dim=1)   # (N,)
+    return {"aux_hidden": aux, "final_hidden": final,
+            "target_top1": top1_chunked(lm_head, final, vocab), "nonfinite": ~finite}
+
+
+def _to(t, device):
+    return None if t is None else t.to(device, non_blocking=True)
+
+
+def batch_inputs(samples: list[tuple[list[int], list[int]]], flat: bool) -> tuple[dict, dict]:
+    """Model inputs for one batch, and the flattened per-token host tensors.
+
+    flat: one row (1, N) with position ids restarting at each sample, no mask.
+    padded: (B, T) right-padded rows, attention mask only if lengths differ, positions left to
+    the model (0..T-1 per row, exactly what an unpadded forward of each sample uses)."""
+    lengths = [len(ids) for ids, _ in samples]
+    ids = torch.tensor([t for s, _ in samples for t in s], dtype=torch.int64)        # (N,)
+    mask = torch.tensor([m for _, ms in samples for m in ms], dtype=torch.uint8)     # (N,)
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)               # (n+1,)
+    if flat:
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]                    # (1, N)
+        inputs = {"input_ids": ids[None], "position_ids": pos, "attention_mask": None,
+                  "gather": None}
+    else:
+        b, t = len(lengths), max(lengths)
+        padded = torch.zeros(b, t, dtype=torch.int64)                                # (B, T)
+        real = torch.arange(t)[None] < torch.tensor(lengths)[:, None]                # (B, T)
+        padded[real] = ids
+        inputs = {"input_ids": padded, "position_ids": None,
+                  "attention_mask": None if min(lengths) == t else real.long(),
+                  "gather": real.flatten().nonzero().flatten()}                      # (N,)
+    if torch.cuda.is_available():
+        inputs = {k: (v.pin_memory() if v is not None else None) for k, v in inputs.items()}
+    host = {"input_ids": ids.to(torch.int32), "loss_mask": mask, "sample_offsets": offsets}
+    return inputs, host
+
+
+def plan_batches(lengths, rows, batch_tokens: int, flat: bool, sort_by_length: bool = True):
+    """Group `rows` into batches of at most `batch_tokens` tokens (padding counted). Sorted by
+    decreasing length so padded rows waste little and the largest batch runs first (an
+    out-of-memory shows at once). A sample longer than the budget runs alone."""
+    order = sorted(rows, key=lambda r: (-int(lengths[r]), r)) if sort_by_length else list(rows)
+    batches, cur, cur_max, cur_tokens = [], [], 0, 0
+    for r in order:
+        n = int(lengths[r])
+        cost = cur_tokens + n if flat else max(cur_max, n) * (len(cur) + 1)
+        if cur and cost > batch_tokens:
+            batches.append(cur)
+            cur, cur_max, cur_tokens = [], 0, 0
+        cur.append(r)
+        cur_max, cur_tokens = max(cur_max, n), cur_tokens + n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _captured(model, info, dataset, rows, aux_layer_ids, batch_tokens, packing, sort_by_length):
+    """Yield (device outputs, host meta) per batch of `dataset` rows (all rows if None)."""
+    from eyas.models import submodule
+
+    text_model = submodule(model, info.text_model_path)
+    embed = submodule(model, info.embed_path)
+    parts = (text_model, submodule(model, info.lm_head_path), embed.weight.device,
+             info.vocab_size)
+    lengths = [int(n) for n in dataset["num_tokens"]]
+    rows = list(range(len(dataset))) if rows is None else list(rows)
+    taps = _Taps(submodule(model, info.layers_path), submodule(model, info.norm_path),
+                 aux_layer_ids, info.num_layers)
+    with torch.inference_mode():
+        flat = _resolve_packing(packing, model, info, parts, taps, dataset, rows)
+    for batch in plan_batches(lengths, rows, batch_tokens, flat, sort_by_length):
+        data = dataset[batch]
+        _check_rows(batch, data, lengths)
+        inputs, host = batch_inputs(list(zip(data["input_ids"], data["loss_mask"])), flat)
+        with torch.inference_mode():
+            out = _forward(parts, taps, inputs)
+        host["sample_index"] = torch.tensor(batch, dtype=torch.int64)
+        host["sample_ids"] = [str(s) for s in data["sample_id"]]
+        yield out, host
+
+
+def _check_rows(batch, data, lengths):
+    for r, ids, mask in zip(batch, data["input_ids"], data["loss_mask"]):
+        if len(ids) != lengths[r] or len(mask) != len(ids) or not ids:
+            raise EyasError(f"prepared row {r} is malformed (num_tokens {lengths[r]}, "
+                            f"{len(ids)} input_ids, {len(mask)} loss_mask); re-run `eyas prepare`.")
+
+
+def _resolve_packing(packing, model, info, parts, taps, dataset, rows) -> bool:
+    """True for flat packing. `auto` picks flat only under flash attention (with sdpa/eager a
+    flat row means a dense (N, N) mask: padding is cheaper), and only if the self-check passes."""
+    from eyas.models import submodule
+
+    if packing == "padded" or not rows:
+        return False
+    impl = str(getattr(submodule(model, info.text_model_path).config, "_attn_implementation", ""))
+    if packing == "auto" and not impl.startswith("flash"):
+        return False
+    sample = list(dataset[rows[0]]["input_ids"])[:PROBE_TOKENS]
+    ok, err = _flat_packing_works(parts, taps, sample)
+    if ok:
+        return True
+    msg = (f"flat packing leaks attention across samples for this model ({impl} attention, "
+           f"relative difference {err:.3g})")
+    if packing == "flat":
+        raise EyasError(msg + "; use --packing padded (or auto).")
+    log.warning("%s; using padded batches", msg)
+    return False
+
+
+def _flat_packing_works(parts, taps, sample: list[int]) -> tuple[bool, float]:
+    """Pack the same sequence twice in one flat row: if position resets isolate the samples,
+    both copies give the same hidden states; if the attention ignores them, the second copy
+    sees the first and differs far beyond rounding (in the first tokens especially)."""
+    seq = sample if len(sample) >= 2 else [*sample, *sample]
+    inputs, _ = batch_inputs([(seq, [1] * len(seq))] * 2, flat=True)
+    final = _forward(parts, taps, inputs)["final_hidden"].float()
+    a, b = final[: len(seq)], final[len(seq):]
+    err = float(((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)).max())
+    return err < 0.05, err
+
+
+# ---------------------------------------------------------------------------------------------
+# offline capture to shards
+
+
+def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | None,
+                   inputs: list[dict] = (), split_rows: dict | None = None) -> dict:
+    """Capture with an already loaded target (what `capture` does after loading; benchmarks
+    call it directly). Resumes this shard's previous run; returns summary stats."""
+    from eyas.models import default_aux_layer_ids, validate_aux_layer_ids
+
+    aux_ids = tuple(cfg.aux_layer_ids) or tuple(default_aux_layer_ids(info.num_layers))
+    validate_aux_layer_ids(aux_ids, info.num_layers)
+    shard, num_shards = cfg.shard_index()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = _settings(cfg, target, inputs, aux_ids, info.hidden_size)
+    rows = list(range(shard, len(dataset), num_shards))
+    with _locked(out / f".shard-{shard:05d}-of-{num_shards:05d}.lock", wait=False):
+        with _locked(out / ".capture.lock"):
+            state = shards.start_shard(out, shard, num_shards, settings, len(rows),
+                                       overwrite=cfg.overwrite)
+        done = shards.done_rows(out, state)
+        todo = [r for r in rows if r not in done]
+        if todo:
+            log.info("shard %d/%d: %d of %d samples to capture (%d done before)", shard,
+                     num_shards, len(todo), len(rows), len(rows) - len(todo))
+            _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out)
+        state["complete"] = True
+        shards.write_json_atomic(out / shards.state_name(shard, num_shards), state)
+    with _locked(out / ".capture.lock"):
+        index = shards.build_index(out)
+        shards.write_json_atomic(out / shards.INDEX, index)
+        stats = _summary(index, state)
+        write_manifest(out, "capture", cfg, target=target, inputs=inputs,
+                       aux_layer_ids=list(aux_ids), hidden_size=info.hidden_size,
+                       dtype=cfg.dtype, split=cfg.split, split_rows=split_rows or {},
+                       shards=index["shards"], complete=index["complete"], stats=stats)
+    log.info("capture %s: %d samples, %d tokens, %.1f GiB, %.0f bytes/token, %d set aside "
+             "(NaN/Inf); shards complete: %s", out, stats["samples"], stats["tokens"],
+             stats["bytes"] / 2**30, stats["bytes_per_token"], stats["nonfinite"],
+             "all" if index["complete"] else index["shards"])
+    return stats
+
+
+def _settings(cfg, target, inputs, aux_ids, hidden_size) -> dict:
+    """What every job writing into one capture folder must agree on."""
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "tokenizer_hash",
+            "commit")
+    return {"target": {k: (target or {}).get(k) for k in keys},
+            "inputs": [m.get("id") for m in inputs], "split": cfg.split, "limit": cfg.limit,
+            "aux_layer_ids": list(aux_ids), "dtype": cfg.dtype, "model_dtype": cfg.model_dtype,
+            "hidden_size": hidden_size}
+
+
+def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
+    from tqdm.auto import tqdm
+
+    stream = torch.cuda.Stream() if _device_of(model, info).type == "cuda" else None
+    writer = shards.PartWriter(out, state, int(cfg.file_mb * 2**20),
+                               {"aux_layer_ids": ",".join(map(str, aux_ids)), "dtype": cfg.dtype})
+    lengths = [int(n) for n in dataset["num_tokens"]]
+    total = sum(lengths[r] for r in todo)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture {cfg.shard}",
+               disable=None, dynamic_ncols=True)
+    start, tokens = time.perf_counter(), 0
+    try:
+        for out_dev, host in _captured(model, info, dataset, todo, aux_ids, cfg.batch_tokens,
+                                       cfg.packing, True):
+            stored, event = _to_host(_to_storage(out_dev, cfg.dtype), stream)
+            sample_ids = host.pop("sample_ids")
+            writer.put(event, {**stored, **host}, sample_ids)
+            n = int(host["input_ids"].numel())
+            tokens += n
+            bar.update(n)
+            bar.set_postfix(written=f"{writer.bytes_written / 2**30:.2f}GiB", refresh=False)
+    finally:
+        writer.close()
+        bar.close()
+    seconds = time.perf_counter() - start
+    state["stats"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                      "writer_busy_s": writer.busy_s}
+    log.info("shard %s: %d tokens in %.1fs (%.0f tok/s), writer busy %.1fs", cfg.shard, tokens,
+             seconds, tokens / seconds, writer.busy_s)
+
+
+def _device_of(model, info) -> torch.device:
+    """Where the final norm runs, i.e. where captured tensors are gathered."""
+    from eyas.models import submodule
+
+    param = next(submodule(model, info.norm_path).parameters(), None)
+    return param.device if param is not None else next(model.parameters()).device
+
+
+def _to_storage(out: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """Device tensors in their stored form: aux bf16 or fp8 + per-token per-layer scales."""
+    stored = {"final_hidden": out["final_hidden"].to(torch.bfloat16),
+              "target_top1": out["target_top1"], "nonfinite": out["nonfinite"]}
+    if dtype == "fp8":
+        stored["aux_hidden"], stored["aux_scale"] = shards.quantize_fp8(out["aux_hidden"])
+    else:
+        stored["aux_hidden"] = out["aux_hidden"].to(torch.bfloat16)
+    return stored
+
+
+def _to_host(tensors: dict, stream) -> tuple[dict, object]:
+    """Start copying device tensors into pinned host memory on `stream` (so the copy overlaps
+    the next forward); returns the host tensors and an event the writer waits on."""
+    if stream is None:
+        return {k: v.cpu() for k, v in tensors.items()}, None
+    stream.wait_stream(torch.cuda.current_stream())
+    host = {}
+    with torch.cuda.stream(stream):
+        for k, v in tensors.items():
+            host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            host[k].copy_(v, non_blocking=True)
+            v.record_stream(stream)  # keep the device memory alive until the copy is done
+        event = torch.cuda.Event()
+        event.record(stream)
+    return host, event
+
+
+def _summary(index: dict, state: dict) -> dict:
+    tokens = index["num_tokens"]
+    return {"samples": index["num_samples"], "tokens": tokens, "bytes": index["num_bytes"],
+            "bytes_per_token": index["num_bytes"] / max(tokens, 1),
+            "nonfinite": index["nonfinite"], "files": len(index["files"]),
+            "this_job": state.get("stats", {})}
+
+
+@contextlib.contextmanager
+def _locked(path: Path, wait: bool = True):
+    """An exclusive flock on `path` (jobs sharing one --out folder take turns on its index)."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EyasError(f"another process is capturing into {path.parent} with the same "
+                            f"--shard ({path.name}); wait for it or use another --shard.") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,199 @@
+"""Run checkpoints: save, find, load and prune `run/checkpoints/step-NNNNNNNN/` folders.
+
+A step folder holds `draft.safetensors` (the draft state dict in fp32 master precision, the
+names `eyas export` reads), `draft_config.json`, `trainer_state.pt` (optimizer, scheduler,
+data position, the RNG state of every rank) and `metrics.json`. It is written under a `.tmp`
+name and renamed when complete, then the `checkpoints/last` pointer (a one-line text file) is
+replaced atomically, so a run killed at any moment resumes from the last complete step.
+`checkpoints/best` names the step with the highest simulated acceptance length.
+
+Saving and loading are collective under torch.distributed: the full (unsharded) state is
+gathered to rank 0, which alone writes; on load rank 0 reads and broadcasts, so multi-node runs
+need the run folder only on the first node.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+
+from eyas.errors import EyasError
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+# ---------------------------------------------------------------- RNG
+
+def rng_state() -> dict:
+    """Every generator a training step may draw from, in a form `torch.load` reads safely."""
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _gather_rng() -> list[dict]:
+    mine = rng_state()
+    if not _distributed():
+        return [mine]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+# ---------------------------------------------------------------- pointers
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_pointer(run_dir: str | Path, name: str) -> Path | None:
+    """The step folder named by `checkpoints/last` or `checkpoints/best`, if it exists."""
+    ptr = Path(run_dir) / "checkpoints" / name
+    if not ptr.is_file():
+        return None
+    target = ptr.parent / ptr.read_text().strip()
+    return target if (target / "trainer_state.pt").is_file() else None
+
+
+def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
+    """`auto`: the last complete checkpoint of this run if any; `never`: none; else a path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return read_pointer(run_dir, "last")
+    path = Path(resume)
+    if not (path / "trainer_state.pt").is_file():
+        raise EyasError(f"--resume {resume}: no checkpoint there (expected a "
+                        f"checkpoints/step-NNNNNNNN folder holding trainer_state.pt); use "
+                        f"--resume auto to continue the run in --out, or --resume never.")
+    return path
+
+
+# ---------------------------------------------------------------- save / load
+
+def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, scheduler, *,
+         draft_config: dict, state: dict, metrics: dict, keep_last: int,
+         best_step: int | None, prefix: str = "draft.") -> Path | None:
+    """Write checkpoint `step` (collective; rank 0 writes) and prune old ones.
+
+    `model` may be wrapped by DDP or FSDP2; the draft's weights are those under `prefix`,
+    saved without it. `state` is the trainer's small dict (step, data position, plan
+    fingerprint, best record); the optimizer, scheduler and every rank's RNG are added here.
+    """
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=opts)
+    optim = get_optimizer_state_dict(model, optimizer, options=opts)
+    rngs = _gather_rng()
+    if _rank() != 0:
+        return None
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k.removeprefix(prefix): v.detach().contiguous() for k, v in weights.items()},
+              tmp / "draft.safetensors", metadata={"format": "pt", "step": str(step)})
+    (tmp / "draft_config.json").write_text(json.dumps(draft_config, indent=2) + "\n")
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    torch.save({**state, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_text(final.parent / "last", final.name + "\n")
+    if best_step == step:
+        _write_text(final.parent / "best", final.name + "\n")
+    prune(run_dir, keep_last)
+    return final
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer, scheduler, *,
+         prefix: str = "draft.") -> dict:
+    """Restore weights, optimizer, scheduler and this rank's RNG from checkpoint `path`
+    (collective); returns the trainer state dict (step, data position, ...)."""
+    distributed = _distributed()
+    rank0 = _rank() == 0
+    path = Path(path)
+    weights = {prefix + k: v for k, v in load_file(path / "draft.safetensors").items()} \
+        if rank0 or not distributed else {}
+    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True) \
+        if rank0 or not distributed else {}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+    set_model_state_dict(model, weights, options=opts)
+    set_optimizer_state_dict(model, optimizer, state.get("optimizer", {}), options=opts)
+    if distributed:  # the small rest of the state travels as a Python object
+        box = [{k: v for k, v in state.items() if k != "optimizer"}]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+    scheduler.load_state_dict(state["scheduler"])
+    rngs = state["rng"]
+    if len(rngs) != (dist.get_world_size() if distributed else 1):
+        log.warning("checkpoint was written by %d ranks, resuming on a different count: RNG "
+                    "streams restart from rank 0's state", len(rngs))
+    set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return state
+
+
+def prune(run_dir: str | Path, keep_last: int) -> None:
+    """Delete step folders except the newest `keep_last` and the best; clear stale temps."""
+    ckpt = Path(run_dir) / "checkpoints"
+    best = read_pointer(run_dir, "best")
+    steps = sorted(p for p in ckpt.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+    for p in steps[:-keep_last]:
+        if best is None or p.name != best.name:
+            shutil.rmtree(p)
+    for p in ckpt.glob("step-*.tmp"):
+        if p.is_dir():
+            shutil.rmtree(p)
+
+
+def clear_after(run_dir: str | Path, step: int) -> None:
+    """Remove checkpoints newer than `step` (left by a run that is now being restarted from
+    an earlier point, e.g. with --resume PATH), so pointers never name a future step."""
+    ckpt = Path(run_dir) / "checkpoints"
+    if not ckpt.is_dir():
+        return
+    for p in ckpt.iterdir():
+        m = STEP_DIR.match(p.name)
+        if p.is_dir() and m and int(m.group(1)) > step:
+            shutil.rmtree(p)

@@ -1,0 +1,499 @@
+"""`eyas eval`: speculative decoding with the draft; acceptance length and speed report.
+
+For each prompt the target decodes plainly (the "no speculation" baseline, and at T=0 the
+greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 draft for
+every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
+`1 + accepted / drafts`, per-position acceptance `accepted at i / drafts`, batch 1, chain drafts.
+The loop itself is `eyas.speculate`; this module loads things, runs it and writes
+`report.json`, `report.md` and two plots (docs/eval.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eyas.config import (ConfigError, option, out_option, required, revision_option,
+                         target_option, to_dict, trust_remote_code_option)
+from eyas.errors import EyasError
+from eyas.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
+                           write_manifest)
+from eyas.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
+                            generate_plain, generate_speculative)
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_K = 16
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Measure acceptance length and speed of speculative decoding (docs/eval.md)."""
+
+    target: str = target_option()
+    data: str = required("prompts: a chat file/folder/glob in any format `eyas prepare` reads, "
+                         "or an `eyas prepare` output folder (its eval split)")
+    out: str = out_option("report folder: report.json, report.md, al_vs_k.png, "
+                          "acceptance_by_position.png")
+    draft: str | None = option(None, "EAGLE-3 draft: an `eyas export` folder (vLLM layout) or a "
+                               "training checkpoint folder; without it only n-gram and plain "
+                               "decoding are measured")
+    k: tuple[int, ...] = option((3,), "draft tokens per step; several make a sweep, e.g. 1,2,3,5,7")
+    temperature: float = option(0.0, "0 = greedy; > 0 samples with exact rejection sampling")
+    max_new_tokens: int = option(256, "tokens generated per prompt")
+    num_prompts: int = option(80, "prompts to use (the first N)")
+    check_lossless: bool | None = option(
+        None, "check every speculative output equals the target's greedy output token for "
+              "token and fail if not (default: on at temperature 0; needs temperature 0)")
+    ngram: bool = option(True, "also measure the n-gram (prompt lookup) drafter")
+    ngram_min: int = option(2, "n-gram drafter: shortest suffix to look up")
+    ngram_max: int = option(4, "n-gram drafter: longest suffix to look up")
+    ignore_eos: bool = option(False, "always generate max_new_tokens (do not stop at end of turn)")
+    split: str = option("eval", "split of a prepared folder or datasets DatasetDict to read")
+    chat_template: str | None = option(None, "Jinja chat template file (default: the prepared "
+                                             "folder's, else the tokenizer's)")
+    chat_template_kwargs: tuple[str, ...] = option(
+        (), "KEY=VALUE template variables, e.g. enable_thinking=false (default: the prepared "
+            "folder's)")
+    seed: int = option(0, "random seed (sampling at temperature > 0)")
+    device: str = option("auto", "auto (all GPUs through device_map, else CPU), cpu, cuda, cuda:N")
+    dtype: str = option("auto", "target and draft weight dtype (auto = the checkpoint's)",
+                        choices=DTYPES)
+    revision: str | None = revision_option()
+    trust_remote_code: bool = trust_remote_code_option()
+
+    def __post_init__(self):
+        if not self.k or any(not 1 <= k <= MAX_K for k in self.k):
+            raise ConfigError(f"k {self.k}: give draft lengths between 1 and {MAX_K}, e.g. 3 "
+                              f"or 1,2,3,5,7")
+        object.__setattr__(self, "k", tuple(sorted(set(self.k))))
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.check_lossless and self.temperature > 0:
+            raise ConfigError("check_lossless compares tokens with greedy decoding: use it with "
+                              "--temperature 0, or pass --no-check-lossless")
+        for name in ("max_new_tokens", "num_prompts", "ngram_min"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"ngram_max {self.ngram_max} < ngram_min {self.ngram_min}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r}: use one of {DTYPES}")
+        if not self.draft and not self.ngram:
+            raise ConfigError("nothing to measure: give --draft, or leave --ngram on")
+        bad = [kv for kv in self.chat_template_kwargs if "=" not in kv]
+        if bad:
+            raise ConfigError(f"chat_template_kwargs {bad}: write each as KEY=VALUE")
+
+    @property
+    def lossless_check(self) -> bool:
+        return self.temperature == 0 if self.check_lossless is None else self.check_lossless
+
+
+@dataclass
+class MethodResult:
+    """One decoding method at one k (k = 0 for plain decoding), summed over all prompts."""
+
+    method: str  # "target" (no speculation), "ngram" or "eagle3"
+    k: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float  # tokens_per_s / the target's
+    target_forwards: int  # prefills included
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float | None  # None for plain decoding
+    draft_acceptance_rate: float | None
+    per_position_acceptance: list[float]
+
+
+@dataclass
+class EvalReport:
+    """What `evaluate` returns and writes as report.json."""
+
+    target: str
+    draft: str | None
+    primary: str  # the method the top-level acceptance fields describe: eagle3, else ngram
+    temperature: float
+    k: list[int]
+    num_prompts: int
+    max_new_tokens: int
+    device: str
+    dtype: str
+    mean_acceptance_length: dict[str, float]  # str(k) -> AL of `primary`
+    per_position_acceptance: dict[str, list[float]]  # str(k) -> rates of `primary`
+    lossless: bool | None  # None = not checked (temperature > 0 or --no-check-lossless)
+    mismatches: list[dict]
+    results: list[MethodResult] = field(default_factory=list)
+    settings: str = "chain drafts, batch size 1"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def result(self, method: str, k: int = 0) -> MethodResult:
+        return next(r for r in self.results if r.method == method and r.k == k)
+
+
+@dataclass
+class Prompt:
+    id: str
+    ids: torch.Tensor  # (n,) int64 on the CPU: the rendered chat prompt
+
+
+# ---------------------------------------------------------------- running the methods
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_method(run_one, prompts: list[Prompt], device: torch.device, k: int):
+    """Generate for every prompt with `run_one(prompt) -> Generation`; (outputs, stats, s)."""
+    stats, outputs, seconds = SpecStats(k=k), [], 0.0
+    for prompt in prompts:
+        _sync(device)
+        start = time.perf_counter()
+        gen = run_one(prompt)
+        _sync(device)
+        seconds += time.perf_counter() - start
+        stats.merge(gen.stats)
+        outputs.append(gen.tokens)
+    return outputs, stats, seconds
+
+
+def _result(method: str, k: int, outputs, stats: SpecStats, seconds: float,
+            base_tps: float | None) -> MethodResult:
+    tokens = sum(len(o) for o in outputs)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    spec = method != "target"
+    return MethodResult(
+        method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
+        tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
+        target_forwards=stats.target_forwards, drafts=stats.drafts,
+        draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted,
+        mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
+        draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
+        per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance])
+
+
+def _first_divergence(want: list[int], got: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            return i
+    return None if len(want) == len(got) else min(len(want), len(got))
+
+
+def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
+    """End-of-turn ids: the generation config's eos ids and the tokenizer's eos."""
+    if ignore_eos:
+        return frozenset()
+    ids = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else (value or []))
+    return frozenset(ids)
+
+
+def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
+             stop_ids: frozenset[int] = frozenset()) -> EvalReport:
+    """Measure every method on `prompts` with an already loaded target and draft.
+
+    `layers`/`final_norm`: the target's decoder-layer ModuleList and final norm (for aux
+    capture). `draft`: an `Eagle3Draft` sharing the target's embedding, or None. Training can
+    call this on checkpoints with the models it holds; `evaluate` is the file-to-file step.
+    """
+    device = model.get_input_embeddings().weight.device
+    aux_ids = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
+    runner = TargetRunner(model, layers, final_norm, aux_ids)
+    drafters = []
+    if cfg.ngram:
+        drafters.append(("ngram", NgramDrafter(cfg.ngram_min, cfg.ngram_max)))
+    if draft is not None:
+        drafters.append(("eagle3", Eagle3Drafter(draft, device)))
+
+    def sampling() -> Sampling:  # every method starts from the same random state
+        gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
+        return Sampling(cfg.temperature, gen)
+
+    def plain(n):
+        s = sampling()
+        return lambda p: generate_plain(runner, p.ids, n, stop_ids, s)
+
+    def spec(drafter, k, n):
+        s = sampling()
+        return lambda p: generate_speculative(runner, drafter, p.ids, k, n, stop_ids, s)
+
+    try:
+        with torch.inference_mode():
+            # warm-up (kernels, allocator, lazy init) so the first method is not penalised
+            plain(4)(prompts[0])
+            for _, drafter in drafters:
+                spec(drafter, max(cfg.k), 4)(prompts[0])
+            outputs, stats, seconds = _run_method(plain(cfg.max_new_tokens), prompts, device, 0)
+            base = _result("target", 0, outputs, stats, seconds, None)
+            log.info("no speculation: %.1f tokens/s", base.tokens_per_s)
+            results, reference, mismatches = [base], outputs, []
+            for name, drafter in drafters:
+                for k in cfg.k:
+                    outputs, stats, seconds = _run_method(
+                        spec(drafter, k, cfg.max_new_tokens), prompts, device, k)
+                    res = _result(name, k, outputs, stats, seconds, base.tokens_per_s)
+                    log.info("%s k=%d: mean acceptance length %.3f, per position %s, "
+                             "%.1f tokens/s (x%.2f)", name, k, res.mean_acceptance_length,
+                             res.per_position_acceptance, res.tokens_per_s, res.speedup)
+                    results.append(res)
+                    if cfg.lossless_check:
+                        mismatches += _compare(reference, outputs, prompts, name, k)
+            for m in mismatches:
+                m["margin"] = _logit_margin(runner, prompts, reference, m)
+    finally:
+        runner.close()
+    return _report(cfg, results, mismatches, len(prompts), device, model)
+
+
+def _compare(reference, outputs, prompts, method: str, k: int) -> list[dict]:
+    found = []
+    for prompt, want, got in zip(prompts, reference, outputs):
+        at = _first_divergence(want, got)
+        if at is not None:
+            found.append({"prompt_id": prompt.id, "method": method, "k": k, "position": at,
+                          "expected": want[at] if at < len(want) else None,
+                          "got": got[at] if at < len(got) else None})
+    return found
+
+
+def _logit_margin(runner, prompts, reference, mismatch: dict) -> float | None:
+    """Target logit of the greedy token minus that of the speculative one at the divergence,
+    from one fresh forward: near 0 means a numerical near-tie, not a wrong token."""
+    if mismatch["expected"] is None or mismatch["got"] is None:
+        return None
+    index = next(i for i, p in enumerate(prompts) if p.id == mismatch["prompt_id"])
+    prefix = reference[index][: mismatch["position"]]
+    runner.reset()
+    logits, _ = runner.forward(torch.cat([prompts[index].ids, torch.tensor(prefix, dtype=torch.long)]),
+                               last_only=True)
+    return round(float(logits[-1, mismatch["expected"]] - logits[-1, mismatch["got"]]), 6)
+
+
+def _report(cfg: EvalConfig, results, mismatches, num_prompts: int, device,
+            model) -> EvalReport:
+    primary = "eagle3" if any(r.method == "eagle3" for r in results) else "ngram"
+    mine = [r for r in results if r.method == primary]
+    return EvalReport(
+        target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
+        k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens, device=str(device),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
+        per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
+        lossless=(not mismatches) if cfg.lossless_check else None,
+        mismatches=mismatches, results=results)
+
+
+# ---------------------------------------------------------------- prompts
+
+def _chat_template(cfg: EvalConfig, tokenizer, prepared: dict | None) -> dict:
+    """Use the chat template and variables the draft was trained with; return the variables."""
+    from eyas.prepare import parse_template_kwargs
+
+    trained = (prepared or {}).get("config") or {}
+    template = cfg.chat_template or trained.get("chat_template")
+    if template:
+        path = Path(template)
+        if not path.is_file():
+            raise EyasError(f"chat template file {path} does not exist; pass the template the "
+                            f"target is served with as --chat-template FILE.jinja")
+        tokenizer.chat_template = path.read_text()
+    if not tokenizer.chat_template:
+        raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
+                        f"target is served with as --chat-template FILE.jinja")
+    return parse_template_kwargs(cfg.chat_template_kwargs
+                                 or tuple(trained.get("chat_template_kwargs") or ()))
+
+
+def _prepared_conversations(folder: Path, split: str):
+    import datasets
+
+    dd = datasets.load_from_disk(str(folder / "dataset"))
+    if split not in dd:
+        raise EyasError(f"{folder} has no '{split}' split (it has {sorted(dd)}); pass --split "
+                        f"{next(iter(dd))} or re-run `eyas prepare` with --eval-fraction > 0")
+    for sid, text in zip(dd[split]["sample_id"], dd[split]["messages_json"]):
+        yield sid, json.loads(text)
+
+
+def _file_conversations(data: str):
+    """(sample id, messages) of every usable row; bad rows are logged with file and row.
+    Prompt-only rows (no assistant turn, e.g. MT-bench questions) are accepted."""
+    from eyas import chat
+
+    for file, row, item in chat.read_rows(data):
+        try:
+            if isinstance(item, chat.ChatFormatError):
+                raise item
+            try:
+                messages = chat.normalize(item)
+            except chat.ChatFormatError:  # retry with an empty reply slot at the end
+                column = next(c for c in chat.TURN_COLUMNS[chat.detect_format(item)]
+                              if item.get(c) is not None)
+                slot = [{"role": "assistant", "content": ""}]
+                messages = chat.normalize({**item, column: [*item[column], *slot]})
+        except (chat.ChatFormatError, TypeError) as err:
+            log.warning("%s row %d skipped: %s", file, row, err)
+            continue
+        yield chat.sample_id(item, file, row), messages
+
+
+def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[Prompt], dict | None]:
+    """The first `num_prompts` prompts rendered with the training chat template, and the
+    prepared folder's manifest if `data` is one. A prompt is the conversation before its
+    last assistant turn (the whole conversation if it does not end with one)."""
+    from eyas.chat import ChatFormatError
+    from eyas.prepare import render_prompt
+
+    path = Path(cfg.data)
+    prepared = read_manifest(path, step="prepare") if (path / MANIFEST).is_file() else None
+    template_kwargs = _chat_template(cfg, tokenizer, prepared)
+    rows = _prepared_conversations(path, cfg.split) if prepared else _file_conversations(cfg.data)
+    prompts = []
+    for sid, messages in rows:
+        if len(prompts) == cfg.num_prompts:
+            break
+        if messages[-1]["role"] != "assistant":
+            messages = [*messages, {"role": "assistant", "content": ""}]
+        try:
+            ids = render_prompt(tokenizer, messages, template_kwargs=template_kwargs)
+        except ChatFormatError as err:
+            log.warning("prompt %s skipped: %s", sid, err)
+            continue
+        prompts.append(Prompt(str(sid), torch.tensor(ids, dtype=torch.long)))
+    if not prompts:
+        raise EyasError(f"no usable prompt in {cfg.data}; check --data (and --split for a "
+                        f"prepared folder)")
+    if len(prompts) < cfg.num_prompts:
+        log.info("using all %d prompts of %s (fewer than --num-prompts %d)", len(prompts),
+                 cfg.data, cfg.num_prompts)
+    return prompts, prepared
+
+
+# ---------------------------------------------------------------- target and draft
+
+def _load_target(cfg: EvalConfig):
+    from eyas.models import load_target
+
+    device, device_map = cfg.device, None
+    if device == "auto":
+        # spread a target too big for one GPU over all of them; without a GPU use the CPU
+        device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
+    return load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                       dtype=cfg.dtype, device=device, device_map=device_map)
+
+
+def load_draft(folder: str | Path, embedding: torch.nn.Module):
+    """An `eyas export` folder (config.json + safetensors), a training step folder
+    (draft_config.json + draft.safetensors) or a run folder (its best checkpoint), on the
+    embedding's device and dtype. Returns (draft, manifest or None)."""
+    from safetensors.torch import load_file
+
+    from eyas.checkpoint import read_pointer
+    from eyas.draft import DraftConfig, Eagle3Draft
+
+    folder = Path(folder)
+    manifest_dir = folder
+    if (folder / "checkpoints").is_dir():
+        step = read_pointer(folder, "best") or read_pointer(folder, "last")
+        if step is None:
+            raise EyasError(f"{folder} holds no complete checkpoint; point --draft at a "
+                            f"checkpoints/step-NNNNNNNN folder or an `eyas export` folder")
+        folder = step
+    if (folder / "config.json").is_file():
+        draft = Eagle3Draft.from_pretrained(folder, embed_tokens=embedding)
+    elif (folder / "draft_config.json").is_file():
+        dcfg = DraftConfig.from_dict(json.loads((folder / "draft_config.json").read_text()))
+        draft = Eagle3Draft(dcfg, embedding)
+        draft.load_state_dict(load_file(str(folder / "draft.safetensors")))
+        manifest_dir = folder.parent.parent  # the run folder
+    else:
+        raise EyasError(f"{folder} is not a draft: expected config.json + model.safetensors "
+                        f"(`eyas export`) or draft_config.json + draft.safetensors (a "
+                        f"training checkpoint)")
+    manifest = read_manifest(manifest_dir) if (manifest_dir / MANIFEST).is_file() else None
+    w = embedding.weight
+    return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
+
+
+def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str) -> None:
+    if manifest is not None:
+        check_same_target(manifest.get("target"), record, f"draft {folder}")
+    c = draft.cfg
+    if c.vocab_size != info.vocab_size or c.target_hidden_size != info.hidden_size:
+        raise EyasError(f"draft {folder} expects a target with vocab_size {c.vocab_size} and "
+                        f"hidden_size {c.target_hidden_size}, but {info.architecture} has "
+                        f"{info.vocab_size} and {info.hidden_size}; evaluate it with the "
+                        f"target it was trained for")
+
+
+# ---------------------------------------------------------------- the step
+
+def evaluate(cfg: EvalConfig) -> EvalReport:
+    """Load target, draft and prompts, measure, write the report folder; return the report.
+    Raises EyasError (after writing the report) if the lossless check finds a difference."""
+    from eyas.models import load_tokenizer, submodule
+
+    out = _claim_out(Path(cfg.out))
+    torch.manual_seed(cfg.seed)
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
+                               trust_remote_code=cfg.trust_remote_code)
+    prompts, prepared = load_prompts(cfg, tokenizer)
+    model, info = _load_target(cfg)
+    record = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
+    if prepared is not None:
+        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}")
+    draft, draft_manifest = None, None
+    if cfg.draft:
+        draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path))
+        _check_draft(draft, info, draft_manifest, record, cfg.draft)
+    log.info("eval: %d prompts, k=%s, temperature %g, max %d new tokens, %s", len(prompts),
+             list(cfg.k), cfg.temperature, cfg.max_new_tokens,
+             f"draft {cfg.draft}" if draft is not None else "no draft (n-gram only)")
+    report = run_eval(model, submodule(model, info.layers_path), submodule(model, info.norm_path),
+                      draft, prompts, cfg, _stop_ids(model, tokenizer, cfg.ignore_eos))
+    write_report(out, report)
+    write_manifest(out, "eval", cfg, target=record,
+                   inputs=[m for m in (prepared, draft_manifest) if m is not None],
+                   primary=report.primary, lossless=report.lossless,
+                   mean_acceptance_length=report.mean_acceptance_length)
+    if report.lossless is False:
+        raise EyasError(mismatch_message(report))
+    return report
+
+
+def _claim_out(out: Path) -> Path:
+    if (out / MANIFEST).is_file():
+        read_manifest(out, step="eval")  # refuse another step's folder
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def mismatch_message(report: EvalReport) -> str:
+    shown = "; ".join(
+        f"{m['prompt_id']} ({m['method']} k={m['k']}): first divergence at new token "
+        f"{m['position']}, greedy {m['expected']} vs speculative {m['got']}"
+        + (f" (target logit margin {m['margin']:.4g})" if m.get("margin") is not None else "")
+        for m in report.mismatches[:10])
+    more = f" and {len(report.mismatches) - 10} more" if len(report.mismatches) > 10 else ""
+    return (f"lossless check failed: speculative decoding differs from the target's greedy "
+            f"output in {len(report.mismatches)} generation(s): {shown}{more}. The report is "
+            f"written regardless. In {report.dtype} this can be rounding rather than a bug: "
+            f"verification scores k+1 tokens in one forward, plain decoding one at a time, and "
+            f"a near-tie of the top two logits (margin near 0) can flip. Re-run with --dtype "
+            f"float32 to tell them apart (a difference in float32 with a clear margin is a "
+            f"bug: please report it), or pass --no-check-lossless to skip the check.")

@@ -1,0 +1,83 @@
+"""Per-step TTT loss and metrics.
+
+The loss of one TTT step is the soft cross-entropy between the target's next-token
+distribution restricted to the draft vocabulary (softmax over the `t2d` rows of the target
+logits, i.e. renormalised) and the draft's log-softmax over the same `Vd` ids:
+
+    loss_row = -sum_i p_target[i] * log q_draft[i],   q_draft = softmax(lm_head(norm(h)))
+
+`Vd` is 32000 and a 64K-token batch has 64K rows per step, so `(rows, Vd)` logits in fp32
+would take 8 GB per step. `soft_cross_entropy` therefore walks the rows in chunks and
+computes the gradients of each chunk while its logits exist (d loss / d logits =
+softmax(draft) - p_target), keeping only `(rows, H)` and `(Vd, H)` gradients alive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _ChunkedSoftCE(torch.autograd.Function):
+    """sum over rows of soft CE(lm_head(hidden), softmax(teacher)), gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, chunk: int, grad_hidden: bool, grad_weight: bool):
+        # hidden (n, H) in compute dtype; weight (Vd, H) master dtype; teacher (n, Vd) logits
+        w = weight.to(hidden.dtype)  # what autocast would feed the matmul
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # (n,)
+        d_hidden = torch.empty_like(hidden) if grad_hidden else None  # (n, H)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if grad_weight else None  # (Vd, H)
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s: s + chunk]  # (c, H)
+            logits = (h @ w.t()).float()  # (c, Vd)
+            logq = torch.log_softmax(logits, dim=-1)
+            p = torch.softmax(teacher[s: s + chunk].float(), dim=-1)  # (c, Vd)
+            total += -(p * logq).sum()
+            top1[s: s + chunk] = logits.argmax(dim=-1)
+            if grad_hidden or grad_weight:
+                g = (logq.exp_() - p).to(h.dtype)  # d loss / d logits, (c, Vd)
+                if grad_hidden:
+                    d_hidden[s: s + chunk] = g @ w
+                if grad_weight:
+                    d_weight += (g.t() @ h).float()
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.mark_non_differentiable(top1)
+        ctx.weight_dtype = weight.dtype
+        return total, top1
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_top1):
+        d_hidden, d_weight = ctx.saved_tensors
+        gh = d_hidden * grad_total.to(d_hidden.dtype) if d_hidden is not None else None
+        gw = (d_weight * grad_total).to(ctx.weight_dtype) if d_weight is not None else None
+        return gh, gw, None, None, None, None
+
+
+def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
+                       chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)`.
+
+    hidden (n, H): the draft's post-norm hidden states; weight (Vd, H): its lm_head;
+    teacher (n, Vd): target logits over the draft vocabulary. Rows are processed `chunk` at a
+    time, so no `(n, Vd)` tensor is kept for backward. Returns (loss summed over rows, a
+    differentiable scalar; the draft's argmax per row (n,), draft ids).
+    """
+    if hidden.shape[0] != teacher.shape[0] or weight.shape[0] != teacher.shape[1]:
+        raise ValueError(f"soft_cross_entropy: hidden {tuple(hidden.shape)}, weight "
+                         f"{tuple(weight.shape)} and teacher {tuple(teacher.shape)} disagree")
+    grad_on = torch.is_grad_enabled()
+    return _ChunkedSoftCE.apply(hidden, weight, teacher, max(1, int(chunk)),
+                                grad_on and hidden.requires_grad,
+                                grad_on and weight.requires_grad)
+
+
+def simulated_acceptance_length(step_acc) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the mean accepted length of a chain draft whose step j
+    agrees with the target with probability acc_j (the +1 is the target's bonus token)."""
+    total, run = 1.0, 1.0
+    for a in (step_acc.tolist() if torch.is_tensor(step_acc) else step_acc):
+        run *= float(a)
+        total += run
+    return total

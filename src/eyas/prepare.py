@@ -1,0 +1,550 @@
+"""`eyas prepare`: chat data -> token ids + a loss mask over what the target generates.
+
+The conversation is rendered once with the target tokenizer's own chat template and
+tokenized once. Which characters the target generates is read off the template itself, so
+any template works without per-model code: for assistant message i, the render of
+`messages[:i]` plus the generation prompt ends where the target starts writing, and the
+render of `messages[:i+1]` ends after the turn, whose generated part runs to its end-of-turn
+token (`<|eot_id|>`, `<|im_end|>`, ...; ChatML's newline after it is template glue). Templates
+that render a turn differently once later turns follow (Qwen3 drops reasoning before the
+last user message) are aligned by the text between turns, which does not change. Empty
+`<think></think>` blocks are never supervised. Character spans become token masks through
+the tokenizer's offsets, so tokens that merge across a boundary are still placed. See
+docs/prepare.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eyas import chat
+from eyas.chat import ChatFormatError
+from eyas.config import (ConfigError, option, out_option, required, revision_option,
+                         target_option, to_dict, trust_remote_code_option)
+from eyas.errors import EyasError
+from eyas.manifest import MANIFEST, target_record, tokenizer_fingerprint, write_manifest
+
+log = logging.getLogger(__name__)
+
+# What a prepare output folder holds; an earlier prepare run's copies are replaced.
+PAYLOAD = ("dataset", "token_counts.safetensors", "rejects.jsonl", MANIFEST, ".work")
+EMPTY_THINK = re.compile(re.escape(chat.THINK_OPEN) + r"\s*" + re.escape(chat.THINK_CLOSE)
+                         + r"\s*")
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Turn chat data into token ids and assistant-only loss masks for the target."""
+
+    target: str = target_option()
+    data: tuple[str, ...] = required(
+        "chat data: .jsonl/.json/.parquet files, datasets folders (save_to_disk) or globs")
+    out: str = out_option("output folder (prepared/)")
+    tokenizer: str | None = option(None, "load the tokenizer from here instead of --target")
+    revision: str | None = revision_option()
+    trust_remote_code: bool = trust_remote_code_option()
+    format: str = option("auto", "row format; auto reads each row's own keys",
+                         choices=chat.FORMATS)
+    chat_template: str | None = option(None, "Jinja chat template file to use instead of the "
+                                             "tokenizer's own (must match serving)")
+    chat_template_kwargs: tuple[str, ...] = option(
+        (), "KEY=VALUE variables for the chat template, e.g. enable_thinking=false")
+    system_prompt: str | None = option(None, "system message for conversations that have none")
+    last_turn_only: bool = option(False, "supervise only the last assistant turn")
+    reasoning: str = option("keep", "keep or strip <think>...</think> in assistant turns",
+                            choices=("keep", "strip"))
+    max_length: int = option(2048, "longest sample in tokens")
+    length_policy: str = option("drop", "what to do with longer samples",
+                                choices=("drop", "truncate"))
+    eval_fraction: float = option(0.02, "fraction of kept conversations held out as 'eval'")
+    seed: int = option(0, "seed of the train/eval split")
+    num_proc: int = option(1, "processes for tokenization")
+
+    def __post_init__(self):
+        if not self.data:
+            raise ConfigError("data is empty; give --data FILE_OR_GLOB")
+        if self.format not in chat.FORMATS:
+            raise ConfigError(f"format {self.format!r}: use one of {chat.FORMATS}")
+        if self.reasoning not in ("keep", "strip"):
+            raise ConfigError(f"reasoning {self.reasoning!r}: use keep or strip")
+        if self.length_policy not in ("drop", "truncate"):
+            raise ConfigError(f"length_policy {self.length_policy!r}: use drop or truncate")
+        if self.max_length < 2:
+            raise ConfigError(f"max_length must be >= 2, got {self.max_length}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.num_proc < 1:
+            raise ConfigError(f"num_proc must be >= 1, got {self.num_proc}")
+        bad = [kv for kv in self.chat_template_kwargs if "=" not in kv]
+        if bad:
+            raise ConfigError(f"chat_template_kwargs {bad}: write each as KEY=VALUE, "
+                              f"e.g. enable_thinking=false")
+
+
+@dataclass(frozen=True)
+class PrepareSummary:
+    """What `prepare` kept and set aside (also logged and stored as the manifest's stats)."""
+
+    kept: int
+    dropped_too_long: int
+    truncated: int
+    rejected: int
+    tokens: int
+    masked_tokens: int
+    train: int
+    eval: int
+    out: str
+
+
+# ---------------------------------------------------------------- rendering and masking
+
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
+           chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+    """The chat template's text for `messages`; a template error becomes ChatFormatError."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **(template_kwargs or {}))
+    except Exception as err:  # templates raise anything (raise_exception, TypeError, ...)
+        raise ChatFormatError(f"chat template failed: {type(err).__name__}: {err}") from None
+
+
+def special_strings(tokenizer) -> tuple[str, ...]:
+    """Text of every special token (end-of-turn candidates)."""
+    found = set(tokenizer.all_special_tokens)
+    found.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+    return tuple(sorted(s for s in found if s))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of `a` and `b`."""
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search with C-speed slice compares
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _end_of_turn(text: str, specials: tuple[str, ...]) -> tuple[int, str | None]:
+    """Where the generated part of a rendered turn ends, and its end-of-turn token.
+
+    The end-of-turn token is the special token that ends last, if only whitespace (template
+    glue such as ChatML's newline) follows it. Without one, the turn's text up to trailing
+    whitespace counts as generated and the token is None.
+    """
+    found = [(k + len(s), len(s), s) for s in specials if (k := text.rfind(s)) >= 0]
+    if found:
+        end, _, token = max(found)
+        if not text[end:].strip():
+            return end, token
+    return len(text.rstrip()), None
+
+
+def _overlap(a: str, b: str) -> int:
+    """Largest n with a[-n:] == b[:n] (0 if none)."""
+    k = a.find(b[:1], max(0, len(a) - len(b)))
+    while k >= 0:
+        if b.startswith(a[k:]):
+            return len(a) - k
+        k = a.find(b[:1], k + 1)
+    return 0
+
+
+def _resync(tokenizer, messages, i, prompt, full, prev_end, kw) -> int:
+    """Start of assistant turn i when the template renders an earlier assistant turn
+    differently once later turns follow (Qwen3 keeps reasoning only after the last user
+    message). The messages since the previous assistant turn render the same either way, so
+    the render of messages[:i] is aligned to the full render by its overlap after `prev_end`."""
+    before = render(tokenizer, messages[:i], **kw)
+    found = _overlap(before, full[prev_end:]) if prompt.startswith(before) else 0
+    if found == 0:
+        raise ChatFormatError(f"chat template renders the turns before assistant turn {i} "
+                              f"differently once later turns follow; cannot place turn {i}")
+    pos = prev_end + found
+    return pos + _common_prefix(prompt[len(before):], full[pos:])
+
+
+def _end_in_context(i: int, own: str, full: str, start: int, specials) -> int:
+    """End of assistant turn i in `full` when the template rewrites the turn once later turns
+    follow (e.g. drops its reasoning): the turn's own render `own` names the end-of-turn
+    token, whose first occurrence after `start` closes the turn."""
+    eot = _end_of_turn(own, specials)[1]
+    k = full.find(eot, start) if eot else -1
+    if k < 0:
+        raise ChatFormatError(f"cannot find the end of assistant turn {i}: the template renders "
+                              f"it differently in context and its end-of-turn token "
+                              f"{eot!r} does not close it there")
+    return k + len(eot)
+
+
+def assistant_spans(tokenizer, messages: list[dict], *, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The full render and, per assistant turn, the character span the target generates.
+
+    A turn starts where the render of the turns before it plus the generation prompt stops
+    agreeing with the full render, and ends at its end-of-turn token (the last special token
+    of the turn's own render). A first message from the assistant has no prompt and is
+    context only.
+    """
+    kw = {"chat_template": chat_template, "template_kwargs": template_kwargs}
+    full = render(tokenizer, messages, **kw)
+    specials = special_strings(tokenizer)
+    spans: list[tuple[int, int]] = []
+    prev_end = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i == 0:
+            continue
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, **kw)
+        upto = render(tokenizer, messages[: i + 1], **kw)
+        start = _common_prefix(prompt, full)
+        if start < prev_end:  # an earlier assistant turn renders differently in `full`
+            start = _resync(tokenizer, messages, i, prompt, full, prev_end, kw)
+        if full.startswith(upto) and len(upto) >= start:
+            # The usual case: the turn renders the same with or without later turns.
+            end = start + _end_of_turn(full[start:len(upto)], specials)[0]
+        else:
+            end = _end_in_context(i, upto[_common_prefix(prompt, upto):], full, start, specials)
+        spans.append((start, end))
+        prev_end = end
+    return full, spans
+
+
+def _char_mask(text: str, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Per-character 0/1: inside a span and not part of an empty think block."""
+    mask = np.zeros(len(text) + 1, dtype=np.int8)  # +1: empty offsets at the very end
+    for start, end in spans:
+        mask[start:end] = 1
+        for m in EMPTY_THINK.finditer(text, start, end):
+            mask[m.start():min(m.end(), end)] = 0
+    return mask
+
+
+def _tokens_with_mask(tokenizer, text: str, cmask: np.ndarray) -> tuple[list[int], list[int]]:
+    """Tokenize `text` once; a token is masked if any character it covers is."""
+    if not getattr(tokenizer, "is_fast", False):
+        return _tokens_by_segments(tokenizer, text, cmask)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    a, b = offsets[:, 0], offsets[:, 1]
+    csum = np.concatenate([[0], np.cumsum(cmask, dtype=np.int64)])
+    # Zero-width offsets (trimmed whitespace) take the mask of the position they sit at.
+    mask = np.where(b > a, csum[b] > csum[a], cmask[a] > 0)
+    return list(enc["input_ids"]), mask.astype(int).tolist()
+
+
+def _tokens_by_segments(tokenizer, text: str, cmask: np.ndarray) -> tuple[list[int], list[int]]:
+    """Slow tokenizers give no offsets: tokenize each masked / unmasked run on its own and
+    accept that only if it equals the tokenization of the whole text."""
+    cuts = [0, *(np.flatnonzero(np.diff(cmask[: len(text)])) + 1).tolist(), len(text)]
+    ids, mask = [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        piece = tokenizer(text[a:b], add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [int(cmask[a])] * len(piece)
+    if ids != list(tokenizer(text, add_special_tokens=False)["input_ids"]):
+        raise ChatFormatError("tokens merge across an assistant-turn boundary and this (slow) "
+                              "tokenizer gives no offsets to place them; use a fast tokenizer")
+    return ids, mask
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], *, last_turn_only: bool = False,
+                          chat_template: str | None = None,
+                          template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a conversation; mask 1 on tokens the target generates
+    (assistant content and its end-of-turn token). Raises ChatFormatError for conversations
+    the template refuses or that cannot be masked."""
+    text, spans = assistant_spans(tokenizer, messages, chat_template=chat_template,
+                                  template_kwargs=template_kwargs)
+    if last_turn_only:
+        spans = spans[-1:]
+    return _tokens_with_mask(tokenizer, text, _char_mask(text, spans))
+
+
+def render_prompt(tokenizer, messages: list[dict], *, chat_template: str | None = None,
+                  template_kwargs: dict | None = None, tokenize: bool = True):
+    """The prompt for the conversation's last assistant turn: every message before it, plus
+    the generation prompt. Token ids (or the text with `tokenize=False`)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    head = messages[:last] if last else messages  # no assistant turn (or only a first one)
+    text = render(tokenizer, head, add_generation_prompt=True, chat_template=chat_template,
+                  template_kwargs=template_kwargs)
+    if not tokenize:
+        return text
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------- the step
+
+def load_tokenizer(cfg: PrepareConfig):
+    """The target's tokenizer (never its weights), with --chat-template applied."""
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer or cfg.target
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            name, revision=None if cfg.tokenizer else cfg.revision,
+            trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise EyasError(f"cannot load the tokenizer of {name}: {err}\nCheck --target / "
+                        f"--tokenizer (hub name or local folder), --revision, and pass "
+                        f"--trust-remote-code for models that ship their own code.") from None
+    if cfg.chat_template:
+        path = Path(cfg.chat_template)
+        if not path.is_file():
+            raise EyasError(f"chat template file {path} does not exist; fix --chat-template")
+        tok.chat_template = path.read_text()
+    if not tok.chat_template:
+        raise EyasError(f"the tokenizer of {name} has no chat template; give the one the "
+                        f"target is served with: --chat-template FILE.jinja")
+    return tok
+
+
+def _target_config(cfg: PrepareConfig):
+    """The target's config.json (for the manifest and vocab size), or None if unavailable."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.target, revision=cfg.revision,
+                                          trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        log.warning("no model config for %s (%s); the manifest records the tokenizer only",
+                    cfg.target, err)
+        return None
+
+
+def parse_template_kwargs(pairs: tuple[str, ...]) -> dict:
+    """("enable_thinking=false",) -> {"enable_thinking": False} (values read as YAML)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _template_hash(tok) -> str:
+    blob = json.dumps(tok.chat_template, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _claim_out(out: Path, cfg: PrepareConfig) -> None:
+    """Make `out` ready: refuse another step's (or unknown) files, replace a prepare output."""
+    if out.exists() and not out.is_dir():
+        raise EyasError(f"--out {out} is a file; give a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if (out / MANIFEST).is_file():
+        try:
+            old = json.loads((out / MANIFEST).read_text())
+        except json.JSONDecodeError:
+            old = {"step": "an unknown step (unreadable eyas.json)"}
+        if old.get("step") != "prepare":
+            raise EyasError(f"{out} holds the output of `eyas {old.get('step')}`; "
+                            f"choose another --out for prepare")
+        changed = sorted(k for k, v in to_dict(cfg).items()
+                         if (old.get("config") or {}).get(k) != v and k != "num_proc")
+        if changed:
+            log.warning("replacing the prepare output in %s (config changed: %s)", out,
+                        ", ".join(changed))
+    elif any(name not in PAYLOAD for name in entries):
+        raise EyasError(f"{out} is not empty and holds no eyas output ({', '.join(entries[:5])}"
+                        f"); choose an empty or new --out")
+    for name in (MANIFEST, *PAYLOAD):  # the manifest first: a half-replaced folder has none
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip: bool):
+    """Dataset rows: the normalised conversation as JSON, or the reason it is unusable."""
+    for c in chat.read_conversations(paths, fmt, system_prompt=system_prompt, strip_think=strip):
+        bad = isinstance(c.messages, ChatFormatError)
+        yield {"file": c.file, "row": c.row, "sample_id": c.sample_id,
+               "messages_json": "" if bad else json.dumps(c.messages, ensure_ascii=False),
+               "error": str(c.messages) if bad else ""}
+
+
+def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
+             truncate: bool) -> dict:
+    """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected."""
+    out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
+           "status": "rejected", "reason": rec["error"]}
+    if rec["error"]:
+        return out
+    try:
+        ids, mask = tokenize_conversation(tokenizer, json.loads(rec["messages_json"]),
+                                          **mask_kwargs)
+    except ChatFormatError as err:
+        out["reason"] = str(err)
+        return out
+    if not any(mask):
+        out["reason"] = "no assistant tokens to supervise (empty or unplaceable turns)"
+        return out
+    status = "ok"
+    if len(ids) > max_length:
+        out["reason"] = f"{len(ids)} tokens > max_length {max_length}"
+        ids, mask = ids[:max_length], mask[:max_length]
+        # A cut that leaves nothing to learn from is as useless as a dropped sample.
+        status = "truncated" if truncate and any(mask) else "too_long"
+    if status == "too_long":
+        ids, mask = [], []
+    out.update(input_ids=ids, loss_mask=mask, num_tokens=len(ids), num_masked=sum(mask),
+               status=status)
+    return out
+
+
+def _features():
+    import datasets
+
+    seq = getattr(datasets, "List", datasets.Sequence)
+    return datasets.Features({
+        "file": datasets.Value("string"), "row": datasets.Value("int64"),
+        "sample_id": datasets.Value("string"), "messages_json": datasets.Value("string"),
+        "error": datasets.Value("string"),
+        "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
+        "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
+        "status": datasets.Value("string"), "reason": datasets.Value("string"),
+    })
+
+
+def _tokenized(cfg: PrepareConfig, tok, work: Path):
+    """All input rows as one dataset with ids, masks and a status per row."""
+    import datasets
+
+    features = _features()
+    read_features = datasets.Features({k: features[k] for k in
+                                       ("file", "row", "sample_id", "messages_json", "error")})
+    rows = datasets.Dataset.from_generator(
+        _records, features=read_features, cache_dir=str(work / "read"),
+        gen_kwargs={"paths": tuple(cfg.data), "fmt": cfg.format,
+                    "system_prompt": cfg.system_prompt, "strip": cfg.reasoning == "strip"})
+    template_kwargs = parse_template_kwargs(cfg.chat_template_kwargs)
+    fingerprint = hashlib.sha256(json.dumps(
+        [to_dict(cfg), tokenizer_fingerprint(tok), _template_hash(tok), rows._fingerprint],
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return rows.map(
+        _process, features=features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        desc="tokenizing", new_fingerprint=fingerprint,
+        fn_kwargs={"tokenizer": tok, "max_length": cfg.max_length,
+                   "truncate": cfg.length_policy == "truncate",
+                   "mask_kwargs": {"last_turn_only": cfg.last_turn_only,
+                                   "template_kwargs": template_kwargs}})
+
+
+def _split(kept: np.ndarray, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic train / eval row indices (each in input order)."""
+    n = len(kept)
+    n_eval = max(1, round(n * fraction)) if fraction > 0 and n >= 2 else 0
+    perm = np.random.default_rng(seed).permutation(n)
+    eval_rows = np.sort(kept[perm[:n_eval]])
+    train_rows = np.sort(kept[perm[n_eval:]])
+    return train_rows.tolist(), eval_rows.tolist()
+
+
+def _token_counts(train, vocab_size: int) -> np.ndarray:
+    """Occurrences of each token id among loss-masked train tokens, int64 [vocab_size]."""
+    import pyarrow.compute as pc
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for table in train.with_format("arrow").iter(batch_size=4096):
+        ids = pc.list_flatten(table["input_ids"]).to_numpy(zero_copy_only=False)
+        mask = pc.list_flatten(table["loss_mask"]).to_numpy(zero_copy_only=False)
+        counts += np.bincount(ids[mask == 1], minlength=vocab_size)
+    return counts
+
+
+def _write_rejects(path: Path, ds, status: np.ndarray) -> None:
+    rows = ds.select(np.flatnonzero(status == "rejected").tolist())
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in rows.select_columns(["file", "row", "reason", "sample_id"]):
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def _data_record(paths: tuple[str, ...]) -> list[dict]:
+    """What was read: each file with its sha256, each datasets folder with its fingerprint."""
+    from eyas.manifest import file_sha256
+
+    out = []
+    for path in chat.resolve_paths(paths):
+        if path.is_dir():
+            states = sorted(path.rglob("state.json"))
+            prints = [json.loads(s.read_text()).get("_fingerprint") for s in states]
+            out.append({"path": str(path), "fingerprints": prints})
+        else:
+            out.append({"path": str(path), "sha256": file_sha256(path)})
+    return out
+
+
+def prepare(cfg: PrepareConfig) -> PrepareSummary:
+    """Tokenize `cfg.data` for `cfg.target` into `cfg.out` (see docs/architecture.md)."""
+    import datasets
+    from safetensors.numpy import save_file
+
+    out = Path(cfg.out)
+    data_record = _data_record(cfg.data)  # also fails early on a missing path
+    tok = load_tokenizer(cfg)
+    config = _target_config(cfg)
+    _claim_out(out, cfg)
+    work = out / ".work"
+    ds = _tokenized(cfg, tok, work)
+    status = np.asarray(ds["status"], dtype=object)
+    _write_rejects(out / "rejects.jsonl", ds, status)
+    kept = np.flatnonzero((status == "ok") | (status == "truncated"))
+    if len(kept) == 0:
+        raise EyasError(f"no usable conversations in {list(cfg.data)}: {len(status)} rows, "
+                        f"{int((status == 'rejected').sum())} rejected (reasons in "
+                        f"{out / 'rejects.jsonl'}), {int((status == 'too_long').sum())} longer "
+                        f"than --max-length {cfg.max_length}")
+    train_rows, eval_rows = _split(kept, cfg.eval_fraction, cfg.seed)
+    columns = ["input_ids", "loss_mask", "sample_id", "num_tokens", "messages_json"]
+    splits = datasets.DatasetDict({
+        "train": ds.select(train_rows).select_columns(columns),
+        "eval": ds.select(eval_rows).select_columns(columns)})
+    # An empty split needs one (empty) shard or it cannot be loaded back.
+    splits.save_to_disk(str(out / "dataset"),
+                        num_shards={k: None if len(v) else 1 for k, v in splits.items()})
+    text_config = config.get_text_config() if config is not None else None
+    vocab_size = max(len(tok), getattr(text_config, "vocab_size", 0) or 0)
+    save_file({"counts": _token_counts(splits["train"], vocab_size)},
+              str(out / "token_counts.safetensors"))
+    num_tokens = np.asarray(ds["num_tokens"], dtype=np.int64)
+    num_masked = np.asarray(ds["num_masked"], dtype=np.int64)
+    summary = PrepareSummary(
+        kept=len(kept), dropped_too_long=int((status == "too_long").sum()),
+        truncated=int((status == "truncated").sum()),
+        rejected=int((status == "rejected").sum()), tokens=int(num_tokens[kept].sum()),
+        masked_tokens=int(num_masked[kept].sum()), train=len(train_rows), eval=len(eval_rows),
+        out=str(out))
+    shutil.rmtree(work, ignore_errors=True)
+    stats = {k: v for k, v in asdict(summary).items() if k != "out"}
+    write_manifest(out, "prepare", cfg,
+                   target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok),
+                   stats=stats, chat_template_hash=_template_hash(tok),
+                   max_length=cfg.max_length, vocab_size=vocab_size, data_files=data_record)
+    _log_summary(summary, out)
+    return summary
+
+
+def _log_summary(s: PrepareSummary, out: Path) -> None:
+    log.info("prepare: kept %d conversations (train %d, eval %d; %d truncated), dropped %d "
+             "too long, rejected %d; %d tokens, %d supervised -> %s", s.kept, s.train, s.eval,
+             s.truncated, s.dropped_too_long, s.rejected, s.tokens, s.masked_tokens, out)
+    if s.rejected:
+        log.warning("%d malformed rows set aside: reasons and row numbers in %s", s.rejected,
+                    out / "rejects.jsonl")

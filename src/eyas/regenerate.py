@@ -1,0 +1,511 @@
+"""`eyas regenerate`: rewrite the assistant turns of chat data with the target itself.
+
+A draft learns to predict the target, so it should train on text the target writes in the
+mode it is served in (its chat template, system prompt, thinking setting, greedy). This step
+reads conversations in any format `eyas prepare` reads and regenerates every assistant turn
+(`turns="all"`, each given the conversation so far, earlier turns already regenerated) or only
+the last one, keeping system, user and tool turns. The result, `out/conversations.jsonl`
+(OpenAI `messages` form, with each input row's id), is input for `eyas prepare`.
+
+Backends: `transformers` generates here in left-padded batches with a KV cache; `openai`
+calls OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang) with many requests in
+flight, retries with exponential backoff, and several servers used round-robin.
+
+Resume: both output files are append-only and fsynced every `batch_size` rows, and every line
+names its input position (file, row). A restarted run skips the positions already written and
+so never writes a row twice. When every row is done the files are rewritten in input order, so
+the result does not depend on concurrency or on how often the run was interrupted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from eyas.chat import FORMATS, ChatFormatError, strip_reasoning
+from eyas.config import (ConfigError, option, out_option, required, revision_option,
+                         target_option, to_dict, trust_remote_code_option)
+from eyas.errors import EyasError
+from eyas.manifest import MANIFEST, file_sha256, read_manifest, target_record, write_manifest
+from eyas.openai_server import (ChatClient, Generation, LocalGenerator, RequestFailed,
+                                load_generator)
+
+log = logging.getLogger(__name__)
+
+OUTPUT, REJECTS = "conversations.jsonl", "rejects.jsonl"
+# Test hook: a run SIGKILLs itself once this many rows are synced, to prove resume works.
+KILL_ENV = "EYAS_REGENERATE_KILL_AFTER"
+# Settings that change what is generated: a resumed run must keep them.
+SAME_ON_RESUME = ("target", "revision", "data", "format", "turns", "max_new_tokens",
+                  "temperature", "top_p", "reasoning", "system_prompt", "seed")
+# --reasoning -> chat_template_kwargs (Qwen3-style templates read `enable_thinking`).
+TEMPLATE_KWARGS = {"default": {}, "on": {"enable_thinking": True},
+                   "off": {"enable_thinking": False}}
+BACKENDS = ("transformers", "openai")
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    """Regenerate the assistant turns of chat data with the target (docs/regenerate.md)."""
+
+    target: str = target_option()
+    data: tuple[str, ...] = required(
+        "chat data: JSONL/JSON/Parquet files, datasets folders, folders or globs")
+    out: str = out_option("output folder: conversations.jsonl, rejects.jsonl, eyas.json")
+    format: str = option("auto", "input row format (auto: from each row's keys)", choices=FORMATS)
+    backend: str = option("transformers", "transformers: generate here (GPU/CPU); openai: call "
+                          "OpenAI-compatible servers (vLLM, SGLang)", choices=BACKENDS)
+    turns: str = option("all", "regenerate every assistant turn (each given the conversation so "
+                        "far) or only the last", choices=("all", "last"))
+    max_new_tokens: int = option(2048, "most tokens per turn; a turn that hits it is rejected")
+    temperature: float = option(0.0, "sampling temperature; 0 = greedy")
+    top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
+    reasoning: str = option("default", "thinking mode: on/off send chat_template_kwargs "
+                            "enable_thinking; default keeps the template's default",
+                            choices=tuple(TEMPLATE_KWARGS))
+    system_prompt: str | None = option(
+        None, "system message for conversations without one (use the one you serve with)")
+    seed: int = option(0, "random seed (matters only when sampling)")
+    limit: int | None = option(None, "only the first N input rows; raise it later to continue")
+    batch_size: int = option(16, "conversations per generate call (transformers); rows per "
+                             "fsync of the outputs")
+    dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's)",
+                        choices=("auto", "bfloat16", "float16", "float32"))
+    device: str = option("auto", "transformers backend: auto (all GPUs through device_map, "
+                         "else CPU), cpu, cuda or cuda:N")
+    server_url: tuple[str, ...] = option((), "openai backend: server base URL(s), e.g. "
+                                         "http://localhost:8000; several are used round-robin")
+    served_model_name: str | None = option(None, "openai backend: the model name the server "
+                                           "serves (default: --target)")
+    concurrency: int = option(64, "openai backend: requests in flight at once, all servers")
+    timeout: float = option(600.0, "openai backend: seconds to wait for a response")
+    retries: int = option(5, "openai backend: retries after a 5xx/429/timeout/connection error")
+    retry_backoff: float = option(1.0, "openai backend: seconds before the first retry; doubles "
+                                  "with each retry (at most 60)")
+    retry_rejects: bool = option(False, "on resume, retry rows rejected for server errors")
+    revision: str | None = revision_option()
+    trust_remote_code: bool = trust_remote_code_option()
+
+    def __post_init__(self):
+        for name, choices in (("format", FORMATS), ("backend", BACKENDS),
+                              ("turns", ("all", "last")), ("reasoning", tuple(TEMPLATE_KWARGS))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: use one of {choices}")
+        if not self.data:
+            raise ConfigError("data is empty: give --data with the chat files to regenerate")
+        for name in ("max_new_tokens", "batch_size", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit must be >= 1 or unset (got {self.limit})")
+        if self.retries < 0 or self.retry_backoff < 0 or self.timeout <= 0:
+            raise ConfigError("retries and retry_backoff must be >= 0 and timeout > 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"need temperature >= 0 (0 = greedy) and 0 < top_p <= 1 "
+                              f"(got {self.temperature}, {self.top_p})")
+        if self.backend == "openai" and not self.server_url:
+            raise ConfigError("backend openai needs --server-url, e.g. http://localhost:8000 "
+                              "(start a server with `vllm serve MODEL`)")
+        for url in self.server_url:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"server_url {url!r} must start with http:// or https://")
+
+
+@dataclass
+class Job:
+    """One input conversation and the positions of the assistant turns to regenerate."""
+
+    file: str
+    row: int
+    sample_id: str
+    messages: list[dict]
+    turns: list[int]
+
+
+class Rejected(Exception):
+    """A row that cannot be regenerated; `kind` is input, server, length, empty or memory."""
+
+    def __init__(self, reason: str, kind: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+# ---------------------------------------------------------------- the step
+
+def regenerate(cfg: RegenerateConfig) -> dict:
+    """Regenerate the assistant turns of `cfg.data` into `cfg.out`; returns the run's stats."""
+    from eyas.chat import resolve_paths
+
+    out = Path(cfg.out)
+    tokenizer, target = _target(cfg)
+    hashes = {str(p): _fingerprint(p) for p in resolve_paths(cfg.data)}
+    _check_resume(cfg, out, hashes)
+    prior = _read_previous(out, cfg.retry_rejects)
+    extras = dict(input_sha256=hashes, sampling=_sampling(cfg),
+                  chat_template_hash=_template_hash(tokenizer))
+    write_manifest(out, "regenerate", cfg, target=target, complete=False, **extras)
+
+    counts: Counter = Counter()
+    order: dict[str, int] = {}  # input file -> rank, to sort the outputs in input order
+    with _Output(out, cfg.batch_size) as output:
+        jobs = _jobs(cfg, set(prior), output, counts, order)
+        if cfg.backend == "transformers":
+            _run_transformers(cfg, jobs, output)
+        else:
+            _run_openai(cfg, jobs, output)
+    counts.update(output.counts)
+    if counts["ok"] + counts["failed"] + counts["skipped"] != counts["input"]:
+        raise RuntimeError(f"regenerate lost track of rows: {dict(counts)}")
+
+    for name in (OUTPUT, REJECTS):
+        _sort_by_input(out / name, order)
+    totals = Counter(prior.values())
+    stats = {"input": counts["input"], "ok": counts["ok"], "failed": counts["failed"],
+             "skipped": counts["skipped"], "ok_total": totals["ok"] + counts["ok"],
+             "failed_total": totals["failed"] + counts["failed"],
+             "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")}}
+    write_manifest(out, "regenerate", cfg, target=target, complete=True, stats=stats, **extras)
+    log.info("regenerate: %d input rows = %d ok + %d failed + %d done before; %d conversations "
+             "in %s (rejects: %s)", stats["input"], stats["ok"], stats["failed"],
+             stats["skipped"], stats["ok_total"], out / OUTPUT, stats["failed_by_kind"] or "none")
+    return stats
+
+
+def _target(cfg: RegenerateConfig):
+    """The target's tokenizer and manifest record (config only; weights load later if needed)."""
+    from eyas.models import load_config, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
+                               trust_remote_code=cfg.trust_remote_code)
+    config = load_config(cfg.target, revision=cfg.revision,
+                         trust_remote_code=cfg.trust_remote_code)
+    return tokenizer, target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
+
+
+def _sampling(cfg: RegenerateConfig) -> dict:
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p,
+            "max_new_tokens": cfg.max_new_tokens, "reasoning": cfg.reasoning,
+            "chat_template_kwargs": TEMPLATE_KWARGS[cfg.reasoning],
+            "system_prompt": cfg.system_prompt, "seed": cfg.seed, "turns": cfg.turns,
+            "backend": cfg.backend, "server_url": list(cfg.server_url)}
+
+
+def _template_hash(tokenizer) -> str | None:
+    import hashlib
+
+    template = tokenizer.chat_template
+    return hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else None
+
+
+def _fingerprint(path: Path) -> str:
+    """sha256 of a file, or of a folder's files (a `datasets` folder) in sorted order."""
+    if path.is_file():
+        return file_sha256(path)
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(f"{p.relative_to(path)}:{file_sha256(p)}".encode())
+    return h.hexdigest()
+
+
+def _jobs(cfg: RegenerateConfig, done: set, output: "_Output", counts: Counter,
+          order: dict[str, int]) -> Iterator[Job]:
+    """Input rows not done before, as jobs; malformed rows go straight to the rejects."""
+    from eyas.chat import normalize, read_rows, sample_id, with_system_prompt
+
+    rows = read_rows(cfg.data, cfg.format)
+    for raw in itertools.islice(rows, cfg.limit):
+        counts["input"] += 1
+        order.setdefault(raw.file, len(order))
+        if (raw.file, raw.row) in done:
+            counts["skipped"] += 1
+            continue
+        sid = sample_id(raw.data, raw.file, raw.row)
+        try:
+            if isinstance(raw.data, Exception):
+                raise raw.data
+            messages = with_system_prompt(normalize(raw.data, cfg.format), cfg.system_prompt)
+            job = Job(raw.file, raw.row, sid, messages, _turns_to_redo(messages, cfg.turns))
+        except ChatFormatError as err:
+            output.reject(raw.file, raw.row, sid, Rejected(str(err), "input"))
+            continue
+        yield job
+
+
+def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
+    # An assistant turn that a tool turn answers is a tool call: the tool output that follows
+    # belongs to that exact call, so such turns are kept as they are.
+    redo = [i for i, m in enumerate(messages) if m["role"] == "assistant"
+            and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool")]
+    if not redo:
+        raise ChatFormatError("no assistant turn to regenerate (every one is a tool call)")
+    return redo if turns == "all" else redo[-1:]
+
+
+def accept(gen: Generation, turn: int, max_new_tokens: int) -> dict:
+    """The assistant message for the turn generated at `messages[turn]`, or Rejected."""
+    where = f"assistant turn at message {turn}"
+    if gen.finish_reason == "length":
+        raise Rejected(f"{where}: truncated at max_new_tokens={max_new_tokens} (finish_reason "
+                       f"length); raise --max-new-tokens", "length")
+    if gen.finish_reason == "out_of_memory":
+        raise Rejected(f"{where}: out of GPU memory even alone; lower --max-new-tokens or use "
+                       f"the openai backend", "memory")
+    if gen.finish_reason != "stop":
+        raise Rejected(f"{where}: finish_reason {gen.finish_reason!r}", "server")
+    message = {"role": "assistant", "content": gen.text}
+    if not strip_reasoning([message])[0]["content"].strip():
+        raise Rejected(f"{where}: empty answer", "empty")
+    return message
+
+
+def converse(job: Job, complete: Callable[[list[dict]], Generation], max_new_tokens: int):
+    """Regenerate the job's turns in order, each given the conversation so far."""
+    messages = [dict(m) for m in job.messages]
+    for turn in job.turns:
+        messages[turn] = accept(complete(messages[:turn]), turn, max_new_tokens)
+    return messages
+
+
+# ---------------------------------------------------------------- outputs and resume
+
+class _Output:
+    """Append-only conversations.jsonl and rejects.jsonl, fsynced every `sync_every` rows."""
+
+    def __init__(self, folder: Path, sync_every: int):
+        self.files = {"ok": open(folder / OUTPUT, "a", encoding="utf-8"),
+                      "failed": open(folder / REJECTS, "a", encoding="utf-8")}
+        self.sync_every, self.unsynced, self.synced = sync_every, 0, 0
+        self.counts: Counter = Counter()
+        self.kill_after = int(os.environ.get(KILL_ENV) or 0)
+        self.started = self.last_log = time.monotonic()
+
+    def ok(self, job: Job, messages: list[dict]) -> None:
+        self._write("ok", {"id": job.sample_id, "messages": messages,
+                           "source": {"file": job.file, "row": job.row}})
+
+    def reject(self, file: str, row: int, sid: str, err: Rejected) -> None:
+        self.counts["failed_" + err.kind] += 1
+        self._write("failed", {"file": file, "row": row, "sample_id": sid,
+                               "reason": str(err), "kind": err.kind})
+
+    def _write(self, what: str, record: dict) -> None:
+        self.files[what].write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.counts[what] += 1
+        self.unsynced += 1
+        if self.unsynced >= self.sync_every:
+            self.sync()
+
+    def sync(self) -> None:
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        self.synced += self.unsynced
+        self.unsynced = 0
+        if self.kill_after and self.synced >= self.kill_after:
+            log.warning("%s=%d: killing this process now (test hook)", KILL_ENV, self.kill_after)
+            os.kill(os.getpid(), signal.SIGKILL)
+        now = time.monotonic()
+        if now - self.last_log > 30:
+            self.last_log = now
+            log.info("regenerate: %d ok, %d failed, %.2f rows/s", self.counts["ok"],
+                     self.counts["failed"], self.synced / (now - self.started))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.sync() if exc[0] is None else None
+        for f in self.files.values():
+            f.close()
+
+
+def _check_resume(cfg: RegenerateConfig, out: Path, hashes: dict[str, str]) -> None:
+    """Refuse to continue a run in `out` that generated with other settings or inputs."""
+    if not (out / MANIFEST).is_file():
+        if any((out / name).exists() for name in (OUTPUT, REJECTS)):
+            raise EyasError(f"{out} holds {OUTPUT}/{REJECTS} but no {MANIFEST}, so they cannot "
+                            f"be resumed safely; pass a new --out or delete them")
+        return
+    old = read_manifest(out, step="regenerate")
+    new = json.loads(json.dumps(to_dict(cfg)))
+    changed = [k for k in SAME_ON_RESUME if old["config"].get(k) != new[k]]
+    if old.get("input_sha256") != hashes:
+        changed.append("data file contents")
+    if changed:
+        raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
+                        f"use the same settings to resume it, or pass a new --out")
+    if old.get("complete") is False:
+        log.info("resuming the interrupted run in %s", out)
+
+
+def _read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
+    """(file, row) -> "ok"/"failed" for every row a previous run in `out` wrote."""
+    done: dict[tuple[str, int], str] = {}
+    for rec in _read_lines(out / OUTPUT):
+        done[(rec["source"]["file"], rec["source"]["row"])] = "ok"
+    rejects = _read_lines(out / REJECTS)
+    if retry_rejects and any(r["kind"] == "server" for r in rejects):
+        kept = [r for r in rejects if r["kind"] != "server"]
+        log.info("retry_rejects: %d rows rejected for server errors will be tried again",
+                 len(rejects) - len(kept))
+        _rewrite(out / REJECTS, [json.dumps(r, ensure_ascii=False) + "\n" for r in kept])
+        rejects = kept
+    for rec in rejects:
+        done[(rec["file"], rec["row"])] = "failed"
+    return done
+
+
+def _read_lines(path: Path) -> list[dict]:
+    """Records of a JSONL output; a torn last line (the process was killed mid-write) is cut."""
+    if not path.is_file():
+        return []
+    records, good = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            records.append(json.loads(line))
+            good += len(line)
+    if good < path.stat().st_size:
+        log.warning("%s: cutting a partial last line left by an interrupted run", path)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return records
+
+
+def _rewrite(path: Path, lines: Iterable[str | bytes]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for line in lines:
+            f.write(line.encode() if isinstance(line, str) else line)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sort_by_input(path: Path, order: dict[str, int]) -> None:
+    """Rewrite a finished output in input order (rows from files no longer read go last)."""
+    index = []  # (file rank, file, row, byte offset, length)
+    with open(path, "rb") as f:
+        offset = 0
+        for line in f:
+            rec = json.loads(line)
+            src = rec.get("source", rec)
+            index.append((order.get(src["file"], len(order)), src["file"], src["row"], offset,
+                          len(line)))
+            offset += len(line)
+    ranked = sorted(index)
+    if ranked == index:
+        return
+    with open(path, "rb") as f:
+        def lines():
+            for *_, start, size in ranked:
+                f.seek(start)
+                yield f.read(size)
+        _rewrite(path, lines())
+
+
+# ---------------------------------------------------------------- transformers backend
+
+def _load_generator(cfg: RegenerateConfig) -> LocalGenerator:
+    import torch
+
+    device, device_map = cfg.device, None
+    if device == "auto":
+        # Spread a target too big for one GPU over all of them; without a GPU use the CPU.
+        device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
+    return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=device,
+                          device_map=device_map, trust_remote_code=cfg.trust_remote_code)
+
+
+def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: _Output) -> None:
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    gen = _load_generator(cfg)
+    while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
+        # Conversations of similar length share a batch, so left padding wastes little.
+        window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
+        for start in range(0, len(window), cfg.batch_size):
+            batch = window[start:start + cfg.batch_size]
+            for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
+                if isinstance(result, Rejected):
+                    output.reject(job.file, job.row, job.sample_id, result)
+                else:
+                    output.ok(job, result)
+            output.sync()
+
+
+def regenerate_batch(gen: LocalGenerator, jobs: list[Job], cfg: RegenerateConfig) -> list:
+    """Regenerate `jobs` together: round r generates the r-th turn of every job that has one.
+
+    Returns, per job, its new messages or the Rejected that stopped it.
+    """
+    convs = [[dict(m) for m in job.messages] for job in jobs]
+    failed: list[Rejected | None] = [None] * len(jobs)
+    kwargs = TEMPLATE_KWARGS[cfg.reasoning]
+    for r in range(max(len(job.turns) for job in jobs)):
+        live = [k for k, job in enumerate(jobs) if r < len(job.turns) and failed[k] is None]
+        if not live:
+            break
+        prompts = [gen.render(convs[k][:jobs[k].turns[r]], kwargs) for k in live]
+        outs = gen.generate(prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        for k, out in zip(live, outs):
+            turn = jobs[k].turns[r]
+            try:
+                convs[k][turn] = accept(out, turn, cfg.max_new_tokens)
+            except Rejected as err:
+                failed[k] = err
+    return [err if err is not None else conv for err, conv in zip(failed, convs)]
+
+
+# ---------------------------------------------------------------- openai backend
+
+def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: _Output) -> None:
+    params = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+              "top_p": cfg.top_p}
+    if TEMPLATE_KWARGS[cfg.reasoning]:
+        params["chat_template_kwargs"] = TEMPLATE_KWARGS[cfg.reasoning]
+    client = ChatClient(cfg.server_url, cfg.served_model_name or cfg.target, params=params,
+                        timeout=cfg.timeout, retries=cfg.retries, retry_backoff=cfg.retry_backoff)
+    client.check()
+
+    def complete(messages: list[dict]) -> Generation:
+        try:
+            return client.complete(messages)
+        except RequestFailed as err:
+            raise Rejected(str(err), "server") from None
+
+    pending: dict[Future, Job] = {}
+
+    def collect() -> None:
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            job = pending.pop(future)
+            try:
+                output.ok(job, future.result())
+            except Rejected as err:
+                output.reject(job.file, job.row, job.sample_id, err)
+
+    pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="eyas-regenerate")
+    try:
+        for job in jobs:
+            pending[pool.submit(converse, job, complete, cfg.max_new_tokens)] = job
+            # A bounded queue keeps memory flat and the outputs close to the input position.
+            while len(pending) >= 2 * cfg.concurrency:
+                collect()
+        while pending:
+            collect()
+    finally:
+        pool.shutdown(wait=not pending, cancel_futures=True)

@@ -1,0 +1,614 @@
+"""`eyas train`: the EAGLE-3 draft training recipe, one function with one visible loop.
+
+Setup (inputs, draft, DDP/FSDP2, optimizer, schedule, resume), then per optimizer step:
+load `grad_accum` micro-batches -> forward (TTT, `ttt_steps` chained draft passes) -> loss
+-> backward -> clip -> AdamW step -> log -> eval -> checkpoint. One process or `torchrun`
+with any number of ranks and nodes runs the same code; only `_wrap` differs between DDP
+and FSDP2.
+
+The loss of an optimizer step is  sum_j w^j * (summed soft-CE of step j) / N_j  where N_j
+counts the positions carrying a step-j loss in the WHOLE step (every micro-batch on every
+rank). Normalising by the global count, not per micro-batch, is what makes batch 4 x
+accumulation 1, batch 1 x accumulation 4 and 4 ranks x batch 1 the same update.
+
+Defaults and where they come from (docs/train.md has the discussion): AdamW betas
+(0.9, 0.999), lr 1e-4, cosine decay after 1.5% linear warmup, grad clip 0.5, no weight decay
+are SpecForge's EAGLE-3 defaults; the EAGLE authors' own run used (0.9, 0.95), 5e-5 and a
+linear decay tuned for 800k steps. We take SpecForge's because its schedule is stated as a
+fraction of the run (so it scales to any data size) and it is the recipe behind the public
+SGLang EAGLE-3 drafts; TTT length 7 with step weight 0.8 is common to both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eyas import checkpoint, data
+from eyas.config import (ConfigError, option, out_option, required, revision_option,
+                         trust_remote_code_option)
+from eyas.errors import EyasError
+from eyas.manifest import check_same_target, read_manifest, target_record, write_manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Train an EAGLE-3 draft with training-time test on captured (or online) target states."""
+
+    data: str = required("capture folder from `eyas capture` (with --online: a prepared "
+                         "folder from `eyas prepare`)")
+    out: str = out_option("run folder: checkpoints/, metrics.jsonl, curves.png")
+    vocab: str | None = option(None, "vocab folder from `eyas vocab` (d2t/t2d); unset = the "
+                                     "draft predicts over the whole target vocabulary")
+    target: str | None = option(None, "target model; offline it defaults to the one the "
+                                      "capture names (only its embedding and lm_head are read)")
+    revision: str | None = revision_option()
+    trust_remote_code: bool = trust_remote_code_option()
+    online: bool = option(False, "run the target inside this job (capture on the fly) "
+                                 "instead of reading capture shards")
+    aux_layer_ids: tuple[int, ...] = option((), "--online only: aux layers in vLLM's "
+                                                "convention; empty = (2, L//2, L-3)")
+    eval_data: str | None = option(None, "held-out capture folder; default: the capture's "
+                                         "eval split if it has one, else --eval-fraction")
+    eval_fraction: float = option(0.02, "share of training samples held out when there is no "
+                                        "eval split or --eval-data (0 = no eval)")
+    batch_tokens: int = option(8192, "tokens per micro-batch on each rank (packed rows, "
+                                     "padding included)")
+    row_tokens: int = option(0, "tokens per packed row; 0 = one row of --batch-tokens")
+    truncate: bool = option(False, "cut samples longer than a row instead of refusing them")
+    grad_accum: int = option(1, "micro-batches per optimizer step on each rank")
+    epochs: int = option(10, "passes over the training data (SpecForge's default)")
+    max_steps: int = option(0, "optimizer steps; 0 = --epochs over the data")
+    lr: float = option(1e-4, "peak learning rate (SpecForge; EAGLE used 5e-5)")
+    betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas (SpecForge; EAGLE used 0.9,0.95)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    warmup_ratio: float = option(0.015, "linear warmup as a share of all steps")
+    min_lr_ratio: float = option(0.0, "cosine floor as a share of --lr")
+    grad_clip: float = option(0.5, "clip the global gradient norm to this (0 = off)")
+    ttt_steps: int = option(7, "training-time-test steps (chained draft passes)")
+    step_weight: float = option(0.8, "loss weight of TTT step j is step_weight**j")
+    lm_head: str = option("target", "initialise the draft lm_head from the target's rows of "
+                                    "the draft vocab, or randomly", choices=("target", "scratch"))
+    freeze_lm_head: bool = option(False, "keep the lm_head fixed (needs --lm-head target)")
+    draft_hidden_size: int = option(0, "draft hidden size; 0 = the target's")
+    draft_intermediate_size: int = option(0, "draft MLP size; 0 = the target's")
+    draft_num_attention_heads: int = option(0, "draft attention heads; 0 = the target's")
+    draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
+    norm_before_residual: bool = option(False, "residual = hidden_norm(g) instead of g")
+    parallel: str = option("ddp", "data parallelism under torchrun: DDP replicates the draft, "
+                                  "FSDP2 shards weights and optimizer state", choices=("ddp", "fsdp"))
+    precision: str = option("bf16", "bf16 autocast over fp32 master weights (CUDA only; CPU "
+                                     "always runs fp32) or fp32", choices=("bf16", "fp32"))
+    compile: bool = option(False, "torch.compile the TTT forward")
+    device: str | None = option(None, "cuda or cpu (default: cuda if available)")
+    num_workers: int = option(2, "data-loader processes (offline); 0 = load in the main process")
+    seed: int = option(0, "seed for the draft init and the data order")
+    log_every: int = option(10, "log train metrics every N steps")
+    eval_every: int = option(500, "evaluate every N steps (and at the end)")
+    save_every: int = option(1000, "checkpoint every N steps (and at the end and at each new best)")
+    keep_last: int = option(2, "checkpoints to keep besides the best")
+    resume: str = option("auto", "auto = continue the run in --out if it has a checkpoint; "
+                                 "never = start over; or a checkpoints/step-N folder")
+
+    def __post_init__(self):
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(msg)
+        need(self.batch_tokens > 0, f"--batch-tokens must be > 0, got {self.batch_tokens}")
+        need(self.row_tokens >= 0 and (self.row_tokens == 0 or self.batch_tokens % self.row_tokens == 0),
+             f"--row-tokens {self.row_tokens} must divide --batch-tokens {self.batch_tokens} "
+             f"(or be 0 for one row)")
+        need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        need(self.max_steps > 0 or self.epochs > 0, "give --epochs > 0 or --max-steps > 0")
+        need(self.max_steps >= 0 and self.epochs >= 0, "--epochs and --max-steps must be >= 0")
+        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+             f"--betas needs two values in [0, 1), e.g. 0.9,0.999; got {self.betas}")
+        need(0 <= self.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        need(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        need(self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+        need(0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}")
+        need(0 <= self.eval_fraction < 1, f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        need(not (self.freeze_lm_head and self.lm_head == "scratch"),
+             "--freeze-lm-head with --lm-head scratch would keep a random head; use --lm-head target")
+        need(not self.online or self.target, "--online needs --target (the model to run)")
+        need(self.online or not self.aux_layer_ids,
+             "--aux-layer-ids applies to --online only; offline, the capture fixes the layers")
+        need(len(self.aux_layer_ids) in (0, 3), f"--aux-layer-ids needs 3 ids, got {self.aux_layer_ids}")
+        for name in ("log_every", "eval_every", "save_every", "keep_last"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        need(self.num_workers >= 0, "--num-workers must be >= 0")
+        need(self.device in (None, "cpu", "cuda"), f"--device must be cpu or cuda, got {self.device}")
+
+
+# ----------------------------------------------------------------------------- setup
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device
+    autocast: bool  # bf16 autocast (CUDA + --precision bf16)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_env(cfg: TrainConfig) -> Env:
+    """Join the torchrun process group if there is one (gloo on CPU, nccl on GPU)."""
+    kind = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise EyasError("--device cuda but no CUDA device is visible; use --device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Env(rank, world, device, kind == "cuda" and cfg.precision == "bf16")
+
+
+@dataclass
+class Inputs:
+    """Everything train reads, resolved: sample sources, ids, the frozen target pieces."""
+
+    train: object  # data.OfflineSource | data.OnlineSource
+    train_ids: np.ndarray
+    eval: object | None
+    eval_ids: np.ndarray
+    info: object  # eyas.models.ModelInfo
+    target: dict  # target_record of the target
+    manifests: list[dict]  # the manifests this run consumed
+    aux_layer_ids: tuple[int, ...]
+    embed: torch.Tensor  # (V, Ht) frozen
+    lm_head: torch.Tensor  # (V, Ht) the teacher head
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+
+
+def open_inputs(cfg: TrainConfig, env: Env, hidden_dtype: torch.dtype) -> Inputs:
+    """Open the training/eval data and the target's embedding and lm_head, checking that
+    captures, vocab and target belong together."""
+    from eyas.vocab import load_vocab
+
+    vocab = load_vocab(cfg.vocab) if cfg.vocab else None
+    inputs = _online_inputs(cfg, env, hidden_dtype) if cfg.online else _offline_inputs(cfg)
+    if vocab is not None:
+        d2t, t2d, vman = vocab
+        check_same_target(vman.get("target"), inputs.target, f"the vocab folder {cfg.vocab}")
+        inputs.d2t, inputs.t2d = d2t, t2d
+        inputs.manifests.append(vman)
+    return inputs
+
+
+def _offline_inputs(cfg: TrainConfig) -> Inputs:
+    from eyas.models import load_tokenizer
+
+    src = data.OfflineSource(cfg.data)
+    man, cap = src.manifest, src.capture
+    name = cfg.target or (man.get("target") or {}).get("name_or_path")
+    if not name:
+        raise EyasError(f"the capture {cfg.data} does not name its target; pass --target")
+    revision = cfg.revision or (man.get("target") or {}).get("revision")
+    embed, lm_head, info, config = data.target_head_weights(
+        name, revision=revision, trust_remote_code=cfg.trust_remote_code)
+    target = target_record(name, revision, config=config, tokenizer=load_tokenizer(
+        name, revision=revision, trust_remote_code=cfg.trust_remote_code))
+    data.check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}")
+    aux = tuple(man["aux_layer_ids"])
+    whole = man.get("split") == "all"
+    train_ids = (cap.positions("train") if whole else torch.arange(cap.num_samples)).numpy()
+    manifests, ev, eval_ids = [man], None, np.zeros(0, dtype=np.int64)
+    if cfg.eval_data:
+        ev = data.OfflineSource(cfg.eval_data)
+        data.check_capture(ev.manifest, target=target, aux_layer_ids=aux,
+                           what=f"--eval-data {cfg.eval_data}")
+        eval_ids = (ev.capture.positions("eval") if ev.manifest.get("split") == "all"
+                    else torch.arange(ev.capture.num_samples)).numpy()
+        manifests.append(ev.manifest)
+    elif whole and len(cap.positions("eval")):
+        ev, eval_ids = src, cap.positions("eval").numpy()
+    elif cfg.eval_fraction > 0:
+        keep, held = data.split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
+        ev, train_ids, eval_ids = src, train_ids[keep], train_ids[held]
+    return Inputs(src, train_ids, ev, eval_ids, info, target, manifests, aux, embed, lm_head,
+                  None, None)
+
+
+def _online_inputs(cfg: TrainConfig, env: Env, hidden_dtype: torch.dtype) -> Inputs:
+    from eyas.capture import load_split
+    from eyas.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
+
+    prepared = read_manifest(cfg.data, step="prepare")
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    model, info = load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                              dtype="bfloat16" if env.autocast else "float32", device=env.device)
+    target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
+    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
+    aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids, info.num_layers)
+    dataset, rows = load_split(cfg.data, "all")
+    src = data.OnlineSource(model, info, dataset, aux, hidden_dtype)
+    train_ids = np.arange(*rows["train"])
+    eval_ids = np.arange(*rows["eval"])
+    if len(eval_ids) == 0 and cfg.eval_fraction > 0:
+        keep, held = data.split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
+        train_ids, eval_ids = train_ids[keep], train_ids[held]
+    embed = submodule(model, info.embed_path).weight.detach()
+    lm_head = submodule(model, info.lm_head_path).weight.detach()
+    return Inputs(src, train_ids, src if len(eval_ids) else None, eval_ids, info, target,
+                  [prepared], aux, embed, lm_head, None, None)
+
+
+def build_draft(cfg: TrainConfig, inputs: Inputs, env: Env):
+    """The draft (fp32 master weights, on the device) and its DraftConfig."""
+    from eyas.draft import DraftConfig, Eagle3Draft
+
+    overrides = {k: v for k, v in (
+        ("hidden_size", cfg.draft_hidden_size), ("intermediate_size", cfg.draft_intermediate_size),
+        ("num_attention_heads", cfg.draft_num_attention_heads),
+        ("num_key_value_heads", cfg.draft_num_key_value_heads)) if v}
+    if "hidden_size" in overrides or "num_attention_heads" in overrides:
+        heads = overrides.get("num_attention_heads", inputs.info.num_attention_heads)
+        overrides["head_dim"] = overrides.get("hidden_size", inputs.info.hidden_size) // heads
+    vd = int(inputs.d2t.numel()) if inputs.d2t is not None else inputs.info.vocab_size
+    dcfg = DraftConfig.from_target(inputs.info, draft_vocab_size=vd,
+                                   aux_layer_ids=inputs.aux_layer_ids,
+                                   norm_before_residual=cfg.norm_before_residual, **overrides)
+    if dcfg.hidden_size != inputs.info.hidden_size:
+        raise EyasError(f"--draft-hidden-size {dcfg.hidden_size} differs from the target's "
+                        f"{inputs.info.hidden_size}, but the draft reads the target's token "
+                        f"embedding (width {inputs.info.hidden_size}); leave it at 0.")
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    draft = Eagle3Draft(dcfg)
+    if inputs.d2t is not None:
+        draft.set_vocab(inputs.d2t, inputs.t2d)
+    if cfg.lm_head == "target":
+        draft.init_lm_head_from_target(inputs.lm_head.float(), freeze=cfg.freeze_lm_head)
+    draft.to(env.device)
+    draft.set_embed_tokens(inputs.embed.to(env.device, _compute_dtype(env)))
+    return draft, dcfg
+
+
+def _compute_dtype(env: Env) -> torch.dtype:
+    return torch.bfloat16 if env.autocast else torch.float32
+
+
+class TTTModule(torch.nn.Module):
+    """The draft plus its teacher head as one forward, so DDP and FSDP2 see a single call per
+    micro-batch (TTT runs the draft layer `ttt_steps` times inside it)."""
+
+    def __init__(self, draft, teacher: torch.Tensor, steps: int):
+        super().__init__()
+        self.draft = draft
+        self.teacher = teacher  # (Vd, Ht) frozen; a plain attribute: never synced or sharded
+        self.steps = steps
+
+    def forward(self, batch):
+        from eyas.draft import ttt_forward
+
+        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps)
+
+
+def _wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:
+    """DDP or FSDP2 around the TTT module under torchrun; the module itself otherwise."""
+    if cfg.compile:
+        module.compile()
+    if env.world_size == 1:
+        return module
+    if cfg.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        return fully_shard(module, mesh=mesh)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # buffers (d2t, t2d, the frozen embedding) are equal everywhere: no per-step broadcast
+    return DDP(module, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+               broadcast_buffers=False)
+
+
+def _grad_sync(model: torch.nn.Module, sync: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not sync:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float):
+    """LR multiplier at step s: linear warmup over warmup_ratio * total, cosine to min_ratio."""
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def _all_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def _autocast(env: Env):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if env.autocast else contextlib.nullcontext()
+
+
+def _on(mb: dict, env: Env):
+    from eyas.draft import TTTBatch
+
+    return TTTBatch(**{k: v.to(env.device, non_blocking=True) for k, v in mb.items()})
+
+
+def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
+    """stats = [loss sums (S), correct (S), counts (S)] summed over batches and ranks."""
+    sums, correct, counts = stats[:steps], stats[steps:2 * steps], stats[2 * steps:3 * steps]
+    from eyas.loss import simulated_acceptance_length
+
+    acc = (correct / counts.clamp(min=1)).tolist()
+    return {"loss": float((weights * sums / counts.clamp(min=1)).sum()),
+            "acc": [round(a, 5) for a in acc],
+            "sim_acceptance_length": round(simulated_acceptance_length(acc), 5),
+            "positions": int(counts[0])}
+
+
+def _batch_stats(out, steps: int) -> torch.Tensor:
+    """(3S,) loss sums, correct and counts of one TTT forward (detached, float64)."""
+    counts = out.step_count.double()
+    return torch.cat([out.step_loss_sum.detach().double(),
+                      (out.step_acc.double() * counts).round(), counts])
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, env: Env, steps: int,
+             weights: torch.Tensor) -> dict:
+    """Per-step accuracy, loss and simulated acceptance length over the whole eval set."""
+    model.eval()
+    stats = torch.zeros(3 * steps, dtype=torch.float64, device=env.device)
+    for mb in loader:
+        with _autocast(env):
+            stats += _batch_stats(model(_on(mb, env)), steps)
+    model.train()
+    return _summary(_all_sum(stats), steps, weights.to(stats))
+
+
+class MetricsLog:
+    """metrics.jsonl (always), TensorBoard scalars (if installed); rank 0 only."""
+
+    def __init__(self, run_dir: Path, resume_step: int):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if self.path.is_file() and resume_step > 0:  # drop records of steps lost with a kill
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            log.debug("tensorboard not installed: metrics go to metrics.jsonl only")
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+                elif isinstance(value, list):
+                    for j, v in enumerate(value):
+                        self.tb.add_scalar(f"{record['kind']}/{key}_{j}", v, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_curves(run_dir: Path) -> Path | None:
+    """curves.png: loss, step-0 accuracy and simulated acceptance length, train and eval."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not installed: no curves.png (pip install matplotlib)")
+        return None
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        got = [r for r in rows if r["kind"] == kind]
+        if not got:
+            continue
+        steps = [r["step"] for r in got]
+        axes[0].plot(steps, [r["loss"] for r in got], style, label=kind)
+        axes[1].plot(steps, [r["acc"][0] for r in got], style, label=kind)
+        axes[2].plot(steps, [r["sim_acceptance_length"] for r in got], style, label=kind)
+    for ax, title in zip(axes, ("TTT loss", "step-0 top-1 accuracy", "simulated acceptance length")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    path = run_dir / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
+    done = rec["step"] - start
+    eta = elapsed / max(done, 1) * (total - rec["step"])
+    acc = "/".join(f"{a:.2f}" for a in rec["acc"][:4])
+    return (f"step {rec['step']}/{total} | loss {rec['loss']:.4f} | acc {acc} | "
+            f"AL {rec['sim_acceptance_length']:.2f} | {rec['tokens_per_s']:.0f} tok/s | "
+            f"lr {rec['lr']:.2e} | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+
+
+def _resume_path(cfg: TrainConfig, env: Env) -> Path | None:
+    """Rank 0 decides (only it needs the run folder) and tells the others."""
+    path = None
+    if env.main:
+        path = checkpoint.resolve_resume(cfg.out, cfg.resume)
+        if cfg.resume == "never" and (Path(cfg.out) / "checkpoints").is_dir():
+            log.warning("--resume never: deleting the old checkpoints in %s", cfg.out)
+            checkpoint.clear_after(cfg.out, -1)
+        elif path is not None:
+            checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
+    if dist.is_initialized():
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train an EAGLE-3 draft into `cfg.out` (see docs/train.md). Returns the run summary:
+    steps, best {step, sim_acceptance_length}, and the last eval metrics."""
+    from eyas.draft import ttt_positions
+
+    # ---- setup: processes, data, draft, parallelism, optimizer, schedule, resume
+    env = init_env(cfg)
+    run_dir = Path(cfg.out)
+    hidden_dtype = _compute_dtype(env)
+    inputs = open_inputs(cfg, env, hidden_dtype)
+    draft, dcfg = build_draft(cfg, inputs, env)
+    teacher = inputs.lm_head[draft.t2d.cpu()].to(env.device, hidden_dtype)  # (Vd, Ht)
+    model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps), cfg, env)
+    row = cfg.row_tokens or cfg.batch_tokens
+    packing = data.Packing(row, cfg.batch_tokens // row, cfg.truncate)
+    lengths, per_step = inputs.train.lengths, env.world_size * cfg.grad_accum
+    data.check_lengths(lengths, inputs.train_ids, packing, "the training data")
+    plan, epoch_of = data.plan_run(inputs.train_ids, lengths, packing, seed=cfg.seed,
+                                   per_step=per_step, epochs=cfg.epochs, max_steps=cfg.max_steps)
+    total = len(plan) // per_step
+    fingerprint = data.plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step)
+    eval_plan = []
+    if inputs.eval is not None:
+        data.check_lengths(inputs.eval.lengths, inputs.eval_ids, packing, "the eval data")
+        eval_plan = data.eval_rank_batches(data.pack(inputs.eval_ids, inputs.eval.lengths, packing),
+                                           rank=env.rank, world_size=env.world_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
+    start, best = 0, {"step": None, "sim_acceptance_length": None}
+    resume = _resume_path(cfg, env)
+    if resume is not None:
+        state = checkpoint.load(resume, model, optimizer, scheduler)
+        if state["plan"] != fingerprint:
+            raise EyasError(f"{resume} was trained with other data or batching (samples, "
+                            f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
+                            f"--grad-accum); resume with the same settings or use --resume never.")
+        start, best = state["step"], state["best"]
+    workers = 0 if cfg.online else cfg.num_workers
+    pin = env.device.type == "cuda" and not cfg.online
+    batches = iter(data.loader(inputs.train, data.rank_slice(plan, rank=env.rank,
+                               world_size=env.world_size, start=start * per_step),
+                               row, hidden_dtype, num_workers=workers, pin_memory=pin))
+    metrics = MetricsLog(run_dir, start) if env.main else None
+    if env.main:
+        write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       aux_layer_ids=list(inputs.aux_layer_ids), complete=False)
+        log.info("training %d steps (from %d) on %d samples, %d micro-batches of %d x %d "
+                 "tokens per step, %d rank(s), %s", total, start, len(inputs.train_ids),
+                 per_step, packing.rows, row, env.world_size,
+                 f"{cfg.parallel} on {env.device.type}" if env.world_size > 1 else env.device)
+    steps = cfg.ttt_steps
+    weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
+    window = torch.zeros(3 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
+    t_window = t_start = time.perf_counter()
+    last_train, last_eval = {}, {}
+    model.train()
+    # ---- the loop: one optimizer step per iteration
+    for step in range(start + 1, total + 1):
+        # 1. This rank's micro-batches; N_j = positions with a step-j loss in the whole step.
+        micro = [_on(next(batches), env) for _ in range(cfg.grad_accum)]
+        denom = _all_sum(sum(ttt_positions(b, draft.t2d, steps).sum(1) for b in micro).float())
+        # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
+        #    DDP/FSDP average over ranks, hence the world_size factor.
+        for a, batch in enumerate(micro):
+            with _grad_sync(model, a == len(micro) - 1):
+                with _autocast(env):
+                    out = model(batch)
+                loss = (weights * out.step_loss_sum / denom.clamp(min=1)).sum() * env.world_size
+                loss.backward()
+            window[:-1] += _batch_stats(out, steps)
+            window[-1] += int((batch.doc_ids >= 0).sum())
+        # 3. Clip the global gradient norm, step AdamW and the schedule.
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # 4. Log (window sums over ranks), evaluate, checkpoint.
+        if step % cfg.log_every == 0 or step == total:
+            stats = _all_sum(window).tolist()
+            now = time.perf_counter()
+            last_train = {"kind": "train", "step": step, "epoch": epoch_of[(step - 1) * per_step],
+                          **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
+                          "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
+                          "tokens": int(stats[-1]), "tokens_per_s": stats[-1] / (now - t_window),
+                          "elapsed_s": round(now - t_start, 2)}
+            window.zero_()
+            t_window = now
+            if metrics:
+                metrics.write(last_train)
+                log.info(_progress(last_train, total, now - t_start, start))
+        new_best = False
+        if eval_plan and (step % cfg.eval_every == 0 or step == total):
+            loader = data.loader(inputs.eval, eval_plan, row, hidden_dtype, num_workers=workers,
+                                 pin_memory=pin)
+            last_eval = {"kind": "eval", "step": step, **evaluate(model, loader, env, steps, weights)}
+            new_best = best["step"] is None or \
+                last_eval["sim_acceptance_length"] > best["sim_acceptance_length"]
+            if new_best:
+                best = {"step": step, "sim_acceptance_length": last_eval["sim_acceptance_length"]}
+            if metrics:
+                metrics.write(last_eval)
+                log.info("eval step %d | loss %.4f | acc %s | simulated AL %.3f%s", step,
+                         last_eval["loss"], last_eval["acc"], last_eval["sim_acceptance_length"],
+                         " (best)" if new_best else "")
+        if step % cfg.save_every == 0 or step == total or new_best:
+            checkpoint.save(run_dir, step, model, optimizer, scheduler,
+                            draft_config=dcfg.to_dict(), keep_last=cfg.keep_last,
+                            state={"step": step, "data_position": step * per_step,
+                                   "plan": fingerprint, "best": best, "world_size": env.world_size},
+                            metrics={"train": last_train, "eval": last_eval},
+                            best_step=best["step"])
+    # ---- finish: curves, manifest, summary
+    summary = {"steps": total, "best": best, "eval": last_eval, "train": last_train}
+    if metrics:
+        metrics.close()
+        plot_curves(run_dir)
+        write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       aux_layer_ids=list(inputs.aux_layer_ids), complete=True, best=best,
+                       steps=total, draft_config=dcfg.to_dict())
+    if dist.is_initialized():
+        dist.barrier()
+    return summary

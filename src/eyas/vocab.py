@@ -1,0 +1,140 @@
+"""`eyas vocab`: the draft vocabulary (d2t / t2d) from prepare's assistant-token counts.
+
+The draft predicts over `Vd` of the target's `V` ids: the `Vd` most frequent target ids among
+loss-masked (assistant) tokens, ties broken by the lower id, padded with the lowest unused
+ids when fewer than `Vd` ids were seen, sorted ascending. Draft id `i` is target id
+`i + d2t[i]` (d2t holds int64 OFFSETS, as vLLM reads it); `t2d` is a bool mask over the
+target vocab with exactly `Vd` true entries. Output: `vocab.safetensors` + `eyas.json`
+(with `coverage`, the share of assistant tokens whose id is in the draft vocab).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.config import ConfigError, option, out_option, required
+from eyas.errors import EyasError
+from eyas.manifest import check_same_target, read_manifest, write_manifest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DRAFT_VOCAB = 32000
+COUNTS_FILE = "token_counts.safetensors"
+VOCAB_FILE = "vocab.safetensors"
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    """Pick the draft vocabulary from the token counts of one or more prepared folders."""
+
+    data: tuple[str, ...] = required("prepared folder(s) written by `eyas prepare` (same target)")
+    out: str = out_option("output folder (vocab/)")
+    draft_vocab_size: int = option(
+        DEFAULT_DRAFT_VOCAB, "draft vocabulary size Vd; the default becomes the whole target "
+                             "vocab when that is smaller")
+
+    def __post_init__(self):
+        if not self.data:
+            raise ConfigError("vocab needs --data: one or more folders written by `eyas prepare`")
+        if self.draft_vocab_size <= 0:
+            raise ConfigError(f"--draft-vocab-size must be > 0, got {self.draft_vocab_size}")
+
+
+def build_vocab(counts: torch.Tensor, draft_vocab_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """counts (V,) int64 -> (d2t (Vd,) int64 offsets, t2d (V,) bool, coverage in [0, 1])."""
+    counts = counts.to(torch.int64).reshape(-1)
+    v = counts.numel()
+    if draft_vocab_size > v:
+        raise EyasError(f"draft vocab size {draft_vocab_size} exceeds the target vocab of {v} "
+                        f"ids; pass --draft-vocab-size {v} or less")
+    # stable sort of -counts: most frequent first, equal counts (incl. the unseen zeros, which
+    # pad the selection) in ascending id order
+    order = torch.argsort(-counts, stable=True)
+    chosen = order[:draft_vocab_size].sort().values  # (Vd,) target ids, ascending
+    d2t = chosen - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[chosen] = True
+    total = int(counts.sum())
+    coverage = float(counts[chosen].sum()) / total if total else 0.0
+    return d2t, t2d, coverage
+
+
+def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int | None = None,
+                draft_vocab_size: int | None = None) -> None:
+    """Refuse a d2t/t2d pair that is malformed or made for other vocab sizes."""
+    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
+        raise EyasError(f"vocab: d2t must be 1-D int64 and t2d 1-D bool, got d2t "
+                        f"{tuple(d2t.shape)} {d2t.dtype}, t2d {tuple(t2d.shape)} {t2d.dtype}")
+    if vocab_size is not None and t2d.numel() != vocab_size:
+        raise EyasError(f"vocab: t2d covers {t2d.numel()} target ids but the target has "
+                        f"{vocab_size}; re-run `eyas vocab` on data prepared for this target")
+    if draft_vocab_size is not None and d2t.numel() != draft_vocab_size:
+        raise EyasError(f"vocab: d2t has {d2t.numel()} draft ids but the draft expects "
+                        f"{draft_vocab_size}; use the same --draft-vocab-size for vocab and train")
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if int(t2d.sum()) != d2t.numel() or not torch.equal(ids.cpu(), t2d.nonzero().squeeze(1).cpu()):
+        raise EyasError("vocab: d2t and t2d disagree (target ids i + d2t[i] must be exactly the "
+                        "true entries of t2d, ascending); re-run `eyas vocab`")
+
+
+def load_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(d2t, t2d, manifest) of a folder written by `eyas vocab`, checked."""
+    manifest = read_manifest(folder, step="vocab")
+    tensors = load_file(str(Path(folder) / VOCAB_FILE))
+    check_vocab(tensors["d2t"], tensors["t2d"], manifest.get("vocab_size"),
+                manifest.get("draft_vocab_size"))
+    return tensors["d2t"], tensors["t2d"], manifest
+
+
+def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:
+    manifests = [read_manifest(f, step="prepare") for f in folders]
+    for m in manifests[1:]:
+        check_same_target(m.get("target"), manifests[0].get("target"),
+                          f"prepared folder {m['path']}")
+    total = None
+    for m in manifests:
+        path = Path(m["path"]) / COUNTS_FILE
+        if not path.is_file():
+            raise EyasError(f"{path} is missing; re-run `eyas prepare` for {m['path']}")
+        counts = load_file(str(path))["counts"].to(torch.int64)
+        expected = m.get("vocab_size") or (m.get("target") or {}).get("vocab_size")
+        if expected and counts.numel() != int(expected):
+            raise EyasError(f"{path} counts {counts.numel()} ids but the target vocab has "
+                            f"{expected}; re-run `eyas prepare` for {m['path']}")
+        if total is not None and counts.numel() != total.numel():
+            raise EyasError(f"{m['path']} counts {counts.numel()} ids but {manifests[0]['path']} "
+                            f"counts {total.numel()}: the folders were prepared for different "
+                            f"targets; give folders of one target")
+        total = counts if total is None else total + counts
+    return total, manifests
+
+
+def vocab(cfg: VocabConfig) -> dict:
+    """Write `vocab.safetensors` (d2t, t2d) and the manifest into cfg.out; return the manifest."""
+    counts, manifests = _read_counts(cfg.data)
+    seen = int(counts.sum())
+    if seen == 0:
+        raise EyasError(f"no assistant (loss-masked) tokens in {list(cfg.data)}; check that "
+                        f"prepare found assistant turns (see its rejects.jsonl and stats)")
+    size = cfg.draft_vocab_size
+    if size > counts.numel() and size == DEFAULT_DRAFT_VOCAB:
+        log.info("target vocab has only %d ids (< default draft vocab %d): the draft uses the "
+                 "whole target vocabulary", counts.numel(), size)
+        size = counts.numel()
+    d2t, t2d, coverage = build_vocab(counts, size)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / VOCAB_FILE))
+    log.info("draft vocab: %d of %d target ids, covering %.2f%% of %d assistant tokens "
+             "(%d distinct ids seen)", size, counts.numel(), 100 * coverage, seen,
+             int((counts > 0).sum()))
+    return write_manifest(out, "vocab", cfg, target=manifests[0].get("target"), inputs=manifests,
+                          draft_vocab_size=size, vocab_size=int(counts.numel()),
+                          coverage=coverage, assistant_tokens=seen,
+                          distinct_ids_seen=int((counts > 0).sum()))

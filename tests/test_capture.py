@@ -1,0 +1,361 @@
+"""eyas capture: captured tensors against the target's own forward, packing, shard files,
+--shard jobs, resume after a real SIGKILL, NaN reporting and refusing a foreign prepared folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eyas import shards
+from eyas.capture import (CaptureConfig, batch_inputs, capture, capture_samples,
+                          iter_captured_batches, plan_batches)
+from eyas.config import ConfigError
+from eyas.errors import EyasError
+from eyas.manifest import read_manifest, target_record, write_manifest
+from eyas.models import load_target, load_tokenizer, submodule
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def make_prepared(folder: Path, model_dir, *, n_train=14, n_eval=4, seed=0, max_len=40,
+                  bad_token: int | None = None, tokenizer_hash: str | None = None) -> Path:
+    """A prepared/ folder in the documented format, with random token rows of mixed lengths.
+    With `bad_token`, rows 3 and 7 of train contain it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(n, prefix):
+        cols = {"input_ids": [], "loss_mask": [], "sample_id": [], "num_tokens": [],
+                "messages_json": []}
+        for i in range(n):
+            length = int(torch.randint(2, max_len, (1,), generator=g))
+            ids = torch.randint(10, 2000, (length,), generator=g)
+            if bad_token is not None:
+                ids[ids == bad_token] = 11
+                if prefix == "train" and i in (3, 7):
+                    ids[length // 2] = bad_token
+            cols["input_ids"].append(ids.tolist())
+            cols["loss_mask"].append(torch.randint(0, 2, (length,), generator=g).tolist())
+            cols["sample_id"].append(f"{prefix}:{i}")
+            cols["num_tokens"].append(length)
+            cols["messages_json"].append("[]")
+        return datasets.Dataset.from_dict(cols)
+
+    datasets.DatasetDict({"train": rows(n_train, "train"), "eval": rows(n_eval, "eval")}
+                         ).save_to_disk(str(folder / "dataset"))
+    target = target_record(str(model_dir), tokenizer=load_tokenizer(str(model_dir)))
+    if tokenizer_hash is not None:
+        target["tokenizer_hash"] = tokenizer_hash
+    write_manifest(folder, "prepare", {"seed": seed}, target=target, max_length=max_len)
+    return folder
+
+
+def load_fp32(model_dir, trust_remote_code=False):
+    return load_target(str(model_dir), dtype="float32", trust_remote_code=trust_remote_code)
+
+
+@pytest.fixture(scope="module")
+def llama_prepared(llama_dir, tmp_path_factory):
+    return make_prepared(tmp_path_factory.mktemp("prepared"), llama_dir)
+
+
+@pytest.fixture(scope="module")
+def kimi_dir(tmp_path_factory):
+    from eyas.kimi_like import build_kimi_like
+
+    return build_kimi_like(tmp_path_factory.mktemp("kimi"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    """Tiny DeepSeek-V3 with num_key_value_heads == num_attention_heads, as MLA requires
+    (HF's MLA attention gives keys all heads; fewer kv heads breaks any padding-masked forward)."""
+    from eyas.tiny import save_tiny_tokenizer, tiny_config
+
+    config = tiny_config("deepseek_v3")
+    config.num_key_value_heads = config.num_attention_heads
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-deepseek")
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    save_tiny_tokenizer(out)
+    return out
+
+
+def _cfg(model_dir, prepared, out, **kw):
+    base = dict(target=str(model_dir), data=str(prepared), out=str(out), model_dtype="fp32",
+                batch_tokens=96, file_mb=0.02)
+    return CaptureConfig(**{**base, **kw})
+
+
+def _by_row(folder) -> dict[int, dict]:
+    cs = shards.open_capture(folder)
+    return {int(cs.sample_index[i]): cs.sample(i, dtype=torch.float32)
+            for i in range(cs.num_samples)}
+
+
+def _reference(model, info, ids: list[int]):
+    """Unpadded single-sample forward of the text decoder with output_hidden_states."""
+    out = submodule(model, info.text_model_path)(input_ids=torch.tensor([ids]),
+                                                output_hidden_states=True, use_cache=False)
+    logits = submodule(model, info.lm_head_path)(out.last_hidden_state[0])
+    return [h[0] for h in out.hidden_states], logits.argmax(-1)
+
+
+# ------------------------------------------------------------------ exactness of the taps
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "qwen2_5_vl", "kimi_like"])
+def test_taps_equal_output_hidden_states_of_the_same_forward(arch, tiny_model_dir, kimi_dir,
+                                                             deepseek_dir, tmp_path):
+    """Bit-identical to output_hidden_states[k] of the same (padded) forward, id L before the
+    final norm, final hidden after it, top-1 from the full lm_head."""
+    model_dir = {"kimi_like": kimi_dir, "deepseek_v3": deepseek_dir}.get(arch) or tiny_model_dir(arch)
+    model, info = load_fp32(model_dir, trust_remote_code=arch == "kimi_like")
+    ds = datasets.load_from_disk(str(make_prepared(tmp_path, model_dir) / "dataset"))["train"]
+    L = info.num_layers
+    for ids in [(0, L // 2, L), tuple(info.default_aux_layer_ids)]:
+        for batch in iter_captured_batches(model, info, ds, ids, batch_tokens=200,
+                                           packing="padded"):
+            rows = batch["sample_index"].tolist()
+            samples = [(ds[r]["input_ids"], ds[r]["loss_mask"]) for r in rows]
+            inputs, host = batch_inputs(samples, flat=False)
+            out = submodule(model, info.text_model_path)(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                output_hidden_states=True, use_cache=False)
+            hs = [h.reshape(-1, h.shape[-1])[inputs["gather"]] for h in out.hidden_states]
+            for j, k in enumerate(ids):
+                if k < L:
+                    assert torch.equal(batch["aux_hidden"][:, j], hs[k]), (arch, k)
+                else:  # id L: the last layer's output, i.e. the final norm's input
+                    norm = submodule(model, info.norm_path)
+                    assert not torch.equal(batch["aux_hidden"][:, j], hs[L])
+                    assert torch.equal(norm(batch["aux_hidden"][:, j]), hs[L]), arch
+            assert torch.equal(batch["final_hidden"], hs[L])
+            logits = submodule(model, info.lm_head_path)(hs[L])
+            assert torch.equal(batch["target_top1"], logits.argmax(-1).int())
+            assert torch.equal(batch["input_ids"], host["input_ids"])
+            assert batch["loss_mask"].dtype == torch.uint8
+            assert batch["target_top1"].dtype == torch.int32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("packing", ["padded", "flat"])
+def test_batched_capture_equals_unpadded_per_sample_forward(arch, packing, tiny_model_dir,
+                                                            tmp_path):
+    model, info = load_fp32(tiny_model_dir(arch))
+    ds = datasets.load_from_disk(str(make_prepared(tmp_path, tiny_model_dir(arch))
+                                     / "dataset"))["train"]
+    ids = (1, 4, 8)
+    seen = []
+    for batch in iter_captured_batches(model, info, ds, ids, batch_tokens=120, packing=packing):
+        off = batch["sample_offsets"].tolist()
+        for j, row in enumerate(batch["sample_index"].tolist()):
+            s, e = off[j], off[j + 1]
+            hs, top1 = _reference(model, info, ds[row]["input_ids"])
+            for a, k in enumerate(ids[:2]):
+                torch.testing.assert_close(batch["aux_hidden"][s:e, a], hs[k], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(batch["final_hidden"][s:e], hs[-1], rtol=1e-5, atol=1e-5)
+            assert torch.equal(batch["target_top1"][s:e], top1.int())
+            assert batch["loss_mask"][s:e].tolist() == ds[row]["loss_mask"]
+            seen.append(row)
+    assert sorted(seen) == list(range(len(ds)))
+
+
+def test_flat_packing_refused_where_attention_ignores_position_resets(tiny_model_dir, tmp_path):
+    """Qwen2.5-VL's text model only isolates packed samples given 4-row mrope positions: the
+    self-check must catch the leak instead of capturing cross-sample attention."""
+    model, info = load_fp32(tiny_model_dir("qwen2_5_vl"))
+    ds = datasets.load_from_disk(str(make_prepared(tmp_path, tiny_model_dir("qwen2_5_vl"))
+                                     / "dataset"))["train"]
+    with pytest.raises(EyasError, match="--packing padded"):
+        next(iter_captured_batches(model, info, ds, (1, 4, 8), 100, packing="flat"))
+
+
+def test_capture_samples_returns_rows_in_order(llama_dir, llama_prepared):
+    model, info = load_fp32(llama_dir)
+    ds = datasets.load_from_disk(str(llama_prepared / "dataset"))["train"].select([5, 1, 9])
+    got = capture_samples(model, info, ds, (1, 4, 6), dtype=torch.bfloat16)
+    assert [g["input_ids"].tolist() for g in got] == [list(r) for r in ds["input_ids"]]
+    assert got[0]["aux_hidden"].dtype == torch.bfloat16
+    assert got[0]["aux_hidden"].shape == (ds[0]["num_tokens"], 3, info.hidden_size)
+
+
+# ------------------------------------------------------------------ shards on disk
+
+def test_capture_writes_verified_shards_matching_the_forward(llama_dir, llama_prepared, tmp_path):
+    out = tmp_path / "cap"
+    stats = capture(_cfg(llama_dir, llama_prepared, out))
+    index = shards.verify(out)
+    manifest = read_manifest(out, step="capture")
+    assert manifest["complete"] is True and manifest["aux_layer_ids"] == [2, 4, 5]
+    assert manifest["layer_id_convention"].startswith("vllm")
+    assert index["num_samples"] == 14 == stats["samples"] and len(index["files"]) > 1
+    assert stats["bytes_per_token"] > (3 * 64 + 64) * 2
+    model, info = load_fp32(llama_dir)
+    ds = datasets.load_from_disk(str(llama_prepared / "dataset"))["train"]
+    for row, got in _by_row(out).items():
+        hs, top1 = _reference(model, info, ds[row]["input_ids"])
+        want = torch.stack([hs[2], hs[4], hs[5]], dim=1).bfloat16().float()
+        torch.testing.assert_close(got["aux_hidden"], want, rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(got["final_hidden"], hs[-1].bfloat16().float(), rtol=1e-2,
+                                   atol=1e-3)
+        assert torch.equal(got["target_top1"], top1.int())
+        assert got["input_ids"].tolist() == ds[row]["input_ids"]
+        assert got["loss_mask"].tolist() == ds[row]["loss_mask"]
+    # index integrity: a flipped byte, then a missing file, are both caught
+    victim = out / index["files"][0]["file"]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(EyasError, match="sha256"):
+        shards.verify(out)
+    victim.unlink()
+    with pytest.raises(EyasError, match="missing"):
+        shards.verify(out)
+
+
+def test_fp8_storage_and_split_all(llama_dir, llama_prepared, tmp_path):
+    capture(_cfg(llama_dir, llama_prepared, tmp_path / "bf16", split="all"))
+    capture(_cfg(llama_dir, llama_prepared, tmp_path / "fp8", split="all", dtype="fp8"))
+    shards.verify(tmp_path / "fp8")
+    ref, q = _by_row(tmp_path / "bf16"), _by_row(tmp_path / "fp8")
+    assert sorted(q) == list(range(18))
+    for row, got in q.items():
+        want = ref[row]["aux_hidden"]
+        err = (got["aux_hidden"] - want).abs().amax(-1) / want.abs().amax(-1)
+        assert float(err.max()) < 0.07  # e4m3: 3 mantissa bits, scaled per token per layer
+        assert torch.equal(got["final_hidden"], ref[row]["final_hidden"])
+    cs = shards.open_capture(tmp_path / "fp8")
+    assert sorted(cs.sample_index[cs.positions("eval")].tolist()) == [14, 15, 16, 17]
+    sizes = [json.loads((tmp_path / d / "index.json").read_text())["num_bytes"]
+             for d in ("bf16", "fp8")]
+    assert sizes[1] < sizes[0]
+
+
+def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path):
+    out = tmp_path / "cap"
+    capture(_cfg(llama_dir, llama_prepared, out, shard="1/2"))
+    assert read_manifest(out, step="capture")["complete"] is False
+    with pytest.raises(EyasError, match="not finished"):
+        shards.verify(out)
+    with pytest.raises(EyasError, match="incomplete"):
+        shards.open_capture(out)
+    capture(_cfg(llama_dir, llama_prepared, out, shard="0/2"))
+    index = shards.verify(out)
+    assert index["complete"] and index["num_samples"] == 14
+    capture(_cfg(llama_dir, llama_prepared, tmp_path / "one"))
+    whole, split = _by_row(tmp_path / "one"), _by_row(out)
+    assert sorted(split) == sorted(whole)
+    for row in whole:
+        torch.testing.assert_close(split[row]["aux_hidden"], whole[row]["aux_hidden"],
+                                   rtol=1e-2, atol=1e-3)
+    with pytest.raises(EyasError, match="other settings"):
+        capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 2, 3)))
+    capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 2, 3), overwrite=True))
+    assert shards.verify(out)["settings"]["aux_layer_ids"] == [1, 2, 3]
+
+
+def test_resume_after_sigkill_loses_and_duplicates_nothing(llama_dir, llama_prepared, tmp_path):
+    out = tmp_path / "cap"
+    argv = [sys.executable, "-m", "eyas", "capture", "--target", str(llama_dir),
+            "--data", str(llama_prepared), "--out", str(out), "--model-dtype", "fp32",
+            "--batch-tokens", "96", "--file-mb", "0.02"]
+    env = {**os.environ, "EYAS_TEST_KILL_AFTER_FILES": "2",
+           "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    killed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    parts = sorted(p.name for p in out.glob("*.part-*.safetensors"))
+    assert len(parts) == 2 and not (out / "eyas.json").exists()
+    state = json.loads((out / "shard-00000-of-00001.json").read_text())
+    assert len(state["parts"]) == 1  # killed after renaming part 2, before recording it
+    capture(_cfg(llama_dir, llama_prepared, out))  # resume
+    index = shards.verify(out)  # every row exactly once
+    assert [e["file"] for e in index["files"]][:2] == parts
+    capture(_cfg(llama_dir, llama_prepared, tmp_path / "clean"))
+    resumed, clean = _by_row(out), _by_row(tmp_path / "clean")
+    assert sorted(resumed) == sorted(clean) == list(range(14))
+    for row in clean:
+        for key in ("aux_hidden", "final_hidden"):
+            torch.testing.assert_close(resumed[row][key], clean[row][key], rtol=1e-2, atol=1e-3)
+        for key in ("target_top1", "input_ids", "loss_mask"):
+            assert torch.equal(resumed[row][key], clean[row][key])
+
+
+def test_nonfinite_samples_are_set_aside_and_reported(llama_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir))
+    bad_token = 1234
+    with torch.no_grad():
+        model.get_input_embeddings().weight[bad_token] = float("inf")
+    broken = tmp_path / "broken"
+    model.save_pretrained(broken)
+    load_tokenizer(str(llama_dir)).save_pretrained(broken)
+    prepared = make_prepared(tmp_path / "prep", broken, bad_token=bad_token)
+    stats = capture(_cfg(broken, prepared, tmp_path / "cap", packing="padded"))
+    assert stats["nonfinite"] == 2 and stats["samples"] == 12
+    report = shards.read_report(tmp_path / "cap")
+    assert sorted(r["sample_id"] for r in report) == ["train:3", "train:7"]
+    assert sorted(r["sample_index"] for r in report) == [3, 7]
+    shards.verify(tmp_path / "cap")  # the set-aside rows count as accounted for
+    got = _by_row(tmp_path / "cap")
+    assert 3 not in got and 7 not in got
+    assert all(bool(g["aux_hidden"].isfinite().all()) for g in got.values())
+
+
+def test_refuses_prepared_folder_from_another_tokenizer(llama_dir, tmp_path):
+    prepared = make_prepared(tmp_path / "prep", llama_dir, tokenizer_hash="0123456789abcdef")
+    with pytest.raises(EyasError, match=r"tokenizer_hash.*--target"):
+        capture(_cfg(llama_dir, prepared, tmp_path / "cap"))
+    assert not (tmp_path / "cap").exists()
+
+
+# ------------------------------------------------------------------ small units
+
+def test_plan_batches_respects_the_token_budget():
+    lengths = [5, 30, 12, 12, 40, 3, 7, 100]
+    rows = list(range(len(lengths)))
+    for flat in (False, True):
+        batches = plan_batches(lengths, rows, 48, flat)
+        assert sorted(r for b in batches for r in b) == rows
+        for b in batches:
+            cost = sum(lengths[r] for r in b) if flat else max(lengths[r] for r in b) * len(b)
+            assert cost <= 48 or len(b) == 1
+        assert batches[0] == [7]  # longest first; over budget, alone
+
+
+def test_fp8_roundtrip_and_batch_helpers():
+    torch.manual_seed(0)
+    x = torch.randn(10, 3, 32) * torch.logspace(-3, 3, 10)[:, None, None]
+    x[4, 1] = 0
+    q, scale = shards.quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (10, 3)
+    back = shards.dequantize_fp8(q, scale, torch.float32)
+    assert float(((back - x).abs().amax(-1) / x.abs().amax(-1).clamp_min(1e-30)).max()) < 0.07
+    assert torch.equal(back[4, 1], torch.zeros(32))
+    batch = {"input_ids": torch.arange(9), "sample_offsets": torch.tensor([0, 2, 5, 9]),
+             "sample_index": torch.tensor([7, 3, 5])}
+    bad = torch.zeros(9, dtype=torch.bool)
+    bad[3] = True
+    kept, dropped = shards.drop_samples(batch, bad)
+    assert dropped == [1] and kept["input_ids"].tolist() == [0, 1, 5, 6, 7, 8]
+    assert kept["sample_offsets"].tolist() == [0, 2, 6] and kept["sample_index"].tolist() == [7, 5]
+    merged = shards.merge_batches([kept, batch])
+    assert merged["sample_offsets"].tolist() == [0, 2, 6, 8, 11, 15]
+    assert merged["sample_index"].tolist() == [7, 5, 7, 3, 5]
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="I/N"):
+        CaptureConfig(target="t", data="d", out="o", shard="2")
+    with pytest.raises(ConfigError, match="0 <= I < N"):
+        CaptureConfig(target="t", data="d", out="o", shard="2/2")
+    with pytest.raises(ConfigError, match="exactly 3"):
+        CaptureConfig(target="t", data="d", out="o", aux_layer_ids=(1, 2))
+    assert CaptureConfig(target="t", data="d", out="o", shard="3/4").shard_index() == (3, 4)

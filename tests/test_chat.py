@@ -1,0 +1,198 @@
+"""Reading chat files in every supported container and row format (eyas.chat)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eyas import chat
+from eyas.chat import ChatFormatError
+from eyas.errors import EyasError
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 plus 2?"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "tool", "content": "{\"ok\": true}"},
+    {"role": "assistant", "content": "Done."},
+]
+SHAREGPT = {"id": "sg-1", "conversations": [
+    {"from": "system", "value": "Be brief."},
+    {"from": "human", "value": "What is 2 plus 2?"},
+    {"from": "gpt", "value": "It is 4."},
+    {"from": "tool", "value": "{\"ok\": true}"},
+    {"from": "gpt", "value": "Done."},
+]}
+# Open-PerfectBlend rows: ShareGPT turns plus a `source` column.
+PERFECTBLEND = {"conversations": [{"from": "human", "value": "What is 2 plus 2?"},
+                                  {"from": "gpt", "value": "It is 4."}],
+                "source": "meta-math/MetaMathQA"}
+
+
+def write_jsonl(path, rows, extra_lines=()):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return path
+
+
+def rows_of(paths, fmt="auto"):
+    return list(chat.read_rows(paths, fmt))
+
+
+# ---------------------------------------------------------------- normalize
+
+def test_normalize_messages_sharegpt_and_perfectblend_agree():
+    assert chat.normalize({"messages": MESSAGES}) == MESSAGES
+    assert chat.normalize(SHAREGPT) == MESSAGES
+    assert chat.normalize(SHAREGPT, "sharegpt") == MESSAGES
+    assert chat.normalize(PERFECTBLEND) == [
+        {"role": "user", "content": "What is 2 plus 2?"},
+        {"role": "assistant", "content": "It is 4."}]
+
+
+def test_detect_format():
+    assert chat.detect_format({"messages": []}) == "messages"
+    assert chat.detect_format(SHAREGPT) == "sharegpt"
+    assert chat.detect_format({"conversation": []}) == "sharegpt"
+    with pytest.raises(ChatFormatError, match="no 'conversations' or 'messages'.*text"):
+        chat.detect_format({"text": "hello"})
+
+
+def test_normalize_forced_format_needs_its_column():
+    with pytest.raises(ChatFormatError, match="'messages'"):
+        chat.normalize(SHAREGPT, "messages")
+
+
+def test_normalize_text_parts_and_reasoning_field():
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "greet back"},
+    ]}
+    assert chat.normalize(row) == [
+        {"role": "user", "content": "Hi you"},
+        {"role": "assistant", "content": "<think>\ngreet back\n</think>\n\nHello."}]
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"messages": []}, "empty conversation"),
+    ({"messages": "hi"}, "not a list"),
+    ({"messages": [{"role": "narrator", "content": "x"}]}, "unknown role 'narrator'"),
+    ({"messages": [{"content": "x"}]}, "turn 0 has no 'role'"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 7}]},
+     "turn 1 content is a int, not a string"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+     "turn 1 has no content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                   {"role": "assistant", "content": "y"}]}, "not a string"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+    ({"messages": ["hello"]}, "turn 0 is a str"),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "bot", "value": "y"}]},
+     "unknown role 'bot'"),
+])
+def test_normalize_rejects_malformed_rows_with_reason(row, reason):
+    with pytest.raises(ChatFormatError, match=reason):
+        chat.normalize(row)
+
+
+def test_chat_format_error_is_a_value_error():
+    assert issubclass(ChatFormatError, ValueError)
+
+
+def test_sample_id():
+    assert chat.sample_id({"id": 12, "messages": []}, "f.jsonl", 3) == "12"
+    assert chat.sample_id({"conversation_id": "c9"}, "f.jsonl", 3) == "c9"
+    assert chat.sample_id({"messages": []}, "f.jsonl", 3) == "f.jsonl:3"
+
+
+def test_strip_reasoning_and_system_prompt():
+    msgs = [{"role": "user", "content": "q <think>not touched</think>"},
+            {"role": "assistant", "content": "<think>\nplan\n</think>\n\nAnswer."},
+            {"role": "assistant", "content": "half plan</think>Final."}]
+    assert chat.strip_reasoning(msgs) == [msgs[0], {"role": "assistant", "content": "Answer."},
+                                          {"role": "assistant", "content": "Final."}]
+    with_sys = chat.with_system_prompt(msgs, "SYS")
+    assert with_sys[0] == {"role": "system", "content": "SYS"} and with_sys[1:] == msgs
+    assert chat.with_system_prompt(MESSAGES, "SYS") == MESSAGES  # has its own
+    assert chat.with_system_prompt(msgs, None) == msgs
+
+
+# ---------------------------------------------------------------- containers
+
+def test_jsonl_rows_bad_lines_and_line_numbers(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [SHAREGPT, {"messages": MESSAGES}],
+                       extra_lines=["", "{not json", "[1, 2]", json.dumps(PERFECTBLEND)])
+    got = rows_of(path)
+    assert [r.row for r in got] == [1, 2, 4, 5, 6]  # line 3 is blank: not a row
+    assert got[0].data == SHAREGPT and got[1].data == {"messages": MESSAGES}
+    assert isinstance(got[2].data, ChatFormatError) and "invalid JSON" in str(got[2].data)
+    assert isinstance(got[3].data, ChatFormatError) and "not an object" in str(got[3].data)
+    assert got[4].data == PERFECTBLEND
+    file, row, data = got[0]  # unpacks as (file, row_number, raw_row or error)
+    assert file == str(path) and row == 1
+
+
+def test_json_list_object_and_jsonl_in_json(tmp_path):
+    (tmp_path / "list.json").write_text(json.dumps([SHAREGPT, {"messages": MESSAGES}]))
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": [SHAREGPT]}))
+    (tmp_path / "one.json").write_text(json.dumps(SHAREGPT))
+    write_jsonl(tmp_path / "lines.json", [SHAREGPT, SHAREGPT])
+    assert [(r.row, r.data) for r in rows_of(tmp_path / "list.json")] == [
+        (0, SHAREGPT), (1, {"messages": MESSAGES})]
+    assert [r.data for r in rows_of(tmp_path / "wrapped.json")] == [SHAREGPT]
+    assert [r.data for r in rows_of(tmp_path / "one.json")] == [SHAREGPT]
+    assert [(r.row, r.data) for r in rows_of(tmp_path / "lines.json")] == [
+        (1, SHAREGPT), (2, SHAREGPT)]
+
+
+def test_parquet_rows(tmp_path):
+    table = pa.Table.from_pylist([PERFECTBLEND, PERFECTBLEND])
+    pq.write_table(table, tmp_path / "blend.parquet")
+    got = rows_of(tmp_path / "blend.parquet")
+    assert [r.row for r in got] == [0, 1]
+    assert [chat.normalize(r.data) for r in got] == [chat.normalize(PERFECTBLEND)] * 2
+
+
+def test_datasets_folder_and_dataset_dict(tmp_path):
+    ds = datasets.Dataset.from_list([{"messages": MESSAGES, "id": "x"}] * 3)
+    ds.save_to_disk(str(tmp_path / "single"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(
+        str(tmp_path / "dict"))
+    single = rows_of(tmp_path / "single")
+    assert [r.row for r in single] == [0, 1, 2]
+    assert chat.normalize(single[0].data) == MESSAGES
+    both = rows_of(tmp_path / "dict")
+    assert [r.file.rsplit("/", 1)[-1] for r in both] == ["train"] * 3 + ["test"]
+
+
+def test_globs_folders_and_gzip(tmp_path):
+    for name in ("b.jsonl", "a.jsonl"):
+        write_jsonl(tmp_path / name, [SHAREGPT])
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(json.dumps(SHAREGPT) + "\n")
+    (tmp_path / "notes.txt").write_text("not data")
+    by_glob = rows_of(str(tmp_path / "*.jsonl*"))
+    assert [r.file.rsplit("/", 1)[-1] for r in by_glob] == ["a.jsonl", "b.jsonl", "c.jsonl.gz"]
+    by_folder = rows_of(tmp_path)
+    assert [r.file for r in by_folder] == [r.file for r in by_glob]
+    both = rows_of((str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl")))
+    assert [r.file.rsplit("/", 1)[-1] for r in both] == ["b.jsonl", "a.jsonl"]
+
+
+def test_missing_paths_are_user_errors(tmp_path):
+    with pytest.raises(EyasError, match="does not exist"):
+        rows_of(tmp_path / "nope.jsonl")
+    with pytest.raises(EyasError, match="no files match"):
+        rows_of(str(tmp_path / "*.parquet"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EyasError, match="holds no"):
+        rows_of(tmp_path / "empty")
+    with pytest.raises(EyasError, match="unknown chat format"):
+        rows_of(tmp_path, "alpaca")

@@ -1,0 +1,217 @@
+"""eyas doctor: the report on real tiny targets (text and JSON, through the CLI), clear errors,
+and the vLLM checks: SupportsEagle3 by isinstance (never issubclass) and the model_type allow-list.
+The vLLM-marked test runs the real vLLM where it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from typing import ClassVar, Literal, Protocol, runtime_checkable
+
+import pytest
+
+from eyas.cli import main, parse_config
+from eyas.config import ConfigError
+from eyas.doctor import (DoctorConfig, allow_list_in_source, allowed_by,
+                         capture_bytes_per_token, doctor, eagle3_interface, plugin_plan,
+                         protocol_members)
+from eyas.errors import EyasError
+from eyas.models import inspect_model, load_config, load_tokenizer
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, kimi_like_dir):
+    return lambda name: kimi_like_dir if name == "kimi_like" else tiny_model_dir(name)
+
+
+# ----------------------------------------------------------------------------- the report
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3", "qwen2_5_vl", "kimi_like"])
+def test_report_matches_inspection(model_dir, name, capsys):
+    path = model_dir(name)
+    report = doctor(DoctorConfig(target=str(path), trust_remote_code=True))
+    info = inspect_model(load_config(path, trust_remote_code=True), trust_remote_code=True)
+    assert report["model"]["layers_path"] == info.layers_path
+    assert report["model"]["text_model_path"] == info.text_model_path
+    assert report["aux_layer_ids"]["ids"] == list(info.default_aux_layer_ids)
+    assert report["capture_bytes"]["bf16"] == 8 * info.hidden_size + 9
+    tok = load_tokenizer(path)
+    assert report["tokenizer"] == {"loaded": True, "class": type(tok).__name__,
+                                   "size": len(tok), "chat_template": True,
+                                   "fits_model_vocab": True}
+    text = capsys.readouterr().out
+    assert f"{info.layers_path}: {info.num_layers} x " in text
+    assert f"aux layer ids    {info.default_aux_layer_ids} default (2, L//2, L-3)" in text
+    json.dumps(report)  # the same dict is what --json prints
+
+
+def test_kimi_like_report_text(model_dir, capsys):
+    doctor(DoctorConfig(target=str(model_dir("kimi_like")), trust_remote_code=True,
+                        aux_layer_ids=(1, 4, 8)))
+    text = capsys.readouterr().out
+    assert "KimiK25ForConditionalGeneration (model_type kimi_k25_like, text model_type " \
+           "deepseek_v3)" in text
+    assert "text decoder     language_model.model (below a wrapper)" in text
+    assert "language_model.model.layers: 8 x DeepseekV3DecoderLayer" in text
+    assert "MLA, MoE (4 experts)" in text
+    # id 8 = L: the output of the last layer, not the input of a ninth one
+    assert "output of language_model.model.layers[7]" in text
+    assert "(1, 4, 8) given" in text
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="checks the report without vLLM")
+def test_without_vllm_says_what_was_not_checked(model_dir, capsys):
+    report = doctor(DoctorConfig(target=str(model_dir("kimi_like")), trust_remote_code=True))
+    vl = report["vllm"]
+    assert vl["importable"] is False and "vllm" in vl["error"]
+    assert any("SupportsEagle3" in line for line in vl["not_checked"])
+    assert "'deepseek_v3' is not" in vl["hint"]
+    assert report["ok"] and "vLLM side not checked" in capsys.readouterr().out
+
+
+def test_cli_json(model_dir, capsys):
+    rc = main(["doctor", str(model_dir("qwen2_5_vl")), "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["is_wrapper"] is True
+    assert report["model"]["lm_head_path"] == "lm_head"
+
+
+def test_cli_parses_positional_target_and_ids(model_dir):
+    cfg = parse_config("doctor", [str(model_dir("llama")), "--aux-layer-ids", "1,3,8"])
+    assert cfg.target == str(model_dir("llama")) and cfg.aux_layer_ids == (1, 3, 8)
+    assert cfg.json is False and cfg.trust_remote_code is False
+
+
+def test_missing_model_is_a_clean_cli_error(tmp_path, capsys):
+    rc = main(["doctor", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not exist" in err and "Traceback" not in err
+
+
+def test_remote_code_without_trust_is_refused(model_dir):
+    with pytest.raises(EyasError, match="--trust-remote-code"):
+        doctor(DoctorConfig(target=str(model_dir("kimi_like"))))
+
+
+def test_bad_aux_ids(model_dir):
+    with pytest.raises(ConfigError, match="strictly ascending"):
+        DoctorConfig(target="x", aux_layer_ids=(4, 2, 1))
+    with pytest.raises(ConfigError, match="out of range"):
+        doctor(DoctorConfig(target=str(model_dir("llama")), aux_layer_ids=(2, 4, 9)))
+
+
+def test_capture_bytes_for_kimi_k25():
+    b = capture_bytes_per_token(7168)  # Kimi-K2.5 / DeepSeek-V3 hidden size
+    assert b["bf16"] == 3 * 7168 * 2 + 7168 * 2 + 4 + 4 + 1 == 57353
+    assert b["fp8_aux"] == 3 * 7168 + 3 * 4 + 7168 * 2 + 9
+
+
+# ----------------------------------------------------------------------------- vLLM checks
+
+@runtime_checkable
+class _Eagle3Shape(Protocol):
+    """Same kind of members as vLLM's SupportsEagle3: a ClassVar flag, plain flags, methods."""
+
+    supports_eagle3: ClassVar[Literal[True]] = True
+    has_own_lm_head: bool = False
+    has_own_embed_tokens: bool = False
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None: ...
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]: ...
+
+
+class _Complete:
+    supports_eagle3 = True
+    has_own_lm_head = False
+    has_own_embed_tokens = False
+
+    def set_aux_hidden_state_layers(self, layers): ...
+
+    def get_eagle3_default_aux_hidden_state_layers(self): ...
+
+
+class _Wrapper:  # a multimodal wrapper that only delegates to its language model
+    def get_language_model(self): ...
+
+
+def test_protocol_with_data_members_refuses_issubclass():
+    # Why eyas checks with isinstance on the class object: issubclass raises here.
+    with pytest.raises(TypeError, match="non-method members"):
+        issubclass(_Complete, _Eagle3Shape)
+
+
+def test_eagle3_interface_complete_and_missing():
+    check = lambda cls: isinstance(cls, _Eagle3Shape)  # noqa: E731 - vLLM's supports_eagle3
+    members = protocol_members(_Eagle3Shape)
+    assert "supports_eagle3" in members and "set_aux_hidden_state_layers" in members
+    ok = eagle3_interface(_Complete, _Eagle3Shape, check)
+    assert ok["supports_eagle3"] and ok["missing"] == []
+    assert ok["members"]["get_eagle3_aux_hidden_state_layers"] is False  # the old getter name
+    bad = eagle3_interface(_Wrapper, _Eagle3Shape, check)
+    assert not bad["supports_eagle3"]
+    assert set(bad["missing"]) == set(members)
+
+
+def test_eagle3_interface_reports_a_checker_that_raises():
+    def strict(cls):
+        return issubclass(cls, _Eagle3Shape)
+    res = eagle3_interface(_Complete, _Eagle3Shape, strict)
+    assert res["supports_eagle3"] is False and "TypeError" in res["error"]
+
+
+OLD_SOURCE = '''
+def _verify_args(self):
+    eagle3_target_supported = ["llama", "qwen", "minicpm", "gpt_oss"]
+    if self.method == "eagle3":
+        pass
+'''
+NEW_SOURCE = '''
+class SpeculativeConfig:
+    def _verify_args(self):
+        other_supported = ["x"]
+        aux_hidden_states_supported = [
+            "llama", "qwen", "deepseek_v3", "kimi_k2", "kimi_k25",
+        ]
+'''
+
+
+def test_allow_list_found_in_both_spellings():
+    assert allow_list_in_source(OLD_SOURCE) == (
+        "eagle3_target_supported", ["llama", "qwen", "minicpm", "gpt_oss"])
+    name, entries = allow_list_in_source(NEW_SOURCE)
+    assert name == "aux_hidden_states_supported" and "kimi_k25" in entries
+    assert allow_list_in_source("supported = ['llama']\n") is None
+
+
+def test_allow_list_matches_by_substring_like_vllm():
+    old = ["llama", "qwen", "minicpm", "gpt_oss"]
+    assert allowed_by("qwen2_5_vl_text", old) and allowed_by("llama", old)
+    assert not allowed_by("deepseek_v3", old)
+
+
+def test_plugin_plan_is_forwarded(monkeypatch):
+    plugin = types.ModuleType("eyas.vllm_plugin")
+    plugin.plan_patch = lambda cls: {"class": cls.__name__, "would_fix": True}
+    monkeypatch.setitem(sys.modules, "eyas.vllm_plugin", plugin)
+    assert plugin_plan(_Wrapper) == {"status": "planned",
+                                     "plan": {"class": "_Wrapper", "would_fix": True}}
+    del plugin.plan_patch
+    assert plugin_plan(_Wrapper)["status"] == "unknown"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
+@pytest.mark.parametrize("name", ["llama", "kimi_like"])
+def test_real_vllm(model_dir, name):
+    report = doctor(DoctorConfig(target=str(model_dir(name)), trust_remote_code=True))
+    vl = report["vllm"]
+    assert vl["importable"] and "eagle3" in vl, vl
+    if name == "llama":  # vLLM's Llama implements SupportsEagle3 in every eagle3 release
+        assert vl["eagle3"]["supports_eagle3"] and vl["model_type"]["accepted"] is not False
+    assert set(vl["eagle3"]["members"]) >= {"set_aux_hidden_state_layers", "supports_eagle3"}

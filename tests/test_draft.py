@@ -1,0 +1,285 @@
+"""The draft model: names, config mappings, forward vs an independent re-implementation of the
+reference math (written here from the spec, reading only the state dict), KV cache, loading."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+from eyas.config import ConfigError
+from eyas.draft import DraftConfig, Eagle3Draft, KVCache, draft_rope_scaling
+from eyas.errors import EyasError
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+LAYER_NAMES = {"midlayer." + n + ".weight" for n in (
+    "input_layernorm", "hidden_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj")}
+
+
+def small_cfg(**kw) -> DraftConfig:
+    base = dict(hidden_size=48, target_hidden_size=40, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0,
+                max_position_embeddings=512, vocab_size=97, draft_vocab_size=61,
+                aux_layer_ids=(1, 2, 3))
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def make_draft(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+    with torch.no_grad():  # norms away from 1 so a swapped norm cannot go unnoticed
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight") or ".fc_norm." in name or "layernorm" in name:
+                p.uniform_(0.5, 1.5)
+    return draft
+
+
+# ---------------------------------------------------------------- independent reference
+
+def ref_inv_freq(cfg: DraftConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    assert s["rope_type"] == "llama3"  # Meta's Llama-3.1 frequency rescaling
+    old = s["original_max_position_embeddings"]
+    low_wl, high_wl = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    out = []
+    for f in inv.tolist():
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(f)
+        elif wl > low_wl:
+            out.append(f / s["factor"])
+        else:
+            smooth = (old / wl - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            out.append((1 - smooth) * f / s["factor"] + smooth * f)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def reference_forward(sd, cfg, embed, ids, aux, pos, hidden=None):
+    """One row: ids (T,), aux (T, 3*Ht), pos (T,) -> (logits (T, Vd), pre-norm h (T, H))."""
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    L = "midlayer."
+    if hidden is None:
+        if cfg.fc_norm:
+            aux = torch.cat([rms(a, sd[f"fc_norm.{i}.weight"])
+                             for i, a in enumerate(aux.split(cfg.target_hidden_size, -1))], -1)
+        g = aux @ sd["fc.weight"].T  # (T, H)
+    else:
+        g = hidden
+    gn = rms(g, sd[L + "hidden_norm.weight"])
+    x = torch.cat([rms(embed[ids], sd[L + "input_layernorm.weight"]), gn], -1)  # (T, 2H)
+    residual = gn if cfg.norm_before_residual else g
+    t, hq, hkv, d = ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = (x @ sd[L + "self_attn.q_proj.weight"].T).view(t, hq, d).transpose(0, 1)  # (hq, T, d)
+    k = (x @ sd[L + "self_attn.k_proj.weight"].T).view(t, hkv, d).transpose(0, 1)
+    v = (x @ sd[L + "self_attn.v_proj.weight"].T).view(t, hkv, d).transpose(0, 1)
+    ang = pos.double()[:, None] * ref_inv_freq(cfg)[None]  # (T, d/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+
+    def rot(z):
+        half = torch.cat([-z[..., d // 2:], z[..., : d // 2]], -1)
+        return z * cos + half * sin
+
+    q, k = rot(q), rot(k)
+    k, v = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+    scores = q @ k.transpose(1, 2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    o = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, hq * d)
+    h = residual + o @ sd[L + "self_attn.o_proj.weight"].T
+    y = rms(h, sd[L + "post_attention_layernorm.weight"])
+    gate = torch.nn.functional.silu(y @ sd[L + "mlp.gate_proj.weight"].T)
+    h = h + (gate * (y @ sd[L + "mlp.up_proj.weight"].T)) @ sd[L + "mlp.down_proj.weight"].T
+    logits = rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T
+    return logits, h
+
+
+# ---------------------------------------------------------------- tests
+
+def test_parameter_names_are_the_vllm_export_names():
+    draft = make_draft(small_cfg())
+    names = set(draft.state_dict())
+    assert names == LAYER_NAMES | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    sd = draft.state_dict()
+    assert sd["fc.weight"].shape == (48, 3 * 40)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (4 * 16, 2 * 48)
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (2 * 16, 2 * 48)
+    assert sd["lm_head.weight"].shape == (61, 48)
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    assert "embed_weight" not in names  # the shared target embedding is never saved
+    with_norm = set(make_draft(small_cfg(fc_norm=True)).state_dict()) - names
+    assert with_norm == {f"fc_norm.{i}.weight" for i in range(3)}
+
+
+@pytest.mark.parametrize("variant", [
+    {}, {"norm_before_residual": True}, {"rope_scaling": LLAMA3}, {"fc_norm": True},
+    {"norm_output": True, "hidden_size": 64, "target_hidden_size": 64, "num_key_value_heads": 4},
+])
+def test_forward_matches_reference_math(variant):
+    cfg = small_cfg(**variant)
+    draft = make_draft(cfg)
+    sd = {k: v.double().float() for k, v in draft.state_dict().items()}
+    torch.manual_seed(1)
+    b, t = 2, 11
+    ids = torch.randint(0, cfg.vocab_size, (b, t))
+    aux = torch.randn(b, t, 3 * cfg.target_hidden_size)
+    pos = torch.stack([torch.arange(t), torch.arange(t) + 37])  # rows at different offsets
+    out = draft(ids, aux, pos)
+    assert out.logits.shape == (b, t, cfg.draft_vocab_size) and out.hidden.shape == (b, t, 64 if
+                                                                                      cfg.norm_output else 48)
+    for r in range(b):
+        logits, h = reference_forward(sd, cfg, draft.embed_weight, ids[r], aux[r], pos[r])
+        torch.testing.assert_close(out.logits[r], logits, atol=2e-5, rtol=1e-5)
+        fed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * sd["norm.weight"] \
+            if cfg.norm_output else h
+        torch.testing.assert_close(out.hidden[r], fed, atol=2e-5, rtol=1e-5)
+    # a later draft step: hidden given instead of aux
+    hid = torch.randn(b, t, cfg.hidden_size)
+    out2 = draft(ids, None, pos, hidden=hid)
+    logits, _ = reference_forward(sd, cfg, draft.embed_weight, ids[0], None, pos[0], hidden=hid[0])
+    torch.testing.assert_close(out2.logits[0], logits, atol=2e-5, rtol=1e-5)
+
+
+def test_kv_cache_equals_one_pass_and_crops():
+    cfg = small_cfg(rope_scaling=LLAMA3)
+    draft = make_draft(cfg)
+    torch.manual_seed(2)
+    ids, aux = torch.randint(0, 97, (2, 9)), torch.randn(2, 9, 120)
+    pos = torch.arange(9).repeat(2, 1)
+    full = draft(ids, aux, pos)
+    cache = draft.new_cache()
+    first = draft(ids[:, :5], aux[:, :5], pos[:, :5], cache=cache)
+    assert len(cache) == 5
+    rest = draft(ids[:, 5:], aux[:, 5:], pos[:, 5:], cache=cache)
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full.logits,
+                               atol=1e-5, rtol=1e-5)
+    # chain steps one token at a time after cropping back to the first 5 positions
+    cache.crop(5)
+    assert len(cache) == 5
+    step = draft(ids[:, 5:6], None, pos[:, 5:6], hidden=torch.randn(2, 1, 48), cache=cache)
+    assert len(cache) == 6 and step.logits.shape == (2, 1, 61)
+    assert isinstance(cache, KVCache)
+
+
+def test_vocab_buffers_and_target_ids():
+    cfg = small_cfg()
+    draft = make_draft(cfg)
+    t2d = torch.zeros(97, dtype=torch.bool)
+    chosen = torch.randperm(97)[:61].sort().values
+    t2d[chosen] = True
+    draft.set_vocab(chosen - torch.arange(61), t2d)
+    assert torch.equal(draft.to_target_ids(torch.arange(61)), chosen)
+    with pytest.raises(EyasError, match="disagree"):
+        draft.set_vocab(torch.zeros(61, dtype=torch.long), t2d)
+
+
+def test_lm_head_from_target_rows_frozen_or_trained():
+    cfg = small_cfg(target_hidden_size=48)
+    draft = make_draft(cfg)
+    chosen = torch.arange(0, 97, 97 / 61).long()[:61]
+    t2d = torch.zeros(97, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab(chosen - torch.arange(61), t2d)
+    target = torch.randn(97, 48)
+    draft.init_lm_head_from_target(target, freeze=True)
+    assert torch.equal(draft.lm_head.weight, target[chosen])
+    assert not draft.lm_head.weight.requires_grad
+    draft.init_lm_head_from_target(target[chosen], freeze=False)  # already-selected rows
+    assert draft.lm_head.weight.requires_grad
+    with pytest.raises(EyasError, match="hidden_size == target_hidden_size"):
+        make_draft(small_cfg()).init_lm_head_from_target(torch.randn(97, 40), freeze=True)
+
+
+def test_config_round_trips_and_validates():
+    cfg = small_cfg(rope_scaling=LLAMA3, norm_before_residual=True)
+    assert DraftConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    vc = cfg.to_vllm_config()
+    assert vc["architectures"] == ["LlamaForCausalLMEagle3"] and vc["model_type"] == "llama"
+    assert vc["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+                                  "use_aux_hidden_state": True}
+    assert vc["target_hidden_size"] == 40 and vc["norm_before_residual"] is True
+    assert vc["num_hidden_layers"] == 1 and vc["tie_word_embeddings"] is False
+    assert DraftConfig.from_vllm_config(json.loads(json.dumps(vc))) == cfg
+    assert "target_hidden_size" not in small_cfg(target_hidden_size=48).to_vllm_config()
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        small_cfg(num_key_value_heads=3)
+    with pytest.raises(ConfigError, match="exceeds"):
+        small_cfg(draft_vocab_size=98)
+    with pytest.raises(ConfigError, match="silu"):
+        small_cfg(hidden_act="gelu")
+    with pytest.raises(ConfigError, match="aux_layer_ids"):
+        small_cfg(aux_layer_ids=(1, 2))
+
+
+def test_from_target_hf_config_and_rope_normalisation():
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=300, max_position_embeddings=4096,
+                     rope_parameters={"rope_theta": 500000.0, **LLAMA3})
+    cfg = DraftConfig.from_target(hf, draft_vocab_size=100, aux_layer_ids=(1, 2, 3))
+    assert (cfg.hidden_size, cfg.target_hidden_size, cfg.head_dim) == (64, 64, 16)
+    assert cfg.num_key_value_heads == 2 and cfg.vocab_size == 300 and cfg.rope_theta == 500000.0
+    assert cfg.rope_scaling == LLAMA3
+    small = DraftConfig.from_target(hf, draft_vocab_size=100, aux_layer_ids=(1, 2, 3),
+                                    hidden_size=32, intermediate_size=64)
+    assert small.hidden_size == 32 and small.target_hidden_size == 64
+    # DeepSeek-style YaRN: mscale keys dropped (vLLM's Llama YaRN ignores them)
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert draft_rope_scaling(yarn) == {k: yarn[k] for k in
+                                        ("rope_type", "factor", "original_max_position_embeddings",
+                                         "beta_fast", "beta_slow")}
+    draft = Eagle3Draft(small_cfg(rope_scaling=draft_rope_scaling(yarn), max_position_embeddings=131072))
+    assert draft.rope_scale == pytest.approx(0.1 * math.log(32.0) + 1.0)
+    assert draft_rope_scaling({"rope_type": "default", "mrope_section": [1, 2]}) is None
+
+
+def test_from_target_model_info(llama_dir):
+    from eyas.models import inspect_model
+
+    info = inspect_model(str(llama_dir))
+    cfg = DraftConfig.from_target(info, draft_vocab_size=min(32000, info.vocab_size),
+                                  aux_layer_ids=info.default_aux_layer_ids)
+    assert cfg.hidden_size == info.hidden_size and cfg.vocab_size == info.vocab_size
+    assert cfg.head_dim == info.head_dim and cfg.aux_layer_ids == info.default_aux_layer_ids
+
+
+@pytest.mark.parametrize("prefix", ["midlayer.", "layers.0."])
+def test_from_pretrained_loads_vllm_layout(tmp_path, prefix):
+    cfg = small_cfg(target_hidden_size=48)
+    draft = make_draft(cfg)
+    t2d = torch.zeros(97, dtype=torch.bool)
+    t2d[torch.arange(0, 61 * 3, 3) % 97] = True
+    chosen = t2d.nonzero().squeeze(1)
+    draft.set_vocab(chosen - torch.arange(61), t2d)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_vllm_config()))
+    weights = {k.replace("midlayer.", prefix): v for k, v in draft.state_dict().items() if k != "t2d"}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=draft.embed_weight)
+    assert loaded.cfg == cfg and torch.equal(loaded.t2d, t2d)
+    ids, aux, pos = torch.randint(0, 97, (1, 6)), torch.randn(1, 6, 144), torch.arange(6)[None]
+    torch.testing.assert_close(loaded(ids, aux, pos).logits, draft(ids, aux, pos).logits)
+    half = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=draft.embed_weight,
+                                       dtype=torch.bfloat16)
+    assert half.fc.weight.dtype == torch.bfloat16 and half.d2t.dtype == torch.int64
+    with pytest.raises(EyasError, match="no config.json"):
+        Eagle3Draft.from_pretrained(tmp_path / "nowhere")
+
+
+def test_embedding_is_required_and_shape_checked():
+    draft = Eagle3Draft(small_cfg())
+    with pytest.raises(EyasError, match="embed_tokens"):
+        draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 120), torch.zeros(1, 2).long())
+    with pytest.raises(EyasError, match="another target"):
+        draft.set_embed_tokens(torch.nn.Embedding(96, 48))

@@ -1,0 +1,489 @@
+"""`eyas prepare`: loss masks for any chat template, checked token by token against an
+independent construction, and the prepared/ folder (rejects, length policy, manifest, counts)."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from eyas import chat
+from eyas.chat import ChatFormatError
+from eyas.cli import build_parser, main, parse_config
+from eyas.config import ConfigError
+from eyas.errors import EyasError
+from eyas.manifest import read_manifest, tokenizer_fingerprint
+from eyas.prepare import (PrepareConfig, _tokens_by_segments, _tokens_with_mask, _char_mask,
+                          assistant_spans, prepare, render_prompt, tokenize_conversation)
+from eyas.tiny import save_tiny_tokenizer
+
+# ChatML as Qwen2.5 writes it: a default system turn, tool results inside a user turn.
+CHATML = (
+    "{%- if messages[0].role != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen3-like: reasoning parsed out of the content, shown only for turns after the last user
+# message, an empty think block on the final turn, and enable_thinking=false in the prompt.
+QWEN3 = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' or m.role == 'user' %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+# A template that insists on alternating roles (as Gemma / Mistral templates do).
+STRICT = (
+    "{%- for m in messages %}"
+    "{%- if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+    "{{- raise_exception('Conversation roles must alternate') }}{%- endif %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+CONV = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is 12 plus 30?"},
+    {"role": "assistant", "content": "<think>\nadd the two\n</think>\n\nLet me check."},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "The answer is 42."},
+    {"role": "user", "content": "Name two animals."},
+    {"role": "assistant", "content": "<think>\npick two\n</think>\n\nThe cat and the dog."},
+]
+PLAIN = chat.strip_reasoning(CONV)
+
+
+@pytest.fixture
+def tok(tiny_tok):
+    """The session's tiny tokenizer; a test may set another chat template on it."""
+    original = tiny_tok.chat_template
+    yield tiny_tok
+    tiny_tok.chat_template = original
+
+
+def expected(tok, segments):
+    """The independent construction: tokenize each (text, supervised) piece on its own."""
+    ids, mask = [], []
+    for text, supervised in segments:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [int(supervised)] * len(piece)
+    return ids, mask
+
+
+def check(tok, messages, segments, **kwargs):
+    ids, mask = tokenize_conversation(tok, messages, **kwargs)
+    want_ids, want_mask = expected(tok, segments)
+    # Pieces must not merge for the construction to be valid: the whole text tokenizes the same.
+    full = "".join(text for text, _ in segments)
+    assert want_ids == tok(full, add_special_tokens=False)["input_ids"]
+    assert ids == want_ids
+    assert mask == want_mask, [(tok.decode([i]), m, w) for i, m, w in zip(ids, mask, want_mask)]
+    return ids, mask
+
+
+def llama3_header(role):
+    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+def chatml(role, text):
+    return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+
+
+# ---------------------------------------------------------------- masks, template by template
+
+def test_llama3_headers_multi_turn_with_tool(tok):
+    h, eot = llama3_header, "<|eot_id|>"
+    segments = [
+        ("<|begin_of_text|>" + h("system") + PLAIN[0]["content"] + eot + h("user")
+         + PLAIN[1]["content"] + eot + h("assistant"), 0),
+        ("Let me check." + eot, 1),
+        (h("tool") + "42" + eot + h("assistant"), 0),
+        ("The answer is 42." + eot, 1),
+        (h("user") + "Name two animals." + eot + h("assistant"), 0),
+        ("The cat and the dog." + eot, 1),
+    ]
+    check(tok, PLAIN, segments)
+    last = check(tok, PLAIN, [(t, s and i == len(segments) - 1) for i, (t, s) in
+                              enumerate(segments)], last_turn_only=True)
+    assert sum(last[1]) == len(tok("The cat and the dog." + eot,
+                                   add_special_tokens=False)["input_ids"])
+
+
+def test_chatml_default_system_and_tool(tok):
+    tok.chat_template = CHATML
+    messages = PLAIN[1:]  # no system turn: the template adds its own
+    segments = [
+        (chatml("system", "You are a helpful assistant.") + chatml("user", messages[0]["content"])
+         + "<|im_start|>assistant\n", 0),
+        ("Let me check.<|im_end|>", 1),  # the newline after <|im_end|> is not generated
+        ("\n" + chatml("user", "<tool_response>\n42\n</tool_response>")
+         + "<|im_start|>assistant\n", 0),
+        ("The answer is 42.<|im_end|>", 1),
+        ("\n" + chatml("user", "Name two animals.") + "<|im_start|>assistant\n", 0),
+        ("The cat and the dog.<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    check(tok, messages, segments)
+
+
+def qwen3_head():
+    return (chatml("system", CONV[0]["content"]) + chatml("user", CONV[1]["content"])
+            + "<|im_start|>assistant\n")
+
+
+def test_qwen3_keeps_last_reasoning_and_drops_earlier(tok):
+    tok.chat_template = QWEN3
+    # Turns before the last user message lose their reasoning in the full render; the last
+    # turn keeps it, and the target generates it (supervised).
+    segments = [
+        (qwen3_head(), 0),
+        ("Let me check.<|im_end|>", 1),
+        ("\n" + chatml("user", "<tool_response>\n42\n</tool_response>")
+         + "<|im_start|>assistant\n", 0),
+        ("The answer is 42.<|im_end|>", 1),
+        ("\n" + chatml("user", "Name two animals.") + "<|im_start|>assistant\n", 0),
+        ("<think>\npick two\n</think>\n\nThe cat and the dog.<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    check(tok, CONV, segments)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"template_kwargs": {"enable_thinking": False}}])
+def test_qwen3_inserted_empty_think_is_never_supervised(tok, kwargs):
+    tok.chat_template = QWEN3
+    segments = [
+        (qwen3_head(), 0),
+        ("Let me check.<|im_end|>", 1),
+        ("\n" + chatml("user", "<tool_response>\n42\n</tool_response>")
+         + "<|im_start|>assistant\n", 0),
+        ("The answer is 42.<|im_end|>", 1),
+        ("\n" + chatml("user", "Name two animals.")
+         + "<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        ("The cat and the dog.<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    check(tok, PLAIN, segments, **kwargs)
+
+
+def test_tokens_merging_across_the_boundary_are_placed_by_offsets(tok):
+    # The prompt ends with "Assistant: " but history renders "Assistant:" + " text": the
+    # answer's first token " The" starts inside the prompt. It carries generated text: masked.
+    tok.chat_template = (
+        "{%- for m in messages %}{%- if m.role == 'user' %}{{- 'User: ' + m.content + '\\n' }}"
+        "{%- else %}{{- 'Assistant: ' + m.content + '<|eot_id|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- 'Assistant: ' }}{%- endif %}")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The cat."}]
+    segments = [("User: Hi\nAssistant:", 0), (" The cat.<|eot_id|>", 1), ("\n", 0)]
+    check(tok, messages, segments)
+    text, spans = assistant_spans(tok, messages)
+    with pytest.raises(ChatFormatError, match="merge"):  # no offsets: segments cannot agree
+        _tokens_by_segments(tok, text, _char_mask(text, spans))
+
+
+def test_template_without_end_of_turn_token(tok):
+    # Nothing special closes a turn: the text up to its trailing whitespace is generated,
+    # even when the content itself holds special tokens (<think> is special in the tiny vocab).
+    tok.chat_template = (
+        "{%- for m in messages %}{%- if m.role == 'user' %}{{- 'User: ' + m.content + '\n\n' }}"
+        "{%- else %}{{- 'Assistant: ' + m.content + '\n\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}")
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nThe cat."}]
+    check(tok, messages, [("User: Hi\n\nAssistant:", 0),
+                          (" <think>\nhmm\n</think>\n\nThe cat.", 1), ("\n\n", 0)])
+
+
+def test_slow_tokenizer_path_agrees_when_nothing_merges(tok):
+    tok.chat_template = CHATML
+    text, spans = assistant_spans(tok, PLAIN)
+    cmask = _char_mask(text, spans)
+    assert _tokens_by_segments(tok, text, cmask) == _tokens_with_mask(tok, text, cmask)
+
+
+def test_first_assistant_message_is_context_only(tok):
+    messages = [{"role": "assistant", "content": "Hello there."},
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes."}]
+    h, eot = llama3_header, "<|eot_id|>"
+    check(tok, messages, [("<|begin_of_text|>" + h("assistant") + "Hello there." + eot
+                           + h("user") + "Hi" + eot + h("assistant"), 0), ("Yes." + eot, 1)])
+
+
+def test_template_errors_become_chat_format_errors(tok):
+    tok.chat_template = STRICT
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+           {"role": "assistant", "content": "c"}]
+    with pytest.raises(ChatFormatError, match="chat template failed.*alternate"):
+        tokenize_conversation(tok, bad)
+
+
+def test_render_prompt_is_the_unsupervised_head(tok):
+    for template in (tok.chat_template, CHATML):
+        tok.chat_template = template
+        ids, mask = tokenize_conversation(tok, PLAIN, last_turn_only=True)
+        prompt = render_prompt(tok, PLAIN)
+        assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
+        assert mask[len(prompt)] == 1  # the first generated token follows the prompt
+        text = render_prompt(tok, PLAIN, tokenize=False)
+        assert "The cat and the dog." not in text and text.endswith("assistant\n" if
+                                                                     template == CHATML else "\n\n")
+
+
+# ---------------------------------------------------------------- the step
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return save_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def make_data(root):
+    """Every container and row format, with malformed rows at known places."""
+    root.mkdir(parents=True, exist_ok=True)
+    msg = {"id": "m-1", "messages": PLAIN}
+    lines = [json.dumps(msg), "{oops", json.dumps({"messages": []}),
+             json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+             json.dumps({"messages": [{"role": "user", "content": "x"},
+                                      {"role": "assistant", "content": ["x", 1]}]}),
+             json.dumps({"conversations": [{"from": "alien", "value": "x"}]})]
+    (root / "a.jsonl").write_text("\n".join(lines) + "\n")
+    sharegpt = {"conversations": [{"from": "human", "value": "Add 2 and 3."},
+                                  {"from": "gpt", "value": "2 + 3 = 5."}]}
+    (root / "b.json").write_text(json.dumps([sharegpt, sharegpt]))
+    blend = dict(sharegpt, source="perfectblend")
+    pq.write_table(pa.Table.from_pylist([blend] * 3), root / "c.parquet")
+    datasets.Dataset.from_list([{"messages": PLAIN, "id": f"d-{i}"} for i in range(2)]
+                               ).save_to_disk(str(root / "d_ds"))
+    return root
+
+
+EXPECTED_REJECTS = [(2, "invalid JSON line"), (3, "empty conversation"),
+                    (4, "no assistant turn"), (5, "turn 1 content is a list"),
+                    (6, "unknown role 'alien'")]
+
+
+def run_prepare(tok_dir, data, out, **kw):
+    kw.setdefault("eval_fraction", 0.0)
+    return prepare(PrepareConfig(target=str(tok_dir), data=tuple(map(str, data)),
+                                 out=str(out), **kw))
+
+
+def test_prepare_all_formats_rejects_and_outputs(tok_dir, tmp_path, tok):
+    root = make_data(tmp_path / "data")
+    data = (root / "a.jsonl", root / "b.json", str(root / "*.parquet"), root / "d_ds")
+    s = run_prepare(tok_dir, data, tmp_path / "out")
+    assert (s.kept, s.rejected, s.dropped_too_long, s.truncated) == (8, 5, 0, 0)
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["row"]) for r in rejects] == [(str(root / "a.jsonl"), n)
+                                                        for n, _ in EXPECTED_REJECTS]
+    for r, (_, reason) in zip(rejects, EXPECTED_REJECTS):
+        assert reason in r["reason"] and r["sample_id"] == f"{r['file']}:{r['row']}"
+    train = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"]
+    assert train.features["input_ids"].feature.dtype == "int32"
+    assert train.features["loss_mask"].feature.dtype == "int8"
+    assert train["sample_id"] == ["m-1", f"{root / 'b.json'}:0", f"{root / 'b.json'}:1",
+                                  *(f"{root / 'c.parquet'}:{i}" for i in range(3)), "d-0", "d-1"]
+    for row in train:  # every stored row is exactly tokenize_conversation of its messages
+        ids, mask = tokenize_conversation(tok, json.loads(row["messages_json"]))
+        assert row["input_ids"] == ids and row["loss_mask"] == mask
+        assert row["num_tokens"] == len(ids)
+    # token counts == a direct count over the supervised train tokens
+    counts = load_file(str(tmp_path / "out" / "token_counts.safetensors"))["counts"]
+    direct = np.zeros_like(counts)
+    for row in train:
+        for t, m in zip(row["input_ids"], row["loss_mask"]):
+            direct[t] += m
+    assert counts.dtype == np.int64 and (counts == direct).all() and counts.sum() > 0
+    assert s.masked_tokens == int(counts.sum()) and s.tokens == sum(train["num_tokens"])
+
+
+def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
+    make_data(tmp_path / "data")
+    run_prepare(llama_dir, [tmp_path / "data" / "b.json"], tmp_path / "out", max_length=300)
+    m = read_manifest(tmp_path / "out", step="prepare")
+    assert m["config"]["max_length"] == 300 and m["max_length"] == 300
+    assert m["target"]["model_type"] == "llama" and m["target"]["vocab_size"] == 2048
+    assert m["target"]["tokenizer_hash"] == tokenizer_fingerprint(tok)
+    assert m["stats"] == {"kept": 2, "dropped_too_long": 0, "truncated": 0, "rejected": 0,
+                          "tokens": m["stats"]["tokens"], "masked_tokens": m["stats"]["masked_tokens"],
+                          "train": 2, "eval": 0}
+    assert m["stats"]["masked_tokens"] > 0 and len(m["chat_template_hash"]) == 16
+    assert m["data_files"][0]["path"] == str(tmp_path / "data" / "b.json")
+    counts = load_file(str(tmp_path / "out" / "token_counts.safetensors"))["counts"]
+    assert counts.shape == (2048,)  # the target's vocab size, not just the tokenizer's
+
+
+def test_tokenizer_override(llama_dir, tok_dir, tmp_path, tok):
+    tok.chat_template = CHATML
+    tok.save_pretrained(tmp_path / "chatml_tok")
+    make_data(tmp_path / "data")
+    run_prepare(llama_dir, [tmp_path / "data" / "b.json"], tmp_path / "out",
+                tokenizer=str(tmp_path / "chatml_tok"))
+    row = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"][0]
+    want = tokenize_conversation(tok, json.loads(row["messages_json"]))
+    assert (row["input_ids"], row["loss_mask"]) == want
+    assert tok.decode(row["input_ids"]).startswith("<|im_start|>system")
+
+
+def test_length_policy(tok_dir, tmp_path, tok):
+    root = make_data(tmp_path / "data")
+    lengths = [len(tokenize_conversation(tok, PLAIN)[0])] * 3
+    short = len(tokenize_conversation(tok, chat.normalize(
+        json.loads((root / "b.json").read_text())[0]))[0])
+    limit = (short + lengths[0]) // 2  # the PLAIN rows (1 jsonl + 2 ds) are too long
+    drop = run_prepare(tok_dir, [root], tmp_path / "drop", max_length=limit)
+    assert (drop.kept, drop.dropped_too_long, drop.truncated) == (5, 3, 0)
+    cut = run_prepare(tok_dir, [root], tmp_path / "cut", max_length=limit,
+                      length_policy="truncate")
+    assert (cut.kept, cut.dropped_too_long, cut.truncated) == (8, 0, 3)
+    train = datasets.load_from_disk(str(tmp_path / "cut" / "dataset"))["train"]
+    assert max(train["num_tokens"]) == limit
+    full_ids, full_mask = tokenize_conversation(tok, PLAIN)
+    row = train[0]
+    assert row["input_ids"] == full_ids[:limit] and row["loss_mask"] == full_mask[:limit]
+
+
+def test_eval_split_is_deterministic(tok_dir, tmp_path):
+    root = make_data(tmp_path / "data")
+    ids = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        s = run_prepare(tok_dir, [root], tmp_path / name, eval_fraction=0.3, seed=seed)
+        assert (s.train, s.eval) == (6, 2)
+        ids.append(datasets.load_from_disk(str(tmp_path / name / "dataset"))["eval"]["sample_id"])
+    assert ids[0] == ids[1]
+    assert ids[0] != ids[2]
+
+
+def test_options_reach_the_render(tok_dir, tmp_path, tok):
+    root = make_data(tmp_path / "data")
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    run_prepare(tok_dir, [root / "d_ds"], tmp_path / "out", chat_template=str(template),
+                system_prompt="SYS", reasoning="strip", last_turn_only=True,
+                chat_template_kwargs=("enable_thinking=false",))
+    row = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"][0]
+    messages = json.loads(row["messages_json"])
+    assert messages == PLAIN  # has its own system turn, reasoning stripped
+    tok.chat_template = QWEN3
+    want = tokenize_conversation(tok, PLAIN, last_turn_only=True,
+                                 template_kwargs={"enable_thinking": False})
+    assert (row["input_ids"], row["loss_mask"]) == want
+    run_prepare(tok_dir, [root / "b.json"], tmp_path / "out2", system_prompt="SYS")
+    row = datasets.load_from_disk(str(tmp_path / "out2" / "dataset"))["train"][0]
+    assert json.loads(row["messages_json"])[0] == {"role": "system", "content": "SYS"}
+
+
+def test_template_rejects_and_parallel_run(tok_dir, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "c"}]}]
+    rows += [{"messages": [{"role": "user", "content": f"q{i}"},
+                           {"role": "assistant", "content": f"answer {i}"}]} for i in range(6)]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = tmp_path / "strict.jinja"
+    template.write_text(STRICT)
+    outs = []
+    for name, num_proc in (("one", 1), ("two", 2)):
+        s = run_prepare(tok_dir, [tmp_path / "x.jsonl"], tmp_path / name,
+                        chat_template=str(template), num_proc=num_proc)
+        assert (s.kept, s.rejected) == (6, 1)
+        outs.append(datasets.load_from_disk(str(tmp_path / name / "dataset"))["train"].to_dict())
+    assert outs[0] == outs[1]
+    reject = json.loads((tmp_path / "one" / "rejects.jsonl").read_text())
+    assert reject["row"] == 1 and "roles must alternate" in reject["reason"]
+
+
+def test_out_folder_rules(tok_dir, tmp_path):
+    root = make_data(tmp_path / "data")
+    data = [root / "b.json"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("precious")
+    with pytest.raises(EyasError, match="not empty"):
+        run_prepare(tok_dir, data, tmp_path / "mine")
+    (tmp_path / "cap").mkdir()
+    (tmp_path / "cap" / "eyas.json").write_text(json.dumps({"step": "capture"}))
+    with pytest.raises(EyasError, match="eyas capture"):
+        run_prepare(tok_dir, data, tmp_path / "cap")
+    run_prepare(tok_dir, data, tmp_path / "out")
+    again = run_prepare(tok_dir, data, tmp_path / "out", max_length=100)  # re-run replaces
+    assert read_manifest(tmp_path / "out", "prepare")["config"]["max_length"] == 100
+    assert again.kept == 2
+
+
+def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
+    (tmp_path / "bad.jsonl").write_text("{nope\n" + json.dumps({"messages": []}) + "\n")
+    with pytest.raises(EyasError, match="no usable conversations.*2 rejected"):
+        run_prepare(tok_dir, [tmp_path / "bad.jsonl"], tmp_path / "out")
+    assert len((tmp_path / "out" / "rejects.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
+    assert run_prepare(tok_dir, [tmp_path / "ok.jsonl"], tmp_path / "out").kept == 1
+
+
+# ---------------------------------------------------------------- config and CLI
+
+def test_config_validation():
+    base = {"target": "t", "data": ("d",), "out": "o"}
+    for bad in ({"eval_fraction": 1.0}, {"max_length": 1}, {"num_proc": 0},
+                {"chat_template_kwargs": ("enable_thinking",)}, {"data": ()}):
+        with pytest.raises(ConfigError):
+            PrepareConfig(**{**base, **bad})
+
+
+def test_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["prepare", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    import dataclasses
+    for f in dataclasses.fields(PrepareConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "--config" in text
+    assert build_parser()  # the parser builds with prepare's config
+
+
+def test_yaml_config_with_cli_override(tmp_path):
+    cfg_file = tmp_path / "prep.yaml"
+    cfg_file.write_text(yaml.safe_dump({"target": "meta-llama/Llama-3.1-8B-Instruct",
+                                        "data": ["a.jsonl", "b.parquet"], "out": "prepared",
+                                        "max_length": 4096, "length_policy": "truncate"}))
+    cfg = parse_config("prepare", ["--config", str(cfg_file), "--max-length", "1024",
+                                   "--reasoning", "strip"])
+    assert cfg.max_length == 1024 and cfg.length_policy == "truncate"
+    assert cfg.data == ("a.jsonl", "b.parquet") and cfg.reasoning == "strip"
+    cfg_file.write_text(yaml.safe_dump({"target": "x", "data": "a", "out": "o", "max_len": 5}))
+    with pytest.raises(ConfigError, match="unknown config key.*max_len"):
+        parse_config("prepare", ["--config", str(cfg_file)])
+
+
+def test_cli_end_to_end(tok_dir, tmp_path):
+    root = make_data(tmp_path / "data")
+    assert main(["prepare", "--target", str(tok_dir), "--data", str(root / "b.json"),
+                 "--out", str(tmp_path / "out"), "--eval-fraction", "0.5"]) == 0
+    assert read_manifest(tmp_path / "out", "prepare")["stats"]["eval"] == 1
+    assert main(["prepare", "--target", str(tok_dir), "--data", str(root / "nope.json"),
+                 "--out", str(tmp_path / "out2")]) == 2

@@ -1,0 +1,308 @@
+"""`eyas regenerate` on a tiny llama: both backends, real HTTP with faults, resume after a kill.
+
+The tiny random model rarely emits its own end-of-turn token, so the fixture copies it and adds
+one token its greedy answers often contain to `generation_config.eos_token_id` (real models list
+several end ids the same way, e.g. Llama 3). Some rows then finish and others run into
+`max_new_tokens`, which exercises both outcomes. Every expected answer comes from an
+independent reference: plain one-prompt `model.generate` without padding or batching.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.config import ConfigError
+from eyas.corpus import synthetic_chats
+from eyas.errors import EyasError
+from eyas.openai_server import ChatServer, load_generator
+from eyas.regenerate import KILL_ENV, REJECTS, OUTPUT, RegenerateConfig, regenerate
+
+MAX_NEW = 10
+# The Llama-3 template of eyas.tiny plus Qwen3's switch: thinking off = an empty think block.
+TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def _rows() -> list:
+    """Input rows: synthetic chats (one and two assistant turns), a ShareGPT row, a tool call,
+    and three malformed rows."""
+    rows: list = synthetic_chats(9, seed=5)
+    rows.append({"id": "sharegpt-1", "conversations": [
+        {"from": "human", "value": "Name three animals."}, {"from": "gpt", "value": "A cat."}]})
+    rows.append({"id": "tool-1", "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "call get_weather(city='Paris')"},
+        {"role": "tool", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny in Paris."}]})
+    rows.append({"id": "no-answer", "messages": [{"role": "user", "content": "Hello?"}]})
+    rows.append({"id": "bad-role", "messages": [{"role": "robot", "content": "beep"}]})
+    rows.append("this line is not JSON")
+    return rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The model is tiny: a second intra-op thread only adds contention on a shared CPU.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def setup(llama_dir, tmp_path_factory):
+    """(model dir, data file, input rows, reference outcome per row id)."""
+    root = tmp_path_factory.mktemp("regen")
+    model_dir = Path(shutil.copytree(llama_dir, root / "model"))
+    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    rows = _rows()
+    data = root / "chats.jsonl"
+    data.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    gen = load_generator(model_dir, device="cpu")
+    stop = _pick_stop_token(gen, rows)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config["eos_token_id"] = [config["eos_token_id"], stop]
+    (model_dir / "generation_config.json").write_text(json.dumps(config))
+    gen = load_generator(model_dir, device="cpu")
+    assert gen.stop_ids == {4, stop}
+    expected = {}
+    for r in rows[:11]:
+        messages = r.get("messages") or [
+            {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+            for t in r["conversations"]]
+        expected[r["id"]] = _reference(gen, messages)
+    return model_dir, data, rows, expected
+
+
+def _prompt_ids(tok, messages) -> torch.Tensor:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                   enable_thinking=False)
+    return tok(text, add_special_tokens=False, return_tensors="pt").input_ids  # (1, T)
+
+
+def _greedy(gen, messages, eos: list[int]) -> list[int]:
+    ids = _prompt_ids(gen.tokenizer, messages)
+    with torch.no_grad():
+        out = gen.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=5)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _pick_stop_token(gen, rows) -> int:
+    """A token that ends some greedy first answers but is missing from others."""
+    answers = [_greedy(gen, r["messages"][:next(i for i, m in enumerate(r["messages"])
+                                                if m["role"] == "assistant")], [4])
+               for r in rows[:9]]
+    seen = Counter(t for a in answers for t in set(a[1:]))
+    return next(t for t, n in seen.most_common() if n < len(answers) and t != 4)
+
+
+def _reference(gen, messages) -> list | str:
+    """Regenerate every assistant turn (tool calls kept) one prompt at a time: the new
+    messages, or the reject kind."""
+    messages = [dict(m) for m in messages]
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or (i + 1 < len(messages)
+                                        and messages[i + 1]["role"] == "tool"):
+            continue
+        new = _greedy(gen, messages[:i], sorted(gen.stop_ids))
+        end = next((k for k, t in enumerate(new) if t in gen.stop_ids), None)
+        if end is None:
+            return "length"
+        text = gen.tokenizer.decode(new[:end], skip_special_tokens=True)
+        if not text.strip():
+            return "empty"
+        messages[i] = {"role": "assistant", "content": text}
+    return messages
+
+
+def _cfg(setup, out, **kw) -> RegenerateConfig:
+    model_dir, data, _, _ = setup
+    values = dict(target=str(model_dir), data=(str(data),), out=str(out),
+                  max_new_tokens=MAX_NEW, reasoning="off", batch_size=3)
+    return RegenerateConfig(**{**values, **kw})
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_outputs(setup, out: Path) -> dict:
+    """Every input row is in exactly one output, as the reference says; returns the manifest."""
+    _, data, rows, expected = setup
+    ok, rejects = _read(out / OUTPUT), _read(out / REJECTS)
+    keys = [(r["source"]["file"], r["source"]["row"]) for r in ok] + [
+        (r["file"], r["row"]) for r in rejects]
+    assert sorted(k[1] for k in keys) == list(range(1, len(rows) + 1))  # no loss, no duplicate
+    assert [r["source"]["row"] for r in ok] == sorted(r["source"]["row"] for r in ok)
+    got = {r["id"]: r["messages"] for r in ok}
+    got.update({r["sample_id"]: r["kind"] for r in rejects})
+    assert got == {**expected, "no-answer": "input", "bad-role": "input",
+                   f"{data}:{len(rows)}": "input"}  # the bad JSON line has no id of its own
+    manifest = json.loads((out / "eyas.json").read_text())
+    assert manifest["complete"] is True
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def local_run(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local") / "out"
+    return out, regenerate(_cfg(setup, out))
+
+
+def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
+    out, stats = local_run
+    _, _, rows, expected = setup
+    kinds = Counter(v if isinstance(v, str) else "ok" for v in expected.values())
+    assert kinds["ok"] >= 2 and kinds["length"] >= 1, kinds  # both outcomes are exercised
+    manifest = _check_outputs(setup, out)
+    assert stats == manifest["stats"]
+    assert stats["input"] == len(rows) == stats["ok"] + stats["failed"] + stats["skipped"]
+    assert stats["ok"] == kinds["ok"] and stats["skipped"] == 0
+    assert manifest["sampling"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert manifest["sampling"]["temperature"] == 0.0
+    ok = {r["id"]: r["messages"] for r in _read(out / OUTPUT)}
+    if "tool-1" in ok:  # the tool call stays, only the final answer is new
+        assert ok["tool-1"][1]["content"] == "call get_weather(city='Paris')"
+    reasons = {r["sample_id"]: r["reason"] for r in _read(out / REJECTS)}
+    assert "no assistant turn" in reasons["no-answer"]
+    assert "unknown role 'robot'" in reasons["bad-role"]
+    assert any("max_new_tokens=10" in r for r in reasons.values())
+
+
+def test_turns_last_keeps_earlier_answers(setup, tmp_path):
+    _, _, rows, expected = setup
+    two_turn = [r for r in rows[:9] if sum(m["role"] == "assistant" for m in r["messages"]) == 2]
+    regenerate(_cfg(setup, tmp_path, turns="last", limit=9))
+    ok = {r["id"]: r["messages"] for r in _read(tmp_path / OUTPUT)}
+    for row in two_turn:
+        if row["id"] in ok:
+            assert ok[row["id"]][:3] == row["messages"][:3]  # first answer untouched
+
+
+def test_server_backend_matches_transformers_despite_faults(setup, local_run, tmp_path):
+    model_dir = setup[0]
+    gen = load_generator(model_dir, device="cpu")
+    flaky = ChatServer(gen, "tiny", fail_first=2, slow_requests=(3,), slow_seconds=2.0)
+    steady = ChatServer(gen, "tiny", fail_every=4)
+    with flaky, steady:
+        stats = regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
+                                server_url=(flaky.url, steady.url + "/v1/"), concurrency=3,
+                                timeout=1.0, retries=4, retry_backoff=0.01))
+    assert _read(tmp_path / OUTPUT) == _read(local_run[0] / OUTPUT)  # greedy parity
+    assert _read(tmp_path / REJECTS) == _read(local_run[0] / REJECTS)
+    assert stats == {**local_run[1]}
+    assert flaky.stats["failed"] == 2 and flaky.stats["slowed"] == 1
+    assert steady.stats["failed"] >= 1 and steady.stats["completions"] >= 1
+    assert max(flaky.stats["peak_in_flight"], steady.stats["peak_in_flight"]) >= 2
+    _check_outputs(setup, tmp_path)
+
+
+def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
+    gen = load_generator(setup[0], device="cpu")
+    with ChatServer(gen, "tiny", fail_every=1) as down:
+        stats = regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
+                                server_url=(down.url,), retries=1, retry_backoff=0.01))
+    rejects = _read(tmp_path / REJECTS)
+    server = [r for r in rejects if r["kind"] == "server"]
+    assert len(server) == stats["failed_by_kind"]["server"] == 11
+    assert all("after 2 attempts" in r["reason"] and "HTTP 500" in r["reason"] for r in server)
+    assert down.stats["requests"] == 2 * 11  # every request was retried once
+
+    with ChatServer(gen, "tiny", max_prompt_tokens=3) as small:
+        short = tmp_path / "short"
+        regenerate(_cfg(setup, short, backend="openai", served_model_name="tiny",
+                        server_url=(small.url,)))
+    assert small.stats["requests"] == 11  # HTTP 400 is not retried
+    assert all("maximum context length" in r["reason"] for r in _read(short / REJECTS)
+               if r["kind"] == "server")
+
+    with ChatServer(gen, "tiny") as up:
+        again = regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
+                                server_url=(up.url,), retry_rejects=True))
+    assert again["skipped"] == 3 and again["ok"] + again["failed"] == 11
+    _check_outputs(setup, tmp_path)
+
+
+def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_path):
+    model_dir, data, rows, _ = setup
+    gen = load_generator(model_dir, device="cpu")
+    out = tmp_path / "out"
+    with ChatServer(gen, "tiny") as server:
+        args = [sys.executable, "-m", "eyas", "regenerate", "--backend", "openai",
+                "--target", str(model_dir), "--served-model-name", "tiny", "--data", str(data),
+                "--out", str(out), "--server-url", server.url, "--max-new-tokens", str(MAX_NEW),
+                "--reasoning", "off", "--batch-size", "2", "--concurrency", "2"]
+        env = {**os.environ, KILL_ENV: "5", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        done = len(_read(out / OUTPUT)) + len(_read(out / REJECTS))
+        assert 5 <= done < len(rows)
+        assert json.loads((out / "eyas.json").read_text())["complete"] is False
+        with open(out / OUTPUT, "a") as f:  # as if a later kill had torn a line in half
+            f.write('{"id": "torn", "messages": [{"ro')
+        stats = regenerate(_cfg(setup, out, backend="openai", served_model_name="tiny",
+                                server_url=(server.url,), batch_size=2))
+    assert stats["skipped"] == done and stats["ok"] + stats["failed"] == len(rows) - done
+    assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
+    _check_outputs(setup, out)
+
+
+def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(local_run[0], out)
+    with pytest.raises(EyasError, match="different max_new_tokens"):
+        regenerate(replace(_cfg(setup, out), max_new_tokens=MAX_NEW + 1))
+    data = tmp_path / "chats.jsonl"
+    data.write_text(setup[1].read_text() + json.dumps(synthetic_chats(1)[0]) + "\n")
+    with pytest.raises(EyasError, match="different data"):
+        regenerate(replace(_cfg(setup, out), data=(str(data),)))
+    again = regenerate(_cfg(setup, out))  # same settings: nothing left to do
+    assert again["skipped"] == again["input"] and again["ok"] == 0
+
+
+def test_server_checks_fail_with_the_fix(setup, tmp_path):
+    gen = load_generator(setup[0], device="cpu")
+    with ChatServer(gen, "tiny") as server:
+        url = server.url
+        with pytest.raises(EyasError, match="--served-model-name"):
+            regenerate(_cfg(setup, tmp_path / "a", backend="openai", server_url=(url,)))
+    with pytest.raises(EyasError, match="no server answers"):
+        regenerate(_cfg(setup, tmp_path / "b", backend="openai", served_model_name="tiny",
+                        server_url=(url,)))
+
+
+def test_config_errors_name_the_fix(setup, tmp_path):
+    with pytest.raises(ConfigError, match="--server-url"):
+        _cfg(setup, tmp_path, backend="openai")
+    with pytest.raises(ConfigError, match="http://"):
+        _cfg(setup, tmp_path, backend="openai", server_url=("localhost:8000",))
+    with pytest.raises(ConfigError, match="reasoning"):
+        RegenerateConfig(target="m", data=("d",), out="o", reasoning="maybe")
+    with pytest.raises(ConfigError, match="top_p"):
+        _cfg(setup, tmp_path, top_p=0.0)
+
+
+def test_reasoning_switch_reaches_the_chat_template(setup):
+    gen = load_generator(setup[0], device="cpu")
+    messages = [{"role": "user", "content": "Hi"}]
+    off = gen.tokenizer.decode(gen.render(messages, {"enable_thinking": False}))
+    assert off.endswith("<think>\n\n</think>\n\n")
+    assert "<think>" not in gen.tokenizer.decode(gen.render(messages, {}))

@@ -1,0 +1,296 @@
+"""The speculative loop: acceptance counting with stub drafters, losslessness at T=0, the exact
+sampler at T=1 (chi-square against the target's own law), aux-state bookkeeping, n-gram lookup."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eyas.speculate import (NgramDrafter, Proposal, Sampling, TargetRunner, generate_plain,
+                            generate_speculative, verify)
+
+NO_STOP = frozenset()
+
+
+# ---------------------------------------------------------------- stub drafters
+
+class ScriptedDrafter:
+    """Knows the target's greedy continuation `full` (prompt + reference tokens). At its s-th
+    proposal it copies the reference for the first `pattern[s % len(pattern)]` positions and
+    proposes a wrong token after that."""
+
+    aux_layer_ids = ()
+
+    def __init__(self, full: list[int], pattern: tuple[int, ...], vocab: int):
+        self.full, self.pattern, self.vocab = full, pattern, vocab
+
+    def begin(self):
+        self.calls = 0
+
+    def propose(self, tokens, new_aux, k, sampling):
+        s = tokens.shape[0]
+        right = self.full[s: s + k]
+        assert tokens.tolist() == self.full[:s], "the loop emitted a token the target would not"
+        agree = self.pattern[self.calls % len(self.pattern)]
+        self.calls += 1
+        wrong = [(t + 1) % self.vocab for t in right]
+        return Proposal(right[:agree] + wrong[agree:k])
+
+
+class MarkovTarget:
+    """A synthetic target: the next-token law depends on the last token only (a bigram table)."""
+
+    aux_layer_ids = ()
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits  # (V, V)
+
+    def reset(self):
+        self.length = 0
+
+    def forward(self, ids, last_only=False):
+        self.length += len(ids)
+        rows = self.logits[ids]
+        return (rows[-1:] if last_only else rows), None
+
+    def rollback(self, n):
+        self.length -= n
+
+
+class MarkovDrafter:
+    """Samples a chain from its own bigram table q and reports q for each draft."""
+
+    aux_layer_ids = ()
+
+    def __init__(self, logits: torch.Tensor, deterministic: bool = False):
+        self.logits, self.deterministic = logits, deterministic
+
+    def begin(self):
+        pass
+
+    def propose(self, tokens, new_aux, k, sampling):
+        last, drafts, dists = int(tokens[-1]), [], []
+        for _ in range(k):
+            if self.deterministic:  # a point-mass drafter (like n-gram)
+                last = int(self.logits[last].argmax())
+            else:
+                p = torch.softmax(self.logits[last] / sampling.temperature, -1)
+                last = int(torch.multinomial(p, 1, generator=sampling.generator))
+                dists.append(p)
+            drafts.append(last)
+        return Proposal(drafts, None if self.deterministic else torch.stack(dists))
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Thousands of tiny tensor ops: thread wake-ups would dominate on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(10, 2000, (24,), generator=torch.Generator().manual_seed(3))
+
+
+def _reference(model, prompt, n):
+    runner = TargetRunner(model, model.model.layers, model.model.norm)
+    return generate_plain(runner, prompt, n, NO_STOP, Sampling()).tokens
+
+
+# ---------------------------------------------------------------- tests
+
+def test_plain_greedy_equals_transformers_generate(llama, prompt):
+    ours = _reference(llama, prompt, 30)
+    theirs = llama.generate(prompt[None], max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    assert ours == theirs[0, len(prompt):].tolist()
+
+
+# k=3, 21 new tokens: the prefill gives 1, then each step gives accepted + 1.
+# always:  5 steps x 4 tokens;           AL 4,   per position 1, 1, 1
+# never:   20 steps x 1 token;           AL 1,   per position 0, 0, 0
+# 0,1,2,3: 8 steps (2 cycles of 1+2+3+4): accepted 12 of 24 drafted; AL 1 + 12/8 = 2.5,
+#          position 0 accepted in 6/8 steps, position 1 in 4/8, position 2 in 2/8
+@pytest.mark.parametrize("pattern, drafts, accepted, al, per_pos", [
+    ((3,), 5, 15, 4.0, [1.0, 1.0, 1.0]),
+    ((0,), 20, 0, 1.0, [0.0, 0.0, 0.0]),
+    ((0, 1, 2, 3), 8, 12, 2.5, [0.75, 0.5, 0.25]),
+])
+def test_stub_drafters_give_hand_computed_acceptance(llama, prompt, pattern, drafts, accepted,
+                                                     al, per_pos):
+    ref = _reference(llama, prompt, 21 + 4)  # reference runs past the end for the last draft
+    drafter = ScriptedDrafter(prompt.tolist() + ref, pattern, llama.config.vocab_size)
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+    gen = generate_speculative(runner, drafter, prompt, 3, 21, NO_STOP, Sampling())
+    assert gen.tokens == ref[:21]  # lossless whatever the drafts were
+    st = gen.stats
+    assert (st.drafts, st.accepted, st.draft_tokens) == (drafts, accepted, 3 * drafts)
+    assert st.mean_acceptance_length == pytest.approx(al)
+    assert st.per_position_acceptance == pytest.approx(per_pos)
+    assert st.draft_acceptance_rate == pytest.approx(accepted / (3 * drafts))
+    assert st.target_forwards == drafts + 1
+    # rejected drafts left no trace: the cache holds every position but the last token's
+    assert runner.cache.get_seq_length() == len(prompt) + 21 - 1
+
+
+def test_ngram_drafter_is_lossless_and_stops(llama, prompt):
+    ref = _reference(llama, prompt, 40)
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+    for k in (1, 4):
+        gen = generate_speculative(runner, NgramDrafter(1, 3), prompt, k, 40, NO_STOP, Sampling())
+        assert gen.tokens == ref
+    stop = frozenset({ref[5]})
+    gen = generate_speculative(runner, NgramDrafter(1, 3), prompt, 4, 40, stop, Sampling())
+    assert gen.tokens == ref[: ref.index(ref[5]) + 1]
+
+
+def test_ngram_lookup():
+    d = NgramDrafter(min_n=2, max_n=3)
+    t = torch.tensor
+    assert d.propose(t([1, 2, 3, 9, 8, 1, 2, 3]), None, 3, Sampling()).tokens == [9, 8, 1]
+    # most recent match of the 2-gram (1, 2) wins; proposals stop at the sequence end
+    assert d.propose(t([1, 2, 7, 1, 2, 8, 1, 2]), None, 5, Sampling()).tokens == [8, 1, 2]
+    assert d.propose(t([1, 2, 3, 4]), None, 3, Sampling()).tokens == []
+
+
+def test_greedy_verify_accepts_the_matching_prefix():
+    logits = torch.full((4, 10), -1.0)
+    for row, top in enumerate([3, 5, 7, 9]):
+        logits[row, top] = 1.0
+    assert verify(logits, Proposal([3, 5, 7]), Sampling()) == (3, 9)  # all + bonus
+    assert verify(logits, Proposal([3, 6, 7]), Sampling()) == (1, 5)  # correction at position 1
+    assert verify(logits[:1], Proposal([]), Sampling()) == (0, 3)
+
+
+def test_aux_states_fed_to_drafter_are_the_targets_at_each_position(llama, prompt):
+    """Concatenating every `new_aux` the drafter receives gives the target's states at
+    positions 0..S-2 of the final sequence, as a single full forward computes them."""
+    seen = []
+
+    class Recorder(NgramDrafter):
+        aux_layer_ids = (2, 5, 8)
+
+        def propose(self, tokens, new_aux, k, sampling):
+            seen.append(new_aux)
+            self.tokens = tokens
+            return super().propose(tokens, new_aux, k, sampling)
+
+    recorder = Recorder(1, 3)
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, recorder.aux_layer_ids)
+    generate_speculative(runner, recorder, prompt, 3, 30, NO_STOP, Sampling())
+    runner.close()
+    got = torch.cat(seen)  # (S-1, 3*Ht)
+    assert got.shape[0] == len(recorder.tokens) - 1
+    with torch.no_grad():
+        hs = llama(recorder.tokens[None, :-1], output_hidden_states=True).hidden_states
+    ht = llama.config.hidden_size
+    torch.testing.assert_close(got[:, :ht], hs[2][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[:, ht: 2 * ht], hs[5][0], atol=1e-4, rtol=1e-4)
+    # id L = 8 is the last layer's output BEFORE the final norm; HF's hidden_states[8] is after
+    last = got[:, 2 * ht:]
+    torch.testing.assert_close(llama.model.norm(last), hs[8][0], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(last, hs[8][0], atol=1e-2)
+
+
+# ---------------------------------------------------------------- exactness at T > 0
+
+V, NEW, N = 3, 4, 4000  # 3-token vocabulary, 4 new tokens (81 outcomes), 4000 samples
+
+
+def _tables():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(V, V, generator=g), torch.randn(V, V, generator=g)  # target, draft
+
+
+def _exact_law(p_logits: torch.Tensor, start: int) -> dict[tuple, float]:
+    p = torch.softmax(p_logits, -1).double()
+    law = {}
+    for seq in itertools.product(range(V), repeat=NEW):
+        prob, last = 1.0, start
+        for t in seq:
+            prob *= float(p[last, t])
+            last = t
+        law[seq] = prob
+    return law
+
+
+def _chi_square(counts: dict[tuple, int], law: dict[tuple, float]) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; outcomes expected < 5 times share a bin."""
+    big = {s: pr for s, pr in law.items() if N * pr >= 5}
+    stat = sum((counts.get(s, 0) - N * pr) ** 2 / (N * pr) for s, pr in big.items())
+    rest = 1.0 - sum(big.values())
+    if N * rest > 1e-9:
+        other = N - sum(counts.get(s, 0) for s in big)
+        stat += (other - N * rest) ** 2 / (N * rest)
+    return stat, len(big) - (N * rest <= 1e-9)
+
+
+def _critical(dof: int, z: float = 3.09) -> float:
+    """Chi-square quantile at p = 0.999 (Wilson-Hilferty)."""
+    a = 2.0 / (9 * dof)
+    return dof * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def _sample_speculative(p_logits, drafter) -> dict[tuple, int]:
+    target = MarkovTarget(p_logits)
+    sampling = Sampling(1.0, torch.Generator().manual_seed(1))
+    prompt = torch.tensor([0])
+    counts = {}
+    for _ in range(N):
+        seq = tuple(generate_speculative(target, drafter, prompt, 2, NEW, NO_STOP,
+                                         sampling).tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_rejection_sampling_reproduces_the_target_distribution(deterministic):
+    """T=1, k=2: the law of 4-token continuations equals the target's exact law (chi-square
+    at the 0.1% level; each position's marginal within total variation 0.03, about 3x its
+    sampling noise), for a sampled and a point-mass draft."""
+    p_logits, q_logits = _tables()
+    counts = _sample_speculative(p_logits, MarkovDrafter(q_logits, deterministic))
+    law = _exact_law(p_logits, 0)
+    stat, dof = _chi_square(counts, law)
+    assert stat < _critical(dof), (stat, dof)
+    for i in range(NEW):
+        got, want = torch.zeros(V), torch.zeros(V, dtype=torch.float64)
+        for seq, pr in law.items():
+            got[seq[i]] += counts.get(seq, 0) / N
+            want[seq[i]] += pr
+        tv = 0.5 * float((got.double() - want).abs().sum())
+        assert tv < 0.03, (i, tv)
+
+
+def test_chi_square_catches_a_wrong_residual(monkeypatch):
+    """Negative control: resampling a rejected position from p instead of norm(max(p-q, 0)),
+    the classic bug, fails the same test at the same sample size."""
+    from eyas import speculate
+
+    right = speculate.verify
+
+    def wrong(logits, proposal, sampling):
+        accepted, token = right(logits, proposal, sampling)
+        if accepted < len(proposal.tokens):
+            token = speculate.sample(speculate.probs(logits[accepted], sampling), sampling)
+        return accepted, token
+
+    monkeypatch.setattr(speculate, "verify", wrong)
+    p_logits, q_logits = _tables()
+    counts = _sample_speculative(p_logits, MarkovDrafter(q_logits))
+    stat, dof = _chi_square(counts, _exact_law(p_logits, 0))
+    assert stat > _critical(dof), (stat, dof)
