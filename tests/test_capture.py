@@ -307,6 +307,12 @@ def test_nonfinite_samples_are_set_aside_and_reported(llama_dir, tmp_path):
     got = _by_row(tmp_path / "cap")
     assert 3 not in got and 7 not in got
     assert all(bool(g["aux_hidden"].isfinite().all()) for g in got.values())
+    # online use: the sample comes back zeroed with no loss, the others untouched
+    model, info = load_fp32(broken)
+    ds = datasets.load_from_disk(str(prepared / "dataset"))["train"].select([2, 3])
+    online = capture_samples(model, info, ds, (2, 4, 5))
+    assert int(online[1]["loss_mask"].sum()) == 0 and not online[1]["aux_hidden"].any()
+    torch.testing.assert_close(online[0]["aux_hidden"].bfloat16().float(), got[2]["aux_hidden"])
 
 
 def test_refuses_prepared_folder_from_another_tokenizer(llama_dir, tmp_path):

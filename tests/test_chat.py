@@ -186,6 +186,26 @@ def test_globs_folders_and_gzip(tmp_path):
     assert [r.file.rsplit("/", 1)[-1] for r in both] == ["b.jsonl", "a.jsonl"]
 
 
+def test_broken_files_become_rejects_not_crashes(tmp_path):
+    good = json.dumps(SHAREGPT).encode()
+    (tmp_path / "latin1.jsonl").write_bytes(good + b"\n" + '{"x": "caf\xe9"}'.encode("latin-1")
+                                            + b"\n" + good + b"\n")
+    got = rows_of(tmp_path / "latin1.jsonl")
+    assert [r.row for r in got] == [1, 2, 3] and got[2].data == SHAREGPT
+    assert "not UTF-8" in str(got[1].data)
+    whole = gzip.compress((good + b"\n") * 50)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])  # truncated download
+    got = rows_of(tmp_path / "cut.jsonl.gz")
+    assert isinstance(got[-1].data, ChatFormatError) and "unreadable" in str(got[-1].data)
+    assert all(r.data == SHAREGPT for r in got[:-1])
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really parquet")
+    (bad,) = rows_of(tmp_path / "bad.parquet")
+    assert bad.row == 0 and "unreadable" in str(bad.data)
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(EyasError, match="cannot read"):
+        rows_of(tmp_path / "data.csv")
+
+
 def test_missing_paths_are_user_errors(tmp_path):
     with pytest.raises(EyasError, match="does not exist"):
         rows_of(tmp_path / "nope.jsonl")

@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 from eyas.config import ConfigError
 from eyas.draft import DraftConfig, Eagle3Draft, KVCache, draft_rope_scaling
 from eyas.errors import EyasError
+from eyas.export import to_vllm_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -205,14 +206,6 @@ def test_lm_head_from_target_rows_frozen_or_trained():
 def test_config_round_trips_and_validates():
     cfg = small_cfg(rope_scaling=LLAMA3, norm_before_residual=True)
     assert DraftConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
-    vc = cfg.to_vllm_config()
-    assert vc["architectures"] == ["LlamaForCausalLMEagle3"] and vc["model_type"] == "llama"
-    assert vc["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3],
-                                  "use_aux_hidden_state": True}
-    assert vc["target_hidden_size"] == 40 and vc["norm_before_residual"] is True
-    assert vc["num_hidden_layers"] == 1 and vc["tie_word_embeddings"] is False
-    assert DraftConfig.from_vllm_config(json.loads(json.dumps(vc))) == cfg
-    assert "target_hidden_size" not in small_cfg(target_hidden_size=48).to_vllm_config()
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         small_cfg(num_key_value_heads=3)
     with pytest.raises(ConfigError, match="exceeds"):
@@ -246,9 +239,9 @@ def test_from_target_hf_config_and_rope_normalisation():
 
 
 def test_from_target_model_info(llama_dir):
-    from eyas.models import inspect_model
+    from eyas.models import inspect_model, load_config
 
-    info = inspect_model(str(llama_dir))
+    info = inspect_model(load_config(str(llama_dir)))
     cfg = DraftConfig.from_target(info, draft_vocab_size=min(32000, info.vocab_size),
                                   aux_layer_ids=info.default_aux_layer_ids)
     assert cfg.hidden_size == info.hidden_size and cfg.vocab_size == info.vocab_size
@@ -263,7 +256,7 @@ def test_from_pretrained_loads_vllm_layout(tmp_path, prefix):
     t2d[torch.arange(0, 61 * 3, 3) % 97] = True
     chosen = t2d.nonzero().squeeze(1)
     draft.set_vocab(chosen - torch.arange(61), t2d)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_vllm_config()))
+    (tmp_path / "config.json").write_text(json.dumps(to_vllm_config(cfg)))
     weights = {k.replace("midlayer.", prefix): v for k, v in draft.state_dict().items() if k != "t2d"}
     save_file(weights, str(tmp_path / "model.safetensors"))
     loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=draft.embed_weight)
@@ -275,6 +268,11 @@ def test_from_pretrained_loads_vllm_layout(tmp_path, prefix):
     assert half.fc.weight.dtype == torch.bfloat16 and half.d2t.dtype == torch.int64
     with pytest.raises(EyasError, match="no config.json"):
         Eagle3Draft.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "model.safetensors").unlink()
+    save_file({k: v for k, v in weights.items() if k != "norm.weight"},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(EyasError, match="norm.weight"):
+        Eagle3Draft.from_pretrained(tmp_path, embed_tokens=draft.embed_weight)
 
 
 def test_embedding_is_required_and_shape_checked():

@@ -261,3 +261,34 @@ def test_kimi_like_loads_like_kimi_and_round_trips(kimi_like_dir):
         with_image = loaded(input_ids=ids, pixel_values=torch.randn(1, 3, 4, 16)).logits
     assert torch.allclose(plain[0, :4], with_image[0, :4], atol=1e-5)  # MoE batching: not bitwise
     assert not torch.allclose(plain[0, 4:], with_image[0, 4:])
+
+
+def test_full_size_kimi_k25_from_config_alone(tmp_path):
+    # 61 layers, 384 experts, ~1T parameters: built on the meta device in seconds, no weights.
+    from eyas.kimi_like import kimi_k25_text_config, write_kimi_like_config
+
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    path = write_kimi_like_config(tmp_path / "kimi-k25", kimi_k25_text_config(),
+                                  quantization_config=quant)
+    info = inspect_model(load_config(path, trust_remote_code=True), trust_remote_code=True)
+    assert info.default_aux_layer_ids == (2, 30, 58)
+    assert (info.layers_path, info.num_layers, info.num_experts) == (
+        "language_model.model.layers", 61, 384)
+    assert (info.hidden_size, info.vocab_size, info.head_dim) == (7168, 163840, 192)
+    assert info.rope_scaling["rope_type"] == "yarn" and info.rope_theta == 50000.0
+    assert info.dtype == "bfloat16" and info.quantization == quant
+
+
+def test_hybrid_decoder_with_mixed_layer_classes():
+    # Jamba interleaves Mamba and attention decoder layers in one list.
+    from transformers import JambaConfig
+
+    config = JambaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=2, attn_layer_period=2, attn_layer_offset=1,
+                         expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                         mamba_dt_rank=8, mamba_expand=2, mamba_d_conv=4)
+    info = inspect_model(config)
+    assert (info.layers_path, info.norm_path, info.num_layers) == ("model.layers",
+                                                                   "model.final_layernorm", 4)
+    assert info.is_moe and info.num_experts == 2

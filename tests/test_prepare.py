@@ -131,10 +131,8 @@ def test_llama3_headers_multi_turn_with_tool(tok):
         ("The cat and the dog." + eot, 1),
     ]
     check(tok, PLAIN, segments)
-    last = check(tok, PLAIN, [(t, s and i == len(segments) - 1) for i, (t, s) in
-                              enumerate(segments)], last_turn_only=True)
-    assert sum(last[1]) == len(tok("The cat and the dog." + eot,
-                                   add_special_tokens=False)["input_ids"])
+    last_only = [(text, i == len(segments) - 1) for i, (text, _) in enumerate(segments)]
+    check(tok, PLAIN, last_only, last_turn_only=True)
 
 
 def test_chatml_default_system_and_tool(tok):
@@ -252,8 +250,9 @@ def test_render_prompt_is_the_unsupervised_head(tok):
         assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
         assert mask[len(prompt)] == 1  # the first generated token follows the prompt
         text = render_prompt(tok, PLAIN, tokenize=False)
-        assert "The cat and the dog." not in text and text.endswith("assistant\n" if
-                                                                     template == CHATML else "\n\n")
+        assert "The cat and the dog." not in text
+        assert text.endswith("<|im_start|>assistant\n" if template == CHATML
+                             else "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 # ---------------------------------------------------------------- the step
@@ -330,10 +329,12 @@ def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
     assert m["config"]["max_length"] == 300 and m["max_length"] == 300
     assert m["target"]["model_type"] == "llama" and m["target"]["vocab_size"] == 2048
     assert m["target"]["tokenizer_hash"] == tokenizer_fingerprint(tok)
+    train = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"]
     assert m["stats"] == {"kept": 2, "dropped_too_long": 0, "truncated": 0, "rejected": 0,
-                          "tokens": m["stats"]["tokens"], "masked_tokens": m["stats"]["masked_tokens"],
+                          "tokens": sum(train["num_tokens"]),
+                          "masked_tokens": sum(map(sum, train["loss_mask"])),
                           "train": 2, "eval": 0}
-    assert m["stats"]["masked_tokens"] > 0 and len(m["chat_template_hash"]) == 16
+    assert len(m["chat_template_hash"]) == 16 and m["vocab_size"] == 2048
     assert m["data_files"][0]["path"] == str(tmp_path / "data" / "b.json")
     counts = load_file(str(tmp_path / "out" / "token_counts.safetensors"))["counts"]
     assert counts.shape == (2048,)  # the target's vocab size, not just the tokenizer's
@@ -349,6 +350,20 @@ def test_tokenizer_override(llama_dir, tok_dir, tmp_path, tok):
     want = tokenize_conversation(tok, json.loads(row["messages_json"]))
     assert (row["input_ids"], row["loss_mask"]) == want
     assert tok.decode(row["input_ids"]).startswith("<|im_start|>system")
+
+
+def test_remote_code_target_only_when_asked(tmp_path):
+    from eyas.kimi_like import kimi_like_text_config, write_kimi_like_config
+
+    target = write_kimi_like_config(tmp_path / "kimi", kimi_like_text_config())
+    save_tiny_tokenizer(target)
+    make_data(tmp_path / "data")
+    data = [tmp_path / "data" / "b.json"]
+    run_prepare(target, data, tmp_path / "plain")  # tokenizer alone: no code needed
+    assert read_manifest(tmp_path / "plain", "prepare")["target"].get("model_type") is None
+    run_prepare(target, data, tmp_path / "trusted", trust_remote_code=True)
+    m = read_manifest(tmp_path / "trusted", "prepare")
+    assert m["target"]["model_type"] == "kimi_k25_like" and m["vocab_size"] == 2048
 
 
 def test_length_policy(tok_dir, tmp_path, tok):

@@ -81,7 +81,7 @@ def setup(llama_dir, tmp_path_factory):
     config["eos_token_id"] = [config["eos_token_id"], stop]
     (model_dir / "generation_config.json").write_text(json.dumps(config))
     gen = load_generator(model_dir, device="cpu")
-    assert gen.stop_ids == {4, stop}
+    assert gen.stop_ids == {gen.tokenizer.eos_token_id, stop}
     expected = {}
     for r in rows[:11]:
         messages = r.get("messages") or [
@@ -101,26 +101,31 @@ def _greedy(gen, messages, eos: list[int]) -> list[int]:
     ids = _prompt_ids(gen.tokenizer, messages)
     with torch.no_grad():
         out = gen.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=5)
+                                 max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                 pad_token_id=gen.tokenizer.pad_token_id)
     return out[0, ids.shape[1]:].tolist()
 
 
 def _pick_stop_token(gen, rows) -> int:
     """A token that ends some greedy first answers but is missing from others."""
+    eos = gen.tokenizer.eos_token_id
     answers = [_greedy(gen, r["messages"][:next(i for i, m in enumerate(r["messages"])
-                                                if m["role"] == "assistant")], [4])
+                                                if m["role"] == "assistant")], [eos])
                for r in rows[:9]]
     seen = Counter(t for a in answers for t in set(a[1:]))
-    return next(t for t, n in seen.most_common() if n < len(answers) and t != 4)
+    return next(t for t, n in seen.most_common() if n < len(answers) and t != eos)
 
 
-def _reference(gen, messages) -> list | str:
-    """Regenerate every assistant turn (tool calls kept) one prompt at a time: the new
-    messages, or the reject kind."""
+def _reference(gen, messages, last_only: bool = False) -> list | str:
+    """Regenerate every assistant turn (tool calls kept), or the last, one prompt at a time:
+    the new messages, or the reject kind."""
     messages = [dict(m) for m in messages]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or (i + 1 < len(messages)
                                         and messages[i + 1]["role"] == "tool"):
+            continue
+        if last_only and i != last:
             continue
         new = _greedy(gen, messages[:i], sorted(gen.stop_ids))
         end = next((k for k, t in enumerate(new) if t in gen.stop_ids), None)
@@ -187,14 +192,27 @@ def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
     assert any("max_new_tokens=10" in r for r in reasons.values())
 
 
+def test_output_is_ready_for_prepare(setup, local_run, tmp_path):
+    import datasets
+
+    from eyas.prepare import PrepareConfig, prepare
+
+    out, _ = local_run
+    prepare(PrepareConfig(target=str(setup[0]), data=(str(out / OUTPUT),), out=str(tmp_path),
+                          chat_template_kwargs=("enable_thinking=false",), eval_fraction=0.0))
+    ids = datasets.load_from_disk(str(tmp_path / "dataset"))["train"]["sample_id"]
+    assert sorted(ids) == sorted(r["id"] for r in _read(out / OUTPUT))
+
+
 def test_turns_last_keeps_earlier_answers(setup, tmp_path):
-    _, _, rows, expected = setup
-    two_turn = [r for r in rows[:9] if sum(m["role"] == "assistant" for m in r["messages"]) == 2]
+    _, _, rows, _ = setup
+    two_turns = [r for r in rows[:9] if sum(m["role"] == "assistant" for m in r["messages"]) > 1]
+    assert two_turns
+    gen = load_generator(setup[0], device="cpu")
     regenerate(_cfg(setup, tmp_path, turns="last", limit=9))
-    ok = {r["id"]: r["messages"] for r in _read(tmp_path / OUTPUT)}
-    for row in two_turn:
-        if row["id"] in ok:
-            assert ok[row["id"]][:3] == row["messages"][:3]  # first answer untouched
+    got = {r["id"]: r["messages"] for r in _read(tmp_path / OUTPUT)}
+    got.update({r["sample_id"]: r["kind"] for r in _read(tmp_path / REJECTS)})
+    assert got == {r["id"]: _reference(gen, r["messages"], last_only=True) for r in rows[:9]}
 
 
 def test_server_backend_matches_transformers_despite_faults(setup, local_run, tmp_path):
@@ -208,7 +226,7 @@ def test_server_backend_matches_transformers_despite_faults(setup, local_run, tm
                                 timeout=1.0, retries=4, retry_backoff=0.01))
     assert _read(tmp_path / OUTPUT) == _read(local_run[0] / OUTPUT)  # greedy parity
     assert _read(tmp_path / REJECTS) == _read(local_run[0] / REJECTS)
-    assert stats == {**local_run[1]}
+    assert stats == local_run[1]
     assert flaky.stats["failed"] == 2 and flaky.stats["slowed"] == 1
     assert steady.stats["failed"] >= 1 and steady.stats["completions"] >= 1
     assert max(flaky.stats["peak_in_flight"], steady.stats["peak_in_flight"]) >= 2
@@ -289,6 +307,21 @@ def test_server_checks_fail_with_the_fix(setup, tmp_path):
                         server_url=(url,)))
 
 
+def test_torn_tail_is_cut_back_to_the_last_whole_line(tmp_path):
+    from eyas.regenerate import _cut_torn_tail
+
+    path = tmp_path / "x.jsonl"
+    whole = '{"a": 1}\n{"b": 2}\n'
+    path.write_text(whole + '{"c": "' + "x" * 200_000)  # longer than one backward-scan chunk
+    _cut_torn_tail(path)
+    assert path.read_text() == whole
+    _cut_torn_tail(path)
+    assert path.read_text() == whole
+    path.write_text('{"only": "torn')
+    _cut_torn_tail(path)
+    assert path.read_text() == ""
+
+
 def test_config_errors_name_the_fix(setup, tmp_path):
     with pytest.raises(ConfigError, match="--server-url"):
         _cfg(setup, tmp_path, backend="openai")
@@ -298,6 +331,17 @@ def test_config_errors_name_the_fix(setup, tmp_path):
         RegenerateConfig(target="m", data=("d",), out="o", reasoning="maybe")
     with pytest.raises(ConfigError, match="top_p"):
         _cfg(setup, tmp_path, top_p=0.0)
+
+
+def test_separate_reasoning_from_a_server_is_kept_inline():
+    from eyas.openai_server import _parse_choice
+
+    answer = {"choices": [{"finish_reason": "stop", "message": {
+        "role": "assistant", "content": "\n\n42.", "reasoning_content": " 6 times 7. "}}],
+        "usage": {"completion_tokens": 9}}
+    gen = _parse_choice(answer)
+    assert gen.text == "<think>\n6 times 7.\n</think>\n\n42." and gen.num_tokens == 9
+    assert gen.finish_reason == "stop"
 
 
 def test_reasoning_switch_reaches_the_chat_template(setup):

@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eyas.speculate import (NgramDrafter, Proposal, Sampling, TargetRunner, generate_plain,
-                            generate_speculative, verify)
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.models import inspect_model
+from eyas.speculate import (Eagle3Drafter, NgramDrafter, Proposal, Sampling, TargetRunner,
+                            generate_plain, generate_speculative, verify)
 
 NO_STOP = frozenset()
 
@@ -206,6 +208,87 @@ def test_aux_states_fed_to_drafter_are_the_targets_at_each_position(llama, promp
     assert not torch.allclose(last, hs[8][0], atol=1e-2)
 
 
+# ---------------------------------------------------------------- the EAGLE-3 drafter
+
+@pytest.fixture(scope="module")
+def draft(llama):
+    info = inspect_model(llama)
+    cfg = DraftConfig.from_target(info, draft_vocab_size=256, aux_layer_ids=(2, 4, 8))
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg, llama.model.embed_tokens)
+    with torch.no_grad():  # larger random weights: the default init proposes one constant token
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3)
+    chosen = torch.arange(0, 8 * 256, 8)  # draft id i <-> target id 8i
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    model.set_vocab(chosen - torch.arange(256), t2d)
+    return model.eval()
+
+
+def _from_scratch(draft, tokens, aux, k):
+    """Drafts per the reference, with a fresh cache: step 0 pairs the aux state of position t
+    with token t+1 at RoPE position t for every t < S-1; chain step j feeds draft j and the
+    previous step's hidden state at position S-2+j."""
+    s = tokens.shape[0]
+    cache = draft.new_cache()
+    with torch.no_grad():
+        out = draft(tokens[1:][None], aux[None], torch.arange(s - 1)[None], cache=cache)
+        drafts = []
+        for j in range(k):
+            d = int(draft.to_target_ids(out.logits[0, -1].argmax()))
+            drafts.append(d)
+            out = draft(torch.tensor([[d]]), None, torch.tensor([[s - 1 + j]]),
+                        hidden=out.hidden[:, -1:], cache=cache)
+    return drafts
+
+
+def test_eagle3_drafter_with_kv_cache_equals_drafting_from_scratch(llama, draft, prompt):
+    """Every proposal made with the incrementally cropped and extended draft KV cache equals
+    one made from scratch. The loop is handed the reference continuation for the first
+    0, 1, 2, 3 positions in turn, so step 0 runs over 1 to 4 new positions."""
+    ref = _reference(llama, prompt, 24)
+    full = prompt.tolist() + ref
+
+    class Checked(Eagle3Drafter):
+        def begin(self):
+            super().begin()
+            self.aux, self.proposals = [], []
+
+        def propose(self, tokens, new_aux, k, sampling):
+            self.aux.append(new_aux)
+            got = super().propose(tokens, new_aux, k, sampling)
+            assert got.tokens == _from_scratch(self.draft, tokens, torch.cat(self.aux), k)
+            self.proposals.append(tuple(got.tokens))
+            agree = len(self.proposals) % 4
+            s = tokens.shape[0]
+            return Proposal(full[s: s + agree] + got.tokens[agree:])
+
+    drafter = Checked(draft, "cpu")
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, drafter.aux_layer_ids)
+    gen = generate_speculative(runner, drafter, prompt, 3, 20, NO_STOP, Sampling())
+    assert gen.tokens == ref[:20]
+    assert len(drafter.proposals) == gen.stats.drafts >= 5
+    assert gen.stats.accepted >= 6
+    assert len(set(drafter.proposals)) > 1  # a draft that actually depends on its input
+
+
+def test_eagle3_draft_distribution_lives_on_the_draft_vocab(llama, draft, prompt):
+    drafter = Eagle3Drafter(draft, "cpu")
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, drafter.aux_layer_ids)
+    runner.reset()
+    _, aux = runner.forward(prompt, last_only=True)
+    drafter.begin()
+    sampling = Sampling(1.0, torch.Generator().manual_seed(0))
+    proposal = drafter.propose(torch.cat([prompt, torch.tensor([7])]), aux, 4, sampling)
+    q = proposal.probs  # (4, V)
+    assert q.shape == (4, llama.config.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(4))
+    assert float(q[:, ~draft.t2d].abs().sum()) == 0.0
+    assert all(q[i, t] > 0 and t % 8 == 0 for i, t in enumerate(proposal.tokens))
+
+
 # ---------------------------------------------------------------- exactness at T > 0
 
 V, NEW, N = 3, 4, 4000  # 3-token vocabulary, 4 new tokens (81 outcomes), 4000 samples
@@ -294,3 +377,19 @@ def test_chi_square_catches_a_wrong_residual(monkeypatch):
     counts = _sample_speculative(p_logits, MarkovDrafter(q_logits))
     stat, dof = _chi_square(counts, _exact_law(p_logits, 0))
     assert stat > _critical(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_moe"])
+def test_runner_on_wrapper_and_moe_targets(tiny_model_dir, arch, prompt):
+    """A multimodal wrapper (decoder below `model.language_model`, M-RoPE) and an MoE target:
+    aux capture through models.py's paths, KV-cache rollback, lossless n-gram decoding."""
+    from eyas.models import load_target, submodule
+
+    model, info = load_target(tiny_model_dir(arch), dtype="float32")
+    runner = TargetRunner(model, submodule(model, info.layers_path),
+                          submodule(model, info.norm_path), info.default_aux_layer_ids)
+    ref = generate_plain(runner, prompt, 16, NO_STOP, Sampling()).tokens
+    theirs = model.generate(prompt[None], max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert ref == theirs[0, len(prompt):].tolist()
+    gen = generate_speculative(runner, NgramDrafter(1, 3), prompt, 3, 16, NO_STOP, Sampling())
+    assert gen.tokens == ref and gen.stats.drafts > 0

@@ -19,6 +19,7 @@ import fcntl
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,7 @@ def load_split(prepared: str | Path, split: str, limit: int | None = None):
         start += len(p)
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
+        split_rows = {n: [min(a, limit), min(b, limit)] for n, (a, b) in split_rows.items()}
     return ds, split_rows
 
 
@@ -162,16 +164,20 @@ def iter_captured_batches(model, info, dataset, aux_layer_ids, batch_tokens: int
     `target_top1`/`input_ids` (N,) int32, `loss_mask` (N,) uint8, `sample_offsets` (n+1,) and
     `sample_index` (n,) int64 (rows of `dataset`). `rows` restricts/orders the rows; with
     `sort_by_length` they are length-sorted for minimal padding. Samples with NaN/Inf are
-    dropped and logged (costs one host sync per batch) unless `drop_nonfinite` is False."""
+    dropped and logged (costs one host sync per batch); with `drop_nonfinite=False` they are
+    kept and flagged in an extra `nonfinite_samples` (n,) bool."""
     for out, meta in _captured(model, info, dataset, rows, aux_layer_ids, batch_tokens,
                                packing, sort_by_length):
         bad = out.pop("nonfinite")
-        batch = {**out, **{k: v.to(out["aux_hidden"].device) for k, v in meta.items()
-                           if isinstance(v, torch.Tensor)}}
+        device = out["aux_hidden"].device
+        batch = {**out, **{k: _to(v.pin_memory() if device.type == "cuda" else v, device)
+                           for k, v in meta.items() if isinstance(v, torch.Tensor)}}
         if drop_nonfinite and bool(bad.any()):
             batch, dropped = shards.drop_samples(batch, bad)
             log.warning("dropped samples with NaN/Inf hidden states: %s",
                         [meta["sample_ids"][i] for i in dropped])
+        elif not drop_nonfinite:
+            batch["nonfinite_samples"] = shards.flagged_samples(batch["sample_offsets"], bad)
         yield batch
 
 
@@ -180,20 +186,18 @@ def capture_samples(model, info, rows_ds, aux_layer_ids, *, dtype: torch.dtype |
     """Capture the rows of `rows_ds` (a datasets.Dataset) and return one dict per row, in its
     order, on the model's device: `aux_hidden` (T, 3, H), `final_hidden` (T, H) (in `dtype`,
     default the model's), `target_top1`, `input_ids` (T,) int32, `loss_mask` (T,) uint8. A
-    sample with NaN/Inf states is returned zeroed with loss_mask 0 (logged), so it adds no loss."""
+    sample with NaN/Inf states is returned zeroed with loss_mask 0 (logged), so it adds no loss.
+    Without `batch_tokens` all rows run in one forward."""
     budget = batch_tokens or max(1, sum(int(n) for n in rows_ds["num_tokens"]))
     result: list[dict | None] = [None] * len(rows_ds)
-    for out, meta in _captured(model, info, rows_ds, None, aux_layer_ids, budget, "auto", True):
-        bad = out.pop("nonfinite")
-        off = meta["sample_offsets"].tolist()
-        for j, row in enumerate(meta["sample_index"].tolist()):
-            s, e = off[j], off[j + 1]
-            sample = {k: v[s:e] for k, v in out.items()}
-            sample["input_ids"] = meta["input_ids"][s:e].to(out["aux_hidden"].device)
-            sample["loss_mask"] = meta["loss_mask"][s:e].to(out["aux_hidden"].device)
-            if bool(bad[s:e].any()):
-                log.warning("sample %s has NaN/Inf hidden states: zeroed, loss_mask 0",
-                            meta["sample_ids"][j])
+    for batch in iter_captured_batches(model, info, rows_ds, aux_layer_ids, budget,
+                                       drop_nonfinite=False):
+        bad = batch.pop("nonfinite_samples").tolist()                     # one host sync
+        off = batch.pop("sample_offsets").tolist()
+        for j, row in enumerate(batch.pop("sample_index").tolist()):
+            sample = {k: v[off[j]:off[j + 1]] for k, v in batch.items()}
+            if bad[j]:
+                log.warning("prepared row %d has NaN/Inf hidden states: zeroed, loss_mask 0", row)
                 for k in ("aux_hidden", "final_hidden", "loss_mask"):
                     sample[k] = torch.zeros_like(sample[k])
             if dtype is not None:
@@ -248,6 +252,11 @@ class _Taps:
                           else flat.index_select(0, self.gather.to(flat.device)))
 
     def collect(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = [k for k in (*self.ids, "final") if k not in self.kept]
+        if missing:
+            raise EyasError(f"the forward never reached the hooks for {missing} (aux ids / "
+                            f"final norm); the layer or norm paths eyas found for this model "
+                            f"are wrong: check `eyas doctor` and report the architecture.")
         aux = torch.stack([self.kept[k].to(device) for k in self.ids], dim=1)  # (N, 3, H)
         final = self.kept["final"].to(device)                                # (N, H)
         self.kept = {}
@@ -273,7 +282,7 @@ def _forward(parts, taps: _Taps, inputs: dict) -> dict[str, torch.Tensor]:
         text_model(input_ids=inputs["input_ids"].to(device, non_blocking=True),
                    attention_mask=_to(inputs["attention_mask"], device),
                    position_ids=_to(inputs["position_ids"], device), use_cache=False)
-    aux, final = taps.collect(taps.kept["final"].device)
+    aux, final = taps.collect(taps.kept["final"].device if "final" in taps.kept else device)
     finite = aux.isfinite().all(dim=2).all(dim=1) & final.isfinite().all(dim=1)   # (N,)
     return {"aux_hidden": aux, "final_hidden": final,
             "target_top1": top1_chunked(lm_head, final, vocab), "nonfinite": ~finite}
@@ -334,16 +343,15 @@ def _captured(model, info, dataset, rows, aux_layer_ids, batch_tokens, packing, 
     """Yield (device outputs, host meta) per batch of `dataset` rows (all rows if None)."""
     from eyas.models import submodule
 
-    text_model = submodule(model, info.text_model_path)
-    embed = submodule(model, info.embed_path)
-    parts = (text_model, submodule(model, info.lm_head_path), embed.weight.device,
-             info.vocab_size)
+    # (decoder loop module, lm_head, input device, vocab size): what `_forward` needs
+    parts = (submodule(model, info.text_model_path), submodule(model, info.lm_head_path),
+             submodule(model, info.embed_path).weight.device, info.vocab_size)
     lengths = [int(n) for n in dataset["num_tokens"]]
     rows = list(range(len(dataset))) if rows is None else list(rows)
     taps = _Taps(submodule(model, info.layers_path), submodule(model, info.norm_path),
                  aux_layer_ids, info.num_layers)
     with torch.inference_mode():
-        flat = _resolve_packing(packing, model, info, parts, taps, dataset, rows)
+        flat = _resolve_packing(packing, info, parts, taps)
     for batch in plan_batches(lengths, rows, batch_tokens, flat, sort_by_length):
         data = dataset[batch]
         _check_rows(batch, data, lengths)
@@ -362,18 +370,19 @@ def _check_rows(batch, data, lengths):
                             f"{len(ids)} input_ids, {len(mask)} loss_mask); re-run `eyas prepare`.")
 
 
-def _resolve_packing(packing, model, info, parts, taps, dataset, rows) -> bool:
+def _resolve_packing(packing, info, parts, taps) -> bool:
     """True for flat packing. `auto` picks flat only under flash attention (with sdpa/eager a
     flat row means a dense (N, N) mask: padding is cheaper), and only if the self-check passes."""
-    from eyas.models import submodule
-
-    if packing == "padded" or not rows:
+    if packing == "padded":
         return False
-    impl = str(getattr(submodule(model, info.text_model_path).config, "_attn_implementation", ""))
+    text_model = parts[0]
+    impl = str(getattr(text_model.config, "_attn_implementation", ""))
     if packing == "auto" and not impl.startswith("flash"):
         return False
-    sample = list(dataset[rows[0]]["input_ids"])[:PROBE_TOKENS]
-    ok, err = _flat_packing_works(parts, taps, sample)
+    checked = _PACKING_CHECKS.setdefault(text_model, {})
+    if impl not in checked:
+        checked[impl] = _flat_packing_works(parts, taps, info.vocab_size)
+    ok, err = checked[impl]
     if ok:
         return True
     msg = (f"flat packing leaks attention across samples for this model ({impl} attention, "
@@ -384,11 +393,15 @@ def _resolve_packing(packing, model, info, parts, taps, dataset, rows) -> bool:
     return False
 
 
-def _flat_packing_works(parts, taps, sample: list[int]) -> tuple[bool, float]:
-    """Pack the same sequence twice in one flat row: if position resets isolate the samples,
-    both copies give the same hidden states; if the attention ignores them, the second copy
-    sees the first and differs far beyond rounding (in the first tokens especially)."""
-    seq = sample if len(sample) >= 2 else [*sample, *sample]
+_PACKING_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # text model -> results
+
+
+def _flat_packing_works(parts, taps, vocab_size: int) -> tuple[bool, float]:
+    """Pack one sequence twice in one flat row: if position resets isolate the samples, both
+    copies give the same hidden states; if the attention ignores them, the second copy sees
+    the first and differs far beyond rounding (in its first tokens especially)."""
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, vocab_size, (PROBE_TOKENS,), generator=g).tolist()
     inputs, _ = batch_inputs([(seq, [1] * len(seq))] * 2, flat=True)
     final = _forward(parts, taps, inputs)["final_hidden"].float()
     a, b = final[: len(seq)], final[len(seq):]
@@ -453,14 +466,16 @@ def _settings(cfg, target, inputs, aux_ids, hidden_size) -> dict:
 def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
     from tqdm.auto import tqdm
 
-    stream = torch.cuda.Stream() if _device_of(model, info).type == "cuda" else None
+    device = _device_of(model, info)
+    stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
     writer = shards.PartWriter(out, state, int(cfg.file_mb * 2**20),
                                {"aux_layer_ids": ",".join(map(str, aux_ids)), "dtype": cfg.dtype})
     lengths = [int(n) for n in dataset["num_tokens"]]
     total = sum(lengths[r] for r in todo)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture {cfg.shard}",
                disable=None, dynamic_ncols=True)
-    start, tokens = time.perf_counter(), 0
+    start = last_log = time.perf_counter()
+    tokens = 0
     try:
         for out_dev, host in _captured(model, info, dataset, todo, aux_ids, cfg.batch_tokens,
                                        cfg.packing, True):
@@ -471,6 +486,13 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
             tokens += n
             bar.update(n)
             bar.set_postfix(written=f"{writer.bytes_written / 2**30:.2f}GiB", refresh=False)
+            now = time.perf_counter()
+            if bar.disable and now - last_log > 60:  # no terminal (batch job): log instead
+                rate = tokens / (now - start)
+                log.info("shard %s: %d/%d tokens, %.0f tok/s, ETA %.0f min, %.2f GiB written",
+                         cfg.shard, tokens, total, rate, (total - tokens) / rate / 60,
+                         writer.bytes_written / 2**30)
+                last_log = now
     finally:
         writer.close()
         bar.close()
@@ -505,7 +527,7 @@ def _to_host(tensors: dict, stream) -> tuple[dict, object]:
     the next forward); returns the host tensors and an event the writer waits on."""
     if stream is None:
         return {k: v.cpu() for k, v in tensors.items()}, None
-    stream.wait_stream(torch.cuda.current_stream())
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
     host = {}
     with torch.cuda.stream(stream):
         for k, v in tensors.items():

@@ -81,10 +81,28 @@ def resolve_paths(paths: str | Path | tuple | list) -> list[Path]:
                 raise EyasError(f"folder {path} holds no {'/'.join(FILE_SUFFIXES)} files and is "
                                 f"not a datasets folder (save_to_disk); check --data")
             out.extend(found)
-        else:
+        elif _is_source(path):
             out.append(path)
+        else:
+            raise EyasError(f"cannot read {path}: give {'/'.join(FILE_SUFFIXES)} files or "
+                            f"a datasets folder (save_to_disk) in --data")
     if not out:
         raise EyasError(f"no chat data found in {list(paths)}; check --data")
+    return out
+
+
+def source_fingerprints(paths) -> list[dict]:
+    """What `paths` hold now, for manifests: sha256 per file, fingerprints per datasets folder."""
+    from eyas.manifest import file_sha256
+
+    out = []
+    for path in resolve_paths(paths):
+        if path.is_dir():
+            states = sorted(path.rglob("state.json"))
+            prints = [json.loads(s.read_text()).get("_fingerprint") for s in states]
+            out.append({"path": str(path), "fingerprints": prints})
+        else:
+            out.append({"path": str(path), "sha256": file_sha256(path)})
     return out
 
 
@@ -123,21 +141,30 @@ def read_rows(paths, fmt: str = "auto") -> Iterator[RawRow]:
         if _is_datasets_folder(path):
             yield from _read_datasets_folder(path)
         elif path.name.endswith(".parquet"):
-            yield from _read_parquet(path)
+            yield from _guarded(path, _read_parquet(path), first=0)
         elif path.name.endswith((".json", ".json.gz")):
-            yield from _read_json(path)
-        elif path.name.endswith((".jsonl", ".jsonl.gz")):
-            with _open_text(path) as lines:
-                yield from _read_jsonl(path, lines)
+            yield from _guarded(path, _read_json(path), first=0)
         else:
-            raise EyasError(f"cannot read {path}: use {'/'.join(FILE_SUFFIXES)} files "
-                            f"or a datasets folder")
+            yield from _guarded(path, _read_jsonl(path, _binary_lines(path)), first=1)
 
 
-def _open_text(path: Path):
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+def _guarded(path: Path, rows: Iterator[RawRow], first: int) -> Iterator[RawRow]:
+    """A file that breaks while being read (corrupt gzip / parquet, I/O error) becomes one
+    reject at the row where it broke instead of ending the run."""
+    row = first
+    try:
+        for item in rows:
+            row = item.row + 1
+            yield item
+    except (OSError, EOFError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        yield RawRow(str(path), row, ChatFormatError(
+            f"file unreadable from here on ({type(err).__name__}: {err})"))
+
+
+def _binary_lines(path: Path) -> Iterator[bytes]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        yield from f
 
 
 def _check_dict(file: str, row: int, value: Any) -> RawRow:
@@ -147,12 +174,17 @@ def _check_dict(file: str, row: int, value: Any) -> RawRow:
         f"row is a JSON {type(value).__name__}, not an object"))
 
 
-def _read_jsonl(path: Path, lines: Iterable[str]) -> Iterator[RawRow]:
+def _read_jsonl(path: Path, lines: Iterable[bytes | str]) -> Iterator[RawRow]:
     for number, line in enumerate(lines, start=1):
-        if not line.strip():
+        try:
+            text = line.decode("utf-8") if isinstance(line, bytes) else line
+        except UnicodeDecodeError as err:
+            yield RawRow(str(path), number, ChatFormatError(f"line is not UTF-8 text: {err}"))
+            continue
+        if not text.strip():
             continue  # blank lines are not rows
         try:
-            value = json.loads(line)
+            value = json.loads(text)
         except json.JSONDecodeError as err:
             yield RawRow(str(path), number, ChatFormatError(f"invalid JSON line: {err}"))
             continue
@@ -160,8 +192,7 @@ def _read_jsonl(path: Path, lines: Iterable[str]) -> Iterator[RawRow]:
 
 
 def _read_json(path: Path) -> Iterator[RawRow]:
-    with _open_text(path) as f:
-        text = f.read()
+    text = b"".join(_binary_lines(path)).decode("utf-8")  # not UTF-8: ValueError, guarded
     try:
         value = json.loads(text)
     except json.JSONDecodeError:

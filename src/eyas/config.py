@@ -101,7 +101,10 @@ def from_dict(cls, values: dict[str, Any]):
         if f.name not in kwargs and f.default is dataclasses.MISSING
     ]
     if missing:
-        raise ConfigError(f"{cls.__name__} needs {missing} (give --{missing[0].replace('_', '-')})")
+        first = next(f for f in dataclasses.fields(cls) if f.name == missing[0])
+        how = (f"give {missing[0].upper()}" if first.metadata.get("positional")
+               else f"give --{missing[0].replace('_', '-')}")
+        raise ConfigError(f"{cls.__name__} needs {missing} ({how})")
     return cls(**kwargs)
 
 

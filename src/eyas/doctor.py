@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import logging
 import sys
 import typing
 from dataclasses import asdict, dataclass
@@ -27,8 +26,6 @@ from eyas.errors import EyasError
 from eyas.manifest import LAYER_ID_CONVENTION, versions
 from eyas.models import (ModelInfo, build_meta_model, inspect_model, load_config,
                          load_tokenizer, submodule, validate_aux_layer_ids)
-
-log = logging.getLogger(__name__)
 
 # Every member name vLLM's SupportsEagle3 protocol has had (vLLM renamed the default-layer
 # getter around 0.18 and added the two has_own_* flags around 0.12).
@@ -86,6 +83,7 @@ def doctor(cfg: DoctorConfig) -> dict:
     }
     report["problems"] = _problems(report, info)
     report["ok"] = not report["problems"]
+    report["vllm_checked"] = report["vllm"]["importable"]
     _emit(json.dumps(report, indent=2, default=str) if cfg.json else render_text(report))
     return report
 

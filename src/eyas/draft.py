@@ -24,10 +24,8 @@ convention.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -67,15 +65,14 @@ def draft_rope_scaling(scaling: dict | None) -> dict | None:
     return out
 
 
-def _rope_of(obj) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a ModelInfo, an HF config (transformers 4 or 5 keys)
-    or a config.json dict."""
-    get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
-    params = dict(get("rope_parameters") or {})
+def _rope_of(target) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a ModelInfo or an HF config (transformers 4 or 5 keys)."""
+    params = dict(getattr(target, "rope_parameters", None) or {})
     if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
         params = dict(params.get("full_attention") or next(iter(params.values())))
-    theta = get("rope_theta") or params.get("rope_theta") or 10000.0
-    scaling = get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    theta = getattr(target, "rope_theta", None) or params.get("rope_theta") or 10000.0
+    scaling = getattr(target, "rope_scaling", None) or \
+        {k: v for k, v in params.items() if k != "rope_theta"}
     return float(theta), draft_rope_scaling(scaling)
 
 
@@ -160,62 +157,6 @@ class DraftConfig:
     def from_dict(cls, values: dict) -> DraftConfig:
         return from_dict(cls, values)
 
-    def to_vllm_config(self) -> dict:
-        """config.json of the exported draft (reference §5): what vLLM's
-        `LlamaForCausalLMEagle3` reads. `from_vllm_config` is the inverse."""
-        ids = list(self.aux_layer_ids)
-        out = {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": self.hidden_size, "num_hidden_layers": 1,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size, "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "norm_before_residual": self.norm_before_residual, "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False,
-            "eagle_aux_hidden_state_layer_ids": ids,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-        }
-        if self.rope_scaling is not None:
-            out["rope_scaling"] = dict(self.rope_scaling)
-        if self.target_hidden_size != self.hidden_size:
-            out["target_hidden_size"] = self.target_hidden_size
-        for flag in ("fc_norm", "norm_output"):  # eyas-only variants, written only when on
-            if getattr(self, flag):
-                out[flag] = True
-        return out
-
-    @classmethod
-    def from_vllm_config(cls, cfg: dict) -> DraftConfig:
-        """Read an exported draft's config.json (eyas's, or another trainer's vLLM layout)."""
-        if int(cfg.get("num_hidden_layers", 1)) != 1:
-            raise EyasError(f"draft config has num_hidden_layers={cfg['num_hidden_layers']}; "
-                            f"eyas drafts have exactly one decoder layer")
-        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or \
-            (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if not ids:
-            raise EyasError("draft config.json has no eagle_aux_hidden_state_layer_ids; "
-                            "re-export the draft with `eyas export`")
-        theta, scaling = _rope_of(cfg)
-        heads = int(cfg["num_attention_heads"])
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
-            aux_layer_ids=tuple(ids),
-            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-            fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)),
-            hidden_act=cfg.get("hidden_act", "silu"))
-
 
 # ----------------------------------------------------------------------------- layers
 
@@ -275,8 +216,8 @@ def attention(q, k, v, lo, hi, diag_k=None, diag_v=None) -> torch.Tensor:
             return out
         n, hq, d = q.shape
         hkv = k.shape[1]
-        qg = q.float().view(n, hkv, hq // hkv, d)  # (N, hkv, G, d): G query heads per kv head
-        scores = torch.einsum("nkgd,snkd->nkgs", qg, diag_k.float()) * d ** -0.5  # (N,hkv,G,S)
+        qg = q.view(n, hkv, hq // hkv, d)  # (N, hkv, G, d): G query heads per kv head
+        scores = _DiagScores.apply(qg, diag_k) * d ** -0.5  # (N, hkv, G, S) fp32
         lse = lse.view(n, hkv, hq // hkv)
         top = torch.maximum(lse, scores.amax(-1))  # (N, hkv, G)
         w_band = (lse - top).exp()
@@ -286,6 +227,23 @@ def attention(q, k, v, lo, hi, diag_k=None, diag_v=None) -> torch.Tensor:
         mixed = out.view(n, hkv, hq // hkv, d) * w_band[..., None] + \
             torch.einsum("nkgs,snkd->nkgd", w_diag, diag_v.to(q.dtype))
         return mixed.reshape(n, hq, d)
+
+
+class _DiagScores(torch.autograd.Function):
+    """scores[n,k,g,s] = q[n,k,g,:] . diag_k[s,n,k,:] in fp32, saving the (bf16) inputs for
+    backward instead of fp32 copies (at 64K tokens those would be GiBs per step)."""
+
+    @staticmethod
+    def forward(ctx, q, diag_k):  # q (N, hkv, G, d); diag_k (S, N, hkv, d)
+        ctx.save_for_backward(q, diag_k)
+        return torch.einsum("nkgd,snkd->nkgs", q.float(), diag_k.float())
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (N, hkv, G, S) fp32
+        q, diag_k = ctx.saved_tensors
+        grad_q = torch.einsum("nkgs,snkd->nkgd", grad, diag_k.float()).to(q.dtype)
+        grad_k = torch.einsum("nkgs,nkgd->snkd", grad, q.float()).to(diag_k.dtype)
+        return grad_q, grad_k
 
 
 def _band_reference(q, k, v, lo, hi, chunk: int = 1024):
@@ -537,19 +495,12 @@ class Eagle3Draft(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder, embed_tokens=None, dtype=None) -> Eagle3Draft:
-        """Load an exported vLLM-layout draft folder (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
+        """Load an exported draft folder (config.json + *.safetensors, vLLM / SGLang /
+        speculators layout, read by eyas.export). `embed_tokens`: the target's embedding,
+        unless the folder carries its own `embed_tokens.weight`."""
+        from eyas.export import read_vllm_folder
 
-        folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise EyasError(f"{folder} has no config.json; point at a folder written by "
-                            f"`eyas export` (or another EAGLE-3 draft in vLLM layout)")
-        cfg = DraftConfig.from_vllm_config(json.loads((folder / "config.json").read_text()))
-        state = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            for name, tensor in load_file(str(f)).items():
-                name = name.removeprefix("model.").replace("layers.0.", "midlayer.")
-                state[name] = tensor
+        cfg, state = read_vllm_folder(folder)
         embedded = state.pop("embed_tokens.weight", None)
         draft = cls(cfg, embed_tokens if embed_tokens is not None else embedded)
         if "d2t" not in state:  # vLLM treats a missing d2t as the identity
@@ -582,13 +533,13 @@ class TTTBatch:
 @dataclass
 class TTTOutput:
     loss: torch.Tensor  # scalar: sum_j step_weight**j * mean loss of step j
+    # (S,) differentiable loss summed (not averaged) over step j's positions: train divides
+    # by counts over the whole optimizer step, so accumulation and ranks do not change it
+    step_loss_sum: torch.Tensor
     step_loss: torch.Tensor  # (S,) detached mean loss per step
     step_acc: torch.Tensor  # (S,) top-1 agreement with the target per step
     step_count: torch.Tensor  # (S,) positions that carried a loss per step
     step_rows: list[int]  # positions computed per step (after pruning)
-    # (S,) summed (not averaged) loss per step, differentiable: train normalises by counts
-    # over the whole optimizer step, so accumulation and ranks do not change the update
-    step_loss_sum: torch.Tensor | None = None
 
     @property
     def sim_acceptance_length(self) -> float:
@@ -658,7 +609,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
             final = final.to(w.dtype)
         teacher = F.linear(final, w)  # (N, Vd)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
-    losses, sums, correct, counts, rows_per_step = [], [], [], [], []
+    sums, correct, counts, rows_per_step = [], [], [], []
     # 4. Step 0: fused target states + the next token, causal within each document.
     rows = every
     hidden = draft.fuse(batch.aux_hidden).reshape(n_all, -1)  # (N, H)
@@ -685,26 +636,23 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
         here = valid[j][rows].nonzero().squeeze(1)
         teach = rows[here] + 1 + j
-        loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), draft.lm_head.weight,
-                                            teacher[teach], chunk=vocab_chunk)
-        count = here.numel()
-        losses.append(loss_sum / max(count, 1))
+        loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), draft.lm_head.weight, teacher,
+                                            rows=teach, chunk=vocab_chunk)
         sums.append(loss_sum)
         correct.append((pred == draft_id[top1[teach]]).sum())
-        counts.append(count)
+        counts.append(here.numel())
         rows_per_step.append(rows.numel())
         hidden = draft.next_hidden(h)
-    # 7. Weighted sum over steps; steps never reached (nothing left to predict) count zero.
-    done = len(losses)
-    loss = sum(step_weight ** j * losses[j] for j in range(done))
-    step_loss = torch.zeros(steps, device=dev)
-    step_loss[:done] = torch.stack(losses).detach().float()
+    # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
+    done = len(sums)
     step_count = torch.zeros(steps, dtype=torch.long, device=dev)
     step_count[:done] = torch.tensor(counts, device=dev)
+    step_loss_sum = torch.cat([torch.stack(sums), sums[0].new_zeros(steps - done)])
+    step_loss = step_loss_sum.detach() / step_count.clamp(min=1)
+    loss = (step_weight ** torch.arange(steps, device=dev) * step_loss_sum
+            / step_count.clamp(min=1)).sum()
     step_correct = torch.zeros(steps, dtype=torch.long, device=dev)
     step_correct[:done] = torch.stack(correct)
     step_acc = step_correct.float() / step_count.clamp(min=1).float()
-    step_loss_sum = torch.cat([torch.stack(sums).float(),
-                               torch.zeros(steps - done, device=dev)])  # (S,)
-    return TTTOutput(loss, step_loss, step_acc, step_count, rows_per_step + [0] * (steps - done),
-                     step_loss_sum)
+    return TTTOutput(loss, step_loss_sum, step_loss, step_acc, step_count,
+                     rows_per_step + [0] * (steps - done))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
-                         target_option, to_dict, trust_remote_code_option)
+                         target_option, trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
                            write_manifest)
@@ -152,30 +152,27 @@ class Prompt:
 # ---------------------------------------------------------------- running the methods
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # every GPU: a device_map'ed target spans several
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
-def _run_method(run_one, prompts: list[Prompt], device: torch.device, k: int):
-    """Generate for every prompt with `run_one(prompt) -> Generation`; (outputs, stats, s)."""
+def _measure(generate, prompts: list[Prompt], device, method: str, k: int,
+             base_tps: float | None) -> tuple[list[list[int]], MethodResult]:
+    """Run `generate(prompt_ids) -> Generation` on every prompt, timed; (outputs, result)."""
     stats, outputs, seconds = SpecStats(k=k), [], 0.0
     for prompt in prompts:
         _sync(device)
         start = time.perf_counter()
-        gen = run_one(prompt)
+        gen = generate(prompt.ids)
         _sync(device)
         seconds += time.perf_counter() - start
         stats.merge(gen.stats)
         outputs.append(gen.tokens)
-    return outputs, stats, seconds
-
-
-def _result(method: str, k: int, outputs, stats: SpecStats, seconds: float,
-            base_tps: float | None) -> MethodResult:
     tokens = sum(len(o) for o in outputs)
     tps = tokens / seconds if seconds > 0 else 0.0
     spec = method != "target"
-    return MethodResult(
+    result = MethodResult(
         method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
         tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
         target_forwards=stats.target_forwards, drafts=stats.drafts,
@@ -183,13 +180,13 @@ def _result(method: str, k: int, outputs, stats: SpecStats, seconds: float,
         mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
         draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
         per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance])
-
-
-def _first_divergence(want: list[int], got: list[int]) -> int | None:
-    for i, (a, b) in enumerate(zip(want, got)):
-        if a != b:
-            return i
-    return None if len(want) == len(got) else min(len(want), len(got))
+    if spec:
+        log.info("%s k=%d: mean acceptance length %.3f, per position %s, %.1f tokens/s (x%.2f)",
+                 method, k, result.mean_acceptance_length, result.per_position_acceptance,
+                 tps, result.speedup)
+    else:
+        log.info("no speculation: %.1f tokens/s", tps)
+    return outputs, result
 
 
 def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
@@ -212,44 +209,32 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
     call this on checkpoints with the models it holds; `evaluate` is the file-to-file step.
     """
     device = model.get_input_embeddings().weight.device
-    aux_ids = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
-    runner = TargetRunner(model, layers, final_norm, aux_ids)
-    drafters = []
-    if cfg.ngram:
-        drafters.append(("ngram", NgramDrafter(cfg.ngram_min, cfg.ngram_max)))
+    runner = TargetRunner(model, layers, final_norm,
+                          tuple(draft.cfg.aux_layer_ids) if draft is not None else ())
+    drafters = [("ngram", NgramDrafter(cfg.ngram_min, cfg.ngram_max))] if cfg.ngram else []
     if draft is not None:
         drafters.append(("eagle3", Eagle3Drafter(draft, device)))
 
-    def sampling() -> Sampling:  # every method starts from the same random state
+    def decoder(drafter, k: int, n: int):
+        # every method starts from the same random state
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
-        return Sampling(cfg.temperature, gen)
-
-    def plain(n):
-        s = sampling()
-        return lambda p: generate_plain(runner, p.ids, n, stop_ids, s)
-
-    def spec(drafter, k, n):
-        s = sampling()
-        return lambda p: generate_speculative(runner, drafter, p.ids, k, n, stop_ids, s)
+        s = Sampling(cfg.temperature, gen)
+        if drafter is None:
+            return lambda ids: generate_plain(runner, ids, n, stop_ids, s)
+        return lambda ids: generate_speculative(runner, drafter, ids, k, n, stop_ids, s)
 
     try:
         with torch.inference_mode():
             # warm-up (kernels, allocator, lazy init) so the first method is not penalised
-            plain(4)(prompts[0])
-            for _, drafter in drafters:
-                spec(drafter, max(cfg.k), 4)(prompts[0])
-            outputs, stats, seconds = _run_method(plain(cfg.max_new_tokens), prompts, device, 0)
-            base = _result("target", 0, outputs, stats, seconds, None)
-            log.info("no speculation: %.1f tokens/s", base.tokens_per_s)
-            results, reference, mismatches = [base], outputs, []
+            for _, drafter in [("target", None), *drafters]:
+                decoder(drafter, max(cfg.k), 4)(prompts[0].ids)
+            reference, base = _measure(decoder(None, 0, cfg.max_new_tokens), prompts, device,
+                                       "target", 0, None)
+            results, mismatches = [base], []
             for name, drafter in drafters:
                 for k in cfg.k:
-                    outputs, stats, seconds = _run_method(
-                        spec(drafter, k, cfg.max_new_tokens), prompts, device, k)
-                    res = _result(name, k, outputs, stats, seconds, base.tokens_per_s)
-                    log.info("%s k=%d: mean acceptance length %.3f, per position %s, "
-                             "%.1f tokens/s (x%.2f)", name, k, res.mean_acceptance_length,
-                             res.per_position_acceptance, res.tokens_per_s, res.speedup)
+                    outputs, res = _measure(decoder(drafter, k, cfg.max_new_tokens), prompts,
+                                            device, name, k, base.tokens_per_s)
                     results.append(res)
                     if cfg.lossless_check:
                         mismatches += _compare(reference, outputs, prompts, name, k)
@@ -261,9 +246,11 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
 
 
 def _compare(reference, outputs, prompts, method: str, k: int) -> list[dict]:
+    """The first differing new token of each prompt whose output is not the reference."""
     found = []
     for prompt, want, got in zip(prompts, reference, outputs):
-        at = _first_divergence(want, got)
+        at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+                  None if len(want) == len(got) else min(len(want), len(got)))
         if at is not None:
             found.append({"prompt_id": prompt.id, "method": method, "k": k, "position": at,
                           "expected": want[at] if at < len(want) else None,
@@ -279,8 +266,8 @@ def _logit_margin(runner, prompts, reference, mismatch: dict) -> float | None:
     index = next(i for i, p in enumerate(prompts) if p.id == mismatch["prompt_id"])
     prefix = reference[index][: mismatch["position"]]
     runner.reset()
-    logits, _ = runner.forward(torch.cat([prompts[index].ids, torch.tensor(prefix, dtype=torch.long)]),
-                               last_only=True)
+    ids = torch.cat([prompts[index].ids, torch.tensor(prefix, dtype=torch.long)])
+    logits, _ = runner.forward(ids, last_only=True)
     return round(float(logits[-1, mismatch["expected"]] - logits[-1, mismatch["got"]]), 6)
 
 
@@ -290,7 +277,8 @@ def _report(cfg: EvalConfig, results, mismatches, num_prompts: int, device,
     mine = [r for r in results if r.method == primary]
     return EvalReport(
         target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
-        k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens, device=str(device),
+        k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens,
+        device=str(device),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
         per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
@@ -330,23 +318,34 @@ def _prepared_conversations(folder: Path, split: str):
         yield sid, json.loads(text)
 
 
+def _normalize_prompt(item):
+    """A row's messages; prompt-only rows (no assistant turn, e.g. MT-bench questions) get an
+    empty reply slot at the end so the chat reader accepts them."""
+    from eyas import chat
+
+    try:
+        return chat.normalize(item)
+    except chat.ChatFormatError:
+        if not isinstance(item, dict):
+            raise
+        column = next(c for c in chat.TURN_COLUMNS[chat.detect_format(item)]
+                      if item.get(c) is not None)
+        if not isinstance(item[column], list):
+            raise
+        return chat.normalize({**item, column: [*item[column],
+                                                {"role": "assistant", "content": ""}]})
+
+
 def _file_conversations(data: str):
-    """(sample id, messages) of every usable row; bad rows are logged with file and row.
-    Prompt-only rows (no assistant turn, e.g. MT-bench questions) are accepted."""
+    """(sample id, messages) of every usable row; bad rows are logged with file and row."""
     from eyas import chat
 
     for file, row, item in chat.read_rows(data):
         try:
             if isinstance(item, chat.ChatFormatError):
                 raise item
-            try:
-                messages = chat.normalize(item)
-            except chat.ChatFormatError:  # retry with an empty reply slot at the end
-                column = next(c for c in chat.TURN_COLUMNS[chat.detect_format(item)]
-                              if item.get(c) is not None)
-                slot = [{"role": "assistant", "content": ""}]
-                messages = chat.normalize({**item, column: [*item[column], *slot]})
-        except (chat.ChatFormatError, TypeError) as err:
+            messages = _normalize_prompt(item)
+        except chat.ChatFormatError as err:
             log.warning("%s row %d skipped: %s", file, row, err)
             continue
         yield chat.sample_id(item, file, row), messages
@@ -497,3 +496,78 @@ def mismatch_message(report: EvalReport) -> str:
             f"a near-tie of the top two logits (margin near 0) can flip. Re-run with --dtype "
             f"float32 to tell them apart (a difference in float32 with a clear margin is a "
             f"bug: please report it), or pass --no-check-lossless to skip the check.")
+
+
+# ---------------------------------------------------------------- writing the report
+
+def write_report(out: Path, report: EvalReport) -> None:
+    """report.json, report.md and the two plots (skipped, with a log line, without
+    matplotlib)."""
+    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    try:
+        import matplotlib
+    except ImportError:
+        log.info("matplotlib is not installed: no plots (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    _plot(out, report)
+    log.info("report written to %s", out)
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report: EvalReport) -> str:
+    lossless = {True: "yes (every output equals the target's greedy output)",
+                False: f"NO ({len(report.mismatches)} differing generations)",
+                None: "not checked"}[report.lossless]
+    lines = [
+        f"# eyas eval: {report.target}", "",
+        f"- draft: {report.draft or 'none (n-gram only)'}",
+        f"- {report.num_prompts} prompts, up to {report.max_new_tokens} new tokens, temperature "
+        f"{report.temperature:g}, {report.settings}, {report.device} {report.dtype}",
+        f"- lossless: {lossless}",
+        "- mean acceptance length = 1 + accepted / drafts (bonus token included), as vLLM "
+        "reports it", "",
+        "| method | k | mean acceptance length | draft acceptance rate | acceptance by position "
+        "| tokens/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report.results:
+        per_pos = " / ".join(f"{x:.2f}" for x in r.per_position_acceptance) or "-"
+        lines.append(f"| {r.method} | {r.k or '-'} | {_fmt(r.mean_acceptance_length)} | "
+                     f"{_fmt(r.draft_acceptance_rate)} | {per_pos} | {r.tokens_per_s:.1f} | "
+                     f"x{r.speedup:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(out: Path, report: EvalReport) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method in ("eagle3", "ngram"):
+        rs = [r for r in report.results if r.method == method]
+        if rs:
+            ax.plot([r.k for r in rs], [r.mean_acceptance_length for r in rs], "o-", label=method)
+    ax.set(xlabel="k (draft tokens per step)", ylabel="mean acceptance length",
+           title=f"T={report.temperature:g}, {report.num_prompts} prompts")
+    ax.set_xticks(report.k)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "al_vs_k.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in report.results:
+        if r.method == report.primary:
+            ax.plot(range(1, r.k + 1), r.per_position_acceptance, "o-", label=f"k={r.k}")
+    ax.set_xticks(range(1, max(report.k) + 1))
+    ax.set(xlabel="draft position", ylabel="acceptance rate (per draft)", ylim=(0, 1.02),
+           title=f"{report.primary}, T={report.temperature:g}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)

@@ -43,6 +43,24 @@ def kimi_like_text_config(num_layers: int = 8, hidden: int = 64, vocab_size: int
         bos_token_id=0, eos_token_id=4, pad_token_id=5)
 
 
+def kimi_k25_text_config():
+    """DeepSeek-V3 text config at Kimi-K2.5's published shapes (61 layers, hidden 7168, vocab
+    163840, 384 routed experts, MLA, YaRN to 256k), for config-only checks on the meta device.
+    Structure and sizes follow the public config; numeric details such as eps may differ."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+        n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1,
+        n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=262144,
+        rope_theta=50000.0,
+        rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, dtype="bfloat16")
+
+
 def write_kimi_like_config(out_dir: str | Path, text_config, *,
                            quantization_config: dict | None = None) -> Path:
     """Write `config.json` (with `auto_map`) and the remote-code files into `out_dir`.

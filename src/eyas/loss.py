@@ -21,8 +21,10 @@ class _ChunkedSoftCE(torch.autograd.Function):
     """sum over rows of soft CE(lm_head(hidden), softmax(teacher)), gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, teacher, chunk: int, grad_hidden: bool, grad_weight: bool):
-        # hidden (n, H) in compute dtype; weight (Vd, H) master dtype; teacher (n, Vd) logits
+    def forward(ctx, hidden, weight, teacher, rows, chunk: int, grad_hidden: bool,
+                grad_weight: bool):
+        # hidden (n, H) compute dtype; weight (Vd, H) master dtype; teacher (M, Vd) logits whose
+        # row rows[i] (or i when rows is None) is the teacher of hidden row i
         w = weight.to(hidden.dtype)  # what autocast would feed the matmul
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # (n,)
@@ -33,7 +35,8 @@ class _ChunkedSoftCE(torch.autograd.Function):
             h = hidden[s: s + chunk]  # (c, H)
             logits = (h @ w.t()).float()  # (c, Vd)
             logq = torch.log_softmax(logits, dim=-1)
-            p = torch.softmax(teacher[s: s + chunk].float(), dim=-1)  # (c, Vd)
+            t = teacher[s: s + chunk] if rows is None else teacher[rows[s: s + chunk]]
+            p = torch.softmax(t.float(), dim=-1)  # (c, Vd)
             total += -(p * logq).sum()
             top1[s: s + chunk] = logits.argmax(dim=-1)
             if grad_hidden or grad_weight:
@@ -52,23 +55,26 @@ class _ChunkedSoftCE(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         gh = d_hidden * grad_total.to(d_hidden.dtype) if d_hidden is not None else None
         gw = (d_weight * grad_total).to(ctx.weight_dtype) if d_weight is not None else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
-                       chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                       rows: torch.Tensor | None = None, chunk: int = 4096
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)`.
 
     hidden (n, H): the draft's post-norm hidden states; weight (Vd, H): its lm_head;
-    teacher (n, Vd): target logits over the draft vocabulary. Rows are processed `chunk` at a
-    time, so no `(n, Vd)` tensor is kept for backward. Returns (loss summed over rows, a
-    differentiable scalar; the draft's argmax per row (n,), draft ids).
+    teacher (M, Vd): target logits over the draft vocabulary, row `rows[i]` for hidden row i
+    (rows (n,) long; None means M == n, row i). Rows are processed `chunk` at a time, so no
+    `(n, Vd)` tensor is kept for backward. Returns (loss summed over rows, a differentiable
+    scalar; the draft's argmax per row (n,), draft ids).
     """
-    if hidden.shape[0] != teacher.shape[0] or weight.shape[0] != teacher.shape[1]:
+    n_teacher = teacher.shape[0] if rows is None else rows.shape[0]
+    if hidden.shape[0] != n_teacher or weight.shape[0] != teacher.shape[1]:
         raise ValueError(f"soft_cross_entropy: hidden {tuple(hidden.shape)}, weight "
                          f"{tuple(weight.shape)} and teacher {tuple(teacher.shape)} disagree")
     grad_on = torch.is_grad_enabled()
-    return _ChunkedSoftCE.apply(hidden, weight, teacher, max(1, int(chunk)),
+    return _ChunkedSoftCE.apply(hidden, weight, teacher, rows, max(1, int(chunk)),
                                 grad_on and hidden.requires_grad,
                                 grad_on and weight.requires_grad)
 

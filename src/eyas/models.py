@@ -1,12 +1,12 @@
 """Load a target with transformers and find, in any architecture, what EAGLE-3 needs from it.
 
 Nothing here knows a model family by name. The decoder is found by structure: the
-`nn.ModuleList` of same-class blocks whose length is the text config's `num_hidden_layers`
-(DeepSeek-V3's dense-then-MoE layers are still one decoder-layer class). The module that owns
-that list runs the decoder loop and holds the input embedding and the final norm; the output
-head is `get_output_embeddings()`. That works the same for a plain `LlamaForCausalLM`
-(`model.layers`), a multimodal wrapper such as Qwen2.5-VL (`model.language_model.layers`) or
-Kimi-K2.5's remote code (`language_model.model.layers`).
+`nn.ModuleList` whose length is the text config's `num_hidden_layers` (DeepSeek-V3's
+dense-then-MoE layers are one decoder-layer class; hybrids such as Jamba mix classes in it).
+The module that owns that list runs the decoder loop and holds the input embedding and the
+final norm; the output head is `get_output_embeddings()`. That works the same for a plain
+`LlamaForCausalLM` (`model.layers`), a multimodal wrapper such as Qwen2.5-VL
+(`model.language_model.layers`) or Kimi-K2.5's remote code (`language_model.model.layers`).
 
 From a config alone the model is built on the meta device: no weight is read or allocated, so
 `inspect_model` answers in seconds even for a 1T-parameter target.
@@ -138,7 +138,11 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
     if "trust_remote_code" in text and not trust_remote_code:
         return (f"{name} ships its own model code; re-run with --trust-remote-code "
                 f"(trust_remote_code=True) if you trust it")
-    return (f"cannot load the {what} of {name!r}: {text.splitlines()[0] if text else err!r}. "
+    first = text.splitlines()[0] if text else repr(err)
+    if Path(name).exists():
+        return (f"cannot load the {what} from the folder {name}: {first}. Check that it holds "
+                f"the model's files as published (config.json, tokenizer files, weights)")
+    return (f"cannot load the {what} of {name!r}: {first}. "
             f"Check the hub name or folder; if this machine is offline, download it first "
             f"(`huggingface-cli download {name}`) and pass the local folder, or set "
             f"HF_HUB_OFFLINE=1 to use the cache; for a gated repo run `huggingface-cli login`")
@@ -241,6 +245,7 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
             kwargs["trust_remote_code"] = trust_remote_code
         return cls.from_pretrained(name, config=config, **kwargs)
 
+    log.info("loading %s (%s) in %s", name, (config.architectures or ["?"])[0], torch_dtype)
     try:
         model = _instantiate(config, trust_remote_code, make)
     except OSError as err:
@@ -270,28 +275,31 @@ def _paths(model: nn.Module) -> dict[int, str]:
     return paths
 
 
-def _block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """All ModuleLists whose items are non-empty and all of one class."""
-    found = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1:
-            found.append((name, mod))
-    return found
+def _module_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+
+
+def _describe(blocks: nn.ModuleList) -> str:
+    kinds = sorted({type(b).__name__ for b in blocks})
+    return f"{len(blocks)} x {kinds[0] if len(kinds) == 1 else 'mixed ' + '/'.join(kinds)}"
 
 
 def _find_layers(model: nn.Module, num_layers: int, vocab_size: int) -> str:
-    lists = _block_lists(model)
+    """Path of the decoder-layer list: length num_hidden_layers; if several, the one beside
+    the vocabulary embedding (not a vision tower as deep as the decoder), then the one of a
+    single block class (hybrids such as Jamba mix Mamba and attention layers in one list)."""
+    lists = _module_lists(model)
     found = [(n, m) for n, m in lists if len(m) == num_layers]
     if len(found) > 1:
-        # e.g. a vision tower with as many blocks as the text decoder: the text decoder's
-        # owner also holds the vocabulary embedding.
         found = [(n, m) for n, m in found if _vocab_embedding(_owner(model, n), vocab_size)]
+    if len(found) > 1:
+        found = [(n, m) for n, m in found if len({type(b) for b in m}) == 1]
     if len(found) == 1:
         return found[0][0]
-    seen = ", ".join(f"{n or '<root>'} ({len(m)} x {type(m[0]).__name__})" for n, m in lists)
+    seen = ", ".join(f"{n or '<root>'} ({_describe(m)})" for n, m in lists)
     raise EyasError(
         f"cannot tell which module list is the text decoder of {type(model).__name__}: "
-        f"looked for one list of num_hidden_layers={num_layers} same-class blocks beside a "
+        f"looked for one list of num_hidden_layers={num_layers} blocks beside a "
         f"{vocab_size}-row embedding, found {len(found)}. Module lists seen: {seen or 'none'}. "
         "Please report this with the output of `eyas doctor`.")
 
@@ -355,7 +363,7 @@ def _dtype_name(model: nn.Module, config, tc) -> str:
     if param is not None and param.device.type != "meta":
         return str(param.dtype).removeprefix("torch.")
     for cfg in (config, tc):
-        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        dtype = getattr(cfg, "dtype", None)
         if dtype is not None:
             return str(dtype).removeprefix("torch.")
     return "unspecified"

@@ -1,16 +1,17 @@
-"""Chat generation with a transformers model, in Python and behind an OpenAI-compatible server.
+"""Chat generation over the OpenAI chat-completions API, both ends, for any transformers model.
 
-`LocalGenerator` renders prompts with the model's chat template and generates in left-padded
-batches with a KV cache (the engine of `eyas regenerate --backend transformers`).
-`ChatServer` puts it behind `POST /v1/chat/completions` and `GET /v1/models`, answering the
-way vLLM and SGLang do (non-streaming, n = 1), for tests and quick checks:
+- `LocalGenerator` renders prompts with the model's chat template and generates in left-padded
+  batches with a KV cache (the engine of `eyas regenerate --backend transformers`).
+- `ChatServer` puts it behind `POST /v1/chat/completions` and `GET /v1/models`, answering the
+  way vLLM and SGLang do (non-streaming, n = 1), for tests and quick checks:
 
-    python -m eyas.openai_server /path/to/model --port 8000
-    eyas regenerate --backend openai --server-url http://127.0.0.1:8000 --target /path/to/model ...
+      python -m eyas.openai_server /path/to/model --port 8000
 
-Every connection gets a thread; the model runs one request at a time. For throughput use vLLM
-or SGLang. Constructor options inject the faults clients must survive: HTTP 500 answers, slow
-answers, a context-length limit (HTTP 400).
+  Every connection gets a thread; the model runs one request at a time (use vLLM or SGLang for
+  throughput). Constructor options inject the faults a client must survive: HTTP 500 answers,
+  slow answers, a context-length limit (HTTP 400).
+- `ChatClient` calls such servers (vLLM, SGLang or `ChatServer`) round-robin with retries and
+  exponential backoff (the engine of `eyas regenerate --backend openai`).
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ class ChatServer:
             if number in self.slow_requests:
                 self._count("slowed")
                 time.sleep(self.slow_seconds)
-            return self._complete(raw)
+            return self._complete(raw, number)
         finally:
             with self._stats_lock:
                 self._in_flight -= 1
@@ -216,14 +217,19 @@ class ChatServer:
         with self._stats_lock:
             self.stats[key] += 1
 
-    def _complete(self, raw: bytes) -> tuple[int, dict]:
+    def _complete(self, raw: bytes, number: int) -> tuple[int, dict]:
         try:
             body = json.loads(raw)
             messages = body["messages"]
             if not isinstance(messages, list) or not all(
                     isinstance(m, dict) and "role" in m for m in messages):
                 raise ValueError("'messages' must be a list of {role, content} objects")
-        except (ValueError, KeyError, TypeError) as err:
+            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens")
+                             or DEFAULT_MAX_TOKENS)
+            temperature = float(body.get("temperature", 1.0))
+            top_p = float(body.get("top_p", 1.0))
+            seed = None if body.get("seed") is None else int(body["seed"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             return _error(400, f"bad request: {err}")
         if body.get("model") != self.name:
             return _error(404, f"The model `{body.get('model')}` does not exist.")
@@ -237,18 +243,19 @@ class ChatServer:
             return _error(400, f"This model's maximum context length is "
                                f"{self.max_prompt_tokens} tokens. However, your request has "
                                f"{len(prompt)} input tokens.")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         with self.generator.lock:  # the model runs one request at a time
-            if body.get("seed") is not None:
-                import torch
+            try:
+                if seed is not None:
+                    import torch
 
-                torch.manual_seed(int(body["seed"]))
-            (gen,) = self.generator.generate(
-                [prompt], int(max_tokens or DEFAULT_MAX_TOKENS),
-                float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0)))
+                    torch.manual_seed(seed)
+                (gen,) = self.generator.generate([prompt], max_tokens, temperature, top_p)
+            except Exception as err:  # the server must answer whatever went wrong
+                log.exception("generation failed")
+                return _error(500, f"generation failed: {type(err).__name__}: {err}")
         self._count("completions")
         return 200, {
-            "id": f"chatcmpl-{self.stats['requests']}", "object": "chat.completion",
+            "id": f"chatcmpl-{number}", "object": "chat.completion",
             "created": int(time.time()), "model": self.name,
             "choices": [{"index": 0, "finish_reason": gen.finish_reason,
                          "message": {"role": "assistant", "content": gen.text}}],

@@ -476,33 +476,35 @@ def _write_rejects(path: Path, ds, status: np.ndarray) -> None:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
-def _data_record(paths: tuple[str, ...]) -> list[dict]:
-    """What was read: each file with its sha256, each datasets folder with its fingerprint."""
-    from eyas.manifest import file_sha256
-
-    out = []
-    for path in chat.resolve_paths(paths):
-        if path.is_dir():
-            states = sorted(path.rglob("state.json"))
-            prints = [json.loads(s.read_text()).get("_fingerprint") for s in states]
-            out.append({"path": str(path), "fingerprints": prints})
-        else:
-            out.append({"path": str(path), "sha256": file_sha256(path)})
-    return out
-
-
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Tokenize `cfg.data` for `cfg.target` into `cfg.out` (see docs/architecture.md)."""
+    out = Path(cfg.out)
+    data_record = chat.source_fingerprints(cfg.data)  # also fails early on a missing path
+    tok = load_tokenizer(cfg)
+    config = _target_config(cfg)
+    text_config = config.get_text_config() if config is not None else None
+    # Count over the model's (possibly padded) vocabulary, which the draft's t2d spans.
+    vocab_size = max(len(tok), getattr(text_config, "vocab_size", 0) or 0)
+    _claim_out(out, cfg)
+    try:
+        summary = _write_dataset(cfg, tok, out, vocab_size)
+    finally:
+        shutil.rmtree(out / ".work", ignore_errors=True)
+    stats = {k: v for k, v in asdict(summary).items() if k != "out"}
+    write_manifest(out, "prepare", cfg,
+                   target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok),
+                   stats=stats, chat_template_hash=_template_hash(tok),
+                   max_length=cfg.max_length, vocab_size=vocab_size, data_files=data_record)
+    _log_summary(summary, out)
+    return summary
+
+
+def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int) -> PrepareSummary:
+    """Tokenize, then write rejects.jsonl, dataset/ and token_counts.safetensors."""
     import datasets
     from safetensors.numpy import save_file
 
-    out = Path(cfg.out)
-    data_record = _data_record(cfg.data)  # also fails early on a missing path
-    tok = load_tokenizer(cfg)
-    config = _target_config(cfg)
-    _claim_out(out, cfg)
-    work = out / ".work"
-    ds = _tokenized(cfg, tok, work)
+    ds = _tokenized(cfg, tok, out / ".work")
     status = np.asarray(ds["status"], dtype=object)
     _write_rejects(out / "rejects.jsonl", ds, status)
     kept = np.flatnonzero((status == "ok") | (status == "truncated"))
@@ -519,26 +521,15 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     # An empty split needs one (empty) shard or it cannot be loaded back.
     splits.save_to_disk(str(out / "dataset"),
                         num_shards={k: None if len(v) else 1 for k, v in splits.items()})
-    text_config = config.get_text_config() if config is not None else None
-    vocab_size = max(len(tok), getattr(text_config, "vocab_size", 0) or 0)
     save_file({"counts": _token_counts(splits["train"], vocab_size)},
               str(out / "token_counts.safetensors"))
-    num_tokens = np.asarray(ds["num_tokens"], dtype=np.int64)
-    num_masked = np.asarray(ds["num_masked"], dtype=np.int64)
-    summary = PrepareSummary(
+    num_tokens = np.asarray(ds["num_tokens"], dtype=np.int64)[kept]
+    num_masked = np.asarray(ds["num_masked"], dtype=np.int64)[kept]
+    return PrepareSummary(
         kept=len(kept), dropped_too_long=int((status == "too_long").sum()),
-        truncated=int((status == "truncated").sum()),
-        rejected=int((status == "rejected").sum()), tokens=int(num_tokens[kept].sum()),
-        masked_tokens=int(num_masked[kept].sum()), train=len(train_rows), eval=len(eval_rows),
-        out=str(out))
-    shutil.rmtree(work, ignore_errors=True)
-    stats = {k: v for k, v in asdict(summary).items() if k != "out"}
-    write_manifest(out, "prepare", cfg,
-                   target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok),
-                   stats=stats, chat_template_hash=_template_hash(tok),
-                   max_length=cfg.max_length, vocab_size=vocab_size, data_files=data_record)
-    _log_summary(summary, out)
-    return summary
+        truncated=int((status == "truncated").sum()), rejected=int((status == "rejected").sum()),
+        tokens=int(num_tokens.sum()), masked_tokens=int(num_masked.sum()),
+        train=len(train_rows), eval=len(eval_rows), out=str(out))
 
 
 def _log_summary(s: PrepareSummary, out: Path) -> None:

@@ -19,6 +19,7 @@ the result does not depend on concurrency or on how often the run was interrupte
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -31,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from eyas.chat import FORMATS, ChatFormatError, strip_reasoning
+from eyas.chat import (FORMATS, ChatFormatError, normalize, read_rows, sample_id,
+                       source_fingerprints, strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, file_sha256, read_manifest, target_record, write_manifest
+from eyas.manifest import MANIFEST, read_manifest, target_record, write_manifest
 from eyas.openai_server import (ChatClient, Generation, LocalGenerator, RequestFailed,
                                 load_generator)
 
@@ -143,14 +145,12 @@ class Rejected(Exception):
 
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Regenerate the assistant turns of `cfg.data` into `cfg.out`; returns the run's stats."""
-    from eyas.chat import resolve_paths
-
     out = Path(cfg.out)
     tokenizer, target = _target(cfg)
-    hashes = {str(p): _fingerprint(p) for p in resolve_paths(cfg.data)}
-    _check_resume(cfg, out, hashes)
+    sources = source_fingerprints(cfg.data)  # also fails early on a missing path
+    _check_resume(cfg, out, sources)
     prior = _read_previous(out, cfg.retry_rejects)
-    extras = dict(input_sha256=hashes, sampling=_sampling(cfg),
+    extras = dict(data_files=sources, sampling=_sampling(cfg),
                   chat_template_hash=_template_hash(tokenizer))
     write_manifest(out, "regenerate", cfg, target=target, complete=False, **extras)
 
@@ -199,30 +199,15 @@ def _sampling(cfg: RegenerateConfig) -> dict:
             "backend": cfg.backend, "server_url": list(cfg.server_url)}
 
 
-def _template_hash(tokenizer) -> str | None:
-    import hashlib
-
-    template = tokenizer.chat_template
-    return hashlib.sha256(str(template).encode()).hexdigest()[:16] if template else None
-
-
-def _fingerprint(path: Path) -> str:
-    """sha256 of a file, or of a folder's files (a `datasets` folder) in sorted order."""
-    if path.is_file():
-        return file_sha256(path)
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(f"{p.relative_to(path)}:{file_sha256(p)}".encode())
-    return h.hexdigest()
+def _template_hash(tokenizer) -> str:
+    # The same formula as prepare's manifest, so the two can be compared.
+    blob = json.dumps(tokenizer.chat_template, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _jobs(cfg: RegenerateConfig, done: set, output: "_Output", counts: Counter,
           order: dict[str, int]) -> Iterator[Job]:
     """Input rows not done before, as jobs; malformed rows go straight to the rejects."""
-    from eyas.chat import normalize, read_rows, sample_id, with_system_prompt
-
     rows = read_rows(cfg.data, cfg.format)
     for raw in itertools.islice(rows, cfg.limit):
         counts["input"] += 1
@@ -324,13 +309,14 @@ class _Output:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.sync() if exc[0] is None else None
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.sync()
         for f in self.files.values():
             f.close()
 
 
-def _check_resume(cfg: RegenerateConfig, out: Path, hashes: dict[str, str]) -> None:
+def _check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
     """Refuse to continue a run in `out` that generated with other settings or inputs."""
     if not (out / MANIFEST).is_file():
         if any((out / name).exists() for name in (OUTPUT, REJECTS)):
@@ -340,7 +326,7 @@ def _check_resume(cfg: RegenerateConfig, out: Path, hashes: dict[str, str]) -> N
     old = read_manifest(out, step="regenerate")
     new = json.loads(json.dumps(to_dict(cfg)))
     changed = [k for k in SAME_ON_RESUME if old["config"].get(k) != new[k]]
-    if old.get("input_sha256") != hashes:
+    if old.get("data_files") != sources:
         changed.append("data file contents")
     if changed:
         raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
@@ -352,9 +338,11 @@ def _check_resume(cfg: RegenerateConfig, out: Path, hashes: dict[str, str]) -> N
 def _read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
     """(file, row) -> "ok"/"failed" for every row a previous run in `out` wrote."""
     done: dict[tuple[str, int], str] = {}
-    for rec in _read_lines(out / OUTPUT):
+    for name in (OUTPUT, REJECTS):
+        _cut_torn_tail(out / name)
+    for _, _, rec in _records(out / OUTPUT):
         done[(rec["source"]["file"], rec["source"]["row"])] = "ok"
-    rejects = _read_lines(out / REJECTS)
+    rejects = [rec for _, _, rec in _records(out / REJECTS)]
     if retry_rejects and any(r["kind"] == "server" for r in rejects):
         kept = [r for r in rejects if r["kind"] != "server"]
         log.info("retry_rejects: %d rows rejected for server errors will be tried again",
@@ -366,22 +354,43 @@ def _read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]
     return done
 
 
-def _read_lines(path: Path) -> list[dict]:
-    """Records of a JSONL output; a torn last line (the process was killed mid-write) is cut."""
-    if not path.is_file():
-        return []
-    records, good = [], 0
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
+def _cut_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline: the process was killed while writing it."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size == 0:
+        return
+    with open(path, "r+b") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        end = size
+        while end > 0:  # scan back for the last complete line
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
                 break
-            records.append(json.loads(line))
-            good += len(line)
-    if good < path.stat().st_size:
-        log.warning("%s: cutting a partial last line left by an interrupted run", path)
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return records
+            end = start
+        f.truncate(end)
+    log.warning("%s: cut a partial last line (%d bytes) left by an interrupted run", path,
+                size - end)
+
+
+def _records(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """(byte offset, byte length, record) of each line of a JSONL output."""
+    if not path.is_file():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise EyasError(f"line {number} of {path} is not JSON; delete that line (its "
+                                f"row is then regenerated) and run again") from None
+            yield offset, len(line), record
+            offset += len(line)
 
 
 def _rewrite(path: Path, lines: Iterable[str | bytes]) -> None:
@@ -395,23 +404,18 @@ def _rewrite(path: Path, lines: Iterable[str | bytes]) -> None:
 
 
 def _sort_by_input(path: Path, order: dict[str, int]) -> None:
-    """Rewrite a finished output in input order (rows from files no longer read go last)."""
-    index = []  # (file rank, file, row, byte offset, length)
-    with open(path, "rb") as f:
-        offset = 0
-        for line in f:
-            rec = json.loads(line)
-            src = rec.get("source", rec)
-            index.append((order.get(src["file"], len(order)), src["file"], src["row"], offset,
-                          len(line)))
-            offset += len(line)
+    """Rewrite a finished output in input order (rows of files not read this time go last)."""
+    index = []  # (file rank, file, row, byte offset, byte length)
+    for offset, size, rec in _records(path):
+        src = rec.get("source", rec)  # rejects keep file and row at the top level
+        index.append((order.get(src["file"], len(order)), src["file"], src["row"], offset, size))
     ranked = sorted(index)
     if ranked == index:
         return
     with open(path, "rb") as f:
         def lines():
-            for *_, start, size in ranked:
-                f.seek(start)
+            for *_, offset, size in ranked:
+                f.seek(offset)
                 yield f.read(size)
         _rewrite(path, lines())
 

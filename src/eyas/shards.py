@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as safetensors_save
+from safetensors.torch import save_file
 
 from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, read_manifest
@@ -87,15 +87,15 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def write_part(folder: Path, name: str, tensors: dict[str, torch.Tensor],
                metadata: dict[str, str]) -> dict[str, Any]:
     """Write one part file atomically (`name.tmp`, fsync, rename) and return its index entry."""
-    data = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
-    digest = hashlib.sha256(data).hexdigest()
     tmp = folder / (name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
+    # save_file streams to disk and mostly releases the GIL (an in-memory `save` would hold
+    # it and copy the whole part), so the main thread keeps feeding the GPU meanwhile.
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+    digest = file_sha256(tmp)  # re-read from the page cache; hashlib releases the GIL
     os.replace(tmp, folder / name)
-    return _entry(name, tensors, len(data), digest)
+    return _entry(name, tensors, (folder / name).stat().st_size, digest)
 
 
 def _entry(name: str, tensors: dict[str, torch.Tensor], nbytes: int, digest: str) -> dict:
@@ -240,13 +240,20 @@ def done_rows(folder: Path, state: dict) -> set[int]:
 # flattened batches: a dict of per-token tensors plus sample_offsets (n+1,), sample_index (n,)
 
 
+def flagged_samples(offsets: torch.Tensor, bad_tokens: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: which samples (delimited by `offsets` (n+1,)) have a flagged token."""
+    counts = torch.cat([torch.zeros(1, dtype=torch.int64, device=bad_tokens.device),
+                        bad_tokens.long().cumsum(0)])                      # (N+1,)
+    off = offsets.to(bad_tokens.device)
+    return (counts[off[1:]] - counts[off[:-1]]) > 0
+
+
 def drop_samples(batch: dict[str, torch.Tensor], bad_tokens: torch.Tensor):
     """Remove every sample that has a flagged token (`bad_tokens` (N,) bool) from a batch.
 
     Returns (batch without them, positions of the removed samples within the batch)."""
     off = batch["sample_offsets"].cpu()
-    counts = torch.cat([torch.zeros(1, dtype=torch.int64), bad_tokens.cpu().long().cumsum(0)])
-    bad_sample = (counts[off[1:]] - counts[off[:-1]]) > 0                  # (n,)
+    bad_sample = flagged_samples(off, bad_tokens.cpu())                    # (n,)
     keep = (~bad_sample).nonzero().flatten()
     lengths = (off[1:] - off[:-1])[keep]
     token_idx = (torch.cat([torch.arange(int(off[i]), int(off[i + 1])) for i in keep.tolist()])

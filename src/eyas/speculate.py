@@ -178,6 +178,7 @@ class TargetRunner:
     def __init__(self, model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module,
                  aux_layer_ids: tuple[int, ...] = ()):
         self.model = model
+        self.device = model.get_input_embeddings().weight.device  # inputs and outputs live here
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.cache = None
         self._aux: dict[int, torch.Tensor] = {}
@@ -208,19 +209,19 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, last_only: bool = False):
-        """Run `ids` (T,) after the cached prefix -> (logits (T or 1, V) fp32, aux (T, n*Ht))."""
+        """Run `ids` (T,) after the cached prefix -> (logits (T or 1, V) fp32, aux (T, n*Ht)),
+        both on the input embedding's device."""
         kwargs = {self._cache_arg: self.cache, "use_cache": True}
         if last_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
-        device = self.model.get_input_embeddings().weight.device
-        out = self.model(input_ids=ids.to(device)[None], **kwargs)
+        out = self.model(input_ids=ids.to(self.device)[None], **kwargs)
         cache = out.get("cache")
         self.cache = cache if cache is not None else out.get("past_key_values")
         logits = out.logits[0, -1:] if last_only else out.logits[0]
         aux = None
-        if self.aux_layer_ids:
-            aux = torch.cat([self._aux.pop(i) for i in self.aux_layer_ids], dim=-1)
-        return logits.float(), aux
+        if self.aux_layer_ids:  # layers of a device_map'ed target sit on several GPUs
+            aux = torch.cat([self._aux.pop(i).to(self.device) for i in self.aux_layer_ids], -1)
+        return logits.float().to(self.device), aux
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` positions from the KV cache (rejected drafts)."""
@@ -333,8 +334,8 @@ class Eagle3Drafter:
         self.device = torch.device(device)
         self.aux_layer_ids = tuple(draft.cfg.aux_layer_ids)
         self.dtype = next(draft.parameters()).dtype
-        # target id of each draft id: i + d2t[i]
-        self.draft_to_target = torch.arange(draft.d2t.shape[0], device=self.device) + draft.d2t.to(self.device)
+        ids = torch.arange(draft.d2t.shape[0], device=draft.d2t.device)
+        self.draft_to_target = draft.to_target_ids(ids).to(self.device)  # (Vd,) i + d2t[i]
         self.vocab_size = int(draft.t2d.shape[0])
         self.cache = None
         self.seen = 0  # positions whose draft KV comes from target states

@@ -1,0 +1,531 @@
+"""`eyas export`: a training checkpoint -> a draft folder vLLM, SGLang or `speculators` loads.
+
+Three formats, one set of weights (reference §5; docs/export.md):
+
+- `vllm` (default): `config.json` in the Llama layout that vLLM's `LlamaForCausalLMEagle3`
+  (`llama_eagle3.py`) reads + `model.safetensors`. Served with `vllm serve TARGET
+  --speculative-config '{"method": "eagle3", "model": DRAFT, ...}'`.
+- `speculators`: the same weights (under `layers.0.`) with the config of the `speculators`
+  library (`speculators_model_type: "eagle3"`, `transformer_layer_config`,
+  `speculators_config.verifier`), so `vllm serve DRAFT` works alone.
+- `sglang`: the vLLM layout, but `eagle_config.eagle_aux_hidden_state_layer_ids` in SGLang's
+  convention: SGLang adds 1 to each id and captures the INPUT of that layer, so eyas writes
+  `k - 1` there to capture the same residual streams as vLLM's id `k`. The top-level key keeps
+  vLLM's ids (vLLM reads the top level first, SGLang only `eagle_config`), so the folder is
+  correct in both servers.
+
+Inside eyas the weight names are the vLLM export names (`fc.weight`, `midlayer.*`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d`); each format's config mapping is one pair of functions here
+(`to_*_config` / `from_*_config`). Every folder is validated before it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.config import ConfigError, option, out_option, required
+from eyas.draft import DraftConfig, draft_rope_scaling
+from eyas.errors import EyasError
+from eyas.export_readme import render_readme
+from eyas.manifest import MANIFEST, file_sha256, read_manifest, write_manifest
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("vllm", "speculators", "sglang")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+LAYOUTS = ("midlayer", "layers.0")
+# The layer prefix each format's loader accepts: vLLM maps midlayer. -> layers.0. and takes
+# both; SGLang only loads midlayer.* (others are skipped silently); speculators' model class
+# names its first layer layers.0.
+NATIVE_LAYOUT = {"vllm": "midlayer", "speculators": "layers.0", "sglang": "midlayer"}
+WEIGHTS_FILE = "model.safetensors"
+SPECULATORS_FORMAT_VERSION = "0.7.0"  # the speculators release whose config format this follows
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Write a trained draft as a folder vLLM / SGLang load as is (docs/export.md)."""
+
+    checkpoint: str = required("`eyas train` run folder (or one of its checkpoints/step-N folders)")
+    out: str = out_option("draft folder to write (config.json, model.safetensors, README.md)")
+    format: str = option("vllm", "vllm: vllm serve TARGET --speculative-config ...; "
+                                 "speculators: vllm serve DRAFT alone; sglang: SGLang's EAGLE3",
+                         choices=FORMATS)
+    dtype: str = option("bf16", "weight dtype (d2t/t2d keep int64/bool)", choices=tuple(DTYPES))
+    which: str = option("best", "checkpoint of the run: best, last or step-N")
+    layout: str | None = option(None, "decoder-layer prefix: midlayer or layers.0 (default: the "
+                                      "format's own: midlayer for vllm/sglang, layers.0 for "
+                                      "speculators)", choices=LAYOUTS)
+    num_speculative_tokens: int = option(3, "draft tokens per step written into the serve "
+                                            "commands and the speculators config")
+    acceptance_report: str | None = option(None, "report.json (or its folder) from `eyas eval` "
+                                                 "to quote in the README")
+    target: str | None = option(None, "target name for the README commands and the speculators "
+                                      "verifier (default: the one the run was trained on)")
+
+    def __post_init__(self):
+        if not re.fullmatch(r"best|last|step-\d+", self.which):
+            raise ConfigError(f"--which {self.which!r}: use best, last or step-N (e.g. step-2000)")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"--num-speculative-tokens must be >= 1, got "
+                              f"{self.num_speculative_tokens}")
+        if self.layout is not None and self.layout != NATIVE_LAYOUT[self.format] \
+                and self.format != "vllm":
+            raise ConfigError(f"--layout {self.layout} does not load in {self.format}: it needs "
+                              f"{NATIVE_LAYOUT[self.format]} (leave --layout unset)")
+
+    @property
+    def resolved_layout(self) -> str:
+        return self.layout or NATIVE_LAYOUT[self.format]
+
+
+# ----------------------------------------------------------------------------- config mapping
+
+def _rope_keys(cfg: DraftConfig) -> dict:
+    """RoPE in both spellings: legacy rope_theta/rope_scaling (transformers 4, SGLang, every
+    vLLM) and rope_parameters (transformers 5). They describe the same rotation."""
+    out: dict = {"rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = dict(cfg.rope_scaling)
+    out["rope_parameters"] = {"rope_type": "default", **(cfg.rope_scaling or {}),
+                              "rope_theta": cfg.rope_theta}
+    return out
+
+
+def _llama_layer(cfg: DraftConfig, dtype: str) -> dict:
+    """The Llama decoder-layer keys every format shares (`vocab_size` is the TARGET's)."""
+    return {
+        "model_type": "llama", "hidden_size": cfg.hidden_size, "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, **_rope_keys(cfg),
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[DTYPES[dtype]],
+    }
+
+
+def _eagle_keys(cfg: DraftConfig) -> dict:
+    """EAGLE-3 keys read next to the layer config. target_hidden_size is written only when it
+    differs: vLLM and SGLang read it with getattr/hasattr, so a null would break both."""
+    out = {"draft_vocab_size": cfg.draft_vocab_size,
+           "norm_before_residual": cfg.norm_before_residual}
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.fc_norm:
+        out["fc_norm"] = True
+    if cfg.norm_output:
+        out["norm_output"] = True
+    return out
+
+
+def to_vllm_config(cfg: DraftConfig, dtype: str = "bf16") -> dict:
+    """config.json that vLLM's `LlamaForCausalLMEagle3` reads; aux ids in vLLM's convention
+    both at the top level and in `eagle_config`. Inverse: `from_vllm_config`."""
+    ids = list(cfg.aux_layer_ids)
+    return {"architectures": ["LlamaForCausalLMEagle3"], **_llama_layer(cfg, dtype),
+            **_eagle_keys(cfg), "eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+
+
+def _draft_config(layer: dict, extras: dict, ids, norm_before_residual_default: bool) -> DraftConfig:
+    """DraftConfig from a Llama layer dict and the EAGLE-3 extras (they may be the same dict)."""
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise EyasError(f"draft config has num_hidden_layers={layer['num_hidden_layers']}; "
+                        f"eyas drafts have exactly one decoder layer")
+    if not ids or len(ids) != 3:
+        raise EyasError(f"draft config has eagle_aux_hidden_state_layer_ids={ids!r}; an EAGLE-3 "
+                        f"draft needs 3 ids (vLLM convention): re-export it with `eyas export`")
+    if "target_hidden_size" in extras and extras["target_hidden_size"] is None:
+        raise EyasError("draft config has target_hidden_size: null, which vLLM and SGLang "
+                        "multiply by 3 and crash on; drop the key (or give the target's size)")
+    params = dict(layer.get("rope_parameters") or {})
+    theta = layer.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = layer.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    heads = int(layer["num_attention_heads"])
+    return DraftConfig(
+        hidden_size=int(layer["hidden_size"]),
+        target_hidden_size=int(extras.get("target_hidden_size") or layer["hidden_size"]),
+        num_attention_heads=heads, num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
+        intermediate_size=int(layer["intermediate_size"]),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        rope_scaling=draft_rope_scaling(scaling),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
+        vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=int(extras.get("draft_vocab_size") or layer["vocab_size"]),
+        aux_layer_ids=tuple(int(i) for i in ids),
+        norm_before_residual=bool(extras.get("norm_before_residual", norm_before_residual_default)),
+        fc_norm=bool(extras.get("fc_norm", False)), norm_output=bool(extras.get("norm_output", False)),
+        hidden_act=layer.get("hidden_act", "silu"))
+
+
+def from_vllm_config(config: dict) -> DraftConfig:
+    """Read a vLLM-layout draft config.json. Aux ids: the top-level key first (as vLLM does),
+    else `eagle_config`'s. A foreign SGLang/SpecForge draft with ids only in `eagle_config` is
+    in SGLang's convention (one less than vLLM's); eyas cannot tell, so such ids are taken as
+    they are, exactly as vLLM would."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or \
+        (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    # vLLM reads a missing norm_before_residual as False (getattr default)
+    return _draft_config(config, config, ids, norm_before_residual_default=False)
+
+
+def sglang_layer_ids(aux_layer_ids, num_target_layers: int | None = None) -> list[int]:
+    """SGLang's ids for vLLM aux ids: SGLang captures the input of layer `id + 1`, so vLLM's
+    id k (input of layer k) is SGLang's k - 1 (id 0, the embedding output, becomes -1). vLLM's
+    id L (the last layer's output) has no SGLang equivalent: SGLang captures only inputs of
+    layers 0..L-1."""
+    ids = [int(k) for k in aux_layer_ids]
+    if num_target_layers is not None and max(ids) >= num_target_layers:
+        raise EyasError(f"aux id {max(ids)} = L (the last layer's output) cannot be captured by "
+                        f"SGLang, which only captures the inputs of layers 0..{num_target_layers - 1};"
+                        f" serve this draft with vLLM (--format vllm) or train with ids < L")
+    return [k - 1 for k in ids]
+
+
+def to_sglang_config(cfg: DraftConfig, dtype: str = "bf16",
+                     num_target_layers: int | None = None) -> dict:
+    """config.json for SGLang's `LlamaForCausalLMEagle3`: the vLLM config with `eagle_config`
+    ids in SGLang's convention. SGLang's draft layer always uses residual = g and has no fc_norm /
+    norm_output, so drafts trained with those are refused rather than served wrong."""
+    unsupported = [k for k in ("norm_before_residual", "fc_norm", "norm_output") if getattr(cfg, k)]
+    if unsupported:
+        raise EyasError(f"SGLang's llama_eagle3 does not implement {unsupported}: it would run a "
+                        f"different model than the one trained. Serve it with vLLM "
+                        f"(--format vllm), or train without {unsupported} for SGLang")
+    out = to_vllm_config(cfg, dtype)
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
+                           sglang_layer_ids(cfg.aux_layer_ids, num_target_layers),
+                           "use_aux_hidden_state": True}
+    return out
+
+
+def to_speculators_config(cfg: DraftConfig, *, verifier: str, verifier_architectures,
+                          num_speculative_tokens: int = 3, dtype: str = "bf16") -> dict:
+    """config.json in the `speculators` format (Eagle3SpeculatorConfig): vLLM builds the draft
+    from `transformer_layer_config` plus the top-level EAGLE-3 keys and loads the verifier named
+    in `speculators_config`. Inverse: `from_speculators_config`."""
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_FORMAT_VERSION,
+        "transformer_layer_config": {"architectures": ["LlamaForCausalLM"],
+                                     **_llama_layer(cfg, dtype)},
+        **_eagle_keys(cfg), "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "norm_before_fc": False, "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens":
+                                  num_speculative_tokens, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "torch_dtype": DTYPE_NAMES[DTYPES[dtype]],
+    }
+
+
+def from_speculators_config(config: dict) -> DraftConfig:
+    """Read a speculators-format eagle3 config.json (as vLLM's `update_eagle3` does)."""
+    if config.get("speculators_model_type") != "eagle3":
+        raise EyasError(f"speculators config has speculators_model_type="
+                        f"{config.get('speculators_model_type')!r}; eyas reads eagle3 drafts only")
+    if config.get("norm_before_fc"):
+        raise EyasError("draft config sets norm_before_fc, a variant eyas does not train or run")
+    # vLLM's update_eagle3 reads a missing norm_before_residual as True
+    return _draft_config(config.get("transformer_layer_config") or {}, config,
+                         config.get("eagle_aux_hidden_state_layer_ids"),
+                         norm_before_residual_default=True)
+
+
+def read_config(config: dict) -> DraftConfig:
+    """DraftConfig of any folder eyas writes (speculators detected by its keys)."""
+    if "speculators_config" in config:
+        return from_speculators_config(config)
+    return from_vllm_config(config)
+
+
+# ----------------------------------------------------------------------------- weights
+
+def expected_shapes(cfg: DraftConfig, layout: str = "midlayer") -> dict[str, tuple[int, ...]]:
+    """Every key an exported draft holds, with its shape (no embed_tokens: the server shares
+    the target's)."""
+    h, ht, i = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = {"input_layernorm": (h,), "hidden_norm": (h,), "self_attn.q_proj": (q, 2 * h),
+             "self_attn.k_proj": (kv, 2 * h), "self_attn.v_proj": (kv, 2 * h),
+             "self_attn.o_proj": (h, q), "post_attention_layernorm": (h,),
+             "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    out = {"fc.weight": (h, 3 * ht)}
+    if cfg.fc_norm:
+        out.update({f"fc_norm.{j}.weight": (ht,) for j in range(3)})
+    out.update({f"{layout}.{name}.weight": shape for name, shape in layer.items()})
+    out.update({"norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+                "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
+    return out
+
+
+def export_state_dict(state: dict[str, torch.Tensor], *, layout: str = "midlayer",
+                      dtype: str = "bf16") -> dict[str, torch.Tensor]:
+    """Internal (checkpoint) names -> export names and dtype; d2t/t2d keep int64/bool."""
+    out = {}
+    for name, tensor in state.items():
+        if layout != "midlayer" and name.startswith("midlayer."):
+            name = layout + name[len("midlayer"):]
+        if tensor.is_floating_point():
+            tensor = tensor.to(DTYPES[dtype])
+        out[name] = tensor.contiguous()
+    return out
+
+
+def internal_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Export names (either layout, optional `model.` prefix) -> the draft's internal names."""
+    return {re.sub(r"^(model\.)?layers\.0\.", "midlayer.", name.removeprefix("model.")): t
+            for name, t in tensors.items()}
+
+
+def read_vllm_folder(folder: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    """(DraftConfig, state dict in internal names) of an exported draft folder, any format.
+    The weights are not validated here; `validate_folder` does that."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise EyasError(f"{folder} has no config.json; point at a folder written by "
+                        f"`eyas export` (or another EAGLE-3 draft in vLLM layout)")
+    cfg = read_config(json.loads((folder / "config.json").read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EyasError(f"{folder} has no *.safetensors weights; re-run `eyas export`")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return cfg, internal_state_dict(tensors)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate_export(config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> DraftConfig:
+    """Refuse a folder a server would load wrong: config keys, every weight's presence, shape
+    and dtype, no extra keys, finite values, and d2t/t2d agreeing. Names the key at fault."""
+    cfg = read_config(config)
+    _check_config_keys(config, cfg, fmt)
+    layout = "layers.0" if any(k.startswith("layers.0.") for k in tensors) else "midlayer"
+    if fmt != "vllm" and layout != NATIVE_LAYOUT[fmt]:
+        raise EyasError(f"{fmt} loads {NATIVE_LAYOUT[fmt]}.* weights but this folder has "
+                        f"{layout}.*; re-export with --format {fmt} and no --layout")
+    want = expected_shapes(cfg, layout)
+    missing = [k for k in want if k not in tensors]
+    extra = sorted(set(tensors) - set(want))
+    if missing:
+        raise EyasError(f"draft weights miss {missing[0]!r}" + (f" (and {len(missing) - 1} more)"
+                        if len(missing) > 1 else "") + "; re-export from the training checkpoint")
+    if extra:
+        why = " (the server shares the target's embedding; drop it)" if "embed_tokens" in extra[0] else ""
+        raise EyasError(f"draft weights have unexpected key {extra[0]!r}{why}; the server "
+                        f"would refuse or ignore it")
+    float_dtype = tensors["fc.weight"].dtype
+    for name, shape in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise EyasError(f"weight {name!r} has shape {tuple(t.shape)} but config.json implies "
+                            f"{shape}; the weights and config.json come from different drafts")
+        dtype = {"d2t": torch.int64, "t2d": torch.bool}.get(name, float_dtype)
+        if t.dtype != dtype or (name not in ("d2t", "t2d") and not t.is_floating_point()):
+            raise EyasError(f"weight {name!r} is {t.dtype} but must be {dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise EyasError(f"weight {name!r} holds NaN or Inf; export an earlier checkpoint")
+    _check_vocab_maps(tensors["d2t"], tensors["t2d"])
+    return cfg
+
+
+def _check_config_keys(config: dict, cfg: DraftConfig, fmt: str) -> None:
+    layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
+    need = {"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}
+    if fmt != "speculators":
+        need["architectures"] = ["LlamaForCausalLMEagle3"]
+    for key, value in need.items():
+        if layer.get(key) != value:
+            raise EyasError(f"config.json key {key!r} is {layer.get(key)!r}, must be {value!r} "
+                            f"(a target model_type makes vLLM build another draft class)")
+    if "norm_before_residual" not in config:
+        raise EyasError("config.json lacks norm_before_residual; servers default it "
+                        "differently (vLLM False, speculators True): write it explicitly")
+    ids = list(cfg.aux_layer_ids)
+    if config.get("eagle_aux_hidden_state_layer_ids") != ids:
+        raise EyasError("config.json key 'eagle_aux_hidden_state_layer_ids' must be at the top "
+                        f"level (vLLM convention), found {config.get('eagle_aux_hidden_state_layer_ids')!r}")
+    if fmt == "speculators":
+        return
+    eagle = config.get("eagle_config") or {}
+    want = ids if fmt == "vllm" else [k - 1 for k in ids]
+    if eagle.get("eagle_aux_hidden_state_layer_ids") != want or eagle.get("use_aux_hidden_state") is not True:
+        raise EyasError(f"config.json key 'eagle_config' must be {{'eagle_aux_hidden_state_layer_ids'"
+                        f": {want}, 'use_aux_hidden_state': true}} for --format {fmt}, found {eagle}")
+
+
+def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """t2d has exactly Vd true entries, at target ids i + d2t[i], ascending."""
+    ids = torch.arange(d2t.numel()) + d2t
+    if int(t2d.sum()) != d2t.numel():
+        raise EyasError(f"weights 'd2t'/'t2d' disagree: t2d has {int(t2d.sum())} true entries "
+                        f"but d2t maps {d2t.numel()} draft ids; re-run `eyas vocab` and train")
+    if not torch.equal(ids, t2d.nonzero().squeeze(1)):
+        raise EyasError("weights 'd2t'/'t2d' disagree: target ids i + d2t[i] are not exactly "
+                        "the true entries of t2d in ascending order; re-run `eyas vocab`")
+
+
+def folder_format(folder: str | Path, config: dict) -> str:
+    """vllm, speculators or sglang, from the config (and eyas.json where the ids cannot tell)."""
+    if "speculators_config" in config:
+        return "speculators"
+    manifest = Path(folder) / MANIFEST
+    if manifest.is_file():
+        fmt = json.loads(manifest.read_text()).get("format")
+        if fmt in FORMATS:
+            return fmt
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    inner = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return "sglang" if top and inner == [k - 1 for k in top] else "vllm"
+
+
+def validate_folder(path: str | Path) -> DraftConfig:
+    """Check an exported draft folder as `eyas export` does before writing; returns its config."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise EyasError(f"{folder} has no config.json; point at a folder written by `eyas export`")
+    config = json.loads((folder / "config.json").read_text())
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return validate_export(config, tensors, folder_format(folder, config))
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path | None]:
+    """(step folder, run folder or None) for a run folder + best|last|step-N, or a step folder."""
+    path = Path(path)
+    if (path / "draft.safetensors").is_file():
+        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        return path, run
+    ckpt = path / "checkpoints"
+    if not ckpt.is_dir():
+        raise EyasError(f"{path} is neither an `eyas train` run folder (no checkpoints/) nor a "
+                        f"checkpoint folder (no draft.safetensors); pass the train --out folder")
+    if which in ("best", "last"):
+        pointer = ckpt / which
+        if not pointer.is_file():
+            hint = " (no eval ran, so no best was chosen)" if which == "best" else ""
+            raise EyasError(f"{path} has no checkpoints/{which}{hint}; use --which last or "
+                            f"--which step-N")
+        step = ckpt / pointer.read_text().strip()
+    else:
+        step = ckpt / f"step-{int(which.split('-')[1]):08d}"
+    if not (step / "draft.safetensors").is_file():
+        have = sorted(p.name for p in ckpt.glob("step-*") if p.is_dir())
+        raise EyasError(f"checkpoint {step} is missing (or has no draft.safetensors); this run "
+                        f"has {have}; pick one with --which")
+    return step, path
+
+
+def load_checkpoint(step: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
+    if not (step / "draft_config.json").is_file():
+        raise EyasError(f"{step} has no draft_config.json; it was not written by `eyas train`")
+    cfg = DraftConfig.from_dict(json.loads((step / "draft_config.json").read_text()))
+    return cfg, load_file(str(step / "draft.safetensors"))
+
+
+# ----------------------------------------------------------------------------- export
+
+def export(cfg: ExportConfig) -> Path:
+    """Write the draft folder `cfg.out` (validated first) and return its path."""
+    step, run = find_checkpoint(cfg.checkpoint, cfg.which)
+    dcfg, state = load_checkpoint(step)
+    train = read_manifest(run, step="train") if run and (run / MANIFEST).is_file() else None
+    if train is None:
+        log.warning("no train manifest found next to %s: the README cannot say how the draft "
+                    "was trained", step)
+    target = (train or {}).get("target") or {}
+    target_name = cfg.target or target.get("name_or_path")
+    if cfg.format == "speculators" and not target_name:
+        raise EyasError("--format speculators names the verifier, but the run records no "
+                        "target; give --target MODEL")
+    if (dcfg.fc_norm or dcfg.norm_output) and cfg.format != "sglang":
+        log.warning("this draft uses %s: only vLLM versions whose llama_eagle3 reads fc_norm / "
+                    "norm_output (0.33 does) run it as trained; older ones ignore the keys",
+                    [k for k in ("fc_norm", "norm_output") if getattr(dcfg, k)])
+    config = _format_config(cfg, dcfg, target_name, target)
+    tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
+    validate_export(config, tensors, cfg.format)
+    report = _read_report(cfg.acceptance_report)
+    out = Path(cfg.out)
+    tmp = _fresh_dir(out)
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "README.md").write_text(render_readme(cfg, dcfg, out, target_name, train, step, report))
+    write_manifest(tmp, "export", cfg, target=target or None, inputs=[train] if train else [],
+                   format=cfg.format, layout=cfg.resolved_layout, dtype=cfg.dtype,
+                   checkpoint=str(step), aux_layer_ids=list(dcfg.aux_layer_ids),
+                   draft_config=dcfg.to_dict(),
+                   files={f: file_sha256(tmp / f) for f in (WEIGHTS_FILE, "config.json")})
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log.info("wrote %s draft (%s, %s) from %s to %s", cfg.format, cfg.dtype,
+             cfg.resolved_layout, step, out)
+    return out
+
+
+def _format_config(cfg: ExportConfig, dcfg: DraftConfig, target_name: str | None,
+                   target: dict) -> dict:
+    if cfg.format == "vllm":
+        return to_vllm_config(dcfg, cfg.dtype)
+    if cfg.format == "sglang":
+        return to_sglang_config(dcfg, cfg.dtype, target.get("num_hidden_layers"))
+    return to_speculators_config(dcfg, verifier=target_name,
+                                 verifier_architectures=_architectures(target_name),
+                                 num_speculative_tokens=cfg.num_speculative_tokens, dtype=cfg.dtype)
+
+
+def _architectures(target_name: str | None) -> list[str]:
+    """The target's architectures from its config.json when it is a local folder (the
+    speculators verifier record); [] otherwise (vLLM reads only the verifier's name)."""
+    path = Path(target_name or "") / "config.json"
+    return list(json.loads(path.read_text()).get("architectures") or []) if path.is_file() else []
+
+
+def _fresh_dir(out: Path) -> Path:
+    """A temp folder beside `out`; refuses to replace a folder that is not an earlier export."""
+    if out.exists() and any(out.iterdir()):
+        prior = json.loads((out / MANIFEST).read_text()).get("step") if (out / MANIFEST).is_file() else None
+        if prior != "export":
+            raise EyasError(f"{out} exists and is not an `eyas export` folder; choose an empty "
+                            f"or new --out (eyas only replaces its own exports)")
+    tmp = out.with_name(out.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _read_report(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    p = Path(path)
+    p = p / "report.json" if p.is_dir() else p
+    if not p.is_file():
+        raise EyasError(f"--acceptance-report {path}: no report.json there; pass the --out "
+                        f"folder of `eyas eval` or its report.json")
+    report = json.loads(p.read_text())
+    if not isinstance(report.get("mean_acceptance_length"), dict):
+        raise EyasError(f"{p} is not an `eyas eval` report (no mean_acceptance_length)")
+    return report

@@ -1,0 +1,196 @@
+"""`eyas eval` end to end on a tiny target: config and CLI, prompts from chat files and prepared
+folders, draft folders of both layouts, the report files, and the lossless check failing
+loudly."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eyas import speculate
+from eyas.cli import parse_config
+from eyas.config import ConfigError
+from eyas.corpus import synthetic_chats
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.errors import EyasError
+from eyas.evaluate import EvalConfig, evaluate, load_draft, write_report
+from eyas.manifest import read_manifest
+from eyas.models import load_target, submodule
+from eyas.tiny import TINY_VOCAB
+
+SMALL = dict(num_prompts=3, max_new_tokens=10, dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Many tiny forwards: thread wake-ups would dominate on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(llama_dir):
+    return load_target(llama_dir, dtype="float32")
+
+
+def _random_draft(info, seed=0):
+    cfg = DraftConfig.from_target(info, draft_vocab_size=512,
+                                  aux_layer_ids=info.default_aux_layer_ids)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    # a draft vocabulary that is not the identity: every 4th target id
+    chosen = torch.arange(0, 4 * 512, 4)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab(chosen - torch.arange(512), t2d)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target, tmp_path_factory):
+    """A random draft in vLLM layout (config.json + model.safetensors), as `eyas export` writes."""
+    folder = tmp_path_factory.mktemp("draft")
+    draft = _random_draft(target[1])
+    (folder / "config.json").write_text(json.dumps(draft.cfg.to_vllm_config()))
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    rows = [json.dumps(r) for r in synthetic_chats(4, seed=0)]
+    rows.insert(1, json.dumps({"messages": [{"role": "user", "content": "Count from 3 to 9."}],
+                               "id": "prompt-only"}))
+    rows.insert(2, json.dumps({"messages": [{"role": "robot", "content": "?"}]}))  # malformed
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- config and CLI
+
+def test_config_validation_and_cli():
+    cfg = parse_config("eval", ["--target", "t", "--data", "d", "--out", "o",
+                                "--k", "7,1,3,3", "--no-check-lossless"])
+    assert cfg.k == (1, 3, 7) and cfg.check_lossless is False and not cfg.lossless_check
+    assert EvalConfig(target="t", data="d", out="o").lossless_check  # default on at T=0
+    assert not EvalConfig(target="t", data="d", out="o", temperature=1.0).lossless_check
+    for bad, fix in [(dict(k=(0,)), "between 1"), (dict(temperature=-1.0), "temperature"),
+                     (dict(temperature=0.7, check_lossless=True), "--temperature 0"),
+                     (dict(ngram=False), "--draft"), (dict(ngram_min=3, ngram_max=2), "ngram"),
+                     (dict(chat_template_kwargs=("x",)), "KEY=VALUE")]:
+        with pytest.raises(ConfigError, match=fix):
+            EvalConfig(target="t", data="d", out="o", **bad)
+
+
+# ---------------------------------------------------------------- end to end
+
+def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats, tmp_path):
+    out = tmp_path / "report"
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(out),
+                                 draft=str(draft_dir), k=(1, 3), **SMALL))
+    assert report.lossless is True and report.primary == "eagle3"
+    assert report.num_prompts == 3  # the malformed row is skipped, the prompt-only row used
+    assert {(r.method, r.k) for r in report.results} == {
+        ("target", 0), ("ngram", 1), ("ngram", 3), ("eagle3", 1), ("eagle3", 3)}
+    plain = report.result("target")
+    for r in report.results:
+        assert r.new_tokens == plain.new_tokens  # lossless: same tokens, same count
+        if r.method == "target":
+            continue
+        assert r.mean_acceptance_length == pytest.approx(1 + r.accepted_tokens / r.drafts, abs=1e-4)
+        assert len(r.per_position_acceptance) == r.k
+        assert r.accepted_tokens == round(sum(r.per_position_acceptance) * r.drafts)
+        # each target forward yields 1 + accepted tokens (before the cut at max_new_tokens)
+        assert r.new_tokens <= r.target_forwards + r.accepted_tokens
+    assert set(report.mean_acceptance_length) == {"1", "3"}
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["lossless"] is True and saved["mean_acceptance_length"] == \
+        report.mean_acceptance_length
+    assert "| eagle3 | 3 |" in (out / "report.md").read_text()
+    assert (out / "al_vs_k.png").stat().st_size > 0
+    assert (out / "acceptance_by_position.png").stat().st_size > 0
+    assert read_manifest(out, step="eval")["lossless"] is True
+
+
+def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
+    from eyas.prepare import PrepareConfig, prepare
+
+    prepared = tmp_path / "prepared"
+    prepare(PrepareConfig(target=str(llama_dir), data=(str(chats),), out=str(prepared),
+                          eval_fraction=0.5))
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(prepared),
+                                 out=str(tmp_path / "r"), k=(2,), **SMALL))
+    assert report.primary == "ngram" and report.lossless is True
+    assert [r.method for r in report.results] == ["target", "ngram"]
+    assert report.mean_acceptance_length == {"2": report.result("ngram", 2).mean_acceptance_length}
+
+
+def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path):
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
+                                 draft=str(draft_dir), k=(2,), temperature=1.0, **SMALL))
+    assert report.lossless is None
+    for r in report.results:
+        assert r.new_tokens == 3 * 10 or r.method == "target"  # tiny target rarely hits eos
+        if r.method != "target":
+            assert 1.0 <= r.mean_acceptance_length <= 3.0
+
+
+def test_lossless_check_fails_loudly_naming_prompt_and_divergence(
+        llama_dir, chats, tmp_path, monkeypatch):
+    right = speculate.verify
+
+    def corrupt(logits, proposal, sampling):  # the correction token is off by one
+        accepted, token = right(logits, proposal, sampling)
+        return accepted, (token + 1) % logits.shape[-1]
+
+    monkeypatch.setattr(speculate, "verify", corrupt)
+    with pytest.raises(EyasError, match=r"prompt-only \(ngram k=2\): first divergence at new "
+                                        r"token \d+, greedy \d+ vs speculative \d+.*--dtype "
+                                        r"float32"):
+        evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
+                            k=(2,), ignore_eos=True, **SMALL))
+    saved = json.loads((tmp_path / "report.json").read_text())  # written before failing
+    assert saved["lossless"] is False
+    first = saved["mismatches"][0]
+    assert len(saved["mismatches"]) == 3  # every prompt
+    # everything before the divergence matched; there the corrupted token replaced the target's
+    assert first["position"] >= 1 and first["got"] == (first["expected"] + 1) % TINY_VOCAB
+    assert first["margin"] > 0  # the target prefers its own token
+
+
+# ---------------------------------------------------------------- pieces
+
+def test_load_draft_from_training_checkpoint(target, tmp_path):
+    model, info = target
+    draft = _random_draft(info, seed=1)
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "draft_config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()},
+              str(step / "draft.safetensors"))
+    loaded, manifest = load_draft(step, submodule(model, info.embed_path))
+    assert manifest is None
+    for name, tensor in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(EyasError, match="not a draft"):
+        load_draft(tmp_path, submodule(model, info.embed_path))
+
+
+def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monkeypatch, caplog):
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "a"),
+                                 k=(1,), **{**SMALL, "num_prompts": 1}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    (tmp_path / "b").mkdir()
+    with caplog.at_level("INFO"):
+        write_report(tmp_path / "b", report)
+    assert "no plots" in caplog.text
+    assert (tmp_path / "b" / "report.json").is_file()
+    assert not (tmp_path / "b" / "al_vs_k.png").exists()

@@ -1,0 +1,379 @@
+"""Training-time test: attention, shifts, masks, loss and pruning against a straightforward
+dense-mask TTT written here (fp32), on packed rows with padding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import (BLOCK, DraftConfig, Eagle3Draft, TTTBatch, attention, band_block_mask,
+                        ttt_forward)
+from eyas.loss import simulated_acceptance_length, soft_cross_entropy
+
+
+def tiny_cfg(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                max_position_embeddings=256, vocab_size=50, draft_vocab_size=30,
+                aux_layer_ids=(1, 2, 3))
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def make_draft(cfg: DraftConfig, seed=0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]] = True
+    draft.set_vocab(t2d.nonzero().squeeze(1) - torch.arange(cfg.draft_vocab_size), t2d)
+    return draft
+
+
+def packed_batch(cfg: DraftConfig, docs: list[list[int]], t: int, seed=0) -> TTTBatch:
+    """Rows of packed documents (lengths per row), padded with doc id -1 to length t."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(docs)
+    doc_ids = torch.full((b, t), -1, dtype=torch.long)
+    pos = torch.zeros(b, t, dtype=torch.long)
+    for r, lengths in enumerate(docs):
+        at = 0
+        for d, n in enumerate(lengths):
+            doc_ids[r, at: at + n], pos[r, at: at + n] = d, torch.arange(n)
+            at += n
+    # assistant spans: runs of ~60% ones, like chat data
+    mask = (torch.rand(b, t, generator=g) < 0.6) | (torch.rand(b, t, generator=g) < 0.2).cumsum(1) % 2 == 1
+    return TTTBatch(
+        input_ids=torch.randint(0, cfg.vocab_size, (b, t), generator=g),
+        aux_hidden=torch.randn(b, t, 3 * cfg.target_hidden_size, generator=g),
+        final_hidden=torch.randn(b, t, cfg.target_hidden_size, generator=g) * 3,
+        target_top1=torch.randint(0, cfg.vocab_size, (b, t), generator=g).to(torch.int32),
+        loss_mask=(mask & (doc_ids >= 0)).to(torch.uint8),
+        position_ids=pos, doc_ids=doc_ids)
+
+
+# ---------------------------------------------------------------- the dense reference
+
+def reference_ttt(draft, batch, lm_head, steps, weight=0.8):
+    """Unpruned TTT with every step's keys concatenated and an explicit (N, N*(j+1)) mask.
+    Shift convention: step j at position t reads token t+1+j, RoPE position pos+j and
+    predicts token t+2+j against the teacher at t+1+j."""
+    b, t = batch.input_ids.shape
+    n = b * t
+    ids, pos = batch.input_ids.reshape(-1), batch.position_ids.reshape(-1)
+    top1, lmask = batch.target_top1.reshape(-1).long(), batch.loss_mask.reshape(-1).bool()
+    doc = batch.doc_ids.reshape(-1)
+    # segment label of each flat position: (row, document), and its last flat index
+    label = [(i // t, int(doc[i])) for i in range(n)]
+    last = [max(m for m in range(n) if label[m] == label[i]) for i in range(n)]
+    same_doc = torch.tensor([[label[a] == label[c] for c in range(n)] for a in range(n)])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    t2d = draft.t2d
+    probs = torch.softmax((batch.final_hidden.reshape(n, -1) @ lm_head.T)[:, t2d], -1)  # (N, Vd)
+    target_of = torch.arange(t2d.sum()) + draft.d2t  # draft id -> target id
+    hidden = draft.fuse(batch.aux_hidden).reshape(n, -1)
+    keys, values, total, means, accs, counts = [], [], 0.0, [], [], []
+    cfg = draft.cfg
+    for j in range(steps):
+        # out-of-document inputs get token 0: they must never reach a counted loss
+        tok = torch.tensor([int(ids[i + 1 + j]) if i + 1 + j <= last[i] else 0 for i in range(n)])
+        q, k, v, res = draft.project(tok, hidden, pos + j)
+        keys.append(k)
+        values.append(v)
+        allowed = torch.cat([same_doc & causal] + [torch.eye(n, dtype=torch.bool)] * j, 1)
+        kk = torch.cat(keys).repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, 1)
+        vv = torch.cat(values).repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, 1)
+        scores = torch.einsum("nhd,mhd->hnm", q, kk) / math.sqrt(cfg.head_dim)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
+        h = draft.finish(out, res)
+        logits = draft.lm_head(draft.norm(h))  # (N, Vd) materialised
+        rows = [i for i in range(n) if i + 2 + j <= last[i] and doc[i] >= 0 and lmask[i + 2 + j]
+                and t2d[top1[i + 1 + j]]]
+        if rows:
+            r = torch.tensor(rows)
+            ce = -(probs[r + 1 + j] * F.log_softmax(logits[r], -1)).sum(-1)
+            means.append(ce.mean())
+            accs.append((target_of[logits[r].argmax(-1)] == top1[r + 1 + j]).float().mean())
+        else:
+            means.append(logits.sum() * 0)
+            accs.append(torch.zeros(()))
+        counts.append(len(rows))
+        total = total + weight ** j * means[-1]
+        hidden = draft.next_hidden(h)
+    return total, torch.stack(means).detach(), torch.stack(accs), counts
+
+
+def grads(draft, loss):
+    draft.zero_grad()
+    loss.backward()
+    return {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
+
+
+CASES = [  # (rows of document lengths, row length T, steps)
+    ([[13]], 16, 1),
+    ([[5, 9, 2], [16]], 17, 3),
+    ([[7, 1, 11], [4, 4, 4, 3]], 24, 7),
+    ([[5, 3, 1]], 11, 5),  # documents shorter than the step count
+]
+
+
+@pytest.mark.parametrize("docs,t,steps", CASES)
+@pytest.mark.parametrize("variant", [{}, {"norm_output": True, "norm_before_residual": True}])
+def test_ttt_matches_dense_reference(docs, t, steps, variant):
+    cfg = tiny_cfg(**variant)
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, docs, t, seed=len(docs) + t)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    ref_loss, ref_means, ref_acc, ref_counts = reference_ttt(draft, batch, lm_head, steps)
+    ref_grads = grads(draft, ref_loss)
+    out = ttt_forward(draft, batch, lm_head, steps=steps, vocab_chunk=7)
+    got_grads = grads(draft, out.loss)
+    assert out.step_count.tolist() == ref_counts and sum(ref_counts) > 0
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_loss, ref_means, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_acc, ref_acc)
+    assert set(got_grads) == set(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_pruning_is_exact_and_prunes():
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    full = ttt_forward(draft, batch, lm_head, steps=7, prune=False)
+    full_grads = grads(draft, full.loss)
+    pruned = ttt_forward(draft, batch, lm_head, steps=7)
+    pruned_grads = grads(draft, pruned.loss)
+    assert pruned.step_rows[0] == 128 and full.step_rows == [128] * 7
+    assert pruned.step_rows[1] < 128 and pruned.step_rows[-1] == int(pruned.step_count[-1])
+    torch.testing.assert_close(pruned.loss, full.loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pruned.step_acc, full.step_acc)
+    for name in full_grads:
+        torch.testing.assert_close(pruned_grads[name], full_grads[name], atol=1e-6, rtol=1e-5)
+
+
+def test_lm_head_frozen_or_trained_and_selected_rows():
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[30]], 32, seed=5)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    draft.init_lm_head_from_target(lm_head, freeze=True)
+    out = ttt_forward(draft, batch, lm_head, steps=3)
+    out.loss.backward()
+    assert draft.lm_head.weight.grad is None and draft.fc.weight.grad is not None
+    # already-selected (Vd, Ht) teacher rows give the same loss
+    same = ttt_forward(draft, batch, lm_head[draft.t2d], steps=3)
+    torch.testing.assert_close(same.loss, out.loss)
+    draft.init_lm_head_from_target(lm_head, freeze=False)
+    ttt_forward(draft, batch, lm_head, steps=3).loss.backward()
+    assert draft.lm_head.weight.grad is not None and draft.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_step_weights_metrics_and_sim_acceptance():
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[40]], 40, seed=6)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    out = ttt_forward(draft, batch, lm_head, steps=4, step_weight=0.5)
+    expected = sum(0.5 ** j * out.step_loss[j] for j in range(4))
+    torch.testing.assert_close(out.loss.detach(), expected)
+    assert out.sim_acceptance_length == pytest.approx(simulated_acceptance_length(out.step_acc))
+    assert simulated_acceptance_length([0.5, 0.5, 0.0]) == pytest.approx(1 + 0.5 + 0.25)
+    assert simulated_acceptance_length([1.0] * 3) == 4.0
+
+
+def test_draft_that_copies_the_teacher_scores_full_agreement():
+    """A draft whose logits equal the teacher's agrees everywhere: acc 1, loss = entropy."""
+    cfg = tiny_cfg(target_hidden_size=32)
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[24]], 24, seed=7)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    teacher = batch.final_hidden @ lm_head.T
+    batch.target_top1 = teacher.argmax(-1).to(torch.int32)
+    hidden = batch.final_hidden.reshape(-1, 32)
+    loss, top1 = soft_cross_entropy(hidden, lm_head[draft.t2d], (hidden @ lm_head.T)[:, draft.t2d])
+    p = torch.softmax((hidden @ lm_head.T)[:, draft.t2d], -1)
+    torch.testing.assert_close(loss, -(p * p.log()).sum())
+    assert torch.equal(top1, p.argmax(-1))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_chunked_soft_ce_matches_autograd(chunk, indexed):
+    torch.manual_seed(8)
+    hidden = torch.randn(13, 16, requires_grad=True)
+    weight = torch.randn(21, 16, requires_grad=True)
+    teacher = torch.randn(13, 21) * 2
+    rows = None
+    if indexed:  # the teacher of row i sits at rows[i] of a larger table
+        table, rows = torch.randn(40, 21), torch.randperm(40)[:13]
+        table[rows] = teacher
+    loss, top1 = soft_cross_entropy(hidden, weight, table if indexed else teacher, rows=rows,
+                                    chunk=chunk)
+    (loss * 3).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    logits = h2 @ w2.T
+    ref = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum()
+    (ref * 3).backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+    assert torch.equal(top1, logits.argmax(-1))
+    frozen = torch.randn(21, 16)
+    hidden.grad = None
+    soft_cross_entropy(hidden, frozen, teacher, chunk=chunk)[0].backward()
+    assert hidden.grad is not None
+    with torch.no_grad():
+        assert not soft_cross_entropy(hidden, weight, teacher)[0].requires_grad
+
+
+# ---------------------------------------------------------------- the attention itself
+
+def dense_attention(q, k, v, lo, hi, dk, dv):
+    n, hq, d = q.shape
+    rep = hq // k.shape[1]
+    m = k.shape[0]
+    band = (torch.arange(m)[None] >= lo[:, None]) & (torch.arange(m)[None] <= hi[:, None])
+    keys, vals, allowed = [k], [v], [band]
+    for s in range(0 if dk is None else dk.shape[0]):
+        keys.append(dk[s])
+        vals.append(dv[s])
+        allowed.append(torch.eye(n, dtype=torch.bool))
+    kk, vv = torch.cat(keys).repeat_interleave(rep, 1), torch.cat(vals).repeat_interleave(rep, 1)
+    scores = torch.einsum("nhd,mhd->hnm", q, kk) / math.sqrt(d)
+    scores = scores.masked_fill(~torch.cat(allowed, 1), float("-inf"))
+    return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("n_keys,n_q,diag", [(40, 40, 0), (300, 120, 3), (1200, 900, 6)])
+def test_attention_matches_dense(n_keys, n_q, diag):
+    torch.manual_seed(n_keys)
+    hq, hkv, d = 6, 2, 8
+    starts = torch.zeros(n_keys, dtype=torch.long)
+    starts[torch.randperm(n_keys)[: n_keys // 25]] = 1
+    starts[0] = 1
+    seg_start = torch.where(starts.bool(), torch.arange(n_keys), 0).cummax(0).values
+    rows = torch.randperm(n_keys)[:n_q].sort().values  # gathered (pruned) queries
+    lo, hi = seg_start[rows], rows
+    leaves = [torch.randn(n_q, hq, d), torch.randn(n_keys, hkv, d), torch.randn(n_keys, hkv, d)]
+    if diag:
+        leaves += [torch.randn(diag, n_q, hkv, d), torch.randn(diag, n_q, hkv, d)]
+    leaves = [x.requires_grad_() for x in leaves]
+    got = attention(*leaves[:3], lo, hi, *(leaves[3:] or [None, None]))
+    twins = [x.detach().clone().requires_grad_() for x in leaves]
+    want = dense_attention(*twins[:3], lo, hi, *(twins[3:] or [None, None]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    cot = torch.randn_like(want)
+    (got * cot).sum().backward()
+    (want * cot).sum().backward()
+    for a, b in zip(leaves, twins):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["causal", "packed_gathered", "cache_rows"])
+def test_block_mask_is_exact_where_it_skips(layout):
+    """Blocks the FlexAttention mask leaves out must hold no visible pair; blocks it marks
+    full must hold only visible pairs (there mask_mod is not consulted)."""
+    torch.manual_seed(9)
+    m = 1000
+    if layout == "causal":
+        lo, hi = torch.zeros(m, dtype=torch.long), torch.arange(m)
+    elif layout == "packed_gathered":
+        seg = torch.tensor([0, 90, 91, 333, 600, 601, 990])
+        first = torch.zeros(m, dtype=torch.long)
+        first[seg] = 1
+        seg_start = torch.where(first.bool(), torch.arange(m), 0).cummax(0).values
+        rows = torch.randperm(m)[:700].sort().values
+        lo, hi = seg_start[rows], rows
+    else:  # eval: 3 rows of 333 keys each, the last 20 positions of each row are queries
+        lo = (torch.arange(3) * 333).repeat_interleave(20)
+        hi = lo + 313 + torch.arange(20).repeat(3)
+    n, pad_n, pad_m = lo.shape[0], -lo.shape[0] % BLOCK, -m % BLOCK
+    lo, hi = F.pad(lo, (0, pad_n)), F.pad(hi, (0, pad_n))
+    mask = band_block_mask(lo, hi, m + pad_m)
+    kv = torch.arange(m + pad_m)
+    visible = (kv[None] >= lo[:, None]) & (kv[None] <= hi[:, None])  # (Nq, M)
+    nq, nk = visible.shape[0] // BLOCK, visible.shape[1] // BLOCK
+    tiles = visible.view(nq, BLOCK, nk, BLOCK).transpose(1, 2)  # (nq, nk, B, B)
+    listed = torch.zeros(nq, nk, dtype=torch.bool)
+    full = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        listed[i, mask.kv_indices[0, 0, i, : mask.kv_num_blocks[0, 0, i]].long()] = True
+        full[i, mask.full_kv_indices[0, 0, i, : mask.full_kv_num_blocks[0, 0, i]].long()] = True
+    assert not (listed & full).any()
+    assert not tiles[~(listed | full)].any()  # nothing visible is skipped
+    assert tiles[full].all()  # full really is full
+    assert full.any() or layout != "causal"  # the causal band has full blocks to skip masking
+    # mask_mod agrees with the band
+    q_idx, kv_idx = torch.randint(0, n, (500,)), torch.randint(0, m, (500,))
+    assert torch.equal(mask.mask_mod(0, 0, q_idx, kv_idx), visible[q_idx, kv_idx])
+
+
+def test_bf16_autocast_runs_on_cpu():
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[10, 20]], 32, seed=10)
+    batch.aux_hidden = batch.aux_hidden.bfloat16()
+    batch.final_hidden = batch.final_hidden.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ttt_forward(draft, batch, torch.randn(50, 32).bfloat16(), steps=3)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and draft.fc.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_block_mask_with_compiled_flex_kernel_cpu():
+    """The real FlexAttention kernel (CPU inference template) honours the block mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eyas.draft import _band_reference
+
+    torch.manual_seed(11)
+    m, rows = 700, torch.randperm(700)[:300].sort().values
+    first = torch.zeros(m, dtype=torch.long)
+    first[torch.tensor([0, 130, 131, 400, 650])] = 1
+    seg_start = torch.where(first.bool(), torch.arange(m), 0).cummax(0).values
+    q, k, v = torch.randn(300, 4, 16), torch.randn(m, 2, 16), torch.randn(m, 2, 16)
+    lo, hi = seg_start[rows], rows
+    want, _ = _band_reference(q, k, v, lo, hi)
+    pn, pm = -300 % BLOCK, -m % BLOCK
+    mask = band_block_mask(F.pad(lo, (0, pn)), F.pad(hi, (0, pn)), m + pm)
+    qt, kt, vt = (F.pad(x, (0, 0, 0, 0, 0, p)).transpose(0, 1)[None]
+                  for x, p in ((q, pn), (k, pm), (v, pm)))
+    with torch.no_grad():
+        got = torch.compile(flex_attention)(qt, kt, vt, block_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got[0].transpose(0, 1)[:300], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_path_on_cuda_matches_reference(dtype):
+    """The CUDA path (compiled FlexAttention + LSE merge) against the CPU reference path."""
+    torch.manual_seed(12)
+    cfg = tiny_cfg(hidden_size=128, target_hidden_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, intermediate_size=256)
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[100, 37, 200], [300]], 340, seed=12)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    cpu = ttt_forward(draft, batch, lm_head, steps=5)
+    cpu_grads = grads(draft, cpu.loss)
+    gpu_draft = draft.to("cuda")
+    gpu_batch = TTTBatch(**{k: v.cuda() for k, v in vars(batch).items()})
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out = ttt_forward(gpu_draft, gpu_batch, lm_head.cuda(), steps=5)
+    gpu_grads = grads(gpu_draft, out.loss)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(out.loss.cpu(), cpu.loss, **tol)
+    assert out.step_count.tolist() == cpu.step_count.tolist()
+    for name in cpu_grads:
+        if dtype == torch.float32:
+            torch.testing.assert_close(gpu_grads[name].cpu(), cpu_grads[name], atol=1e-4, rtol=1e-3)
+        else:
+            cos = F.cosine_similarity(gpu_grads[name].cpu().flatten(), cpu_grads[name].flatten(), 0)
+            assert cos > 0.97, name
