@@ -54,7 +54,7 @@ class MarkovTarget:
     def reset(self):
         self.length = 0
 
-    def forward(self, ids, last_only=False):
+    def forward(self, ids, last_only=False, aux=False):
         self.length += len(ids)
         rows = self.logits[ids]
         return (rows[-1:] if last_only else rows), None

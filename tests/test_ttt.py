@@ -183,6 +183,9 @@ def test_step_weights_metrics_and_sim_acceptance():
     out = ttt_forward(draft, batch, lm_head, steps=4, step_weight=0.5)
     expected = sum(0.5 ** j * out.step_loss[j] for j in range(4))
     torch.testing.assert_close(out.loss.detach(), expected)
+    # summed per-step losses (what train normalises over a whole optimizer step)
+    assert out.step_loss_sum.requires_grad
+    torch.testing.assert_close(out.step_loss_sum.detach(), out.step_loss * out.step_count)
     assert out.sim_acceptance_length == pytest.approx(simulated_acceptance_length(out.step_acc))
     assert simulated_acceptance_length([0.5, 0.5, 0.0]) == pytest.approx(1 + 0.5 + 0.25)
     assert simulated_acceptance_length([1.0] * 3) == 4.0

@@ -72,7 +72,9 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> Non
     parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (so one step's import cost or
+    missing optional dependency never affects another step)."""
     parser = argparse.ArgumentParser(
         prog="eyas", description="Train EAGLE-3 draft models for any Hugging Face LLM.")
     parser.add_argument("--version", action="version", version=f"eyas {__version__}")
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=summary, description=summary)
         sp.add_argument("--config", dest="_config_file", metavar="FILE.yaml", default=None,
                         help="read settings from a YAML file; flags given here override it")
+        if name != command:
+            continue
         try:
             _, cls = _load(name)
         except ImportError as err:  # a step whose optional dependency is missing
@@ -93,9 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    return next((a for a in argv if a in COMMANDS), None)
+
+
 def parse_config(command: str, argv: list[str]):
     """Parse `argv` (without the subcommand) into the step's config object."""
-    args = build_parser().parse_args([command, *argv])
+    args = build_parser(command).parse_args([command, *argv])
     return _config_from_args(command, args)
 
 
@@ -109,7 +117,8 @@ def _config_from_args(command: str, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -182,6 +182,7 @@ class TargetRunner:
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.cache = None
         self._aux: dict[int, torch.Tensor] = {}
+        self._capture = False
         self._hooks = []
         n = len(layers)
         for layer_id in self.aux_layer_ids:
@@ -200,28 +201,34 @@ class TargetRunner:
 
     def _keeper(self, layer_id: int):
         def keep(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]  # (1, T, Ht)
-            self._aux[layer_id] = hidden[0]
+            if self._capture:
+                hidden = args[0] if args else kwargs["hidden_states"]  # (1, T, Ht)
+                self._aux[layer_id] = hidden[0]
         return keep
 
     def reset(self) -> None:
         self.cache = None  # the first forward lets the model build the cache type it needs
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool = False):
-        """Run `ids` (T,) after the cached prefix -> (logits (T or 1, V) fp32, aux (T, n*Ht)),
-        both on the input embedding's device."""
+    def forward(self, ids: torch.Tensor, last_only: bool = False, aux: bool = False):
+        """Run `ids` (T,) after the cached prefix -> (logits (T or 1, V) fp32, aux states
+        (T, n*Ht) if `aux` else None), both on the input embedding's device."""
         kwargs = {self._cache_arg: self.cache, "use_cache": True}
         if last_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids.to(self.device)[None], **kwargs)
+        self._capture = aux and bool(self.aux_layer_ids)
+        try:
+            out = self.model(input_ids=ids.to(self.device)[None], **kwargs)
+        finally:
+            self._capture = False
         cache = out.get("cache")
         self.cache = cache if cache is not None else out.get("past_key_values")
         logits = out.logits[0, -1:] if last_only else out.logits[0]
-        aux = None
-        if self.aux_layer_ids:  # layers of a device_map'ed target sit on several GPUs
-            aux = torch.cat([self._aux.pop(i).to(self.device) for i in self.aux_layer_ids], -1)
-        return logits.float().to(self.device), aux
+        states = None
+        if aux and self.aux_layer_ids:  # a device_map'ed target has layers on several GPUs
+            states = torch.cat([self._aux.pop(i).to(self.device) for i in self.aux_layer_ids],
+                               dim=-1)
+        return logits.float().to(self.device), states
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` positions from the KV cache (rejected drafts)."""
@@ -272,7 +279,11 @@ def generate_speculative(target, drafter, prompt: torch.Tensor, k: int, max_new_
     stats = SpecStats(k=k)
     target.reset()
     drafter.begin()
-    logits, new_aux = target.forward(prompt, last_only=True)  # aux (n, A*Ht): all positions
+    aux = bool(drafter.aux_layer_ids)
+    if aux and tuple(drafter.aux_layer_ids) != tuple(target.aux_layer_ids):
+        raise EyasError(f"the drafter reads target layers {drafter.aux_layer_ids} but the target "
+                        f"runner captures {target.aux_layer_ids} (internal error)")
+    logits, new_aux = target.forward(prompt, last_only=True, aux=aux)  # (n, A*Ht) if aux
     stats.observe(0, 0)
     token, _ = pick(logits[-1], sampling)
     seq = prompt.tolist() + [token]
@@ -283,13 +294,13 @@ def generate_speculative(target, drafter, prompt: torch.Tensor, k: int, max_new_
         if m > k:
             raise EyasError(f"drafter {type(drafter).__name__} proposed {m} > k={k} tokens")
         # (m+1,) the pending last token and the drafts, at positions S-1 .. S-1+m
-        logits, aux = target.forward(torch.tensor([seq[-1], *proposal.tokens]))
+        logits, states = target.forward(torch.tensor([seq[-1], *proposal.tokens]), aux=aux)
         accepted, token = verify(logits, proposal, sampling)
         target.rollback(m - accepted)
         stats.observe(m, accepted)
         new = proposal.tokens[:accepted] + [token]
         # the states of the last token and the accepted drafts: the drafter's next step-0 input
-        new_aux = aux[: accepted + 1] if aux is not None else None
+        new_aux = states[: accepted + 1] if states is not None else None
         seq += new
         out += new
     return Generation(_cut(out, max_new_tokens, stop_ids), stats)
