@@ -133,7 +133,14 @@ def markdown(result: dict) -> str:
         x = r[name]
         lines.append(f"| {name} | {x['tokens_per_s']:,.0f} | {x['tokens_per_s'] / f:.2f} | "
                      f"{x.get('bytes_per_token', 0):,.0f} | {x.get('writer_busy_s', 0):.1f} | "
-                     f"{x['peak_gpu_gib'] if x['peak_gpu_gib'] is not None else '-'} |")
+                     f"{'-' if x['peak_gpu_gib'] is None else format(x['peak_gpu_gib'], '.1f')} |")
+    per_tok = {k: 1.0 / r[k]["tokens_per_s"] for k in r}  # seconds per token of each phase
+    lines += ["", "Time per token relative to the plain forward: taps + top-1 add "
+              f"{(per_tok['compute'] - per_tok['forward']) / per_tok['forward']:+.1%}; "
+              "the storage path (dtype conversion, device-to-host copy, waiting on the writer) "
+              f"adds {(per_tok['capture_bf16'] - per_tok['compute']) / per_tok['forward']:+.1%} "
+              f"(bf16) and {(per_tok['capture_fp8'] - per_tok['compute']) / per_tok['forward']:+.1%} "
+              "(fp8)."]
     return "\n".join(lines)
 
 

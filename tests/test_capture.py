@@ -315,6 +315,26 @@ def test_nonfinite_samples_are_set_aside_and_reported(llama_dir, tmp_path):
     torch.testing.assert_close(online[0]["aux_hidden"].bfloat16().float(), got[2]["aux_hidden"])
 
 
+def test_capture_of_a_real_prepare_output(llama_dir, tmp_path):
+    """The folder `eyas prepare` writes (its column types, its manifest) captures as is."""
+    from eyas.corpus import synthetic_chats
+    from eyas.prepare import PrepareConfig, prepare
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(12, seed=3)))
+    prepare(PrepareConfig(target=str(llama_dir), data=(str(chats),), out=str(tmp_path / "prep"),
+                          eval_fraction=0.2))
+    stats = capture(_cfg(llama_dir, tmp_path / "prep", tmp_path / "cap", split="all"))
+    index = shards.verify(tmp_path / "cap")
+    ds = datasets.load_from_disk(str(tmp_path / "prep" / "dataset"))
+    assert stats["samples"] == index["num_samples"] == len(ds["train"]) + len(ds["eval"])
+    cs = shards.open_capture(tmp_path / "cap")
+    s = cs.sample(0)
+    row = int(s["sample_index"])
+    assert row < len(ds["train"]) and s["input_ids"].tolist() == list(ds["train"][row]["input_ids"])
+    assert s["loss_mask"].tolist() == list(ds["train"][row]["loss_mask"])
+
+
 def test_refuses_prepared_folder_from_another_tokenizer(llama_dir, tmp_path):
     prepared = make_prepared(tmp_path / "prep", llama_dir, tokenizer_hash="0123456789abcdef")
     with pytest.raises(EyasError, match=r"tokenizer_hash.*--target"):
@@ -365,3 +385,12 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="exactly 3"):
         CaptureConfig(target="t", data="d", out="o", aux_layer_ids=(1, 2))
     assert CaptureConfig(target="t", data="d", out="o", shard="3/4").shard_index() == (3, 4)
+
+
+def test_writer_thread_errors_reach_the_caller(tmp_path):
+    state = {"shard": 0, "num_shards": 1, "parts": [], "nonfinite": 0}
+    writer = shards.PartWriter(tmp_path, state, 1, {})
+    writer.put(None, {"nonfinite": torch.zeros(2, dtype=torch.bool)}, ["a"])  # no sample_index
+    with pytest.raises(EyasError, match="writing capture parts"):
+        writer.close()
+    assert not writer.thread.is_alive()

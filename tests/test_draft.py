@@ -62,7 +62,8 @@ def ref_inv_freq(cfg: DraftConfig) -> torch.Tensor:
         elif wl > low_wl:
             out.append(f / s["factor"])
         else:
-            smooth = (old / wl - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+            lo, hi = s["low_freq_factor"], s["high_freq_factor"]
+            smooth = (old / wl - lo) / (hi - lo)
             out.append((1 - smooth) * f / s["factor"] + smooth * f)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -138,19 +139,39 @@ def test_forward_matches_reference_math(variant):
     aux = torch.randn(b, t, 3 * cfg.target_hidden_size)
     pos = torch.stack([torch.arange(t), torch.arange(t) + 37])  # rows at different offsets
     out = draft(ids, aux, pos)
-    assert out.logits.shape == (b, t, cfg.draft_vocab_size) and out.hidden.shape == (b, t, 64 if
-                                                                                      cfg.norm_output else 48)
+    assert out.logits.shape == (b, t, cfg.draft_vocab_size)
+    assert out.hidden.shape == (b, t, cfg.hidden_size)
     for r in range(b):
         logits, h = reference_forward(sd, cfg, draft.embed_weight, ids[r], aux[r], pos[r])
         torch.testing.assert_close(out.logits[r], logits, atol=2e-5, rtol=1e-5)
-        fed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * sd["norm.weight"] \
-            if cfg.norm_output else h
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        fed = normed * sd["norm.weight"] if cfg.norm_output else h
         torch.testing.assert_close(out.hidden[r], fed, atol=2e-5, rtol=1e-5)
     # a later draft step: hidden given instead of aux
     hid = torch.randn(b, t, cfg.hidden_size)
     out2 = draft(ids, None, pos, hidden=hid)
     logits, _ = reference_forward(sd, cfg, draft.embed_weight, ids[0], None, pos[0], hidden=hid[0])
     torch.testing.assert_close(out2.logits[0], logits, atol=2e-5, rtol=1e-5)
+
+
+def test_rms_norm_values_and_gradients():
+    from eyas.draft import RMSNorm
+
+    norm = RMSNorm(12, 1e-5).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(norm, (x,))  # d/dx
+    w = norm.weight.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    ref = w * x2 * torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + 1e-5)
+    out = norm(x)
+    cot = torch.randn_like(out)
+    (out * cot).sum().backward()
+    (ref * cot).sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(norm.weight.grad, w.grad)
 
 
 def test_kv_cache_equals_one_pass_and_crops():
@@ -233,7 +254,8 @@ def test_from_target_hf_config_and_rope_normalisation():
     assert draft_rope_scaling(yarn) == {k: yarn[k] for k in
                                         ("rope_type", "factor", "original_max_position_embeddings",
                                          "beta_fast", "beta_slow")}
-    draft = Eagle3Draft(small_cfg(rope_scaling=draft_rope_scaling(yarn), max_position_embeddings=131072))
+    draft = Eagle3Draft(small_cfg(rope_scaling=draft_rope_scaling(yarn),
+                                  max_position_embeddings=131072))
     assert draft.rope_scale == pytest.approx(0.1 * math.log(32.0) + 1.0)
     assert draft_rope_scaling({"rope_type": "default", "mrope_section": [1, 2]}) is None
 
@@ -257,7 +279,8 @@ def test_from_pretrained_loads_vllm_layout(tmp_path, prefix):
     chosen = t2d.nonzero().squeeze(1)
     draft.set_vocab(chosen - torch.arange(61), t2d)
     (tmp_path / "config.json").write_text(json.dumps(to_vllm_config(cfg)))
-    weights = {k.replace("midlayer.", prefix): v for k, v in draft.state_dict().items() if k != "t2d"}
+    weights = {k.replace("midlayer.", prefix): v for k, v in draft.state_dict().items()
+               if k != "t2d"}
     save_file(weights, str(tmp_path / "model.safetensors"))
     loaded = Eagle3Draft.from_pretrained(tmp_path, embed_tokens=draft.embed_weight)
     assert loaded.cfg == cfg and torch.equal(loaded.t2d, t2d)

@@ -18,6 +18,7 @@ from eyas.corpus import synthetic_chats
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.evaluate import EvalConfig, evaluate, load_draft, write_report
+from eyas.export import export_state_dict, to_vllm_config
 from eyas.manifest import read_manifest
 from eyas.models import load_target, submodule
 from eyas.tiny import TINY_VOCAB
@@ -57,8 +58,8 @@ def draft_dir(target, tmp_path_factory):
     """A random draft in vLLM layout (config.json + model.safetensors), as `eyas export` writes."""
     folder = tmp_path_factory.mktemp("draft")
     draft = _random_draft(target[1])
-    (folder / "config.json").write_text(json.dumps(draft.cfg.to_vllm_config()))
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()},
+    (folder / "config.json").write_text(json.dumps(to_vllm_config(draft.cfg, dtype="fp32")))
+    save_file(export_state_dict(draft.state_dict(), dtype="fp32"),
               str(folder / "model.safetensors"))
     return folder
 

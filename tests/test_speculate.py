@@ -278,7 +278,7 @@ def test_eagle3_draft_distribution_lives_on_the_draft_vocab(llama, draft, prompt
     drafter = Eagle3Drafter(draft, "cpu")
     runner = TargetRunner(llama, llama.model.layers, llama.model.norm, drafter.aux_layer_ids)
     runner.reset()
-    _, aux = runner.forward(prompt, last_only=True)
+    _, aux = runner.forward(prompt, last_only=True, aux=True)
     drafter.begin()
     sampling = Sampling(1.0, torch.Generator().manual_seed(0))
     proposal = drafter.propose(torch.cat([prompt, torch.tensor([7])]), aux, 4, sampling)

@@ -44,7 +44,8 @@ def packed_batch(cfg: DraftConfig, docs: list[list[int]], t: int, seed=0) -> TTT
             doc_ids[r, at: at + n], pos[r, at: at + n] = d, torch.arange(n)
             at += n
     # assistant spans: runs of ~60% ones, like chat data
-    mask = (torch.rand(b, t, generator=g) < 0.6) | (torch.rand(b, t, generator=g) < 0.2).cumsum(1) % 2 == 1
+    spans = (torch.rand(b, t, generator=g) < 0.2).cumsum(1) % 2 == 1  # alternating runs
+    mask = spans | (torch.rand(b, t, generator=g) < 0.3)
     return TTTBatch(
         input_ids=torch.randint(0, cfg.vocab_size, (b, t), generator=g),
         aux_hidden=torch.randn(b, t, 3 * cfg.target_hidden_size, generator=g),
@@ -83,8 +84,9 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8):
         keys.append(k)
         values.append(v)
         allowed = torch.cat([same_doc & causal] + [torch.eye(n, dtype=torch.bool)] * j, 1)
-        kk = torch.cat(keys).repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, 1)
-        vv = torch.cat(values).repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, 1)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads  # GQA: kv head per query head
+        kk = torch.cat(keys).repeat_interleave(rep, 1)
+        vv = torch.cat(values).repeat_interleave(rep, 1)
         scores = torch.einsum("nhd,mhd->hnm", q, kk) / math.sqrt(cfg.head_dim)
         scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
@@ -328,6 +330,29 @@ def test_bf16_autocast_runs_on_cpu():
         out = ttt_forward(draft, batch, torch.randn(50, 32).bfloat16(), steps=3)
     out.loss.backward()
     assert torch.isfinite(out.loss) and draft.fc.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("n_q,n_keys", [(300, 700), (256, 512)])
+def test_flex_band_plumbing_matches_reference(monkeypatch, n_q, n_keys):
+    """The CUDA band function (padding, layout, log-sum-exp) run with eager FlexAttention on
+    CPU (forward only: CPU FlexAttention has no backward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import eyas.draft as D
+
+    monkeypatch.setattr(D, "_compiled_flex", lambda: flex_attention)
+    torch.manual_seed(13)
+    first = torch.zeros(n_keys, dtype=torch.long)
+    first[torch.tensor([0, 130, 131, 400])] = 1
+    seg_start = torch.where(first.bool(), torch.arange(n_keys), 0).cummax(0).values
+    rows = torch.randperm(n_keys)[:n_q].sort().values
+    q, k, v = torch.randn(n_q, 4, 16), torch.randn(n_keys, 2, 16), torch.randn(n_keys, 2, 16)
+    with torch.no_grad():
+        out, lse = D._band_flex(q, k, v, seg_start[rows], rows)
+        want, want_lse = D._band_reference(q, k, v, seg_start[rows], rows)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Run checkpoints: save, find, load and prune `run/checkpoints/step-NNNNNNNN/` folders.
+"""The run folder: checkpoints (save, find, load, prune `checkpoints/step-NNNNNNNN/`), the
+metrics log and the training curves.
 
 A step folder holds `draft.safetensors` (the draft state dict in fp32 master precision, the
 names `eyas export` reads), `draft_config.json`, `trainer_state.pt` (optimizer, scheduler,
@@ -140,8 +141,8 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, sche
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _write_text(final.parent / "last", final.name + "\n")
-    if best_step == step:
-        _write_text(final.parent / "best", final.name + "\n")
+    if best_step is not None and step_dir(run_dir, best_step).is_dir():
+        _write_text(final.parent / "best", f"step-{best_step:08d}\n")
     prune(run_dir, keep_last)
     return final
 
@@ -170,7 +171,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer, scheduler, *,
         log.warning("checkpoint was written by %d ranks, resuming on a different count: RNG "
                     "streams restart from rank 0's state", len(rngs))
     set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
-    log.info("resumed from %s (step %d)", path, state["step"])
+    if _rank() == 0:
+        log.info("resumed from %s (step %d)", path, state["step"])
     return state
 
 
@@ -197,3 +199,75 @@ def clear_after(run_dir: str | Path, step: int) -> None:
         m = STEP_DIR.match(p.name)
         if p.is_dir() and m and int(m.group(1)) > step:
             shutil.rmtree(p)
+    for name in ("last", "best"):
+        ptr = ckpt / name
+        if ptr.is_file() and not (ckpt / ptr.read_text().strip()).is_dir():
+            ptr.unlink()
+
+
+# ---------------------------------------------------------------- metrics
+
+class MetricsLog:
+    """metrics.jsonl (always), TensorBoard scalars (if installed); rank 0 only."""
+
+    def __init__(self, run_dir: Path, resume_step: int):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if self.path.is_file() and resume_step > 0:  # drop records of steps lost with a kill
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:
+            log.debug("tensorboard not installed: metrics go to metrics.jsonl only")
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+                elif isinstance(value, list):
+                    for j, v in enumerate(value):
+                        self.tb.add_scalar(f"{record['kind']}/{key}_{j}", v, record["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_curves(run_dir: Path) -> Path | None:
+    """curves.png: loss, step-0 accuracy and simulated acceptance length, train and eval."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib not installed: no curves.png (pip install matplotlib)")
+        return None
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        got = [r for r in rows if r["kind"] == kind]
+        if not got:
+            continue
+        steps = [r["step"] for r in got]
+        axes[0].plot(steps, [r["loss"] for r in got], style, label=kind)
+        axes[1].plot(steps, [r["acc"][0] for r in got], style, label=kind)
+        axes[2].plot(steps, [r["sim_acceptance_length"] for r in got], style, label=kind)
+    for ax, title in zip(axes, ("TTT loss", "step-0 top-1 accuracy", "simulated acceptance length")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    path = run_dir / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -23,12 +23,16 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.manifest import check_same_target, read_manifest
+from eyas.manifest import check_same_target, read_manifest, target_record
+
+if TYPE_CHECKING:
+    from eyas.train import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +65,29 @@ class OnlineSource:
     `eyas.capture`, so online and offline training see identical tensors for the same data.
     """
 
-    def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...], hidden_dtype):
+    def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...]):
         self.model, self.info, self.dataset = model, info, dataset
         self.aux_layer_ids = tuple(aux_layer_ids)
-        self.hidden_dtype = hidden_dtype
         self.lengths = np.asarray(dataset["num_tokens"], dtype=np.int64)
 
     def fetch(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
         from eyas.capture import capture_samples
 
         rows = self.dataset.select(ids)
+        # bf16 like a capture folder stores them: online and offline see the same numbers
         return capture_samples(self.model, self.info, rows, self.aux_layer_ids,
-                               dtype=self.hidden_dtype)
+                               dtype=torch.bfloat16)
+
+
+def split_ids(source: OfflineSource, split: str) -> np.ndarray:
+    """Sample numbers of `split` ("train" or "eval") in a capture, ordered by their row in the
+    prepared split: the data order then depends on the prepared rows only (not on how the
+    capture batched them), so offline and online training see the same samples in the same
+    order. A capture of a single split yields all of its samples for either name."""
+    cap = source.capture
+    ids = cap.positions(split) if source.manifest.get("split") == "all" else \
+        torch.arange(cap.num_samples)
+    return ids[torch.argsort(cap.sample_index[ids], stable=True)].numpy()
 
 
 def check_capture(manifest: dict, *, target: dict | None, aux_layer_ids: tuple[int, ...] | None,
@@ -95,6 +110,97 @@ def check_vocab(vocab_manifest: dict, capture_manifest: dict) -> None:
 
 def read_capture_manifest(folder: str | Path) -> dict:
     return read_manifest(folder, step="capture")
+
+
+# ---------------------------------------------------------------- what train reads
+
+@dataclass
+class Inputs:
+    """Everything train reads, resolved: sample sources, ids, the frozen target pieces."""
+
+    train: OfflineSource | OnlineSource
+    train_ids: np.ndarray
+    eval: object | None
+    eval_ids: np.ndarray
+    info: object  # eyas.models.ModelInfo
+    target: dict  # target_record of the target
+    manifests: list[dict]  # the manifests this run consumed
+    aux_layer_ids: tuple[int, ...]
+    embed: torch.Tensor  # (V, Ht) frozen
+    lm_head: torch.Tensor  # (V, Ht) the teacher head
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+
+
+def open_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inputs:
+    """Open the training/eval data and the target's embedding and lm_head, checking that
+    captures, vocab and target belong together."""
+    from eyas.vocab import load_vocab
+
+    vocab = load_vocab(cfg.vocab) if cfg.vocab else None
+    inputs = _online_inputs(cfg, device, model_dtype) if cfg.online else _offline_inputs(cfg)
+    if vocab is not None:
+        d2t, t2d, vman = vocab
+        check_same_target(vman.get("target"), inputs.target, f"the vocab folder {cfg.vocab}")
+        inputs.d2t, inputs.t2d = d2t, t2d
+        inputs.manifests.append(vman)
+    return inputs
+
+
+def _offline_inputs(cfg: TrainConfig) -> Inputs:
+    from eyas.models import load_tokenizer
+
+    src = OfflineSource(cfg.data)
+    man = src.manifest
+    name = cfg.target or (man.get("target") or {}).get("name_or_path")
+    if not name:
+        raise EyasError(f"the capture {cfg.data} does not name its target; pass --target")
+    revision = cfg.revision or (man.get("target") or {}).get("revision")
+    embed, lm_head, info, config = target_head_weights(
+        name, revision=revision, trust_remote_code=cfg.trust_remote_code)
+    target = target_record(name, revision, config=config, tokenizer=load_tokenizer(
+        name, revision=revision, trust_remote_code=cfg.trust_remote_code))
+    check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}")
+    aux = tuple(man["aux_layer_ids"])
+    train_ids = split_ids(src, "train")
+    manifests, ev, eval_ids = [man], None, np.zeros(0, dtype=np.int64)
+    if cfg.eval_data:
+        ev = OfflineSource(cfg.eval_data)
+        check_capture(ev.manifest, target=target, aux_layer_ids=aux,
+                           what=f"--eval-data {cfg.eval_data}")
+        eval_ids = split_ids(ev, "eval")
+        manifests.append(ev.manifest)
+    elif man.get("split") == "all" and len(split_ids(src, "eval")):
+        ev, eval_ids = src, split_ids(src, "eval")
+    elif cfg.eval_fraction > 0:
+        keep, held = split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
+        ev, train_ids, eval_ids = src, train_ids[keep], train_ids[held]
+    return Inputs(src, train_ids, ev, eval_ids, info, target, manifests, aux, embed, lm_head,
+                  None, None)
+
+
+def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inputs:
+    from eyas.capture import load_split
+    from eyas.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
+
+    prepared = read_manifest(cfg.data, step="prepare")
+    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    model, info = load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                              dtype=model_dtype, device=device)
+    target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
+    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
+    aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids, info.num_layers)
+    dataset, rows = load_split(cfg.data, "all")
+    src = OnlineSource(model, info, dataset, aux)
+    train_ids = np.arange(*rows["train"])
+    eval_ids = np.arange(*rows["eval"])
+    if len(eval_ids) == 0 and cfg.eval_fraction > 0:
+        keep, held = split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
+        train_ids, eval_ids = train_ids[keep], train_ids[held]
+    embed = submodule(model, info.embed_path).weight.detach()
+    lm_head = submodule(model, info.lm_head_path).weight.detach()
+    return Inputs(src, train_ids, src if len(eval_ids) else None, eval_ids, info, target,
+                  [prepared], aux, embed, lm_head, None, None)
 
 
 # ---------------------------------------------------------------- the plan

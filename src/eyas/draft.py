@@ -160,8 +160,31 @@ class DraftConfig:
 
 # ----------------------------------------------------------------------------- layers
 
+class _RMSNormFn(torch.autograd.Function):
+    """y = weight * x / rms(x), statistics in fp32 (or wider), the scale applied in x's dtype
+    as vLLM does. Saves x and 1/rms only: autograd through the plain ops would keep an fp32
+    copy of x per norm (4 norms x 7 steps x 64K tokens: tens of GiB)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight.to(x.dtype) * (x.to(acc) * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        normed = x.to(acc) * rstd
+        d_normed = grad.to(acc) * weight.to(acc)
+        dx = rstd * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))
+        d_weight = (grad.to(acc) * normed.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), d_weight.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: statistics in fp32, scale applied in the input dtype (as vLLM does)."""
+    """Llama RMSNorm (see _RMSNormFn)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -169,9 +192,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.to(x.dtype) * x32.to(x.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
@@ -278,10 +299,13 @@ def _band_flex(q, k, v, lo, hi):
     from torch.nn.attention import flex_attention as fa
 
     n, m = q.shape[0], k.shape[0]
-    pad_n, pad_m = -n % BLOCK, -m % BLOCK  # pad rows: they see key 0 and are dropped
-    q, k, v = F.pad(q, (0, 0, 0, 0, 0, pad_n)), F.pad(k, (0, 0, 0, 0, 0, pad_m)), \
-        F.pad(v, (0, 0, 0, 0, 0, pad_m))
-    lo, hi = F.pad(lo, (0, pad_n)), F.pad(hi, (0, pad_n))
+    # lengths padded to whole blocks (mask_mod must never index past lo/hi); pad queries see
+    # key 0 and are dropped. Copies only when needed: flex saves its inputs for backward.
+    pad_n, pad_m = -n % BLOCK, -m % BLOCK
+    if pad_n:
+        q, lo, hi = F.pad(q, (0, 0, 0, 0, 0, pad_n)), F.pad(lo, (0, pad_n)), F.pad(hi, (0, pad_n))
+    if pad_m:
+        k, v = F.pad(k, (0, 0, 0, 0, 0, pad_m)), F.pad(v, (0, 0, 0, 0, 0, pad_m))
     mask = band_block_mask(lo, hi, m + pad_m)
     qt, kt, vt = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, L, d)
     if hasattr(fa, "AuxRequest"):  # torch >= 2.9
@@ -355,7 +379,8 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: DraftConfig, embed_tokens: nn.Embedding | torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
-        h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, hq, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        d = cfg.head_dim
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
                                          for _ in range(3))
@@ -363,8 +388,9 @@ class Eagle3Draft(nn.Module):
         self.midlayer = nn.ModuleDict(dict(
             input_layernorm=RMSNorm(h, cfg.rms_norm_eps),
             hidden_norm=RMSNorm(h, cfg.rms_norm_eps),
-            self_attn=nn.ModuleDict(dict(q_proj=_linear(2 * h, hq * d), k_proj=_linear(2 * h, hkv * d),
-                                         v_proj=_linear(2 * h, hkv * d), o_proj=_linear(hq * d, h))),
+            self_attn=nn.ModuleDict(dict(
+                q_proj=_linear(2 * h, hq * d), k_proj=_linear(2 * h, hkv * d),
+                v_proj=_linear(2 * h, hkv * d), o_proj=_linear(hq * d, h))),
             post_attention_layernorm=RMSNorm(h, cfg.rms_norm_eps),
             mlp=nn.ModuleDict(dict(gate_proj=_linear(h, cfg.intermediate_size),
                                    up_proj=_linear(h, cfg.intermediate_size),
@@ -589,7 +615,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     still carry a loss at this or a later step (exact: a position's chain reads only its own
     earlier steps and the step-0 keys).
     """
-    cfg, dev = draft.cfg, batch.input_ids.device
+    dev = batch.input_ids.device
     # 1. Flatten the packed rows into one token stream of N positions.
     ids = batch.input_ids.reshape(-1).long()
     pos = batch.position_ids.reshape(-1).long()
@@ -601,13 +627,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     valid = ttt_positions(batch, draft.t2d, steps)  # (S, N)
     keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
-    with torch.no_grad():
-        w = target_lm_head if target_lm_head.shape[0] == cfg.draft_vocab_size and \
-            cfg.draft_vocab_size != cfg.vocab_size else target_lm_head[draft.t2d]  # (Vd, Ht)
-        final = batch.final_hidden.reshape(n_all, -1)
-        if not torch.is_autocast_enabled(final.device.type):
-            final = final.to(w.dtype)
-        teacher = F.linear(final, w)  # (N, Vd)
+    teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
     sums, correct, counts, rows_per_step = [], [], [], []
     # 4. Step 0: fused target states + the next token, causal within each document.
@@ -644,15 +664,30 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         rows_per_step.append(rows.numel())
         hidden = draft.next_hidden(h)
     # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
-    done = len(sums)
+    return _ttt_output(sums, correct, counts, rows_per_step, steps, step_weight)
+
+
+@torch.no_grad()
+def _teacher_logits(draft: Eagle3Draft, final: torch.Tensor, lm_head: torch.Tensor):
+    """final (N, Ht) target states after its final norm; lm_head (V, Ht) or its draft rows
+    (Vd, Ht) -> (N, Vd) target logits restricted to the draft vocab."""
+    cfg = draft.cfg
+    selected = lm_head.shape[0] == cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.vocab_size
+    w = lm_head if selected else lm_head[draft.t2d]  # (Vd, Ht)
+    if not torch.is_autocast_enabled(final.device.type):
+        final = final.to(w.dtype)
+    return F.linear(final, w)
+
+
+def _ttt_output(sums, correct, counts, rows, steps: int, step_weight: float) -> TTTOutput:
+    dev, done = sums[0].device, len(sums)
     step_count = torch.zeros(steps, dtype=torch.long, device=dev)
     step_count[:done] = torch.tensor(counts, device=dev)
     step_loss_sum = torch.cat([torch.stack(sums), sums[0].new_zeros(steps - done)])
-    step_loss = step_loss_sum.detach() / step_count.clamp(min=1)
     loss = (step_weight ** torch.arange(steps, device=dev) * step_loss_sum
             / step_count.clamp(min=1)).sum()
     step_correct = torch.zeros(steps, dtype=torch.long, device=dev)
     step_correct[:done] = torch.stack(correct)
-    step_acc = step_correct.float() / step_count.clamp(min=1).float()
-    return TTTOutput(loss, step_loss_sum, step_loss, step_acc, step_count,
-                     rows_per_step + [0] * (steps - done))
+    return TTTOutput(loss, step_loss_sum, step_loss_sum.detach() / step_count.clamp(min=1),
+                     step_correct.float() / step_count.clamp(min=1).float(), step_count,
+                     rows + [0] * (steps - done))

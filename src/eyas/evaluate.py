@@ -42,9 +42,9 @@ class EvalConfig:
                          "or an `eyas prepare` output folder (its eval split)")
     out: str = out_option("report folder: report.json, report.md, al_vs_k.png, "
                           "acceptance_by_position.png")
-    draft: str | None = option(None, "EAGLE-3 draft: an `eyas export` folder (vLLM layout) or a "
-                               "training checkpoint folder; without it only n-gram and plain "
-                               "decoding are measured")
+    draft: str | None = option(None, "EAGLE-3 draft: an `eyas export` folder, an `eyas train` "
+                               "run folder (its best checkpoint) or a checkpoints/step-N folder; "
+                               "without it only n-gram and plain decoding are measured")
     k: tuple[int, ...] = option((3,), "draft tokens per step; several make a sweep, e.g. 1,2,3,5,7")
     temperature: float = option(0.0, "0 = greedy; > 0 samples with exact rejection sampling")
     max_new_tokens: int = option(256, "tokens generated per prompt")
@@ -157,18 +157,17 @@ def _sync(device: torch.device) -> None:
             torch.cuda.synchronize(i)
 
 
-def _measure(generate, prompts: list[Prompt], device, method: str, k: int,
-             base_tps: float | None) -> tuple[list[list[int]], MethodResult]:
-    """Run `generate(prompt_ids) -> Generation` on every prompt, timed; (outputs, result)."""
-    stats, outputs, seconds = SpecStats(k=k), [], 0.0
-    for prompt in prompts:
-        _sync(device)
-        start = time.perf_counter()
-        gen = generate(prompt.ids)
-        _sync(device)
-        seconds += time.perf_counter() - start
-        stats.merge(gen.stats)
-        outputs.append(gen.tokens)
+def _timed(generate, ids: torch.Tensor, device):
+    """(Generation, seconds) of one generation, the GPU work included."""
+    _sync(device)
+    start = time.perf_counter()
+    gen = generate(ids)
+    _sync(device)
+    return gen, time.perf_counter() - start
+
+
+def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, seconds: float,
+            base_tps: float | None) -> MethodResult:
     tokens = sum(len(o) for o in outputs)
     tps = tokens / seconds if seconds > 0 else 0.0
     spec = method != "target"
@@ -186,7 +185,7 @@ def _measure(generate, prompts: list[Prompt], device, method: str, k: int,
                  tps, result.speedup)
     else:
         log.info("no speculation: %.1f tokens/s", tps)
-    return outputs, result
+    return result
 
 
 def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
@@ -216,28 +215,38 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
         drafters.append(("eagle3", Eagle3Drafter(draft, device)))
 
     def decoder(drafter, k: int, n: int):
-        # every method starts from the same random state
+        # each method samples from its own generator, all seeded alike
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
         s = Sampling(cfg.temperature, gen)
         if drafter is None:
             return lambda ids: generate_plain(runner, ids, n, stop_ids, s)
         return lambda ids: generate_speculative(runner, drafter, ids, k, n, stop_ids, s)
 
+    runs = [("target", 0, decoder(None, 0, cfg.max_new_tokens))]
+    runs += [(name, k, decoder(d, k, cfg.max_new_tokens)) for name, d in drafters for k in cfg.k]
+    stats = {(name, k): SpecStats(k=k) for name, k, _ in runs}
+    outputs = {(name, k): [] for name, k, _ in runs}
+    seconds = dict.fromkeys(stats, 0.0)
     try:
         with torch.inference_mode():
             # warm-up (kernels, allocator, lazy init) so the first method is not penalised
             for _, drafter in [("target", None), *drafters]:
                 decoder(drafter, max(cfg.k), 4)(prompts[0].ids)
-            reference, base = _measure(decoder(None, 0, cfg.max_new_tokens), prompts, device,
-                                       "target", 0, None)
+            # methods interleaved per prompt: a drifting machine load hits all of them alike
+            for prompt in prompts:
+                for name, k, generate in runs:
+                    gen, took = _timed(generate, prompt.ids, device)
+                    stats[name, k].merge(gen.stats)
+                    outputs[name, k].append(gen.tokens)
+                    seconds[name, k] += took
+            reference = outputs["target", 0]
+            base = _result("target", 0, reference, stats["target", 0], seconds["target", 0], None)
             results, mismatches = [base], []
-            for name, drafter in drafters:
-                for k in cfg.k:
-                    outputs, res = _measure(decoder(drafter, k, cfg.max_new_tokens), prompts,
-                                            device, name, k, base.tokens_per_s)
-                    results.append(res)
-                    if cfg.lossless_check:
-                        mismatches += _compare(reference, outputs, prompts, name, k)
+            for name, k, _ in runs[1:]:
+                results.append(_result(name, k, outputs[name, k], stats[name, k],
+                                       seconds[name, k], base.tokens_per_s))
+                if cfg.lossless_check:
+                    mismatches += _compare(reference, outputs[name, k], prompts, name, k)
             for m in mismatches:
                 m["margin"] = _logit_margin(runner, prompts, reference, m)
     finally:
@@ -397,34 +406,30 @@ def _load_target(cfg: EvalConfig):
 
 
 def load_draft(folder: str | Path, embedding: torch.nn.Module):
-    """An `eyas export` folder (config.json + safetensors), a training step folder
-    (draft_config.json + draft.safetensors) or a run folder (its best checkpoint), on the
-    embedding's device and dtype. Returns (draft, manifest or None)."""
-    from safetensors.torch import load_file
-
-    from eyas.checkpoint import read_pointer
-    from eyas.draft import DraftConfig, Eagle3Draft
+    """An `eyas export` folder (config.json + safetensors, any export format), a training
+    step folder or a run folder (its best, else last, checkpoint), on the embedding's device
+    and dtype. Returns (draft, manifest of the export or run folder, or None)."""
+    from eyas.draft import Eagle3Draft
+    from eyas.export import find_checkpoint, load_checkpoint
 
     folder = Path(folder)
-    manifest_dir = folder
-    if (folder / "checkpoints").is_dir():
-        step = read_pointer(folder, "best") or read_pointer(folder, "last")
-        if step is None:
-            raise EyasError(f"{folder} holds no complete checkpoint; point --draft at a "
-                            f"checkpoints/step-NNNNNNNN folder or an `eyas export` folder")
-        folder = step
     if (folder / "config.json").is_file():
-        draft = Eagle3Draft.from_pretrained(folder, embed_tokens=embedding)
-    elif (folder / "draft_config.json").is_file():
-        dcfg = DraftConfig.from_dict(json.loads((folder / "draft_config.json").read_text()))
+        draft, manifest_dir = Eagle3Draft.from_pretrained(folder, embed_tokens=embedding), folder
+    elif (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
+        try:
+            step, manifest_dir = find_checkpoint(folder, "best")
+        except EyasError:  # a run without eval during training has no best
+            step, manifest_dir = find_checkpoint(folder, "last")
+        dcfg, state = load_checkpoint(step)
         draft = Eagle3Draft(dcfg, embedding)
-        draft.load_state_dict(load_file(str(folder / "draft.safetensors")))
-        manifest_dir = folder.parent.parent  # the run folder
+        draft.load_state_dict(state)
     else:
-        raise EyasError(f"{folder} is not a draft: expected config.json + model.safetensors "
-                        f"(`eyas export`) or draft_config.json + draft.safetensors (a "
-                        f"training checkpoint)")
-    manifest = read_manifest(manifest_dir) if (manifest_dir / MANIFEST).is_file() else None
+        raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
+                        f"(config.json + model.safetensors) or an `eyas train` run or "
+                        f"checkpoint folder")
+    manifest = None
+    if manifest_dir is not None and (Path(manifest_dir) / MANIFEST).is_file():
+        manifest = read_manifest(manifest_dir)
     w = embedding.weight
     return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
 
@@ -456,6 +461,16 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     record = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     if prepared is not None:
         check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}")
+    room = info.max_position_embeddings - cfg.max_new_tokens - max(cfg.k) - 1
+    long = [p.id for p in prompts if len(p.ids) > room]
+    if long:
+        log.warning("%d prompt(s) longer than %d tokens skipped (max_position_embeddings %d "
+                    "minus --max-new-tokens and k): %s", len(long), room,
+                    info.max_position_embeddings, long[:5])
+        prompts = [p for p in prompts if len(p.ids) <= room]
+        if not prompts:
+            raise EyasError("every prompt is too long for the target's context; lower "
+                            "--max-new-tokens or use shorter prompts")
     draft, draft_manifest = None, None
     if cfg.draft:
         draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path))

@@ -145,8 +145,10 @@ def _draft_config(layer: dict, extras: dict, ids, norm_before_residual_default: 
         raise EyasError(f"draft config has num_hidden_layers={layer['num_hidden_layers']}; "
                         f"eyas drafts have exactly one decoder layer")
     if not ids or len(ids) != 3:
-        raise EyasError(f"draft config has eagle_aux_hidden_state_layer_ids={ids!r}; an EAGLE-3 "
-                        f"draft needs 3 ids (vLLM convention): re-export it with `eyas export`")
+        raise EyasError(f"draft config has eagle_aux_hidden_state_layer_ids={ids!r}; eyas needs "
+                        f"the 3 ids the draft was trained on (vLLM convention). For a draft "
+                        f"without them vLLM uses the target's (2, L//2, L-3): add that list to "
+                        f"its config.json, or re-export an eyas draft with `eyas export`")
     if "target_hidden_size" in extras and extras["target_hidden_size"] is None:
         raise EyasError("draft config has target_hidden_size: null, which vLLM and SGLang "
                         "multiply by 3 and crash on; drop the key (or give the target's size)")

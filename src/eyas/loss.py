@@ -18,7 +18,7 @@ import torch
 
 
 class _ChunkedSoftCE(torch.autograd.Function):
-    """sum over rows of soft CE(lm_head(hidden), softmax(teacher)), gradients computed in forward."""
+    """Sum over rows of soft CE(lm_head(hidden), softmax(teacher)); gradients made in forward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, rows, chunk: int, grad_hidden: bool,

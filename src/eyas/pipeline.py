@@ -22,7 +22,8 @@ from eyas.manifest import MANIFEST
 
 log = logging.getLogger(__name__)
 
-STEPS = ("prepare", "regenerate", "capture", "vocab", "train", "export", "eval")
+# regenerate (optional) comes first: prepare then reads its conversations.jsonl.
+STEPS = ("regenerate", "prepare", "capture", "vocab", "train", "export", "eval")
 # step -> (module, function, config class)
 STEP_FUNCS = {
     "prepare": ("eyas.prepare", "prepare", "PrepareConfig"),

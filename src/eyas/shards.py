@@ -34,7 +34,6 @@ FORMAT = "eyas-capture-v1"
 INDEX = "index.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 TOKEN_KEYS = ("aux_hidden", "final_hidden", "target_top1", "input_ids", "loss_mask")
-STORED_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 _PART_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.part-(\d{5})\.safetensors$")
 
 
@@ -328,6 +327,7 @@ class PartWriter:
                 continue
 
     def _loop(self) -> None:
+        closed = False
         try:
             while (item := self.queue.get()) is not None:
                 event, batch, sample_ids = item
@@ -336,12 +336,13 @@ class PartWriter:
                 t0 = time.perf_counter()
                 self._add(batch, sample_ids)
                 self.busy_s += time.perf_counter() - t0
+            closed = True
             t0 = time.perf_counter()
             self._flush()
             self.busy_s += time.perf_counter() - t0
         except BaseException as err:  # noqa: BLE001 - handed to the main thread
             self.error = err
-            while self.queue.get() is not None:  # keep draining so the producer never blocks
+            while not closed and self.queue.get() is not None:  # never block the producer
                 pass
 
     def _add(self, batch: dict[str, torch.Tensor], sample_ids: list[str]) -> None:

@@ -90,10 +90,11 @@ def tiny_config(arch: str, vocab_size: int = TINY_VOCAB, num_layers: int = 8, hi
                                  moe_intermediate_size=32, decoder_sparse_step=1)
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(
-            **{**common, "num_hidden_layers": num_layers - 1}, moe_intermediate_size=32,
+            **{**common, "num_hidden_layers": num_layers - 1, "num_key_value_heads": 4},
+            moe_intermediate_size=32,
             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
             n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=16)
+            qk_nope_head_dim=8, v_head_dim=16)  # kv heads = heads, as in DeepSeek-V3 / Kimi
     if arch == "qwen2_5_vl":
         text = {**common, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,

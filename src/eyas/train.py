@@ -22,7 +22,6 @@ SGLang EAGLE-3 drafts; TTT length 7 with step weight 0.8 is common to both.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -30,7 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,7 +36,7 @@ from eyas import checkpoint, data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.manifest import check_same_target, read_manifest, target_record, write_manifest
+from eyas.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -164,98 +162,7 @@ def init_env(cfg: TrainConfig) -> Env:
     return Env(rank, world, device, kind == "cuda" and cfg.precision == "bf16")
 
 
-@dataclass
-class Inputs:
-    """Everything train reads, resolved: sample sources, ids, the frozen target pieces."""
-
-    train: object  # data.OfflineSource | data.OnlineSource
-    train_ids: np.ndarray
-    eval: object | None
-    eval_ids: np.ndarray
-    info: object  # eyas.models.ModelInfo
-    target: dict  # target_record of the target
-    manifests: list[dict]  # the manifests this run consumed
-    aux_layer_ids: tuple[int, ...]
-    embed: torch.Tensor  # (V, Ht) frozen
-    lm_head: torch.Tensor  # (V, Ht) the teacher head
-    d2t: torch.Tensor | None
-    t2d: torch.Tensor | None
-
-
-def open_inputs(cfg: TrainConfig, env: Env, hidden_dtype: torch.dtype) -> Inputs:
-    """Open the training/eval data and the target's embedding and lm_head, checking that
-    captures, vocab and target belong together."""
-    from eyas.vocab import load_vocab
-
-    vocab = load_vocab(cfg.vocab) if cfg.vocab else None
-    inputs = _online_inputs(cfg, env, hidden_dtype) if cfg.online else _offline_inputs(cfg)
-    if vocab is not None:
-        d2t, t2d, vman = vocab
-        check_same_target(vman.get("target"), inputs.target, f"the vocab folder {cfg.vocab}")
-        inputs.d2t, inputs.t2d = d2t, t2d
-        inputs.manifests.append(vman)
-    return inputs
-
-
-def _offline_inputs(cfg: TrainConfig) -> Inputs:
-    from eyas.models import load_tokenizer
-
-    src = data.OfflineSource(cfg.data)
-    man, cap = src.manifest, src.capture
-    name = cfg.target or (man.get("target") or {}).get("name_or_path")
-    if not name:
-        raise EyasError(f"the capture {cfg.data} does not name its target; pass --target")
-    revision = cfg.revision or (man.get("target") or {}).get("revision")
-    embed, lm_head, info, config = data.target_head_weights(
-        name, revision=revision, trust_remote_code=cfg.trust_remote_code)
-    target = target_record(name, revision, config=config, tokenizer=load_tokenizer(
-        name, revision=revision, trust_remote_code=cfg.trust_remote_code))
-    data.check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}")
-    aux = tuple(man["aux_layer_ids"])
-    whole = man.get("split") == "all"
-    train_ids = (cap.positions("train") if whole else torch.arange(cap.num_samples)).numpy()
-    manifests, ev, eval_ids = [man], None, np.zeros(0, dtype=np.int64)
-    if cfg.eval_data:
-        ev = data.OfflineSource(cfg.eval_data)
-        data.check_capture(ev.manifest, target=target, aux_layer_ids=aux,
-                           what=f"--eval-data {cfg.eval_data}")
-        eval_ids = (ev.capture.positions("eval") if ev.manifest.get("split") == "all"
-                    else torch.arange(ev.capture.num_samples)).numpy()
-        manifests.append(ev.manifest)
-    elif whole and len(cap.positions("eval")):
-        ev, eval_ids = src, cap.positions("eval").numpy()
-    elif cfg.eval_fraction > 0:
-        keep, held = data.split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
-        ev, train_ids, eval_ids = src, train_ids[keep], train_ids[held]
-    return Inputs(src, train_ids, ev, eval_ids, info, target, manifests, aux, embed, lm_head,
-                  None, None)
-
-
-def _online_inputs(cfg: TrainConfig, env: Env, hidden_dtype: torch.dtype) -> Inputs:
-    from eyas.capture import load_split
-    from eyas.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
-
-    prepared = read_manifest(cfg.data, step="prepare")
-    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    model, info = load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                              dtype="bfloat16" if env.autocast else "float32", device=env.device)
-    target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
-    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
-    aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids, info.num_layers)
-    dataset, rows = load_split(cfg.data, "all")
-    src = data.OnlineSource(model, info, dataset, aux, hidden_dtype)
-    train_ids = np.arange(*rows["train"])
-    eval_ids = np.arange(*rows["eval"])
-    if len(eval_ids) == 0 and cfg.eval_fraction > 0:
-        keep, held = data.split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
-        train_ids, eval_ids = train_ids[keep], train_ids[held]
-    embed = submodule(model, info.embed_path).weight.detach()
-    lm_head = submodule(model, info.lm_head_path).weight.detach()
-    return Inputs(src, train_ids, src if len(eval_ids) else None, eval_ids, info, target,
-                  [prepared], aux, embed, lm_head, None, None)
-
-
-def build_draft(cfg: TrainConfig, inputs: Inputs, env: Env):
+def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     """The draft (fp32 master weights, on the device) and its DraftConfig."""
     from eyas.draft import DraftConfig, Eagle3Draft
 
@@ -394,72 +301,6 @@ def evaluate(model: torch.nn.Module, loader, env: Env, steps: int,
     return _summary(_all_sum(stats), steps, weights.to(stats))
 
 
-class MetricsLog:
-    """metrics.jsonl (always), TensorBoard scalars (if installed); rank 0 only."""
-
-    def __init__(self, run_dir: Path, resume_step: int):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        kept = []
-        if self.path.is_file() and resume_step > 0:  # drop records of steps lost with a kill
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            log.debug("tensorboard not installed: metrics go to metrics.jsonl only")
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-                elif isinstance(value, list):
-                    for j, v in enumerate(value):
-                        self.tb.add_scalar(f"{record['kind']}/{key}_{j}", v, record["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
-def plot_curves(run_dir: Path) -> Path | None:
-    """curves.png: loss, step-0 accuracy and simulated acceptance length, train and eval."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib not installed: no curves.png (pip install matplotlib)")
-        return None
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for kind, style in (("train", "-"), ("eval", "o-")):
-        got = [r for r in rows if r["kind"] == kind]
-        if not got:
-            continue
-        steps = [r["step"] for r in got]
-        axes[0].plot(steps, [r["loss"] for r in got], style, label=kind)
-        axes[1].plot(steps, [r["acc"][0] for r in got], style, label=kind)
-        axes[2].plot(steps, [r["sim_acceptance_length"] for r in got], style, label=kind)
-    for ax, title in zip(axes, ("TTT loss", "step-0 top-1 accuracy", "simulated acceptance length")):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.legend()
-    fig.tight_layout()
-    path = run_dir / "curves.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
     done = rec["step"] - start
     eta = elapsed / max(done, 1) * (total - rec["step"])
@@ -486,32 +327,53 @@ def _resume_path(cfg: TrainConfig, env: Env) -> Path | None:
     return path
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train an EAGLE-3 draft into `cfg.out` (see docs/train.md). Returns the run summary:
-    steps, best {step, sim_acceptance_length}, and the last eval metrics."""
-    from eyas.draft import ttt_positions
+@dataclass(frozen=True)
+class Plan:
+    """The run's data order (see eyas.data): every global micro-batch, and the eval batches
+    of this rank."""
 
-    # ---- setup: processes, data, draft, parallelism, optimizer, schedule, resume
-    env = init_env(cfg)
-    run_dir = Path(cfg.out)
-    hidden_dtype = _compute_dtype(env)
-    inputs = open_inputs(cfg, env, hidden_dtype)
-    draft, dcfg = build_draft(cfg, inputs, env)
-    teacher = inputs.lm_head[draft.t2d.cpu()].to(env.device, hidden_dtype)  # (Vd, Ht)
-    model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps), cfg, env)
+    packing: data.Packing
+    batches: list  # global micro-batches -> rows -> sample ids
+    epoch_of: list[int]
+    per_step: int  # global micro-batches per optimizer step (ranks x grad_accum)
+    total_steps: int
+    fingerprint: str
+    eval_batches: list  # this rank's, padded with None to the same count on every rank
+
+
+def plan_data(cfg: TrainConfig, inputs: data.Inputs, env: Env) -> Plan:
     row = cfg.row_tokens or cfg.batch_tokens
     packing = data.Packing(row, cfg.batch_tokens // row, cfg.truncate)
     lengths, per_step = inputs.train.lengths, env.world_size * cfg.grad_accum
     data.check_lengths(lengths, inputs.train_ids, packing, "the training data")
-    plan, epoch_of = data.plan_run(inputs.train_ids, lengths, packing, seed=cfg.seed,
-                                   per_step=per_step, epochs=cfg.epochs, max_steps=cfg.max_steps)
-    total = len(plan) // per_step
-    fingerprint = data.plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step)
-    eval_plan = []
+    batches, epoch_of = data.plan_run(inputs.train_ids, lengths, packing, seed=cfg.seed,
+                                      per_step=per_step, epochs=cfg.epochs,
+                                      max_steps=cfg.max_steps)
+    eval_batches = []
     if inputs.eval is not None:
         data.check_lengths(inputs.eval.lengths, inputs.eval_ids, packing, "the eval data")
-        eval_plan = data.eval_rank_batches(data.pack(inputs.eval_ids, inputs.eval.lengths, packing),
-                                           rank=env.rank, world_size=env.world_size)
+        eval_batches = data.eval_rank_batches(
+            data.pack(inputs.eval_ids, inputs.eval.lengths, packing),
+            rank=env.rank, world_size=env.world_size)
+    return Plan(packing, batches, epoch_of, per_step, len(batches) // per_step,
+                data.plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),
+                eval_batches)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train an EAGLE-3 draft into `cfg.out` (see docs/train.md). Returns the run summary:
+    steps, best {step, sim_acceptance_length}, and the last train and eval metrics."""
+    from eyas.draft import ttt_positions
+
+    # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
+    env = init_env(cfg)
+    run_dir, dtype = Path(cfg.out), _compute_dtype(env)
+    inputs = data.open_inputs(cfg, env.device, "bfloat16" if env.autocast else "float32")
+    draft, dcfg = build_draft(cfg, inputs, env)
+    teacher = inputs.lm_head[draft.t2d.cpu()].to(env.device, dtype)  # (Vd, Ht)
+    model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps), cfg, env)
+    plan = plan_data(cfg, inputs, env)
+    total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
                                   weight_decay=cfg.weight_decay)
@@ -521,29 +383,38 @@ def train(cfg: TrainConfig) -> dict:
     resume = _resume_path(cfg, env)
     if resume is not None:
         state = checkpoint.load(resume, model, optimizer, scheduler)
-        if state["plan"] != fingerprint:
+        if state["plan"] != plan.fingerprint:
             raise EyasError(f"{resume} was trained with other data or batching (samples, "
                             f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
                             f"--grad-accum); resume with the same settings or use --resume never.")
         start, best = state["step"], state["best"]
-    workers = 0 if cfg.online else cfg.num_workers
+    workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
     pin = env.device.type == "cuda" and not cfg.online
-    batches = iter(data.loader(inputs.train, data.rank_slice(plan, rank=env.rank,
-                               world_size=env.world_size, start=start * per_step),
-                               row, hidden_dtype, num_workers=workers, pin_memory=pin))
-    metrics = MetricsLog(run_dir, start) if env.main else None
+    mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
+                           start=start * plan.per_step)
+    batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers, pin_memory=pin))
+    metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
+    weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
+
+    def run_eval(step: int) -> dict:
+        loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
+                             pin_memory=pin)
+        record = {"kind": "eval", "step": step, **evaluate(model, loader, env, steps, weights)}
+        if metrics:
+            metrics.write(record)
+            log.info("eval step %d | loss %.4f | acc %s | simulated AL %.3f", step,
+                     record["loss"], record["acc"], record["sim_acceptance_length"])
+        return record
+
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
                        aux_layer_ids=list(inputs.aux_layer_ids), complete=False)
-        log.info("training %d steps (from %d) on %d samples, %d micro-batches of %d x %d "
-                 "tokens per step, %d rank(s), %s", total, start, len(inputs.train_ids),
-                 per_step, packing.rows, row, env.world_size,
-                 f"{cfg.parallel} on {env.device.type}" if env.world_size > 1 else env.device)
-    steps = cfg.ttt_steps
-    weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
+        log.info("training steps %d..%d on %d samples: %d micro-batch(es) of %d x %d tokens "
+                 "per step over %d rank(s) on %s", start + 1, total, len(inputs.train_ids),
+                 plan.per_step, plan.packing.rows, row, env.world_size, env.device.type)
+    last_train, last_eval = {}, (run_eval(0) if plan.eval_batches and start == 0 else {})
     window = torch.zeros(3 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
-    last_train, last_eval = {}, {}
     model.train()
     # ---- the loop: one optimizer step per iteration
     for step in range(start + 1, total + 1):
@@ -551,7 +422,7 @@ def train(cfg: TrainConfig) -> dict:
         micro = [_on(next(batches), env) for _ in range(cfg.grad_accum)]
         denom = _all_sum(sum(ttt_positions(b, draft.t2d, steps).sum(1) for b in micro).float())
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
-        #    DDP/FSDP average over ranks, hence the world_size factor.
+        #    DDP/FSDP average gradients over ranks, hence the world_size factor.
         for a, batch in enumerate(micro):
             with _grad_sync(model, a == len(micro) - 1):
                 with _autocast(env):
@@ -562,15 +433,15 @@ def train(cfg: TrainConfig) -> dict:
             window[-1] += int((batch.doc_ids >= 0).sum())
         # 3. Clip the global gradient norm, step AdamW and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: DTensor
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        # 4. Log (window sums over ranks), evaluate, checkpoint.
+        # 4. Log (window sums over all ranks).
         if step % cfg.log_every == 0 or step == total:
-            stats = _all_sum(window).tolist()
-            now = time.perf_counter()
-            last_train = {"kind": "train", "step": step, "epoch": epoch_of[(step - 1) * per_step],
+            stats, now = _all_sum(window).tolist(), time.perf_counter()
+            last_train = {"kind": "train", "step": step,
+                          "epoch": plan.epoch_of[(step - 1) * plan.per_step],
                           **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
                           "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
                           "tokens": int(stats[-1]), "tokens_per_s": stats[-1] / (now - t_window),
@@ -580,35 +451,32 @@ def train(cfg: TrainConfig) -> dict:
             if metrics:
                 metrics.write(last_train)
                 log.info(_progress(last_train, total, now - t_start, start))
+        # 5. Evaluate; the best checkpoint is the highest simulated acceptance length.
         new_best = False
-        if eval_plan and (step % cfg.eval_every == 0 or step == total):
-            loader = data.loader(inputs.eval, eval_plan, row, hidden_dtype, num_workers=workers,
-                                 pin_memory=pin)
-            last_eval = {"kind": "eval", "step": step, **evaluate(model, loader, env, steps, weights)}
-            new_best = best["step"] is None or \
-                last_eval["sim_acceptance_length"] > best["sim_acceptance_length"]
+        if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
+            last_eval = run_eval(step)
+            al = last_eval["sim_acceptance_length"]
+            new_best = best["step"] is None or al > best["sim_acceptance_length"]
             if new_best:
-                best = {"step": step, "sim_acceptance_length": last_eval["sim_acceptance_length"]}
-            if metrics:
-                metrics.write(last_eval)
-                log.info("eval step %d | loss %.4f | acc %s | simulated AL %.3f%s", step,
-                         last_eval["loss"], last_eval["acc"], last_eval["sim_acceptance_length"],
-                         " (best)" if new_best else "")
+                best = {"step": step, "sim_acceptance_length": al}
+        # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
         if step % cfg.save_every == 0 or step == total or new_best:
             checkpoint.save(run_dir, step, model, optimizer, scheduler,
                             draft_config=dcfg.to_dict(), keep_last=cfg.keep_last,
-                            state={"step": step, "data_position": step * per_step,
-                                   "plan": fingerprint, "best": best, "world_size": env.world_size},
+                            state={"step": step, "data_position": step * plan.per_step,
+                                   "plan": plan.fingerprint, "best": best,
+                                   "world_size": env.world_size},
                             metrics={"train": last_train, "eval": last_eval},
                             best_step=best["step"])
     # ---- finish: curves, manifest, summary
-    summary = {"steps": total, "best": best, "eval": last_eval, "train": last_train}
     if metrics:
         metrics.close()
-        plot_curves(run_dir)
+        checkpoint.plot_curves(run_dir)
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
                        aux_layer_ids=list(inputs.aux_layer_ids), complete=True, best=best,
                        steps=total, draft_config=dcfg.to_dict())
+        log.info("done: best step %s (simulated AL %s) in %s", best["step"],
+                 best["sim_acceptance_length"], run_dir / "checkpoints")
     if dist.is_initialized():
         dist.barrier()
-    return summary
+    return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

@@ -158,7 +158,8 @@ def language_model(model):
     """The module vLLM treats as the language model (the model itself for text models)."""
     if _static(type(model), "get_language_model") is not None:
         return model.get_language_model()
-    return getattr(model, "language_model", None) or model
+    lm = getattr(model, "language_model", None)  # not `or`: an nn.Module may define __len__
+    return model if lm is None else lm
 
 
 def find_decoder(model) -> tuple[str, object]:

@@ -1,0 +1,539 @@
+"""`eyas export`: config mapping per format (round trips), validation that names the key at
+fault, checkpoint selection, and the round trip checkpoint -> folder -> Eagle3Draft with identical
+logits. The `vllm`-marked tests check the folder against vLLM's own code (its config readers
+and its `Eagle3LlamaForCausalLM` weights and logits); see docs/export.md for how to run them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas import checkpoint, cli
+from eyas.config import ConfigError
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.errors import EyasError
+from eyas.export import (
+    ExportConfig, expected_shapes, export, find_checkpoint, from_speculators_config,
+    from_vllm_config, read_config, read_vllm_folder, sglang_layer_ids, to_sglang_config,
+    to_speculators_config, to_vllm_config, validate_folder)
+from eyas.manifest import read_manifest, write_manifest
+
+TARGET = {"name_or_path": "tiny/llama", "revision": None, "commit": "abc123", "model_type": "llama",
+          "num_hidden_layers": 6, "hidden_size": 32, "vocab_size": 100, "tokenizer_hash": "t"}
+
+
+def draft_config(**overrides) -> DraftConfig:
+    values = dict(hidden_size=32, target_hidden_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=512, vocab_size=100,
+                  draft_vocab_size=40, aux_layer_ids=(1, 3, 5))
+    values.update(overrides)
+    return DraftConfig(**values)
+
+
+VARIANTS = {
+    "plain": {},
+    "wide-target": {"target_hidden_size": 48},
+    "norm-before-residual": {"norm_before_residual": True},
+    "eagle-3.1": {"fc_norm": True, "norm_output": True},
+    "llama3-rope": {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}},
+}
+
+
+def random_draft(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
+    """A draft with random weights everywhere (norms too) and a random draft vocabulary."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    chosen = torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab(chosen - torch.arange(cfg.draft_vocab_size), t2d)
+    return draft
+
+
+def make_run(folder, cfg: DraftConfig, *, steps=(5, 10), best: int | None = 10,
+             manifest: bool = True) -> Eagle3Draft:
+    """A run folder exactly as `eyas train` leaves it (checkpoint.save writes the checkpoints).
+    Returns the draft saved at the last step."""
+    for i, step in enumerate(steps):
+        draft = random_draft(cfg, seed=i)
+        opt = torch.optim.AdamW(draft.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        checkpoint.save(folder, step, draft, opt, sched, draft_config=cfg.to_dict(),
+                        state={"step": step}, metrics={}, keep_last=5,
+                        best_step=best if best == step else None)
+    if manifest:
+        write_manifest(folder, "train", {"lr": 1e-4, "ttt_steps": 7, "data": "captured/",
+                                         "trust_remote_code": False},
+                       target=TARGET, aux_layer_ids=list(cfg.aux_layer_ids), steps=steps[-1],
+                       best={"step": best, "sim_acceptance_length": 2.5})
+    return draft
+
+
+def logits_of(draft: Eagle3Draft, cfg: DraftConfig, embed: torch.Tensor):
+    """Draft logits and next hidden on a fixed random input (two chained steps)."""
+    torch.manual_seed(123)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    pos = torch.arange(7).expand(2, 7)
+    aux = torch.randn(2, 7, 3 * cfg.target_hidden_size)
+    draft.set_embed_tokens(embed)
+    with torch.no_grad():
+        first = draft(ids, aux, pos)
+        second = draft(ids, aux, pos + 1, hidden=first.hidden)
+    return torch.cat([first.logits, second.logits]), first.hidden
+
+
+def no_nulls(value) -> bool:
+    if isinstance(value, dict):
+        return all(v is not None and no_nulls(v) for v in value.values())
+    if isinstance(value, list):
+        return all(no_nulls(v) for v in value)
+    return True
+
+
+# ----------------------------------------------------------------------------- config mapping
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_format_round_trips_the_draft_config(variant):
+    cfg = draft_config(**VARIANTS[variant])
+    assert from_vllm_config(to_vllm_config(cfg)) == cfg
+    spec = to_speculators_config(cfg, verifier="org/model", verifier_architectures=["X"])
+    assert from_speculators_config(spec) == cfg and read_config(spec) == cfg
+    if not (cfg.norm_before_residual or cfg.fc_norm or cfg.norm_output):
+        assert from_vllm_config(to_sglang_config(cfg)) == cfg  # top-level ids win, as in vLLM
+    for config in (to_vllm_config(cfg), spec):
+        assert no_nulls(config), "a null would be read as a value by vLLM / SGLang"
+        json.dumps(config)
+
+
+def test_vllm_config_has_every_key_vllm_reads():
+    cfg = draft_config()
+    c = to_vllm_config(cfg, "bf16")
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
+    assert c["num_hidden_layers"] == 1 and c["tie_word_embeddings"] is False
+    assert (c["vocab_size"], c["draft_vocab_size"]) == (100, 40)
+    assert c["norm_before_residual"] is False  # explicit even when False
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+                                 "use_aux_hidden_state": True}
+    assert "target_hidden_size" not in c  # only when it differs; never null
+    assert to_vllm_config(draft_config(target_hidden_size=48))["target_hidden_size"] == 48
+    assert c["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert c["torch_dtype"] == "bfloat16" and c["max_position_embeddings"] == 512
+
+
+def test_hf_reads_the_vllm_config_as_a_llama_config(tmp_path):
+    from transformers import AutoConfig
+
+    cfg = draft_config(**VARIANTS["llama3-rope"])
+    (tmp_path / "config.json").write_text(json.dumps(to_vllm_config(cfg)))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    assert type(hf).__name__ == "LlamaConfig"
+    assert hf.rope_parameters["rope_type"] == "llama3" and hf.rope_parameters["factor"] == 8.0
+    assert hf.draft_vocab_size == 40 and hf.eagle_config["use_aux_hidden_state"] is True
+
+
+def test_sglang_ids_are_one_less_and_unservable_drafts_are_refused():
+    cfg = draft_config(aux_layer_ids=(0, 3, 5))
+    c = to_sglang_config(cfg, num_target_layers=6)
+    # SGLang adds 1 and captures that layer's input: k - 1 + 1 = k, vLLM's stream k
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 2, 4]
+    assert c["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]
+    with pytest.raises(EyasError, match="cannot be captured by SGLang"):
+        sglang_layer_ids((2, 3, 6), num_target_layers=6)
+    for flag in ("norm_before_residual", "fc_norm", "norm_output"):
+        with pytest.raises(EyasError, match=flag):
+            to_sglang_config(draft_config(**{flag: True}))
+
+
+def test_missing_norm_before_residual_reads_as_each_server_does():
+    c = to_vllm_config(draft_config(norm_before_residual=True))
+    del c["norm_before_residual"]
+    assert from_vllm_config(c).norm_before_residual is False  # vLLM: getattr(..., False)
+    s = to_speculators_config(draft_config(), verifier="m", verifier_architectures=[])
+    del s["norm_before_residual"]
+    assert from_speculators_config(s).norm_before_residual is True  # vLLM's update_eagle3
+
+
+def test_null_target_hidden_size_is_refused():
+    c = to_vllm_config(draft_config())
+    c["target_hidden_size"] = None
+    with pytest.raises(EyasError, match="target_hidden_size: null"):
+        from_vllm_config(c)
+
+
+# ----------------------------------------------------------------------------- export round trip
+
+@pytest.mark.parametrize("fmt,layout", [("vllm", None), ("vllm", "layers.0"), ("sglang", None),
+                                        ("speculators", None)])
+def test_fp32_export_gives_identical_logits(tmp_path, fmt, layout):
+    cfg = draft_config(aux_layer_ids=(1, 3, 5))
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "draft"),
+                              format=fmt, dtype="fp32", layout=layout))
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "config.json", "eyas.json", "model.safetensors"]
+    tensors = load_file(str(out / "model.safetensors"))
+    prefix = layout or ("layers.0" if fmt == "speculators" else "midlayer")
+    assert set(tensors) == set(expected_shapes(cfg, prefix))
+    assert not any("embed_tokens" in k for k in tensors)
+    assert validate_folder(out) == cfg
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    want, want_hidden = logits_of(trained, cfg, embed)
+    loaded_cfg, state = read_vllm_folder(out)
+    again = Eagle3Draft(loaded_cfg)
+    again.load_state_dict(state, strict=True)
+    got, got_hidden = logits_of(again, loaded_cfg, embed)
+    assert torch.equal(got, want) and torch.equal(got_hidden, want_hidden)
+    got, _ = logits_of(Eagle3Draft.from_pretrained(out), cfg, embed)  # the draft's loader
+    assert torch.equal(got, want)
+    manifest = read_manifest(out, step="export")
+    assert manifest["format"] == fmt and manifest["aux_layer_ids"] == [1, 3, 5]
+    assert manifest["inputs"][0]["step"] == "train" and manifest["target"] == TARGET
+
+
+def test_bf16_export_keeps_vocab_maps_and_stays_close(tmp_path):
+    cfg = draft_config(**VARIANTS["eagle-3.1"])
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
+    assert "fc_norm.2.weight" in tensors
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    want, _ = logits_of(trained, cfg, embed)
+    got, _ = logits_of(Eagle3Draft.from_pretrained(out).float(), cfg, embed)
+    assert not torch.equal(got, want)
+    assert torch.allclose(got, want, atol=0.15, rtol=0.05)
+
+
+def test_which_picks_best_last_or_a_step(tmp_path):
+    cfg = draft_config()
+    make_run(tmp_path / "run", cfg, steps=(5, 10), best=5)
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert find_checkpoint(tmp_path / "run", "best")[0] == ckpt / "step-00000005"
+    assert find_checkpoint(tmp_path / "run", "last")[0] == ckpt / "step-00000010"
+    assert find_checkpoint(tmp_path / "run", "step-10")[0] == ckpt / "step-00000010"
+    step, run = find_checkpoint(ckpt / "step-00000005")
+    assert (step, run) == (ckpt / "step-00000005", tmp_path / "run")
+    with pytest.raises(EyasError, match=r"this run has \['step-00000005', 'step-00000010'\]"):
+        find_checkpoint(tmp_path / "run", "step-7")
+    (ckpt / "best").unlink()
+    with pytest.raises(EyasError, match="--which last"):
+        find_checkpoint(tmp_path / "run", "best")
+    with pytest.raises(EyasError, match="neither an `eyas train` run folder"):
+        find_checkpoint(tmp_path, "best")
+    with pytest.raises(ConfigError, match="step-N"):
+        ExportConfig(checkpoint="x", out="y", which="latest")
+    with pytest.raises(ConfigError, match="does not load in sglang"):
+        ExportConfig(checkpoint="x", out="y", format="sglang", layout="layers.0")
+
+
+def test_out_folder_is_replaced_only_when_it_is_an_export(tmp_path):
+    make_run(tmp_path / "run", draft_config())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(EyasError, match="not an `eyas export` folder"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(other)))
+    assert (other / "notes.txt").read_text() == "mine"
+    out = tmp_path / "draft"
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out), format="vllm"))
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out), format="sglang"))
+    assert read_manifest(out)["format"] == "sglang"
+    assert not list(tmp_path.glob("*.tmp-export"))
+
+
+def test_speculators_needs_a_verifier_name(tmp_path):
+    cfg = draft_config()
+    make_run(tmp_path / "run", cfg, manifest=False)
+    with pytest.raises(EyasError, match="give --target MODEL"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            format="speculators"))
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              format="speculators", target="org/target-model"))
+    spec = json.loads((out / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "org/target-model"
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec["speculators_model_type"] == "eagle3"
+    assert spec["transformer_layer_config"]["vocab_size"] == 100
+
+
+def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
+    from eyas.evaluate import EvalReport, MethodResult
+
+    make_run(tmp_path / "run", draft_config())
+    res = MethodResult(method="eagle3", k=3, new_tokens=100, seconds=1.0, tokens_per_s=100.0,
+                       speedup=1.8, target_forwards=40, drafts=30, draft_tokens=90,
+                       accepted_tokens=60, mean_acceptance_length=3.0, draft_acceptance_rate=0.66,
+                       per_position_acceptance=[0.9, 0.7, 0.4])
+    report = EvalReport(target="tiny/llama", draft="d", primary="eagle3", temperature=0.0, k=[3],
+                        num_prompts=8, max_new_tokens=32, device="cpu", dtype="float32",
+                        mean_acceptance_length={"3": 3.0},
+                        per_position_acceptance={"3": [0.9, 0.7, 0.4]}, lossless=True,
+                        mismatches=[], results=[res])
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.json").write_text(json.dumps(report.to_dict()))
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              format="sglang", acceptance_report=str(tmp_path / "report")))
+    text = (out / "README.md").read_text()
+    assert "--speculative-algorithm EAGLE3 --speculative-draft-model-path" in text
+    assert '"method": "eagle3"' in text and "tiny/llama" in text and "commit abc123" in text
+    assert "| 3 | 3.000 | 0.90, 0.70, 0.40 | 1.80x |" in text
+    assert "eagle_config` ids [0, 2, 4]" in text  # SGLang's convention, explained
+    assert "simulated acceptance length 2.500" in text and "- ttt_steps: 7" in text
+    with pytest.raises(EyasError, match="no report.json there"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "missing")))
+
+
+def test_cli_runs_export(tmp_path, capsys):
+    make_run(tmp_path / "run", draft_config())
+    code = cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--out",
+                     str(tmp_path / "d"), "--format", "speculators", "--which", "last",
+                     "--dtype", "fp16", "--num-speculative-tokens", "5"])
+    assert code == 0
+    spec = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert load_file(str(tmp_path / "d" / "model.safetensors"))["fc.weight"].dtype == torch.float16
+    assert cli.main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "e")]) == 2
+    assert "neither an `eyas train` run folder" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _drop(t, c):
+    del t["midlayer.mlp.up_proj.weight"]
+
+
+def _embed(t, c):
+    t["embed_tokens.weight"] = torch.zeros(100, 32)
+
+
+def _transpose(t, c):
+    t["fc.weight"] = t["fc.weight"].t().contiguous()
+
+
+def _int32_d2t(t, c):
+    t["d2t"] = t["d2t"].int()
+
+
+def _flip_t2d(t, c):
+    i = int((~t["t2d"]).nonzero()[0])
+    t["t2d"][i] = True
+
+
+def _retarget_d2t(t, c):  # last draft id now maps to a target id t2d does not select
+    unused = int((~t["t2d"]).nonzero()[0])
+    t["d2t"][-1] = unused - (t["d2t"].numel() - 1)
+
+
+def _nan(t, c):
+    t["norm.weight"][0] = float("nan")
+
+
+def _vocab_in_config(t, c):
+    c["draft_vocab_size"] = 41
+
+
+def _null_target_hidden(t, c):
+    c["target_hidden_size"] = None
+
+
+def _eagle_ids(t, c):
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 5]
+
+
+def _model_type(t, c):
+    c["model_type"] = "deepseek_v3"
+
+
+def _no_nbr(t, c):
+    del c["norm_before_residual"]
+
+
+CORRUPTIONS = [
+    (_drop, "midlayer.mlp.up_proj.weight"), (_embed, "embed_tokens.weight"),
+    (_transpose, "'fc.weight' has shape"), (_int32_d2t, "'d2t' is torch.int32"),
+    (_flip_t2d, "'d2t'/'t2d' disagree: t2d has 41"), (_retarget_d2t, "'d2t'/'t2d' disagree: target ids"),
+    (_nan, "'norm.weight' holds NaN"), (_vocab_in_config, "'lm_head.weight' has shape"),
+    (_null_target_hidden, "target_hidden_size: null"), (_eagle_ids, "'eagle_config'"),
+    (_model_type, "'model_type' is 'deepseek_v3'"), (_no_nbr, "norm_before_residual"),
+]
+
+
+@pytest.mark.parametrize("corrupt,message", CORRUPTIONS, ids=[c[0].__name__ for c in CORRUPTIONS])
+def test_validate_folder_names_the_key_at_fault(tmp_path, corrupt, message):
+    make_run(tmp_path / "run", draft_config())
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    tensors = load_file(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    corrupt(tensors, config)
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EyasError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate_folder(out)
+
+
+# ----------------------------------------------------------------------------- against vLLM
+
+@pytest.mark.vllm
+def test_vllm_config_readers_accept_both_formats(tmp_path):
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    cfg = draft_config(target_hidden_size=48, norm_before_residual=True)
+    make_run(tmp_path / "run", cfg)
+    spec_dir = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "s"),
+                                   format="speculators", num_speculative_tokens=4))
+    spec = json.loads((spec_dir / "config.json").read_text())
+    assert SpeculatorsConfig.extract_vllm_speculative_config(spec) == {
+        "method": "eagle3", "num_speculative_tokens": 4}
+    hf = SpeculatorsConfig.from_pretrained(str(spec_dir))
+    assert hf.architectures == ["Eagle3LlamaForCausalLM"] and hf.norm_before_residual is True
+    assert (hf.target_hidden_size, hf.draft_vocab_size, hf.vocab_size) == (48, 40, 100)
+    assert hf.eagle_aux_hidden_state_layer_ids == [1, 3, 5]
+    vllm_dir = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "v")))
+    eagle = EAGLEConfig(AutoConfig.from_pretrained(vllm_dir), method="eagle3", model_type="eagle")
+    assert eagle.architectures == ["LlamaForCausalLMEagle3"]
+    assert ModelRegistry.models["LlamaForCausalLMEagle3"].class_name == "Eagle3LlamaForCausalLM"
+    assert eagle.target_hidden_size == 48 and eagle.eagle_config["use_aux_hidden_state"] is True
+
+
+_VLLM_STARTED: list = []
+
+
+def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None):
+    """Build vLLM's `model_cls` on CPU for the target (and EAGLE-3 draft) folder, load
+    `weights` (name, tensor) pairs, and make it runnable without a GPU.
+
+    Two stand-ins, both for GPU-only pieces outside what the tests check: the attention backend
+    lookup (a CUDA wheel has no CPU platform) returns the CPU backend class so layers can be
+    built, and each paged-attention call becomes exact causal attention over one sequence.
+    Everything else (linear layers, norms, RoPE, residuals, aux capture, weight loading, d2t) is
+    vLLM's own code; CUDA custom ops run as their native torch versions."""
+    import tempfile
+
+    import vllm.model_executor.layers.attention.attention as attention_module
+    from vllm.config import (DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
+                             VllmConfig, set_current_vllm_config)
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    attention_module.get_attn_backend = lambda *a, **k: CPUAttentionBackend
+    mc = ModelConfig(model=str(target_dir), dtype="float32", max_model_len=256, enforce_eager=True)
+    sc = None if draft_dir is None else SpeculativeConfig(
+        model=str(draft_dir), method="eagle3", num_speculative_tokens=3, target_model_config=mc,
+        target_parallel_config=ParallelConfig())
+    vc = VllmConfig(model_config=mc, speculative_config=sc, device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(vc):
+        if not _VLLM_STARTED:  # one single-process group per test process
+            init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+            initialize_model_parallel(1, 1)
+            _VLLM_STARTED.append(True)
+        model = model_cls(vllm_config=vc)
+        model.load_weights(weights)
+    for module in model.modules():
+        if hasattr(module, "forward_native") and hasattr(module, "_forward_method"):
+            module._forward_method = module.forward_native
+        attn = getattr(module, "attn", None)
+        if hasattr(module, "num_kv_heads") and attn is not None and hasattr(attn, "impl"):
+            module.attn = _CausalAttention(module.num_heads, module.num_kv_heads, module.head_dim)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_draft_builder():
+    pytest.importorskip("vllm")
+
+    def build(target_dir, draft_dir):
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        weights = load_file(str(draft_dir / "model.safetensors")).items()
+        return vllm_cpu_model(Eagle3LlamaForCausalLM, target_dir, draft_dir, weights)
+
+    return build
+
+
+class _CausalAttention(torch.nn.Module):
+    def __init__(self, heads, kv_heads, head_dim):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def forward(self, q, k, v, *args, **kwargs):  # (N, heads*d), (N, kv*d), (N, kv*d)
+        n, rep = q.shape[0], self.heads // self.kv_heads
+        q = q.view(n, self.heads, self.head_dim).transpose(0, 1)
+        k = k.view(n, self.kv_heads, self.head_dim).transpose(0, 1).repeat_interleave(rep, 0)
+        v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1).repeat_interleave(rep, 0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(0, 1).reshape(n, self.heads * self.head_dim)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("variant", ["plain", "norm-before-residual", "eagle-3.1"])
+def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_builder, variant):
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(llama_dir)
+    cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7),
+                                  **VARIANTS[variant])
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              dtype="fp32"))
+    vllm_draft = vllm_cpu_draft_builder(llama_dir, out)
+    assert vllm_draft.has_own_embed_tokens is False  # shares the target's embedding
+    torch.manual_seed(1)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    ids, pos = torch.randint(0, cfg.vocab_size, (12,)), torch.arange(12) + 3
+    aux = torch.randn(12, 3 * cfg.target_hidden_size)
+    trained.set_embed_tokens(embed)
+    with torch.no_grad():
+        ours = trained(ids[None], aux[None], pos[None])
+        hidden, next_hidden = vllm_draft.model(ids, pos, vllm_draft.combine_hidden_states(aux),
+                                               embed[ids])
+        logits = vllm_draft.compute_logits(hidden)  # (12, V): -inf outside the draft vocab
+    chosen = torch.arange(cfg.draft_vocab_size) + trained.d2t
+    assert torch.allclose(logits[:, chosen], ours.logits[0], atol=1e-5, rtol=1e-5)
+    assert bool(torch.isinf(logits[:, ~trained.t2d]).all())
+    assert torch.allclose(next_hidden, ours.hidden[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_serves_the_export_losslessly(tmp_path, llama_dir, fmt):
+    """On a GPU box: vLLM loads the export next to the tiny target and greedy output with
+    speculation equals greedy output without it."""
+    vllm = pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import AutoConfig
+
+    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(llama_dir), draft_vocab_size=512,
+                                  aux_layer_ids=(1, 4, 7))
+    make_run(tmp_path / "run", cfg)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              format=fmt, target=str(llama_dir)))
+    params = vllm.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["hello there", "the weather today is"]
+    plain = vllm.LLM(model=str(llama_dir), max_model_len=256, gpu_memory_utilization=0.3,
+                     enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    del plain
+    spec = ({"model": str(out)} if fmt == "speculators" else
+            {"model": str(llama_dir), "speculative_config": {
+                "method": "eagle3", "model": str(out), "num_speculative_tokens": 3}})
+    llm = vllm.LLM(**spec, max_model_len=256, gpu_memory_utilization=0.3, enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want

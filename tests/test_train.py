@@ -1,0 +1,375 @@
+"""eyas train: packing and the data plan, checkpoints, and the recipe's invariants on a tiny
+real pipeline (prepare -> capture -> vocab -> train): the draft learns, batch 4 x accumulation 1
+== batch 1 x accumulation 4, a run SIGKILLed mid-way resumes to identical weights, online
+training equals offline, and mismatched inputs are refused with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas import checkpoint, data
+from eyas.config import ConfigError, to_dict
+from eyas.errors import EyasError
+from eyas.train import TrainConfig, train, warmup_cosine
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def copy_target(out: Path) -> Path:
+    """A tiny random Llama made predictable: its lm_head is its own (row-normalised, x40)
+    embedding and its blocks are damped, so the target mostly predicts a token of the recent
+    context with a peaked distribution. A purely random tiny target predicts near-uniform
+    noise, which no draft can learn in a few steps."""
+    from eyas.tiny import build_tiny_model
+
+    build_tiny_model("llama", out)
+    path = out / "model.safetensors"
+    w = load_file(str(path))
+    e = w["model.embed_tokens.weight"]
+    w["lm_head.weight"] = (e / (e.norm(dim=1, keepdim=True) + 1e-6) * 40).contiguous()
+    for k in list(w):
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = (w[k] * 0.3).contiguous()
+    save_file(w, str(path), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_inputs(tmp_path_factory):
+    """The real pipeline on the tiny target: 80 synthetic chats, captured with --split all."""
+    from eyas.capture import CaptureConfig, capture
+    from eyas.corpus import synthetic_chats
+    from eyas.prepare import PrepareConfig, prepare
+    from eyas.vocab import VocabConfig, vocab
+
+    root = tmp_path_factory.mktemp("train-inputs")
+    model = copy_target(root / "target")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(80, seed=0)))
+    prepare(PrepareConfig(target=str(model), data=(str(chats),), out=str(root / "prepared"),
+                          max_length=256, eval_fraction=0.15))
+    capture(CaptureConfig(target=str(model), data=str(root / "prepared"),
+                          out=str(root / "captured"), split="all", model_dtype="fp32",
+                          batch_tokens=2048))
+    vocab(VocabConfig(data=(str(root / "prepared"),), out=str(root / "vocab"),
+                      draft_vocab_size=256))
+    return {k: str(root / k) for k in ("target", "prepared", "captured", "vocab")}
+
+
+def _cfg(inputs, out, **kw) -> TrainConfig:
+    base = dict(data=inputs["captured"], vocab=inputs["vocab"], out=str(out), batch_tokens=256,
+                max_steps=6, lr=1e-2, lm_head="scratch", num_workers=0, log_every=1,
+                eval_every=100, save_every=100, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint.step_dir(run, step) / "draft.safetensors"))
+
+
+def _records(run: Path, kind: str) -> list[dict]:
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+# ----------------------------------------------------------------------------- data plan
+
+
+def _fake_sample(n: int, ht: int = 4, start: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.arange(start, start + n, dtype=torch.int32)
+    return {"aux_hidden": torch.randn(n, 3, ht), "final_hidden": torch.randn(n, ht),
+            "target_top1": ids + 1, "input_ids": ids,
+            "loss_mask": torch.ones(n, dtype=torch.uint8)}
+
+
+def test_packing_fills_rows_without_crossing_samples():
+    lengths = np.array([5, 9, 3, 7, 7, 2, 8, 1, 6])
+    packing = data.Packing(row_tokens=12, rows=2, truncate=False)
+    batches = data.pack(np.arange(len(lengths)), lengths, packing)
+    rows = [row for b in batches for row in b]
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 12 for row in rows)
+    assert all(len(b) <= 2 for b in batches)
+    # collate: positions restart at 0 in every sample, doc ids count samples, padding is -1
+    samples = [_fake_sample(int(lengths[i]), start=100 * i) for i in rows[0]]
+    out = data.collate([samples], 12, torch.float32)
+    at = 0
+    for d, s in enumerate(samples):
+        n = s["input_ids"].shape[0]
+        assert out["position_ids"][0, at:at + n].tolist() == list(range(n))
+        assert (out["doc_ids"][0, at:at + n] == d).all()
+        assert torch.equal(out["aux_hidden"][0, at:at + n], s["aux_hidden"].reshape(n, -1))
+        at += n
+    assert (out["doc_ids"][0, at:] == -1).all() and (out["loss_mask"][0, at:] == 0).all()
+
+
+def test_plan_is_deterministic_shuffled_per_epoch_and_split_by_rank():
+    lengths = np.random.default_rng(0).integers(3, 30, size=50)
+    ids = np.arange(50)
+    packing = data.Packing(64, 1, False)
+    plan, epoch_of = data.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=2,
+                                   max_steps=0)
+    again, _ = data.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=2, max_steps=0)
+    assert plan == again and len(plan) % 4 == 0
+    first = [i for b, e in zip(plan, epoch_of) if e == 0 for r in b for i in r]
+    second = [i for b, e in zip(plan, epoch_of) if e == 1 for r in b for i in r]
+    assert first != second  # each epoch has its own order...
+    assert len(set(first)) == len(first)  # ...and no sample twice within it
+    # two ranks: disjoint, together exactly the global stream; a resumed slice continues it
+    r0 = data.rank_slice(plan, rank=0, world_size=2, start=0)
+    r1 = data.rank_slice(plan, rank=1, world_size=2, start=0)
+    assert r0 + r1 == plan[0::2] + plan[1::2]
+    assert data.rank_slice(plan, rank=1, world_size=2, start=4) == r1[2:]
+    # max_steps runs over as many epochs as needed
+    long, epochs = data.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=0,
+                                 max_steps=40)
+    assert len(long) == 160 and max(epochs) >= 2
+    # eval batches: every rank gets the same count (FSDP forwards are collective)
+    ev = data.eval_rank_batches(plan[:5], rank=1, world_size=2)
+    assert len(ev) == 3 and ev[-1] is None
+
+
+def test_too_long_sample_names_its_length_and_the_flags():
+    lengths = np.array([10, 300, 20])
+    with pytest.raises(EyasError, match=r"sample 1 has 300 tokens.*--batch-tokens.*--truncate"):
+        data.check_lengths(lengths, np.arange(3), data.Packing(256, 1, False), "the data")
+    data.check_lengths(lengths, np.arange(3), data.Packing(256, 1, True), "the data")
+    out = data.collate([[_fake_sample(300)]], 256, torch.float32)
+    assert out["position_ids"][0, -1] == 255  # cut to the row, not dropped
+
+
+def test_warmup_then_cosine_to_floor():
+    f = warmup_cosine(100, 0.1, 0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(99) == pytest.approx(0.1, abs=1e-3)
+    assert all(f(s) >= f(s + 1) for s in range(10, 99))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_keep_last_n_and_best_and_restore_everything(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"draft": torch.nn.Linear(3, 2)})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    saved = {}
+    for step in range(1, 6):
+        model["draft"](torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        checkpoint.save(tmp_path, step, model, opt, sched, draft_config={"x": 1},
+                        state={"step": step}, metrics={}, keep_last=2, best_step=2)
+    ckpt = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == \
+        ["step-00000002", "step-00000004", "step-00000005"]
+    assert checkpoint.read_pointer(tmp_path, "last").name == "step-00000005"
+    assert checkpoint.read_pointer(tmp_path, "best").name == "step-00000002"
+    assert set(_weights(tmp_path, 4)) == {"weight", "bias"}  # the "draft." prefix is dropped
+    # restore into a fresh model: weights, optimizer moments, schedule, RNG
+    checkpoint.save(tmp_path, 6, model, opt, sched, draft_config={}, state={"step": 6},
+                    metrics={}, keep_last=9, best_step=2)
+    expected_rng = torch.rand(3)  # the draw right after the save...
+    fresh = torch.nn.ModuleDict({"draft": torch.nn.Linear(3, 2)})  # (moves the RNG on)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (s + 1))
+    state = checkpoint.load(checkpoint.step_dir(tmp_path, 6), fresh, opt2, sched2)
+    assert state["step"] == 6 and torch.equal(torch.rand(3), expected_rng)  # ...comes again
+    assert all(torch.equal(fresh.state_dict()[k], saved[5][k]) for k in saved[5])
+    assert sched2.last_epoch == sched.last_epoch
+    m1, m2 = opt.state_dict()["state"][0], opt2.state_dict()["state"][0]
+    assert torch.equal(m1["exp_avg"], m2["exp_avg"]) and m1["step"] == m2["step"]
+    checkpoint.clear_after(tmp_path, 4)
+    assert checkpoint.read_pointer(tmp_path, "last") is None
+    assert checkpoint.resolve_resume(tmp_path, "never") is None
+    with pytest.raises(EyasError, match="--resume auto"):
+        checkpoint.resolve_resume(tmp_path, str(tmp_path / "nope"))
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+def test_tiny_draft_learns_and_writes_the_run_folder(run_inputs, tmp_path):
+    from eyas.draft import DraftConfig, Eagle3Draft
+    from eyas.manifest import read_manifest
+
+    run = tmp_path / "run"
+    summary = train(_cfg(run_inputs, run, max_steps=36, log_every=6, eval_every=12,
+                         save_every=12, keep_last=1, num_workers=1))
+    evals = _records(run, "eval")
+    assert [r["step"] for r in evals] == [0, 12, 24, 36]
+    start, end = evals[0]["sim_acceptance_length"], evals[-1]["sim_acceptance_length"]
+    assert start < 1.1 and end > start + 0.4, evals  # learns far beyond chance
+    assert evals[-1]["loss"] < evals[0]["loss"] - 4
+    train_rows = _records(run, "train")
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"]
+    assert all(r["tokens_per_s"] > 0 and len(r["acc"]) == 7 for r in train_rows)
+    # checkpoints: the best by simulated AL, the last, nothing else (keep_last=1)
+    best = max(evals[1:], key=lambda r: r["sim_acceptance_length"])
+    assert summary["best"]["step"] == best["step"]
+    assert checkpoint.read_pointer(run, "best").name == f"step-{best['step']:08d}"
+    assert checkpoint.read_pointer(run, "last").name == "step-00000036"
+    kept = {p.name for p in (run / "checkpoints").iterdir() if p.is_dir()}
+    assert kept == {f"step-{best['step']:08d}", "step-00000036"}
+    # what export reads: draft_config.json + draft.safetensors under the vLLM names
+    step = checkpoint.read_pointer(run, "best")
+    dcfg = DraftConfig.from_dict(json.loads((step / "draft_config.json").read_text()))
+    weights = load_file(str(step / "draft.safetensors"))
+    assert "fc.weight" in weights and "midlayer.self_attn.q_proj.weight" in weights
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert weights["fc.weight"].dtype == torch.float32  # fp32 master weights
+    Eagle3Draft(dcfg).load_state_dict(weights, strict=True)
+    assert dcfg.draft_vocab_size == 256 and dcfg.aux_layer_ids == (2, 4, 5)
+    manifest = read_manifest(run, step="train")
+    assert manifest["complete"] and manifest["best"] == summary["best"]
+    assert manifest["aux_layer_ids"] == [2, 4, 5]
+    assert (run / "curves.png").stat().st_size > 1000
+
+
+def test_batch_4_accum_1_equals_batch_1_accum_4(run_inputs, tmp_path):
+    """Four rows in one micro-batch or one row in each of four: the same samples, the same
+    global-count normalisation, so the same loss and the same update."""
+    big = train(_cfg(run_inputs, tmp_path / "big", batch_tokens=512, row_tokens=128,
+                     grad_accum=1, max_steps=3, lm_head="target"))
+    small = train(_cfg(run_inputs, tmp_path / "small", batch_tokens=128, grad_accum=4,
+                       max_steps=3, lm_head="target"))
+    for rb, rs in zip(_records(tmp_path / "big", "train"), _records(tmp_path / "small", "train")):
+        assert rb["positions"] == rs["positions"] and rb["tokens"] == rs["tokens"]
+        assert rb["loss"] == pytest.approx(rs["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(rs["grad_norm"], rel=1e-5)
+    # Adam divides by sqrt(v): float-rounding differences of near-zero gradients grow to
+    # ~1e-5, still 1000x below one step's size (lr 1e-2)
+    a, b = _weights(tmp_path / "big", 3), _weights(tmp_path / "small", 3)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4)
+    assert big["train"]["grad_norm"] > 0  # the weights compared are trained, not two inits
+
+
+KILLER = """
+import json, os, signal, sys
+from eyas import checkpoint
+from eyas.train import TrainConfig, train
+
+kill_at = int(sys.argv[2])
+save = checkpoint.save
+
+
+def save_then_die(run_dir, step, *args, **kwargs):
+    out = save(run_dir, step, *args, **kwargs)
+    if step == kill_at:  # a real crash: no cleanup, no exception handlers
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+
+checkpoint.save = save_then_die
+train(TrainConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_resume_after_sigkill_continues_exactly(run_inputs, tmp_path):
+    kw = dict(max_steps=8, save_every=2, eval_every=3, lm_head="target", grad_accum=2)
+    whole = tmp_path / "whole"
+    train(_cfg(run_inputs, whole, **kw, num_workers=1))
+    killed = tmp_path / "killed"
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    cfg = to_dict(_cfg(run_inputs, killed, **kw))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), json.dumps(cfg), "4"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert checkpoint.read_pointer(killed, "last").name == "step-00000004"
+    assert not checkpoint.step_dir(killed, 5).exists() and not checkpoint.step_dir(killed, 6).exists()
+    train(_cfg(run_inputs, killed, **kw))  # --resume auto
+    a, b = _weights(whole, 8), _weights(killed, 8)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
+    ra, rb = _records(whole, "train"), _records(killed, "train")
+    assert [r["step"] for r in rb] == list(range(1, 9))  # no step logged twice
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    assert _records(whole, "eval") == _records(killed, "eval")
+    sa = torch.load(checkpoint.step_dir(whole, 8) / "trainer_state.pt", weights_only=True)
+    sb = torch.load(checkpoint.step_dir(killed, 8) / "trainer_state.pt", weights_only=True)
+    assert sa["data_position"] == sb["data_position"] == 16
+    assert sa["best"] == sb["best"]
+
+
+def test_online_training_equals_offline(run_inputs, tmp_path):
+    kw = dict(max_steps=2, lm_head="target", eval_every=2)
+    offline = train(_cfg(run_inputs, tmp_path / "offline", **kw))
+    online = train(_cfg(run_inputs, tmp_path / "online", **kw, online=True,
+                        data=run_inputs["prepared"], target=run_inputs["target"]))
+    first_off, first_on = _records(tmp_path / "offline", "train")[0], \
+        _records(tmp_path / "online", "train")[0]
+    assert first_on["positions"] == first_off["positions"] > 0
+    assert first_on["loss"] == pytest.approx(first_off["loss"], rel=1e-4)
+    assert online["eval"]["loss"] == pytest.approx(offline["eval"]["loss"], rel=1e-3)
+    a, b = _weights(tmp_path / "offline", 2), _weights(tmp_path / "online", 2)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path):
+    # a vocab folder made for another target
+    other_vocab = tmp_path / "vocab"
+    shutil.copytree(run_inputs["vocab"], other_vocab)
+    man = json.loads((other_vocab / "eyas.json").read_text())
+    man["target"]["hidden_size"] = 4096
+    (other_vocab / "eyas.json").write_text(json.dumps(man))
+    with pytest.raises(EyasError, match="re-run that step"):
+        train(_cfg(run_inputs, tmp_path / "r1", vocab=str(other_vocab)))
+    # an eval capture of other aux layers
+    other = tmp_path / "captured"
+    shutil.copytree(run_inputs["captured"], other)
+    man = json.loads((other / "eyas.json").read_text())
+    man["aux_layer_ids"] = [1, 3, 5]
+    (other / "eyas.json").write_text(json.dumps(man))
+    with pytest.raises(EyasError, match=r"aux layers \[1, 3, 5\].*--aux-layer-ids 2,4,5"):
+        train(_cfg(run_inputs, tmp_path / "r2", eval_data=str(other)))
+    # a prepared folder where a capture folder belongs
+    with pytest.raises(EyasError, match="eyas capture"):
+        train(_cfg(run_inputs, tmp_path / "r3", data=run_inputs["prepared"]))
+    # a batch smaller than the longest sample: the length and the flags to change
+    with pytest.raises(EyasError, match=r"has \d+ tokens but a packed row holds only 32"):
+        train(_cfg(run_inputs, tmp_path / "r4", batch_tokens=32))
+    train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=32, truncate=True, max_steps=1))
+    # resuming with other batching would silently change the data order: refused
+    with pytest.raises(EyasError, match="other data or batching"):
+        train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=64, truncate=True, max_steps=2))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(row_tokens=100), "must divide"),
+    (dict(freeze_lm_head=True, lm_head="scratch"), "random head"),
+    (dict(online=True), "--online needs --target"),
+    (dict(betas=(0.9,)), "two values"),
+    (dict(aux_layer_ids=(1, 2, 3)), "--online only"),
+    (dict(max_steps=0, epochs=0), "--epochs"),
+])
+def test_config_errors_name_the_flag(kw, match):
+    base = dict(data="d", out="o")
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(**{**base, **kw})
+
+
+def test_cli_builds_the_config():
+    from eyas.cli import parse_config
+
+    cfg = parse_config("train", ["--data", "c", "--out", "r", "--betas", "0.9,0.95",
+                                 "--parallel", "fsdp", "--no-truncate", "--max-steps", "5"])
+    assert cfg.betas == (0.9, 0.95) and cfg.parallel == "fsdp" and cfg.max_steps == 5
