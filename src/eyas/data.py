@@ -36,11 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Keys of a packed micro-batch (the fields of `eyas.draft.TTTBatch`).
-BATCH_KEYS = ("input_ids", "aux_hidden", "final_hidden", "target_top1", "loss_mask",
-              "position_ids", "doc_ids")
-
-
 # ---------------------------------------------------------------- sources
 
 class OfflineSource:
@@ -61,8 +56,9 @@ class OfflineSource:
 class OnlineSource:
     """Samples of a prepared split, captured on the fly by the target inside the training job.
 
-    `fetch` runs the target once over the requested samples (one padded forward) through
-    `eyas.capture`, so online and offline training see identical tensors for the same data.
+    `fetch` runs the target over the requested samples (one micro-batch) through
+    `eyas.capture.capture_samples`, the code `eyas capture` runs, so online and offline
+    training see the same tensors for the same data.
     """
 
     def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...]):
@@ -102,16 +98,6 @@ def check_capture(manifest: dict, *, target: dict | None, aux_layer_ids: tuple[i
             f"{','.join(map(str, aux_layer_ids))} (or train on a capture made with the same ids).")
 
 
-def check_vocab(vocab_manifest: dict, capture_manifest: dict) -> None:
-    """Refuse a draft vocabulary built for another target than the captures."""
-    check_same_target(vocab_manifest.get("target"), capture_manifest.get("target"),
-                      f"the vocab folder {vocab_manifest.get('path')}")
-
-
-def read_capture_manifest(folder: str | Path) -> dict:
-    return read_manifest(folder, step="capture")
-
-
 # ---------------------------------------------------------------- what train reads
 
 @dataclass
@@ -120,7 +106,7 @@ class Inputs:
 
     train: OfflineSource | OnlineSource
     train_ids: np.ndarray
-    eval: object | None
+    eval: OfflineSource | OnlineSource | None
     eval_ids: np.ndarray
     info: object  # eyas.models.ModelInfo
     target: dict  # target_record of the target
@@ -156,10 +142,10 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
     if not name:
         raise EyasError(f"the capture {cfg.data} does not name its target; pass --target")
     revision = cfg.revision or (man.get("target") or {}).get("revision")
-    embed, lm_head, info, config = target_head_weights(
-        name, revision=revision, trust_remote_code=cfg.trust_remote_code)
-    target = target_record(name, revision, config=config, tokenizer=load_tokenizer(
-        name, revision=revision, trust_remote_code=cfg.trust_remote_code))
+    where = dict(revision=revision, trust_remote_code=cfg.trust_remote_code)
+    embed, lm_head, info, config = target_head_weights(name, **where)
+    target = target_record(name, revision, config=config,
+                           tokenizer=load_tokenizer(name, **where))
     check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}")
     aux = tuple(man["aux_layer_ids"])
     train_ids = split_ids(src, "train")
@@ -167,7 +153,7 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
     if cfg.eval_data:
         ev = OfflineSource(cfg.eval_data)
         check_capture(ev.manifest, target=target, aux_layer_ids=aux,
-                           what=f"--eval-data {cfg.eval_data}")
+                      what=f"--eval-data {cfg.eval_data}")
         eval_ids = split_ids(ev, "eval")
         manifests.append(ev.manifest)
     elif man.get("split") == "all" and len(split_ids(src, "eval")):
@@ -184,9 +170,9 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     from eyas.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
 
     prepared = read_manifest(cfg.data, step="prepare")
-    tokenizer = load_tokenizer(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-    model, info = load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                              dtype=model_dtype, device=device)
+    where = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.target, **where)
+    model, info = load_target(cfg.target, **where, dtype=model_dtype, device=device)
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
     aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids, info.num_layers)

@@ -110,7 +110,8 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the tokenizer's vocabulary and chat template: equal iff token ids mean the same."""
+    """Hash of the tokenizer's vocabulary (token string -> id): equal iff token ids mean the same.
+    The chat template is fingerprinted separately by the steps that render chats."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     h = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
     return h.hexdigest()[:16]

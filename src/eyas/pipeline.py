@@ -82,7 +82,7 @@ def _step_config(step: str, spec: dict, work: Path):
     }[step]
     for key, value in wiring.items():
         if key in names and key not in section:
-            values[key] = value if isinstance(value, tuple) else str(value)
+            values[key] = tuple(value) if isinstance(value, (list, tuple)) else str(value)
     values.update(section)
     try:
         return from_dict(cls, values)

@@ -35,7 +35,9 @@ import torch.distributed as dist
 from eyas import checkpoint, data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
+from eyas.draft import DraftConfig, Eagle3Draft, TTTBatch, ttt_forward, ttt_positions
 from eyas.errors import EyasError
+from eyas.loss import simulated_acceptance_length
 from eyas.manifest import write_manifest
 
 log = logging.getLogger(__name__)
@@ -101,35 +103,42 @@ class TrainConfig:
                                  "never = start over; or a checkpoints/step-N folder")
 
     def __post_init__(self):
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise ConfigError(msg)
-        need(self.batch_tokens > 0, f"--batch-tokens must be > 0, got {self.batch_tokens}")
-        need(self.row_tokens >= 0 and (self.row_tokens == 0 or self.batch_tokens % self.row_tokens == 0),
+        checks = [
+            (self.batch_tokens > 0, f"--batch-tokens must be > 0, got {self.batch_tokens}"),
+            (self.row_tokens >= 0 and self.batch_tokens % (self.row_tokens or 1) == 0,
              f"--row-tokens {self.row_tokens} must divide --batch-tokens {self.batch_tokens} "
-             f"(or be 0 for one row)")
-        need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
-        need(self.max_steps > 0 or self.epochs > 0, "give --epochs > 0 or --max-steps > 0")
-        need(self.max_steps >= 0 and self.epochs >= 0, "--epochs and --max-steps must be >= 0")
-        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-             f"--betas needs two values in [0, 1), e.g. 0.9,0.999; got {self.betas}")
-        need(0 <= self.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-        need(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        need(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
-        need(self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}")
-        need(0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}")
-        need(0 <= self.eval_fraction < 1, f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
-        need(not (self.freeze_lm_head and self.lm_head == "scratch"),
-             "--freeze-lm-head with --lm-head scratch would keep a random head; use --lm-head target")
-        need(not self.online or self.target, "--online needs --target (the model to run)")
-        need(self.online or not self.aux_layer_ids,
-             "--aux-layer-ids applies to --online only; offline, the capture fixes the layers")
-        need(len(self.aux_layer_ids) in (0, 3), f"--aux-layer-ids needs 3 ids, got {self.aux_layer_ids}")
-        for name in ("log_every", "eval_every", "save_every", "keep_last"):
-            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        need(self.num_workers >= 0, "--num-workers must be >= 0")
-        need(self.device in (None, "cpu", "cuda"), f"--device must be cpu or cuda, got {self.device}")
+             f"(or be 0 for one row)"),
+            (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
+            (self.max_steps >= 0 and self.epochs >= 0, "--epochs and --max-steps must be >= 0"),
+            (self.max_steps > 0 or self.epochs > 0, "give --epochs > 0 or --max-steps > 0"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+             f"--betas needs two values in [0, 1), e.g. 0.9,0.999; got {self.betas}"),
+            (0 <= self.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}"),
+            (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}"),
+            (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}"),
+            (self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}"),
+            (0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}"),
+            (0 <= self.eval_fraction < 1,
+             f"--eval-fraction must be in [0, 1), got {self.eval_fraction}"),
+            (not (self.freeze_lm_head and self.lm_head == "scratch"),
+             "--freeze-lm-head with --lm-head scratch would keep a random head; use --lm-head target"),
+            (not self.online or bool(self.target), "--online needs --target (the model to run)"),
+            (self.online or not self.aux_layer_ids,
+             "--aux-layer-ids applies to --online only; offline, the capture fixes the layers"),
+            (len(self.aux_layer_ids) in (0, 3),
+             f"--aux-layer-ids needs 3 ids (e.g. 2,16,29), got {self.aux_layer_ids}"),
+            (not (self.online and self.eval_data),
+             "--eval-data names a capture folder; with --online the eval split of the prepared "
+             "folder (or --eval-fraction) is used instead"),
+            (self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}"),
+            (self.device in (None, "cpu", "cuda"), f"--device must be cpu or cuda, got {self.device}"),
+            *[(getattr(self, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
+              for k in ("log_every", "eval_every", "save_every", "keep_last")],
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -164,8 +173,6 @@ def init_env(cfg: TrainConfig) -> Env:
 
 def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     """The draft (fp32 master weights, on the device) and its DraftConfig."""
-    from eyas.draft import DraftConfig, Eagle3Draft
-
     overrides = {k: v for k, v in (
         ("hidden_size", cfg.draft_hidden_size), ("intermediate_size", cfg.draft_intermediate_size),
         ("num_attention_heads", cfg.draft_num_attention_heads),
@@ -186,7 +193,8 @@ def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     if inputs.d2t is not None:
         draft.set_vocab(inputs.d2t, inputs.t2d)
     if cfg.lm_head == "target":
-        draft.init_lm_head_from_target(inputs.lm_head.float(), freeze=cfg.freeze_lm_head)
+        rows = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht)
+        draft.init_lm_head_from_target(rows.float(), freeze=cfg.freeze_lm_head)
     draft.to(env.device)
     draft.set_embed_tokens(inputs.embed.to(env.device, _compute_dtype(env)))
     return draft, dcfg
@@ -207,8 +215,6 @@ class TTTModule(torch.nn.Module):
         self.steps = steps
 
     def forward(self, batch):
-        from eyas.draft import ttt_forward
-
         return ttt_forward(self.draft, batch, self.teacher, steps=self.steps)
 
 
@@ -253,6 +259,10 @@ def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float):
     return factor
 
 
+def _item(t: torch.Tensor) -> float:
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)  # FSDP2: a DTensor
+
+
 def _all_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t)
@@ -264,16 +274,12 @@ def _autocast(env: Env):
 
 
 def _on(mb: dict, env: Env):
-    from eyas.draft import TTTBatch
-
     return TTTBatch(**{k: v.to(env.device, non_blocking=True) for k, v in mb.items()})
 
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
     """stats = [loss sums (S), correct (S), counts (S)] summed over batches and ranks."""
     sums, correct, counts = stats[:steps], stats[steps:2 * steps], stats[2 * steps:3 * steps]
-    from eyas.loss import simulated_acceptance_length
-
     acc = (correct / counts.clamp(min=1)).tolist()
     return {"loss": float((weights * sums / counts.clamp(min=1)).sum()),
             "acc": [round(a, 5) for a in acc],
@@ -363,14 +369,13 @@ def plan_data(cfg: TrainConfig, inputs: data.Inputs, env: Env) -> Plan:
 def train(cfg: TrainConfig) -> dict:
     """Train an EAGLE-3 draft into `cfg.out` (see docs/train.md). Returns the run summary:
     steps, best {step, sim_acceptance_length}, and the last train and eval metrics."""
-    from eyas.draft import ttt_positions
-
     # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
     env = init_env(cfg)
     run_dir, dtype = Path(cfg.out), _compute_dtype(env)
     inputs = data.open_inputs(cfg, env.device, "bfloat16" if env.autocast else "float32")
     draft, dcfg = build_draft(cfg, inputs, env)
-    teacher = inputs.lm_head[draft.t2d.cpu()].to(env.device, dtype)  # (Vd, Ht)
+    teacher = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht) frozen
+    teacher = teacher.to(env.device, dtype)
     model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps), cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
@@ -430,10 +435,9 @@ def train(cfg: TrainConfig) -> dict:
                 loss = (weights * out.step_loss_sum / denom.clamp(min=1)).sum() * env.world_size
                 loss.backward()
             window[:-1] += _batch_stats(out, steps)
-            window[-1] += int((batch.doc_ids >= 0).sum())
+            window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
         # 3. Clip the global gradient norm, step AdamW and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: DTensor
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -443,7 +447,7 @@ def train(cfg: TrainConfig) -> dict:
             last_train = {"kind": "train", "step": step,
                           "epoch": plan.epoch_of[(step - 1) * plan.per_step],
                           **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
-                          "lr": scheduler.get_last_lr()[0], "grad_norm": float(norm),
+                          "lr": scheduler.get_last_lr()[0], "grad_norm": _item(norm),
                           "tokens": int(stats[-1]), "tokens_per_s": stats[-1] / (now - t_window),
                           "elapsed_s": round(now - t_start, 2)}
             window.zero_()
