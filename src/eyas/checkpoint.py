@@ -262,7 +262,8 @@ def plot_curves(run_dir: Path) -> Path | None:
         axes[0].plot(steps, [r["loss"] for r in got], style, label=kind)
         axes[1].plot(steps, [r["acc"][0] for r in got], style, label=kind)
         axes[2].plot(steps, [r["sim_acceptance_length"] for r in got], style, label=kind)
-    for ax, title in zip(axes, ("TTT loss", "step-0 top-1 accuracy", "simulated acceptance length")):
+    titles = ("TTT loss", "step-0 top-1 accuracy", "simulated acceptance length")
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend()

@@ -420,6 +420,9 @@ def target_head_weights(name: str, *, revision: str | None = None,
     return embed, head, info, config
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def _weight_map(name: str, revision: str | None):
     """(tensor name -> file name, fetch(file name) -> local path) for a folder or hub repo."""
     from safetensors import safe_open
@@ -428,8 +431,8 @@ def _weight_map(name: str, revision: str | None):
     if folder.is_dir():
         def fetch(file: str) -> str:
             return str(folder / file)
-        if (folder / "model.safetensors.index.json").is_file():
-            return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"], fetch
+        if (folder / INDEX).is_file():
+            return json.loads((folder / INDEX).read_text())["weight_map"], fetch
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     else:
         from huggingface_hub import hf_hub_download, list_repo_files
@@ -437,8 +440,8 @@ def _weight_map(name: str, revision: str | None):
         def fetch(file: str) -> str:
             return hf_hub_download(name, file, revision=revision)
         listed = list_repo_files(name, revision=revision)
-        if "model.safetensors.index.json" in listed:
-            return json.loads(Path(fetch("model.safetensors.index.json")).read_text())["weight_map"], fetch
+        if INDEX in listed:
+            return json.loads(Path(fetch(INDEX)).read_text())["weight_map"], fetch
         files = sorted(f for f in listed if f.endswith(".safetensors") and "/" not in f)
     if not files:
         raise EyasError(f"{name} has no safetensors weights; convert them (save_pretrained with "

@@ -341,9 +341,12 @@ def validate_export(config: dict, tensors: dict[str, torch.Tensor], fmt: str) ->
         if tuple(t.shape) != shape:
             raise EyasError(f"weight {name!r} has shape {tuple(t.shape)} but config.json implies "
                             f"{shape}; the weights and config.json come from different drafts")
-        dtype = {"d2t": torch.int64, "t2d": torch.bool}.get(name, float_dtype)
-        if t.dtype != dtype or (name not in ("d2t", "t2d") and not t.is_floating_point()):
-            raise EyasError(f"weight {name!r} is {t.dtype} but must be {dtype}")
+        want_dtype = {"d2t": torch.int64, "t2d": torch.bool}.get(name, float_dtype)
+        if name not in ("d2t", "t2d") and not t.is_floating_point():
+            want_dtype = "a float dtype"
+        if t.dtype != want_dtype:
+            raise EyasError(f"weight {name!r} is {t.dtype} but must be {want_dtype} (floats all "
+                            f"in fc.weight's dtype, d2t int64, t2d bool)")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise EyasError(f"weight {name!r} holds NaN or Inf; export an earlier checkpoint")
     _check_vocab_maps(tensors["d2t"], tensors["t2d"])

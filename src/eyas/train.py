@@ -88,7 +88,8 @@ class TrainConfig:
     draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
     norm_before_residual: bool = option(False, "residual = hidden_norm(g) instead of g")
     parallel: str = option("ddp", "data parallelism under torchrun: DDP replicates the draft, "
-                                  "FSDP2 shards weights and optimizer state", choices=("ddp", "fsdp"))
+                                  "FSDP2 shards weights and optimizer state",
+                          choices=("ddp", "fsdp"))
     precision: str = option("bf16", "bf16 autocast over fp32 master weights (CUDA only; CPU "
                                      "always runs fp32) or fp32", choices=("bf16", "fp32"))
     compile: bool = option(False, "torch.compile the TTT forward")
@@ -114,15 +115,18 @@ class TrainConfig:
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
              f"--betas needs two values in [0, 1), e.g. 0.9,0.999; got {self.betas}"),
-            (0 <= self.warmup_ratio < 1, f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}"),
-            (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}"),
+            (0 <= self.warmup_ratio < 1,
+             f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}"),
+            (0 <= self.min_lr_ratio <= 1,
+             f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}"),
             (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}"),
             (self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}"),
             (0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}"),
             (0 <= self.eval_fraction < 1,
              f"--eval-fraction must be in [0, 1), got {self.eval_fraction}"),
             (not (self.freeze_lm_head and self.lm_head == "scratch"),
-             "--freeze-lm-head with --lm-head scratch would keep a random head; use --lm-head target"),
+             "--freeze-lm-head with --lm-head scratch would keep a random head; "
+             "use --lm-head target"),
             (not self.online or bool(self.target), "--online needs --target (the model to run)"),
             (self.online or not self.aux_layer_ids,
              "--aux-layer-ids applies to --online only; offline, the capture fixes the layers"),
@@ -132,7 +136,8 @@ class TrainConfig:
              "--eval-data names a capture folder; with --online the eval split of the prepared "
              "folder (or --eval-fraction) is used instead"),
             (self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}"),
-            (self.device in (None, "cpu", "cuda"), f"--device must be cpu or cuda, got {self.device}"),
+            (self.device in (None, "cpu", "cuda"),
+             f"--device must be cpu or cuda, got {self.device}"),
             *[(getattr(self, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
               for k in ("log_every", "eval_every", "save_every", "keep_last")],
         ]
@@ -270,7 +275,9 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def _autocast(env: Env):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if env.autocast else contextlib.nullcontext()
+    if env.autocast:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _on(mb: dict, env: Env):
