@@ -73,7 +73,10 @@ def _step_config(step: str, spec: dict, work: Path):
     wiring = {
         "prepare": {"data": prepared_from, "out": work / "prepared"},
         "regenerate": {"data": spec.get("data"), "out": work / "regenerated"},
-        "capture": {"data": work / "prepared", "out": work / "captured"},
+        # overwrite: a re-run after an upstream change replaces the old capture; an interrupted
+        # capture with the same settings still resumes. split all: train holds out the eval rows.
+        "capture": {"data": work / "prepared", "out": work / "captured", "overwrite": True,
+                    "split": "all"},
         "vocab": {"data": (str(work / "prepared"),), "out": work / "vocab"},
         "train": {"data": work / ("prepared" if online else "captured"),
                   "vocab": work / "vocab", "out": work / "train"},
@@ -82,7 +85,8 @@ def _step_config(step: str, spec: dict, work: Path):
     }[step]
     for key, value in wiring.items():
         if key in names and key not in section:
-            values[key] = tuple(value) if isinstance(value, (list, tuple)) else str(value)
+            values[key] = (tuple(value) if isinstance(value, (list, tuple))
+                           else value if isinstance(value, bool) else str(value))
     values.update(section)
     try:
         return from_dict(cls, values)
