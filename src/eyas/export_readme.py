@@ -56,6 +56,9 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
               f"layers, hidden {target.get('hidden_size', dcfg.target_hidden_size)}, vocab "
               f"{target.get('vocab_size', dcfg.vocab_size)}",
               f"- aux layer ids {ids} ({LAYER_ID_CONVENTION})"]
+    if cfg.format == "vllm":
+        lines.append("- for SGLang, export again with `--format sglang`: SGLang reads these ids "
+                     "one layer later")
     if cfg.format == "sglang":
         lines.append(f"- SGLang reads `eagle_config` ids {sglang_layer_ids(ids)}: it adds 1 and "
                      f"captures that layer's input, i.e. the same residual streams")
