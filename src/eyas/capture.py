@@ -68,6 +68,9 @@ class CaptureConfig:
     shard: str = option("0/1", "I/N: this job captures every N-th sample from I, into the shared "
                         "--out; run N jobs (any order, any machines) to capture everything")
     file_mb: float = option(1024.0, "approximate size of one shard part file in MiB")
+    writer_threads: int = option(3, "part files written at once (each copies into the page "
+                                    "cache, fsyncs and hashes on its own threads); each holds "
+                                    "about --file-mb of pinned host memory")
     limit: int | None = option(None, "capture only the first N samples of the split (trials)")
     overwrite: bool = option(False, "delete a capture in --out that was made with other settings "
                                     "(otherwise that is an error)")
@@ -77,6 +80,8 @@ class CaptureConfig:
             raise ConfigError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
         if self.file_mb <= 0:
             raise ConfigError(f"file_mb must be > 0, got {self.file_mb}")
+        if self.writer_threads < 1:
+            raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1 (or unset), got {self.limit}")
         if self.aux_layer_ids:
@@ -469,13 +474,14 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
     device = _device_of(model, info)
     stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
     writer = shards.PartWriter(out, state, int(cfg.file_mb * 2**20),
-                               {"aux_layer_ids": ",".join(map(str, aux_ids)), "dtype": cfg.dtype})
+                               {"aux_layer_ids": ",".join(map(str, aux_ids)), "dtype": cfg.dtype},
+                               threads=cfg.writer_threads)
     lengths = [int(n) for n in dataset["num_tokens"]]
     total = sum(lengths[r] for r in todo)
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture {cfg.shard}",
                disable=None, dynamic_ncols=True)
     start = last_log = time.perf_counter()
-    tokens = 0
+    tokens, loop_s = 0, None
     try:
         for out_dev, host in _captured(model, info, dataset, todo, aux_ids, cfg.batch_tokens,
                                        cfg.packing, True):
@@ -493,14 +499,27 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
                          cfg.shard, tokens, total, rate, (total - tokens) / rate / 60,
                          writer.bytes_written / 2**30)
                 last_log = now
+        loop_s = time.perf_counter() - start
     finally:
         writer.close()
         bar.close()
     seconds = time.perf_counter() - start
-    state["stats"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                      "writer_busy_s": writer.busy_s}
-    log.info("shard %s: %d tokens in %.1fs (%.0f tok/s), writer busy %.1fs", cfg.shard, tokens,
-             seconds, tokens / seconds, writer.busy_s)
+    state["stats"] = _job_stats(tokens, seconds, loop_s, writer)
+    log.info("shard %s: %d tokens in %.1fs (%.0f tok/s); waited %.1fs on storage, %.1fs to "
+             "finish the last parts; writer stages (s, summed over threads): %s", cfg.shard,
+             tokens, seconds, tokens / seconds, writer.put_wait_s, seconds - loop_s,
+             {k: round(v, 2) for k, v in writer.timings.items()})
+
+
+def _job_stats(tokens: int, seconds: float, loop_s: float, writer) -> dict:
+    """This job's throughput, and where the storage path spent its time: `put_wait_s` (the
+    forward loop blocked on the writer), `drain_s` (after the last forward, finishing parts),
+    `writer` (seconds per stage summed over parts: layout, write (into the page cache),
+    fsync, hash (on its own thread), hash_wait, order_wait, commit, copy_wait)."""
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "writer_busy_s": writer.busy_s, "put_wait_s": writer.put_wait_s,
+            "loop_s": loop_s, "drain_s": seconds - loop_s,
+            "bytes_written": writer.bytes_written, "writer": dict(writer.timings)}
 
 
 def _device_of(model, info) -> torch.device:

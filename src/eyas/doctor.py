@@ -279,6 +279,7 @@ def plugin_plan(cls) -> dict:
         plan = plan_patch(cls)
     except Exception as err:  # report a plugin bug instead of losing the whole report
         return {"status": "error", "why": f"plan_patch failed: {type(err).__name__}: {err}"}
+    plan = plan.to_dict() if hasattr(plan, "to_dict") else plan
     return {"status": "planned", "plan": json.loads(json.dumps(plan, default=str))}
 
 

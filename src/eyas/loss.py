@@ -1,4 +1,4 @@
-"""Per-step TTT loss and metrics.
+"""Per-step TTT loss and metrics, and `cuda_compiled`, the fusing helper draft.py shares.
 
 The loss of one TTT step is the soft cross-entropy between the target's next-token
 distribution restricted to the draft vocabulary (softmax over the `t2d` rows of the target
@@ -14,7 +14,45 @@ softmax(draft) - p_target), keeping only `(rows, H)` and `(Vd, H)` gradients ali
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+# Devices whose elementwise code runs through torch.compile (tests add "cpu" to check that
+# the compiled functions trace and agree; EYAS_NO_COMPILE=1 runs everything eagerly).
+COMPILE_DEVICES = set() if os.environ.get("EYAS_NO_COMPILE") else {"cuda"}
+
+
+def cuda_compiled(fn):
+    """Run `fn` (tensors in, tensors out, no autograd inside) eagerly, or through
+    torch.compile on the devices in COMPILE_DEVICES. Compiled, its casts, elementwise ops
+    and row reductions become one or a few kernels instead of one launch and one full
+    read/write of memory each. dynamic=True: row counts change at every TTT step (pruning),
+    so one symbolic-shape graph serves them all instead of a recompile per count."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(*args):
+        nonlocal compiled
+        if args[0].device.type not in COMPILE_DEVICES or args[0].numel() == 0:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(*args)
+
+    return run
+
+
+@cuda_compiled
+def _soft_ce_chunk(logits, teacher, with_grad: bool):
+    """logits, teacher (c, Vd) -> (summed soft CE, draft argmax (c,), d loss / d logits in
+    logits' dtype or None). fp32 math on (c, Vd), fused into few passes when compiled."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    p = torch.softmax(teacher.float(), dim=-1)
+    loss = -(p * logq).sum()
+    grad = (logq.exp() - p).to(logits.dtype) if with_grad else None
+    return loss, logits.argmax(dim=-1), grad
 
 
 class _ChunkedSoftCE(torch.autograd.Function):
@@ -33,18 +71,14 @@ class _ChunkedSoftCE(torch.autograd.Function):
             if grad_weight else None  # (Vd, H)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s: s + chunk]  # (c, H)
-            logits = (h @ w.t()).float()  # (c, Vd)
-            logq = torch.log_softmax(logits, dim=-1)
             t = teacher[s: s + chunk] if rows is None else teacher[rows[s: s + chunk]]
-            p = torch.softmax(t.float(), dim=-1)  # (c, Vd)
-            total += -(p * logq).sum()
-            top1[s: s + chunk] = logits.argmax(dim=-1)
-            if grad_hidden or grad_weight:
-                g = (logq.exp_() - p).to(h.dtype)  # d loss / d logits, (c, Vd)
-                if grad_hidden:
-                    d_hidden[s: s + chunk] = g @ w
-                if grad_weight:
-                    d_weight += (g.t() @ h).float()
+            loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight)
+            total += loss
+            top1[s: s + chunk] = pred
+            if grad_hidden:  # g: d loss / d logits (c, Vd)
+                d_hidden[s: s + chunk] = g @ w
+            if grad_weight:
+                d_weight += (g.t() @ h).float()
         ctx.save_for_backward(d_hidden, d_weight)
         ctx.mark_non_differentiable(top1)
         ctx.weight_dtype = weight.dtype
