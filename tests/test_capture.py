@@ -394,3 +394,71 @@ def test_writer_thread_errors_reach_the_caller(tmp_path):
     with pytest.raises(EyasError, match="writing capture parts"):
         writer.close()
     assert not writer.thread.is_alive()
+    # a failure in a part-writing thread (here: the folder is gone) reaches the caller too
+    writer = shards.PartWriter(tmp_path / "gone", dict(state, parts=[]), 1, {}, threads=2)
+    batch = _host_batch(4, [0, 1])
+    with pytest.raises(EyasError, match="writing capture parts.*FileNotFound"):
+        for _ in range(50):  # put raises as soon as the writer has failed
+            writer.put(None, {**batch, "nonfinite": torch.zeros(4, dtype=torch.bool)}, ["a", "b"])
+        writer.close()
+    assert not writer.thread.is_alive()
+
+
+def _host_batch(n: int, rows: list[int], hidden: int = 16, fp8: bool = False, seed: int = 0):
+    """A flattened host batch as the capture loop hands it to PartWriter (samples split 1:n-1)."""
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(n, 3, hidden, generator=g)
+    batch = {"final_hidden": torch.randn(n, hidden, generator=g).bfloat16(),
+             "target_top1": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+             "input_ids": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+             "loss_mask": torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8),
+             "sample_offsets": torch.tensor([0, 1, n]), "sample_index": torch.tensor(rows)}
+    if fp8:
+        batch["aux_hidden"], batch["aux_scale"] = shards.quantize_fp8(aux)
+    else:
+        batch["aux_hidden"] = aux.bfloat16()
+    return batch
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_part_files_are_exactly_what_safetensors_writes(fp8, tmp_path):
+    """The part writer builds the safetensors header itself (to write and hash the tensors'
+    own memory, batch by batch, with no copies): the bytes must equal safetensors' own output
+    for the concatenated batches, and read back through safetensors."""
+    from safetensors.torch import load, save
+
+    batches = [_host_batch(5, [4, 9], fp8=fp8, seed=1), _host_batch(7, [2, 3], fp8=fp8, seed=2)]
+    meta = {"format": shards.FORMAT, "dtype": "fp8" if fp8 else "bf16"}
+    timings: dict = {}
+    entry = shards.write_part(tmp_path, shards.part_name(0, 1, 0), batches, meta, timings)
+    raw = (tmp_path / entry["file"]).read_bytes()
+    merged = shards.merge_batches(batches)
+    assert raw == save(merged, metadata=meta)
+    back = load(raw)
+    for k, v in merged.items():
+        assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert back["sample_offsets"].tolist() == [0, 1, 5, 6, 12]
+    assert entry["sha256"] == shards.file_sha256(tmp_path / entry["file"])
+    assert entry["bytes"] == len(raw) and entry["tokens"] == 12 and entry["samples"] == 4
+    assert {"write", "fsync", "hash"} <= set(timings)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_parallel_part_writer_commits_parts_in_order(tmp_path):
+    """Parts written by several threads at once are renamed and recorded strictly in order
+    (a big first part finishes last), with every sample once, in the order it was put."""
+    state = {"shard": 0, "num_shards": 1, "parts": [], "nonfinite": 0}
+    writer = shards.PartWriter(tmp_path, state, file_bytes=1, metadata={}, threads=3)
+    sizes = [60000, 3, 4, 5, 6, 7, 8]
+    for i, n in enumerate(sizes):
+        batch = _host_batch(n, [2 * i, 2 * i + 1], hidden=64)
+        writer.put(None, {**batch, "nonfinite": torch.zeros(n, dtype=torch.bool)}, ["a", "b"])
+    writer.close()
+    assert [e["part"] for e in state["parts"]] == list(range(len(sizes)))
+    assert shards.read_state(tmp_path, 0, 1)["parts"] == state["parts"]
+    rows = [shards.part_sample_index(tmp_path, e["file"]).tolist() for e in state["parts"]]
+    assert rows == [[2 * i, 2 * i + 1] for i in range(len(sizes))]
+    assert [e["tokens"] for e in state["parts"]] == sizes
+    assert all(shards.file_sha256(tmp_path / e["file"]) == e["sha256"] for e in state["parts"])
+    assert not list(tmp_path.glob("*.tmp")) and writer.bytes_written == sum(
+        e["bytes"] for e in state["parts"])

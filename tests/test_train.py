@@ -283,6 +283,16 @@ train(TrainConfig(**json.loads(sys.argv[1])))
 
 def test_resume_after_sigkill_continues_exactly(run_inputs, tmp_path):
     kw = dict(max_steps=6, save_every=2, eval_every=3, lm_head="target", grad_accum=2)
+    # float sums depend on the thread count: all three runs use one thread, like the child
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _resume_after_sigkill(run_inputs, tmp_path, kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _resume_after_sigkill(run_inputs, tmp_path, kw):
     whole = tmp_path / "whole"
     train(_cfg(run_inputs, whole, **kw, num_workers=1))
     killed = tmp_path / "killed"

@@ -33,7 +33,7 @@ from torch import nn
 
 from eyas.config import ConfigError, from_dict, to_dict
 from eyas.errors import EyasError
-from eyas.loss import simulated_acceptance_length, soft_cross_entropy
+from eyas.loss import cuda_compiled, simulated_acceptance_length, soft_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -160,27 +160,42 @@ class DraftConfig:
 
 # ----------------------------------------------------------------------------- layers
 
+@cuda_compiled
+def _rms_norm(x, weight, eps: float):
+    """x (R, C) -> (weight * x / rms(x) in x's dtype, 1/rms (R, 1) in fp32 or wider):
+    statistics in fp32, the scale applied in x's dtype, as vLLM does."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * (xf * rstd).to(x.dtype), rstd
+
+
+@cuda_compiled
+def _rms_norm_backward(grad, x, weight, rstd):
+    """(d/dx, d/dweight) of _rms_norm; grad, x (R, C), rstd (R, 1)."""
+    acc = rstd.dtype
+    normed = x.to(acc) * rstd
+    d_normed = grad.to(acc) * weight.to(acc)
+    dx = rstd * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))
+    d_weight = (grad.to(acc) * normed.to(x.dtype).to(acc)).sum(0)
+    return dx.to(x.dtype), d_weight.to(weight.dtype)
+
+
 class _RMSNormFn(torch.autograd.Function):
-    """y = weight * x / rms(x), statistics in fp32 (or wider), the scale applied in x's dtype
-    as vLLM does. Saves x and 1/rms only: autograd through the plain ops would keep an fp32
+    """RMSNorm saving x and 1/rms only: autograd through the plain ops would keep an fp32
     copy of x per norm (4 norms x 7 steps x 64K tokens: tens of GiB)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        acc = torch.promote_types(x.dtype, torch.float32)
-        rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        y, rstd = _rms_norm(x.reshape(-1, x.shape[-1]), weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight.to(x.dtype) * (x.to(acc) * rstd).to(x.dtype)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        normed = x.to(acc) * rstd
-        d_normed = grad.to(acc) * weight.to(acc)
-        dx = rstd * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))
-        d_weight = (grad.to(acc) * normed.to(x.dtype).to(acc)).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), d_weight.to(weight.dtype), None
+        c = x.shape[-1]
+        dx, d_weight = _rms_norm_backward(grad.reshape(-1, c), x.reshape(-1, c), weight, rstd)
+        return dx.view(x.shape), d_weight, None
 
 
 class RMSNorm(nn.Module):
@@ -211,11 +226,79 @@ def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half (NeoX) RoPE: x (N, heads, d), cos/sin (N, d/2) fp32."""
+def _rotate(x, positions, inv_freq, scale: float):
+    """Rotate-half (NeoX) RoPE: x (N, heads, d) at positions (N, 1) fp32, fp32 math, result
+    in x's dtype. At -positions it is the transpose (the backward) of the rotation."""
+    freqs = (positions * inv_freq)[:, None, :]  # (N, 1, d/2)
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
     x1, x2 = x.float().chunk(2, dim=-1)  # (N, heads, d/2) each
-    cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@cuda_compiled
+def _rope(q, k, v, positions, inv_freq, scale: float):
+    """Views of the fused q/k/v projection -> RoPE'd q, k and v, each contiguous."""
+    return _rotate(q, positions, inv_freq, scale), _rotate(k, positions, inv_freq, scale), \
+        v.contiguous()
+
+
+@cuda_compiled
+def _rope_backward(dq, dk, dv, positions, inv_freq, scale: float):
+    """Gradient of _rope as one (N, (hq + 2 hkv) d) tensor, the fused projection's layout."""
+    return torch.cat([_rotate(dq, -positions, inv_freq, scale).flatten(1),
+                      _rotate(dk, -positions, inv_freq, scale).flatten(1), dv.flatten(1)], dim=1)
+
+
+class _QKVRope(torch.autograd.Function):
+    """qkv (N, (hq + 2 hkv) d) from the fused projection -> q (N, hq, d), k, v (N, hkv, d),
+    RoPE on q and k at positions (N, 1): one kernel each way on CUDA (eager autograd: a
+    dozen elementwise ops, each a full pass over q or k)."""
+
+    @staticmethod
+    def forward(ctx, qkv, positions, inv_freq, scale: float, hq: int, hkv: int):
+        q, k, v = qkv.view(qkv.shape[0], hq + 2 * hkv, -1).split([hq, hkv, hkv], dim=1)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.scale = scale
+        return _rope(q, k, v, positions, inv_freq, scale)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        positions, inv_freq = ctx.saved_tensors
+        return _rope_backward(dq, dk, dv, positions, inv_freq, ctx.scale), \
+            None, None, None, None, None
+
+
+@cuda_compiled
+def _swiglu(gate_up):
+    """gate_up (N, 2I) -> silu(gate) * up (N, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@cuda_compiled
+def _swiglu_backward(grad, gate_up):
+    """grad (N, I) of silu(gate) * up -> its gradient w.r.t. gate_up (N, 2I)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    grad, sig = grad.float(), torch.sigmoid(gate)
+    d_gate = grad * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([d_gate, grad * gate * sig], dim=-1).to(gate_up.dtype)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down_proj(silu(gate) * up) from gate_up (N, 2I) and w_down (H, I), saving gate_up
+    only: the (N, I) product is recomputed in backward rather than kept (1.8 GiB per TTT
+    step at 64K tokens and I = 14336)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, w_down):
+        ctx.save_for_backward(gate_up, w_down)
+        return _swiglu(gate_up) @ w_down.t()  # (N, H)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, w_down = ctx.saved_tensors
+        d_w = grad.t() @ _swiglu(gate_up) if ctx.needs_input_grad[1] else None  # (H, I)
+        return _swiglu_backward(grad @ w_down, gate_up), d_w
 
 
 # ----------------------------------------------------------------------------- attention
@@ -369,6 +452,19 @@ class KVCache:
             self.k, self.v = self.k[:, :n], self.v[:, :n]
 
 
+@dataclass
+class LayerWeights:
+    """The decoder layer's matrices in the dtype its matmuls run in (the autocast dtype, else
+    the parameters' own), q/k/v and gate/up concatenated so each group is one matmul (fewer,
+    larger kernels). ttt_forward makes them once for all its steps; the parameters, their
+    names and their fp32 gradients stay those of the separate nn.Linear modules."""
+
+    qkv: torch.Tensor  # ((hq + 2 hkv) d, 2H)
+    o: torch.Tensor  # (H, hq d)
+    gate_up: torch.Tensor  # (2I, H)
+    down: torch.Tensor  # (H, I)
+
+
 def _linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False)
 
@@ -465,29 +561,41 @@ class Eagle3Draft(nn.Module):
             aux = aux.to(self.fc.weight.dtype)  # e.g. bf16 captures into an fp32 draft
         return self.fc(aux)
 
-    def project(self, input_ids, hidden, position_ids):
+    def layer_weights(self, device_type: str) -> LayerWeights:
+        """The layer's matrices as its matmuls use them (see LayerWeights)."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
+            else attn.q_proj.weight.dtype
+
+        def cat(*linears):
+            return torch.cat([m.weight.to(dtype) for m in linears])
+
+        return LayerWeights(qkv=cat(attn.q_proj, attn.k_proj, attn.v_proj),
+                            o=attn.o_proj.weight.to(dtype), gate_up=cat(mlp.gate_proj, mlp.up_proj),
+                            down=mlp.down_proj.weight.to(dtype))
+
+    def project(self, input_ids, hidden, position_ids, weights: LayerWeights | None = None):
         """input_ids (N,), hidden (N, H), position_ids (N,) -> q (N, hq, d) and k, v
-        (N, hkv, d) with RoPE applied, and the residual (N, H)."""
-        layer, attn, cfg = self.midlayer, self.midlayer.self_attn, self.cfg
-        n = input_ids.shape[0]
+        (N, hkv, d) with RoPE applied, and the residual (N, H). `weights`: from
+        layer_weights(), made here when not given."""
+        layer, cfg = self.midlayer, self.cfg
+        w = self.layer_weights(hidden.device.type) if weights is None else weights
         g = layer.hidden_norm(hidden)  # (N, H)
         e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
         x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
         residual = g if cfg.norm_before_residual else hidden
-        q = attn.q_proj(x).view(n, cfg.num_attention_heads, cfg.head_dim)
-        k = attn.k_proj(x).view(n, cfg.num_key_value_heads, cfg.head_dim)
-        v = attn.v_proj(x).view(n, cfg.num_key_value_heads, cfg.head_dim)
-        freqs = position_ids.float()[:, None] * self.inv_freq[None]  # (N, d/2)
-        cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual
+        q, k, v = _QKVRope.apply(F.linear(x, w.qkv), position_ids.float()[:, None],
+                                 self.inv_freq, self.rope_scale, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads)
+        return q, k, v, residual
 
-    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor,
+               weights: LayerWeights | None = None) -> torch.Tensor:
         """attn_out (N, hq, d), residual (N, H) -> pre-norm h (N, H)."""
-        layer = self.midlayer
-        h = residual + layer.self_attn.o_proj(attn_out.flatten(1))
-        x = layer.post_attention_layernorm(h)
-        mlp = layer.mlp
-        return h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        w = self.layer_weights(residual.device.type) if weights is None else weights
+        h = residual + F.linear(attn_out.flatten(1), w.o)
+        x = self.midlayer.post_attention_layernorm(h)
+        return h + _SwiGLUDown.apply(F.linear(x, w.gate_up), w.down)
 
     def next_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """What the next draft step receives as its hidden input."""
@@ -503,8 +611,9 @@ class Eagle3Draft(nn.Module):
         (appended to in place)."""
         b, t = input_ids.shape
         g = self.fuse(aux_hidden) if hidden is None else hidden  # (B, T, H)
+        w = self.layer_weights(g.device.type)
         q, k, v, residual = self.project(input_ids.reshape(-1), g.reshape(b * t, -1),
-                                         position_ids.reshape(-1))
+                                         position_ids.reshape(-1), w)
         k, v = k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:])  # (B, T, hkv, d)
         if cache is not None:
             cache.append(k, v)
@@ -514,7 +623,7 @@ class Eagle3Draft(nn.Module):
         lo = (torch.arange(b, device=q.device) * keys)[:, None].expand(b, t)  # (B, T)
         hi = lo + (keys - t) + torch.arange(t, device=q.device)
         out = attention(q, k.flatten(0, 1), v.flatten(0, 1), lo.reshape(-1), hi.reshape(-1))
-        h = self.finish(out, residual).view(b, t, -1)  # (B, T, H)
+        h = self.finish(out, residual, w).view(b, t, -1)  # (B, T, H)
         return DraftOutput(self.lm_head(self.norm(h)), self.next_hidden(h))
 
     # -- loading -------------------------------------------------------------------------
@@ -622,49 +731,57 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     top1 = batch.target_top1.reshape(-1).long()
     n_all = ids.shape[0]
     seg_start, seg_end = _segments(batch.doc_ids)
-    every = torch.arange(n_all, device=dev)
-    # 2. Which (step, position) pairs carry a loss; which positions each step must compute.
+    # 2. Which (step, position) pairs carry a loss; which positions each step computes (all
+    #    at step 0: its keys serve every later step). The row counts fix every shape, so
+    #    they reach the host once, here, rather than through a sync at every step.
     valid = ttt_positions(batch, draft.t2d, steps)  # (S, N)
     keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
+    keep[0] = True
+    both = torch.cat([keep, valid])  # (2S, N)
+    cols = both.nonzero()[:, 1].contiguous().split(both.sum(1).tolist())  # each row's positions
+    rank = keep.cumsum(1) - 1  # (S, N): where a kept position sits among its step's rows
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
-    sums, correct, counts, rows_per_step = [], [], [], []
+    weights = draft.layer_weights(dev.type)  # cast and fused once for all steps
+    head = draft.lm_head.weight
+    if not head.requires_grad:  # frozen: cast once too
+        head = head.to(weights.qkv.dtype)
+    sums, correct, rows_per_step = [], [], []
     # 4. Step 0: fused target states + the next token, causal within each document.
-    rows = every
+    rows = cols[0]
     hidden = draft.fuse(batch.aux_hidden).reshape(n_all, -1)  # (N, H)
     diag_k, diag_v = [], []  # keys/values of steps 1..j at the kept positions
     k0 = v0 = None
     for j in range(steps):
+        if cols[j].numel() == 0:  # nothing left to predict
+            break
         if j > 0:  # 5. Step j: own hidden of step j-1, keep only positions still needed
-            sel = keep[j][rows].nonzero().squeeze(1)  # indices into the previous step's rows
-            if sel.numel() == 0:
-                break
-            rows, hidden = rows[sel], hidden[sel]
+            sel = rank[j - 1][cols[j]]  # indices into the previous step's rows
+            rows, hidden = cols[j], hidden[sel]
             diag_k, diag_v = [t[sel] for t in diag_k], [t[sel] for t in diag_v]
         token = ids[torch.minimum(rows + 1 + j, seg_end[rows])]  # (n,) ground-truth token
-        q, k, v, residual = draft.project(token, hidden, pos[rows] + j)
+        q, k, v, residual = draft.project(token, hidden, pos[rows] + j, weights)
         if j == 0:
             k0, v0 = k, v
-            out = attention(q, k0, v0, seg_start, every)
+            out = attention(q, k0, v0, seg_start, rows)
         else:
             diag_k.append(k)
             diag_v.append(v)
             out = attention(q, k0, v0, seg_start[rows], rows,
                             torch.stack(diag_k), torch.stack(diag_v))
-        h = draft.finish(out, residual)  # (n, H) pre-norm
+        h = draft.finish(out, residual, weights)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
-        here = valid[j][rows].nonzero().squeeze(1)
+        here = rank[j][cols[steps + j]]  # indices into this step's rows
         teach = rows[here] + 1 + j
-        loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), draft.lm_head.weight, teacher,
-                                            rows=teach, chunk=vocab_chunk)
+        loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher, rows=teach,
+                                            chunk=vocab_chunk)
         sums.append(loss_sum)
         correct.append((pred == draft_id[top1[teach]]).sum())
-        counts.append(here.numel())
         rows_per_step.append(rows.numel())
         hidden = draft.next_hidden(h)
     # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
-    return _ttt_output(sums, correct, counts, rows_per_step, steps, step_weight)
+    return _ttt_output(sums, correct, valid.sum(1), rows_per_step, step_weight)
 
 
 @torch.no_grad()
@@ -673,21 +790,23 @@ def _teacher_logits(draft: Eagle3Draft, final: torch.Tensor, lm_head: torch.Tens
     (Vd, Ht) -> (N, Vd) target logits restricted to the draft vocab."""
     cfg = draft.cfg
     selected = lm_head.shape[0] == cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.vocab_size
-    w = lm_head if selected else lm_head[draft.t2d]  # (Vd, Ht)
+    # the t2d rows, found through d2t: a boolean index would wait for the GPU
+    rows = draft.to_target_ids(torch.arange(cfg.draft_vocab_size, device=lm_head.device))
+    w = lm_head if selected else lm_head.index_select(0, rows)  # (Vd, Ht)
     if not torch.is_autocast_enabled(final.device.type):
         final = final.to(w.dtype)
     return F.linear(final, w)
 
 
-def _ttt_output(sums, correct, counts, rows, steps: int, step_weight: float) -> TTTOutput:
-    dev, done = sums[0].device, len(sums)
-    step_count = torch.zeros(steps, dtype=torch.long, device=dev)
-    step_count[:done] = torch.tensor(counts, device=dev)
-    step_loss_sum = torch.cat([torch.stack(sums), sums[0].new_zeros(steps - done)])
-    loss = (step_weight ** torch.arange(steps, device=dev) * step_loss_sum
-            / step_count.clamp(min=1)).sum()
-    step_correct = torch.zeros(steps, dtype=torch.long, device=dev)
-    step_correct[:done] = torch.stack(correct)
-    return TTTOutput(loss, step_loss_sum, step_loss_sum.detach() / step_count.clamp(min=1),
-                     step_correct.float() / step_count.clamp(min=1).float(), step_count,
+def _ttt_output(sums, correct, step_count, rows, step_weight: float) -> TTTOutput:
+    """step_count (S,): counted positions per step, 0 for the steps never reached."""
+    steps, done = step_count.shape[0], len(sums)
+    missing = sums[0].new_zeros(steps - done)
+    step_loss_sum = torch.cat([torch.stack(sums), missing])
+    per_position = step_count.clamp(min=1)
+    loss = (step_weight ** torch.arange(steps, device=step_count.device) * step_loss_sum
+            / per_position).sum()
+    step_correct = torch.cat([torch.stack(correct), missing.long()])
+    return TTTOutput(loss, step_loss_sum, step_loss_sum.detach() / per_position,
+                     step_correct.float() / per_position.float(), step_count,
                      rows + [0] * (steps - done))

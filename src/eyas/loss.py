@@ -28,8 +28,9 @@ def cuda_compiled(fn):
     """Run `fn` (tensors in, tensors out, no autograd inside) eagerly, or through
     torch.compile on the devices in COMPILE_DEVICES. Compiled, its casts, elementwise ops
     and row reductions become one or a few kernels instead of one launch and one full
-    read/write of memory each. dynamic=True: row counts change at every TTT step (pruning),
-    so one symbolic-shape graph serves them all instead of a recompile per count."""
+    read/write of memory each. Dim 0 of every argument with 2+ dims is the row dimension:
+    marked dynamic, as row counts change at every TTT step (pruning); the other sizes
+    (hidden, heads, vocab) stay static so the kernels are specialised for them."""
     compiled = None
 
     @functools.wraps(fn)
@@ -38,7 +39,10 @@ def cuda_compiled(fn):
         if args[0].device.type not in COMPILE_DEVICES or args[0].numel() == 0:
             return fn(*args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            compiled = torch.compile(fn, fullgraph=True)
+        for a in args:
+            if torch.is_tensor(a) and a.dim() >= 2:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
         return compiled(*args)
 
     return run
