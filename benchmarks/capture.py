@@ -14,7 +14,7 @@ Measures, in one run on one GPU:
 plus peak GPU memory of each phase. Batches are 8 x 2048 tokens (--batch-tokens 16384).
 Prints a markdown table and one JSON line (also written to --json).
 
-    python benchmarks/capture.py                 # H200: ~2-3 minutes, ~25 GB of temp files
+    python benchmarks/capture.py                 # H200: ~3 minutes, up to ~18 GB of temp files
     python benchmarks/capture.py --smoke         # tiny CPU model, seconds
 """
 
@@ -131,6 +131,7 @@ def bench_capture(model, info, ds, dtype: str, batch_tokens: int, device: str,
             "loop_tokens_per_s": stats["tokens"] / job["loop_s"],
             "bytes_per_token": stats["bytes_per_token"], "bytes": stats["bytes"],
             "writer_busy_s": job["writer_busy_s"], "put_wait_s": job["put_wait_s"],
+            "stage_s": job["stage_s"],
             "drain_s": job["drain_s"], "loop_s": job["loop_s"], "writer": job["writer"],
             "peak_gpu_gib": _peak_gib(device)}
 
@@ -206,14 +207,15 @@ def markdown(result: dict) -> str:
              f"{t['samples']} x {t['seq_len']} tokens, batch {t['batch_tokens']} tokens, "
              f"parts {t['file_mb']:g} MiB, {t['writer_threads']} writer threads)", "",
              "| phase | tokens/s | vs plain forward | tokens/s before the drain | bytes/token "
-             "| waited on storage (s) | drain (s) | peak GPU GiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| staging D2H (s) | waited on storage (s) | drain (s) | peak GPU GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("forward", "compute", "capture_bf16", "capture_fp8"):
         x = r[name]
         loop = x.get("loop_tokens_per_s")
         lines.append(f"| {name} | {x['tokens_per_s']:,.0f} | {x['tokens_per_s'] / f:.2f} | "
                      f"{'-' if loop is None else format(loop, ',.0f')} | "
-                     f"{x.get('bytes_per_token', 0):,.0f} | {x.get('put_wait_s', 0):.1f} | "
+                     f"{x.get('bytes_per_token', 0):,.0f} | {x.get('stage_s', 0):.1f} | "
+                     f"{x.get('put_wait_s', 0):.1f} | "
                      f"{x.get('drain_s', 0):.1f} | "
                      f"{'-' if x['peak_gpu_gib'] is None else format(x['peak_gpu_gib'], '.1f')} |")
     per_tok = {k: 1.0 / r[k]["tokens_per_s"] for k in ("forward", "compute", "capture_bf16",
@@ -246,7 +248,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
-    p.add_argument("--samples", type=int, default=128,
+    p.add_argument("--samples", type=int, default=256,
                    help="samples of --seq-len tokens (enough batches that the last parts, "
                         "written after the last forward, do not dominate)")
     p.add_argument("--seq-len", type=int, default=2048)

@@ -398,9 +398,12 @@ def test_writer_thread_errors_reach_the_caller(tmp_path):
     writer = shards.PartWriter(tmp_path / "gone", dict(state, parts=[]), 1, {}, threads=2)
     batch = _host_batch(4, [0, 1])
     with pytest.raises(EyasError, match="writing capture parts.*FileNotFound"):
-        for _ in range(50):  # put raises as soon as the writer has failed
-            writer.put(None, {**batch, "nonfinite": torch.zeros(4, dtype=torch.bool)}, ["a", "b"])
-        writer.close()
+        try:  # as the capture loop does: put raises once the writer failed, close re-raises
+            for _ in range(50):
+                writer.put(None, {**batch, "nonfinite": torch.zeros(4, dtype=torch.bool)},
+                           ["a", "b"])
+        finally:
+            writer.close()
     assert not writer.thread.is_alive()
 
 
@@ -423,8 +426,8 @@ def _host_batch(n: int, rows: list[int], hidden: int = 16, fp8: bool = False, se
 @pytest.mark.parametrize("fp8", [False, True])
 def test_part_files_are_exactly_what_safetensors_writes(fp8, tmp_path):
     """The part writer builds the safetensors header itself (to write and hash the tensors'
-    own memory, batch by batch, with no copies): the bytes must equal safetensors' own output
-    for the concatenated batches, and read back through safetensors."""
+    own memory, batch by batch, with no copies): the layout, header and data must equal
+    safetensors' own output for the concatenated batches, and read back through it."""
     from safetensors.torch import load, save
 
     batches = [_host_batch(5, [4, 9], fp8=fp8, seed=1), _host_batch(7, [2, 3], fp8=fp8, seed=2)]
@@ -433,7 +436,10 @@ def test_part_files_are_exactly_what_safetensors_writes(fp8, tmp_path):
     entry = shards.write_part(tmp_path, shards.part_name(0, 1, 0), batches, meta, timings)
     raw = (tmp_path / entry["file"]).read_bytes()
     merged = shards.merge_batches(batches)
-    assert raw == save(merged, metadata=meta)
+    ref = save(merged, metadata=meta)
+    n = int.from_bytes(raw[:8], "little")
+    assert len(raw) == len(ref) and raw[:8] == ref[:8] and raw[8 + n:] == ref[8 + n:]
+    assert json.loads(raw[8:8 + n]) == json.loads(ref[8:8 + n])  # its metadata order varies
     back = load(raw)
     for k, v in merged.items():
         assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k

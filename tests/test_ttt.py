@@ -160,6 +160,34 @@ def test_pruning_is_exact_and_prunes():
         torch.testing.assert_close(pruned_grads[name], full_grads[name], atol=1e-6, rtol=1e-5)
 
 
+def test_compiled_kernels_trace_and_agree(monkeypatch):
+    """The code CUDA runs through torch.compile (norms, RoPE, SwiGLU, the soft-CE chunk),
+    compiled here on CPU: it must trace as whole graphs (fullgraph) and give the eager
+    results; the row counts that change at every step must not each cost a recompile."""
+    from torch._dynamo.utils import counters
+
+    import eyas.loss
+
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    eager = ttt_forward(draft, batch, lm_head, steps=7, vocab_chunk=50)
+    eager_grads = grads(draft, eager.loss)
+    monkeypatch.setattr(eyas.loss, "COMPILE_DEVICES", {"cpu"})
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        out = ttt_forward(draft, batch, lm_head, steps=7, vocab_chunk=50)
+        got_grads = grads(draft, out.loss)
+    assert len(set(out.step_rows)) == 7  # seven different row counts
+    assert 7 <= counters["stats"]["unique_graphs"] - graphs <= 12  # 7 functions, a few layouts
+    torch.testing.assert_close(out.loss, eager.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_acc, eager.step_acc)
+    for name in eager_grads:
+        torch.testing.assert_close(got_grads[name], eager_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_lm_head_frozen_or_trained_and_selected_rows():
     cfg = tiny_cfg()
     draft = make_draft(cfg)

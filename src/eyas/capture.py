@@ -8,8 +8,8 @@ those tensors, and top-1 comes from the lm_head run over chunks of tokens so tha
 logits never exist at once. Samples are packed by length into `batch_tokens`-token batches,
 either flattened with position resets (when the attention honours them: checked, not assumed)
 or right-padded with an attention mask. On GPU, results are copied to pinned host memory on a
-side stream and a writer thread (`eyas.shards.PartWriter`) writes safetensors parts while the
-next batch runs. Files appear atomically, so a killed run resumes where it stopped.
+side stream and writer threads (`eyas.shards.PartWriter`) write safetensors parts while the
+next batches run. Files appear atomically, so a killed run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -481,11 +481,13 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture {cfg.shard}",
                disable=None, dynamic_ncols=True)
     start = last_log = time.perf_counter()
-    tokens, loop_s = 0, None
+    tokens, loop_s, stage_s = 0, None, 0.0
     try:
         for out_dev, host in _captured(model, info, dataset, todo, aux_ids, cfg.batch_tokens,
                                        cfg.packing, True):
+            t0 = time.perf_counter()
             stored, event = _to_host(_to_storage(out_dev, cfg.dtype), stream)
+            stage_s += time.perf_counter() - t0  # mostly pinned-memory allocation, if any
             sample_ids = host.pop("sample_ids")
             writer.put(event, {**stored, **host}, sample_ids)
             n = int(host["input_ids"].numel())
@@ -504,20 +506,22 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
         writer.close()
         bar.close()
     seconds = time.perf_counter() - start
-    state["stats"] = _job_stats(tokens, seconds, loop_s, writer)
+    state["stats"] = _job_stats(tokens, seconds, loop_s, stage_s, writer)
     log.info("shard %s: %d tokens in %.1fs (%.0f tok/s); waited %.1fs on storage, %.1fs to "
              "finish the last parts; writer stages (s, summed over threads): %s", cfg.shard,
              tokens, seconds, tokens / seconds, writer.put_wait_s, seconds - loop_s,
              {k: round(v, 2) for k, v in writer.timings.items()})
 
 
-def _job_stats(tokens: int, seconds: float, loop_s: float, writer) -> dict:
-    """This job's throughput, and where the storage path spent its time: `put_wait_s` (the
-    forward loop blocked on the writer), `drain_s` (after the last forward, finishing parts),
+def _job_stats(tokens: int, seconds: float, loop_s: float, stage_s: float, writer) -> dict:
+    """This job's throughput, and where the storage path spent its time: `stage_s` (the
+    forward loop converting and queueing device-to-host copies, allocating pinned memory
+    on first use), `put_wait_s` (the forward loop blocked on the writer: storage is behind),
+    `drain_s` (after the last forward, finishing parts),
     `writer` (seconds per stage summed over parts: layout, write (into the page cache),
     fsync, hash (on its own thread), hash_wait, order_wait, commit, copy_wait)."""
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "writer_busy_s": writer.busy_s, "put_wait_s": writer.put_wait_s,
+            "writer_busy_s": writer.busy_s, "put_wait_s": writer.put_wait_s, "stage_s": stage_s,
             "loop_s": loop_s, "drain_s": seconds - loop_s,
             "bytes_written": writer.bytes_written, "writer": dict(writer.timings)}
 

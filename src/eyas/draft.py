@@ -500,6 +500,7 @@ class Eagle3Draft(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("embed_weight", None, persistent=False)
+        self._cached_weights = None  # (key, LayerWeights) of the last call without grad
         if embed_tokens is not None:
             self.set_embed_tokens(embed_tokens)
 
@@ -562,17 +563,23 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def layer_weights(self, device_type: str) -> LayerWeights:
-        """The layer's matrices as its matmuls use them (see LayerWeights)."""
+        """The layer's matrices as its matmuls use them (see LayerWeights). Without grad
+        (drafting token by token) they are kept until a parameter changes, rather than
+        concatenated again at every call."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
             else attn.q_proj.weight.dtype
-
-        def cat(*linears):
-            return torch.cat([m.weight.to(dtype) for m in linears])
-
-        return LayerWeights(qkv=cat(attn.q_proj, attn.k_proj, attn.v_proj),
-                            o=attn.o_proj.weight.to(dtype), gate_up=cat(mlp.gate_proj, mlp.up_proj),
-                            down=mlp.down_proj.weight.to(dtype))
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj)
+        key = (dtype, *((m.weight.data_ptr(), m.weight._version) for m in linears))
+        cached = self._cached_weights
+        if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
+            return cached[1]
+        q, k, v, o, gate, up, down = (m.weight.to(dtype) for m in linears)
+        weights = LayerWeights(qkv=torch.cat([q, k, v]), o=o, gate_up=torch.cat([gate, up]),
+                               down=down)
+        self._cached_weights = None if torch.is_grad_enabled() else (key, weights)
+        return weights
 
     def project(self, input_ids, hidden, position_ids, weights: LayerWeights | None = None):
         """input_ids (N,), hidden (N, H), position_ids (N,) -> q (N, hq, d) and k, v

@@ -40,6 +40,9 @@ def cuda_compiled(fn):
             return fn(*args)
         if compiled is None:
             compiled = torch.compile(fn, fullgraph=True)
+        # detached: inside autograd.Function code requires_grad means nothing, and as a
+        # guard it would compile one graph per combination of flags
+        args = [a.detach() if torch.is_tensor(a) else a for a in args]
         for a in args:
             if torch.is_tensor(a) and a.dim() >= 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)

@@ -106,6 +106,7 @@ def write_part_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | l
     are read back with safetensors itself; the tests check that.
     """
     batches = [tensors] if isinstance(tensors, dict) else list(tensors)
+    timings = {} if timings is None else timings
     t0 = time.perf_counter()
     head, chunks, merged = _layout(batches, metadata)
     digest: dict[str, Any] = {}
@@ -129,8 +130,7 @@ def write_part_tmp(folder: Path, name: str, tensors: dict[str, torch.Tensor] | l
         raise digest["error"]
     for key, seconds in (("layout", t1 - t0), ("write", t2 - t1), ("fsync", t3 - t2),
                          ("hash", digest["seconds"]), ("hash_wait", t4 - t3)):
-        if timings is not None:
-            timings[key] = timings.get(key, 0.0) + seconds
+        timings[key] = timings.get(key, 0.0) + seconds
     return _entry(name, merged, len(head) + sum(c.nbytes for c in chunks), digest["hex"])
 
 
@@ -144,7 +144,7 @@ def _layout(batches: list[dict[str, torch.Tensor]], metadata: dict[str, str]):
     concatenation of `batches` along dim 0, `sample_offsets` re-based. No tensor data is copied."""
     first = batches[0]
     keys = sorted(first, key=lambda k: (-first[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
     chunks: list[memoryview] = []
     merged: dict[str, torch.Tensor] = {}
     offset = 0
@@ -216,9 +216,7 @@ def _describe_existing(path: Path) -> dict[str, Any]:
 
 
 def _slice_dtype(f, key: str) -> torch.dtype:
-    names = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32,
-             "F16": torch.float16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8}
-    return names[f.get_slice(key).get_dtype()]
+    return {name: dtype for dtype, name in _ST_DTYPES.items()}[f.get_slice(key).get_dtype()]
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:

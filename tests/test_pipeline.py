@@ -1,0 +1,75 @@
+"""`eyas run` planning and `eyas demo --fast`: the whole CLI pipeline end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import yaml
+
+from eyas.config import ConfigError
+from eyas.demo import DemoConfig, demo
+from eyas.pipeline import RunConfig, plan, run
+
+
+def _write(tmp_path, spec) -> str:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w",
+            "vocab": {"draft_vocab_size": 256}}
+    plans = plan(RunConfig(pipeline=_write(tmp_path, spec), dry_run=True))
+    assert [p.step for p in plans] == ["prepare", "capture", "vocab", "train", "export", "eval"]
+    assert all(p.action == "run" for p in plans)
+    by = {p.step: p.config for p in plans}
+    work = tmp_path / "w"
+    assert by["capture"].data == str(work / "prepared")
+    assert by["train"].data == str(work / "captured") and by["train"].vocab == str(work / "vocab")
+    assert by["export"].checkpoint == str(work / "train")
+    assert by["eval"].draft == str(work / "draft") and by["vocab"].draft_vocab_size == 256
+    online = plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"online": True}})))
+    assert "capture" not in [p.step for p in online]
+    assert {p.step: p for p in online}["train"].config.data == str(work / "prepared")
+    with pytest.raises(ConfigError, match="unknown top-level key.*'traine'"):
+        plan(RunConfig(pipeline=_write(tmp_path, {**spec, "traine": {}})))
+    with pytest.raises(ConfigError, match="section 'train'.*'lrr'"):
+        plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"lrr": 1}})))
+    with pytest.raises(ConfigError, match="needs a top-level 'target'"):
+        plan(RunConfig(pipeline=_write(tmp_path, {"data": "x", "work_dir": "w"})))
+    until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
+                           until_step="train"))
+    assert [p.step for p in until] == ["capture", "vocab", "train"]
+
+
+def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tmp_path, caplog):
+    out = tmp_path / "demo"
+    report = demo(DemoConfig(out=str(out), fast=True))
+    assert report["lossless"] is True
+    al = report["mean_acceptance_length"]
+    assert set(al) >= {"1", "2", "3", "4"} or set(map(str, al)) >= {"1", "2", "3", "4"}
+    assert max(al.values()) > 1.3, al  # a trained draft is accepted well beyond chance
+    for step in ("prepared", "captured", "vocab", "train", "draft", "eval"):
+        assert (out / "work" / step / "eyas.json").is_file(), step
+    config = json.loads((out / "work" / "draft" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    # a second run finds every step up to date and runs nothing
+    pipeline = str(out / "pipeline.yaml")
+    plans = run(RunConfig(pipeline=pipeline, dry_run=True))
+    assert [p.action for p in plans] == ["skip"] * len(plans), [(p.step, p.reason) for p in plans]
+
+    # changing the eval section re-runs eval only; changing vocab re-runs vocab and after
+    spec = yaml.safe_load(open(pipeline))
+    spec["eval"]["max_new_tokens"] += 1
+    open(pipeline, "w").write(yaml.safe_dump(spec))
+    plans = plan(RunConfig(pipeline=pipeline))
+    assert [p.step for p in plans if p.action == "run"] == ["eval"]
+    assert "max_new_tokens" in plans[-1].reason
+    spec["vocab"]["draft_vocab_size"] -= 1
+    open(pipeline, "w").write(yaml.safe_dump(spec))
+    ran = [p.step for p in plan(RunConfig(pipeline=pipeline)) if p.action == "run"]
+    assert ran == ["vocab", "train", "export", "eval"]
