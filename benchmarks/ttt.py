@@ -3,6 +3,7 @@
     python benchmarks/ttt.py                      # H200: contexts 2K..64K, 4-7 min
     python benchmarks/ttt.py --contexts 2048,4096 --masks ones --lm-head frozen
     python benchmarks/ttt.py --smoke              # tiny shapes on CPU, checks the script runs
+    EYAS_NO_COMPILE=1 python benchmarks/ttt.py    # the same code without torch.compile fusion
 
 Each configuration runs `ttt_forward` (7 steps) + backward under bf16 autocast on one
 sequence of `context` tokens (batch 1), with fp32 master weights, and reports tokens/s, peak
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import DraftConfig, Eagle3Draft, TTTBatch, ttt_forward
+from eyas.loss import COMPILE_DEVICES
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
                 print(json.dumps(row), file=sys.stderr, flush=True)
     print(table(rows))
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
-    meta = {"device": name,
+    meta = {"device": name, "compiled": sorted(COMPILE_DEVICES),
             "torch": torch.__version__, "steps": args.steps, "config": cfg.to_dict(),
             "peak_flops": args.peak_flops, "smoke": args.smoke}
     out = Path(args.out)

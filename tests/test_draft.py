@@ -175,6 +175,21 @@ def test_gradients_match_reference_math(variant):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_weights_kept_between_no_grad_calls_follow_parameter_updates():
+    cfg = small_cfg()
+    draft = make_draft(cfg)
+    torch.manual_seed(4)
+    ids, aux, pos = torch.randint(0, 97, (1, 6)), torch.randn(1, 6, 3 * 40), torch.arange(6)[None]
+    with torch.no_grad():
+        before = draft(ids, aux, pos).logits
+        draft.midlayer.mlp.down_proj.weight.mul_(2)  # as an optimizer step would, in place
+        after = draft(ids, aux, pos).logits
+    fresh = make_draft(cfg)
+    fresh.load_state_dict(draft.state_dict())
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, fresh(ids, aux, pos).logits)
+
+
 def test_rms_norm_values_and_gradients():
     from eyas.draft import RMSNorm
 

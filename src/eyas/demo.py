@@ -38,12 +38,11 @@ class DemoConfig:
 # The demo's sizes: (conversations, target hidden, target layers, target train steps,
 #                    draft train steps, eval prompts, new tokens per prompt)
 SIZES = {
-    False: dict(chats=3000, hidden=128, layers=8, target_steps=600, draft_steps=400,
-                prompts=24, new_tokens=64, batch_tokens=2048),
+    False: dict(chats=2000, hidden=96, layers=8, target_steps=400, draft_steps=200,
+                prompts=20, new_tokens=48, batch_tokens=2048),
     True: dict(chats=600, hidden=64, layers=8, target_steps=150, draft_steps=60,
                prompts=4, new_tokens=24, batch_tokens=1024),
 }
-
 
 def _render(tokenizer, rows) -> list[list[int]]:
     return [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False)
@@ -107,7 +106,8 @@ def demo(cfg: DemoConfig) -> dict:
     pipeline = {
         "target": str(target), "data": str(data), "work_dir": str(out / "work"),
         "prepare": {"max_length": 512, "eval_fraction": 0.05, "seed": cfg.seed},
-        "capture": {"dtype": "bf16", "batch_tokens": size["batch_tokens"]},
+        # the target runs in fp32 here, in capture as in eval, so training sees what eval feeds
+        "capture": {"dtype": "bf16", "model_dtype": "fp32", "batch_tokens": size["batch_tokens"]},
         "vocab": {"draft_vocab_size": 512},
         "train": {"max_steps": size["draft_steps"], "batch_tokens": size["batch_tokens"],
                   "lr": 3e-3, "eval_every": max(size["draft_steps"] // 4, 10),

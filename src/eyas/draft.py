@@ -19,6 +19,10 @@ band part runs on FlexAttention with a block-sparse mask on CUDA; on CPU (where
 FlexAttention has no backward) it runs an exact chunked reference of the same band.
 `ttt_forward` at the end is the training forward; docs/draft.md has the math and the shift
 convention.
+
+Speed: the layer's matmuls use `LayerWeights` (cast once per forward, q/k/v and gate/up
+concatenated); its elementwise parts (RMSNorm, q/k/v split + RoPE, SwiGLU) are custom
+autograd Functions whose bodies `loss.cuda_compiled` fuses on CUDA and runs eagerly on CPU.
 """
 
 from __future__ import annotations
