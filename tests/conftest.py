@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from eyas.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
 
@@ -43,3 +44,12 @@ def kimi_like_dir(tmp_path_factory):
     from eyas.kimi_like import build_kimi_like
 
     return build_kimi_like(tmp_path_factory.mktemp("kimi-like"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Many tiny forwards: a second intra-op thread only adds wake-ups on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -26,13 +26,7 @@ from eyas.tiny import TINY_VOCAB
 SMALL = dict(num_prompts=3, max_new_tokens=10, dtype="float32", device="cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many tiny forwards: thread wake-ups would dominate on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

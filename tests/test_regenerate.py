@@ -57,13 +57,7 @@ def _rows() -> list:
     return rows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The model is tiny: a second intra-op thread only adds contention on a shared CPU.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

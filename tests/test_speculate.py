@@ -89,13 +89,7 @@ class MarkovDrafter:
 
 # ---------------------------------------------------------------- fixtures
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Thousands of tiny tensor ops: thread wake-ups would dominate on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
