@@ -35,9 +35,9 @@ import datasets
 import torch
 import transformers
 
-from eyas import shards
 from eyas.capture import CaptureConfig, capture_loaded, iter_captured_batches
 from eyas.models import inspect_model, submodule
+from eyas.shard_writer import PartWriter
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -169,7 +169,7 @@ def bench_disk(out_root: Path, total_bytes: int, streams: int, chunk: int = 64 <
 def bench_storage(out_root: Path, hidden: int, batch_tokens: int, batches: int, dtype: str,
                   file_mb: float, writer_threads: int, pinned: bool) -> dict:
     """The storage path alone: `batches` synthetic host batches of the capture's shape and
-    dtypes handed to `shards.PartWriter` as fast as it accepts them (no GPU, no forward)."""
+    dtypes handed to `PartWriter` as fast as it accepts them (no GPU, no forward)."""
     n = batch_tokens
     aux_dtype = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
     host = {"aux_hidden": torch.randn(n, 3, hidden).to(aux_dtype),
@@ -184,8 +184,8 @@ def bench_storage(out_root: Path, hidden: int, batch_tokens: int, batches: int, 
         host = {k: v.pin_memory() for k, v in host.items()}
     folder = Path(tempfile.mkdtemp(prefix=f"eyas-bench-store-{dtype}-", dir=out_root))
     state = {"shard": 0, "num_shards": 1, "parts": [], "nonfinite": 0}
-    writer = shards.PartWriter(folder, state, int(file_mb * 2**20), {"dtype": dtype},
-                               threads=writer_threads)
+    writer = PartWriter(folder, state, int(file_mb * 2**20), {"dtype": dtype},
+                        threads=writer_threads)
     t0 = time.perf_counter()
     for i in range(batches):
         batch = {**host, "sample_index": torch.tensor([i]),

@@ -36,7 +36,8 @@ from safetensors.torch import save_file
 
 from eyas import data
 from eyas.manifest import target_record, write_manifest
-from eyas.shards import part_name, write_part
+from eyas.shard_writer import write_part
+from eyas.shards import part_name
 from eyas.train import TrainConfig, train
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eyas.draft import DraftConfig, Eagle3Draft, TTTBatch, ttt_forward
-from eyas.loss import COMPILE_DEVICES
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.fused import COMPILE_DEVICES
+from eyas.ttt import TTTBatch, ttt_forward
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eyas import shards
-from eyas.capture import (CaptureConfig, batch_inputs, capture, capture_samples,
-                          iter_captured_batches, plan_batches)
+from eyas import shard_writer, shards
+from eyas.capture import CaptureConfig, capture, capture_samples, iter_captured_batches
+from eyas.capture_forward import batch_inputs, plan_batches
 from eyas.config import ConfigError
 from eyas.errors import EyasError
 from eyas.manifest import read_manifest, target_record, write_manifest
@@ -389,13 +389,13 @@ def test_config_validation():
 
 def test_writer_thread_errors_reach_the_caller(tmp_path):
     state = {"shard": 0, "num_shards": 1, "parts": [], "nonfinite": 0}
-    writer = shards.PartWriter(tmp_path, state, 1, {})
+    writer = shard_writer.PartWriter(tmp_path, state, 1, {})
     writer.put(None, {"nonfinite": torch.zeros(2, dtype=torch.bool)}, ["a"])  # no sample_index
     with pytest.raises(EyasError, match="writing capture parts"):
         writer.close()
     assert not writer.thread.is_alive()
     # a failure in a part-writing thread (here: the folder is gone) reaches the caller too
-    writer = shards.PartWriter(tmp_path / "gone", dict(state, parts=[]), 1, {}, threads=2)
+    writer = shard_writer.PartWriter(tmp_path / "gone", dict(state, parts=[]), 1, {}, threads=2)
     batch = _host_batch(4, [0, 1])
     with pytest.raises(EyasError, match="writing capture parts.*FileNotFound"):
         try:  # as the capture loop does: put raises once the writer failed, close re-raises
@@ -433,7 +433,7 @@ def test_part_files_are_exactly_what_safetensors_writes(fp8, tmp_path):
     batches = [_host_batch(5, [4, 9], fp8=fp8, seed=1), _host_batch(7, [2, 3], fp8=fp8, seed=2)]
     meta = {"format": shards.FORMAT, "dtype": "fp8" if fp8 else "bf16"}
     timings: dict = {}
-    entry = shards.write_part(tmp_path, shards.part_name(0, 1, 0), batches, meta, timings)
+    entry = shard_writer.write_part(tmp_path, shards.part_name(0, 1, 0), batches, meta, timings)
     raw = (tmp_path / entry["file"]).read_bytes()
     merged = shards.merge_batches(batches)
     ref = save(merged, metadata=meta)
@@ -454,7 +454,7 @@ def test_parallel_part_writer_commits_parts_in_order(tmp_path):
     """Parts written by several threads at once are renamed and recorded strictly in order
     (a big first part finishes last), with every sample once, in the order it was put."""
     state = {"shard": 0, "num_shards": 1, "parts": [], "nonfinite": 0}
-    writer = shards.PartWriter(tmp_path, state, file_bytes=1, metadata={}, threads=3)
+    writer = shard_writer.PartWriter(tmp_path, state, file_bytes=1, metadata={}, threads=3)
     sizes = [60000, 3, 4, 5, 6, 7, 8]
     for i, n in enumerate(sizes):
         batch = _host_batch(n, [2 * i, 2 * i + 1], hidden=64)

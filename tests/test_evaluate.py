@@ -17,7 +17,8 @@ from eyas.config import ConfigError
 from eyas.corpus import synthetic_chats
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
-from eyas.evaluate import EvalConfig, evaluate, load_draft, write_report
+from eyas.eval_report import write_report
+from eyas.evaluate import EvalConfig, evaluate, load_draft
 from eyas.export import export_state_dict, to_vllm_config
 from eyas.manifest import read_manifest
 from eyas.models import load_target, submodule

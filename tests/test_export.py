@@ -269,7 +269,7 @@ def test_speculators_needs_a_verifier_name(tmp_path):
 
 
 def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
-    from eyas.evaluate import EvalReport, MethodResult
+    from eyas.eval_report import EvalReport, MethodResult
 
     make_run(tmp_path / "run", draft_config())
     res = MethodResult(method="eagle3", k=3, new_tokens=100, seconds=1.0, tokens_per_s=100.0,

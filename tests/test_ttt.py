@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.draft import (BLOCK, DraftConfig, Eagle3Draft, TTTBatch, attention, band_block_mask,
-                        ttt_forward)
+from eyas.attention import BLOCK, attention, band_block_mask
+from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.loss import simulated_acceptance_length, soft_cross_entropy
+from eyas.ttt import TTTBatch, ttt_forward
 
 
 def tiny_cfg(**kw) -> DraftConfig:
@@ -166,7 +167,7 @@ def test_compiled_kernels_trace_and_agree(monkeypatch):
     results; the row counts that change at every step must not each cost a recompile."""
     from torch._dynamo.utils import counters
 
-    import eyas.loss
+    import eyas.fused
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
@@ -174,7 +175,7 @@ def test_compiled_kernels_trace_and_agree(monkeypatch):
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
     eager = ttt_forward(draft, batch, lm_head, steps=7, vocab_chunk=50)
     eager_grads = grads(draft, eager.loss)
-    monkeypatch.setattr(eyas.loss, "COMPILE_DEVICES", {"cpu"})
+    monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
     graphs = counters["stats"]["unique_graphs"]
     for _ in range(2):
         out = ttt_forward(draft, batch, lm_head, steps=7, vocab_chunk=50)
@@ -367,7 +368,7 @@ def test_flex_band_plumbing_matches_reference(monkeypatch, n_q, n_keys):
     CPU (forward only: CPU FlexAttention has no backward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import eyas.draft as D
+    import eyas.attention as D
 
     monkeypatch.setattr(D, "_compiled_flex", lambda: flex_attention)
     torch.manual_seed(13)
@@ -388,7 +389,7 @@ def test_block_mask_with_compiled_flex_kernel_cpu():
     """The real FlexAttention kernel (CPU inference template) honours the block mask."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eyas.draft import _band_reference
+    from eyas.attention import _band_reference
 
     torch.manual_seed(11)
     m, rows = 700, torch.randperm(700)[:300].sort().values

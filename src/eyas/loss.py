@@ -1,4 +1,4 @@
-"""Per-step TTT loss and metrics, and `cuda_compiled`, the fusing helper draft.py shares.
+"""Per-step TTT loss and metrics.
 
 The loss of one TTT step is the soft cross-entropy between the target's next-token
 distribution restricted to the draft vocabulary (softmax over the `t2d` rows of the target
@@ -9,46 +9,15 @@ logits, i.e. renormalised) and the draft's log-softmax over the same `Vd` ids:
 `Vd` is 32000 and a 64K-token batch has 64K rows per step, so `(rows, Vd)` logits in fp32
 would take 8 GB per step. `soft_cross_entropy` therefore walks the rows in chunks and
 computes the gradients of each chunk while its logits exist (d loss / d logits =
-softmax(draft) - p_target), keeping only `(rows, H)` and `(Vd, H)` gradients alive.
+softmax(draft) - p_target), keeping only `(rows, H)` and `(Vd, H)` gradients alive. The
+chunk's fp32 math is fused by `eyas.fused.cuda_compiled` on CUDA.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-# Devices whose elementwise code runs through torch.compile (tests add "cpu" to check that
-# the compiled functions trace and agree; EYAS_NO_COMPILE=1 runs everything eagerly).
-COMPILE_DEVICES = set() if os.environ.get("EYAS_NO_COMPILE") else {"cuda"}
-
-
-def cuda_compiled(fn):
-    """Run `fn` (tensors in, tensors out, no autograd inside) eagerly, or through
-    torch.compile on the devices in COMPILE_DEVICES. Compiled, its casts, elementwise ops
-    and row reductions become one or a few kernels instead of one launch and one full
-    read/write of memory each. Dim 0 of every argument with 2+ dims is the row dimension:
-    marked dynamic, as row counts change at every TTT step (pruning); the other sizes
-    (hidden, heads, vocab) stay static so the kernels are specialised for them."""
-    compiled = None
-
-    @functools.wraps(fn)
-    def run(*args):
-        nonlocal compiled
-        if args[0].device.type not in COMPILE_DEVICES or args[0].numel() == 0:
-            return fn(*args)
-        if compiled is None:
-            compiled = torch.compile(fn, fullgraph=True)
-        # detached: inside autograd.Function code requires_grad means nothing, and as a
-        # guard it would compile one graph per combination of flags
-        args = [a.detach() if torch.is_tensor(a) else a for a in args]
-        for a in args:
-            if torch.is_tensor(a) and a.dim() >= 2:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args)
-
-    return run
+from eyas.fused import cuda_compiled
 
 
 @cuda_compiled

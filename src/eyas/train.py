@@ -35,10 +35,11 @@ import torch.distributed as dist
 from eyas import checkpoint, data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
-from eyas.draft import DraftConfig, Eagle3Draft, TTTBatch, ttt_forward, ttt_positions
+from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.loss import simulated_acceptance_length
 from eyas.manifest import write_manifest
+from eyas.ttt import TTTBatch, ttt_forward, ttt_positions
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,180 @@
+"""Training-time test (TTT): the EAGLE-3 draft run `steps` times in a chain over a packed
+batch, as it will run at serving time, with one loss over all steps.
+
+`ttt_forward` is one function with numbered steps: step 0 reads the target's fused aux
+states, step j > 0 reads the draft's own hidden state of step j-1 at the same position and
+attends to the step-0 keys of its document up to itself plus the keys its position
+produced at steps 1..j (the "diagonal", see eyas.attention). docs/draft.md has the math
+and the shift convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eyas.attention import attention
+from eyas.draft import Eagle3Draft
+from eyas.loss import simulated_acceptance_length, soft_cross_entropy
+
+
+@dataclass
+class TTTBatch:
+    """A packed micro-batch (see eyas.data.collate). Every tensor is (B, T) unless noted."""
+
+    input_ids: torch.Tensor  # long
+    aux_hidden: torch.Tensor  # (B, T, 3*Ht) any float dtype
+    final_hidden: torch.Tensor  # (B, T, Ht): target hidden after its final norm
+    target_top1: torch.Tensor  # target argmax at t = its prediction of token t+1
+    loss_mask: torch.Tensor  # 1 where token t is one the target generated (assistant)
+    position_ids: torch.Tensor  # reset to 0 at each packed document
+    doc_ids: torch.Tensor  # packed document id; -1 = padding
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor  # scalar: sum_j step_weight**j * mean loss of step j
+    # (S,) differentiable loss summed (not averaged) over step j's positions: train divides
+    # by counts over the whole optimizer step, so accumulation and ranks do not change it
+    step_loss_sum: torch.Tensor
+    step_loss: torch.Tensor  # (S,) detached mean loss per step
+    step_acc: torch.Tensor  # (S,) top-1 agreement with the target per step
+    step_count: torch.Tensor  # (S,) positions that carried a loss per step
+    step_rows: list[int]  # positions computed per step (after pruning)
+
+    @property
+    def sim_acceptance_length(self) -> float:
+        return simulated_acceptance_length(self.step_acc)
+
+
+def _segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) doc ids -> flat (N,) index of the first and of the last token of each token's
+    document (a run of equal ids within a row)."""
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = first.reshape(-1)
+    last = torch.ones_like(first)
+    last[:-1] = first[1:]
+    idx = torch.arange(first.shape[0], device=doc_ids.device)
+    start = torch.where(first, idx, 0).cummax(0).values
+    end = torch.where(last, idx, idx.shape[0]).flip(0).cummin(0).values.flip(0)
+    return start, end
+
+
+def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int) -> torch.Tensor:
+    """(S, N) bool: does position n carry a loss at step j? Step j at n predicts token
+    n+2+j from the teacher at n+1+j; it counts when that token is an assistant token of
+    the same document and the target's top-1 there is in the draft vocab."""
+    top1 = batch.target_top1.reshape(-1).long()
+    mask = batch.loss_mask.reshape(-1).bool()
+    doc = batch.doc_ids.reshape(-1)
+    _, end = _segments(batch.doc_ids)
+    n = torch.arange(top1.shape[0], device=top1.device)
+    last = top1.shape[0] - 1
+    in_vocab = t2d.to(top1.device)[top1]  # (N,)
+    rows = []
+    for j in range(steps):
+        pred, teach = n + 2 + j, n + 1 + j
+        rows.append((pred <= end) & (doc >= 0) & mask[pred.clamp(max=last)]
+                    & in_vocab[teach.clamp(max=last)])
+    return torch.stack(rows)
+
+
+def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
+                steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
+                prune: bool = True) -> TTTOutput:
+    """Training-time test: `steps` chained draft passes over a packed batch, one loss.
+
+    target_lm_head: (V, Ht) or its draft-vocab rows (Vd, Ht). vocab_chunk: rows per chunk of
+    the (rows, Vd) vocab projections. prune: from step 1 on, compute only positions that
+    still carry a loss at this or a later step (exact: a position's chain reads only its own
+    earlier steps and the step-0 keys).
+    """
+    dev = batch.input_ids.device
+    # 1. Flatten the packed rows into one token stream of N positions.
+    ids = batch.input_ids.reshape(-1).long()
+    pos = batch.position_ids.reshape(-1).long()
+    top1 = batch.target_top1.reshape(-1).long()
+    n_all = ids.shape[0]
+    seg_start, seg_end = _segments(batch.doc_ids)
+    # 2. Which (step, position) pairs carry a loss; which positions each step computes (all
+    #    at step 0: its keys serve every later step). The row counts fix every shape, so
+    #    they reach the host once, here, rather than through a sync at every step.
+    valid = ttt_positions(batch, draft.t2d, steps)  # (S, N)
+    keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
+    keep[0] = True
+    both = torch.cat([keep, valid])  # (2S, N)
+    cols = both.nonzero()[:, 1].contiguous().split(both.sum(1).tolist())  # each row's positions
+    rank = keep.cumsum(1) - 1  # (S, N): where a kept position sits among its step's rows
+    # 3. Teacher logits over the draft vocab, once for all positions (no grad).
+    teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
+    draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
+    weights = draft.layer_weights(dev.type)  # cast and fused once for all steps
+    head = draft.lm_head.weight
+    if not head.requires_grad:  # frozen: cast once too
+        head = head.to(weights.qkv.dtype)
+    sums, correct, rows_per_step = [], [], []
+    # 4. Step 0: fused target states + the next token, causal within each document.
+    rows = cols[0]
+    hidden = draft.fuse(batch.aux_hidden).reshape(n_all, -1)  # (N, H)
+    diag_k, diag_v = [], []  # keys/values of steps 1..j at the kept positions
+    k0 = v0 = None
+    for j in range(steps):
+        if cols[j].numel() == 0:  # nothing left to predict
+            break
+        if j > 0:  # 5. Step j: own hidden of step j-1, keep only positions still needed
+            sel = rank[j - 1][cols[j]]  # indices into the previous step's rows
+            rows, hidden = cols[j], hidden[sel]
+            diag_k, diag_v = [t[sel] for t in diag_k], [t[sel] for t in diag_v]
+        token = ids[torch.minimum(rows + 1 + j, seg_end[rows])]  # (n,) ground-truth token
+        q, k, v, residual = draft.project(token, hidden, pos[rows] + j, weights)
+        if j == 0:
+            k0, v0 = k, v
+            out = attention(q, k0, v0, seg_start, rows)
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+            out = attention(q, k0, v0, seg_start[rows], rows,
+                            torch.stack(diag_k), torch.stack(diag_v))
+        h = draft.finish(out, residual, weights)  # (n, H) pre-norm
+        # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
+        here = rank[j][cols[steps + j]]  # indices into this step's rows
+        teach = rows[here] + 1 + j
+        loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher, rows=teach,
+                                            chunk=vocab_chunk)
+        sums.append(loss_sum)
+        correct.append((pred == draft_id[top1[teach]]).sum())
+        rows_per_step.append(rows.numel())
+        hidden = draft.next_hidden(h)
+    # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
+    return _ttt_output(sums, correct, valid.sum(1), rows_per_step, step_weight)
+
+
+@torch.no_grad()
+def _teacher_logits(draft: Eagle3Draft, final: torch.Tensor, lm_head: torch.Tensor):
+    """final (N, Ht) target states after its final norm; lm_head (V, Ht) or its draft rows
+    (Vd, Ht) -> (N, Vd) target logits restricted to the draft vocab."""
+    cfg = draft.cfg
+    selected = lm_head.shape[0] == cfg.draft_vocab_size and cfg.draft_vocab_size != cfg.vocab_size
+    # the t2d rows, found through d2t: a boolean index would wait for the GPU
+    rows = draft.to_target_ids(torch.arange(cfg.draft_vocab_size, device=lm_head.device))
+    w = lm_head if selected else lm_head.index_select(0, rows)  # (Vd, Ht)
+    if not torch.is_autocast_enabled(final.device.type):
+        final = final.to(w.dtype)
+    return F.linear(final, w)
+
+
+def _ttt_output(sums, correct, step_count, rows, step_weight: float) -> TTTOutput:
+    """step_count (S,): counted positions per step, 0 for the steps never reached."""
+    steps, done = step_count.shape[0], len(sums)
+    missing = sums[0].new_zeros(steps - done)
+    step_loss_sum = torch.cat([torch.stack(sums), missing])
+    per_position = step_count.clamp(min=1)
+    loss = (step_weight ** torch.arange(steps, device=step_count.device) * step_loss_sum
+            / per_position).sum()
+    step_correct = torch.cat([torch.stack(correct), missing.long()])
+    return TTTOutput(loss, step_loss_sum, step_loss_sum.detach() / per_position,
+                     step_correct.float() / per_position.float(), step_count,
+                     rows + [0] * (steps - done))
