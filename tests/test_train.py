@@ -372,11 +372,86 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path):
     (dict(betas=(0.9,)), "two values"),
     (dict(aux_layer_ids=(1, 2, 3)), "--online only"),
     (dict(max_steps=0, epochs=0), "--epochs"),
+    (dict(target_device_map="auto"), "--target-device-map applies to --online only"),
+    (dict(online=True, target="t", target_device_map="gpus"), "must be one of auto"),
 ])
 def test_config_errors_name_the_flag(kw, match):
     base = dict(data="d", out="o")
     with pytest.raises(ConfigError, match=match):
         TrainConfig(**{**base, **kw})
+
+
+def test_target_device_map_accepts_strategies_and_devices():
+    for value in ("auto", "balanced_low_0", "sequential", "cuda:1", "cpu"):
+        cfg = TrainConfig(data="d", out="o", online=True, target="t", target_device_map=value)
+        assert cfg.target_device_map == value
+
+
+def test_target_device_map_under_torchrun_is_refused_with_the_fix(run_inputs, tmp_path,
+                                                                  monkeypatch):
+    """Refused before joining a process group or loading anything: N ranks would each
+    spread their own copy of the target over the same GPUs."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = _cfg(run_inputs, tmp_path / "run", online=True, data=run_inputs["prepared"],
+               target=run_inputs["target"], target_device_map="auto", device="cpu")
+    with pytest.raises(EyasError, match=r"WORLD_SIZE=2.*Run one process instead.*without "
+                                        r"torchrun.*CUDA_VISIBLE_DEVICES"):
+        train(cfg)
+    assert not torch.distributed.is_initialized() and not (tmp_path / "run").exists()
+
+
+def _has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+@pytest.mark.skipif(_has_accelerate(), reason="accelerate is installed: the map loads")
+def test_target_device_map_without_accelerate_names_the_install(run_inputs, tmp_path):
+    # transformers (5.x) refuses every device_map, even "cpu", without accelerate
+    with pytest.raises(EyasError, match="needs the accelerate package.*pip install accelerate"):
+        train(_cfg(run_inputs, tmp_path / "run", online=True, data=run_inputs["prepared"],
+                   target=run_inputs["target"], target_device_map="cpu"))
+
+
+@pytest.mark.skipif(not _has_accelerate(), reason="device_map needs accelerate")
+@pytest.mark.usefixtures("one_thread")  # many tiny forwards: faster on a shared CPU
+def test_online_with_target_device_map_equals_online(run_inputs, tmp_path, monkeypatch):
+    """The target placed by transformers/accelerate ("auto": on a CPU box all on cpu; "cpu":
+    one device) trains exactly like the target moved to the draft's device. Spreading over
+    several GPUs needs GPUs: not this test."""
+    import eyas.models
+
+    real, calls = eyas.models.load_target, []
+
+    def load_target(*args, **kwargs):  # the real loader; records what train asked of it
+        calls.append({k: kwargs.get(k) for k in ("device_map", "device")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eyas.models, "load_target", load_target)
+    kw = dict(max_steps=1, lm_head="target", online=True, data=run_inputs["prepared"],
+              target=run_inputs["target"], device="cpu")
+    plain = train(_cfg(run_inputs, tmp_path / "plain", **kw))
+    first_plain = _records(tmp_path / "plain", "train")[0]
+    for device_map in ("auto", "cpu"):
+        mapped = train(_cfg(run_inputs, tmp_path / device_map, **kw, target_device_map=device_map))
+        first = _records(tmp_path / device_map, "train")[0]
+        assert first["positions"] == first_plain["positions"] > 0
+        assert first["loss"] == pytest.approx(first_plain["loss"], rel=1e-5)
+        assert mapped["eval"]["loss"] == pytest.approx(plain["eval"]["loss"], rel=1e-5)
+    assert calls == [{"device_map": None, "device": torch.device("cpu")},
+                     {"device_map": "auto", "device": None},
+                     {"device_map": "cpu", "device": None}]
+
+
+def test_offloaded_target_weight_is_refused_with_the_fix():
+    """accelerate leaves a weight it offloaded to cpu/disk on the meta device."""
+    with pytest.raises(EyasError, match="offloaded the target's lm_head.*CUDA_VISIBLE_DEVICES"):
+        data._resident(torch.empty(4, 2, device="meta"), "lm_head", "auto")
+    weight = torch.nn.Parameter(torch.ones(4, 2))
+    kept = data._resident(weight, "embedding", "auto")
+    assert not kept.requires_grad and kept.data_ptr() == weight.data_ptr()
 
 
 def test_cli_builds_the_config():
@@ -385,3 +460,6 @@ def test_cli_builds_the_config():
     cfg = parse_config("train", ["--data", "c", "--out", "r", "--betas", "0.9,0.95",
                                  "--parallel", "fsdp", "--no-truncate", "--max-steps", "5"])
     assert cfg.betas == (0.9, 0.95) and cfg.parallel == "fsdp" and cfg.max_steps == 5
+    cfg = parse_config("train", ["--data", "p", "--out", "r", "--online", "--target", "t",
+                                 "--target-device-map", "auto"])
+    assert cfg.online and cfg.target_device_map == "auto"

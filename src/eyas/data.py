@@ -18,6 +18,7 @@ target_top1 [n], input_ids [n], loss_mask [n]): `OfflineSource` reads capture sh
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -58,7 +59,9 @@ class OnlineSource:
 
     `fetch` runs the target over the requested samples (one micro-batch) through
     `eyas.capture.capture_samples`, the code `eyas capture` runs, so online and offline
-    training see the same tensors for the same data.
+    training see the same tensors for the same data. They come back on the device of the
+    target's final norm (with --target-device-map maybe not the draft's GPU); train moves
+    each collated micro-batch to the draft's device.
     """
 
     def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...]):
@@ -169,10 +172,21 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     from eyas.capture import load_split
     from eyas.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
 
+    dmap = cfg.target_device_map
+    if dmap is not None and importlib.util.find_spec("accelerate") is None:
+        raise EyasError(f"--target-device-map {dmap} needs the accelerate package (transformers "
+                        f"places the target's layers with it): pip install accelerate")
     prepared = read_manifest(cfg.data, step="prepare")
     where = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.target, **where)
-    model, info = load_target(cfg.target, **where, dtype=model_dtype, device=device)
+    # with a device_map transformers places every layer; moving the model after would undo it
+    model, info = load_target(cfg.target, **where, dtype=model_dtype, device_map=dmap,
+                              device=None if dmap is not None else device)
+    placed = getattr(model, "hf_device_map", None) or {}
+    if len(set(placed.values())) > 1 and {"cpu", "disk"} & {str(d) for d in placed.values()}:
+        log.warning("--target-device-map %s offloaded part of the target to cpu/disk (the GPUs "
+                    "cannot hold it): every training step will run those layers from host "
+                    "memory. hf_device_map: %s", dmap, placed)
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
     aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids, info.num_layers)
@@ -183,10 +197,23 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     if len(eval_ids) == 0 and cfg.eval_fraction > 0:
         keep, held = split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
         train_ids, eval_ids = train_ids[keep], train_ids[held]
-    embed = submodule(model, info.embed_path).weight.detach()
-    lm_head = submodule(model, info.lm_head_path).weight.detach()
+    # left where the target keeps them: train copies the embedding and the draft-vocab rows of
+    # lm_head to the draft's device (eyas.train.build_draft)
+    embed = _resident(submodule(model, info.embed_path).weight, "embedding", dmap)
+    lm_head = _resident(submodule(model, info.lm_head_path).weight, "lm_head", dmap)
     return Inputs(src, train_ids, src if len(eval_ids) else None, eval_ids, info, target,
                   [prepared], aux, embed, lm_head, None, None)
+
+
+def _resident(weight: torch.Tensor, what: str, device_map: str | None) -> torch.Tensor:
+    """A target weight the draft reads; refused if accelerate offloaded it (a meta tensor)."""
+    if weight.device.type == "meta":
+        raise EyasError(
+            f"--target-device-map {device_map} offloaded the target's {what} to cpu/disk: the "
+            f"visible GPUs cannot hold the target, and online training would run it from host "
+            f"memory. Make more GPUs visible (CUDA_VISIBLE_DEVICES), load a smaller checkpoint "
+            f"(fp8/INT4), or train offline from an `eyas capture --device-map auto` folder.")
+    return weight.detach()
 
 
 # ---------------------------------------------------------------- the plan

@@ -61,6 +61,12 @@ class TrainConfig:
                                  "instead of reading capture shards")
     aux_layer_ids: tuple[int, ...] = option((), "--online only: aux layers in vLLM's "
                                                 "convention; empty = (2, L//2, L-3)")
+    target_device_map: str | None = option(
+        None, "--online only: place the target with transformers' device_map (needs "
+              "accelerate): auto spreads it over the visible GPUs, balanced_low_0 also but keeps "
+              "GPU 0 (where the draft trains) light, or one device (cuda:1, cpu); unset = the "
+              "whole target on the draft's GPU. One process only: under torchrun every rank "
+              "would load its own copy")
     eval_data: str | None = option(None, "held-out capture folder; default: the capture's "
                                          "eval split if it has one, else --eval-fraction")
     eval_fraction: float = option(0.02, "share of training samples held out when there is no "
@@ -131,6 +137,12 @@ class TrainConfig:
             (not self.online or bool(self.target), "--online needs --target (the model to run)"),
             (self.online or not self.aux_layer_ids,
              "--aux-layer-ids applies to --online only; offline, the capture fixes the layers"),
+            (self.online or self.target_device_map is None,
+             "--target-device-map applies to --online only; offline, train reads just the "
+             "target's embedding and lm_head (use --device-map on `eyas capture` instead)"),
+            (_is_device_map(self.target_device_map),
+             f"--target-device-map must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
+             f"device such as cuda:1 or cpu, got {self.target_device_map!r}"),
             (len(self.aux_layer_ids) in (0, 3),
              f"--aux-layer-ids needs 3 ids (e.g. 2,16,29), got {self.aux_layer_ids}"),
             (not (self.online and self.eval_data),
@@ -145,6 +157,21 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+# transformers' device_map strategies (accelerate computes the placement)
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _is_device_map(value: str | None) -> bool:
+    """None, a strategy, or one device torch can name (transformers puts the whole target there)."""
+    if value is None or value in DEVICE_MAP_STRATEGIES:
+        return True
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- setup
@@ -167,6 +194,16 @@ def init_env(cfg: TrainConfig) -> Env:
     if kind == "cuda" and not torch.cuda.is_available():
         raise EyasError("--device cuda but no CUDA device is visible; use --device cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and cfg.target_device_map is not None:
+        # torchrun shows every rank the same GPUs: N ranks would place N copies of the target
+        # over them (and rank r's draft goes to cuda:r, inside some other rank's target)
+        raise EyasError(
+            f"--target-device-map {cfg.target_device_map} under torchrun (WORLD_SIZE={world}) "
+            f"would make every rank load its own copy of the target over the same GPUs. Run "
+            f"one process instead (`eyas train --online --target-device-map "
+            f"{cfg.target_device_map} ...` without torchrun): it spreads the target over the "
+            f"GPUs that CUDA_VISIBLE_DEVICES shows and trains the draft on the first. A target "
+            f"that fits one GPU can use torchrun without --target-device-map.")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
@@ -199,9 +236,12 @@ def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     if inputs.d2t is not None:
         draft.set_vocab(inputs.d2t, inputs.t2d)
     if cfg.lm_head == "target":
+        # index on the head's own device (with --target-device-map maybe another GPU), so
+        # only the (Vd, Ht) rows travel to the draft's device, never the whole (V, Ht) head
         rows = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht)
         draft.init_lm_head_from_target(rows.float(), freeze=cfg.freeze_lm_head)
     draft.to(env.device)
+    # a copy on the draft's device: with --target-device-map the target's own may be elsewhere
     draft.set_embed_tokens(inputs.embed.to(env.device, _compute_dtype(env)))
     return draft, dcfg
 
@@ -282,6 +322,8 @@ def _autocast(env: Env):
 
 
 def _on(mb: dict, env: Env):
+    """A micro-batch on the draft's device. Online, captured states arrive on the device of
+    the target's final norm, which --target-device-map may put on another GPU."""
     return TTTBatch(**{k: v.to(env.device, non_blocking=True) for k, v in mb.items()})
 
 
@@ -383,7 +425,7 @@ def train(cfg: TrainConfig) -> dict:
     inputs = data.open_inputs(cfg, env.device, "bfloat16" if env.autocast else "float32")
     draft, dcfg = build_draft(cfg, inputs, env)
     teacher = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht) frozen
-    teacher = teacher.to(env.device, dtype)
+    teacher = teacher.to(env.device, dtype)  # from the target's (maybe other) GPU to the draft's
     model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps), cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
