@@ -117,6 +117,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def chat_template_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's chat template: prepare and regenerate record it so a mismatch
+    between how data was rendered and how it was regenerated can be seen."""
+    blob = json.dumps(tokenizer.chat_template, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def check_same_target(found: dict | None, expected: dict | None, what: str) -> None:
     """Refuse an artifact made for another target (different name or tokenizer/shape)."""
     if not found or not expected:

@@ -30,7 +30,8 @@ from eyas.chat import ChatFormatError
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, target_record, tokenizer_fingerprint, write_manifest
+from eyas.manifest import (MANIFEST, chat_template_fingerprint, target_record,
+                           tokenizer_fingerprint, write_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -290,17 +291,11 @@ def render_prompt(tokenizer, messages: list[dict], *, chat_template: str | None 
 
 def load_tokenizer(cfg: PrepareConfig):
     """The target's tokenizer (never its weights), with --chat-template applied."""
-    from transformers import AutoTokenizer
+    from eyas.models import load_tokenizer as load
 
     name = cfg.tokenizer or cfg.target
-    try:
-        tok = AutoTokenizer.from_pretrained(
-            name, revision=None if cfg.tokenizer else cfg.revision,
-            trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise EyasError(f"cannot load the tokenizer of {name}: {err}\nCheck --target / "
-                        f"--tokenizer (hub name or local folder), --revision, and pass "
-                        f"--trust-remote-code for models that ship their own code.") from None
+    tok = load(name, revision=None if cfg.tokenizer else cfg.revision,
+               trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
         path = Path(cfg.chat_template)
         if not path.is_file():
@@ -334,11 +329,6 @@ def parse_template_kwargs(pairs: tuple[str, ...]) -> dict:
         key, _, value = pair.partition("=")
         out[key.strip()] = yaml.safe_load(value)
     return out
-
-
-def _template_hash(tok) -> str:
-    blob = json.dumps(tok.chat_template, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _claim_out(out: Path, cfg: PrepareConfig) -> None:
@@ -436,7 +426,7 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path):
                     "system_prompt": cfg.system_prompt, "strip": cfg.reasoning == "strip"})
     template_kwargs = parse_template_kwargs(cfg.chat_template_kwargs)
     fingerprint = hashlib.sha256(json.dumps(
-        [to_dict(cfg), tokenizer_fingerprint(tok), _template_hash(tok), rows._fingerprint],
+        [to_dict(cfg), tokenizer_fingerprint(tok), chat_template_fingerprint(tok), rows._fingerprint],
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     return rows.map(
         _process, features=features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
@@ -493,7 +483,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     stats = {k: v for k, v in asdict(summary).items() if k != "out"}
     write_manifest(out, "prepare", cfg,
                    target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok),
-                   stats=stats, chat_template_hash=_template_hash(tok),
+                   stats=stats, chat_template_hash=chat_template_fingerprint(tok),
                    max_length=cfg.max_length, vocab_size=vocab_size, data_files=data_record)
     _log_summary(summary, out)
     return summary

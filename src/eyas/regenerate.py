@@ -19,7 +19,6 @@ the result does not depend on concurrency or on how often the run was interrupte
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -37,7 +36,8 @@ from eyas.chat import (FORMATS, ChatFormatError, normalize, read_rows, sample_id
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, read_manifest, target_record, write_manifest
+from eyas.manifest import (MANIFEST, chat_template_fingerprint, read_manifest, target_record,
+                           write_manifest)
 from eyas.openai_server import (ChatClient, Generation, LocalGenerator, RequestFailed,
                                 load_generator)
 
@@ -151,7 +151,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     _check_resume(cfg, out, sources)
     prior = _read_previous(out, cfg.retry_rejects)
     extras = dict(data_files=sources, sampling=_sampling(cfg),
-                  chat_template_hash=_template_hash(tokenizer))
+                  chat_template_hash=chat_template_fingerprint(tokenizer))
     write_manifest(out, "regenerate", cfg, target=target, complete=False, **extras)
 
     counts: Counter = Counter()
@@ -197,12 +197,6 @@ def _sampling(cfg: RegenerateConfig) -> dict:
             "chat_template_kwargs": TEMPLATE_KWARGS[cfg.reasoning],
             "system_prompt": cfg.system_prompt, "seed": cfg.seed, "turns": cfg.turns,
             "backend": cfg.backend, "server_url": list(cfg.server_url)}
-
-
-def _template_hash(tokenizer) -> str:
-    # The same formula as prepare's manifest, so the two can be compared.
-    blob = json.dumps(tokenizer.chat_template, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _jobs(cfg: RegenerateConfig, done: set, output: "_Output", counts: Counter,
