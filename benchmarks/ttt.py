@@ -1,18 +1,19 @@
 """TTT forward+backward throughput and memory for a Llama-3.1-8B-shaped EAGLE-3 draft.
 
-    python benchmarks/ttt.py                      # H200: contexts 2K..64K, 4-7 min
+    python benchmarks/ttt.py                      # H200: contexts 2K..64K, ~8 min
     python benchmarks/ttt.py --contexts 2048,4096 --masks ones --lm-head frozen
     python benchmarks/ttt.py --smoke              # tiny shapes on CPU, checks the script runs
     EYAS_NO_COMPILE=1 python benchmarks/ttt.py    # the same code without torch.compile fusion
 
 Each configuration runs `ttt_forward` (7 steps) + backward under bf16 autocast on one
 sequence of `context` tokens (batch 1), with fp32 master weights, and reports tokens/s, peak
-memory and MFU. Masks: `ones` (every position carries a loss) and `60` (alternating prompt /
-answer spans, ~60% answer tokens: steps >= 1 prune most prompt positions). lm_head: `frozen`
-(initialised from the target rows, no weight gradient) or `trained`. Where it fits
-(--dense-max; with the frozen head only), a dense-mask TTT runs too, as peers do it (every
-step's keys concatenated, an explicit (T, T*(j+1)) mask, materialised logits): its speed,
-memory and loss.
+memory and MFU (model FLOPs over the bf16 peak, also for fp8). Masks: `ones` (every position
+carries a loss) and `60` (alternating prompt / answer spans, ~60% answer tokens: steps >= 1
+prune most prompt positions). Precision: `bf16`, or `fp8` (the draft's matmuls in fp8,
+eyas.fp8). lm_head: `frozen` (initialised from the target rows, no weight gradient) or
+`trained`. Where it fits (--dense-max; frozen head, bf16 only), a dense-mask TTT runs too, as
+peers do it (every step's keys concatenated, an explicit (T, T*(j+1)) mask, materialised
+logits): its speed, memory and loss.
 Prints a markdown table and writes JSON (--out).
 """
 
@@ -132,15 +133,16 @@ def timed(fn, iters: int, device):
     return (time.perf_counter() - start) / iters, result
 
 
-def run_one(draft, lm_head, cfg, context, mask, trained, args, device) -> dict:
+def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> dict:
     draft.init_lm_head_from_target(lm_head, freeze=not trained)
     batch = make_batch(cfg, draft.t2d.cpu(), context, mask, device)
-    row = {"context": context, "mask": mask, "lm_head": "trained" if trained else "frozen"}
+    row = {"context": context, "mask": mask, "lm_head": "trained" if trained else "frozen",
+           "precision": "fp8" if fp8 else "bf16"}
 
     def step():
         draft.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = ttt_forward(draft, batch, lm_head, steps=args.steps)
+            out = ttt_forward(draft, batch, lm_head, steps=args.steps, fp8=fp8)
         out.loss.backward()
         return out
 
@@ -162,7 +164,7 @@ def run_one(draft, lm_head, cfg, context, mask, trained, args, device) -> dict:
     out = None
     draft.zero_grad(set_to_none=True)
     # the dense reference once per (context, mask): it does not depend on the lm_head setting
-    if context <= args.dense_max and "error" not in row and not trained:
+    if context <= args.dense_max and "error" not in row and not trained and not fp8:
         row.update(dense_run(draft, batch, lm_head, args, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -193,17 +195,18 @@ def dense_run(draft, batch, lm_head, args, device) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| context | mask | lm_head | tok/s | ms/iter | peak GiB | TFLOP/s | MFU | rows/step "
-            "| dense tok/s | dense GiB | loss (dense) |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| context | mask | lm_head | matmuls | tok/s | ms/iter | peak GiB | TFLOP/s | MFU "
+            "| rows/step | dense tok/s | dense GiB | loss (dense) |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['error']} |"
-                         + " |" * 9)
+            lines.append(f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['precision']} "
+                         f"| {r['error']} |" + " |" * 9)
             continue
         dense = r.get("dense_error") or (f"{r['dense_tok_s']:,.0f}" if "dense_tok_s" in r else "-")
         lines.append(
-            f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['tok_s']:,.0f} | {r['ms']:.1f} "
+            f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['precision']} "
+            f"| {r['tok_s']:,.0f} | {r['ms']:.1f} "
             f"| {r.get('peak_gib', float('nan')):.1f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% "
             f"| {'/'.join(str(x) for x in r['rows'])} | {dense} "
             f"| {r.get('dense_peak_gib', float('nan')):.1f} "
@@ -216,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="2048,4096,8192,16384,32768,65536")
     p.add_argument("--masks", default="ones,60", help="comma list of: ones, 60")
     p.add_argument("--lm-head", default="frozen,trained", help="comma list of: frozen, trained")
+    p.add_argument("--precision", default="bf16,fp8",
+                   help="comma list of: bf16 (autocast), fp8 (the draft's matmuls in fp8)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
@@ -244,21 +249,24 @@ def main(argv=None) -> int:
     t2d[torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]] = True
     draft.set_vocab((t2d.nonzero().squeeze(1) - torch.arange(cfg.draft_vocab_size)).to(device),
                     t2d.to(device))
-    rows = []
-    for context in (int(c) for c in args.contexts.split(",")):
-        for mask in args.masks.split(","):
-            for head in args.lm_head.split(","):
-                row = run_one(draft, lm_head, cfg, context, mask, head == "trained", args, device)
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-    print(table(rows))
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     meta = {"device": name, "compiled": sorted(COMPILE_DEVICES),
             "torch": torch.__version__, "steps": args.steps, "config": cfg.to_dict(),
             "peak_flops": args.peak_flops, "smoke": args.smoke}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for mask in args.masks.split(","):
+            for head in args.lm_head.split(","):
+                for precision in args.precision.split(","):
+                    row = run_one(draft, lm_head, cfg, context, mask, head == "trained",
+                                  precision == "fp8", args, device)
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    # after every row: a run cut short keeps what it measured
+                    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(table(rows))
     print(f"\nwrote {out}", file=sys.stderr)
     return 0
 

@@ -434,3 +434,120 @@ def test_flex_path_on_cuda_matches_reference(dtype):
         else:
             cos = F.cosine_similarity(gpu_grads[name].cpu().flatten(), cpu_grads[name].flatten(), 0)
             assert cos > 0.97, name
+
+
+@pytest.mark.parametrize("n_keys,n_q,diag", [(70, 70, 0), (70, 64, 3), (1500, 1400, 2)])
+def test_causal_fast_path_matches_lse_autograd(n_keys, n_q, diag):
+    """causal_attention folds the log-sum-exp gradient of the diagonal merge into the band
+    kernel's backward (merged output in place of the band's): values and every gradient
+    equal the autograd-through-LSE path of `attention`, fp32, across a chunk boundary."""
+    from eyas.attention import causal_attention
+
+    torch.manual_seed(n_keys + diag)
+    hq, hkv, d = 4, 2, 8
+    q = torch.randn(n_q, hq, d, requires_grad=True)
+    k, v = (torch.randn(n_keys, hkv, d, requires_grad=True) for _ in range(2))
+    dk, dv = (torch.randn(diag, n_q, hkv, d, requires_grad=True) if diag else None
+              for _ in range(2))
+    grad = torch.randn(n_q, hq, d)
+    inputs = [x for x in (q, k, v, dk, dv) if x is not None]
+    fast = causal_attention(q, k, v, dk, dv)
+    fast_grads = torch.autograd.grad(fast, inputs, grad)
+    idx = torch.arange(n_q)
+    ref = attention(q, k, v, torch.zeros_like(idx), idx, dk, dv)
+    ref_grads = torch.autograd.grad(ref, inputs, grad)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(fast_grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
+    """A batch of one document (no packing, no padding) goes through causal_attention at
+    every step whose kept positions are a prefix; packed batches never do. Same loss and
+    gradients as the general path."""
+    import eyas.ttt
+
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    one = packed_batch(cfg, [[40]], 40, seed=5)
+    one.loss_mask[:] = 1  # all supervised, all top-1s in the draft vocab: prefixes
+    in_vocab = draft.t2d.nonzero().squeeze(1)
+    one.target_top1 = in_vocab[torch.randint(0, in_vocab.numel(), (1, 40))].int()
+    calls, spans = [], []
+    real = eyas.ttt.causal_attention
+    monkeypatch.setattr(eyas.ttt, "causal_attention",
+                        lambda *a: calls.append(a[0].shape[0]) or spans.append(a) or real(*a))
+    fast = ttt_forward(draft, one, lm_head, steps=4)
+    fast_grads = grads(draft, fast.loss)
+    assert calls == [40, 37, 36, 35]  # step j keeps positions 0..T-3-j (step 0: all)
+    ref = reference_ttt(draft, one, lm_head, 4)[0]
+    torch.testing.assert_close(fast.loss, ref, atol=1e-5, rtol=1e-5)
+    for name, g in grads(draft, ref).items():
+        torch.testing.assert_close(fast_grads[name], g, atol=1e-5, rtol=1e-4)
+    # a few top-1s outside the draft vocab: rows with gaps, still one document (the 60 %
+    # mask of packed_batch leaves too few rows at later steps: the band)
+    one.target_top1[0, [9, 30]] = int((~draft.t2d).nonzero()[0])
+    calls.clear()
+    spans.clear()
+    gaps = ttt_forward(draft, one, lm_head, steps=4)
+    gap_grads = grads(draft, gaps.loss)
+    assert calls == gaps.step_rows == [40, 37, 36, 33]  # step 3 lost 2 rows to the gaps
+    assert [len(a) > 5 and a[5] is not None for a in spans] == [False, False, False, True]
+    ref = reference_ttt(draft, one, lm_head, 4)[0]
+    torch.testing.assert_close(gaps.loss, ref, atol=1e-5, rtol=1e-5)
+    for name, g in grads(draft, ref).items():
+        torch.testing.assert_close(gap_grads[name], g, atol=1e-5, rtol=1e-4)
+    calls.clear()
+    ttt_forward(draft, packed_batch(cfg, [[20, 20]], 40, seed=5), lm_head, steps=4)
+    ttt_forward(draft, packed_batch(cfg, [[40], [40]], 40, seed=5), lm_head, steps=4)
+    assert calls == []  # two documents, or two rows: the general path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("diag", [0, 4])
+def test_causal_fast_path_on_cuda_matches_flex(diag):
+    """cuDNN band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes."""
+    from eyas.attention import causal_attention
+
+    torch.manual_seed(diag)
+    n, hq, hkv, d = 3000, 32, 8, 128
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(n, hq, d, **dev, requires_grad=True)
+    k, v = (torch.randn(n, hkv, d, **dev, requires_grad=True) for _ in range(2))
+    dk, dv = (torch.randn(diag, n, hkv, d, **dev, requires_grad=True) if diag else None
+              for _ in range(2))
+    inputs = [x for x in (q, k, v, dk, dv) if x is not None]
+    grad = torch.randn(n, hq, d, **dev)
+    fast = causal_attention(q, k, v, dk, dv)
+    fast_grads = torch.autograd.grad(fast, inputs, grad)
+    idx = torch.arange(n, device="cuda")
+    ref = attention(q, k, v, torch.zeros_like(idx), idx, dk, dv)
+    ref_grads = torch.autograd.grad(ref, inputs, grad)
+    torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
+    for got, want in zip(fast_grads, ref_grads):
+        cos = F.cosine_similarity(got.double().flatten(), want.double().flatten(), 0)
+        assert cos > 0.999
+
+
+@pytest.mark.gpu
+def test_fp8_ttt_on_cuda_tracks_bf16():
+    """--precision fp8 on CUDA: loss within 2% of bf16, gradients pointing the same way."""
+    cfg = tiny_cfg(hidden_size=128, target_hidden_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=96,
+                   draft_vocab_size=64)
+    draft = make_draft(cfg).cuda()
+    batch = packed_batch(cfg, [[100, 37, 200], [300]], 340, seed=12)
+    batch = TTTBatch(**{k: v.cuda() for k, v in vars(batch).items()})
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device="cuda") * 0.3
+    draft.init_lm_head_from_target(lm_head, freeze=False)
+    results = []
+    for fp8 in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = ttt_forward(draft, batch, lm_head, steps=5, fp8=fp8)
+        results.append((out.loss.detach(), grads(draft, out.loss)))
+    (ref, ref_grads), (got, got_grads) = results
+    assert abs(float(got) / float(ref) - 1) < 0.02
+    for name, g in ref_grads.items():
+        assert F.cosine_similarity(got_grads[name].double().flatten(),
+                                   g.double().flatten(), 0) > 0.97, name

@@ -137,3 +137,159 @@ def band_block_mask(lo: torch.Tensor, hi: torch.Tensor, kv_len: int):
 
     return BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=BLOCK,
                                     mask_mod=mask_mod, seq_lengths=(lo.shape[0], kv_len))
+
+
+# ------------------------------------------------------------ one causal document, fast
+
+def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) -> torch.Tensor:
+    """`attention` for queries of a single document: query i is key position i (or rows[i])
+    and sees keys 0..that position, plus its diagonal keys. The same result, with the band
+    on cuDNN's fused attention (CUDA; about twice FlexAttention's rate at 8K-32K tokens on
+    an H200, benchmarks/kernels.py) and no block mask to build.
+
+    q (N, hq, d); k, v (M >= N, hkv, d); diag_k, diag_v (S, N, hkv, d) or None. rows (N,)
+    ascending positions < span, when the queries are not simply positions 0..N-1: they are
+    placed at their positions among span zero queries, and only theirs are returned (the
+    zero queries get no gradient, so they change nothing).
+
+    The diagonal merge needs the gradient of the band's log-sum-exp, which fused kernels do
+    not take. It is folded into their backward instead: with out = w_band * o_band +
+    sum_s w_s v_s, the band's score gradient is P * (dP - D) with dO_band = w_band * dO and
+    D = rowsum(dO_band * out), i.e. the kernel's own backward fed the merged `out` in place
+    of o_band. The diagonal part is differentiated here by hand. Tested against the
+    autograd-through-LSE path (tests/test_ttt.py) on CPU, where a plain-torch band of the
+    same algebra stands in for the fused kernel.
+    """
+    if rows is not None:
+        placed = q.new_zeros(span, *q.shape[1:]).index_copy(0, rows, q)
+        if diag_k is not None:
+            diag_k, diag_v = (x.new_zeros(x.shape[0], span, *x.shape[2:]).index_copy(1, rows, x)
+                              for x in (diag_k, diag_v))
+        return causal_attention(placed, k, v, diag_k, diag_v).index_select(0, rows)
+    n, _, d = q.shape
+    if q.device.type == "cuda" and (q.dtype not in (torch.bfloat16, torch.float16)
+                                    or d > 128 or d % 8):  # beyond cuDNN's kernels
+        idx = torch.arange(n, device=q.device)
+        return attention(q, k, v, torch.zeros_like(idx), idx, diag_k, diag_v)
+    with torch.autocast(q.device.type, enabled=False):
+        return _CausalDiag.apply(q, k[:n], v[:n], diag_k, diag_v)
+
+
+class _CausalDiag(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, diag_k, diag_v):
+        n, hq, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        band = _CudnnCausal(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
+        out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
+        if diag_k is None:
+            merged, w_band, w_diag = out_b, None, None
+        else:
+            scores = torch.einsum("nkgd,snkd->nkgs", q.float().view(n, hkv, g, d),
+                                  diag_k.float()) * d ** -0.5  # (N, hkv, G, S)
+            lse_g = lse.view(n, hkv, g)
+            top = torch.maximum(lse_g, scores.amax(-1))
+            w_band, w_diag = (lse_g - top).exp(), (scores - top[..., None]).exp()
+            total = w_band + w_diag.sum(-1)
+            w_band, w_diag = w_band / total, w_diag / total[..., None]
+            merged = (out_b.float().view(n, hkv, g, d) * w_band[..., None]
+                      + torch.einsum("nkgs,snkd->nkgd", w_diag, diag_v.float()))
+            merged = merged.to(q.dtype).view(n, hq, d)
+        ctx.band = band
+        ctx.save_for_backward(merged, w_band, w_diag, diag_k, diag_v)
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):
+        merged, w_band, w_diag, diag_k, diag_v = ctx.saved_tensors
+        band = ctx.band
+        n, hq, d = merged.shape
+        hkv = band.hkv
+        g = hq // hkv
+        if w_band is None:
+            dq, dk, dv = band.backward(grad, merged)
+            return dq, dk, dv, None, None
+        grad_g = grad.float().view(n, hkv, g, d)
+        dq, dk, dv = band.backward((grad_g * w_band[..., None]).to(grad.dtype).view(n, hq, d),
+                                   merged)
+        # diagonal keys: softmax backward, ds = p * (dO . v_s - dO . out)
+        d_out = (grad_g * merged.float().view(n, hkv, g, d)).sum(-1)  # (N, hkv, G)
+        ds = w_diag * (torch.einsum("nkgd,snkd->nkgs", grad_g, diag_v.float()) - d_out[..., None])
+        ds = ds * d ** -0.5
+        dq = dq.float().view(n, hkv, g, d) + torch.einsum("nkgs,snkd->nkgd", ds, diag_k.float())
+        d_diag_k = torch.einsum("nkgs,nkgd->snkd", ds, band.q.float().view(n, hkv, g, d))
+        d_diag_v = torch.einsum("nkgs,nkgd->snkd", w_diag, grad_g)
+        return (dq.to(band.q.dtype).view(n, hq, d), dk, dv, d_diag_k.to(diag_k.dtype),
+                d_diag_v.to(diag_v.dtype))
+
+
+class _CudnnCausal:
+    """Causal attention of q (N, hq, d) over k, v (N, hkv, d) through cuDNN's fused kernels,
+    forward returning the log-sum-exp, backward taking the `out` whose rowsum(dO * out) it
+    uses (see causal_attention). K/V heads are repeated to the query heads (and their
+    gradients summed back): the kernels then see plain multi-head attention."""
+
+    def __init__(self, q, k, v):
+        self.q, self.hkv = q, k.shape[1]
+        g = q.shape[1] // self.hkv
+        self.qt = q.transpose(0, 1)[None]  # (1, hq, N, d)
+        self.kt, self.vt = (x.repeat_interleave(g, dim=1).transpose(0, 1)[None] for x in (k, v))
+
+    def forward(self):
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            self.qt, self.kt, self.vt, None, True, 0.0, True, False)
+        out, lse = res[0], res[1]
+        self.out_like, self.lse, self.extra = out, lse, res[2:8]
+        n, hq = self.q.shape[:2]
+        return out[0].transpose(0, 1), lse.reshape(hq, n).t().float()
+
+    def backward(self, grad_band, merged):
+        cq, ck, mq, mk, seed, offset = self.extra
+
+        def like_out(x):  # (N, hq, d) -> the kernel's output layout
+            return torch.empty_like(self.out_like).copy_(x.transpose(0, 1)[None])
+
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            like_out(grad_band), self.qt, self.kt, self.vt, like_out(merged), self.lse, seed,
+            offset, None, cq, ck, mq, mk, 0.0, True)
+        n, hq, d = self.q.shape
+        g = hq // self.hkv
+        dk, dv = (x[0].transpose(0, 1).view(n, self.hkv, g, d).sum(2) for x in (dk, dv))
+        return dq[0].transpose(0, 1), dk, dv
+
+
+class _ReferenceCausal:
+    """The same contract as _CudnnCausal in plain torch (CPU): exact, chunked over queries."""
+
+    def __init__(self, q, k, v, chunk: int = 1024):
+        self.q, self.k, self.v, self.hkv, self.chunk = q, k, v, k.shape[1], chunk
+
+    def forward(self):
+        n = self.q.shape[0]
+        idx = torch.arange(n, device=self.q.device)
+        out, self.lse = _band_reference(self.q, self.k, self.v, torch.zeros_like(idx), idx,
+                                        self.chunk)
+        return out, self.lse
+
+    def backward(self, grad_band, merged):
+        q, k, v = self.q, self.k, self.v
+        n, hq, d = q.shape
+        g = hq // self.hkv
+        dq = torch.empty(n, self.hkv, g, d)
+        dk, dv = torch.zeros(n, self.hkv, d), torch.zeros(n, self.hkv, d)
+        kf, vf = k.float(), v.float()
+        for s in range(0, n, self.chunk):
+            e = min(n, s + self.chunk)
+            qc = q[s:e].float().view(-1, self.hkv, g, d)
+            do = grad_band[s:e].float().view(-1, self.hkv, g, d)
+            scores = torch.einsum("ckgd,jkd->ckgj", qc, kf[:e]) * d ** -0.5
+            seen = torch.arange(e)[None, :] <= torch.arange(s, e)[:, None]  # (C, e)
+            p = (scores - self.lse[s:e].view(-1, self.hkv, g, 1)).exp() * seen[:, None, None]
+            dp = torch.einsum("ckgd,jkd->ckgj", do, vf[:e])
+            big_d = (do * merged[s:e].float().view(-1, self.hkv, g, d)).sum(-1, keepdim=True)
+            ds = p * (dp - big_d) * d ** -0.5
+            dq[s:e] = torch.einsum("ckgj,jkd->ckgd", ds, kf[:e])
+            dk[:e] += torch.einsum("ckgj,ckgd->jkd", ds, qc)
+            dv[:e] += torch.einsum("ckgj,ckgd->jkd", p, do)
+        return dq.view(n, hq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

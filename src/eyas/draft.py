@@ -35,6 +35,8 @@ from torch import nn
 from eyas.attention import attention
 from eyas.config import ConfigError, from_dict, to_dict
 from eyas.errors import EyasError
+from eyas import fp8 as fp8_mm
+from eyas.fp8 import Fp8Matrix
 from eyas.fused import QKVRope, RMSNormFn, SwiGLUDown
 
 log = logging.getLogger(__name__)
@@ -227,6 +229,8 @@ class LayerWeights:
     o: torch.Tensor  # (H, hq d)
     gate_up: torch.Tensor  # (2I, H)
     down: torch.Tensor  # (H, I)
+    # the same matrices quantized for fp8 products (eyas.fp8), when those are on
+    fp8: dict[str, Fp8Matrix | None] = field(default_factory=dict)
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -315,8 +319,9 @@ class Eagle3Draft(nn.Module):
                             "embed_tokens to Eagle3Draft(...) or set_embed_tokens()")
         return F.embedding(input_ids, self.embed_weight)
 
-    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """(..., 3*Ht) target aux states (or (..., 3, Ht)) -> g (..., H)."""
+    def fuse(self, aux_hidden: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        """(..., 3*Ht) target aux states (or (..., 3, Ht)) -> g (..., H); `fp8`: the fc
+        product in fp8 (eyas.fp8)."""
         ht = self.cfg.target_hidden_size
         aux = aux_hidden if aux_hidden.shape[-1] == 3 * ht else aux_hidden.flatten(-2)
         if self.cfg.fc_norm:
@@ -324,24 +329,33 @@ class Eagle3Draft(nn.Module):
             aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)
         if not torch.is_autocast_enabled(aux.device.type):
             aux = aux.to(self.fc.weight.dtype)  # e.g. bf16 captures into an fp32 draft
+        if fp8:
+            dev = aux.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) \
+                else self.fc.weight.dtype
+            w = self.fc.weight.to(dtype)
+            return fp8_mm.linear(aux.to(dtype), w, Fp8Matrix.of(w))
         return self.fc(aux)
 
-    def layer_weights(self, device_type: str) -> LayerWeights:
-        """The layer's matrices as its matmuls use them (see LayerWeights). Without grad
-        (drafting token by token) they are kept until a parameter changes, rather than
-        concatenated again at every call."""
+    def layer_weights(self, device_type: str, fp8: bool = False) -> LayerWeights:
+        """The layer's matrices as its matmuls use them (see LayerWeights), and with `fp8`
+        their fp8 copies too. Without grad (drafting token by token) they are kept until a
+        parameter changes, rather than concatenated again at every call."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
             else attn.q_proj.weight.dtype
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
-        key = (dtype, *((m.weight.data_ptr(), m.weight._version) for m in linears))
+        key = (dtype, fp8, *((m.weight.data_ptr(), m.weight._version) for m in linears))
         cached = self._cached_weights
         if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
             return cached[1]
         q, k, v, o, gate, up, down = (m.weight.to(dtype) for m in linears)
         weights = LayerWeights(qkv=torch.cat([q, k, v]), o=o, gate_up=torch.cat([gate, up]),
                                down=down)
+        if fp8:
+            weights.fp8 = {name: Fp8Matrix.of(getattr(weights, name))
+                           for name in ("qkv", "o", "gate_up", "down")}
         self._cached_weights = None if torch.is_grad_enabled() else (key, weights)
         return weights
 
@@ -355,7 +369,8 @@ class Eagle3Draft(nn.Module):
         e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
         x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
         residual = g if cfg.norm_before_residual else hidden
-        q, k, v = QKVRope.apply(F.linear(x, w.qkv), position_ids.float()[:, None],
+        q, k, v = QKVRope.apply(fp8_mm.linear(x, w.qkv, w.fp8.get("qkv")),
+                                 position_ids.float()[:, None],
                                  self.inv_freq, self.rope_scale, cfg.num_attention_heads,
                                  cfg.num_key_value_heads)
         return q, k, v, residual
@@ -364,9 +379,10 @@ class Eagle3Draft(nn.Module):
                weights: LayerWeights | None = None) -> torch.Tensor:
         """attn_out (N, hq, d), residual (N, H) -> pre-norm h (N, H)."""
         w = self.layer_weights(residual.device.type) if weights is None else weights
-        h = residual + F.linear(attn_out.flatten(1), w.o)
+        h = residual + fp8_mm.linear(attn_out.flatten(1), w.o, w.fp8.get("o"))
         x = self.midlayer.post_attention_layernorm(h)
-        return h + SwiGLUDown.apply(F.linear(x, w.gate_up), w.down)
+        gate_up = fp8_mm.linear(x, w.gate_up, w.fp8.get("gate_up"))
+        return h + SwiGLUDown.apply(gate_up, w.down, w.fp8.get("down"))
 
     def next_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """What the next draft step receives as its hidden input."""

@@ -152,15 +152,31 @@ def _swiglu_backward(grad, gate_up):
 class SwiGLUDown(torch.autograd.Function):
     """down_proj(silu(gate) * up) from gate_up (N, 2I) and w_down (H, I), saving gate_up
     only: the (N, I) product is recomputed in backward rather than kept (1.8 GiB per TTT
-    step at 64K tokens and I = 14336)."""
+    step at 64K tokens and I = 14336). `packed`: w_down's eyas.fp8.Fp8Matrix, or None for
+    plain matmuls."""
 
     @staticmethod
-    def forward(ctx, gate_up, w_down):
+    def forward(ctx, gate_up, w_down, packed=None):
         ctx.save_for_backward(gate_up, w_down)
-        return _swiglu(gate_up) @ w_down.t()  # (N, H)
+        ctx.packed = packed
+        if packed is None:
+            return _swiglu(gate_up) @ w_down.t()  # (N, H)
+        from eyas import fp8
+        x8, sx = fp8.quantize(_swiglu(gate_up))
+        return fp8.mm(x8, sx, packed.w.t(), packed.scale, gate_up.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         gate_up, w_down = ctx.saved_tensors
-        d_w = grad.t() @ _swiglu(gate_up) if ctx.needs_input_grad[1] else None  # (H, I)
-        return _swiglu_backward(grad @ w_down, gate_up), d_w
+        packed = ctx.packed
+        if packed is None:
+            d_w = grad.t() @ _swiglu(gate_up) if ctx.needs_input_grad[1] else None  # (H, I)
+            return _swiglu_backward(grad @ w_down, gate_up), d_w, None
+        from eyas import fp8
+        g8, sg, g8_t = fp8.quantize(grad.contiguous(), fp8.E5M2, transposed=True)
+        d_act = fp8.mm(g8, sg, packed.w_t.t(), packed.scale, gate_up.dtype)  # (N, I)
+        d_w = None
+        if ctx.needs_input_grad[1]:  # (H, I)
+            _, sa, a8_t = fp8.quantize(_swiglu(gate_up), transposed=True)
+            d_w = fp8.mm(g8_t, sg, a8_t.t(), sa, w_down.dtype)
+        return _swiglu_backward(d_act, gate_up), d_w, None

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from eyas import fp8
+from eyas.fp8 import Fp8Matrix
 from eyas.fused import cuda_compiled
 
 
@@ -36,10 +38,11 @@ class _ChunkedSoftCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, rows, chunk: int, grad_hidden: bool,
-                grad_weight: bool):
+                grad_weight: bool, packed):
         # hidden (n, H) compute dtype; weight (Vd, H) master dtype; teacher (M, Vd) logits whose
-        # row rows[i] (or i when rows is None) is the teacher of hidden row i
-        w = weight.to(hidden.dtype)  # what autocast would feed the matmul
+        # row rows[i] (or i when rows is None) is the teacher of hidden row i; packed: the
+        # weight's eyas.fp8.Fp8Matrix for fp8 products, or None
+        w = weight.to(hidden.dtype) if packed is None else None  # what autocast would feed
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # (n,)
         d_hidden = torch.empty_like(hidden) if grad_hidden else None  # (n, H)
@@ -48,13 +51,24 @@ class _ChunkedSoftCE(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s: s + chunk]  # (c, H)
             t = teacher[s: s + chunk] if rows is None else teacher[rows[s: s + chunk]]
-            loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight)
+            if packed is None:
+                loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight)
+            else:
+                h8, sh, h8_t = fp8.quantize(h, transposed=True) if grad_weight else \
+                    (*fp8.quantize(h), None)
+                logits = fp8.mm(h8, sh, packed.w.t(), packed.scale, hidden.dtype)
+                loss, pred, g = _soft_ce_chunk(logits, t, grad_hidden or grad_weight)
+                if g is not None:
+                    g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight) \
+                        if grad_weight else (*fp8.quantize(g, fp8.E5M2), None)
             total += loss
             top1[s: s + chunk] = pred
             if grad_hidden:  # g: d loss / d logits (c, Vd)
-                d_hidden[s: s + chunk] = g @ w
+                d_hidden[s: s + chunk] = g @ w if packed is None else \
+                    fp8.mm(g8, sg, packed.w_t.t(), packed.scale, hidden.dtype)
             if grad_weight:
-                d_weight += (g.t() @ h).float()
+                d_weight += (g.t() @ h).float() if packed is None else \
+                    fp8.mm(g8_t, sg, h8_t.t(), sh, torch.float32)
         ctx.save_for_backward(d_hidden, d_weight)
         ctx.mark_non_differentiable(top1)
         ctx.weight_dtype = weight.dtype
@@ -65,11 +79,12 @@ class _ChunkedSoftCE(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         gh = d_hidden * grad_total.to(d_hidden.dtype) if d_hidden is not None else None
         gw = (d_weight * grad_total).to(ctx.weight_dtype) if d_weight is not None else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
-                       rows: torch.Tensor | None = None, chunk: int = 4096
+                       rows: torch.Tensor | None = None, chunk: int = 4096,
+                       fp8_weight: Fp8Matrix | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)`.
 
@@ -77,7 +92,8 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
     teacher (M, Vd): target logits over the draft vocabulary, row `rows[i]` for hidden row i
     (rows (n,) long; None means M == n, row i). Rows are processed `chunk` at a time, so no
     `(n, Vd)` tensor is kept for backward. Returns (loss summed over rows, a differentiable
-    scalar; the draft's argmax per row (n,), draft ids).
+    scalar; the draft's argmax per row (n,), draft ids). fp8_weight: `weight` quantized
+    (eyas.fp8.Fp8Matrix.of) to run the three vocab products in fp8.
     """
     n_teacher = teacher.shape[0] if rows is None else rows.shape[0]
     if hidden.shape[0] != n_teacher or weight.shape[0] != teacher.shape[1]:
@@ -86,7 +102,7 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
     grad_on = torch.is_grad_enabled()
     return _ChunkedSoftCE.apply(hidden, weight, teacher, rows, max(1, int(chunk)),
                                 grad_on and hidden.requires_grad,
-                                grad_on and weight.requires_grad)
+                                grad_on and weight.requires_grad, fp8_weight)
 
 
 def simulated_acceptance_length(step_acc) -> float:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eyas import checkpoint, data
+from eyas import checkpoint, data, fp8
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.draft import DraftConfig, Eagle3Draft
@@ -98,7 +98,10 @@ class TrainConfig:
                                   "FSDP2 shards weights and optimizer state",
                           choices=("ddp", "fsdp"))
     precision: str = option("bf16", "bf16 autocast over fp32 master weights (CUDA only; CPU "
-                                     "always runs fp32) or fp32", choices=("bf16", "fp32"))
+                                     "always runs fp32); fp8: the same with the draft's matmuls "
+                                     "in fp8 (GPUs of compute capability 8.9+: Ada, Hopper, "
+                                     "Blackwell; see eyas.fp8); or fp32",
+                            choices=("bf16", "fp8", "fp32"))
     compile: bool = option(False, "torch.compile the TTT forward")
     device: str | None = option(None, "cuda or cpu (default: cuda if available)")
     num_workers: int = option(2, "data-loader processes (offline); 0 = load in the main process")
@@ -181,7 +184,8 @@ class Env:
     rank: int
     world_size: int
     device: torch.device
-    autocast: bool  # bf16 autocast (CUDA + --precision bf16)
+    autocast: bool  # bf16 autocast (CUDA + --precision bf16 or fp8)
+    fp8: bool = False  # the draft's matmuls in fp8 (--precision fp8)
 
     @property
     def main(self) -> bool:
@@ -211,7 +215,13 @@ def init_env(cfg: TrainConfig) -> Env:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if kind == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Env(rank, world, device, kind == "cuda" and cfg.precision == "bf16")
+    if cfg.precision == "fp8" and not (kind == "cuda" and fp8.supported(device)):
+        where = torch.cuda.get_device_name(device) if kind == "cuda" else "the CPU"
+        raise EyasError(f"--precision fp8 needs a GPU with fp8 matrix units (compute "
+                        f"capability 8.9+: L4/L40, H100/H200, B200); {where} has none. Use "
+                        f"--precision bf16.")
+    return Env(rank, world, device, kind == "cuda" and cfg.precision in ("bf16", "fp8"),
+               cfg.precision == "fp8")
 
 
 def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
@@ -254,14 +264,15 @@ class TTTModule(torch.nn.Module):
     """The draft plus its teacher head as one forward, so DDP and FSDP2 see a single call per
     micro-batch (TTT runs the draft layer `ttt_steps` times inside it)."""
 
-    def __init__(self, draft, teacher: torch.Tensor, steps: int):
+    def __init__(self, draft, teacher: torch.Tensor, steps: int, fp8: bool = False):
         super().__init__()
         self.draft = draft
         self.teacher = teacher  # (Vd, Ht) frozen; a plain attribute: never synced or sharded
         self.steps = steps
+        self.fp8 = fp8
 
     def forward(self, batch):
-        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps)
+        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=self.fp8)
 
 
 def _wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:
@@ -426,7 +437,7 @@ def train(cfg: TrainConfig) -> dict:
     draft, dcfg = build_draft(cfg, inputs, env)
     teacher = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht) frozen
     teacher = teacher.to(env.device, dtype)  # from the target's (maybe other) GPU to the draft's
-    model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps), cfg, env)
+    model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8), cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
     params = [p for p in model.parameters() if p.requires_grad]

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eyas.attention import attention
+from eyas.attention import attention, causal_attention
 from eyas.draft import Eagle3Draft
+from eyas.fp8 import Fp8Matrix
 from eyas.loss import simulated_acceptance_length, soft_cross_entropy
 
 
@@ -84,13 +85,14 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int) -> torch.Tenso
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
                 steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
-                prune: bool = True) -> TTTOutput:
+                prune: bool = True, fp8: bool = False) -> TTTOutput:
     """Training-time test: `steps` chained draft passes over a packed batch, one loss.
 
     target_lm_head: (V, Ht) or its draft-vocab rows (Vd, Ht). vocab_chunk: rows per chunk of
     the (rows, Vd) vocab projections. prune: from step 1 on, compute only positions that
     still carry a loss at this or a later step (exact: a position's chain reads only its own
-    earlier steps and the step-0 keys).
+    earlier steps and the step-0 keys). fp8: the draft's matmuls (fc, q/k/v, o, MLP,
+    lm_head) in fp8 with per-tensor scales (eyas.fp8); the teacher stays as it is.
     """
     dev = batch.input_ids.device
     # 1. Flatten the packed rows into one token stream of N positions.
@@ -106,19 +108,27 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
     keep[0] = True
     both = torch.cat([keep, valid])  # (2S, N)
-    cols = both.nonzero()[:, 1].contiguous().split(both.sum(1).tolist())  # each row's positions
+    # with them: is the batch one document (no packing, no padding), and the last position
+    # each step keeps; see step 5 for what they decide
+    doc = batch.doc_ids.reshape(-1)
+    one_doc = ((doc == 0).all() & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
+    last = (keep * torch.arange(n_all, device=dev)).amax(1)  # (S,)
+    host = torch.cat([both.sum(1), one_doc, last]).tolist()
+    counts, single, last = host[: 2 * steps], bool(host[2 * steps]), host[2 * steps + 1:]
+    cols = both.nonzero()[:, 1].contiguous().split(counts)  # each row's positions
     rank = keep.cumsum(1) - 1  # (S, N): where a kept position sits among its step's rows
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
-    weights = draft.layer_weights(dev.type)  # cast and fused once for all steps
+    weights = draft.layer_weights(dev.type, fp8=fp8)  # cast and fused once for all steps
     head = draft.lm_head.weight
     if not head.requires_grad:  # frozen: cast once too
         head = head.to(weights.qkv.dtype)
+    head_fp8 = Fp8Matrix.of(head.to(weights.qkv.dtype)) if fp8 else None
     sums, correct, rows_per_step = [], [], []
     # 4. Step 0: fused target states + the next token, causal within each document.
     rows = cols[0]
-    hidden = draft.fuse(batch.aux_hidden).reshape(n_all, -1)  # (N, H)
+    hidden = draft.fuse(batch.aux_hidden, fp8=fp8).reshape(n_all, -1)  # (N, H)
     diag_k, diag_v = [], []  # keys/values of steps 1..j at the kept positions
     k0 = v0 = None
     for j in range(steps):
@@ -132,18 +142,24 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         q, k, v, residual = draft.project(token, hidden, pos[rows] + j, weights)
         if j == 0:
             k0, v0 = k, v
-            out = attention(q, k0, v0, seg_start, rows)
         else:
             diag_k.append(k)
             diag_v.append(v)
-            out = attention(q, k0, v0, seg_start[rows], rows,
-                            torch.stack(diag_k), torch.stack(diag_v))
+        dk, dv = (torch.stack(diag_k), torch.stack(diag_v)) if j else (None, None)
+        # one document whose kept positions fill at least half of its first last[j] + 1:
+        # the fused causal kernel over that prefix (the others are zero queries, dropped)
+        # is cheaper than a block-sparse band; else the band (packed documents, sparse rows)
+        if single and 2 * counts[j] >= last[j] + 1:
+            prefix = counts[j] == last[j] + 1
+            out = causal_attention(q, k0, v0, dk, dv, None if prefix else rows, last[j] + 1)
+        else:
+            out = attention(q, k0, v0, seg_start[rows], rows, dk, dv)
         h = draft.finish(out, residual, weights)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
         here = rank[j][cols[steps + j]]  # indices into this step's rows
         teach = rows[here] + 1 + j
         loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher, rows=teach,
-                                            chunk=vocab_chunk)
+                                            chunk=vocab_chunk, fp8_weight=head_fp8)
         sums.append(loss_sum)
         correct.append((pred == draft_id[top1[teach]]).sum())
         rows_per_step.append(rows.numel())

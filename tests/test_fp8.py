@@ -1,0 +1,106 @@
+"""fp8 matmuls (eyas.fp8): each product against its fp32 value, and a whole TTT forward and
+backward in fp8 against the same in full precision. torch._scaled_mm runs on CPU, so these
+are the real fp8 kernels' numerics, not a simulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ttt import grads, make_draft, packed_batch, tiny_cfg
+
+from eyas import fp8
+from eyas.fp8 import Fp8Matrix
+from eyas.fused import SwiGLUDown
+from eyas.ttt import ttt_forward
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.detach().flatten().double(), b.detach().flatten().double(),
+                                     dim=0))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_quantize_uses_the_format_range_and_round_trips():
+    x = torch.randn(37, 64) * 5
+    for dtype, bits in ((fp8.E4M3, 3), (fp8.E5M2, 2)):
+        x8, s = fp8.quantize(x, dtype)
+        assert x8.dtype == dtype and s.dtype == torch.float32 and s.dim() == 0
+        assert float(x8.float().abs().max()) == torch.finfo(dtype).max  # amax maps to the top
+        back = x8.float() * s
+        # round to nearest with `bits` mantissa bits: relative error <= 2**-(bits+1) for normals
+        big = x.abs() > float(s) * torch.finfo(dtype).tiny * 4
+        assert float(((back - x).abs() / x.abs())[big].max()) <= 2 ** -(bits + 1) + 1e-6
+    zeros8, s = fp8.quantize(torch.zeros(4, 16))
+    assert float(s) > 0 and not zeros8.float().any()  # no division by zero
+
+
+@pytest.mark.parametrize("rows", [37, 64])  # the weight gradient pads 37 rows to 48
+def test_linear_forward_and_gradients_close_to_fp32(rows):
+    torch.manual_seed(0)
+    x = torch.randn(rows, 64, requires_grad=True)
+    w = (torch.randn(48, 64) * 0.1).requires_grad_()
+    grad = torch.randn(rows, 48)
+    y = fp8.linear(x, w, Fp8Matrix.of(w.detach()))
+    y.backward(grad)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y_ref = F.linear(x_ref, w_ref)
+    y_ref.backward(grad)
+    assert not torch.equal(y, y_ref)  # it really ran in fp8
+    assert rel_err(y, y_ref) < 0.06 and cosine(y, y_ref) > 0.998
+    assert rel_err(x.grad, x_ref.grad) < 0.12 and cosine(x.grad, x_ref.grad) > 0.99
+    assert rel_err(w.grad, w_ref.grad) < 0.12 and cosine(w.grad, w_ref.grad) > 0.99
+
+
+def test_unaligned_weights_stay_in_full_precision():
+    assert Fp8Matrix.of(torch.randn(30, 64)) is None
+    x, w = torch.randn(5, 64), torch.randn(30, 64)
+    torch.testing.assert_close(fp8.linear(x, w, None), F.linear(x, w))
+
+
+def test_swiglu_down_in_fp8_close_to_fp32():
+    torch.manual_seed(1)
+    gate_up = torch.randn(21, 128, requires_grad=True)
+    w_down = (torch.randn(32, 64) * 0.1).requires_grad_()
+    grad = torch.randn(21, 32)
+    SwiGLUDown.apply(gate_up, w_down, Fp8Matrix.of(w_down.detach())).backward(grad)
+    g_ref, w_ref = gate_up.detach().clone().requires_grad_(), w_down.detach().clone().requires_grad_()
+    gate, up = g_ref.chunk(2, -1)
+    (F.silu(gate) * up @ w_ref.t()).backward(grad)
+    assert cosine(gate_up.grad, g_ref.grad) > 0.99 and cosine(w_down.grad, w_ref.grad) > 0.99
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_ttt_in_fp8_tracks_full_precision(frozen):
+    """A whole TTT-5 forward and backward with every draft matmul in fp8: the loss within 2%
+    of fp32, each parameter's gradient pointing the same way (cosine > 0.97)."""
+    cfg = tiny_cfg(hidden_size=64, target_hidden_size=64, head_dim=16, intermediate_size=128,
+                   vocab_size=80, draft_vocab_size=48)
+    draft = make_draft(cfg)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.3
+    draft.init_lm_head_from_target(lm_head, freeze=frozen)
+    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
+    ref = ttt_forward(draft, batch, lm_head, steps=5)
+    ref_grads = grads(draft, ref.loss)
+    out = ttt_forward(draft, batch, lm_head, steps=5, fp8=True)
+    got_grads = grads(draft, out.loss)
+    assert out.loss != ref.loss
+    assert abs(float(out.loss) / float(ref.loss) - 1) < 0.02
+    assert out.step_count.tolist() == ref.step_count.tolist()
+    assert set(got_grads) == set(ref_grads)
+    assert ("lm_head.weight" in got_grads) == (not frozen)
+    for name, g in ref_grads.items():
+        assert cosine(got_grads[name], g) > 0.97, name
+
+
+def test_train_refuses_fp8_without_fp8_hardware():
+    from eyas.errors import EyasError
+    from eyas.train import TrainConfig, init_env
+
+    with pytest.raises(EyasError, match="--precision fp8 needs a GPU.*--precision bf16"):
+        init_env(TrainConfig(data="d", out="o", precision="fp8", device="cpu"))
+    assert fp8.supported(torch.device("cpu"))  # the kernels themselves run (tests above)
