@@ -100,7 +100,7 @@ class TrainConfig:
     precision: str = option("bf16", "bf16 autocast over fp32 master weights (CUDA only; CPU "
                                      "always runs fp32); fp8: the same with the draft's matmuls "
                                      "in fp8 (GPUs of compute capability 8.9+: Ada, Hopper, "
-                                     "Blackwell; see eyas.fp8); or fp32",
+                                     "Blackwell; on CPU only to test it); or fp32",
                             choices=("bf16", "fp8", "fp32"))
     compile: bool = option(False, "torch.compile the TTT forward")
     device: str | None = option(None, "cuda or cpu (default: cuda if available)")
@@ -215,13 +215,22 @@ def init_env(cfg: TrainConfig) -> Env:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if kind == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if cfg.precision == "fp8" and not (kind == "cuda" and fp8.supported(device)):
-        where = torch.cuda.get_device_name(device) if kind == "cuda" else "the CPU"
-        raise EyasError(f"--precision fp8 needs a GPU with fp8 matrix units (compute "
-                        f"capability 8.9+: L4/L40, H100/H200, B200); {where} has none. Use "
-                        f"--precision bf16.")
+    if cfg.precision == "fp8":
+        check_fp8(device)
     return Env(rank, world, device, kind == "cuda" and cfg.precision in ("bf16", "fp8"),
                cfg.precision == "fp8")
+
+
+def check_fp8(device: torch.device) -> None:
+    """--precision fp8: refused on a GPU without fp8 matrix units; allowed on CPU, where
+    torch runs the same fp8 products (slowly: it is there to test the path, not for speed)."""
+    if not fp8.supported(device):
+        raise EyasError(f"--precision fp8 needs fp8 matrix units (CUDA compute capability "
+                        f"8.9+: L4/L40, H100/H200, B200); {device} has none. Use "
+                        f"--precision bf16.")
+    if device.type == "cpu":
+        log.warning("--precision fp8 on CPU runs the real fp8 products, but slower than fp32: "
+                    "use it to test the path, not for speed")
 
 
 def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
