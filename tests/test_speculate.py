@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.errors import EyasError
 from eyas.models import inspect_model
 from eyas.speculate import (Eagle3Drafter, NgramDrafter, Proposal, Sampling, TargetRunner,
                             generate_plain, generate_speculative, verify)
@@ -387,3 +388,9 @@ def test_runner_on_wrapper_and_moe_targets(tiny_model_dir, arch, prompt):
     assert ref == theirs[0, len(prompt):].tolist()
     gen = generate_speculative(runner, NgramDrafter(1, 3), prompt, 3, 16, NO_STOP, Sampling())
     assert gen.tokens == ref and gen.stats.drafts > 0
+
+
+def test_runner_refuses_an_aux_id_beyond_the_target(llama):
+    with pytest.raises(EyasError, match=r"aux layer id 9 does not exist: the target has 8 "
+                                        r"decoder layers \(ids 0..8\)"):
+        TargetRunner(llama, llama.model.layers, llama.model.norm, (2, 5, 9))

@@ -1,5 +1,5 @@
 """The target forward of `eyas capture`: hooks that keep the aux and final hidden states of
-real tokens (`_Taps`), top-1 over lm_head chunks, batch planning and packing (flat rows with
+real tokens (eyas.taps.AuxTaps), top-1 over lm_head chunks, batch planning and packing (flat rows with
 position resets, or right-padded rows), and the self-check that flat packing really isolates
 samples. `forward_batches` yields device tensors per batch; eyas.capture stores them or hands
 them to online training.
@@ -7,71 +7,18 @@ them to online training.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import weakref
 
 import torch
 
 from eyas.errors import EyasError
+from eyas.taps import AuxTaps
 
 log = logging.getLogger(__name__)
 
 LOGIT_CHUNK_ELEMENTS = 1 << 26  # lm_head chunk: tokens * vocab <= 64M logits (128 MiB in bf16)
 PROBE_TOKENS = 16               # length of the two sequences the packing self-check runs
-
-
-class _Taps:
-    """Hooks that keep, at real-token positions only, the residual stream entering each aux
-    layer (pre-hooks; id L = forward hook on the last layer) and the final norm's output.
-    They are attached only for the duration of one capture forward (`attached`), so the
-    model behaves as usual in between (online training may run it for other purposes)."""
-
-    def __init__(self, layers, norm, aux_layer_ids, num_layers: int):
-        self.layers, self.norm, self.num_layers = layers, norm, num_layers
-        self.ids = tuple(aux_layer_ids)
-        self.kept: dict = {}
-        self.gather: torch.Tensor | None = None  # flat indices of real tokens in (B*T), or None
-
-    @contextlib.contextmanager
-    def attached(self, gather: torch.Tensor | None):
-        self.gather, self.kept = gather, {}
-        last = self.layers[self.num_layers - 1]
-        handles = [self.layers[k].register_forward_pre_hook(
-                       functools.partial(self._before, k), with_kwargs=True)
-                   if k < self.num_layers else
-                   last.register_forward_hook(functools.partial(self._after, k))
-                   for k in self.ids]
-        handles.append(self.norm.register_forward_hook(functools.partial(self._after, "final")))
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _before(self, key, module, args, kwargs):
-        self._keep(key, args[0] if args else kwargs["hidden_states"])
-
-    def _after(self, key, module, args, output):
-        self._keep(key, output[0] if isinstance(output, (tuple, list)) else output)
-
-    def _keep(self, key, hidden: torch.Tensor):
-        flat = hidden.reshape(-1, hidden.shape[-1])                         # (B*T, H)
-        # clone/index_select copy: a later layer may update the residual tensor in place
-        self.kept[key] = (flat.clone() if self.gather is None
-                          else flat.index_select(0, self.gather.to(flat.device)))
-
-    def collect(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        missing = [k for k in (*self.ids, "final") if k not in self.kept]
-        if missing:
-            raise EyasError(f"the forward never reached the hooks for {missing} (aux ids / "
-                            f"final norm); the layer or norm paths eyas found for this model "
-                            f"are wrong: check `eyas doctor` and report the architecture.")
-        aux = torch.stack([self.kept[k].to(device) for k in self.ids], dim=1)  # (N, 3, H)
-        final = self.kept["final"].to(device)                                # (N, H)
-        self.kept = {}
-        return aux, final
 
 
 def top1_chunked(lm_head, final: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -85,7 +32,7 @@ def top1_chunked(lm_head, final: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat(out).to(torch.int32) if out else torch.zeros(0, dtype=torch.int32)
 
 
-def _forward(parts, taps: _Taps, inputs: dict) -> dict[str, torch.Tensor]:
+def _forward(parts, taps: AuxTaps, inputs: dict) -> dict[str, torch.Tensor]:
     """One target forward; returns device tensors aux_hidden, final_hidden, target_top1 and the
     per-token `nonfinite` flags."""
     text_model, lm_head, device, vocab = parts
@@ -159,7 +106,7 @@ def forward_batches(model, info, dataset, rows, aux_layer_ids, batch_tokens, pac
              submodule(model, info.embed_path).weight.device, info.vocab_size)
     lengths = [int(n) for n in dataset["num_tokens"]]
     rows = list(range(len(dataset))) if rows is None else list(rows)
-    taps = _Taps(submodule(model, info.layers_path), submodule(model, info.norm_path),
+    taps = AuxTaps(submodule(model, info.layers_path), submodule(model, info.norm_path),
                  aux_layer_ids, info.num_layers)
     with torch.inference_mode():
         flat = _resolve_packing(packing, info, parts, taps)

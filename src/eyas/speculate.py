@@ -16,6 +16,7 @@ EAGLE-3 drafter and the test stubs all follow it (duck typing, no base class).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from eyas.errors import EyasError
+from eyas.taps import AuxTaps
 
 
 @dataclass(frozen=True)
@@ -169,11 +171,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, sampling: Sampling) -> tupl
 # ---------------------------------------------------------------- the target
 
 class TargetRunner:
-    """A transformers causal LM with its KV cache; captures aux states with forward pre-hooks.
-
-    Aux id k < L (vLLM convention) is the input of decoder layer k; id L is the input of the
-    final norm (the last layer's output before the norm).
-    """
+    """A transformers causal LM with its KV cache; aux states through eyas.taps.AuxTaps
+    (the same hooks and layer-id convention as `eyas capture`)."""
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module,
                  aux_layer_ids: tuple[int, ...] = ()):
@@ -181,30 +180,12 @@ class TargetRunner:
         self.device = model.get_input_embeddings().weight.device  # inputs and outputs live here
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.cache = None
-        self._aux: dict[int, torch.Tensor] = {}
-        self._capture = False
-        self._hooks = []
-        n = len(layers)
-        for layer_id in self.aux_layer_ids:
-            if not 0 <= layer_id <= n:
-                raise EyasError(f"aux layer id {layer_id} does not exist: the target has {n} "
-                                f"decoder layers (ids 0..{n}); was the draft trained for another "
-                                f"target?")
-            module = layers[layer_id] if layer_id < n else final_norm
-            self._hooks.append(module.register_forward_pre_hook(
-                self._keeper(layer_id), with_kwargs=True))
+        self.taps = AuxTaps(layers, final_norm, self.aux_layer_ids, len(layers), final=False)
         params = inspect.signature(model.forward).parameters
         self._can_trim_logits = "logits_to_keep" in params
         # transformers >= 5.2x names the KV cache argument `cache`; earlier 5.x (and most
         # remote code) `past_key_values`
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    def _keeper(self, layer_id: int):
-        def keep(module, args, kwargs):
-            if self._capture:
-                hidden = args[0] if args else kwargs["hidden_states"]  # (1, T, Ht)
-                self._aux[layer_id] = hidden[0]
-        return keep
 
     def reset(self) -> None:
         self.cache = None  # the first forward lets the model build the cache type it needs
@@ -216,18 +197,15 @@ class TargetRunner:
         kwargs = {self._cache_arg: self.cache, "use_cache": True}
         if last_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
-        self._capture = aux and bool(self.aux_layer_ids)
-        try:
+        capture = aux and bool(self.aux_layer_ids)
+        with self.taps.attached() if capture else contextlib.nullcontext():
             out = self.model(input_ids=ids.to(self.device)[None], **kwargs)
-        finally:
-            self._capture = False
         cache = out.get("cache")
         self.cache = cache if cache is not None else out.get("past_key_values")
         logits = out.logits[0, -1:] if last_only else out.logits[0]
         states = None
-        if aux and self.aux_layer_ids:  # a device_map'ed target has layers on several GPUs
-            states = torch.cat([self._aux.pop(i).to(self.device) for i in self.aux_layer_ids],
-                               dim=-1)
+        if capture:  # (T, n, Ht) -> (T, n*Ht), on the input device (device_map'ed layers)
+            states = self.taps.collect(self.device)[0].flatten(1)
         return logits.float().to(self.device), states
 
     def rollback(self, n: int) -> None:
@@ -236,9 +214,7 @@ class TargetRunner:
             self.cache.crop(-n)
 
     def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Nothing stays attached between forwards; kept for callers that release runners."""
 
 
 # ---------------------------------------------------------------- generation loops
