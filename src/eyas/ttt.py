@@ -83,6 +83,32 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int) -> torch.Tenso
     return torch.stack(rows)
 
 
+@dataclass
+class _Plan:
+    valid: torch.Tensor  # (S, N) bool: position n carries a loss at step j
+    rank: torch.Tensor  # (S, N): where a kept position sits among its step's rows
+    cols: tuple[torch.Tensor, ...]  # 2S index tensors: kept positions per step, then valid
+    one_document: bool  # one row holding one document (no packing, no padding)
+    last: list[int]  # (S,) the last position each step keeps
+
+
+def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> _Plan:
+    """What each step computes: all positions at step 0 (its keys serve every later step),
+    then (with `prune`) only those that still carry a loss at this or a later step. The row
+    counts fix every shape, so they reach the host once, here, with the two facts that pick
+    the attention kernel, rather than through a sync at every step."""
+    valid = ttt_positions(batch, t2d, steps)  # (S, N)
+    keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
+    keep[0] = True
+    both = torch.cat([keep, valid])  # (2S, N)
+    doc = batch.doc_ids.reshape(-1)
+    one_doc = ((doc == 0).all() & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
+    last = (keep * torch.arange(doc.shape[0], device=doc.device)).amax(1)  # (S,)
+    host = torch.cat([both.sum(1), one_doc, last]).tolist()
+    cols = both.nonzero()[:, 1].contiguous().split(host[: 2 * steps])
+    return _Plan(valid, keep.cumsum(1) - 1, cols, bool(host[2 * steps]), host[2 * steps + 1:])
+
+
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
                 steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
                 prune: bool = True, fp8: bool = False) -> TTTOutput:
@@ -101,22 +127,9 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     top1 = batch.target_top1.reshape(-1).long()
     n_all = ids.shape[0]
     seg_start, seg_end = _segments(batch.doc_ids)
-    # 2. Which (step, position) pairs carry a loss; which positions each step computes (all
-    #    at step 0: its keys serve every later step). The row counts fix every shape, so
-    #    they reach the host once, here, rather than through a sync at every step.
-    valid = ttt_positions(batch, draft.t2d, steps)  # (S, N)
-    keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
-    keep[0] = True
-    both = torch.cat([keep, valid])  # (2S, N)
-    # with them: is the batch one document (no packing, no padding), and the last position
-    # each step keeps; see step 5 for what they decide
-    doc = batch.doc_ids.reshape(-1)
-    one_doc = ((doc == 0).all() & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
-    last = (keep * torch.arange(n_all, device=dev)).amax(1)  # (S,)
-    host = torch.cat([both.sum(1), one_doc, last]).tolist()
-    counts, single, last = host[: 2 * steps], bool(host[2 * steps]), host[2 * steps + 1:]
-    cols = both.nonzero()[:, 1].contiguous().split(counts)  # each row's positions
-    rank = keep.cumsum(1) - 1  # (S, N): where a kept position sits among its step's rows
+    # 2. Which (step, position) pairs carry a loss, and which positions each step computes.
+    plan = _plan(batch, draft.t2d, steps, prune)
+    cols, rank = plan.cols, plan.rank
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
@@ -145,15 +158,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         else:
             diag_k.append(k)
             diag_v.append(v)
-        dk, dv = (torch.stack(diag_k), torch.stack(diag_v)) if j else (None, None)
-        # one document whose kept positions fill at least half of its first last[j] + 1:
-        # the fused causal kernel over that prefix (the others are zero queries, dropped)
-        # is cheaper than a block-sparse band; else the band (packed documents, sparse rows)
-        if single and 2 * counts[j] >= last[j] + 1:
-            prefix = counts[j] == last[j] + 1
-            out = causal_attention(q, k0, v0, dk, dv, None if prefix else rows, last[j] + 1)
-        else:
-            out = attention(q, k0, v0, seg_start[rows], rows, dk, dv)
+        out = _attend(plan, j, q, k0, v0, rows, seg_start, diag_k, diag_v)
         h = draft.finish(out, residual, weights)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
         here = rank[j][cols[steps + j]]  # indices into this step's rows
@@ -165,7 +170,20 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         rows_per_step.append(rows.numel())
         hidden = draft.next_hidden(h)
     # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
-    return _ttt_output(sums, correct, valid.sum(1), rows_per_step, step_weight)
+    return _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
+
+
+def _attend(plan: _Plan, j: int, q, k0, v0, rows, seg_start, diag_k: list, diag_v: list):
+    """Step j's attention: each row's causal band over the step-0 keys of its document plus
+    its own keys of steps 1..j. For one document whose kept positions fill at least half of
+    the prefix up to the last of them, the fused causal kernel over that prefix (the other
+    positions as zero queries, dropped) beats a block-sparse band; otherwise the band
+    (packed documents, sparse rows)."""
+    dk, dv = (torch.stack(diag_k), torch.stack(diag_v)) if diag_k else (None, None)
+    span = plan.last[j] + 1
+    if plan.one_document and 2 * rows.numel() >= span:
+        return causal_attention(q, k0, v0, dk, dv, None if rows.numel() == span else rows, span)
+    return attention(q, k0, v0, seg_start[rows], rows, dk, dv)
 
 
 @torch.no_grad()
