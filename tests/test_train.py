@@ -481,3 +481,27 @@ def test_fp8_training_tracks_fp32(run_inputs, tmp_path):
     weights = _weights(tmp_path / "fp8", 8)
     assert weights["fc.weight"].dtype == torch.float32
 
+
+
+def test_metrics_go_to_jsonl_and_tensorboard_and_resume_drops_lost_steps(tmp_path):
+    """metrics.jsonl and TensorBoard get the same scalars (lists as one scalar per TTT step);
+    after a kill at step 3 the records of steps 4-5 are dropped from both."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = checkpoint.MetricsLog(tmp_path, resume_step=0)
+    for step in range(1, 6):
+        first.write({"kind": "train", "step": step, "loss": 10.0 - step, "acc": [0.1, 0.2]})
+    first.close()
+    again = checkpoint.MetricsLog(tmp_path, resume_step=3)  # the run resumes after step 3
+    for step in (4, 5):
+        again.write({"kind": "train", "step": step, "loss": 100.0 + step, "acc": [0.3, 0.4]})
+    again.close()
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0),
+                                                      (5, 105.0)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "train/acc_0", "train/acc_1"} <= set(events.Tags()["scalars"])
+    loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert loss == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0)]
+    assert [e.value for e in events.Scalars("train/acc_1")][-1] == pytest.approx(0.4)

@@ -222,7 +222,10 @@ class MetricsLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # purge_step: on resume, TensorBoard drops the events of the steps lost with the
+            # kill (the same cut as metrics.jsonl above)
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                    purge_step=resume_step + 1 if resume_step > 0 else None)
         except ImportError:
             log.debug("tensorboard not installed: metrics go to metrics.jsonl only")
 
