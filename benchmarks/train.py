@@ -13,6 +13,7 @@ tells whether disk reading keeps up with the GPU.
 
     python benchmarks/train.py                     # H200: ~3-5 minutes
     python benchmarks/train.py --batch-tokens 8192,16384,32768 --steps 40
+    python benchmarks/train.py --batch-tokens 16384 --precision bf16,fp8
     python benchmarks/train.py --smoke             # tiny shapes on CPU, checks the script runs
 
 Prints a markdown table and writes JSON (--out).
@@ -133,8 +134,8 @@ def bench_loader(capture: Path, batch_tokens: int, workers: int, batches: int) -
 
 
 def bench_train(root: Path, inputs: dict, batch_tokens: int, steps: int, smoke: bool,
-                compile_: bool) -> dict:
-    run = root / f"run-{batch_tokens}{'-compiled' if compile_ else ''}"
+                compile_: bool, precision: str = "bf16") -> dict:
+    run = root / f"run-{batch_tokens}-{precision}{'-compiled' if compile_ else ''}"
     log_every = max(1, steps // 5)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -143,14 +144,15 @@ def bench_train(root: Path, inputs: dict, batch_tokens: int, steps: int, smoke: 
         data=str(inputs["capture"]), vocab=str(inputs["vocab"]), out=str(run),
         batch_tokens=batch_tokens, max_steps=steps, log_every=log_every, eval_every=steps,
         save_every=steps, eval_fraction=0.01, num_workers=0 if smoke else 2, lm_head="target",
-        compile=compile_, resume="never"))
+        compile=compile_, resume="never", precision=precision))
     wall = time.perf_counter() - t0
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in rows if r["kind"] == "train"][1:] or \
         [r for r in rows if r["kind"] == "train"]
     ckpt = run / "checkpoints" / f"step-{steps:08d}"
     return {
-        "batch_tokens": batch_tokens, "compile": compile_, "steps": steps,
+        "batch_tokens": batch_tokens, "precision": precision, "compile": compile_,
+        "steps": steps,
         "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in windows])),
         "step_s": float(np.mean([r["tokens"] / r["tokens_per_s"] / log_every for r in windows])),
         "peak_gb": (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
@@ -162,11 +164,12 @@ def bench_train(root: Path, inputs: dict, batch_tokens: int, steps: int, smoke: 
 
 def markdown(result: dict) -> str:
     lines = [f"### eyas train ({result['setup']['shape']}, {result['setup']['device']})", "",
-             "| batch tokens | compile | tokens/s | step s | peak GiB | ckpt GiB |",
-             "|---|---|---|---|---|---|"]
+             "| batch tokens | precision | compile | tokens/s | step s | peak GiB | ckpt GiB |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["train"]:
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        lines.append(f"| {r['batch_tokens']} | {r['compile']} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['batch_tokens']} | {r.get('precision', 'bf16')} | {r['compile']} "
+                     f"| {r['tokens_per_s']:.0f} | "
                      f"{r['step_s']:.3f} | {peak} | {r['checkpoint_gb']:.2f} |")
     lines += ["", "| loader workers | tokens/s |", "|---|---|"]
     lines += [f"| {w} | {t:.0f} |" for w, t in result["loader"].items()]
@@ -183,6 +186,8 @@ def main() -> dict:
     p.add_argument("--work-dir", default=None, help="where the synthetic folders go (tmp)")
     p.add_argument("--out", default=None, help="JSON results (default "
                    "benchmarks/results/train.json, train-smoke.json with --smoke)")
+    p.add_argument("--precision", default="bf16", help="comma list of: bf16, fp8")
+    p.add_argument("--no-loader", action="store_true", help="skip the loader-only measurement")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -199,11 +204,14 @@ def main() -> dict:
                      part_tokens=1024 if args.smoke else 16384)
         make_vocab(root / "vocab", target, shape["vocab_size"], draft_vocab)
         inputs = {"capture": capture, "vocab": root / "vocab"}
-        runs = [bench_train(root, inputs, b, steps, args.smoke, False) for b in sizes]
+        precisions = args.precision.split(",")
+        runs = [bench_train(root, inputs, b, steps, args.smoke, False, prec)
+                for b in sizes for prec in precisions]
         if args.compile:
             runs += [bench_train(root, inputs, b, steps, args.smoke, True) for b in sizes]
-        loader = {w: bench_loader(capture, max(sizes), w, 8 if args.smoke else 40)
-                  for w in ((0,) if args.smoke else (0, 2))}
+        loader = {} if args.no_loader else {
+            w: bench_loader(capture, max(sizes), w, 8 if args.smoke else 40)
+            for w in ((0,) if args.smoke else (0, 2))}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {"benchmark": "train",
