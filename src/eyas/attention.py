@@ -167,12 +167,21 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
                               for x in (diag_k, diag_v))
         return causal_attention(placed, k, v, diag_k, diag_v).index_select(0, rows)
     n, _, d = q.shape
-    if q.device.type == "cuda" and (q.dtype not in (torch.bfloat16, torch.float16)
-                                    or d > 128 or d % 8):  # beyond cuDNN's kernels
+    if q.device.type == "cuda" and not _cudnn_fits(q):
         idx = torch.arange(n, device=q.device)
         return attention(q, k, v, torch.zeros_like(idx), idx, diag_k, diag_v)
     with torch.autocast(q.device.type, enabled=False):
         return _CausalDiag.apply(q, k[:n], v[:n], diag_k, diag_v)
+
+
+def _cudnn_fits(q: torch.Tensor) -> bool:
+    """Whether cuDNN's fused attention takes these queries: half precision, head dim <= 128
+    and a multiple of 8, an Ampere-or-newer GPU (compute capability 8.0+) and cuDNN present.
+    Anything else takes the FlexAttention band, which gives the same result."""
+    d = q.shape[-1]
+    return (q.dtype in (torch.bfloat16, torch.float16) and d <= 128 and d % 8 == 0
+            and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 class _CausalDiag(torch.autograd.Function):
