@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from eyas.config import ConfigError
 from eyas.draft import DraftConfig, Eagle3Draft, KVCache, draft_rope_scaling
 from eyas.errors import EyasError
-from eyas.export import to_vllm_config
+from eyas.export_configs import to_vllm_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -19,7 +19,8 @@ from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.eval_report import write_report
 from eyas.evaluate import EvalConfig, evaluate, load_draft
-from eyas.export import export_state_dict, to_vllm_config
+from eyas.export import export_state_dict
+from eyas.export_configs import to_vllm_config
 from eyas.manifest import read_manifest
 from eyas.models import load_target, submodule
 from eyas.tiny import TINY_VOCAB

@@ -16,9 +16,10 @@ from eyas.config import ConfigError
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.export import (
-    ExportConfig, expected_shapes, export, find_checkpoint, from_speculators_config,
-    from_vllm_config, read_config, read_vllm_folder, sglang_layer_ids, to_sglang_config,
-    to_speculators_config, to_vllm_config, validate_folder)
+    ExportConfig, expected_shapes, export, find_checkpoint, read_vllm_folder, validate_folder)
+from eyas.export_configs import (
+    from_speculators_config, from_vllm_config, read_config, sglang_layer_ids, to_sglang_config,
+    to_speculators_config, to_vllm_config)
 from eyas.manifest import read_manifest, write_manifest
 
 TARGET = {"name_or_path": "tiny/llama", "revision": None, "commit": "abc123", "model_type": "llama",

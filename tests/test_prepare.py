@@ -19,8 +19,9 @@ from eyas.cli import build_parser, main, parse_config
 from eyas.config import ConfigError
 from eyas.errors import EyasError
 from eyas.manifest import read_manifest, tokenizer_fingerprint
-from eyas.prepare import (PrepareConfig, _tokens_by_segments, _tokens_with_mask, _char_mask,
-                          assistant_spans, prepare, render_prompt, tokenize_conversation)
+from eyas.masking import (_char_mask, _tokens_by_segments, _tokens_with_mask, assistant_spans,
+                          render_prompt, tokenize_conversation)
+from eyas.prepare import PrepareConfig, prepare
 from eyas.tiny import save_tiny_tokenizer
 
 # ChatML as Qwen2.5 writes it: a default system turn, tool results inside a user turn.

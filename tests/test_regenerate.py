@@ -26,7 +26,8 @@ from eyas.config import ConfigError
 from eyas.corpus import synthetic_chats
 from eyas.errors import EyasError
 from eyas.openai_server import ChatServer, load_generator
-from eyas.regenerate import KILL_ENV, REJECTS, OUTPUT, RegenerateConfig, regenerate
+from eyas.regenerate import RegenerateConfig, regenerate
+from eyas.regenerate_output import KILL_ENV, OUTPUT, REJECTS
 
 MAX_NEW = 10
 # The Llama-3 template of eyas.tiny plus Qwen3's switch: thinking off = an empty think block.
@@ -302,7 +303,7 @@ def test_server_checks_fail_with_the_fix(setup, tmp_path):
 
 
 def test_torn_tail_is_cut_back_to_the_last_whole_line(tmp_path):
-    from eyas.regenerate import _cut_torn_tail
+    from eyas.regenerate_output import _cut_torn_tail
 
     path = tmp_path / "x.jsonl"
     whole = '{"a": 1}\n{"b": 2}\n'

@@ -319,7 +319,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[Prompt], dict | None]
     prepared folder's manifest if `data` is one. A prompt is the conversation before its
     last assistant turn (the whole conversation if it does not end with one)."""
     from eyas.chat import ChatFormatError
-    from eyas.prepare import render_prompt
+    from eyas.masking import render_prompt
 
     path = Path(cfg.data)
     prepared = read_manifest(path, step="prepare") if (path / MANIFEST).is_file() else None

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from eyas import __version__
+from eyas.export_configs import sglang_layer_ids
 from eyas.manifest import LAYER_ID_CONVENTION
 
 # Train config keys quoted in the README (the whole config stays in eyas.json).
@@ -33,8 +34,6 @@ def serve_commands(fmt: str, target: str, draft: str, k: int, trust_remote_code:
 def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | None,
                   step: Path, report: dict | None) -> str:
     """cfg: ExportConfig; dcfg: DraftConfig; train: the run's manifest (or None)."""
-    from eyas.export import sglang_layer_ids
-
     target = (train or {}).get("target") or {}
     name = target_name or "TARGET"
     remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
