@@ -99,7 +99,7 @@ def test_ttt_in_fp8_tracks_full_precision(frozen):
 
 def test_train_refuses_fp8_on_a_gpu_without_fp8_units(monkeypatch):
     from eyas.errors import EyasError
-    from eyas.train import check_fp8
+    from eyas.train_setup import check_fp8
 
     monkeypatch.setattr(fp8, "supported", lambda device: False)
     with pytest.raises(EyasError, match="--precision fp8 needs fp8 matrix units.*cuda:0 has "

@@ -198,7 +198,7 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
         keep, held = split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
         train_ids, eval_ids = train_ids[keep], train_ids[held]
     # left where the target keeps them: train copies the embedding and the draft-vocab rows of
-    # lm_head to the draft's device (eyas.train.build_draft)
+    # lm_head to the draft's device (eyas.train_setup.build_draft)
     embed = _resident(submodule(model, info.embed_path).weight, "embedding", dmap)
     lm_head = _resident(submodule(model, info.lm_head_path).weight, "lm_head", dmap)
     return Inputs(src, train_ids, src if len(eval_ids) else None, eval_ids, info, target,

@@ -3,8 +3,8 @@
 Setup (inputs, draft, DDP/FSDP2, optimizer, schedule, resume), then per optimizer step:
 load `grad_accum` micro-batches -> forward (TTT, `ttt_steps` chained draft passes) -> loss
 -> backward -> clip -> AdamW step -> log -> eval -> checkpoint. One process or `torchrun`
-with any number of ranks and nodes runs the same code; only `_wrap` differs between DDP
-and FSDP2.
+with any number of ranks and nodes runs the same code; eyas.train_setup holds what runs
+before the loop (only its `wrap` differs between DDP and FSDP2).
 
 The loss of an optimizer step is  sum_j w^j * (summed soft-CE of step j) / N_j  where N_j
 counts the positions carrying a step-j loss in the WHOLE step (every micro-batch on every
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +31,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eyas import checkpoint, data, fp8
+from eyas import checkpoint, data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
-from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.loss import simulated_acceptance_length
 from eyas.manifest import write_manifest
-from eyas.ttt import TTTBatch, ttt_forward, ttt_positions
+from eyas.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
+                              wrap)
+from eyas.ttt import TTTBatch, ttt_positions
 
 log = logging.getLogger(__name__)
 
@@ -177,142 +177,6 @@ def _is_device_map(value: str | None) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------- setup
-
-@dataclass(frozen=True)
-class Env:
-    rank: int
-    world_size: int
-    device: torch.device
-    autocast: bool  # bf16 autocast (CUDA + --precision bf16 or fp8)
-    fp8: bool = False  # the draft's matmuls in fp8 (--precision fp8)
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_env(cfg: TrainConfig) -> Env:
-    """Join the torchrun process group if there is one (gloo on CPU, nccl on GPU)."""
-    kind = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise EyasError("--device cuda but no CUDA device is visible; use --device cpu")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and cfg.target_device_map is not None:
-        # torchrun shows every rank the same GPUs: N ranks would place N copies of the target
-        # over them (and rank r's draft goes to cuda:r, inside some other rank's target)
-        raise EyasError(
-            f"--target-device-map {cfg.target_device_map} under torchrun (WORLD_SIZE={world}) "
-            f"would make every rank load its own copy of the target over the same GPUs. Run "
-            f"one process instead (`eyas train --online --target-device-map "
-            f"{cfg.target_device_map} ...` without torchrun): it spreads the target over the "
-            f"GPUs that CUDA_VISIBLE_DEVICES shows and trains the draft on the first. A target "
-            f"that fits one GPU can use torchrun without --target-device-map.")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
-    if kind == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if cfg.precision == "fp8":
-        check_fp8(device)
-    return Env(rank, world, device, kind == "cuda" and cfg.precision in ("bf16", "fp8"),
-               cfg.precision == "fp8")
-
-
-def check_fp8(device: torch.device) -> None:
-    """--precision fp8: refused on a GPU without fp8 matrix units; allowed on CPU, where
-    torch runs the same fp8 products (slowly: it is there to test the path, not for speed)."""
-    if not fp8.supported(device):
-        raise EyasError(f"--precision fp8 needs fp8 matrix units (CUDA compute capability "
-                        f"8.9+: L4/L40, H100/H200, B200); {device} has none. Use "
-                        f"--precision bf16.")
-    if device.type == "cpu":
-        log.warning("--precision fp8 on CPU runs the real fp8 products, but slower than fp32: "
-                    "use it to test the path, not for speed")
-
-
-def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
-    """The draft (fp32 master weights, on the device) and its DraftConfig."""
-    overrides = {k: v for k, v in (
-        ("hidden_size", cfg.draft_hidden_size), ("intermediate_size", cfg.draft_intermediate_size),
-        ("num_attention_heads", cfg.draft_num_attention_heads),
-        ("num_key_value_heads", cfg.draft_num_key_value_heads)) if v}
-    if "hidden_size" in overrides or "num_attention_heads" in overrides:
-        heads = overrides.get("num_attention_heads", inputs.info.num_attention_heads)
-        overrides["head_dim"] = overrides.get("hidden_size", inputs.info.hidden_size) // heads
-    vd = int(inputs.d2t.numel()) if inputs.d2t is not None else inputs.info.vocab_size
-    dcfg = DraftConfig.from_target(inputs.info, draft_vocab_size=vd,
-                                   aux_layer_ids=inputs.aux_layer_ids,
-                                   norm_before_residual=cfg.norm_before_residual, **overrides)
-    if dcfg.hidden_size != inputs.info.hidden_size:
-        raise EyasError(f"--draft-hidden-size {dcfg.hidden_size} differs from the target's "
-                        f"{inputs.info.hidden_size}, but the draft reads the target's token "
-                        f"embedding (width {inputs.info.hidden_size}); leave it at 0.")
-    torch.manual_seed(cfg.seed)  # same init on every rank
-    draft = Eagle3Draft(dcfg)
-    if inputs.d2t is not None:
-        draft.set_vocab(inputs.d2t, inputs.t2d)
-    if cfg.lm_head == "target":
-        # index on the head's own device (with --target-device-map maybe another GPU), so
-        # only the (Vd, Ht) rows travel to the draft's device, never the whole (V, Ht) head
-        rows = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht)
-        draft.init_lm_head_from_target(rows.float(), freeze=cfg.freeze_lm_head)
-    draft.to(env.device)
-    # a copy on the draft's device: with --target-device-map the target's own may be elsewhere
-    draft.set_embed_tokens(inputs.embed.to(env.device, _compute_dtype(env)))
-    return draft, dcfg
-
-
-def _compute_dtype(env: Env) -> torch.dtype:
-    return torch.bfloat16 if env.autocast else torch.float32
-
-
-class TTTModule(torch.nn.Module):
-    """The draft plus its teacher head as one forward, so DDP and FSDP2 see a single call per
-    micro-batch (TTT runs the draft layer `ttt_steps` times inside it)."""
-
-    def __init__(self, draft, teacher: torch.Tensor, steps: int, fp8: bool = False):
-        super().__init__()
-        self.draft = draft
-        self.teacher = teacher  # (Vd, Ht) frozen; a plain attribute: never synced or sharded
-        self.steps = steps
-        self.fp8 = fp8
-
-    def forward(self, batch):
-        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=self.fp8)
-
-
-def _wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:
-    """DDP or FSDP2 around the TTT module under torchrun; the module itself otherwise."""
-    if cfg.compile:
-        module.compile()
-    if env.world_size == 1:
-        return module
-    if cfg.parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
-        return fully_shard(module, mesh=mesh)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # buffers (d2t, t2d, the frozen embedding) are equal everywhere: no per-step broadcast
-    return DDP(module, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-               broadcast_buffers=False)
-
-
-def _grad_sync(model: torch.nn.Module, sync: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync") and not sync:  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
 def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float):
     """LR multiplier at step s: linear warmup over warmup_ratio * total, cosine to min_ratio."""
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
@@ -441,12 +305,12 @@ def train(cfg: TrainConfig) -> dict:
     steps, best {step, sim_acceptance_length}, and the last train and eval metrics."""
     # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
     env = init_env(cfg)
-    run_dir, dtype = Path(cfg.out), _compute_dtype(env)
+    run_dir, dtype = Path(cfg.out), compute_dtype(env)
     inputs = data.open_inputs(cfg, env.device, "bfloat16" if env.autocast else "float32")
     draft, dcfg = build_draft(cfg, inputs, env)
     teacher = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht) frozen
     teacher = teacher.to(env.device, dtype)  # from the target's (maybe other) GPU to the draft's
-    model = _wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8), cfg, env)
+    model = wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8), cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
     params = [p for p in model.parameters() if p.requires_grad]
@@ -499,7 +363,7 @@ def train(cfg: TrainConfig) -> dict:
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
         #    DDP/FSDP average gradients over ranks, hence the world_size factor.
         for a, batch in enumerate(micro):
-            with _grad_sync(model, a == len(micro) - 1):
+            with grad_sync(model, a == len(micro) - 1):
                 with _autocast(env):
                     out = model(batch)
                 loss = (weights * out.step_loss_sum / denom.clamp(min=1)).sum() * env.world_size
