@@ -98,10 +98,16 @@ def test_ttt_in_fp8_tracks_full_precision(frozen):
 
 
 def test_train_refuses_fp8_on_a_gpu_without_fp8_units(monkeypatch):
+    """The compute-capability threshold: an A100 (8.0) is refused with the fix, an L4 (8.9)
+    and an H100 (9.0) pass."""
     from eyas.errors import EyasError
     from eyas.train_setup import check_fp8
 
-    monkeypatch.setattr(fp8, "supported", lambda device: False)
-    with pytest.raises(EyasError, match="--precision fp8 needs fp8 matrix units.*cuda:0 has "
-                                        "none. Use --precision bf16"):
-        check_fp8(torch.device("cuda", 0))
+    for capability, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        if ok:
+            check_fp8(torch.device("cuda", 0))
+        else:
+            with pytest.raises(EyasError, match="--precision fp8 needs fp8 matrix units.*"
+                                                "cuda:0 has none. Use --precision bf16"):
+                check_fp8(torch.device("cuda", 0))

@@ -498,6 +498,17 @@ def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
     torch.testing.assert_close(gaps.loss, ref, atol=1e-5, rtol=1e-5)
     for name, g in grads(draft, ref).items():
         torch.testing.assert_close(gap_grads[name], g, atol=1e-5, rtol=1e-4)
+    # one document padded at the end: still the fused path (padding sees no real key)
+    padded = packed_batch(cfg, [[34]], 40, seed=6)
+    padded.target_top1 = one.target_top1
+    calls.clear()
+    out = ttt_forward(draft, padded, lm_head, steps=4)
+    out_grads = grads(draft, out.loss)
+    assert calls[0] == 40 and len(calls) == 4
+    ref = reference_ttt(draft, padded, lm_head, 4)[0]
+    torch.testing.assert_close(out.loss, ref, atol=1e-5, rtol=1e-5)
+    for name, g in grads(draft, ref).items():
+        torch.testing.assert_close(out_grads[name], g, atol=1e-5, rtol=1e-4)
     calls.clear()
     ttt_forward(draft, packed_batch(cfg, [[20, 20]], 40, seed=5), lm_head, steps=4)
     ttt_forward(draft, packed_batch(cfg, [[40], [40]], 40, seed=5), lm_head, steps=4)

@@ -176,11 +176,16 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
 
 def _cudnn_fits(q: torch.Tensor) -> bool:
     """Whether cuDNN's fused attention takes these queries: half precision, head dim <= 128
-    and a multiple of 8, an Ampere-or-newer GPU (compute capability 8.0+) and cuDNN present.
-    Anything else takes the FlexAttention band, which gives the same result."""
-    d = q.shape[-1]
-    return (q.dtype in (torch.bfloat16, torch.float16) and d <= 128 and d % 8 == 0
-            and torch.backends.cudnn.is_available()
+    and a multiple of 8, more than one query, an NVIDIA GPU of compute capability 8.0+ with
+    cuDNN, and cuDNN attention neither switched off
+    (`torch.backends.cuda.enable_cudnn_sdp(False)`) nor excluded by deterministic mode: the
+    private op called here skips the checks PyTorch's own dispatch makes. Anything else takes
+    the FlexAttention band, which gives the same result."""
+    n, _, d = q.shape
+    return (q.dtype in (torch.bfloat16, torch.float16) and d <= 128 and d % 8 == 0 and n > 1
+            and torch.version.hip is None and torch.backends.cudnn.is_available()
+            and torch.backends.cuda.cudnn_sdp_enabled()
+            and not torch.are_deterministic_algorithms_enabled()
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
@@ -249,7 +254,10 @@ class _CudnnCausal:
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             self.qt, self.kt, self.vt, None, True, 0.0, True, False)
         out, lse = res[0], res[1]
-        self.out_like, self.lse, self.extra = out, lse, res[2:8]
+        # the output's layout only (backward hands the kernel tensors laid out like it): the
+        # band output itself is not kept
+        self.out_layout = (out.shape, out.stride(), out.dtype, out.device)
+        self.lse, self.extra = lse, res[2:8]
         n, hq = self.q.shape[:2]
         return out[0].transpose(0, 1), lse.reshape(hq, n).t().float()
 
@@ -257,7 +265,9 @@ class _CudnnCausal:
         cq, ck, mq, mk, seed, offset = self.extra
 
         def like_out(x):  # (N, hq, d) -> the kernel's output layout
-            return torch.empty_like(self.out_like).copy_(x.transpose(0, 1)[None])
+            shape, stride, dtype, device = self.out_layout
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(
+                x.transpose(0, 1)[None])
 
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             like_out(grad_band), self.qt, self.kt, self.vt, like_out(merged), self.lse, seed,
@@ -285,15 +295,17 @@ class _ReferenceCausal:
         q, k, v = self.q, self.k, self.v
         n, hq, d = q.shape
         g = hq // self.hkv
-        dq = torch.empty(n, self.hkv, g, d)
-        dk, dv = torch.zeros(n, self.hkv, d), torch.zeros(n, self.hkv, d)
+        dev = q.device
+        dq = torch.empty(n, self.hkv, g, d, device=dev)
+        dk, dv = (torch.zeros(n, self.hkv, d, device=dev) for _ in range(2))
         kf, vf = k.float(), v.float()
         for s in range(0, n, self.chunk):
             e = min(n, s + self.chunk)
             qc = q[s:e].float().view(-1, self.hkv, g, d)
             do = grad_band[s:e].float().view(-1, self.hkv, g, d)
             scores = torch.einsum("ckgd,jkd->ckgj", qc, kf[:e]) * d ** -0.5
-            seen = torch.arange(e)[None, :] <= torch.arange(s, e)[:, None]  # (C, e)
+            seen = torch.arange(e, device=dev)[None, :] <= \
+                torch.arange(s, e, device=dev)[:, None]  # (C, e)
             p = (scores - self.lse[s:e].view(-1, self.hkv, g, 1)).exp() * seen[:, None, None]
             dp = torch.einsum("ckgd,jkd->ckgj", do, vf[:e])
             big_d = (do * merged[s:e].float().view(-1, self.hkv, g, d)).sum(-1, keepdim=True)

@@ -22,6 +22,7 @@ and CPU (slow, for tests). docs/train.md has the measured effect on loss and acc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +36,31 @@ _ALIGN = 16  # _scaled_mm: the inner dimension of every product is a multiple of
 
 
 def supported(device: torch.device) -> bool:
-    """Whether fp8 products run on `device` (CPU always; CUDA from compute capability 8.9)."""
+    """Whether fp8 products run on `device`: an NVIDIA GPU of compute capability 8.9+, or
+    the CPU where this torch has fp8 `_scaled_mm` there (recent versions; slow, for tests).
+    ROCm GPUs use other fp8 formats (e4m3fnuz) and are not supported."""
     if device.type == "cpu":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        return _cpu_scaled_mm()
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_scaled_mm() -> bool:
+    a = torch.zeros(16, 16).to(E4M3)
+    one = torch.ones(())
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _scale(x: torch.Tensor, fmax: float) -> torch.Tensor:
     """fp32 scalar s with x / s spanning the format's range (s = amax / fmax, never 0). An
     eager reduction: compiled with a dynamic row count, the amax became one slow block."""
+    if x.numel() == 0:
+        return torch.ones((), device=x.device)
     amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
     return (amax / fmax).clamp(min=1e-30)
 
@@ -63,6 +80,7 @@ def _cast(x, scale, fmax: float, dtype: torch.dtype, transposed: bool):
 def quantize(x: torch.Tensor, dtype=E4M3, transposed: bool = False):
     """x (R, C) -> (x / s in `dtype`, s): one scale for the whole tensor. With `transposed`:
     (x8, s, x8^T padded to (C, R') with R' a multiple of 16), the weight-gradient operand."""
+    x = x.contiguous()  # the products read it row-major
     s = _scale(x, _MAX[dtype])
     y, y_t = _cast(x, s, _MAX[dtype], dtype, transposed)
     return (y, s, y_t) if transposed else (y, s)

@@ -129,7 +129,9 @@ class TTTModule(torch.nn.Module):
         self.fp8 = fp8
 
     def forward(self, batch):
-        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=self.fp8)
+        # fp8 for training only: eval (no grad) measures the model as it is served, in bf16
+        fp8 = self.fp8 and torch.is_grad_enabled()
+        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=fp8)
 
 
 def wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:

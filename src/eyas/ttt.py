@@ -88,21 +88,23 @@ class _Plan:
     valid: torch.Tensor  # (S, N) bool: position n carries a loss at step j
     rank: torch.Tensor  # (S, N): where a kept position sits among its step's rows
     cols: tuple[torch.Tensor, ...]  # 2S index tensors: kept positions per step, then valid
-    one_document: bool  # one row holding one document (no packing, no padding)
+    one_document: bool  # one row holding one document (no packing; padding only at the end)
     last: list[int]  # (S,) the last position each step keeps
 
 
 def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> _Plan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
     then (with `prune`) only those that still carry a loss at this or a later step. The row
-    counts fix every shape, so they reach the host once, here, with the two facts that pick
-    the attention kernel, rather than through a sync at every step."""
+    counts fix every shape, so they reach the host together, here, with the two facts that
+    pick the attention kernel, rather than through a sync at every step."""
     valid = ttt_positions(batch, t2d, steps)  # (S, N)
     keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
     keep[0] = True
     both = torch.cat([keep, valid])  # (2S, N)
     doc = batch.doc_ids.reshape(-1)
-    one_doc = ((doc == 0).all() & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
+    # one row: document 0, then only padding (-1; it sees no real key and carries no loss)
+    one_doc = ((doc[0] == 0) & (doc >= -1).all() & (doc <= 0).all() & (doc.diff() <= 0).all()
+               & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
     last = (keep * torch.arange(doc.shape[0], device=doc.device)).amax(1)  # (S,)
     host = torch.cat([both.sum(1), one_doc, last]).tolist()
     cols = both.nonzero()[:, 1].contiguous().split(host[: 2 * steps])
