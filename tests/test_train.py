@@ -505,3 +505,20 @@ def test_metrics_go_to_jsonl_and_tensorboard_and_resume_drops_lost_steps(tmp_pat
     loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert loss == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0)]
     assert [e.value for e in events.Scalars("train/acc_1")][-1] == pytest.approx(0.4)
+
+
+def test_compiled_training_matches_eager(run_inputs, tmp_path):
+    """`--compile` (torch.compile of the TTT module, graph breaks at the host sync and the
+    custom kernels) trains to the same losses as eager."""
+    from torch._dynamo.utils import counters
+
+    losses, graphs = {}, {}
+    for compiled in (False, True):
+        run = tmp_path / f"compile-{compiled}"
+        before = counters["stats"]["unique_graphs"]
+        train(_cfg(run_inputs, run, max_steps=3, compile=compiled))
+        graphs[compiled] = counters["stats"]["unique_graphs"] - before
+        losses[compiled] = [r["loss"] for r in _records(run, "train")]
+    assert graphs[False] == 0 and graphs[True] > 0  # it really compiled
+    assert len(losses[True]) == 3
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
