@@ -2,6 +2,7 @@
 
     python benchmarks/ttt.py                      # H200: contexts 2K..64K, ~8 min
     python benchmarks/ttt.py --contexts 2048,4096 --masks ones --lm-head frozen
+    python benchmarks/ttt.py --doc-tokens 1024    # packed 1K-token documents (FlexAttention path)
     python benchmarks/ttt.py --smoke              # tiny shapes on CPU, checks the script runs
     EYAS_NO_COMPILE=1 python benchmarks/ttt.py    # the same code without torch.compile fusion
 
@@ -46,7 +47,9 @@ TINY = dict(LLAMA_8B, hidden_size=64, target_hidden_size=64, num_attention_heads
             draft_vocab_size=300)
 
 
-def make_batch(cfg: DraftConfig, t2d: torch.Tensor, context: int, mask: str, device, seed=0):
+def make_batch(cfg: DraftConfig, t2d: torch.Tensor, context: int, mask: str, device, seed=0,
+               doc_tokens: int = 0):
+    """One row of `context` tokens: one document, or documents of `doc_tokens` packed."""
     g = torch.Generator().manual_seed(seed)
     ht, v = cfg.target_hidden_size, cfg.vocab_size
     loss_mask = torch.ones(context, dtype=torch.uint8)
@@ -66,7 +69,8 @@ def make_batch(cfg: DraftConfig, t2d: torch.Tensor, context: int, mask: str, dev
         aux_hidden=torch.randn(1, context, 3 * ht, generator=g).bfloat16(),
         final_hidden=torch.randn(1, context, ht, generator=g).bfloat16(),
         target_top1=top1[None].int(), loss_mask=loss_mask[None],
-        position_ids=torch.arange(context)[None], doc_ids=torch.zeros(1, context, dtype=torch.long))
+        position_ids=(torch.arange(context) % (doc_tokens or context))[None],
+        doc_ids=(torch.arange(context) // (doc_tokens or context))[None])
     return TTTBatch(**{k: x.to(device) for k, x in vars(batch).items()})
 
 
@@ -106,9 +110,10 @@ def dense_ttt(draft: Eagle3Draft, batch: TTTBatch, lm_head: torch.Tensor, steps:
     return total
 
 
-def flops(cfg: DraftConfig, context: int, rows: list[int], counted: list[int], trained: bool):
+def flops(cfg: DraftConfig, context: int, rows: list[int], counted: list[int], trained: bool,
+          doc_tokens: int = 0):
     """Model FLOPs of one TTT fwd+bwd (computed rows only; attention assumes the rows of
-    step j spread evenly over the sequence: each sees ~context/2 keys)."""
+    step j spread evenly over their documents: each sees ~document/2 keys)."""
     h, hq, hkv, d, i = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                         cfg.head_dim, cfg.intermediate_size)
     layer = 2 * h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i  # weights per token
@@ -117,7 +122,7 @@ def flops(cfg: DraftConfig, context: int, rows: list[int], counted: list[int], t
     for j, (n, c) in enumerate(zip(rows, counted)):
         total += 6 * n * layer
         total += (6 if trained else 4) * c * h * cfg.draft_vocab_size
-        keys = (context + 1) / 2 + j
+        keys = ((doc_tokens or context) + 1) / 2 + j
         total += 3.5 * 4 * n * hq * d * keys  # flash-style: bwd = 2.5 x fwd
     return total
 
@@ -135,9 +140,9 @@ def timed(fn, iters: int, device):
 
 def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> dict:
     draft.init_lm_head_from_target(lm_head, freeze=not trained)
-    batch = make_batch(cfg, draft.t2d.cpu(), context, mask, device)
+    batch = make_batch(cfg, draft.t2d.cpu(), context, mask, device, doc_tokens=args.doc_tokens)
     row = {"context": context, "mask": mask, "lm_head": "trained" if trained else "frozen",
-           "precision": "fp8" if fp8 else "bf16"}
+           "precision": "fp8" if fp8 else "bf16", "doc_tokens": args.doc_tokens or context}
 
     def step():
         draft.zero_grad(set_to_none=True)
@@ -155,7 +160,8 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> d
         row.update(ms=1000 * sec, tok_s=context / sec, loss=float(out.loss),
                    rows=out.step_rows, counted=out.step_count.tolist(),
                    sim_al=out.sim_acceptance_length)
-        row["tflops"] = flops(cfg, context, out.step_rows, row["counted"], trained) / sec / 1e12
+        row["tflops"] = flops(cfg, context, out.step_rows, row["counted"], trained,
+                              args.doc_tokens) / sec / 1e12
         row["mfu"] = row["tflops"] * 1e12 / args.peak_flops
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -164,7 +170,9 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> d
     out = None
     draft.zero_grad(set_to_none=True)
     # the dense reference once per (context, mask): it does not depend on the lm_head setting
-    if context <= args.dense_max and "error" not in row and not trained and not fp8:
+    # (the dense reference knows one document only)
+    if context <= args.dense_max and "error" not in row and not trained and not fp8 \
+            and not args.doc_tokens:
         row.update(dense_run(draft, batch, lm_head, args, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -221,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--lm-head", default="frozen,trained", help="comma list of: frozen, trained")
     p.add_argument("--precision", default="bf16,fp8",
                    help="comma list of: bf16 (autocast), fp8 (the draft's matmuls in fp8)")
+    p.add_argument("--doc-tokens", type=int, default=0,
+                   help="pack documents of this many tokens into each sequence, as `eyas "
+                        "train` packs samples (0 = one document: the issue's benchmark)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3)
