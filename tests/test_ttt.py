@@ -462,57 +462,51 @@ def test_causal_fast_path_matches_lse_autograd(n_keys, n_q, diag):
 
 
 def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
-    """A batch of one document (no packing, no padding) goes through causal_attention at
-    every step whose kept positions are a prefix; packed batches never do. Same loss and
-    gradients as the general path."""
+    """A batch of one document (padding only after it) goes through causal_attention at every
+    step whose kept positions fill at least half their prefix; packed batches never do. Same
+    loss and gradients as the dense reference."""
     import eyas.ttt
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    seen = []  # the arguments of every causal_attention call
+    real = eyas.ttt.causal_attention
+    monkeypatch.setattr(eyas.ttt, "causal_attention", lambda *a: seen.append(a) or real(*a))
+
+    def checked(batch):
+        """ttt_forward on `batch`, its loss and gradients equal to the reference's; the
+        query count of each causal_attention call."""
+        seen.clear()
+        out = ttt_forward(draft, batch, lm_head, steps=4)
+        got = grads(draft, out.loss)
+        ref = reference_ttt(draft, batch, lm_head, 4)[0]
+        torch.testing.assert_close(out.loss, ref, atol=1e-5, rtol=1e-5)
+        for name, g in grads(draft, ref).items():
+            torch.testing.assert_close(got[name], g, atol=1e-5, rtol=1e-4)
+        return out, [a[0].shape[0] for a in seen]
+
     one = packed_batch(cfg, [[40]], 40, seed=5)
     one.loss_mask[:] = 1  # all supervised, all top-1s in the draft vocab: prefixes
     in_vocab = draft.t2d.nonzero().squeeze(1)
     one.target_top1 = in_vocab[torch.randint(0, in_vocab.numel(), (1, 40))].int()
-    calls, spans = [], []
-    real = eyas.ttt.causal_attention
-    monkeypatch.setattr(eyas.ttt, "causal_attention",
-                        lambda *a: calls.append(a[0].shape[0]) or spans.append(a) or real(*a))
-    fast = ttt_forward(draft, one, lm_head, steps=4)
-    fast_grads = grads(draft, fast.loss)
+    _, calls = checked(one)
     assert calls == [40, 37, 36, 35]  # step j keeps positions 0..T-3-j (step 0: all)
-    ref = reference_ttt(draft, one, lm_head, 4)[0]
-    torch.testing.assert_close(fast.loss, ref, atol=1e-5, rtol=1e-5)
-    for name, g in grads(draft, ref).items():
-        torch.testing.assert_close(fast_grads[name], g, atol=1e-5, rtol=1e-4)
     # a few top-1s outside the draft vocab: rows with gaps, still one document (the 60 %
     # mask of packed_batch leaves too few rows at later steps: the band)
     one.target_top1[0, [9, 30]] = int((~draft.t2d).nonzero()[0])
-    calls.clear()
-    spans.clear()
-    gaps = ttt_forward(draft, one, lm_head, steps=4)
-    gap_grads = grads(draft, gaps.loss)
+    gaps, calls = checked(one)
     assert calls == gaps.step_rows == [40, 37, 36, 33]  # step 3 lost 2 rows to the gaps
-    assert [len(a) > 5 and a[5] is not None for a in spans] == [False, False, False, True]
-    ref = reference_ttt(draft, one, lm_head, 4)[0]
-    torch.testing.assert_close(gaps.loss, ref, atol=1e-5, rtol=1e-5)
-    for name, g in grads(draft, ref).items():
-        torch.testing.assert_close(gap_grads[name], g, atol=1e-5, rtol=1e-4)
+    assert [len(a) > 5 and a[5] is not None for a in seen] == [False, False, False, True]
     # one document padded at the end: still the fused path (padding sees no real key)
     padded = packed_batch(cfg, [[34]], 40, seed=6)
     padded.target_top1 = one.target_top1
-    calls.clear()
-    out = ttt_forward(draft, padded, lm_head, steps=4)
-    out_grads = grads(draft, out.loss)
+    _, calls = checked(padded)
     assert calls[0] == 40 and len(calls) == 4
-    ref = reference_ttt(draft, padded, lm_head, 4)[0]
-    torch.testing.assert_close(out.loss, ref, atol=1e-5, rtol=1e-5)
-    for name, g in grads(draft, ref).items():
-        torch.testing.assert_close(out_grads[name], g, atol=1e-5, rtol=1e-4)
-    calls.clear()
+    seen.clear()
     ttt_forward(draft, packed_batch(cfg, [[20, 20]], 40, seed=5), lm_head, steps=4)
     ttt_forward(draft, packed_batch(cfg, [[40], [40]], 40, seed=5), lm_head, steps=4)
-    assert calls == []  # two documents, or two rows: the general path
+    assert seen == []  # two documents, or two rows: the general path
 
 
 @pytest.mark.gpu
