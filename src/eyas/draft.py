@@ -233,6 +233,13 @@ class LayerWeights:
     fp8: dict[str, Fp8Matrix | None] = field(default_factory=dict)
 
 
+def _matmul_dtype(device_type: str, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul with `weight` runs in: autocast's when it is on, else the weight's."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
 def _linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False)
 
@@ -330,9 +337,7 @@ class Eagle3Draft(nn.Module):
         if not torch.is_autocast_enabled(aux.device.type):
             aux = aux.to(self.fc.weight.dtype)  # e.g. bf16 captures into an fp32 draft
         if fp8:
-            dev = aux.device.type
-            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) \
-                else self.fc.weight.dtype
+            dtype = _matmul_dtype(aux.device.type, self.fc.weight)
             w = self.fc.weight.to(dtype)
             return fp8_mm.linear(aux.to(dtype), w, Fp8Matrix.of(w))
         return self.fc(aux)
@@ -342,8 +347,7 @@ class Eagle3Draft(nn.Module):
         their fp8 copies too. Without grad (drafting token by token) they are kept until a
         parameter changes, rather than concatenated again at every call."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) \
-            else attn.q_proj.weight.dtype
+        dtype = _matmul_dtype(device_type, attn.q_proj.weight)
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
         key = (dtype, fp8, *((m.weight.data_ptr(), m.weight._version) for m in linears))

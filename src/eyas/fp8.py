@@ -78,12 +78,13 @@ def _cast(x, scale, fmax: float, dtype: torch.dtype, transposed: bool):
 
 
 def quantize(x: torch.Tensor, dtype=E4M3, transposed: bool = False):
-    """x (R, C) -> (x / s in `dtype`, s): one scale for the whole tensor. With `transposed`:
-    (x8, s, x8^T padded to (C, R') with R' a multiple of 16), the weight-gradient operand."""
+    """x (R, C) -> (x / s in `dtype`, s, x8^T or None): one scale for the whole tensor; with
+    `transposed` also x8^T padded to (C, R'), R' a multiple of 16, the weight-gradient
+    operand."""
     x = x.contiguous()  # the products read it row-major
     s = _scale(x, _MAX[dtype])
     y, y_t = _cast(x, s, _MAX[dtype], dtype, transposed)
-    return (y, s, y_t) if transposed else (y, s)
+    return y, s, y_t
 
 
 def mm(a8, sa, b8_t, sb, out_dtype):
@@ -106,7 +107,7 @@ class Fp8Matrix:
         if weight.shape[0] % _ALIGN or weight.shape[1] % _ALIGN:
             return None
         with torch.no_grad():
-            w8, s = quantize(weight.detach())
+            w8, s, _ = quantize(weight.detach())
             return cls(w8, w8.t().contiguous(), s)
 
 

@@ -162,7 +162,7 @@ class SwiGLUDown(torch.autograd.Function):
         if packed is None:
             return _swiglu(gate_up) @ w_down.t()  # (N, H)
         from eyas import fp8
-        x8, sx = fp8.quantize(_swiglu(gate_up))
+        x8, sx, _ = fp8.quantize(_swiglu(gate_up))
         return fp8.mm(x8, sx, packed.w.t(), packed.scale, gate_up.dtype)
 
     @staticmethod

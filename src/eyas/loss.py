@@ -54,13 +54,11 @@ class _ChunkedSoftCE(torch.autograd.Function):
             if packed is None:
                 loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight)
             else:
-                h8, sh, h8_t = fp8.quantize(h, transposed=True) if grad_weight else \
-                    (*fp8.quantize(h), None)
+                h8, sh, h8_t = fp8.quantize(h, transposed=grad_weight)
                 logits = fp8.mm(h8, sh, packed.w.t(), packed.scale, hidden.dtype)
                 loss, pred, g = _soft_ce_chunk(logits, t, grad_hidden or grad_weight)
                 if g is not None:
-                    g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight) \
-                        if grad_weight else (*fp8.quantize(g, fp8.E5M2), None)
+                    g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight)
             total += loss
             top1[s: s + chunk] = pred
             if grad_hidden:  # g: d loss / d logits (c, Vd)
