@@ -130,21 +130,13 @@ def attention(contexts: list[int]) -> list[dict]:
 
 def profile(context: int, trace: str | None, fp8: bool = False) -> dict:
     sys.path.insert(0, "benchmarks")
-    from ttt import LLAMA_8B, make_batch
+    from ttt import LLAMA_8B, make_batch, random_draft
 
-    from eyas.draft import DraftConfig, Eagle3Draft
     from eyas.ttt import ttt_forward
 
-    torch.manual_seed(0)
-    cfg = DraftConfig(**LLAMA_8B)
-    embed = (torch.randn(cfg.vocab_size, H) * 0.02).bfloat16().cuda()
-    lm_head = (torch.randn(cfg.vocab_size, HT) * 0.02).bfloat16().cuda()
-    draft = Eagle3Draft(cfg, embed).cuda()
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[torch.randperm(cfg.vocab_size)[:VD]] = True
-    draft.set_vocab((t2d.nonzero().squeeze(1) - torch.arange(VD)).cuda(), t2d.cuda())
+    cfg, draft, lm_head = random_draft(LLAMA_8B, torch.device("cuda"))
     draft.init_lm_head_from_target(lm_head, freeze=True)
-    batch = make_batch(cfg, t2d, context, "ones", torch.device("cuda"))
+    batch = make_batch(cfg, draft.t2d.cpu(), context, "ones", torch.device("cuda"))
 
     def step():
         draft.zero_grad(set_to_none=True)

@@ -47,6 +47,21 @@ TINY = dict(LLAMA_8B, hidden_size=64, target_hidden_size=64, num_attention_heads
             draft_vocab_size=300)
 
 
+def random_draft(shapes: dict, device, seed: int = 0):
+    """(DraftConfig, draft, target lm_head (V, Ht) bf16): random weights and embedding, a
+    random draft vocab; speed does not depend on the values."""
+    torch.manual_seed(seed)
+    cfg = DraftConfig(**shapes)
+    embed = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).bfloat16().to(device)
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).bfloat16().to(device)
+    draft = Eagle3Draft(cfg, embed).to(device)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]] = True
+    draft.set_vocab((t2d.nonzero().squeeze(1) - torch.arange(cfg.draft_vocab_size)).to(device),
+                    t2d.to(device))
+    return cfg, draft, lm_head
+
+
 def make_batch(cfg: DraftConfig, t2d: torch.Tensor, context: int, mask: str, device, seed=0,
                doc_tokens: int = 0):
     """One row of `context` tokens: one document, or documents of `doc_tokens` packed."""
@@ -251,15 +266,7 @@ def main(argv=None) -> int:
             print("no CUDA device; use --smoke for the CPU check", file=sys.stderr)
             return 2
         device, shapes = torch.device("cuda"), LLAMA_8B
-    torch.manual_seed(0)
-    cfg = DraftConfig(**shapes)
-    embed = (torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02).bfloat16().to(device)
-    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.02).bfloat16().to(device)
-    draft = Eagle3Draft(cfg, embed).to(device)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[torch.randperm(cfg.vocab_size)[: cfg.draft_vocab_size]] = True
-    draft.set_vocab((t2d.nonzero().squeeze(1) - torch.arange(cfg.draft_vocab_size)).to(device),
-                    t2d.to(device))
+    cfg, draft, lm_head = random_draft(shapes, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     meta = {"device": name, "compiled": sorted(COMPILE_DEVICES),
             "torch": torch.__version__, "steps": args.steps, "config": cfg.to_dict(),
