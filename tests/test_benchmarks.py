@@ -39,3 +39,17 @@ def test_train_benchmark_smoke(tmp_path):
     runs = json.loads(out.read_text())["train"]
     assert [r["precision"] for r in runs] == ["bf16", "fp8"]
     assert all(r["tokens_per_s"] > 0 for r in runs)
+
+
+def test_multigpu_benchmark_smoke(tmp_path):
+    # two gloo ranks on CPU: the 2-GPU script's train part runs and its comparisons hold
+    out = tmp_path / "multigpu.json"
+    _run("multigpu.py", "--smoke", "--parts", "train", "--out", str(out),
+         "--work-dir", str(tmp_path))
+    runs = {r["name"]: r for r in json.loads(out.read_text())["train"]["runs"]}
+    assert sorted(runs) == ["one", "two-ddp", "two-ddp-resumed", "two-fsdp"]
+    assert [runs["one"]["ranks"], runs["two-fsdp"]["ranks"]] == [1, 2]
+    for name in ("two-ddp", "two-fsdp"):
+        assert runs[name]["max_rel_loss_diff_vs_one"] < 1e-4
+        assert runs[name]["weights_rel_diff_vs_one"] < 1e-4
+    assert runs["two-ddp-resumed"]["weights_rel_diff_vs_uninterrupted"] < 1e-4

@@ -522,3 +522,15 @@ def test_compiled_training_matches_eager(run_inputs, tmp_path):
     assert graphs[False] == 0 and graphs[True] > 0  # it really compiled
     assert len(losses[True]) == 3
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
+
+
+def test_a_parameter_without_gradient_after_the_first_step_is_an_error():
+    from eyas.train import _check_gradients
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    net[0](torch.ones(1, 2)).sum().backward()  # the second layer never sees a gradient
+    with pytest.raises(EyasError, match=r"no gradient reached 2 trainable parameter\(s\).*"
+                                        r"1\.weight, 1\.bias.*report this as an eyas bug"):
+        _check_gradients(net, TrainConfig(data="d", out="o"))
+    net[1](torch.ones(1, 2)).sum().backward()
+    _check_gradients(net, TrainConfig(data="d", out="o"))

@@ -556,3 +556,16 @@ def test_fp8_ttt_on_cuda_tracks_bf16():
     for name, g in ref_grads.items():
         assert F.cosine_similarity(got_grads[name].double().flatten(),
                                    g.double().flatten(), 0) > 0.97, name
+
+
+def test_output_flattens_to_its_tensors_for_fsdp():
+    # FSDP2 (torch < 2.12) finds the tensors to hook its gradient reduce-scatter on with
+    # pytree; an opaque output meant 2-GPU FSDP training silently never learned (H200 run).
+    from torch.utils._pytree import tree_flatten
+
+    cfg = tiny_cfg()
+    out = ttt_forward(make_draft(cfg), packed_batch(cfg, [[24]], 24, seed=1),
+                      torch.randn(cfg.vocab_size, cfg.target_hidden_size), steps=2)
+    leaves = tree_flatten(out)[0]
+    assert any(t is out.step_loss_sum for t in leaves)
+    assert out.step_loss_sum.requires_grad

@@ -199,6 +199,25 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _check_gradients(model: torch.nn.Module, cfg: TrainConfig) -> None:
+    """After the first backward every trainable parameter holds a gradient; a wrapper that
+    silently skips the gradient reduction would otherwise leave the draft untrained."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        fix = (f"--parallel {cfg.parallel} dropped them under torch {torch.__version__}; use "
+               f"--parallel {'ddp' if cfg.parallel == 'fsdp' else 'fsdp'} and report it"
+               if dist.is_initialized() else "please report this as an eyas bug")
+        raise EyasError(f"no gradient reached {len(missing)} trainable parameter(s) after the "
+                        f"first backward ({', '.join(missing[:4])}): {fix}.")
+
+
+def _peak_gib(env: Env) -> list[float]:
+    """Peak GPU memory allocated so far on each rank (GiB, rank order); a collective."""
+    peaks = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)
+    peaks[env.rank] = torch.cuda.max_memory_allocated(env.device) / 2**30
+    return [round(x, 2) for x in _all_sum(peaks).tolist()]
+
+
 def _autocast(env: Env):
     if env.autocast:
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -370,6 +389,8 @@ def train(cfg: TrainConfig) -> dict:
                 loss.backward()
             window[:-1] += _batch_stats(out, steps)
             window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
+        if step == start + 1:
+            _check_gradients(model, cfg)
         # 3. Clip the global gradient norm, step AdamW and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         optimizer.step()
@@ -384,6 +405,8 @@ def train(cfg: TrainConfig) -> dict:
                           "lr": scheduler.get_last_lr()[0], "grad_norm": _item(norm),
                           "tokens": int(stats[-1]), "tokens_per_s": stats[-1] / (now - t_window),
                           "elapsed_s": round(now - t_start, 2)}
+            if env.device.type == "cuda":
+                last_train["peak_gpu_gib"] = _peak_gib(env)
             window.zero_()
             t_window = now
             if metrics:

@@ -50,6 +50,12 @@ class TTTOutput:
         return simulated_acceptance_length(self.step_acc)
 
 
+# FSDP2 hooks its gradient reduce-scatter on the tensors it finds by flattening the module's
+# output; torch < 2.12 flattens with pytree, to which an unregistered dataclass is one opaque
+# leaf, and FSDP2 then silently never reduces a gradient (the draft does not learn).
+torch.export.register_dataclass(TTTOutput)
+
+
 def _segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) doc ids -> flat (N,) index of the first and of the last token of each token's
     document (a run of equal ids within a row)."""
