@@ -222,6 +222,32 @@ def test_capture_writes_verified_shards_matching_the_forward(llama_dir, llama_pr
         shards.verify(out)
 
 
+def test_device_map_capture_equals_single_device(llama_dir, llama_prepared, tmp_path):
+    """--device-map: transformers + accelerate place the layers (on this CPU box all on the
+    cpu) and capture moves nothing after them; the files hold the same states bit for bit.
+    Split over 2 GPUs: benchmarks/multigpu.py (bitwise equal on 2 H200s)."""
+    capture(_cfg(llama_dir, llama_prepared, tmp_path / "one", device="cpu"))
+    capture(_cfg(llama_dir, llama_prepared, tmp_path / "mapped", device_map="auto"))
+    one, mapped = _by_row(tmp_path / "one"), _by_row(tmp_path / "mapped")
+    assert sorted(one) == sorted(mapped) == list(range(14))
+    for row in one:
+        for key, value in one[row].items():
+            assert torch.equal(mapped[row][key], value), (row, key)
+
+
+def test_device_map_without_accelerate_names_the_install(llama_dir, llama_prepared, tmp_path,
+                                                         monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(EyasError, match=r"device_map 'auto' \(--device-map.*needs the "
+                                        r"accelerate package.*pip install accelerate"):
+        capture(_cfg(llama_dir, llama_prepared, tmp_path / "cap", device_map="auto"))
+    assert not (tmp_path / "cap").exists()  # refused before anything was written
+
+
 def test_fp8_storage_and_split_all(llama_dir, llama_prepared, tmp_path):
     capture(_cfg(llama_dir, llama_prepared, tmp_path / "bf16", split="all"))
     capture(_cfg(llama_dir, llama_prepared, tmp_path / "fp8", split="all", dtype="fp8"))

@@ -18,7 +18,6 @@ target_top1 [n], input_ids [n], loss_mask [n]): `OfflineSource` reads capture sh
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import math
@@ -173,9 +172,6 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     from eyas.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
 
     dmap = cfg.target_device_map
-    if dmap is not None and importlib.util.find_spec("accelerate") is None:
-        raise EyasError(f"--target-device-map {dmap} needs the accelerate package (transformers "
-                        f"places the target's layers with it): pip install accelerate")
     prepared = read_manifest(cfg.data, step="prepare")
     where = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     tokenizer = load_tokenizer(cfg.target, **where)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +237,12 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
         raise ConfigError(f"dtype {dtype!r} is not a torch.dtype, one of {sorted(DTYPES)} "
                           f"or 'auto'")
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if device_map is not None and importlib.util.find_spec("accelerate") is None:
+        # transformers (5.x) refuses every device_map, even "cpu", without it
+        raise EyasError(f"placing the target with device_map {device_map!r} (--device-map, "
+                        f"--target-device-map) needs the accelerate package (transformers "
+                        f"places the layers with it): pip install accelerate, or "
+                        f"pip install 'eyas[multigpu]'")
     config = load_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     name = _check_exists(name_or_path)
 
