@@ -154,8 +154,11 @@ def profile(context: int, trace: str | None, fp8: bool = False) -> dict:
         torch.cuda.synchronize()
     if trace:
         p.export_chrome_trace(trace)
-    events = [e for e in p.key_averages()
-              if e.self_device_time_total > 0 and not e.key.startswith("aten::")]
+    events = {}  # by name: key_averages lists each Triton kernel twice (launch and kernel)
+    for e in p.key_averages():
+        if e.self_device_time_total > 0 and not e.key.startswith("aten::"):
+            events.setdefault(e.key, e)
+    events = list(events.values())
     kernels = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)
     busy = sum(e.self_device_time_total for e in kernels) / 1e6
     top = [{"name": e.key[:90], "calls": e.count, "ms": e.self_device_time_total / 1e3}

@@ -41,14 +41,22 @@ def test_train_benchmark_smoke(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in runs)
 
 
-def test_multigpu_benchmark_smoke(tmp_path):
-    # two gloo ranks on CPU, and device_map="auto" on the CPU: the 2-GPU script runs and
-    # its comparisons hold
+def test_multigpu_benchmark_capture_smoke(tmp_path):
+    # device_map="auto" on the CPU: the 2-GPU script's capture part runs and compares
     out = tmp_path / "multigpu.json"
-    _run("multigpu.py", "--smoke", "--out", str(out), "--work-dir", str(tmp_path))
-    result = json.loads(out.read_text())
-    assert result["capture"]["compare"]["bitwise_equal"] is True
-    runs = {r["name"]: r for r in result["train"]["runs"]}
+    _run("multigpu.py", "--smoke", "--parts", "capture", "--out", str(out),
+         "--work-dir", str(tmp_path))
+    capture = json.loads(out.read_text())["capture"]
+    assert capture["compare"]["bitwise_equal"] is True
+    assert [r["name"] for r in capture["runs"]] == ["single", "device-map-auto"]
+
+
+def test_multigpu_benchmark_train_smoke(tmp_path):
+    # two gloo ranks on CPU: the 2-GPU script's train part runs and its comparisons hold
+    out = tmp_path / "multigpu.json"
+    _run("multigpu.py", "--smoke", "--parts", "train", "--out", str(out),
+         "--work-dir", str(tmp_path))
+    runs = {r["name"]: r for r in json.loads(out.read_text())["train"]["runs"]}
     assert sorted(runs) == ["one", "two-ddp", "two-ddp-resumed", "two-fsdp"]
     assert [runs["one"]["ranks"], runs["two-fsdp"]["ranks"]] == [1, 2]
     for name in ("two-ddp", "two-fsdp"):

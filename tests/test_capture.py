@@ -242,8 +242,8 @@ def test_device_map_without_accelerate_names_the_install(llama_dir, llama_prepar
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "accelerate" else real(name, *a))
-    with pytest.raises(EyasError, match=r"device_map 'auto' \(--device-map.*needs the "
-                                        r"accelerate package.*pip install accelerate"):
+    with pytest.raises(EyasError, match=r"device_map 'auto' \(capture --device-map.*needs "
+                                        r"the accelerate package.*pip install accelerate"):
         capture(_cfg(llama_dir, llama_prepared, tmp_path / "cap", device_map="auto"))
     assert not (tmp_path / "cap").exists()  # refused before anything was written
 

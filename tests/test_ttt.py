@@ -288,8 +288,15 @@ def dense_attention(q, k, v, lo, hi, dk, dv):
     return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
 
 
-@pytest.mark.parametrize("n_keys,n_q,diag", [(40, 40, 0), (300, 120, 3), (1200, 900, 6)])
-def test_attention_matches_dense(n_keys, n_q, diag):
+@pytest.mark.parametrize("n_keys,n_q,diag,compiled", [
+    (40, 40, 0, False), (300, 120, 3, False), (1200, 900, 6, False), (300, 120, 3, True)])
+def test_attention_matches_dense(n_keys, n_q, diag, compiled, monkeypatch):
+    """The band + diagonal merge against dense masked softmax attention written in the test
+    (values and every gradient, fp32); also with the merge compiled, as CUDA runs it."""
+    import eyas.fused
+
+    if compiled:
+        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
     torch.manual_seed(n_keys)
     hq, hkv, d = 6, 2, 8
     starts = torch.zeros(n_keys, dtype=torch.long)
@@ -445,8 +452,9 @@ def test_flex_path_on_cuda_matches_reference(dtype):
 def test_causal_fast_path_matches_lse_autograd(n_keys, n_q, diag, compiled, monkeypatch):
     """causal_attention folds the log-sum-exp gradient of the diagonal merge into the band
     kernel's backward (merged output in place of the band's): values and every gradient
-    equal the autograd-through-LSE path of `attention`, fp32, across a chunk boundary; also
-    with the merge's fused functions compiled (as CUDA runs them)."""
+    equal `attention`'s, whose band returns its LSE and takes that LSE's gradient, fp32,
+    across a chunk boundary; also with the merge compiled (as CUDA runs it). Both share the
+    merge functions: test_attention_matches_dense checks those against dense attention."""
     import eyas.fused
     from eyas.attention import causal_attention
 

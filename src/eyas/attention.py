@@ -226,10 +226,29 @@ class _CausalDiag(torch.autograd.Function):
         return dq, dk, dv, d_diag_k.transpose(0, 1), d_diag_v.transpose(0, 1)
 
 
-# The diagonal merge as two fused functions (one or a few kernels each on CUDA, where the
-# einsum form ran as fp32 batched GEMMs with 4 x 128 x S tiles on CUDA cores: ~11 ms per TTT-7
-# iteration at 8K tokens). Products are written as broadcast-multiply-sum so the compiler
-# fuses them; rows (N) come first so only they are a dynamic dimension. fp32 throughout.
+# The diagonal merge as two fused functions (one or a few kernels each on CUDA). Its products
+# contract over d = 128 or over S <= 7 keys per query: as einsums under torch.compile they
+# become batched GEMMs of 4 x 128 x S tiles on CUDA cores (~11 ms of a TTT-7 iteration at 8K
+# on an H200), so compiled they are written as broadcast multiply + sum, which fuses
+# (_contract). Rows (N) come first so only they are a dynamic dimension. fp32 throughout.
+
+def _contract(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum(eq, a, b) for two operands. Under torch.compile: the operands lined up
+    by broadcasting and multiplied, the contracted letters summed (one fused kernel, no
+    (N, S, hkv, G, d) product in memory); eagerly einsum itself, which never forms that
+    product either."""
+    if not torch.compiler.is_compiling():
+        return torch.einsum(eq, a, b)
+    specs, out = eq.split("->")
+    order = list(out) + [c for c in dict.fromkeys(specs.replace(",", "")) if c not in out]
+
+    def lined_up(x, spec):  # x's dims in `order`, size-1 dims for the letters it lacks
+        x = x.permute(*sorted(range(len(spec)), key=lambda i: order.index(spec[i])))
+        return x[tuple(slice(None) if c in spec else None for c in order)]
+
+    a_spec, b_spec = specs.split(",")
+    return (lined_up(a, a_spec) * lined_up(b, b_spec)).sum(tuple(range(len(out), len(order))))
+
 
 @cuda_compiled
 def _merge_diag(q, diag_k, diag_v, out_b, lse):
@@ -237,13 +256,12 @@ def _merge_diag(q, diag_k, diag_v, out_b, lse):
     merged (N, hkv, G, d) in q's dtype, the band's weight (N, hkv, G) and the diagonal keys'
     weights (N, hkv, G, S), fp32: softmax over [band, diagonal keys] through the band's LSE."""
     d = q.shape[-1]
-    scores = (q.float()[:, None] * diag_k.float()[:, :, :, None]).sum(-1)  # (N, S, hkv, G)
-    scores = scores.permute(0, 2, 3, 1) * d ** -0.5  # (N, hkv, G, S)
+    scores = _contract("nkgd,nskd->nkgs", q.float(), diag_k.float()) * d ** -0.5
     top = torch.maximum(lse, scores.amax(-1))
     w_band, w_diag = (lse - top).exp(), (scores - top[..., None]).exp()
     total = w_band + w_diag.sum(-1)
     w_band, w_diag = w_band / total, w_diag / total[..., None]
-    mix = (w_diag.permute(0, 3, 1, 2)[..., None] * diag_v.float()[:, :, :, None]).sum(1)
+    mix = _contract("nkgs,nskd->nkgd", w_diag, diag_v.float())
     return (out_b.float() * w_band[..., None] + mix).to(q.dtype), w_band, w_diag
 
 
@@ -257,11 +275,11 @@ def _merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k, diag_v, out_b=
     d = q.shape[-1]
     g = grad.float()
     d_out = (g * merged.float()).sum(-1)  # (N, hkv, G)
-    dov = (g[:, None] * diag_v.float()[:, :, :, None]).sum(-1).permute(0, 2, 3, 1)
-    ds = (w_diag * (dov - d_out[..., None]) * d ** -0.5).permute(0, 3, 1, 2)  # (N, S, hkv, G)
-    dq = (ds[..., None] * diag_k.float()[:, :, :, None]).sum(1)  # (N, hkv, G, d)
-    d_diag_k = (ds[..., None] * q.float()[:, None]).sum(3)  # (N, S, hkv, d)
-    d_diag_v = (w_diag.permute(0, 3, 1, 2)[..., None] * g[:, None]).sum(3)
+    dov = _contract("nkgd,nskd->nkgs", g, diag_v.float())
+    ds = w_diag * (dov - d_out[..., None]) * d ** -0.5  # (N, hkv, G, S)
+    dq = _contract("nkgs,nskd->nkgd", ds, diag_k.float())
+    d_diag_k = _contract("nkgs,nkgd->nskd", ds, q.float())
+    d_diag_v = _contract("nkgs,nkgd->nskd", w_diag, g)
     grads = ((g * w_band[..., None]).to(grad.dtype), dq, d_diag_k.to(diag_k.dtype),
              d_diag_v.to(diag_v.dtype))
     if out_b is None:

@@ -239,10 +239,11 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if device_map is not None and importlib.util.find_spec("accelerate") is None:
         # transformers (5.x) refuses every device_map, even "cpu", without it
-        raise EyasError(f"placing the target with device_map {device_map!r} (--device-map, "
-                        f"--target-device-map) needs the accelerate package (transformers "
-                        f"places the layers with it): pip install accelerate, or "
-                        f"pip install 'eyas[multigpu]'")
+        raise EyasError(f"placing the target with device_map {device_map!r} (capture "
+                        f"--device-map, train --target-device-map, eval/regenerate --device "
+                        f"auto on GPUs) needs the accelerate package (transformers places the "
+                        f"layers with it): pip install accelerate, or pip install "
+                        f"'eyas[multigpu]'")
     config = load_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     name = _check_exists(name_or_path)
 
