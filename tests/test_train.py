@@ -251,7 +251,10 @@ def test_batch_4_accum_1_equals_batch_1_accum_4(run_inputs, tmp_path):
     for rb, rs in zip(*records):
         assert rb["positions"] == rs["positions"] and rb["tokens"] == rs["tokens"]
         assert rb["loss"] == pytest.approx(rs["loss"], rel=1e-5)
-        assert rb["grad_norm"] == pytest.approx(rs["grad_norm"], rel=1e-5)
+        # step 1 from the same weights; later steps start from weights that differ by
+        # float rounding grown through Adam (below), which moves the norm by ~2e-5
+        tol = 1e-5 if rb["step"] == 1 else 1e-4
+        assert rb["grad_norm"] == pytest.approx(rs["grad_norm"], rel=tol)
     # Adam divides by sqrt(v): float-rounding differences of near-zero gradients grow to
     # ~1e-5, still 1000x below one step's size (lr 1e-2)
     a, b = _weights(tmp_path / "big", 3), _weights(tmp_path / "small", 3)
