@@ -587,3 +587,19 @@ def test_output_flattens_to_its_tensors_for_fsdp():
     leaves = tree_flatten(out)[0]
     assert any(t is out.step_loss_sum for t in leaves)
     assert out.step_loss_sum.requires_grad
+
+
+def test_compiled_function_past_the_recompile_limit_runs_eagerly(monkeypatch, caplog):
+    # a process that sweeps many layouts (benchmarks) must not crash at torch.compile's
+    # graph limit: the new layout runs eagerly, with a warning, and the result is the same
+    import eyas.fused
+
+    monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
+        else "cache_size_limit"
+    monkeypatch.setattr(torch._dynamo.config, name, 1)
+    double_sum = eyas.fused.cuda_compiled(lambda x: (x * 2).sum(-1))
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float32):
+        x = torch.arange(12, dtype=dtype).reshape(3, 4)
+        torch.testing.assert_close(double_sum(x), (x * 2).sum(-1))
+    assert "recompile limit" in caplog.text

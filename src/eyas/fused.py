@@ -16,10 +16,13 @@ eyas.draft builds its decoder layer from these; eyas.loss fuses its soft cross-e
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # Devices whose elementwise code runs through torch.compile (tests add "cpu" to check that
 # the compiled functions trace and agree; EYAS_NO_COMPILE=1 runs everything eagerly).
@@ -48,9 +51,26 @@ def cuda_compiled(fn):
         for a in args:
             if torch.is_tensor(a) and a.dim() >= 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args)
+        try:
+            return compiled(*args)
+        except _RECOMPILE_LIMIT:
+            # one process running many layouts (a benchmark sweeping shapes and dtypes) can
+            # exhaust torch.compile's graphs per function; under fullgraph that is an error.
+            # The graphs made so far keep serving their layouts; this one runs eagerly.
+            if not run.warned:
+                log.warning("%s: torch.compile's recompile limit is reached; layouts without "
+                            "a compiled graph run eagerly (slower, same results)", fn.__name__)
+                run.warned = True
+            return fn(*args)
 
+    run.warned = False
     return run
+
+
+# what torch.compile raises when a fullgraph function needs more graphs than its limit allows
+_RECOMPILE_LIMIT = tuple(getattr(torch._dynamo.exc, name) for name in
+                         ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+                         if hasattr(torch._dynamo.exc, name))
 
 
 @cuda_compiled
