@@ -36,11 +36,11 @@ def cuda_compiled(fn):
     read/write of memory each. Dim 0 of every argument with 2+ dims is the row dimension:
     marked dynamic, as row counts change at every TTT step (pruning); the other sizes
     (hidden, heads, vocab) stay static so the kernels are specialised for them."""
-    compiled = None
+    compiled, warned = None, False
 
     @functools.wraps(fn)
     def run(*args):
-        nonlocal compiled
+        nonlocal compiled, warned
         if args[0].device.type not in COMPILE_DEVICES or args[0].numel() == 0:
             return fn(*args)
         if compiled is None:
@@ -57,13 +57,12 @@ def cuda_compiled(fn):
             # one process running many layouts (a benchmark sweeping shapes and dtypes) can
             # exhaust torch.compile's graphs per function; under fullgraph that is an error.
             # The graphs made so far keep serving their layouts; this one runs eagerly.
-            if not run.warned:
+            if not warned:
                 log.warning("%s: torch.compile's recompile limit is reached; layouts without "
                             "a compiled graph run eagerly (slower, same results)", fn.__name__)
-                run.warned = True
+                warned = True
             return fn(*args)
 
-    run.warned = False
     return run
 
 
