@@ -115,10 +115,15 @@ def _weights_diff(a: dict, b: dict) -> float:
 
 
 def _one_train(root: Path, name: str, base: dict, nproc: int | None, timeout: float,
-               **overrides) -> dict:
+               start: int = 0, **overrides) -> dict:
+    """One training run into root/name; with `start`, resumed from that folder's step-`start`
+    checkpoint."""
+    from eyas import checkpoint
     from eyas.config import to_dict
     from eyas.train import TrainConfig
 
+    if start:
+        overrides["resume"] = str(checkpoint.step_dir(root / name, start))
     cfg = TrainConfig(**{**base, "out": str(root / name), **overrides})
     script = root / "train_runner.py"
     script.write_text(TRAIN_RUNNER)
@@ -130,7 +135,7 @@ def _one_train(root: Path, name: str, base: dict, nproc: int | None, timeout: fl
     # steady: the median window after the first of this process (which holds start-up; a
     # resumed run's folder also holds the windows logged before the resume); the median
     # also leaves out the window that holds the mid-run checkpoint save
-    first = next(i for i, r in enumerate(rows) if r["step"] > _resume_step(cfg))
+    first = next(i for i, r in enumerate(rows) if r["step"] > start)
     mine = windows[first + 1:] or windows[first:]
     return {"name": name, "ranks": nproc or 1, "grad_accum": cfg.grad_accum,
             "parallel": cfg.parallel, "tokens_per_s": float(np.median(mine)),
@@ -138,11 +143,6 @@ def _one_train(root: Path, name: str, base: dict, nproc: int | None, timeout: fl
             "window_tokens_per_s": windows, "loss": [r["loss"] for r in rows],
             "grad_norm": [r["grad_norm"] for r in rows], "steps": [r["step"] for r in rows],
             "peak_gpu_gib": rows[-1].get("peak_gpu_gib"), "wall_s": wall}
-
-
-def _resume_step(cfg) -> int:
-    """The step a run resumed from (0 for a fresh run); checkpoint folders are step-N."""
-    return 0 if cfg.resume == "never" else int(Path(cfg.resume).name.split("-")[-1])
 
 
 def bench_train(root: Path, args) -> dict:
@@ -163,18 +163,17 @@ def bench_train(root: Path, args) -> dict:
     one = _one_train(root, "one", base, None, args.timeout, grad_accum=2)
     runs = [one, _one_train(root, "two-ddp", base, 2, args.timeout, parallel="ddp"),
             _one_train(root, "two-fsdp", base, 2, args.timeout, parallel="fsdp")]
+    one_weights = _final_weights(root / "one", steps)
     for r in runs[1:]:
         r["max_rel_loss_diff_vs_one"] = _max_rel(one["loss"], r["loss"])
         r["scaling_vs_one"] = r["tokens_per_s"] / one["tokens_per_s"]
         r["mean_scaling_vs_one"] = r["mean_tokens_per_s"] / one["mean_tokens_per_s"]
-        r["weights_rel_diff_vs_one"] = _weights_diff(_final_weights(root / "one", steps),
+        r["weights_rel_diff_vs_one"] = _weights_diff(one_weights,
                                                      _final_weights(root / r["name"], steps))
     # resume the DDP run from its mid-run checkpoint, on two GPUs, into a copy of its folder
-    from eyas import checkpoint
-
     shutil.copytree(root / "two-ddp", root / "two-ddp-resumed")
-    resumed = _one_train(root, "two-ddp-resumed", base, 2, args.timeout, parallel="ddp",
-                         resume=str(checkpoint.step_dir(root / "two-ddp-resumed", half)))
+    resumed = _one_train(root, "two-ddp-resumed", base, 2, args.timeout, start=half,
+                         parallel="ddp")
     ddp = runs[1]
     after = [i for i, s in enumerate(ddp["steps"]) if s > half]
     resumed["resumed_from_step"] = half
