@@ -53,3 +53,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def without_accelerate(monkeypatch):
+    """The test runs as if accelerate were not installed (it is, in the test extra)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real(name, *a))

@@ -235,13 +235,8 @@ def test_device_map_capture_equals_single_device(llama_dir, llama_prepared, tmp_
             assert torch.equal(mapped[row][key], value), (row, key)
 
 
-def test_device_map_without_accelerate_names_the_install(llama_dir, llama_prepared, tmp_path,
-                                                         monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "accelerate" else real(name, *a))
+@pytest.mark.usefixtures("without_accelerate")
+def test_device_map_without_accelerate_names_the_install(llama_dir, llama_prepared, tmp_path):
     with pytest.raises(EyasError, match=r"device_map 'auto' \(capture --device-map.*needs "
                                         r"the accelerate package.*pip install accelerate"):
         capture(_cfg(llama_dir, llama_prepared, tmp_path / "cap", device_map="auto"))

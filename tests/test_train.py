@@ -410,14 +410,9 @@ def _has_accelerate() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def test_target_device_map_without_accelerate_names_the_install(run_inputs, tmp_path,
-                                                               monkeypatch):
+@pytest.mark.usefixtures("without_accelerate")
+def test_target_device_map_without_accelerate_names_the_install(run_inputs, tmp_path):
     # transformers (5.x) refuses every device_map, even "cpu", without accelerate
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "accelerate" else real(name, *a))
     with pytest.raises(EyasError, match="needs the accelerate package.*pip install accelerate"):
         train(_cfg(run_inputs, tmp_path / "run", online=True, data=run_inputs["prepared"],
                    target=run_inputs["target"], target_device_map="cpu"))
