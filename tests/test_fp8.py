@@ -40,6 +40,47 @@ def test_quantize_uses_the_format_range_and_round_trips():
     assert float(s) > 0 and not zeros8.float().any()  # no division by zero
 
 
+def test_quantize_with_a_bound_or_only_transposed():
+    """bound: the scale comes from the given bound on |x|, not from x's maximum (the loss
+    gradient's entries lie in [-1, 1]); row_major=False: only the transposed copy."""
+    x = torch.rand(37, 32) - 0.5  # |x| <= 0.5 < the bound
+    x8, s, x8_t = fp8.quantize(x, fp8.E5M2, transposed=True, bound=1.0)
+    fmax = torch.finfo(fp8.E5M2).max
+    assert float(s) == torch.tensor(1 / fmax, dtype=torch.float32).item()
+    assert float(x8.float().abs().max()) <= fmax / 2  # the bound, not the maximum, maps to the top
+    assert torch.equal(x8.float(), (x / s).to(fp8.E5M2).float())
+    assert x8_t.shape == (32, 48) and torch.equal(x8_t[:, :37].float(), x8.t().float())
+    assert not x8_t[:, 37:].float().any()  # padding rows are zeros
+    none, s2, only_t = fp8.quantize(x, fp8.E5M2, transposed=True, row_major=False)
+    full8, s3, full_t = fp8.quantize(x, fp8.E5M2, transposed=True)
+    assert none is None and float(s2) == float(s3) and torch.equal(only_t.float(), full_t.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(37, 64), (3000, 4096), (4096, 14336)])
+def test_triton_quantize_matches_the_portable_code_bit_for_bit(shape):
+    """On CUDA quantize runs two Triton kernels (eyas.fp8_kernels); the values, scale and
+    padded transposed copy are those of the portable code (eager torch) exactly."""
+    from eyas import fp8_kernels
+
+    torch.manual_seed(shape[0])
+    x = (torch.randn(*shape, device="cuda") * 3).bfloat16()
+    x[0, 1] = 40.0  # one outlier sets the scale
+    for dtype in (fp8.E4M3, fp8.E5M2):
+        fmax = torch.finfo(dtype).max
+        for bound in (None, 64.0):
+            y, s, y_t = fp8_kernels.quantize(x, fmax, dtype, 16, True, True, bound)
+            ref_s = fp8._scale(x, fmax) if bound is None else \
+                torch.full((), bound / fmax, dtype=torch.float32, device="cuda")
+            ref_y, ref_t = fp8._cast.__wrapped__(x, ref_s, fmax, dtype, True)
+            assert torch.equal(s, ref_s)
+            assert torch.equal(y.view(torch.uint8), ref_y.view(torch.uint8))
+            assert torch.equal(y_t.view(torch.uint8), ref_t.view(torch.uint8))
+        none, _, t_only = fp8_kernels.quantize(x, fmax, dtype, 16, False, True, None)
+        _, ref_t = fp8._cast.__wrapped__(x, fp8._scale(x, fmax), fmax, dtype, True)
+        assert none is None and torch.equal(t_only.view(torch.uint8), ref_t.view(torch.uint8))
+
+
 @pytest.mark.parametrize("rows", [37, 64])  # the weight gradient pads 37 rows to 48
 def test_linear_forward_and_gradients_close_to_fp32(rows):
     torch.manual_seed(0)

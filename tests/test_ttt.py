@@ -161,6 +161,36 @@ def test_pruning_is_exact_and_prunes():
         torch.testing.assert_close(pruned_grads[name], full_grads[name], atol=1e-6, rtol=1e-5)
 
 
+def test_runs_of_rows_are_found_for_slicing():
+    """Every position supervised: each step keeps a run of positions 0..T-3-j and its loss
+    rows are that run, so ttt_forward indexes by slices (views; the results are checked
+    against the dense reference in test_one_document_takes_the_fast_path...). A gap (a
+    top-1 outside the draft vocab) breaks the run of every step that loses the row."""
+    from eyas.ttt import _plan
+
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[40]], 40, seed=5)
+    batch.loss_mask[:] = 1
+    in_vocab = draft.t2d.nonzero().squeeze(1)
+    batch.target_top1 = in_vocab[torch.randint(0, in_vocab.numel(), (1, 40))].int()
+    plan = _plan(batch, draft.t2d, 4, prune=True)
+    assert plan.first == [0] * 8
+    assert [c.tolist() for c in plan.cols[:4]] == [list(range(n)) for n in (40, 37, 36, 35)]
+    assert plan.offset(2, 1) == 0 and plan.offset(4 + 3, 3) == 0
+    assert plan.loss_on_all == [True] * 4  # step 0: 38 of 40 rows count, the rest weigh 0
+    batch.target_top1[0, 9] = int((~draft.t2d).nonzero()[0])  # row 9 teaches nothing
+    plan = _plan(batch, draft.t2d, 4, prune=True)
+    # step j's loss at n reads the teacher at n+1+j: position 8-j loses step j's loss; the
+    # kept rows of step 3 (34 of a span of 35) are the whole span, the loss rows are not runs
+    assert plan.first[4:] == [None] * 4 and plan.offset(4, 0) is None
+    assert plan.first[:4] == [0] * 4 and [c.numel() for c in plan.cols[:4]] == [40, 37, 36, 35]
+    assert plan.loss_on_all == [True] * 4
+    batch.loss_mask[0, 10:30] = 0  # a prompt in the middle: 35 % of the span, not filled
+    plan = _plan(batch, draft.t2d, 4, prune=True)
+    assert plan.first[1:4] == [None] * 3 and plan.loss_on_all == [False] * 4
+
+
 def test_compiled_kernels_trace_and_agree(monkeypatch):
     """The code CUDA runs through torch.compile (norms, RoPE, SwiGLU, the soft-CE chunk, the
     diagonal merge), compiled here on CPU: it must trace as whole graphs (fullgraph) and
@@ -268,6 +298,30 @@ def test_chunked_soft_ce_matches_autograd(chunk, indexed):
     assert hidden.grad is not None
     with torch.no_grad():
         assert not soft_cross_entropy(hidden, weight, teacher)[0].requires_grad
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_soft_ce_row_weights_drop_rows_exactly(compiled, monkeypatch):
+    """Rows weighted 0 add nothing to the loss or any gradient: the weighted sum over all
+    rows equals the plain sum over the rows weighted 1 (eager, and compiled on CPU)."""
+    import eyas.fused
+
+    if compiled:
+        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+    torch.manual_seed(9)
+    hidden = torch.randn(13, 16, requires_grad=True)
+    weight = torch.randn(21, 16, requires_grad=True)
+    teacher = torch.randn(13, 21) * 2
+    keep = torch.rand(13) < 0.7
+    loss, top1 = soft_cross_entropy(hidden, weight, teacher, chunk=5, row_weight=keep)
+    loss.backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref, ref_top1 = soft_cross_entropy(h2[keep], w2, teacher[keep], chunk=5)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(weight.grad, w2.grad)
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    assert not hidden.grad[~keep].any() and torch.equal(top1[keep], ref_top1)
 
 
 # ---------------------------------------------------------------- the attention itself
@@ -513,9 +567,14 @@ def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
     # a few top-1s outside the draft vocab: rows with gaps, still one document (the 60 %
     # mask of packed_batch leaves too few rows at later steps: the band)
     one.target_top1[0, [9, 30]] = int((~draft.t2d).nonzero()[0])
+    gaps, calls = checked(one)  # 33 of 35 positions fill >= RUN_FILL of the span: all 35
+    assert calls == gaps.step_rows == [40, 37, 36, 35] and gaps.step_count[3] == 33
+    monkeypatch.setattr(eyas.ttt, "RUN_FILL", 1.0)  # only exact runs: the gaps are dropped
     gaps, calls = checked(one)
     assert calls == gaps.step_rows == [40, 37, 36, 33]  # step 3 lost 2 rows to the gaps
     assert [len(a) > 5 and a[5] is not None for a in seen] == [False, False, False, True]
+    monkeypatch.undo()
+    monkeypatch.setattr(eyas.ttt, "causal_attention", lambda *a: seen.append(a) or real(*a))
     # one document padded at the end: still the fused path (padding sees no real key)
     padded = packed_batch(cfg, [[34]], 40, seed=6)
     padded.target_top1 = one.target_top1
@@ -529,9 +588,13 @@ def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("diag", [0, 4])
-def test_causal_fast_path_on_cuda_matches_flex(diag):
-    """cuDNN band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes."""
-    from eyas.attention import causal_attention
+@pytest.mark.parametrize("gqa", [True, False])
+def test_causal_fast_path_on_cuda_matches_flex(diag, gqa, monkeypatch):
+    """cuDNN band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes;
+    with cuDNN's own GQA and with K/V repeated to the query heads (older cuDNN)."""
+    from eyas.attention import _CudnnCausal, causal_attention
+
+    monkeypatch.setattr(_CudnnCausal, "gqa", gqa)
 
     torch.manual_seed(diag)
     n, hq, hkv, d = 3000, 32, 8, 128

@@ -290,16 +290,29 @@ def _merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k, diag_v, out_b=
 class _CudnnCausal:
     """Causal attention of q (N, hq, d) over k, v (N, hkv, d) through cuDNN's fused kernels,
     forward returning the log-sum-exp, backward taking the `out` whose rowsum(dO * out) it
-    uses (see causal_attention). K/V heads are repeated to the query heads (and their
-    gradients summed back): the kernels then see plain multi-head attention."""
+    uses (see causal_attention). cuDNN takes fewer K/V heads than query heads (GQA) and sums
+    their gradients itself; a cuDNN that refuses them (older versions) gets K/V repeated to
+    the query heads and the gradients summed back here."""
+
+    gqa = True  # cleared (for the process) the first time cuDNN refuses GQA
 
     def __init__(self, q, k, v):
         self.q, self.hkv = q, k.shape[1]
-        g = q.shape[1] // self.hkv
         self.qt = q.transpose(0, 1)[None]  # (1, hq, N, d)
-        self.kt, self.vt = (x.repeat_interleave(g, dim=1).transpose(0, 1)[None] for x in (k, v))
+        self.kt, self.vt = (x.transpose(0, 1)[None] for x in (k, v))  # (1, hkv, N, d)
 
     def forward(self):
+        if _CudnnCausal.gqa and self.hkv != self.q.shape[1]:
+            try:
+                return self._forward()
+            except RuntimeError:
+                _CudnnCausal.gqa = False
+        if self.hkv != self.q.shape[1]:
+            g = self.q.shape[1] // self.hkv
+            self.kt, self.vt = (x.repeat_interleave(g, dim=1) for x in (self.kt, self.vt))
+        return self._forward()
+
+    def _forward(self):
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             self.qt, self.kt, self.vt, None, True, 0.0, True, False)
         out, lse = res[0], res[1]
@@ -321,9 +334,10 @@ class _CudnnCausal:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             like_out(grad_band), self.qt, self.kt, self.vt, like_out(merged), self.lse, seed,
             offset, None, cq, ck, mq, mk, 0.0, True)
-        n, hq, d = self.q.shape
-        g = hq // self.hkv
-        dk, dv = (x[0].transpose(0, 1).view(n, self.hkv, g, d).sum(2) for x in (dk, dv))
+        dk, dv = (x[0].transpose(0, 1) for x in (dk, dv))  # (N, heads, d)
+        if dk.shape[1] != self.hkv:  # K/V were repeated: sum each group back
+            n, heads, d = dk.shape
+            dk, dv = (x.view(n, self.hkv, heads // self.hkv, d).sum(2) for x in (dk, dv))
         return dq[0].transpose(0, 1), dk, dv
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from eyas import fused
 from eyas.fused import cuda_compiled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -77,14 +78,24 @@ def _cast(x, scale, fmax: float, dtype: torch.dtype, transposed: bool):
     return y.to(dtype), F.pad(y, (0, 0, 0, pad)).t().contiguous().to(dtype)
 
 
-def quantize(x: torch.Tensor, dtype=E4M3, transposed: bool = False):
+def quantize(x: torch.Tensor, dtype=E4M3, transposed: bool = False, bound: float | None = None,
+             row_major: bool = True):
     """x (R, C) -> (x / s in `dtype`, s, x8^T or None): one scale for the whole tensor; with
     `transposed` also x8^T padded to (C, R'), R' a multiple of 16, the weight-gradient
-    operand."""
+    operand. bound: a known bound on |x| to scale by instead of its absolute maximum (skips
+    a pass over x). row_major=False: only the transposed copy (the first result is None)."""
     x = x.contiguous()  # the products read it row-major
-    s = _scale(x, _MAX[dtype])
-    y, y_t = _cast(x, s, _MAX[dtype], dtype, transposed)
-    return y, s, y_t
+    fmax = _MAX[dtype]
+    if x.is_cuda and "cuda" in fused.COMPILE_DEVICES and x.numel() > 0:
+        from eyas import fp8_kernels  # Triton: two passes instead of four (its docstring)
+
+        return fp8_kernels.quantize(x, fmax, dtype, _ALIGN, row_major, transposed, bound)
+    if bound is None:
+        s = _scale(x, fmax)
+    else:
+        s = torch.full((), max(bound / fmax, 1e-30), dtype=torch.float32, device=x.device)
+    y, y_t = _cast(x, s, fmax, dtype, transposed)
+    return (y if row_major else None), s, y_t
 
 
 def mm(a8, sa, b8_t, sb, out_dtype):
@@ -107,15 +118,15 @@ class Fp8Matrix:
         if weight.shape[0] % _ALIGN or weight.shape[1] % _ALIGN:
             return None
         with torch.no_grad():
-            w8, s, _ = quantize(weight.detach())
-            return cls(w8, w8.t().contiguous(), s)
+            w8, s, w8_t = quantize(weight.detach(), transposed=True)
+            return cls(w8, w8_t, s)
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, packed: Fp8Matrix, out_dtype):
         # x (M, K) any float; weight (N, K): only for its gradient (values come from packed)
-        x8, sx, x8_t = quantize(x, transposed=True)
+        x8, sx, x8_t = quantize(x, transposed=ctx.needs_input_grad[1])
         ctx.save_for_backward(x8_t, sx)  # the fp8 copy the weight gradient reads
         ctx.packed, ctx.out_dtype = packed, out_dtype
         return mm(x8, sx, packed.w.t(), packed.scale, out_dtype)
@@ -124,7 +135,8 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x8_t, sx = ctx.saved_tensors
         packed = ctx.packed
-        g8, sg, g8_t = quantize(grad.contiguous(), E5M2, transposed=True)
+        g8, sg, g8_t = quantize(grad, E5M2, transposed=ctx.needs_input_grad[1],
+                                row_major=ctx.needs_input_grad[0])
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = mm(g8, sg, packed.w_t.t(), packed.scale, ctx.out_dtype)

@@ -192,10 +192,10 @@ class SwiGLUDown(torch.autograd.Function):
             d_w = grad.t() @ _swiglu(gate_up) if ctx.needs_input_grad[1] else None  # (H, I)
             return _swiglu_backward(grad @ w_down, gate_up), d_w, None
         from eyas import fp8
-        g8, sg, g8_t = fp8.quantize(grad.contiguous(), fp8.E5M2, transposed=True)
+        g8, sg, g8_t = fp8.quantize(grad, fp8.E5M2, transposed=ctx.needs_input_grad[1])
         d_act = fp8.mm(g8, sg, packed.w_t.t(), packed.scale, gate_up.dtype)  # (N, I)
         d_w = None
         if ctx.needs_input_grad[1]:  # (H, I)
-            _, sa, a8_t = fp8.quantize(_swiglu(gate_up), transposed=True)
+            _, sa, a8_t = fp8.quantize(_swiglu(gate_up), transposed=True, row_major=False)
             d_w = fp8.mm(g8_t, sg, a8_t.t(), sa, w_down.dtype)
         return _swiglu_backward(d_act, gate_up), d_w, None

@@ -23,14 +23,20 @@ from eyas.fused import cuda_compiled
 
 
 @cuda_compiled
-def _soft_ce_chunk(logits, teacher, with_grad: bool):
+def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None):
     """logits, teacher (c, Vd) -> (summed soft CE, draft argmax (c,), d loss / d logits in
-    logits' dtype or None). fp32 math on (c, Vd), fused into few passes when compiled."""
+    logits' dtype or None). weight (c,): each row's weight (0 / 1). fp32 math on (c, Vd),
+    fused into few passes when compiled."""
     logq = torch.log_softmax(logits.float(), dim=-1)
     p = torch.softmax(teacher.float(), dim=-1)
-    loss = -(p * logq).sum()
-    grad = (logq.exp() - p).to(logits.dtype) if with_grad else None
-    return loss, logits.argmax(dim=-1), grad
+    if weight is None:
+        loss = -(p * logq).sum()
+        grad = (logq.exp() - p) if with_grad else None
+    else:
+        w = weight.float()[:, None]  # (c, 1)
+        loss = -(p * logq * w).sum()
+        grad = (logq.exp() - p) * w if with_grad else None
+    return loss, logits.argmax(dim=-1), None if grad is None else grad.to(logits.dtype)
 
 
 class _ChunkedSoftCE(torch.autograd.Function):
@@ -38,10 +44,10 @@ class _ChunkedSoftCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, rows, chunk: int, grad_hidden: bool,
-                grad_weight: bool, packed):
+                grad_weight: bool, packed, row_weight):
         # hidden (n, H) compute dtype; weight (Vd, H) master dtype; teacher (M, Vd) logits whose
         # row rows[i] (or i when rows is None) is the teacher of hidden row i; packed: the
-        # weight's eyas.fp8.Fp8Matrix for fp8 products, or None
+        # weight's eyas.fp8.Fp8Matrix for fp8 products, or None; row_weight (n,) or None
         w = weight.to(hidden.dtype) if packed is None else None  # what autocast would feed
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # (n,)
@@ -51,14 +57,16 @@ class _ChunkedSoftCE(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s: s + chunk]  # (c, H)
             t = teacher[s: s + chunk] if rows is None else teacher[rows[s: s + chunk]]
+            rw = None if row_weight is None else row_weight[s: s + chunk]
             if packed is None:
-                loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight)
+                loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight, rw)
             else:
                 h8, sh, h8_t = fp8.quantize(h, transposed=grad_weight)
                 logits = fp8.mm(h8, sh, packed.w.t(), packed.scale, hidden.dtype)
-                loss, pred, g = _soft_ce_chunk(logits, t, grad_hidden or grad_weight)
-                if g is not None:
-                    g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight)
+                loss, pred, g = _soft_ce_chunk(logits, t, grad_hidden or grad_weight, rw)
+                if g is not None:  # softmax - p: every entry lies in [-1, 1], no amax pass
+                    g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight,
+                                                bound=1.0, row_major=grad_hidden)
             total += loss
             top1[s: s + chunk] = pred
             if grad_hidden:  # g: d loss / d logits (c, Vd)
@@ -77,12 +85,13 @@ class _ChunkedSoftCE(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         gh = d_hidden * grad_total.to(d_hidden.dtype) if d_hidden is not None else None
         gw = (d_weight * grad_total).to(ctx.weight_dtype) if d_weight is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
                        rows: torch.Tensor | None = None, chunk: int = 4096,
-                       fp8_weight: Fp8Matrix | None = None
+                       fp8_weight: Fp8Matrix | None = None,
+                       row_weight: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)`.
 
@@ -91,7 +100,8 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
     (rows (n,) long; None means M == n, row i). Rows are processed `chunk` at a time, so no
     `(n, Vd)` tensor is kept for backward. Returns (loss summed over rows, a differentiable
     scalar; the draft's argmax per row (n,), draft ids). fp8_weight: `weight` quantized
-    (eyas.fp8.Fp8Matrix.of) to run the three vocab products in fp8.
+    (eyas.fp8.Fp8Matrix.of) to run the three vocab products in fp8. row_weight (n,) bool
+    or float: each row's weight in the sum (rows weighted 0 add nothing, gradients included).
     """
     n_teacher = teacher.shape[0] if rows is None else rows.shape[0]
     if hidden.shape[0] != n_teacher or weight.shape[0] != teacher.shape[1]:
@@ -100,7 +110,7 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
     grad_on = torch.is_grad_enabled()
     return _ChunkedSoftCE.apply(hidden, weight, teacher, rows, max(1, int(chunk)),
                                 grad_on and hidden.requires_grad,
-                                grad_on and weight.requires_grad, fp8_weight)
+                                grad_on and weight.requires_grad, fp8_weight, row_weight)
 
 
 def simulated_acceptance_length(step_acc) -> float:

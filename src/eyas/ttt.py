@@ -89,6 +89,14 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int) -> torch.Tenso
     return torch.stack(rows)
 
 
+# A step whose kept positions fill at least this share of the span from the first to the
+# last of them computes the whole span, and one whose loss positions fill this share of its
+# rows takes the loss on every row, weighted 0 or 1: indexing by a run is a slice (a view),
+# by index tensors a gather (and a sort and scatter in backward), which costs more than the
+# few extra rows (all-ones masks; 3 % of top-1s outside the draft vocab leave gaps).
+RUN_FILL = 0.9
+
+
 @dataclass
 class _Plan:
     valid: torch.Tensor  # (S, N) bool: position n carries a loss at step j
@@ -96,25 +104,49 @@ class _Plan:
     cols: tuple[torch.Tensor, ...]  # 2S index tensors: kept positions per step, then valid
     one_document: bool  # one row holding one document (no packing; padding only at the end)
     last: list[int]  # (S,) the last position each step keeps
+    # per entry of cols: its first position when it is a contiguous run (then gathers by it
+    # are slices, views), else None
+    first: list[int | None]
+    loss_on_all: list[bool]  # (S,) step j takes its loss on all its rows (a run), weighted
+
+    def offset(self, i: int, within: int) -> int | None:
+        """Where cols[i] starts among the rows of cols[within] when both are runs (cols[i]
+        lies inside cols[within]), else None: indexing by it is then a slice."""
+        a, b = self.first[i], self.first[within]
+        return None if a is None or b is None else a - b
 
 
 def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> _Plan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
-    then (with `prune`) only those that still carry a loss at this or a later step. The row
-    counts fix every shape, so they reach the host together, here, with the two facts that
-    pick the attention kernel, rather than through a sync at every step."""
+    then (with `prune`) those that still carry a loss at this or a later step, or the span
+    from the first to the last of them when they nearly fill it (RUN_FILL; extra positions
+    change nothing but the work: a position's chain reads only its own earlier steps). The
+    row counts fix every shape, so they reach the host together, here, with the facts that
+    pick the attention kernel and the indexing, rather than through a sync at every step."""
     valid = ttt_positions(batch, t2d, steps)  # (S, N)
     keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
     keep[0] = True
+    idx = torch.arange(keep.shape[1], device=keep.device)
+    lo, hi = torch.where(keep, idx, keep.shape[1]).amin(1), (keep * idx).amax(1)  # (S,)
+    span = (idx >= lo[:, None]) & (idx <= hi[:, None])  # (S, N)
+    keep = torch.where((span.sum(1) * RUN_FILL <= keep.sum(1))[:, None], span, keep)
+    keep = keep.flip(0).cummax(0).values.flip(0)  # step j's rows among step j-1's
     both = torch.cat([keep, valid])  # (2S, N)
     doc = batch.doc_ids.reshape(-1)
     # one row: document 0, then only padding (-1; it sees no real key and carries no loss)
     one_doc = ((doc[0] == 0) & (doc >= -1).all() & (doc <= 0).all() & (doc.diff() <= 0).all()
                & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
-    last = (keep * torch.arange(doc.shape[0], device=doc.device)).amax(1)  # (S,)
-    host = torch.cat([both.sum(1), one_doc, last]).tolist()
-    cols = both.nonzero()[:, 1].contiguous().split(host[: 2 * steps])
-    return _Plan(valid, keep.cumsum(1) - 1, cols, bool(host[2 * steps]), host[2 * steps + 1:])
+    first = torch.where(both, idx, doc.shape[0]).amin(1)  # (2S,)
+    final = (both * idx).amax(1)  # (2S,); keep's first S: the last position each step keeps
+    host = torch.cat([both.sum(1), one_doc, final, first]).tolist()
+    counts, one_doc, final, first = (host[:2 * steps], host[2 * steps],
+                                     host[2 * steps + 1: 4 * steps + 1], host[4 * steps + 1:])
+    cols = both.nonzero()[:, 1].contiguous().split(counts)
+    runs = [a if n and b - a + 1 == n else None for n, a, b in zip(counts, first, final)]
+    loss_on_all = [runs[j] is not None and counts[steps + j] >= RUN_FILL * counts[j]
+                   for j in range(steps)]
+    return _Plan(valid, keep.cumsum(1) - 1, cols, bool(one_doc), final[:steps], runs,
+                 loss_on_all)
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
@@ -141,6 +173,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
+    top1_draft = draft_id[top1]  # (N,) the target's top-1 as a draft id (where in the vocab)
     weights = draft.layer_weights(dev.type, fp8=fp8)  # cast and fused once for all steps
     head = draft.lm_head.weight
     if not head.requires_grad:  # frozen: cast once too
@@ -156,8 +189,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         if cols[j].numel() == 0:  # nothing left to predict
             break
         if j > 0:  # 5. Step j: own hidden of step j-1, keep only positions still needed
-            sel = rank[j - 1][cols[j]]  # indices into the previous step's rows
-            rows, hidden = cols[j], hidden[sel]
+            sel = _index(plan, j, j - 1, cols[j].numel()) or rank[j - 1][cols[j]]
+            rows, hidden = cols[j], hidden[sel]  # sel: indices into the previous step's rows
             diag_k, diag_v = [t[sel] for t in diag_k], [t[sel] for t in diag_v]
         token = ids[torch.minimum(rows + 1 + j, seg_end[rows])]  # (n,) ground-truth token
         q, k, v, residual = draft.project(token, hidden, pos[rows] + j, weights)
@@ -169,16 +202,44 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         out = _attend(plan, j, q, k0, v0, rows, seg_start, diag_k, diag_v)
         h = draft.finish(out, residual, weights)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
-        here = rank[j][cols[steps + j]]  # indices into this step's rows
-        teach = rows[here] + 1 + j
-        loss_sum, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher, rows=teach,
-                                            chunk=vocab_chunk, fp8_weight=head_fp8)
+        loss_sum, hits = _step_loss(draft, plan, j, rows, h, teacher, head, head_fp8,
+                                    top1_draft, vocab_chunk)
         sums.append(loss_sum)
-        correct.append((pred == draft_id[top1[teach]]).sum())
+        correct.append(hits)
         rows_per_step.append(rows.numel())
         hidden = draft.next_hidden(h)
     # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
     return _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
+
+
+def _step_loss(draft: Eagle3Draft, plan: _Plan, j: int, rows, h, teacher, head, head_fp8,
+               top1_draft, chunk: int):
+    """Step j's soft CE summed over its loss positions, against the teacher at rows + 1 + j,
+    and how many of them the draft's top-1 gets right. h (n, H) pre-norm at `rows`."""
+    steps = len(plan.loss_on_all)
+    if plan.loss_on_all[j]:  # rows are a run: every row, weighted 1 where it counts
+        at = plan.first[j]  # the rows whose teacher position exists (the others carry no loss)
+        n = min(rows.numel(), teacher.shape[0] - 1 - j - at)
+        counts, t = plan.valid[j, at: at + n], slice(at + 1 + j, at + 1 + j + n)
+        loss, pred = soft_cross_entropy(draft.norm(h[:n]), head, teacher[t], chunk=chunk,
+                                        fp8_weight=head_fp8, row_weight=counts)
+        return loss, ((pred == top1_draft[t]) & counts).sum()
+    n_valid = plan.cols[steps + j].numel()
+    here = _index(plan, steps + j, j, n_valid) or plan.rank[j][plan.cols[steps + j]]
+    teach = rows[here] + 1 + j  # here: indices into this step's rows
+    at = plan.first[steps + j]
+    teacher_j, teach_rows = (teacher, teach) if at is None else \
+        (teacher[at + 1 + j: at + 1 + j + n_valid], None)  # a run: a view, no gather
+    loss, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher_j, rows=teach_rows,
+                                    chunk=chunk, fp8_weight=head_fp8)
+    return loss, (pred == top1_draft[teach]).sum()
+
+
+def _index(plan: _Plan, i: int, within: int, n: int) -> slice | None:
+    """cols[i]'s rows among those of cols[within] as a slice when both are runs (indexing
+    by a slice is a view; by an index tensor a gather, and a scatter in backward)."""
+    at = plan.offset(i, within)
+    return None if at is None else slice(at, at + n)
 
 
 def _attend(plan: _Plan, j: int, q, k0, v0, rows, seg_start, diag_k: list, diag_v: list):
