@@ -666,3 +666,68 @@ def test_compiled_function_past_the_recompile_limit_runs_eagerly(monkeypatch, ca
         x = torch.arange(12, dtype=dtype).reshape(3, 4)
         torch.testing.assert_close(double_sum(x), (x * 2).sum(-1))
     assert "recompile limit" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g,s,d", [(4, 1, 128), (4, 6, 128), (5, 3, 64)])
+def test_triton_diagonal_merge_matches_the_torch_functions(g, s, d):
+    """CUDA runs the diagonal merge and its backward as Triton kernels (eyas.attention_kernels):
+    the same values as the torch functions (eager, fp32 math) for every output, incl. G and
+    S that are not powers of two."""
+    from eyas import attention_kernels
+    from eyas.attention import _merge_diag, _merge_diag_backward
+
+    torch.manual_seed(s)
+    n, hkv = 300, 2
+    dev = dict(device="cuda", dtype=torch.bfloat16)
+    q, out_b, grad = (torch.randn(n, hkv, g, d, **dev) for _ in range(3))
+    diag_k, diag_v = (torch.randn(s, n, hkv, d, **dev) for _ in range(2))
+    lse = torch.randn(n, hkv, g, device="cuda") * 3
+    got = attention_kernels.merge_diag(q, diag_k, diag_v, out_b, lse)
+    want = _merge_diag.__wrapped__(q, diag_k.transpose(0, 1), diag_v.transpose(0, 1), out_b, lse)
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[2], want[2], atol=1e-6, rtol=1e-5)
+    merged, w_band, w_diag = want
+    for with_lse in (False, True):
+        extra = (out_b,) if with_lse else ()
+        got = attention_kernels.merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k,
+                                                    diag_v, *extra)
+        want = _merge_diag_backward.__wrapped__(grad, merged, w_band, w_diag, q,
+                                                diag_k.transpose(0, 1), diag_v.transpose(0, 1),
+                                                *extra)
+        want = (want[0], want[1], want[2].transpose(0, 1), want[3].transpose(0, 1), *want[4:])
+        assert len(got) == len(want) == 4 + with_lse
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+            assert F.cosine_similarity(a.double().flatten(), b.double().flatten(), 0) > 0.99999
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [1000, 32000])
+def test_triton_soft_ce_chunk_matches_the_torch_function(v):
+    """CUDA runs a soft-CE chunk as one Triton kernel (eyas.loss_kernels): loss, argmax and
+    gradient as the torch function's, weighted or not; its fp8 gradient within e5m2 rounding."""
+    from eyas import loss_kernels
+    from eyas.loss import _soft_ce_chunk
+
+    torch.manual_seed(v)
+    c = 333
+    logits = (torch.randn(c, v, device="cuda") * 4).bfloat16()
+    teacher = (torch.randn(c, v, device="cuda") * 4).bfloat16()
+    logits[5, 7] = logits[5, 9] = 99.0  # a tie: the first index wins, as torch.argmax
+    weight = torch.rand(c, device="cuda") < 0.8
+    for w in (None, weight):
+        loss, top, grad, scale = loss_kernels.soft_ce_chunk(logits, teacher, True, w)
+        ref_loss, ref_top, ref_grad = _soft_ce_chunk.__wrapped__(logits, teacher, True, w)
+        assert scale is None and grad.dtype == torch.bfloat16
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-3)
+        assert torch.equal(top, ref_top) and int(top[5]) == 7
+        torch.testing.assert_close(grad.float(), ref_grad.float(), atol=1e-3, rtol=1e-2)
+        _, _, g8, scale = loss_kernels.soft_ce_chunk(logits, teacher, True, w, grad_fp8=True)
+        assert g8.dtype == torch.float8_e5m2
+        back = g8.float() * scale
+        assert float((back - ref_grad.float()).abs().max()) <= \
+            0.126 * float(ref_grad.float().abs().max()) + 1e-6
+    assert loss_kernels.soft_ce_chunk(logits, teacher, False)[2] is None

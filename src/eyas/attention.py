@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from eyas import fused
 from eyas.fused import cuda_compiled
 
 BLOCK = 128  # FlexAttention sparse block size; sequences are padded to a multiple of it
@@ -43,25 +44,44 @@ def attention(q, k, v, lo, hi, diag_k=None, diag_v=None) -> torch.Tensor:
 
 
 class _DiagMerge(torch.autograd.Function):
-    """The band's output and log-sum-exp merged with the diagonal keys (_merge_diag), with
-    the gradients of all five inputs, the LSE's included, from _merge_diag_backward."""
+    """The band's output and log-sum-exp merged with the diagonal keys (_merge), with the
+    gradients of all five inputs, the LSE's included, from _merge_backward."""
 
     @staticmethod
     def forward(ctx, q, diag_k, diag_v, out_b, lse):
         # q, out_b (N, hkv, G, d); diag_k, diag_v (S, N, hkv, d); lse (N, hkv, G) fp32
-        merged, w_band, w_diag = _merge_diag(q, diag_k.transpose(0, 1), diag_v.transpose(0, 1),
-                                             out_b, lse)
+        merged, w_band, w_diag = _merge(q, diag_k, diag_v, out_b, lse)
         ctx.save_for_backward(q, diag_k, diag_v, out_b, merged, w_band, w_diag)
         return merged
 
     @staticmethod
     def backward(ctx, grad):
         q, diag_k, diag_v, out_b, merged, w_band, w_diag = ctx.saved_tensors
-        grad_band, dq, d_diag_k, d_diag_v, d_lse = _merge_diag_backward(
-            grad.contiguous(), merged, w_band, w_diag, q, diag_k.transpose(0, 1),
-            diag_v.transpose(0, 1), out_b)
-        return (dq.to(q.dtype), d_diag_k.transpose(0, 1), d_diag_v.transpose(0, 1), grad_band,
-                d_lse)
+        grad_band, dq, d_diag_k, d_diag_v, d_lse = _merge_backward(
+            grad.contiguous(), merged, w_band, w_diag, q, diag_k, diag_v, out_b)
+        return dq.to(q.dtype), d_diag_k, d_diag_v, grad_band, d_lse
+
+
+def _merge(q, diag_k, diag_v, out_b, lse):
+    """_merge_diag with the diagonal as TTT stacks it, (S, N, hkv, d): on CUDA one Triton
+    kernel (eyas.attention_kernels), else the torch function."""
+    if q.is_cuda and "cuda" in fused.COMPILE_DEVICES:
+        from eyas import attention_kernels
+
+        return attention_kernels.merge_diag(q, diag_k, diag_v, out_b, lse)
+    return _merge_diag(q, diag_k.transpose(0, 1), diag_v.transpose(0, 1), out_b, lse)
+
+
+def _merge_backward(grad, merged, w_band, w_diag, q, diag_k, diag_v, out_b=None):
+    """_merge_diag_backward likewise, the diagonal's gradients in (S, N, hkv, d)."""
+    if q.is_cuda and "cuda" in fused.COMPILE_DEVICES:
+        from eyas import attention_kernels
+
+        return attention_kernels.merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k,
+                                                     diag_v, out_b)
+    out = _merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k.transpose(0, 1),
+                               diag_v.transpose(0, 1), out_b)
+    return (out[0], out[1], out[2].transpose(0, 1), out[3].transpose(0, 1), *out[4:])
 
 
 def _band_reference(q, k, v, lo, hi, chunk: int = 1024):
@@ -199,10 +219,9 @@ class _CausalDiag(torch.autograd.Function):
         out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
         if diag_k is None:
             merged, w_band, w_diag = out_b, None, None
-        else:  # rows first (N, S, hkv, d): the fused merge's dynamic dimension
-            merged, w_band, w_diag = _merge_diag(
-                q.view(n, hkv, g, d), diag_k.transpose(0, 1), diag_v.transpose(0, 1),
-                out_b.view(n, hkv, g, d), lse.view(n, hkv, g))
+        else:
+            merged, w_band, w_diag = _merge(q.view(n, hkv, g, d), diag_k, diag_v,
+                                            out_b.view(n, hkv, g, d), lse.view(n, hkv, g))
             merged = merged.view(n, hq, d)
         ctx.band = band
         ctx.save_for_backward(merged, w_band, w_diag, diag_k, diag_v)
@@ -218,19 +237,21 @@ class _CausalDiag(torch.autograd.Function):
         if w_band is None:
             dq, dk, dv = band.backward(grad, merged)
             return dq, dk, dv, None, None
-        grad_band, dq_diag, d_diag_k, d_diag_v = _merge_diag_backward(
+        grad_band, dq_diag, d_diag_k, d_diag_v = _merge_backward(
             grad.view(n, hkv, g, d), merged.view(n, hkv, g, d), w_band, w_diag,
-            band.q.view(n, hkv, g, d), diag_k.transpose(0, 1), diag_v.transpose(0, 1))
+            band.q.view(n, hkv, g, d), diag_k, diag_v)
         dq, dk, dv = band.backward(grad_band.view(n, hq, d), merged)
         dq = (dq.float() + dq_diag.view(n, hq, d)).to(band.q.dtype)
-        return dq, dk, dv, d_diag_k.transpose(0, 1), d_diag_v.transpose(0, 1)
+        return dq, dk, dv, d_diag_k, d_diag_v
 
 
-# The diagonal merge as two fused functions (one or a few kernels each on CUDA). Its products
-# contract over d = 128 or over S <= 7 keys per query: as einsums under torch.compile they
-# become batched GEMMs of 4 x 128 x S tiles on CUDA cores (~11 ms of a TTT-7 iteration at 8K
-# on an H200), so compiled they are written as broadcast multiply + sum, which fuses
-# (_contract). Rows (N) come first so only they are a dynamic dimension. fp32 throughout.
+# The diagonal merge as two torch functions: the CPU path and the reference of the Triton
+# kernels CUDA runs (eyas.attention_kernels; compiled, these reached a fraction of the memory
+# bandwidth, ~10 ms of a TTT-7 iteration at 8K on an H200). Their products contract over
+# d = 128 or over S <= 7 keys per query: as einsums under torch.compile they become batched
+# GEMMs of 4 x 128 x S tiles on CUDA cores, so compiled they are written as broadcast
+# multiply + sum (_contract). Rows (N) come first so only they are a dynamic dimension.
+# fp32 throughout.
 
 def _contract(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.einsum(eq, a, b) for two operands. Under torch.compile: the operands lined up

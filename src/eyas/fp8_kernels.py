@@ -26,7 +26,8 @@ import triton.language as tl
 
 _PARTS = 512  # programs of pass 1 at most (and partial maxima pass 2 reduces)
 _BLOCK = 4096  # elements per iteration of a pass-1 program
-_TILE_R, _TILE_C = 64, 128
+_TILE_R, _TILE_C, _CAST_WARPS = 64, 128, 8
+_ABSMAX_WARPS = 4
 
 
 @triton.jit
@@ -81,10 +82,10 @@ def quantize(x: torch.Tensor, fmax: float, dtype: torch.dtype, align: int,
     if bound is None:
         n_part = max(1, min(_PARTS, triton.cdiv(x.numel(), _BLOCK)))
         parts = torch.empty(n_part, dtype=torch.float32, device=dev)
-        _absmax[(n_part,)](x, parts, x.numel(), n_part, BLOCK=_BLOCK)
+        _absmax[(n_part,)](x, parts, x.numel(), n_part, BLOCK=_BLOCK, num_warps=_ABSMAX_WARPS)
     grid = (triton.cdiv(rows_pad if transposed else rows, _TILE_R), triton.cdiv(cols, _TILE_C))
     _cast[grid](x, y if row_major else scale, y_t if transposed else scale, parts, scale,
                 n_part, rows, cols, rows_pad, fmax, 0.0 if bound is None else float(bound),
                 FROM_PARTS=bound is None, PARTS=_PARTS, ROW_MAJOR=row_major,
-                TRANSPOSED=transposed, TILE_R=_TILE_R, TILE_C=_TILE_C, num_warps=8)
+                TRANSPOSED=transposed, TILE_R=_TILE_R, TILE_C=_TILE_C, num_warps=_CAST_WARPS)
     return y, scale, y_t

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from eyas import fp8
+from eyas import fp8, fused
 from eyas.fp8 import Fp8Matrix
 from eyas.fused import cuda_compiled
 
@@ -37,6 +37,22 @@ def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None):
         loss = -(p * logq * w).sum()
         grad = (logq.exp() - p) * w if with_grad else None
     return loss, logits.argmax(dim=-1), None if grad is None else grad.to(logits.dtype)
+
+
+def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool):
+    """_soft_ce_chunk -> (loss, argmax, gradient, its fp8 scale or None): on CUDA one Triton
+    kernel (eyas.loss_kernels), which can also write the gradient as fp8 (`grad_fp8`, scaled
+    by its bound 1); elsewhere the torch function, and the fp8 copy from eyas.fp8.quantize."""
+    if logits.is_cuda and "cuda" in fused.COMPILE_DEVICES and logits.shape[0] \
+            and logits.stride(-1) == 1 and teacher.stride(-1) == 1:
+        from eyas import loss_kernels
+
+        return loss_kernels.soft_ce_chunk(logits, teacher, with_grad, weight, grad_fp8)
+    loss, pred, g = _soft_ce_chunk(logits, teacher, with_grad, weight)
+    if not grad_fp8 or g is None:
+        return loss, pred, g, None
+    g8, sg, _ = fp8.quantize(g, fp8.E5M2, bound=1.0)
+    return loss, pred, g8, sg
 
 
 class _ChunkedSoftCE(torch.autograd.Function):
@@ -59,12 +75,16 @@ class _ChunkedSoftCE(torch.autograd.Function):
             t = teacher[s: s + chunk] if rows is None else teacher[rows[s: s + chunk]]
             rw = None if row_weight is None else row_weight[s: s + chunk]
             if packed is None:
-                loss, pred, g = _soft_ce_chunk(h @ w.t(), t, grad_hidden or grad_weight, rw)
+                loss, pred, g, _ = _chunk(h @ w.t(), t, grad_hidden or grad_weight, rw, False)
             else:
                 h8, sh, h8_t = fp8.quantize(h, transposed=grad_weight)
                 logits = fp8.mm(h8, sh, packed.w.t(), packed.scale, hidden.dtype)
-                loss, pred, g = _soft_ce_chunk(logits, t, grad_hidden or grad_weight, rw)
-                if g is not None:  # softmax - p: every entry lies in [-1, 1], no amax pass
+                # only dx needs it (frozen lm_head): the gradient straight to fp8
+                direct = grad_hidden and not grad_weight
+                loss, pred, g, sg = _chunk(logits, t, grad_hidden or grad_weight, rw, direct)
+                if direct:
+                    g8 = g
+                elif g is not None:  # softmax - p: every entry lies in [-1, 1], no amax pass
                     g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight,
                                                 bound=1.0, row_major=grad_hidden)
             total += loss
