@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.fused import COMPILE_DEVICES
-from eyas.ttt import TTTBatch, ttt_forward
+from eyas.ttt import TTTBatch, ttt_forward, ttt_plan
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 
@@ -155,14 +155,19 @@ def timed(fn, iters: int, device):
 
 def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> dict:
     draft.init_lm_head_from_target(lm_head, freeze=not trained)
-    batch = make_batch(cfg, draft.t2d.cpu(), context, mask, device, doc_tokens=args.doc_tokens)
+    t2d = draft.t2d.cpu()
+    batch = make_batch(cfg, t2d, context, mask, device, doc_tokens=args.doc_tokens)
+    # the batch as the data loader hands it over, on the host: each iteration makes its
+    # plan there, as `eyas train` does (ttt_plan), so no GPU sync starts the forward
+    host = make_batch(cfg, t2d, context, mask, "cpu", doc_tokens=args.doc_tokens)
     row = {"context": context, "mask": mask, "lm_head": "trained" if trained else "frozen",
            "precision": "fp8" if fp8 else "bf16", "doc_tokens": args.doc_tokens or context}
 
     def step():
         draft.zero_grad(set_to_none=True)
+        plan = ttt_plan(host, t2d, args.steps, device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = ttt_forward(draft, batch, lm_head, steps=args.steps, fp8=fp8)
+            out = ttt_forward(draft, batch, lm_head, steps=args.steps, fp8=fp8, plan=plan)
         out.loss.backward()
         return out
 

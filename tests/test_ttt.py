@@ -191,6 +191,23 @@ def test_runs_of_rows_are_found_for_slicing():
     assert plan.first[1:4] == [None] * 3 and plan.loss_on_all == [False] * 4
 
 
+def test_a_plan_made_ahead_gives_the_same_forward():
+    """ttt_plan made ahead (as `eyas train` does, from the host batch) and passed in: the same
+    result as the plan ttt_forward makes itself; a plan for another shape is refused."""
+    from eyas.ttt import ttt_plan
+
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    own = ttt_forward(draft, batch, lm_head, steps=5)
+    plan = ttt_plan(batch, draft.t2d, 5, device="cpu")
+    given = ttt_forward(draft, batch, lm_head, steps=5, plan=plan)
+    assert torch.equal(own.loss, given.loss) and own.step_rows == given.step_rows
+    with pytest.raises(ValueError, match="plan is for"):
+        ttt_forward(draft, batch, lm_head, steps=4, plan=plan)
+
+
 def test_compiled_kernels_trace_and_agree(monkeypatch):
     """The code CUDA runs through torch.compile (norms, RoPE, SwiGLU, the soft-CE chunk, the
     diagonal merge), compiled here on CPU: it must trace as whole graphs (fullgraph) and
@@ -660,11 +677,11 @@ def test_compiled_function_past_the_recompile_limit_runs_eagerly(monkeypatch, ca
     monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
         else "cache_size_limit"
-    monkeypatch.setattr(torch._dynamo.config, name, 1)
     double_sum = eyas.fused.cuda_compiled(lambda x: (x * 2).sum(-1))
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float32):
-        x = torch.arange(12, dtype=dtype).reshape(3, 4)
-        torch.testing.assert_close(double_sum(x), (x * 2).sum(-1))
+    with torch._dynamo.config.patch(**{name: 1}):  # (monkeypatch's undo broke the alias)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float32):
+            x = torch.arange(12, dtype=dtype).reshape(3, 4)
+            torch.testing.assert_close(double_sum(x), (x * 2).sum(-1))
     assert "recompile limit" in caplog.text
 
 

@@ -39,7 +39,7 @@ from eyas.loss import simulated_acceptance_length
 from eyas.manifest import write_manifest
 from eyas.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
                               wrap)
-from eyas.ttt import TTTBatch, ttt_positions
+from eyas.ttt import TTTBatch, ttt_plan, ttt_positions
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +353,7 @@ def train(cfg: TrainConfig) -> dict:
     batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers, pin_memory=pin))
     metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
     weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
+    t2d_host = draft.t2d.cpu()
 
     def run_eval(step: int) -> dict:
         loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
@@ -377,14 +378,19 @@ def train(cfg: TrainConfig) -> dict:
     # ---- the loop: one optimizer step per iteration
     for step in range(start + 1, total + 1):
         # 1. This rank's micro-batches; N_j = positions with a step-j loss in the whole step.
-        micro = [_on(next(batches), env) for _ in range(cfg.grad_accum)]
+        micro = [next(batches) for _ in range(cfg.grad_accum)]
+        # plans made on the host from the host batch: no GPU sync per forward (ttt_plan);
+        # not under --compile, whose graphs would be specialised on each plan's row counts
+        plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
+                                                    device=env.device) for mb in micro]
+        micro = [_on(mb, env) for mb in micro]
         denom = _all_sum(sum(ttt_positions(b, draft.t2d, steps).sum(1) for b in micro).float())
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
         #    DDP/FSDP average gradients over ranks, hence the world_size factor.
         for a, batch in enumerate(micro):
             with grad_sync(model, a == len(micro) - 1):
                 with _autocast(env):
-                    out = model(batch)
+                    out = model(batch, plans[a])
                 loss = (weights * out.step_loss_sum / denom.clamp(min=1)).sum() * env.world_size
                 loss.backward()
             window[:-1] += _batch_stats(out, steps)
