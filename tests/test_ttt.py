@@ -748,3 +748,31 @@ def test_triton_soft_ce_chunk_matches_the_torch_function(v):
         assert float((back - ref_grad.float()).abs().max()) <= \
             0.126 * float(ref_grad.float().abs().max()) + 1e-6
     assert loss_kernels.soft_ce_chunk(logits, teacher, False)[2] is None
+
+
+def test_cudnn_gqa_fallback_only_on_a_refusal(monkeypatch):
+    """A cuDNN that refuses fewer K/V heads than query heads gets K/V repeated (and the process
+    remembers); running out of memory is not a refusal: it propagates and GQA stays on. (The
+    kernel itself runs only on CUDA: here its call is replaced by one that fails.)"""
+    from eyas.attention import _CudnnCausal
+
+    monkeypatch.setattr(_CudnnCausal, "gqa", True)
+    q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    band = _CudnnCausal(q, k, v)
+    monkeypatch.setattr(band, "_forward", lambda: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    with pytest.raises(torch.OutOfMemoryError):
+        band.forward()
+    assert _CudnnCausal.gqa
+    heads = []
+
+    def refuse_gqa():  # fails while K/V have fewer heads than q, as an old cuDNN would
+        heads.append(band.kt.shape[1])
+        if band.kt.shape[1] != q.shape[1]:
+            raise RuntimeError("cuDNN: no GQA")
+        return "ran"
+
+    monkeypatch.setattr(band, "_forward", refuse_gqa)
+    assert band.forward() == "ran" and heads == [2, 4] and not _CudnnCausal.gqa
+    # each K/V head serves the query heads of its group: 0, 1 <- head 0; 2, 3 <- head 1
+    assert band.vt.shape[1] == 4 and torch.equal(band.kt[0, 1], k[:, 0]) \
+        and torch.equal(band.kt[0, 2], k[:, 1]) and torch.equal(band.vt[0, 3], v[:, 1])

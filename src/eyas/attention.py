@@ -10,12 +10,15 @@ chunked reference of the same band. Scores never exist beyond one (query chunk, 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from eyas import fused
 from eyas.fused import cuda_compiled
+
+log = logging.getLogger(__name__)
 
 BLOCK = 128  # FlexAttention sparse block size; sequences are padded to a multiple of it
 
@@ -326,7 +329,12 @@ class _CudnnCausal:
         if _CudnnCausal.gqa and self.hkv != self.q.shape[1]:
             try:
                 return self._forward()
-            except RuntimeError:
+            except torch.OutOfMemoryError:
+                raise  # not a refusal: repeating K/V would need more memory still
+            except RuntimeError as e:
+                log.warning("cuDNN attention refused %d K/V heads for %d query heads (%s); "
+                            "K/V are repeated to the query heads from now on (more memory)",
+                            self.hkv, self.q.shape[1], str(e).splitlines()[0][:200])
                 _CudnnCausal.gqa = False
         if self.hkv != self.q.shape[1]:
             g = self.q.shape[1] // self.hkv

@@ -32,7 +32,8 @@ def _merge_fwd(q_ptr, dk_ptr, dv_ptr, ob_ptr, lse_ptr, out_ptr, wb_ptr, wd_ptr,
     g, s, d = tl.arange(0, GB), tl.arange(0, SB), tl.arange(0, DB)
     gm, sm, dm = g < G, s < S, d < D
     gd = row * G * D + g[:, None] * D + d[None, :]  # (GB, DB) into q / out / ob
-    sd = s[:, None] * s_stride + row * D + d[None, :]  # (SB, DB) into diag (S, N*hkv, d)
+    # (SB, DB) into the diagonal (S, N * hkv, d)
+    sd = s.to(tl.int64)[:, None] * s_stride + row * D + d[None, :]
     q = tl.load(q_ptr + gd, mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
     kd = tl.load(dk_ptr + sd, mask=sm[:, None] & dm[None, :], other=0.0).to(tl.float32)
     vd = tl.load(dv_ptr + sd, mask=sm[:, None] & dm[None, :], other=0.0).to(tl.float32)
@@ -64,7 +65,7 @@ def _merge_bwd(grad_ptr, merged_ptr, wb_ptr, wd_ptr, q_ptr, dk_ptr, dv_ptr, ob_p
     gm, sm, dm = g < G, s < S, d < D
     gdm, sdm = gm[:, None] & dm[None, :], sm[:, None] & dm[None, :]
     gd = row * G * D + g[:, None] * D + d[None, :]
-    sd = s[:, None] * s_stride + row * D + d[None, :]
+    sd = s.to(tl.int64)[:, None] * s_stride + row * D + d[None, :]
     go = tl.load(grad_ptr + gd, mask=gdm, other=0.0).to(tl.float32)  # (GB, DB)
     merged = tl.load(merged_ptr + gd, mask=gdm, other=0.0).to(tl.float32)
     q = tl.load(q_ptr + gd, mask=gdm, other=0.0).to(tl.float32)

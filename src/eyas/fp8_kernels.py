@@ -32,15 +32,22 @@ _BLOCK, _ABSMAX_WARPS = 8192, 8  # elements per iteration of a pass-1 program, i
 _TILE_R, _TILE_C, _CAST_WARPS = 32, 64, 4  # the (rows, columns) tile of a pass-2 program
 
 
+# NaN: tl.maximum / tl.minimum / tl.max return the other operand, so NaN is carried by hand
+# (x != x): a NaN anywhere makes the scale NaN and every value NaN, as in the torch code,
+# rather than quietly becoming finite.
+
 @triton.jit
 def _absmax(x_ptr, part_ptr, n, n_prog, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64 loop bounds: n may be close to 2**31
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    nan = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(pid * BLOCK, n, n_prog * BLOCK):
         offs = start + tl.arange(0, BLOCK).to(tl.int64)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
-    tl.store(part_ptr + pid, tl.max(acc, axis=0))
+        nan = nan | (x != x).to(tl.int32)
+    tl.store(part_ptr + pid, tl.where(tl.max(nan, axis=0) > 0, float("nan"),
+                                      tl.max(acc, axis=0)))
 
 
 @triton.jit
@@ -49,11 +56,14 @@ def _cast(x_ptr, y_ptr, yt_ptr, part_ptr, scale_ptr, n_part, rows, cols, rows_pa
           TRANSPOSED: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
     if FROM_PARTS:
         p = tl.arange(0, PARTS)
-        amax = tl.max(tl.load(part_ptr + p, mask=p < n_part, other=0.0), axis=0)
+        parts = tl.load(part_ptr + p, mask=p < n_part, other=0.0)
+        amax = tl.where(tl.max((parts != parts).to(tl.int32), axis=0) > 0, float("nan"),
+                        tl.max(parts, axis=0))
     else:
         amax = bound
     # as fp8._scale and fp8._cast: s = max(amax / fmax, 1e-30), y = clamp(x / s), IEEE division
-    scale = tl.maximum(tl.math.div_rn(amax, fmax), 1e-30)
+    scale = tl.math.div_rn(amax, fmax)
+    scale = tl.where(scale != scale, scale, tl.maximum(scale, 1e-30))
     pr, pc = tl.program_id(0), tl.program_id(1)
     if (pr == 0) & (pc == 0):
         tl.store(scale_ptr, scale)
@@ -61,7 +71,8 @@ def _cast(x_ptr, y_ptr, yt_ptr, part_ptr, scale_ptr, n_part, rows, cols, rows_pa
     c = (pc * TILE_C + tl.arange(0, TILE_C)).to(tl.int64)[None, :]  # (1, TILE_C)
     inside = (r < rows) & (c < cols)
     x = tl.load(x_ptr + r * cols + c, mask=inside, other=0.0).to(tl.float32)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fmax), fmax)
+    y = tl.math.div_rn(x, scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fmax), fmax))
     if ROW_MAJOR:
         tl.store(y_ptr + r * cols + c, y.to(y_ptr.dtype.element_ty), mask=inside)
     if TRANSPOSED:  # (cols, rows_pad): the padding rows of x are zeros

@@ -1,5 +1,6 @@
-"""A Triton kernel for one chunk of eyas.loss's soft cross-entropy on CUDA: the same values
-as `eyas.loss._soft_ce_chunk`, one program per row, two passes over the row.
+"""A Triton kernel for one chunk of eyas.loss's soft cross-entropy on CUDA: the values of
+`eyas.loss._soft_ce_chunk` (to float rounding; an fp8 gradient is rounded once, from fp32,
+where the torch path rounds through bf16), one program per row, two passes over the row.
 
     pass 1   running max and exp-sum of the draft logits and of the teacher logits (online
              softmax, per lane, combined at the end), and the logits' argmax
@@ -44,10 +45,11 @@ def _soft_ce(z_ptr, t_ptr, w_ptr, loss_ptr, top_ptr, g_ptr, V, z_stride, t_strid
         best_at = tl.where(better, col, best_at)
         best = tl.where(better, z, best)
         new_z, new_t = tl.maximum(m_z, z), tl.maximum(m_t, t)
+        # a lane whose values so far are all -inf adds nothing (exp(-inf - -inf) is NaN)
         s_z = s_z * tl.exp(tl.where(new_z == float("-inf"), 0.0, m_z - new_z)) + \
-            tl.where(inside, tl.exp(z - new_z), 0.0)
+            tl.where(inside & (new_z > float("-inf")), tl.exp(z - new_z), 0.0)
         s_t = s_t * tl.exp(tl.where(new_t == float("-inf"), 0.0, m_t - new_t)) + \
-            tl.where(inside, tl.exp(t - new_t), 0.0)
+            tl.where(inside & (new_t > float("-inf")), tl.exp(t - new_t), 0.0)
         m_z, m_t = new_z, new_t
     top_z, top_t = tl.max(m_z, axis=0), tl.max(m_t, axis=0)
     lse_z = top_z + tl.log(tl.sum(s_z * tl.exp(m_z - top_z), axis=0))
@@ -67,8 +69,9 @@ def _soft_ce(z_ptr, t_ptr, w_ptr, loss_ptr, top_ptr, g_ptr, V, z_stride, t_strid
         acc += tl.where(inside, p * logq, 0.0)
         if WITH_GRAD:
             g = (tl.exp(logq) - p) * weight
-            if TO_FP8:
-                g = tl.minimum(tl.maximum(g / g_scale, -57344.0), 57344.0)
+            if TO_FP8:  # e5m2's largest value; NaN stays NaN
+                g = g / g_scale
+                g = tl.where(g != g, g, tl.minimum(tl.maximum(g, -57344.0), 57344.0))
             tl.store(g_ptr + row * V + col, g.to(g_ptr.dtype.element_ty), mask=inside)
     tl.store(loss_ptr + row, -tl.sum(acc, axis=0) * weight)
 
@@ -78,7 +81,8 @@ def soft_ce_chunk(logits: torch.Tensor, teacher: torch.Tensor, with_grad: bool,
     """logits, teacher (c, Vd) on CUDA, rows contiguous -> (summed soft CE fp32, argmax (c,),
     d loss / d logits (c, Vd) or None, its scale or None). The gradient is in logits' dtype,
     or with `grad_fp8` e5m2 divided by the returned scale (1 / 57344). weight (c,) per-row
-    weights (0 / 1), multiplied into loss and gradient."""
+    weights in [0, 1] (0 / 1 in TTT; the fp8 scale assumes |gradient| <= 1), multiplied into
+    loss and gradient."""
     c, v = logits.shape
     dev = logits.device
     losses = torch.empty(c, dtype=torch.float32, device=dev)
@@ -87,6 +91,7 @@ def soft_ce_chunk(logits: torch.Tensor, teacher: torch.Tensor, with_grad: bool,
     grad = torch.empty(c, v, dtype=g_dtype, device=dev) if with_grad else None
     scale = 1.0 / E5M2_MAX
     if c:
+        weight = None if weight is None else weight.contiguous()
         _soft_ce[(c,)](logits, teacher, weight if weight is not None else losses, losses, top,
                        grad if with_grad else losses, v, logits.stride(0), teacher.stride(0),
                        scale, WEIGHTED=weight is not None, WITH_GRAD=with_grad,

@@ -379,12 +379,15 @@ def train(cfg: TrainConfig) -> dict:
     for step in range(start + 1, total + 1):
         # 1. This rank's micro-batches; N_j = positions with a step-j loss in the whole step.
         micro = [next(batches) for _ in range(cfg.grad_accum)]
-        # plans made on the host from the host batch: no GPU sync per forward (ttt_plan);
-        # not under --compile, whose graphs would be specialised on each plan's row counts
+        # plans made from the host batch need no GPU sync per forward (ttt_plan; online, the
+        # batch is on the GPU already and its plan syncs as before); not under --compile,
+        # whose graphs would be specialised on each plan's row counts
         plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
                                                     device=env.device) for mb in micro]
         micro = [_on(mb, env) for mb in micro]
-        denom = _all_sum(sum(ttt_positions(b, draft.t2d, steps).sum(1) for b in micro).float())
+        counted = [ttt_positions(b, draft.t2d, steps) if p is None else p.valid
+                   for b, p in zip(micro, plans)]
+        denom = _all_sum(sum(c.sum(1) for c in counted).float())
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
         #    DDP/FSDP average gradients over ranks, hence the world_size factor.
         for a, batch in enumerate(micro):

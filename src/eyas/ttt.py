@@ -98,7 +98,9 @@ RUN_FILL = 0.9
 
 
 @dataclass
-class _Plan:
+class TTTPlan:
+    """What each step of ttt_forward computes on one batch (ttt_plan)."""
+
     valid: torch.Tensor  # (S, N) bool: position n carries a loss at step j
     rank: torch.Tensor  # (S, N): where a kept position sits among its step's rows
     cols: tuple[torch.Tensor, ...]  # 2S index tensors: kept positions per step, then valid
@@ -117,7 +119,7 @@ class _Plan:
 
 
 def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = True,
-             device: torch.device | str | None = None) -> _Plan:
+             device: torch.device | str | None = None) -> TTTPlan:
     """The plan of ttt_forward on `batch` (which positions each step computes and where its
     loss is), for `ttt_forward(..., plan=)`. Made where the batch lives and its index tensors
     sent to `device`: made on the CPU before the batch moves to the GPU, it costs the GPU no
@@ -133,7 +135,7 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     return plan
 
 
-def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> _Plan:
+def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPlan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
     then (with `prune`) those that still carry a loss at this or a later step, or the span
     from the first to the last of them when they nearly fill it (RUN_FILL; extra positions
@@ -162,13 +164,13 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> _Plan:
     runs = [a if n and b - a + 1 == n else None for n, a, b in zip(counts, first, final)]
     loss_on_all = [runs[j] is not None and counts[steps + j] >= RUN_FILL * counts[j]
                    for j in range(steps)]
-    return _Plan(valid, keep.cumsum(1) - 1, cols, bool(one_doc), final[:steps], runs,
+    return TTTPlan(valid, keep.cumsum(1) - 1, cols, bool(one_doc), final[:steps], runs,
                  loss_on_all)
 
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
                 steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
-                prune: bool = True, fp8: bool = False, plan: _Plan | None = None
+                prune: bool = True, fp8: bool = False, plan: TTTPlan | None = None
                 ) -> TTTOutput:
     """Training-time test: `steps` chained draft passes over a packed batch, one loss.
 
@@ -236,18 +238,19 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     return _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
 
 
-def _step_loss(draft: Eagle3Draft, plan: _Plan, j: int, rows, h, teacher, head, head_fp8,
+def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher, head, head_fp8,
                top1_draft, chunk: int):
     """Step j's soft CE summed over its loss positions, against the teacher at rows + 1 + j,
     and how many of them the draft's top-1 gets right. h (n, H) pre-norm at `rows`."""
     steps = len(plan.loss_on_all)
     if plan.loss_on_all[j]:  # rows are a run: every row, weighted 1 where it counts
-        at = plan.first[j]  # the rows whose teacher position exists (the others carry no loss)
+        at = plan.first[j]  # the run's first position
+        # the rows whose teacher position exists (the others carry no loss)
         n = min(rows.numel(), teacher.shape[0] - 1 - j - at)
-        counts, t = plan.valid[j, at: at + n], slice(at + 1 + j, at + 1 + j + n)
+        counted, t = plan.valid[j, at: at + n], slice(at + 1 + j, at + 1 + j + n)
         loss, pred = soft_cross_entropy(draft.norm(h[:n]), head, teacher[t], chunk=chunk,
-                                        fp8_weight=head_fp8, row_weight=counts)
-        return loss, ((pred == top1_draft[t]) & counts).sum()
+                                        fp8_weight=head_fp8, row_weight=counted)
+        return loss, ((pred == top1_draft[t]) & counted).sum()
     n_valid = plan.cols[steps + j].numel()
     here = _index(plan, steps + j, j, n_valid) or plan.rank[j][plan.cols[steps + j]]
     teach = rows[here] + 1 + j  # here: indices into this step's rows
@@ -259,14 +262,14 @@ def _step_loss(draft: Eagle3Draft, plan: _Plan, j: int, rows, h, teacher, head, 
     return loss, (pred == top1_draft[teach]).sum()
 
 
-def _index(plan: _Plan, i: int, within: int, n: int) -> slice | None:
+def _index(plan: TTTPlan, i: int, within: int, n: int) -> slice | None:
     """cols[i]'s rows among those of cols[within] as a slice when both are runs (indexing
     by a slice is a view; by an index tensor a gather, and a scatter in backward)."""
     at = plan.offset(i, within)
     return None if at is None else slice(at, at + n)
 
 
-def _attend(plan: _Plan, j: int, q, k0, v0, rows, seg_start, diag_k: list, diag_v: list):
+def _attend(plan: TTTPlan, j: int, q, k0, v0, rows, seg_start, diag_k: list, diag_v: list):
     """Step j's attention: each row's causal band over the step-0 keys of its document plus
     its own keys of steps 1..j. For one document whose kept positions fill at least half of
     the prefix up to the last of them, the fused causal kernel over that prefix (the other
