@@ -135,6 +135,14 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     return plan
 
 
+def _checked(plan: TTTPlan, steps: int, positions: int, device: torch.device) -> TTTPlan:
+    if plan.valid.shape != (steps, positions) or plan.valid.device != device:
+        raise ValueError(f"ttt_forward: the plan is for {tuple(plan.valid.shape)} (steps, "
+                         f"positions) on {plan.valid.device}, the call for ({steps}, "
+                         f"{positions}) on {device}")
+    return plan
+
+
 def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPlan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
     then (with `prune`) those that still carry a loss at this or a later step, or the span
@@ -189,12 +197,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     n_all = ids.shape[0]
     seg_start, seg_end = _segments(batch.doc_ids)
     # 2. Which (step, position) pairs carry a loss, and which positions each step computes.
-    if plan is None:
-        plan = ttt_plan(batch, draft.t2d, steps, prune)
-    elif plan.valid.shape != (steps, n_all) or plan.valid.device != dev:
-        raise ValueError(f"ttt_forward: the plan is for {tuple(plan.valid.shape)} (steps, "
-                         f"positions) on {plan.valid.device}, the call for ({steps}, {n_all}) "
-                         f"on {dev}")
+    plan = ttt_plan(batch, draft.t2d, steps, prune) if plan is None else \
+        _checked(plan, steps, n_all, dev)
     cols, rank = plan.cols, plan.rank
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
