@@ -125,7 +125,8 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     sent to `device`: made on the CPU before the batch moves to the GPU, it costs the GPU no
     sync (made from GPU tensors, reading its row counts waits for all queued GPU work, e.g.
     the previous step's backward, and the GPU then idles while the CPU queues the next
-    forward: ~5 % of a TTT-7 iteration at 8K tokens on an H200)."""
+    forward; with it, a TTT-7 iteration at 8K tokens on an H200 took ~5 % longer than the
+    GPU was busy)."""
     plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune)
     if device is not None and torch.device(device) != plan.valid.device:
         counts = [c.numel() for c in plan.cols]
