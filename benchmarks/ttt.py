@@ -7,7 +7,9 @@
     EYAS_NO_COMPILE=1 python benchmarks/ttt.py    # the same code without torch.compile fusion
 
 Each configuration runs `ttt_forward` (7 steps) + backward under bf16 autocast on one
-sequence of `context` tokens (batch 1), with fp32 master weights, and reports tokens/s, peak
+sequence of `context` tokens (batch 1), with fp32 master weights, after --warmup iterations
+timed over --iters or more, until --min-seconds (short, host-bound iterations vary), with the
+step plan made from the host batch as `eyas train` makes it, and reports tokens/s, peak
 memory and MFU (model FLOPs over the bf16 peak, also for fp8). Masks: `ones` (every position
 carries a loss) and `60` (alternating prompt / answer spans, ~60% answer tokens: steps >= 1
 prune most prompt positions). Precision: `bf16`, or `fp8` (the draft's matmuls in fp8,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -174,9 +177,13 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> d
     try:
         for _ in range(args.warmup):
             step()
+        # short iterations are bound by the host and noisy: time at least --min-seconds
+        first, _ = timed(step, 1, device)
+        iters = max(args.iters, min(50, math.ceil(args.min_seconds / first)))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        sec, out = timed(step, args.iters, device)
+        sec, out = timed(step, iters, device)
+        row["iters"] = iters
         row.update(ms=1000 * sec, tok_s=context / sec, loss=float(out.loss),
                    rows=out.step_rows, counted=out.step_count.tolist(),
                    sim_al=out.sim_acceptance_length)
@@ -254,7 +261,9 @@ def main(argv=None) -> int:
                         "train` packs samples (0 = one document: the issue's benchmark)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3, help="timed iterations, at least")
+    p.add_argument("--min-seconds", type=float, default=2.0,
+                   help="time more iterations (up to 50) until they take this long")
     p.add_argument("--dense-max", type=int, default=8192,
                    help="run the dense-mask reference up to this context")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
@@ -265,7 +274,7 @@ def main(argv=None) -> int:
         device, shapes = torch.device("cpu"), TINY
         if args.contexts == p.get_default("contexts"):
             args.contexts = "64,200"
-        args.steps, args.warmup, args.iters = min(args.steps, 3), 1, 1
+        args.steps, args.warmup, args.iters, args.min_seconds = min(args.steps, 3), 1, 1, 0.0
     else:
         if not torch.cuda.is_available():
             print("no CUDA device; use --smoke for the CPU check", file=sys.stderr)
