@@ -68,7 +68,7 @@ class _DiagMerge(torch.autograd.Function):
 def _merge(q, diag_k, diag_v, out_b, lse):
     """_merge_diag with the diagonal as TTT stacks it, (S, N, hkv, d): on CUDA one Triton
     kernel (eyas.attention_kernels), else the torch function."""
-    if q.is_cuda and "cuda" in fused.COMPILE_DEVICES:
+    if fused.use_kernels(q):
         from eyas import attention_kernels
 
         return attention_kernels.merge_diag(q, diag_k, diag_v, out_b, lse)
@@ -77,7 +77,7 @@ def _merge(q, diag_k, diag_v, out_b, lse):
 
 def _merge_backward(grad, merged, w_band, w_diag, q, diag_k, diag_v, out_b=None):
     """_merge_diag_backward likewise, the diagonal's gradients in (S, N, hkv, d)."""
-    if q.is_cuda and "cuda" in fused.COMPILE_DEVICES:
+    if fused.use_kernels(q):
         from eyas import attention_kernels
 
         return attention_kernels.merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k,

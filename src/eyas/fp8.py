@@ -86,7 +86,7 @@ def quantize(x: torch.Tensor, dtype=E4M3, transposed: bool = False, bound: float
     a pass over x). row_major=False: only the transposed copy (the first result is None)."""
     x = x.contiguous()  # the products read it row-major
     fmax = _MAX[dtype]
-    if x.is_cuda and "cuda" in fused.COMPILE_DEVICES and x.numel() > 0:
+    if fused.use_kernels(x) and x.numel() > 0:
         from eyas import fp8_kernels  # Triton: two passes instead of four (its docstring)
 
         return fp8_kernels.quantize(x, fmax, dtype, _ALIGN, row_major, transposed, bound)

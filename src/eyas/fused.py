@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 COMPILE_DEVICES = set() if os.environ.get("EYAS_NO_COMPILE") else {"cuda"}
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether work on `x` runs eyas's Triton kernels (fp8_kernels, loss_kernels,
+    attention_kernels): on CUDA whenever its elementwise code is compiled (not under
+    EYAS_NO_COMPILE=1); elsewhere the torch functions they were checked against run."""
+    return x.is_cuda and "cuda" in COMPILE_DEVICES
+
+
 def cuda_compiled(fn):
     """Run `fn` (tensors in, tensors out, no autograd inside) eagerly, or through
     torch.compile on the devices in COMPILE_DEVICES. Compiled, its casts, elementwise ops

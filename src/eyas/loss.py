@@ -43,8 +43,8 @@ def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool):
     """_soft_ce_chunk -> (loss, argmax, gradient, its fp8 scale or None): on CUDA one Triton
     kernel (eyas.loss_kernels), which can also write the gradient as fp8 (`grad_fp8`, scaled
     by its bound 1); elsewhere the torch function, and the fp8 copy from eyas.fp8.quantize."""
-    if logits.is_cuda and "cuda" in fused.COMPILE_DEVICES and logits.shape[0] \
-            and logits.stride(-1) == 1 and teacher.stride(-1) == 1:
+    if fused.use_kernels(logits) and logits.shape[0] and logits.stride(-1) == 1 \
+            and teacher.stride(-1) == 1:
         from eyas import loss_kernels
 
         return loss_kernels.soft_ce_chunk(logits, teacher, with_grad, weight, grad_fp8)

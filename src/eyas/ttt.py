@@ -144,6 +144,12 @@ def _checked(plan: TTTPlan, steps: int, positions: int, device: torch.device) ->
     return plan
 
 
+def _ends(mask: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, N) bool, idx = arange(N) -> each row's first and last True position (N and 0 for
+    a row without any)."""
+    return torch.where(mask, idx, mask.shape[1]).amin(1), (mask * idx).amax(1)
+
+
 def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPlan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
     then (with `prune`) those that still carry a loss at this or a later step, or the span
@@ -155,7 +161,7 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPla
     keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
     keep[0] = True
     idx = torch.arange(keep.shape[1], device=keep.device)
-    lo, hi = torch.where(keep, idx, keep.shape[1]).amin(1), (keep * idx).amax(1)  # (S,)
+    lo, hi = _ends(keep, idx)  # (S,)
     span = (idx >= lo[:, None]) & (idx <= hi[:, None])  # (S, N)
     keep = torch.where((span.sum(1) * RUN_FILL <= keep.sum(1))[:, None], span, keep)
     keep = keep.flip(0).cummax(0).values.flip(0)  # step j's rows among step j-1's
@@ -164,8 +170,7 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPla
     # one row: document 0, then only padding (-1; it sees no real key and carries no loss)
     one_doc = ((doc[0] == 0) & (doc >= -1).all() & (doc <= 0).all() & (doc.diff() <= 0).all()
                & (batch.doc_ids.shape[0] == 1)).long().reshape(1)
-    first = torch.where(both, idx, doc.shape[0]).amin(1)  # (2S,)
-    final = (both * idx).amax(1)  # (2S,); keep's first S: the last position each step keeps
+    first, final = _ends(both, idx)  # (2S,); final[:S]: the last position each step keeps
     host = torch.cat([both.sum(1), one_doc, final, first]).tolist()
     counts, one_doc, final, first = (host[:2 * steps], host[2 * steps],
                                      host[2 * steps + 1: 4 * steps + 1], host[4 * steps + 1:])
