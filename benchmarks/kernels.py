@@ -133,15 +133,15 @@ def attention(contexts: list[int]) -> list[dict]:
 
 def profile(context: int, trace: str | None, fp8: bool = False) -> dict:
     sys.path.insert(0, "benchmarks")
-    from ttt import LLAMA_8B, make_batch, random_draft
+    from ttt import LLAMA_8B, make_batch, on_device, random_draft
 
     from eyas.ttt import ttt_forward, ttt_plan
 
     cfg, draft, lm_head = random_draft(LLAMA_8B, torch.device("cuda"))
     draft.init_lm_head_from_target(lm_head, freeze=True)
     t2d = draft.t2d.cpu()
-    batch = make_batch(cfg, t2d, context, "ones", torch.device("cuda"))
     host_batch = make_batch(cfg, t2d, context, "ones", "cpu")  # plans from it, as train does
+    batch = on_device(host_batch, torch.device("cuda"))
 
     def step():
         draft.zero_grad(set_to_none=True)

@@ -89,6 +89,10 @@ def make_batch(cfg: DraftConfig, t2d: torch.Tensor, context: int, mask: str, dev
         target_top1=top1[None].int(), loss_mask=loss_mask[None],
         position_ids=(torch.arange(context) % (doc_tokens or context))[None],
         doc_ids=(torch.arange(context) // (doc_tokens or context))[None])
+    return on_device(batch, device)
+
+
+def on_device(batch: TTTBatch, device) -> TTTBatch:
     return TTTBatch(**{k: x.to(device) for k, x in vars(batch).items()})
 
 
@@ -159,10 +163,10 @@ def timed(fn, iters: int, device):
 def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> dict:
     draft.init_lm_head_from_target(lm_head, freeze=not trained)
     t2d = draft.t2d.cpu()
-    batch = make_batch(cfg, t2d, context, mask, device, doc_tokens=args.doc_tokens)
     # the batch as the data loader hands it over, on the host: each iteration makes its
     # plan there, as `eyas train` does (ttt_plan), so no GPU sync starts the forward
     host = make_batch(cfg, t2d, context, mask, "cpu", doc_tokens=args.doc_tokens)
+    batch = on_device(host, device)
     row = {"context": context, "mask": mask, "lm_head": "trained" if trained else "frozen",
            "precision": "fp8" if fp8 else "bf16", "doc_tokens": args.doc_tokens or context}
 
