@@ -244,7 +244,7 @@ class _CausalDiag(torch.autograd.Function):
             grad.view(n, hkv, g, d), merged.view(n, hkv, g, d), w_band, w_diag,
             band.q.view(n, hkv, g, d), diag_k, diag_v)
         dq, dk, dv = band.backward(grad_band.view(n, hq, d), merged)
-        dq = (dq.float() + dq_diag.view(n, hq, d)).to(band.q.dtype)
+        dq = _add_in_fp32(dq, dq_diag.view(n, hq, d))
         return dq, dk, dv, d_diag_k, d_diag_v
 
 
@@ -311,6 +311,12 @@ def _merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k, diag_v, out_b=
     return (*grads, w_band * ((g * out_b.float()).sum(-1) - d_out))
 
 
+@cuda_compiled
+def _add_in_fp32(a, b):
+    """a + b summed in fp32, in a's dtype (one kernel on CUDA rather than three passes)."""
+    return (a.float() + b.float()).to(a.dtype)
+
+
 class _CudnnCausal:
     """Causal attention of q (N, hq, d) over k, v (N, hkv, d) through cuDNN's fused kernels,
     forward returning the log-sum-exp, backward taking the `out` whose rowsum(dO * out) it
@@ -355,10 +361,12 @@ class _CudnnCausal:
     def backward(self, grad_band, merged):
         cq, ck, mq, mk, seed, offset = self.extra
 
-        def like_out(x):  # (N, hq, d) -> the kernel's output layout
+        def like_out(x):  # (N, hq, d) -> the kernel's output layout (a copy only if it differs)
             shape, stride, dtype, device = self.out_layout
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(
-                x.transpose(0, 1)[None])
+            view = x.transpose(0, 1)[None]
+            if view.stride() == stride and view.dtype == dtype:
+                return view
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(view)
 
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             like_out(grad_band), self.qt, self.kt, self.vt, like_out(merged), self.lse, seed,
