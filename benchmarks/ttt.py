@@ -23,6 +23,7 @@ Prints a markdown table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.fused import COMPILE_DEVICES
 from eyas.ttt import TTTBatch, ttt_forward, ttt_plan
+from eyas.ttt_graph import GraphedTTT
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 
@@ -160,7 +162,8 @@ def timed(fn, iters: int, device):
     return (time.perf_counter() - start) / iters, result
 
 
-def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> dict:
+def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device,
+            mode: str = "eager") -> dict:
     draft.init_lm_head_from_target(lm_head, freeze=not trained)
     t2d = draft.t2d.cpu()
     # the batch as the data loader hands it over, on the host: each iteration makes its
@@ -168,24 +171,31 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> d
     host = make_batch(cfg, t2d, context, mask, "cpu", doc_tokens=args.doc_tokens)
     batch = on_device(host, device)
     row = {"context": context, "mask": mask, "lm_head": "trained" if trained else "frozen",
-           "precision": "fp8" if fp8 else "bf16", "doc_tokens": args.doc_tokens or context}
+           "precision": "fp8" if fp8 else "bf16", "doc_tokens": args.doc_tokens or context,
+           "mode": mode}
+    graphed = None if mode == "eager" else GraphedTTT(
+        lambda b, p: ttt_forward(draft, b, lm_head, steps=args.steps, fp8=fp8, plan=p),
+        list(draft.parameters()))
 
     def step():
         draft.zero_grad(set_to_none=True)
-        plan = ttt_plan(host, t2d, args.steps, device=device)
+        # graph: a static plan (no pruning; shapes fixed by the batch's), one capture
+        plan = ttt_plan(host, t2d, args.steps, device=device, static=graphed is not None)
         with torch.autocast(device.type, dtype=torch.bfloat16):
+            if graphed is not None:
+                return graphed(batch, plan)
             out = ttt_forward(draft, batch, lm_head, steps=args.steps, fp8=fp8, plan=plan)
         out.loss.backward()
         return out
 
     try:
+        if device.type == "cuda":  # from the start: a graph allocates while it is captured
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(args.warmup):
             step()
         # short iterations are bound by the host and noisy: time at least --min-seconds
         first, _ = timed(step, 1, device)
         iters = max(args.iters, min(50, math.ceil(args.min_seconds / first)))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         sec, out = timed(step, iters, device)
         row["iters"] = iters
         row.update(ms=1000 * sec, tok_s=context / sec, loss=float(out.loss),
@@ -198,12 +208,14 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device) -> d
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     except torch.OutOfMemoryError:
         row["error"] = "OOM"
-    out = None
+    if graphed is not None:
+        row["captures"] = graphed.captures
+    out = graphed = None
     draft.zero_grad(set_to_none=True)
     # the dense reference once per (context, mask): it does not depend on the lm_head setting
     # (the dense reference knows one document only)
     if context <= args.dense_max and "error" not in row and not trained and not fp8 \
-            and not args.doc_tokens:
+            and not args.doc_tokens and mode == "eager":
         row.update(dense_run(draft, batch, lm_head, args, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -234,17 +246,17 @@ def dense_run(draft, batch, lm_head, args, device) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| context | mask | lm_head | matmuls | tok/s | ms/iter | peak GiB | TFLOP/s | MFU "
-            "| rows/step | dense tok/s | dense GiB | loss (dense) |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| context | mask | lm_head | matmuls | mode | tok/s | ms/iter | peak GiB | TFLOP/s "
+            "| MFU | rows/step | dense tok/s | dense GiB | loss (dense) |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['precision']} "
-                         f"| {r['error']} |" + " |" * 9)
+                         f"| {r['mode']} | {r['error']} |" + " |" * 9)
             continue
         dense = r.get("dense_error") or (f"{r['dense_tok_s']:,.0f}" if "dense_tok_s" in r else "-")
         lines.append(
-            f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['precision']} "
+            f"| {r['context']} | {r['mask']} | {r['lm_head']} | {r['precision']} | {r['mode']} "
             f"| {r['tok_s']:,.0f} | {r['ms']:.1f} "
             f"| {r.get('peak_gib', float('nan')):.1f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% "
             f"| {'/'.join(str(x) for x in r['rows'])} | {dense} "
@@ -263,6 +275,10 @@ def main(argv=None) -> int:
     p.add_argument("--doc-tokens", type=int, default=0,
                    help="pack documents of this many tokens into each sequence, as `eyas "
                         "train` packs samples (0 = one document: the issue's benchmark)")
+    p.add_argument("--modes", default="eager,graph",
+                   help="comma list of: eager (plans pruned per batch, as eyas train runs by "
+                        "default), graph (static plans, the iteration replayed from a CUDA "
+                        "graph: eyas train --cuda-graph); CUDA only")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3, help="timed iterations, at least")
@@ -279,6 +295,7 @@ def main(argv=None) -> int:
         if args.contexts == p.get_default("contexts"):
             args.contexts = "64,200"
         args.steps, args.warmup, args.iters, args.min_seconds = min(args.steps, 3), 1, 1, 0.0
+        args.modes = "eager"
     else:
         if not torch.cuda.is_available():
             print("no CUDA device; use --smoke for the CPU check", file=sys.stderr)
@@ -295,9 +312,10 @@ def main(argv=None) -> int:
     for context in (int(c) for c in args.contexts.split(",")):
         for mask in args.masks.split(","):
             for head in args.lm_head.split(","):
-                for precision in args.precision.split(","):
+                for precision, mode in itertools.product(args.precision.split(","),
+                                                         args.modes.split(",")):
                     row = run_one(draft, lm_head, cfg, context, mask, head == "trained",
-                                  precision == "fp8", args, device)
+                                  precision == "fp8", args, device, mode)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     # after every row: a run cut short keeps what it measured

@@ -377,6 +377,8 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path):
     (dict(max_steps=0, epochs=0), "--epochs"),
     (dict(target_device_map="auto"), "--target-device-map applies to --online only"),
     (dict(online=True, target="t", target_device_map="gpus"), "must be one of auto"),
+    (dict(cuda_graph=True, compile=True), "exclude each other"),
+    (dict(cuda_graph=True, device="cpu"), "needs --device cuda"),
 ])
 def test_config_errors_name_the_flag(kw, match):
     base = dict(data="d", out="o")
@@ -525,6 +527,25 @@ def test_compiled_training_matches_eager(run_inputs, tmp_path):
     assert graphs[False] == 0 and graphs[True] > 0  # it really compiled
     assert len(losses[True]) == 3
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
+
+
+def test_cuda_graph_needs_one_cuda_process(run_inputs, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(EyasError, match="--cuda-graph runs on one GPU"):
+        train(_cfg(run_inputs, tmp_path / "run", cuda_graph=True))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_training_matches_eager(run_inputs, tmp_path):
+    """`--cuda-graph` (static plans, each micro-batch's forward + backward replayed) trains
+    to the losses of eager training, over micro-batch accumulation and optimizer steps."""
+    losses = {}
+    for graph in (False, True):
+        run = tmp_path / f"graph-{graph}"
+        train(_cfg(run_inputs, run, max_steps=4, grad_accum=2, device="cuda", cuda_graph=graph))
+        losses[graph] = [r["loss"] for r in _records(run, "train")]
+    assert len(losses[True]) == 4
+    np.testing.assert_allclose(losses[True], losses[False], rtol=2e-2)
 
 
 def test_a_parameter_without_gradient_after_the_first_step_is_an_error():

@@ -40,6 +40,7 @@ from eyas.manifest import write_manifest
 from eyas.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
                               wrap)
 from eyas.ttt import TTTBatch, ttt_plan, ttt_positions
+from eyas.ttt_graph import GraphedTTT
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,11 @@ class TrainConfig:
                                      "Blackwell; on CPU only to test it); or fp32",
                             choices=("bf16", "fp8", "fp32"))
     compile: bool = option(False, "torch.compile the TTT forward")
+    cuda_graph: bool = option(False, "replay each TTT forward+backward from a CUDA graph "
+                                     "(one GPU, not with --compile): every step computes every "
+                                     "position (no pruning), so all batches share one graph; "
+                                     "pays at short rows, where queueing ~2,000 kernels per "
+                                     "micro-batch bounds the speed")
     device: str | None = option(None, "cuda or cpu (default: cuda if available)")
     num_workers: int = option(2, "data-loader processes (offline); 0 = load in the main process")
     seed: int = option(0, "seed for the draft init and the data order")
@@ -152,6 +158,10 @@ class TrainConfig:
              "--eval-data names a capture folder; with --online the eval split of the prepared "
              "folder (or --eval-fraction) is used instead"),
             (self.num_workers >= 0, f"--num-workers must be >= 0, got {self.num_workers}"),
+            (not (self.cuda_graph and self.compile),
+             "--cuda-graph and --compile exclude each other: a graph replays the kernels the "
+             "eager TTT step queues (its own compiled parts included); pick one"),
+            (not (self.cuda_graph and self.device == "cpu"), "--cuda-graph needs --device cuda"),
             (self.device in (None, "cpu", "cuda"),
              f"--device must be cpu or cuda, got {self.device}"),
             *[(getattr(self, k) >= 1, f"--{k.replace('_', '-')} must be >= 1")
@@ -354,6 +364,7 @@ def train(cfg: TrainConfig) -> dict:
     metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
     weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
     t2d_host = draft.t2d.cpu()
+    graphed = GraphedTTT(model, params) if cfg.cuda_graph else None
 
     def run_eval(step: int) -> dict:
         loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
@@ -383,19 +394,24 @@ def train(cfg: TrainConfig) -> dict:
         # batch is on the GPU already and its plan syncs as before); not under --compile,
         # whose graphs would be specialised on each plan's row counts
         plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
-                                                    device=env.device) for mb in micro]
+                                                    device=env.device, static=cfg.cuda_graph)
+                 for mb in micro]
         micro = [_on(mb, env) for mb in micro]
         counted = [ttt_positions(b, draft.t2d, steps) if p is None else p.valid
                    for b, p in zip(micro, plans)]
         denom = _all_sum(sum(c.sum(1) for c in counted).float())
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
         #    DDP/FSDP average gradients over ranks, hence the world_size factor.
+        scale = weights / denom.clamp(min=1) * env.world_size
         for a, batch in enumerate(micro):
-            with grad_sync(model, a == len(micro) - 1):
+            if graphed is not None:  # forward + backward of the same loss, replayed
                 with _autocast(env):
-                    out = model(batch, plans[a])
-                loss = (weights * out.step_loss_sum / denom.clamp(min=1)).sum() * env.world_size
-                loss.backward()
+                    out = graphed(batch, plans[a], scale)
+            else:
+                with grad_sync(model, a == len(micro) - 1):
+                    with _autocast(env):
+                        out = model(batch, plans[a])
+                    (scale * out.step_loss_sum).sum().backward()
             window[:-1] += _batch_stats(out, steps)
             window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
         if step == start + 1:
@@ -404,7 +420,7 @@ def train(cfg: TrainConfig) -> dict:
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
         # 4. Log (window sums over all ranks).
         if step % cfg.log_every == 0 or step == total:
             stats, now = _all_sum(window).tolist(), time.perf_counter()

@@ -56,6 +56,11 @@ def init_env(cfg: TrainConfig) -> Env:
             f"{cfg.target_device_map} ...` without torchrun): it spreads the target over the "
             f"GPUs that CUDA_VISIBLE_DEVICES shows and trains the draft on the first. A target "
             f"that fits one GPU can use torchrun without --target-device-map.")
+    if cfg.cuda_graph and (kind != "cuda" or world > 1):
+        raise EyasError(
+            f"--cuda-graph runs on one GPU (this run: {world} process(es) on {kind}): a graph "
+            f"cannot hold DDP's or FSDP's gradient communication. Drop --cuda-graph under "
+            f"torchrun; with one process it needs a CUDA device.")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":

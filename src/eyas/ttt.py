@@ -119,15 +119,20 @@ class TTTPlan:
 
 
 def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = True,
-             device: torch.device | str | None = None) -> TTTPlan:
+             device: torch.device | str | None = None, static: bool = False) -> TTTPlan:
     """The plan of ttt_forward on `batch` (which positions each step computes and where its
     loss is), for `ttt_forward(..., plan=)`. Made where the batch lives and its index tensors
     sent to `device`: made on the CPU before the batch moves to the GPU, it costs the GPU no
     sync (made from GPU tensors, reading its row counts waits for all queued GPU work, e.g.
     the previous step's backward, and the GPU then idles while the CPU queues the next
     forward; with it, a TTT-7 iteration at 8K tokens on an H200 took ~5 % longer than the
-    GPU was busy)."""
-    plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune)
+    GPU was busy).
+
+    static: every step computes every position and takes its loss on all of them, weighted
+    0/1 (no pruning, `prune` ignored): the plan's shapes then depend only on the batch's
+    shape and on whether it is one document, so one CUDA graph serves every batch of that
+    shape (eyas.ttt_graph). The same loss and gradients; more rows where masks are sparse."""
+    plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
     if device is not None and torch.device(device) != plan.valid.device:
         counts = [c.numel() for c in plan.cols]
         plan.valid, plan.rank, flat = (x.to(device, non_blocking=True) for x in
@@ -150,7 +155,8 @@ def _ends(mask: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.where(mask, idx, mask.shape[1]).amin(1), (mask * idx).amax(1)
 
 
-def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPlan:
+def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool,
+          static: bool = False) -> TTTPlan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
     then (with `prune`) those that still carry a loss at this or a later step, or the span
     from the first to the last of them when they nearly fill it (RUN_FILL; extra positions
@@ -158,7 +164,8 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPla
     row counts fix every shape, so they reach the host together, here, with the facts that
     pick the attention kernel and the indexing, rather than through a sync at every step."""
     valid = ttt_positions(batch, t2d, steps)  # (S, N)
-    keep = valid.flip(0).cummax(0).values.flip(0) if prune else torch.ones_like(valid)
+    keep = valid.flip(0).cummax(0).values.flip(0) if prune and not static else \
+        torch.ones_like(valid)
     keep[0] = True
     idx = torch.arange(keep.shape[1], device=keep.device)
     lo, hi = _ends(keep, idx)  # (S,)
@@ -176,7 +183,7 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool) -> TTTPla
                                      host[2 * steps + 1: 4 * steps + 1], host[4 * steps + 1:])
     cols = both.nonzero()[:, 1].contiguous().split(counts)
     runs = [a if n and b - a + 1 == n else None for n, a, b in zip(counts, first, final)]
-    loss_on_all = [runs[j] is not None and counts[steps + j] >= RUN_FILL * counts[j]
+    loss_on_all = [runs[j] is not None and (static or counts[steps + j] >= RUN_FILL * counts[j])
                    for j in range(steps)]
     return TTTPlan(valid, keep.cumsum(1) - 1, cols, bool(one_doc), final[:steps], runs,
                  loss_on_all)
