@@ -81,6 +81,30 @@ def test_triton_quantize_matches_the_portable_code_bit_for_bit(shape):
         assert none is None and torch.equal(t_only.view(torch.uint8), ref_t.view(torch.uint8))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(37, 128), (3000, 2 * 4096), (4100, 2 * 14336)])
+def test_triton_swiglu_quantize_matches_quantizing_the_product(shape):
+    """quantize_swiglu on CUDA computes silu(gate) * up inside the Triton passes: the same
+    scale and fp8 values as quantizing the product the torch code writes out, up to the
+    product's last bit (sigmoid implementations differ); a given scale is used as is."""
+    from eyas import fused
+
+    torch.manual_seed(shape[0])
+    gate_up = (torch.randn(*shape, device="cuda") * 2).bfloat16()
+    gate_up[1, 3] = 30.0  # an outlier sets the scale
+    product = fused._swiglu.__wrapped__(gate_up)
+    y, s, y_t = fp8.quantize_swiglu(gate_up, transposed=True)
+    ref_y, ref_s, ref_t = fp8.quantize(product, transposed=True)
+    torch.testing.assert_close(s, ref_s, rtol=1e-2, atol=0)
+    # one fp8 step at most: the products agree to bf16 rounding
+    torch.testing.assert_close(y.float() * s, ref_y.float() * ref_s, rtol=0.13, atol=2 * float(s))
+    torch.testing.assert_close(y_t.float(), ref_t.float(), rtol=0.13, atol=2.0)
+    assert y_t.shape == (shape[1] // 2, shape[0] + (-shape[0] % 16))
+    none, s2, t_only = fp8.quantize_swiglu(gate_up, transposed=True, row_major=False, scale=s)
+    assert none is None and torch.equal(s2, s) and torch.equal(t_only.view(torch.uint8),
+                                                                y_t.view(torch.uint8))
+
+
 @pytest.mark.parametrize("rows", [37, 64])  # the weight gradient pads 37 rows to 48
 def test_linear_forward_and_gradients_close_to_fp32(rows):
     torch.manual_seed(0)

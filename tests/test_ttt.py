@@ -341,6 +341,38 @@ def test_soft_ce_row_weights_drop_rows_exactly(compiled, monkeypatch):
     assert not hidden.grad[~keep].any() and torch.equal(top1[keep], ref_top1)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_soft_ce_teacher_lse_and_extra_hidden_rows(compiled, indexed, monkeypatch):
+    """A given teacher logsumexp gives the same loss as the one computed inside; hidden rows
+    past the teacher's carry no loss and get a zero gradient (TTT passes a step's rows whole
+    instead of slicing off the last ones)."""
+    import eyas.fused
+    from eyas.loss import row_logsumexp
+
+    if compiled:
+        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+    torch.manual_seed(4)
+    hidden = torch.randn(15, 16, requires_grad=True)
+    weight = torch.randn(21, 16, requires_grad=True)
+    teacher = torch.randn(17, 21) * 3
+    rows = torch.randint(0, 17, (12,)) if indexed else None
+    scored = teacher[rows] if indexed else teacher[:12]
+    lse = row_logsumexp(teacher if indexed else scored)
+    loss, top1 = soft_cross_entropy(hidden, weight, teacher if indexed else scored, rows=rows,
+                                    chunk=5, teacher_lse=lse)
+    loss.backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref, ref_top1 = soft_cross_entropy(h2[:12], w2, scored, chunk=5)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(weight.grad, w2.grad)
+    torch.testing.assert_close(hidden.grad[:12], h2.grad[:12])
+    assert not hidden.grad[12:].any() and torch.equal(top1, ref_top1) and top1.shape == (12,)
+    with pytest.raises(ValueError, match="disagree"):
+        soft_cross_entropy(hidden[:5], weight, scored)
+
+
 # ---------------------------------------------------------------- the attention itself
 
 def dense_attention(q, k, v, lo, hi, dk, dv):
@@ -748,6 +780,14 @@ def test_triton_soft_ce_chunk_matches_the_torch_function(v):
         assert float((back - ref_grad.float()).abs().max()) <= \
             0.126 * float(ref_grad.float().abs().max()) + 1e-6
     assert loss_kernels.soft_ce_chunk(logits, teacher, False)[2] is None
+    # the teacher's logsumexp given (TTT computes it once): the same results
+    lse = torch.logsumexp(teacher.float(), -1)
+    for w in (None, weight):
+        got = loss_kernels.soft_ce_chunk(logits, teacher, True, w, teacher_lse=lse)
+        ref = loss_kernels.soft_ce_chunk(logits, teacher, True, w)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-3)
+        assert torch.equal(got[1], ref[1])
+        torch.testing.assert_close(got[2].float(), ref[2].float(), atol=1e-3, rtol=1e-2)
 
 
 def test_cudnn_gqa_fallback_only_on_a_refusal(monkeypatch):

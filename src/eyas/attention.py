@@ -194,7 +194,9 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
         idx = torch.arange(n, device=q.device)
         return attention(q, k, v, torch.zeros_like(idx), idx, diag_k, diag_v)
     with torch.autocast(q.device.type, enabled=False):
-        return _CausalDiag.apply(q, k[:n], v[:n], diag_k, diag_v)
+        if k.shape[0] > n:  # a slice only when needed: even a whole one costs backward a copy
+            k, v = k[:n], v[:n]
+        return _CausalDiag.apply(q, k, v, diag_k, diag_v)
 
 
 def _cudnn_fits(q: torch.Tensor) -> bool:

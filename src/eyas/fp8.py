@@ -79,23 +79,46 @@ def _cast(x, scale, fmax: float, dtype: torch.dtype, transposed: bool):
 
 
 def quantize(x: torch.Tensor, dtype=E4M3, transposed: bool = False, bound: float | None = None,
-             row_major: bool = True):
+             row_major: bool = True, scale: torch.Tensor | None = None):
     """x (R, C) -> (x / s in `dtype`, s, x8^T or None): one scale for the whole tensor; with
     `transposed` also x8^T padded to (C, R'), R' a multiple of 16, the weight-gradient
     operand. bound: a known bound on |x| to scale by instead of its absolute maximum (skips
-    a pass over x). row_major=False: only the transposed copy (the first result is None)."""
+    a pass over x); scale: s itself, already known (e.g. x's scale from the forward).
+    row_major=False: only the transposed copy (the first result is None)."""
     x = x.contiguous()  # the products read it row-major
     fmax = _MAX[dtype]
     if fused.use_kernels(x) and x.numel() > 0:
         from eyas import fp8_kernels  # Triton: two passes instead of four (its docstring)
 
-        return fp8_kernels.quantize(x, fmax, dtype, _ALIGN, row_major, transposed, bound)
-    if bound is None:
+        return fp8_kernels.quantize(x, fmax, dtype, _ALIGN, row_major, transposed, bound, scale)
+    return _quantize_torch(x, fmax, dtype, transposed, bound, row_major, scale)
+
+
+def _quantize_torch(x, fmax, dtype, transposed, bound, row_major, scale):
+    if scale is not None:
+        s = scale.float().reshape(())
+    elif bound is None:
         s = _scale(x, fmax)
     else:
         s = torch.full((), max(bound / fmax, 1e-30), dtype=torch.float32, device=x.device)
     y, y_t = _cast(x, s, fmax, dtype, transposed)
     return (y if row_major else None), s, y_t
+
+
+def quantize_swiglu(gate_up: torch.Tensor, transposed: bool = False, row_major: bool = True,
+                    scale: torch.Tensor | None = None):
+    """quantize(silu(gate) * up) for gate_up (R, 2I) (e4m3), without writing the (R, I)
+    product out on CUDA: the Triton passes compute it from gate_up as they read it (the
+    product costs a write and two reads of R x I values otherwise). scale: the product's
+    scale when already known (backward recomputes the forward's product)."""
+    gate_up = gate_up.contiguous()
+    if fused.use_kernels(gate_up) and gate_up.numel() > 0:
+        from eyas import fp8_kernels
+
+        return fp8_kernels.quantize(gate_up, _MAX[E4M3], E4M3, _ALIGN, row_major, transposed,
+                                    None, scale, swiglu=True)
+    return _quantize_torch(fused._swiglu(gate_up), _MAX[E4M3], E4M3, transposed, None,
+                           row_major, scale)
 
 
 def mm(a8, sa, b8_t, sb, out_dtype):

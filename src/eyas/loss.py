@@ -23,12 +23,14 @@ from eyas.fused import cuda_compiled
 
 
 @cuda_compiled
-def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None):
+def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None, teacher_lse=None):
     """logits, teacher (c, Vd) -> (summed soft CE, draft argmax (c,), d loss / d logits in
-    logits' dtype or None). weight (c,): each row's weight (0 / 1). fp32 math on (c, Vd),
-    fused into few passes when compiled."""
+    logits' dtype or None). weight (c,): each row's weight (0 / 1). teacher_lse (c,): the
+    teacher rows' logsumexp, when known. fp32 math on (c, Vd), fused into few passes when
+    compiled."""
     logq = torch.log_softmax(logits.float(), dim=-1)
-    p = torch.softmax(teacher.float(), dim=-1)
+    p = torch.softmax(teacher.float(), dim=-1) if teacher_lse is None else \
+        (teacher.float() - teacher_lse.float()[:, None]).exp()
     if weight is None:
         loss = -(p * logq).sum()
         grad = (logq.exp() - p) if with_grad else None
@@ -39,7 +41,13 @@ def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None):
     return loss, logits.argmax(dim=-1), None if grad is None else grad.to(logits.dtype)
 
 
-def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool):
+@cuda_compiled
+def row_logsumexp(x):
+    """x (R, C) -> (R,) fp32 logsumexp of each row (one pass over x when compiled)."""
+    return torch.logsumexp(x.float(), dim=-1)
+
+
+def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool, teacher_lse=None):
     """_soft_ce_chunk -> (loss, argmax, gradient, its fp8 scale or None): on CUDA one Triton
     kernel (eyas.loss_kernels), which can also write the gradient as fp8 (`grad_fp8`, scaled
     by its bound 1); elsewhere the torch function, and the fp8 copy from eyas.fp8.quantize."""
@@ -47,8 +55,9 @@ def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool):
             and teacher.stride(-1) == 1:
         from eyas import loss_kernels
 
-        return loss_kernels.soft_ce_chunk(logits, teacher, with_grad, weight, grad_fp8)
-    loss, pred, g = _soft_ce_chunk(logits, teacher, with_grad, weight)
+        return loss_kernels.soft_ce_chunk(logits, teacher, with_grad, weight, grad_fp8,
+                                          teacher_lse)
+    loss, pred, g = _soft_ce_chunk(logits, teacher, with_grad, weight, teacher_lse)
     if not grad_fp8 or g is None:
         return loss, pred, g, None
     g8, sg, _ = fp8.quantize(g, fp8.E5M2, bound=1.0)
@@ -60,37 +69,45 @@ class _ChunkedSoftCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, rows, chunk: int, grad_hidden: bool,
-                grad_weight: bool, packed, row_weight):
-        # hidden (n, H) compute dtype; weight (Vd, H) master dtype; teacher (M, Vd) logits whose
-        # row rows[i] (or i when rows is None) is the teacher of hidden row i; packed: the
-        # weight's eyas.fp8.Fp8Matrix for fp8 products, or None; row_weight (n,) or None
+                grad_weight: bool, packed, row_weight, teacher_lse, n: int):
+        # hidden (>= n, H) compute dtype, its first n rows scored; weight (Vd, H) master
+        # dtype; teacher (M, Vd) logits whose row rows[i] (or i when rows is None) is the
+        # teacher of hidden row i; packed: the weight's eyas.fp8.Fp8Matrix for fp8 products,
+        # or None; row_weight (n,) or None; teacher_lse (M,) or None
         w = weight.to(hidden.dtype) if packed is None else None  # what autocast would feed
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        top1 = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)  # (n,)
-        d_hidden = torch.empty_like(hidden) if grad_hidden else None  # (n, H)
+        top1 = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
+        d_hidden = torch.empty_like(hidden) if grad_hidden else None  # (rows of hidden, H)
+        if grad_hidden and n < hidden.shape[0]:
+            d_hidden[n:] = 0  # rows past the teacher's carry no loss
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if grad_weight else None  # (Vd, H)
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s: s + chunk]  # (c, H)
-            t = teacher[s: s + chunk] if rows is None else teacher[rows[s: s + chunk]]
-            rw = None if row_weight is None else row_weight[s: s + chunk]
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h = hidden[s: e]  # (c, H)
+            t = teacher[s: e] if rows is None else teacher[rows[s: e]]
+            lse = None if teacher_lse is None else \
+                teacher_lse[s: e] if rows is None else teacher_lse[rows[s: e]]
+            rw = None if row_weight is None else row_weight[s: e]
             if packed is None:
-                loss, pred, g, _ = _chunk(h @ w.t(), t, grad_hidden or grad_weight, rw, False)
+                loss, pred, g, _ = _chunk(h @ w.t(), t, grad_hidden or grad_weight, rw, False,
+                                          lse)
             else:
                 h8, sh, h8_t = fp8.quantize(h, transposed=grad_weight)
                 logits = fp8.mm(h8, sh, packed.w.t(), packed.scale, hidden.dtype)
                 # only dx needs it (frozen lm_head): the gradient straight to fp8
                 direct = grad_hidden and not grad_weight
-                loss, pred, g, sg = _chunk(logits, t, grad_hidden or grad_weight, rw, direct)
+                loss, pred, g, sg = _chunk(logits, t, grad_hidden or grad_weight, rw, direct,
+                                           lse)
                 if direct:
                     g8 = g
                 elif g is not None:  # softmax - p: every entry lies in [-1, 1], no amax pass
                     g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight,
                                                 bound=1.0, row_major=grad_hidden)
             total += loss
-            top1[s: s + chunk] = pred
+            top1[s: e] = pred
             if grad_hidden:  # g: d loss / d logits (c, Vd)
-                d_hidden[s: s + chunk] = g @ w if packed is None else \
+                d_hidden[s: e] = g @ w if packed is None else \
                     fp8.mm(g8, sg, packed.w_t.t(), packed.scale, hidden.dtype)
             if grad_weight:
                 d_weight += (g.t() @ h).float() if packed is None else \
@@ -105,13 +122,14 @@ class _ChunkedSoftCE(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         gh = d_hidden * grad_total.to(d_hidden.dtype) if d_hidden is not None else None
         gw = (d_weight * grad_total).to(ctx.weight_dtype) if d_weight is not None else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None
 
 
 def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
                        rows: torch.Tensor | None = None, chunk: int = 4096,
                        fp8_weight: Fp8Matrix | None = None,
-                       row_weight: torch.Tensor | None = None
+                       row_weight: torch.Tensor | None = None,
+                       teacher_lse: torch.Tensor | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)`.
 
@@ -122,15 +140,22 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
     scalar; the draft's argmax per row (n,), draft ids). fp8_weight: `weight` quantized
     (eyas.fp8.Fp8Matrix.of) to run the three vocab products in fp8. row_weight (n,) bool
     or float: each row's weight in the sum (rows weighted 0 add nothing, gradients included).
+    teacher_lse (M,): logsumexp of each teacher row, when known (saves the CUDA kernel a
+    pass over the teacher). hidden may have more rows than there are teacher rows: those
+    past them carry no loss and get a zero gradient (the argmax covers the scored rows).
     """
     n_teacher = teacher.shape[0] if rows is None else rows.shape[0]
-    if hidden.shape[0] != n_teacher or weight.shape[0] != teacher.shape[1]:
+    if hidden.shape[0] < n_teacher or weight.shape[0] != teacher.shape[1] or \
+            (teacher_lse is not None and teacher_lse.shape != teacher.shape[:1]):
         raise ValueError(f"soft_cross_entropy: hidden {tuple(hidden.shape)}, weight "
-                         f"{tuple(weight.shape)} and teacher {tuple(teacher.shape)} disagree")
+                         f"{tuple(weight.shape)}, teacher {tuple(teacher.shape)} and its "
+                         f"log-sum-exp {None if teacher_lse is None else tuple(teacher_lse.shape)}"
+                         f" disagree")
     grad_on = torch.is_grad_enabled()
     return _ChunkedSoftCE.apply(hidden, weight, teacher, rows, max(1, int(chunk)),
                                 grad_on and hidden.requires_grad,
-                                grad_on and weight.requires_grad, fp8_weight, row_weight)
+                                grad_on and weight.requires_grad, fp8_weight, row_weight,
+                                teacher_lse, n_teacher)
 
 
 def simulated_acceptance_length(step_acc) -> float:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from eyas.attention import attention, causal_attention
 from eyas.draft import Eagle3Draft
 from eyas.fp8 import Fp8Matrix
-from eyas.loss import simulated_acceptance_length, soft_cross_entropy
+from eyas.loss import row_logsumexp, simulated_acceptance_length, soft_cross_entropy
 
 
 @dataclass
@@ -215,6 +215,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     cols, rank = plan.cols, plan.rank
     # 3. Teacher logits over the draft vocab, once for all positions (no grad).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
+    teacher_lse = row_logsumexp(teacher)  # (N,): every step reads the same teacher rows
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
     top1_draft = draft_id[top1]  # (N,) the target's top-1 as a draft id (where in the vocab)
     weights = draft.layer_weights(dev.type, fp8=fp8)  # cast and fused once for all steps
@@ -233,8 +234,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
             break
         if j > 0:  # 5. Step j: own hidden of step j-1, keep only positions still needed
             sel = _index(plan, j, j - 1, cols[j].numel()) or rank[j - 1][cols[j]]
-            rows, hidden = cols[j], hidden[sel]  # sel: indices into the previous step's rows
-            diag_k, diag_v = [t[sel] for t in diag_k], [t[sel] for t in diag_v]
+            rows, hidden = cols[j], _take(hidden, sel)  # sel: into the previous step's rows
+            diag_k, diag_v = [_take(t, sel) for t in diag_k], [_take(t, sel) for t in diag_v]
         token = ids[torch.minimum(rows + 1 + j, seg_end[rows])]  # (n,) ground-truth token
         q, k, v, residual = draft.project(token, hidden, pos[rows] + j, weights)
         if j == 0:
@@ -245,8 +246,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         out = _attend(plan, j, q, k0, v0, rows, seg_start, diag_k, diag_v)
         h = draft.finish(out, residual, weights)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
-        loss_sum, hits = _step_loss(draft, plan, j, rows, h, teacher, head, head_fp8,
-                                    top1_draft, vocab_chunk)
+        loss_sum, hits = _step_loss(draft, plan, j, rows, h, (teacher, teacher_lse), head,
+                                    head_fp8, top1_draft, vocab_chunk)
         sums.append(loss_sum)
         correct.append(hits)
         rows_per_step.append(rows.numel())
@@ -255,28 +256,39 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     return _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
 
 
-def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher, head, head_fp8,
-               top1_draft, chunk: int):
+def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_lse, head,
+               head_fp8, top1_draft, chunk: int):
     """Step j's soft CE summed over its loss positions, against the teacher at rows + 1 + j,
-    and how many of them the draft's top-1 gets right. h (n, H) pre-norm at `rows`."""
+    and how many of them the draft's top-1 gets right. h (n, H) pre-norm at `rows`;
+    teacher_and_lse: the teacher logits (N, Vd) and their row logsumexps (N,)."""
     steps = len(plan.loss_on_all)
+    teacher, lse = teacher_and_lse
     if plan.loss_on_all[j]:  # rows are a run: every row, weighted 1 where it counts
         at = plan.first[j]  # the run's first position
-        # the rows whose teacher position exists (the others carry no loss)
+        # the rows whose teacher position exists (the rows after them carry no loss; h is
+        # passed whole, not sliced: a slice's backward is a zero fill and a copy)
         n = min(rows.numel(), teacher.shape[0] - 1 - j - at)
         counted, t = plan.valid[j, at: at + n], slice(at + 1 + j, at + 1 + j + n)
-        loss, pred = soft_cross_entropy(draft.norm(h[:n]), head, teacher[t], chunk=chunk,
-                                        fp8_weight=head_fp8, row_weight=counted)
+        loss, pred = soft_cross_entropy(draft.norm(h), head, teacher[t], chunk=chunk,
+                                        fp8_weight=head_fp8, row_weight=counted,
+                                        teacher_lse=lse[t])
         return loss, ((pred == top1_draft[t]) & counted).sum()
     n_valid = plan.cols[steps + j].numel()
     here = _index(plan, steps + j, j, n_valid) or plan.rank[j][plan.cols[steps + j]]
     teach = rows[here] + 1 + j  # here: indices into this step's rows
     at = plan.first[steps + j]
-    teacher_j, teach_rows = (teacher, teach) if at is None else \
-        (teacher[at + 1 + j: at + 1 + j + n_valid], None)  # a run: a view, no gather
-    loss, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher_j, rows=teach_rows,
-                                    chunk=chunk, fp8_weight=head_fp8)
+    t = slice(None) if at is None else slice(at + 1 + j, at + 1 + j + n_valid)
+    teach_rows = teach if at is None else None  # a run: views, no gather
+    loss, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher[t], rows=teach_rows,
+                                    chunk=chunk, fp8_weight=head_fp8, teacher_lse=lse[t])
     return loss, (pred == top1_draft[teach]).sum()
+
+
+def _take(x: torch.Tensor, sel) -> torch.Tensor:
+    """x[sel], or x itself when sel is a slice of all its rows (static plans): autograd
+    turns even a whole-tensor slice into a zero fill and a copy in backward."""
+    whole = isinstance(sel, slice) and sel.start == 0 and sel.stop == x.shape[0]
+    return x if whole else x[sel]
 
 
 def _index(plan: TTTPlan, i: int, within: int, n: int) -> slice | None:
