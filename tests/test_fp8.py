@@ -140,69 +140,6 @@ def test_swiglu_down_in_fp8_close_to_fp32():
     assert cosine(gate_up.grad, g_ref.grad) > 0.99 and cosine(w_down.grad, w_ref.grad) > 0.99
 
 
-def _mlp_both_ways(x, w_gu, w_down, grad):
-    """(output, dx, d w_gate_up, d w_down) of fp8.mlp and of linear + SwiGLUDown."""
-    results = []
-    for fused_mlp in (True, False):
-        xx, a, b = (t.detach().clone().requires_grad_() for t in (x, w_gu, w_down))
-        gu8, down8 = Fp8Matrix.of(a.detach()), Fp8Matrix.of(b.detach())
-        y = fp8.mlp(xx, a, b, gu8, down8) if fused_mlp else \
-            SwiGLUDown.apply(fp8.linear(xx, a, gu8), b, down8)
-        y.backward(grad)
-        results.append((y.detach(), xx.grad, a.grad, b.grad))
-    return results
-
-
-def test_fp8_mlp_function_equals_linear_then_swiglu_down():
-    """fp8.mlp (one autograd function for gate_up -> SwiGLU -> down) computes what the two
-    functions it replaces compute: the same quantizations in the same order (on CUDA its
-    backward quantizes d(gate_up) inside the Triton passes instead)."""
-    torch.manual_seed(2)
-    x = torch.randn(37, 64)
-    w_gu, w_down = torch.randn(256, 64) * 0.1, torch.randn(64, 128) * 0.1
-    got, ref = _mlp_both_ways(x, w_gu, w_down, torch.randn(37, 64))
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-def test_fp8_mlp_on_cuda_close_to_linear_then_swiglu_down():
-    """On CUDA the fused MLP's backward quantizes d(gate_up) from the SwiGLU backward's inputs
-    in the Triton passes: outputs equal, gradients within fp8 rounding of the two-function
-    path's (the value rounded to bf16 first in both; sigmoid implementations may differ)."""
-    torch.manual_seed(3)
-    x = torch.randn(4100, 4096, device="cuda").bfloat16()
-    w_gu = (torch.randn(2 * 14336, 4096, device="cuda") * 0.02).bfloat16()
-    w_down = (torch.randn(4096, 14336, device="cuda") * 0.02).bfloat16()
-    got, ref = _mlp_both_ways(x, w_gu, w_down, torch.randn(4100, 4096, device="cuda").bfloat16())
-    torch.testing.assert_close(got[0], ref[0])
-    for a, b in zip(got[1:], ref[1:]):
-        assert cosine(a, b) > 0.999 and rel_err(a, b) < 0.03
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [37, 3000])
-def test_triton_swiglu_backward_quantize_matches_quantizing_the_gradient(rows):
-    from eyas import fused
-
-    torch.manual_seed(rows)
-    gate_up = (torch.randn(rows, 2 * 1024, device="cuda") * 2).bfloat16()
-    d = torch.randn(rows, 1024, device="cuda").bfloat16()
-    d[2, 5] = 50.0  # an outlier sets the scale
-    y, s, y_t = fp8.quantize_swiglu_backward(d, gate_up, transposed=True)
-    ref_y, ref_s, ref_t = fp8.quantize(fused._swiglu_backward.__wrapped__(d, gate_up), fp8.E5M2,
-                                       transposed=True)
-    torch.testing.assert_close(s, ref_s, rtol=1e-2, atol=0)
-    # one e5m2 step at most (2 mantissa bits: <= 25 % of the value, or the subnormal step;
-    # the scales may differ by the last bits of the amax)
-    for a, b in ((y, ref_y), (y_t, ref_t)):
-        assert a.shape == b.shape
-        a, b = a.float() * s, b.float() * ref_s
-        assert bool(((a - b).abs() <= 0.3 * b.abs() + 2 ** -16 * float(ref_s)).all())
-    none, _, t_only = fp8.quantize_swiglu_backward(d, gate_up, transposed=True, row_major=False)
-    assert none is None and torch.equal(t_only.view(torch.uint8), y_t.view(torch.uint8))
-
-
 @pytest.mark.parametrize("frozen", [True, False])
 def test_ttt_in_fp8_tracks_full_precision(frozen):
     """A whole TTT-5 forward and backward with every draft matmul in fp8: the loss within 2%

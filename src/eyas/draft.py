@@ -385,11 +385,8 @@ class Eagle3Draft(nn.Module):
         w = self.layer_weights(residual.device.type) if weights is None else weights
         h = residual + fp8_mm.linear(attn_out.flatten(1), w.o, w.fp8.get("o"))
         x = self.midlayer.post_attention_layernorm(h)
-        gu8, down8 = w.fp8.get("gate_up"), w.fp8.get("down")
-        if gu8 is not None and down8 is not None:  # fp8: one function for the whole MLP
-            return h + fp8_mm.mlp(x, w.gate_up, w.down, gu8, down8)
-        gate_up = fp8_mm.linear(x, w.gate_up, gu8)
-        return h + SwiGLUDown.apply(gate_up, w.down, down8)
+        gate_up = fp8_mm.linear(x, w.gate_up, w.fp8.get("gate_up"))
+        return h + SwiGLUDown.apply(gate_up, w.down, w.fp8.get("down"))
 
     def next_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """What the next draft step receives as its hidden input."""

@@ -116,69 +116,9 @@ def quantize_swiglu(gate_up: torch.Tensor, transposed: bool = False, row_major: 
         from eyas import fp8_kernels
 
         return fp8_kernels.quantize(gate_up, _MAX[E4M3], E4M3, _ALIGN, row_major, transposed,
-                                    None, scale, swiglu=1)
+                                    None, scale, swiglu=True)
     return _quantize_torch(fused._swiglu(gate_up), _MAX[E4M3], E4M3, transposed, None,
                            row_major, scale)
-
-
-def quantize_swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor,
-                             transposed: bool = False, row_major: bool = True):
-    """quantize (e5m2) of the gradient w.r.t. gate_up (R, 2I) of silu(gate) * up, given
-    `grad` (R, I), the gradient of the product; on CUDA computed inside the Triton passes
-    (the (R, 2I) bf16 gradient is never written out and read back twice)."""
-    gate_up, grad = gate_up.contiguous(), grad.contiguous()
-    if fused.use_kernels(gate_up) and gate_up.numel() > 0:
-        from eyas import fp8_kernels
-
-        return fp8_kernels.quantize(gate_up, _MAX[E5M2], E5M2, _ALIGN, row_major, transposed,
-                                    swiglu=2, grad=grad)
-    return _quantize_torch(fused._swiglu_backward(grad, gate_up), _MAX[E5M2], E5M2,
-                           transposed, None, row_major, None)
-
-
-class _Fp8MLP(torch.autograd.Function):
-    """down(silu(gate) * up) with [gate; up] = gate_up(x), both products in fp8, as one
-    function: its backward quantizes the gradient w.r.t. gate_up straight from the SwiGLU
-    backward's inputs, and recomputes the (N, I) product rather than keeping it (the
-    forward keeps gate_up and x's fp8 transposed copy)."""
-
-    @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, gu: Fp8Matrix, down: Fp8Matrix, out_dtype):
-        x8, sx, x8_t = quantize(x, transposed=ctx.needs_input_grad[1])
-        gate_up = mm(x8, sx, gu.w.t(), gu.scale, out_dtype)  # (N, 2I)
-        a8, sa, _ = quantize_swiglu(gate_up)
-        ctx.save_for_backward(x8_t, sx, gate_up, sa)
-        ctx.gu, ctx.down, ctx.out_dtype = gu, down, out_dtype
-        return mm(a8, sa, down.w.t(), down.scale, out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x8_t, sx, gate_up, sa = ctx.saved_tensors
-        need_x, need_gu, need_down = ctx.needs_input_grad[:3]
-        g8, sg, g8_t = quantize(grad, E5M2, transposed=need_down)
-        d_act = mm(g8, sg, ctx.down.w_t.t(), ctx.down.scale, ctx.out_dtype)  # (N, I)
-        d_down = dx = d_gu = None
-        if need_down:  # (H, I): the product recomputed, at the forward's scale
-            _, _, a8_t = quantize_swiglu(gate_up, transposed=True, row_major=False, scale=sa)
-            d_down = mm(g8_t, sg, a8_t.t(), sa, ctx.out_dtype)
-        if need_x or need_gu:
-            d8, sd, d8_t = quantize_swiglu_backward(d_act, gate_up, transposed=need_gu,
-                                                    row_major=need_x)
-            if need_x:
-                dx = mm(d8, sd, ctx.gu.w_t.t(), ctx.gu.scale, ctx.out_dtype)
-            if need_gu:  # (2I, H)
-                d_gu = mm(d8_t, sd, x8_t.t(), sx, ctx.out_dtype)
-        return dx, d_gu, d_down, None, None, None
-
-
-def mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, gu: Fp8Matrix,
-        down: Fp8Matrix) -> torch.Tensor:
-    """x (N, H) -> down(silu(gate) * up) (N, H) in x's dtype, both products in fp8 (gu and
-    down: Fp8Matrix.of the two weights); the same values as linear(x, w_gate_up, gu) then
-    fused.SwiGLUDown, with fewer passes over the (N, 2I) tensors."""
-    flat = x.reshape(-1, x.shape[-1])
-    y = _Fp8MLP.apply(flat, w_gate_up, w_down, gu, down, x.dtype)
-    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def mm(a8, sa, b8_t, sb, out_dtype):

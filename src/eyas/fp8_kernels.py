@@ -52,31 +52,20 @@ def _absmax(x_ptr, part_ptr, n, n_prog, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_tile(gu_ptr, d_ptr, r, c, rows, inter, BACKWARD: tl.constexpr):
-    """At rows r (R, 1) and columns c (1, C) < inter of gate_up (rows, 2 inter): forward
-    silu(gate) * up (the second result unused); BACKWARD its gradients w.r.t. gate and up
-    given d (rows, inter), the gradient of the product. fp32 math, rounded to gate_up's
-    dtype, as the tensors the torch code writes and then quantizes."""
+def _swiglu_tile(gu_ptr, r, c, rows, inter):
+    """silu(gate) * up at rows r (R, 1) and columns c (1, C) of gate_up (rows, 2 inter), in
+    fp32 and rounded to gate_up's dtype, as the (N, I) tensor the torch code quantizes."""
     inside = (r < rows) & (c < inter)
     at = gu_ptr + r * (2 * inter) + c
     gate = tl.load(at, mask=inside, other=0.0).to(tl.float32)
     up = tl.load(at + inter, mask=inside, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    if BACKWARD:
-        d = tl.load(d_ptr + r * inter + c, mask=inside, other=0.0).to(tl.float32)
-        d_gate = d * up * sig * (1 + gate * (1 - sig))
-        d_up = d * gate * sig
-        return (d_gate.to(gu_ptr.dtype.element_ty).to(tl.float32),
-                d_up.to(gu_ptr.dtype.element_ty).to(tl.float32))
-    y = (gate * sig * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
-    return y, y
+    return (gate * tl.sigmoid(gate) * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _swiglu_absmax(gu_ptr, d_ptr, part_ptr, rows, inter, n_prog, BACKWARD: tl.constexpr,
-                   TILE_R: tl.constexpr, TILE_C: tl.constexpr):
-    """_absmax of silu(gate) * up (or with BACKWARD of its gradient w.r.t. gate_up),
-    computed from gate_up (and d) as it is read, never written out."""
+def _swiglu_absmax(gu_ptr, part_ptr, rows, inter, n_prog, TILE_R: tl.constexpr,
+                   TILE_C: tl.constexpr):
+    """_absmax of silu(gate) * up, computed from gate_up (never written out)."""
     pid = tl.program_id(0)
     acc = tl.zeros([TILE_R, TILE_C], dtype=tl.float32)
     nan = tl.zeros([TILE_R, TILE_C], dtype=tl.int32)
@@ -84,37 +73,19 @@ def _swiglu_absmax(gu_ptr, d_ptr, part_ptr, rows, inter, n_prog, BACKWARD: tl.co
         r = (r0 + tl.arange(0, TILE_R)).to(tl.int64)[:, None]
         for c0 in range(0, inter, TILE_C):
             c = (c0 + tl.arange(0, TILE_C)).to(tl.int64)[None, :]
-            a, b = _swiglu_tile(gu_ptr, d_ptr, r, c, rows, inter, BACKWARD)
-            acc = tl.maximum(acc, tl.maximum(tl.abs(a), tl.abs(b)))
-            nan = nan | (a != a).to(tl.int32) | (b != b).to(tl.int32)
+            y = _swiglu_tile(gu_ptr, r, c, rows, inter)
+            acc = tl.maximum(acc, tl.abs(y))
+            nan = nan | (y != y).to(tl.int32)
     tl.store(part_ptr + pid, tl.where(tl.max(tl.max(nan, axis=1), axis=0) > 0, float("nan"),
                                       tl.max(tl.max(acc, axis=1), axis=0)))
 
 
 @triton.jit
-def _store(y_ptr, yt_ptr, x, scale, r, c, rows, cols, rows_pad, fmax,
-           ROW_MAJOR: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """x / scale clamped to +-fmax at (r, c) of the (rows, cols) row-major output and of the
-    (cols, rows_pad) transposed one (whose padding rows r >= rows get x = 0)."""
-    # as fp8._cast: y = clamp(x / s), IEEE division; NaN stays NaN
-    y = tl.math.div_rn(x, scale)
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fmax), fmax))
-    if ROW_MAJOR:
-        tl.store(y_ptr + r * cols + c, y.to(y_ptr.dtype.element_ty), mask=(r < rows) & (c < cols))
-    if TRANSPOSED:
-        tl.store(yt_ptr + c * rows_pad + r, y.to(yt_ptr.dtype.element_ty),
-                 mask=(r < rows_pad) & (c < cols))
-
-
-@triton.jit
-def _cast(x_ptr, d_ptr, y_ptr, yt_ptr, part_ptr, scale_ptr, n_part, rows, cols, rows_pad, fmax,
-          bound, SCALE: tl.constexpr, PARTS: tl.constexpr, ROW_MAJOR: tl.constexpr,
+def _cast(x_ptr, y_ptr, yt_ptr, part_ptr, scale_ptr, n_part, rows, cols, rows_pad, fmax, bound,
+          SCALE: tl.constexpr, PARTS: tl.constexpr, ROW_MAJOR: tl.constexpr,
           TRANSPOSED: tl.constexpr, SWIGLU: tl.constexpr, TILE_R: tl.constexpr,
           TILE_C: tl.constexpr):
-    # SCALE: 0 from `bound`, 1 from pass 1's partial maxima, 2 given (part_ptr[0] is s).
-    # SWIGLU: 0 x itself; 1 silu(gate) * up from gate_up at x_ptr (cols = I); 2 its gradient
-    # w.r.t. gate_up given d at d_ptr: the program's tile of d(gate) at columns c and of d(up)
-    # at I + c (cols = I here, the output has 2 I columns)
+    # SCALE: 0 from `bound`, 1 from pass 1's partial maxima, 2 given (part_ptr[0] is s)
     if SCALE == 2:
         scale = tl.load(part_ptr)
     else:
@@ -125,7 +96,8 @@ def _cast(x_ptr, d_ptr, y_ptr, yt_ptr, part_ptr, scale_ptr, n_part, rows, cols, 
                             tl.max(parts, axis=0))
         else:
             amax = bound
-        # as fp8._scale: s = max(amax / fmax, 1e-30), IEEE division
+        # as fp8._scale and fp8._cast: s = max(amax / fmax, 1e-30), y = clamp(x / s), IEEE
+        # division
         scale = tl.math.div_rn(amax, fmax)
         scale = tl.where(scale != scale, scale, tl.maximum(scale, 1e-30))
     pr, pc = tl.program_id(0), tl.program_id(1)
@@ -133,42 +105,35 @@ def _cast(x_ptr, d_ptr, y_ptr, yt_ptr, part_ptr, scale_ptr, n_part, rows, cols, 
         tl.store(scale_ptr, scale)
     r = (pr * TILE_R + tl.arange(0, TILE_R)).to(tl.int64)[:, None]  # (TILE_R, 1)
     c = (pc * TILE_C + tl.arange(0, TILE_C)).to(tl.int64)[None, :]  # (1, TILE_C)
-    if SWIGLU == 0:
-        x = tl.load(x_ptr + r * cols + c, mask=(r < rows) & (c < cols), other=0.0)
-        _store(y_ptr, yt_ptr, x.to(tl.float32), scale, r, c, rows, cols, rows_pad, fmax,
-               ROW_MAJOR, TRANSPOSED)
-    elif SWIGLU == 1:
-        x, _ = _swiglu_tile(x_ptr, d_ptr, r, c, rows, cols, False)
-        _store(y_ptr, yt_ptr, x, scale, r, c, rows, cols, rows_pad, fmax, ROW_MAJOR,
-               TRANSPOSED)
+    inside = (r < rows) & (c < cols)
+    if SWIGLU:  # x_ptr is gate_up (rows, 2 cols); x = silu(gate) * up
+        x = _swiglu_tile(x_ptr, r, c, rows, cols)
     else:
-        d_gate, d_up = _swiglu_tile(x_ptr, d_ptr, r, c, rows, cols, True)
-        _store(y_ptr, yt_ptr, d_gate, scale, r, c, rows, 2 * cols, rows_pad, fmax, ROW_MAJOR,
-               TRANSPOSED)
-        _store(y_ptr, yt_ptr, d_up, scale, r, c + cols, rows, 2 * cols, rows_pad, fmax,
-               ROW_MAJOR, TRANSPOSED)
+        x = tl.load(x_ptr + r * cols + c, mask=inside, other=0.0).to(tl.float32)
+    y = tl.math.div_rn(x, scale)
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fmax), fmax))
+    if ROW_MAJOR:
+        tl.store(y_ptr + r * cols + c, y.to(y_ptr.dtype.element_ty), mask=inside)
+    if TRANSPOSED:  # (cols, rows_pad): the padding rows of x are zeros
+        tl.store(yt_ptr + c * rows_pad + r, y.to(yt_ptr.dtype.element_ty),
+                 mask=(r < rows_pad) & (c < cols))
 
 
 def quantize(x: torch.Tensor, fmax: float, dtype: torch.dtype, align: int,
              row_major: bool = True, transposed: bool = False, bound: float | None = None,
-             scale: torch.Tensor | None = None, swiglu: int = 0,
-             grad: torch.Tensor | None = None):
+             scale: torch.Tensor | None = None, swiglu: bool = False):
     """x (R, C) contiguous on CUDA -> (x / s in `dtype` or None, s fp32 scalar, x^T / s padded
     to (C, R') with R' a multiple of `align`, or None). s = max(amax, or `bound`) / fmax, or
-    the given `scale`. swiglu=1: x is gate_up (R, 2C) and the tensor quantized silu(gate) *
-    up (R, C); swiglu=2: x is gate_up (R, 2I), grad (R, I) the gradient of that product, and
-    the tensor quantized the gradient w.r.t. gate_up (R, 2I). Those tensors are computed as
-    the passes read their inputs, never written out."""
+    the given `scale`. swiglu: x is gate_up (R, 2C) and the tensor quantized silu(gate) * up
+    (R, C), computed on the fly (not written out)."""
     rows, cols = x.shape
-    inter = cols // 2  # the product's width (swiglu)
-    if swiglu == 1:
-        cols = inter
+    if swiglu:
+        cols //= 2
     rows_pad = rows + (-rows % align)
     dev = x.device
     y = torch.empty(rows, cols, dtype=dtype, device=dev) if row_major else None
     y_t = torch.empty(cols, rows_pad, dtype=dtype, device=dev) if transposed else None
     out_scale = torch.empty((), dtype=torch.float32, device=dev)
-    d = grad.contiguous() if swiglu == 2 else x  # unused unless swiglu == 2
     n_part, parts, mode = 1, out_scale, 0  # mode 0: from bound (parts unused)
     if scale is not None:
         parts, mode = scale.float().reshape(1), 2
@@ -177,19 +142,16 @@ def quantize(x: torch.Tensor, fmax: float, dtype: torch.dtype, align: int,
         if swiglu:
             n_part = max(1, min(_PARTS, triton.cdiv(rows, _SWIGLU_TILE[0])))
             parts = torch.empty(n_part, dtype=torch.float32, device=dev)
-            _swiglu_absmax[(n_part,)](x, d, parts, rows, inter, n_part,
-                                      BACKWARD=swiglu == 2, TILE_R=_SWIGLU_TILE[0],
+            _swiglu_absmax[(n_part,)](x, parts, rows, cols, n_part, TILE_R=_SWIGLU_TILE[0],
                                       TILE_C=_SWIGLU_TILE[1], num_warps=_ABSMAX_WARPS)
         else:
             n_part = max(1, min(_PARTS, triton.cdiv(x.numel(), _BLOCK)))
             parts = torch.empty(n_part, dtype=torch.float32, device=dev)
             _absmax[(n_part,)](x, parts, x.numel(), n_part, BLOCK=_BLOCK,
                                num_warps=_ABSMAX_WARPS)
-    tile_cols = inter if swiglu == 2 else cols  # backward: one program writes two tiles
-    grid = (triton.cdiv(rows_pad if transposed else rows, _TILE_R),
-            triton.cdiv(tile_cols, _TILE_C))
-    _cast[grid](x, d, y if row_major else out_scale, y_t if transposed else out_scale, parts,
-                out_scale, n_part, rows, tile_cols, rows_pad, fmax,
+    grid = (triton.cdiv(rows_pad if transposed else rows, _TILE_R), triton.cdiv(cols, _TILE_C))
+    _cast[grid](x, y if row_major else out_scale, y_t if transposed else out_scale, parts,
+                out_scale, n_part, rows, cols, rows_pad, fmax,
                 0.0 if bound is None else float(bound), SCALE=mode, PARTS=_PARTS,
                 ROW_MAJOR=row_major, TRANSPOSED=transposed, SWIGLU=swiglu, TILE_R=_TILE_R,
                 TILE_C=_TILE_C, num_warps=_CAST_WARPS)
