@@ -2,6 +2,7 @@
 
     python benchmarks/ttt.py                      # H200: contexts 2K..64K, ~8 min
     python benchmarks/ttt.py --contexts 2048,4096 --masks ones --lm-head frozen
+    python benchmarks/ttt.py --precision fp8 --modes graph   # the CUDA-graph mode only
     python benchmarks/ttt.py --doc-tokens 1024    # packed 1K-token documents (FlexAttention path)
     python benchmarks/ttt.py --smoke              # tiny shapes on CPU, checks the script runs
     EYAS_NO_COMPILE=1 python benchmarks/ttt.py    # the same code without torch.compile fusion
@@ -17,6 +18,9 @@ eyas.fp8). lm_head: `frozen` (initialised from the target rows, no weight gradie
 `trained`. Where it fits (--dense-max; frozen head, bf16 only), a dense-mask TTT runs too, as
 peers do it (every step's keys concatenated, an explicit (T, T*(j+1)) mask, materialised
 logits): its speed, memory and loss.
+Modes (--modes): `eager` makes a pruned plan per batch and queues the kernels one by one, as
+`eyas train` does by default; `graph` makes static plans and replays the whole forward +
+backward from one CUDA graph (eyas.ttt_graph, `eyas train --cuda-graph`; CUDA only).
 Prints a markdown table and writes JSON (--out).
 """
 
