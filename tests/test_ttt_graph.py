@@ -89,12 +89,18 @@ def test_graph_replays_give_eager_results_and_accumulate(layout, fp8):
 
     eager = []
     for b, p in zip(batches, plans):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = forward(b, p)
-        eager.append((out.loss.detach(), grads(draft, out.loss)))
-    # an autograd graph kept alive keeps its AccumulateGrad nodes, bound to the stream that
-    # made them (the default one), which a capture must not run on
-    del out
+        runs = []
+        for _ in range(2):  # twice: a mismatch below is then not eager nondeterminism
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = forward(b, p)
+            runs.append((out.loss.detach(), grads(draft, out.loss)))
+            # an autograd graph kept alive keeps its AccumulateGrad nodes, bound to the
+            # stream that made them (the default one), which a capture must not run on
+            del out
+        assert torch.equal(runs[0][0], runs[1][0])
+        for name, g in runs[0][1].items():
+            assert torch.equal(g, runs[1][1][name]), f"eager {name} gradient differs between runs"
+        eager.append(runs[0])
     draft.zero_grad(set_to_none=True)
     graphed = GraphedTTT(forward, list(draft.parameters()))
     for (loss, ref), b, p in zip(eager, batches, plans):
