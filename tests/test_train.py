@@ -558,3 +558,12 @@ def test_a_parameter_without_gradient_after_the_first_step_is_an_error():
         _check_gradients(net, TrainConfig(data="d", out="o"))
     net[1](torch.ones(1, 2)).sum().backward()
     _check_gradients(net, TrainConfig(data="d", out="o"))
+    # under --cuda-graph every .grad exists; the graph's record of what its warm-up reached
+    from types import SimpleNamespace
+
+    params = list(net.parameters())
+    record = SimpleNamespace(params=params, unreached=[2, 3])  # GraphedTTT's two attributes
+    with pytest.raises(EyasError, match=r"2 trainable parameter\(s\).*1\.weight, 1\.bias"):
+        _check_gradients(net, TrainConfig(data="d", out="o"), record)
+    _check_gradients(net, TrainConfig(data="d", out="o"), SimpleNamespace(params=params,
+                                                                          unreached=[]))

@@ -35,6 +35,22 @@ def test_a_static_plan_gives_the_pruned_loss_and_gradients(layout):
         torch.testing.assert_close(static_grads[name], pruned_grads[name], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t", [4, 5, 6, 8])
+def test_a_static_plan_on_a_batch_shorter_than_the_steps(t):
+    """Steps whose positions all lack a teacher (a batch of t <= steps positions) score
+    nothing: the same loss as the pruned plan, which drops them."""
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[t]], t, seed=t)
+    batch.loss_mask[:] = 1
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    pruned = ttt_forward(draft, batch, lm_head, steps=7)
+    static = ttt_forward(draft, batch, lm_head, steps=7,
+                         plan=ttt_plan(batch, draft.t2d, 7, static=True))
+    torch.testing.assert_close(static.loss, pruned.loss, atol=1e-6, rtol=1e-6)
+    assert torch.equal(static.step_count, pruned.step_count)
+
+
 def test_static_plans_share_one_signature_per_batch_shape():
     """What a graph bakes in depends on the batch's shape only, not its masks or tokens;
     pruned plans of the same batches differ (each would need its own graph)."""
@@ -130,3 +146,33 @@ def test_graph_replays_give_eager_results_and_accumulate(layout, fp8):
         got = graphed(_cuda(bigger), plan)
     torch.testing.assert_close(got.loss, ref, atol=1e-4, rtol=1e-4)
     assert graphed.captures == 2
+
+
+@pytest.mark.gpu
+def test_one_document_and_packed_batches_keep_a_graph_each():
+    """A packed run whose rows sometimes hold a single document (another attention kernel)
+    keeps two graphs and replays each, rather than capturing at every switch."""
+    cfg = tiny_cfg(hidden_size=128, target_hidden_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=96,
+                   draft_vocab_size=64)
+    draft = make_draft(cfg).cuda()
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device="cuda") * 0.3
+    draft.init_lm_head_from_target(lm_head, freeze=False)
+
+    def forward(b, p):
+        return ttt_forward(draft, b, lm_head, steps=4, plan=p)
+
+    host = [packed_batch(cfg, docs, 256, seed=s) for s, docs in
+            enumerate([[[256]], [[100, 156]], [[256]], [[30, 200, 26]], [[256]]])]
+    plans = [ttt_plan(b, draft.t2d.cpu(), 4, device="cuda", static=True) for b in host]
+    refs = []
+    for b, p in zip(host, plans):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            refs.append(forward(_cuda(b), p).loss.detach())
+    graphed = GraphedTTT(forward, list(draft.parameters()))
+    for b, p, ref in zip(host, plans, refs):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = graphed(_cuda(b), p)
+        torch.testing.assert_close(got.loss, ref, atol=1e-4, rtol=1e-4)
+    assert graphed.captures == 2 and graphed.replays == 5 and len(graphed.graphs) == 2
+    assert graphed.unreached == []

@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 
-_WARPS = 1  # per program (G query heads x S diagonal keys x d): 1 warp ran 2-3x faster than 4 (H200 sweep)
+# values per warp of a program's (G, S, d) products: one warp for G = 4 query heads per KV
+# head, S <= 8, d = 128 ran 2-3x faster than four (H200 sweep at 8K and 32K positions);
+# larger groups get proportionally more warps (not measured)
+_PER_WARP = 4096
+
+
+def _warps(blocks: dict) -> int:
+    return max(1, min(8, blocks["GB"] * blocks["SB"] * blocks["DB"] // _PER_WARP))
 
 
 def _pow2(n: int) -> int:
@@ -109,7 +116,7 @@ def merge_diag(q, diag_k, diag_v, out_b, lse):
     w_band = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     w_diag = torch.empty(*q.shape[:3], s, dtype=torch.float32, device=q.device)
     _merge_fwd[(rows,)](q, diag_k, diag_v, out_b, lse, merged, w_band, w_diag, g, s, d,
-                        rows * d, d ** -0.5, **blocks, num_warps=_WARPS)
+                        rows * d, d ** -0.5, **blocks, num_warps=_warps(blocks))
     return merged, w_band, w_diag
 
 
@@ -128,6 +135,6 @@ def merge_diag_backward(grad, merged, w_band, w_diag, q, diag_k, diag_v, out_b=N
     _merge_bwd[(rows,)](grad, merged, w_band, w_diag, q, diag_k, diag_v,
                         out_b.contiguous() if with_lse else q, grad_band, dq, d_diag_k,
                         d_diag_v, d_lse, g, s, d, rows * d, d ** -0.5, WITH_LSE=with_lse,
-                        **blocks, num_warps=_WARPS)
+                        **blocks, num_warps=_warps(blocks))
     grads = (grad_band, dq, d_diag_k, d_diag_v)
     return (*grads, d_lse) if with_lse else grads

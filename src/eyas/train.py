@@ -209,10 +209,17 @@ def _all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _check_gradients(model: torch.nn.Module, cfg: TrainConfig) -> None:
+def _check_gradients(model: torch.nn.Module, cfg: TrainConfig,
+                     graphed: GraphedTTT | None = None) -> None:
     """After the first backward every trainable parameter holds a gradient; a wrapper that
-    silently skips the gradient reduction would otherwise leave the draft untrained."""
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    silently skips the gradient reduction would otherwise leave the draft untrained. Under
+    --cuda-graph every .grad exists (zeros where none arrived): the graph's own record of
+    the parameters its warm-up reached counts instead."""
+    if graphed is None:
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    else:
+        unreached = {id(graphed.params[i]) for i in graphed.unreached}
+        missing = [n for n, p in model.named_parameters() if id(p) in unreached]
     if missing:
         fix = (f"--parallel {cfg.parallel} dropped them under torch {torch.__version__}; use "
                f"--parallel {'ddp' if cfg.parallel == 'fsdp' else 'fsdp'} and report it"
@@ -415,7 +422,7 @@ def train(cfg: TrainConfig) -> dict:
             window[:-1] += _batch_stats(out, steps)
             window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
         if step == start + 1:
-            _check_gradients(model, cfg)
+            _check_gradients(model, cfg, graphed)
         # 3. Clip the global gradient norm, step AdamW and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         optimizer.step()

@@ -267,7 +267,7 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
         at = plan.first[j]  # the run's first position
         # the rows whose teacher position exists (the rows after them carry no loss; h is
         # passed whole, not sliced: a slice's backward is a zero fill and a copy)
-        n = min(rows.numel(), teacher.shape[0] - 1 - j - at)
+        n = max(0, min(rows.numel(), teacher.shape[0] - 1 - j - at))  # 0: a batch <= j+1 long
         counted, t = plan.valid[j, at: at + n], slice(at + 1 + j, at + 1 + j + n)
         loss, pred = soft_cross_entropy(draft.norm(h), head, teacher[t], chunk=chunk,
                                         fp8_weight=head_fp8, row_weight=counted,

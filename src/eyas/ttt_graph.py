@@ -8,8 +8,9 @@ as a CUDA graph, the whole iteration is one launch.
 A graph replays fixed kernels on fixed memory, so everything that shapes the iteration must
 be the same at every call: the batch's tensor shapes and the plan's row counts. Plans made
 with `ttt_plan(..., static=True)` depend only on the batch's shape (every step computes
-every position; masks enter as 0/1 weights). Any plan works: a plan unlike the captured one
-is captured anew (logged; a captured graph is only worth it when it is replayed many times).
+every position; masks enter as 0/1 weights), and on whether a row holds one document (the
+attention kernel differs): two graphs serve a packed training run. Any plan works: a plan
+unlike those captured is captured anew (logged; a graph only pays when replayed many times).
 
 Gradients accumulate into the parameters' `.grad` as with eager backward; the graph owns
 those tensors (`.grad` set to None is restored as zeros; replaced, it is copied in).
@@ -18,7 +19,7 @@ those tensors (`.grad` set to None is restored as zeros; replaced, it is copied 
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -44,59 +45,86 @@ def _batch_signature(batch: TTTBatch) -> tuple:
                  for f in fields(batch))
 
 
+@dataclass
+class _Captured:
+    """One captured graph and the tensors it reads and writes."""
+
+    graph: torch.cuda.CUDAGraph
+    batch: TTTBatch  # static copies of the inputs, refilled before each replay
+    plan: TTTPlan
+    cols_used: list[bool]  # which plan.cols entries the forward reads
+    weights: torch.Tensor | None
+    out: TTTOutput  # written by each replay
+
+
 class GraphedTTT:
     """`forward(batch, plan) -> TTTOutput` (ttt_forward or a module around it) and the
-    backward of its loss, captured as one CUDA graph and replayed.
+    backward of its loss, captured as CUDA graphs and replayed.
 
     `call(batch, plan, weights=None)`: weights None backpropagates `out.loss`; a (S,) tensor
     backpropagates `(weights * out.step_loss_sum).sum()` (eyas train's normalisation over a
     whole optimizer step). Returns the TTTOutput with detached tensors (the loss already
-    backpropagated). Call it with autocast as the forward needs it. Before the first call,
-    drop eager outputs whose autograd graphs are still alive (e.g. a loss from an eager
-    step): their gradient-accumulation nodes stay bound to the stream that made them, which
-    a capture cannot use.
+    backpropagated). One graph per kind of call (batch shapes, the plan's host-side facts,
+    autocast): static plans of packed rows and of rows holding one document take different
+    attention kernels, so a run alternating them keeps two graphs (sharing one memory pool:
+    they never run at once, and each replay's outputs are copied out before the next).
+    At most `max_graphs` are kept; the oldest is dropped first.
+
+    Call it with autocast as the forward needs it. Before the first call, drop eager outputs
+    whose autograd graphs are still alive (e.g. a loss from an eager step): their
+    gradient-accumulation nodes stay bound to the stream that made them, which a capture
+    cannot use. The parameters, and the tensors `forward` reads besides the batch and plan
+    (weights, the teacher head, vocab maps), must stay the same tensor objects, updated in
+    place (as optimizers do): a graph reads the memory they had when it was captured.
     """
 
-    def __init__(self, forward, params: list[torch.nn.Parameter], warmup: int = 2):
+    def __init__(self, forward, params: list[torch.nn.Parameter], warmup: int = 2,
+                 max_graphs: int = 4):
         self.forward = forward
         self.params = [p for p in params if p.requires_grad]
-        self.warmup = warmup
-        self.key = None
-        self.graph = None
+        self.warmup, self.max_graphs = max(1, warmup), max_graphs
+        self.graphs: dict[tuple, _Captured] = {}
+        self.grads: list[torch.Tensor] | None = None  # .grad tensors, shared by all graphs
+        self.unreached: list[int] = []  # indices into params that no gradient reached
+        self.pool = None  # the memory pool all graphs share
         self.captures = 0
         self.replays = 0
 
     def __call__(self, batch: TTTBatch, plan: TTTPlan,
                  weights: torch.Tensor | None = None) -> TTTOutput:
-        if batch.input_ids.device.type != "cuda":
-            raise ValueError("CUDA graphs need the batch on a CUDA device; "
-                             f"it is on {batch.input_ids.device}")
+        dev = batch.input_ids.device
+        if dev.type != "cuda":
+            raise ValueError(f"CUDA graphs need the batch on a CUDA device; it is on {dev}")
         if plan is None:
             raise ValueError("GraphedTTT needs the step plan (ttt_plan(..., static=True))")
-        key = (_batch_signature(batch), plan_signature(plan), weights is None)
-        if key != self.key:
-            self._capture(batch, plan, weights, key)
-        self._feed(batch, plan, weights)
-        self.graph.replay()
+        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        key = (str(dev), autocast, _batch_signature(batch), plan_signature(plan),
+               weights is None)
+        captured = self.graphs.pop(key, None)  # popped and put back: the newest last
+        if captured is None:
+            captured = self._capture(batch, plan, weights)
+        self.graphs[key] = captured
+        self._feed(captured, batch, plan, weights)
+        captured.graph.replay()
         self.replays += 1
-        out = self.out
+        out = captured.out
         return TTTOutput(*(x.detach().clone() for x in (out.loss, out.step_loss_sum,
                                                          out.step_loss, out.step_acc,
                                                          out.step_count)), list(out.step_rows))
 
     # ---- internals
 
-    def _feed(self, batch: TTTBatch, plan: TTTPlan, weights):
+    def _feed(self, captured: _Captured, batch: TTTBatch, plan: TTTPlan, weights):
         """Copy this call's inputs into the captured ones; point .grad at the graph's."""
         for f in fields(batch):
-            getattr(self.batch, f.name).copy_(getattr(batch, f.name), non_blocking=True)
-        self.plan.valid.copy_(plan.valid, non_blocking=True)
-        self.plan.rank.copy_(plan.rank, non_blocking=True)
-        for mine, theirs, used in zip(self.plan.cols, plan.cols, self.cols_used):
+            getattr(captured.batch, f.name).copy_(getattr(batch, f.name), non_blocking=True)
+        captured.plan.valid.copy_(plan.valid, non_blocking=True)
+        captured.plan.rank.copy_(plan.rank, non_blocking=True)
+        for mine, theirs, used in zip(captured.plan.cols, plan.cols, captured.cols_used):
             if used:
                 mine.copy_(theirs, non_blocking=True)
         if weights is not None:
-            self.weights.copy_(weights, non_blocking=True)
+            captured.weights.copy_(weights, non_blocking=True)
         for p, g in zip(self.params, self.grads):
             if p.grad is None:
                 g.zero_()
@@ -104,49 +132,44 @@ class GraphedTTT:
                 g.copy_(p.grad)
             p.grad = g
 
-    def _run(self):
-        out = self.forward(self.batch, self.plan)
-        loss = out.loss if self.weights is None else (self.weights * out.step_loss_sum).sum()
+    def _run(self, captured: _Captured):
+        out = self.forward(captured.batch, captured.plan)
+        loss = out.loss if captured.weights is None else \
+            (captured.weights * out.step_loss_sum).sum()
         loss.backward()
         return out
 
-    def _capture(self, batch: TTTBatch, plan: TTTPlan, weights, key):
-        if self.key is not None:
-            log.warning("TTT CUDA graph captured again (%d so far): this batch's shapes or "
-                        "step plan differ from the last one; plans made with "
-                        "ttt_plan(..., static=True) keep one graph for all batches of a "
-                        "shape", self.captures)
-        self.graph = self.out = None  # free the previous graph's memory first
-        self.batch = TTTBatch(**{f.name: getattr(batch, f.name).clone() for f in fields(batch)})
+    def _capture(self, batch: TTTBatch, plan: TTTPlan, weights) -> _Captured:
+        if self.captures:
+            log.warning("TTT CUDA graph %d captured: this call's batch shapes or step plan "
+                        "differ from those of the %d graph(s) kept; plans made with "
+                        "ttt_plan(..., static=True) need one graph per batch shape (two when "
+                        "rows holding one document alternate with packed rows)",
+                        self.captures + 1, len(self.graphs))
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.pop(next(iter(self.graphs)))  # the least recently used
         steps = len(plan.loss_on_all)
-        self.cols_used = [i < steps or not plan.loss_on_all[i - steps]
-                          for i in range(len(plan.cols))]
-        self.plan = TTTPlan(plan.valid.clone(), plan.rank.clone(),
-                            tuple(c.clone() for c in plan.cols), plan.one_document,
-                            list(plan.last), list(plan.first), list(plan.loss_on_all))
-        self.weights = None if weights is None else weights.clone()
-        # gradients: the graph accumulates into these tensors (in place, as autograd does
-        # into an existing .grad); what .grad holds now is kept across the warm-up
+        captured = _Captured(
+            torch.cuda.CUDAGraph(),
+            TTTBatch(**{f.name: getattr(batch, f.name).clone() for f in fields(batch)}),
+            TTTPlan(plan.valid.clone(), plan.rank.clone(), tuple(c.clone() for c in plan.cols),
+                    plan.one_document, list(plan.last), list(plan.first),
+                    list(plan.loss_on_all)),
+            [i < steps or not plan.loss_on_all[i - steps] for i in range(len(plan.cols))],
+            None if weights is None else weights.clone(), None)
+        # what .grad holds now is kept across the warm-up and the capture
         saved = [None if p.grad is None else p.grad.clone() for p in self.params]
-        self.grads = [torch.zeros_like(p) for p in self.params]
-        for p, g in zip(self.params, self.grads):
-            p.grad = g
-        # warm up on a side stream (torch.compile, autotuning, cuDNN plans, lazy inits)
-        side = torch.cuda.Stream(batch.input_ids.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                torch.clear_autocast_cache()
-                self._run()
-        torch.cuda.current_stream().wait_stream(side)
+        self._warm_up(captured, batch.input_ids.device)
         # autocast caches casts of parameters until the outermost autocast region ends:
         # the graph must cast them itself, and no eager code may reuse its casts later
         torch.clear_autocast_cache()
-        self.graph = torch.cuda.CUDAGraph()
         # thread_local: a data loader's pinning thread may allocate while this captures
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.out = self._run()
+        with torch.cuda.graph(captured.graph, pool=self.pool,
+                              capture_error_mode="thread_local"):
+            captured.out = self._run(captured)
         torch.clear_autocast_cache()
+        if self.pool is None:
+            self.pool = captured.graph.pool()
         if any(p.grad is not g for p, g in zip(self.params, self.grads)):
             raise RuntimeError("autograd replaced a parameter's .grad during the captured "
                                "backward instead of accumulating into it; run without CUDA "
@@ -156,5 +179,27 @@ class GraphedTTT:
                 g.zero_()
             else:
                 g.copy_(s)
-        self.key = key
         self.captures += 1
+        return captured
+
+    def _warm_up(self, captured: _Captured, device: torch.device):
+        """Run the step eagerly a few times on a side stream (torch.compile, autotuning,
+        cuDNN plans, lazy inits), leaving every parameter a .grad for the capture to
+        accumulate into (in place, as autograd does into an existing .grad). The first
+        warm-up, from no gradients at all, records which parameters none reaches."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(self.warmup):
+                if i == 0 and self.grads is None:
+                    for p in self.params:
+                        p.grad = None
+                torch.clear_autocast_cache()
+                self._run(captured)
+                if i == 0 and self.grads is None:
+                    self.unreached = [j for j, p in enumerate(self.params) if p.grad is None]
+                    self.grads = [torch.zeros_like(p) if p.grad is None else p.grad
+                                  for p in self.params]
+                for p, g in zip(self.params, self.grads):
+                    p.grad = g
+        torch.cuda.current_stream().wait_stream(side)
