@@ -15,7 +15,9 @@ attention  causal attention fwd+bwd (32 query heads, 8 KV heads, head dim 128): 
 profile    one TTT-7 fwd+bwd of eyas (frozen lm_head, all-ones mask) under torch.profiler:
            the kernels by GPU time (from the GPU's records: each kernel once), the GPU's busy
            time against the wall time, and the host time to queue one iteration (host_ms
-           close to wall_ms: the CPU, not the GPU, bounds the step).
+           close to wall_ms: the CPU, not the GPU, bounds the step). --graph: the iteration
+           replayed from a CUDA graph (eyas train --cuda-graph), the GPU's work without the
+           gaps of queueing it (host_ms is then the replay's).
 """
 
 from __future__ import annotations
@@ -131,22 +133,30 @@ def attention(contexts: list[int]) -> list[dict]:
     return rows
 
 
-def profile(context: int, trace: str | None, fp8: bool = False) -> dict:
+def profile(context: int, trace: str | None, fp8: bool = False, graph: bool = False) -> dict:
     sys.path.insert(0, "benchmarks")
     from ttt import LLAMA_8B, make_batch, on_device, random_draft
 
     from eyas.ttt import ttt_forward, ttt_plan
+    from eyas.ttt_graph import GraphedTTT
 
     cfg, draft, lm_head = random_draft(LLAMA_8B, torch.device("cuda"))
     draft.init_lm_head_from_target(lm_head, freeze=True)
     t2d = draft.t2d.cpu()
     host_batch = make_batch(cfg, t2d, context, "ones", "cpu")  # plans from it, as train does
     batch = on_device(host_batch, torch.device("cuda"))
+    # graph: the iteration replayed from a CUDA graph (eyas train --cuda-graph), so the
+    # profile shows the GPU's work without the gaps of queueing it
+    graphed = GraphedTTT(lambda b, p: ttt_forward(draft, b, lm_head, fp8=fp8, plan=p),
+                         list(draft.parameters())) if graph else None
 
     def step():
         draft.zero_grad(set_to_none=True)
-        plan = ttt_plan(host_batch, t2d, 7, device="cuda")
+        plan = ttt_plan(host_batch, t2d, 7, device="cuda", static=graph)
         with torch.autocast("cuda", dtype=torch.bfloat16):
+            if graphed is not None:
+                graphed(batch, plan)
+                return
             out = ttt_forward(draft, batch, lm_head, fp8=fp8, plan=plan)
         out.loss.backward()
 
@@ -174,7 +184,8 @@ def profile(context: int, trace: str | None, fp8: bool = False) -> dict:
             entry[0] += (e.cuda_time_total if ms is None else ms) / 1e3
             entry[1] += 1
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    return {"context": context, "fp8": fp8, "wall_ms": 1000 * wall, "tok_s": context / wall,
+    return {"context": context, "fp8": fp8, "graph": graph, "wall_ms": 1000 * wall,
+            "tok_s": context / wall,
             "host_ms": 1000 * min(host), "gpu_busy_ms": sum(v[0] for v in kernels.values()),
             "kernel_launches": sum(v[1] for v in kernels.values()),
             "top": [{"name": k, "calls": n, "ms": ms} for k, (ms, n) in ranked[:40]]}
@@ -186,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="2048,8192,32768")
     p.add_argument("--profile-context", default="2048,8192")
     p.add_argument("--fp8", action="store_true", help="profile with fp8 matmuls")
+    p.add_argument("--graph", action="store_true",
+                   help="profile the iteration replayed from a CUDA graph (static plan)")
     p.add_argument("--trace", default=None, help="chrome trace of the (last) profiled step")
     p.add_argument("--out", default="benchmarks/results/kernels.json")
     args = p.parse_args(argv)
@@ -200,7 +213,7 @@ def main(argv=None) -> int:
     if "attention" in parts:
         result["attention"] = attention(contexts)
     if "profile" in parts:
-        result["profile"] = [profile(int(c), args.trace, args.fp8)
+        result["profile"] = [profile(int(c), args.trace, args.fp8, args.graph)
                              for c in args.profile_context.split(",")]
         for prof_row in result["profile"]:
             print(f"\n## profile {prof_row['context']} fp8={prof_row['fp8']}: wall {prof_row['wall_ms']:.1f} ms, "
