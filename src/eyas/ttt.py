@@ -213,16 +213,14 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     plan = ttt_plan(batch, draft.t2d, steps, prune) if plan is None else \
         _checked(plan, steps, n_all, dev)
     cols, rank = plan.cols, plan.rank
-    # 3. Teacher logits over the draft vocab, once for all positions (no grad).
+    # 3. Teacher logits over the draft vocab, once for all positions (no grad), and their
+    #    row logsumexps (every step reads the same teacher rows).
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
-    teacher_lse = row_logsumexp(teacher)  # (N,): every step reads the same teacher rows
+    teacher_lse = row_logsumexp(teacher)  # (N,)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
     top1_draft = draft_id[top1]  # (N,) the target's top-1 as a draft id (where in the vocab)
     weights = draft.layer_weights(dev.type, fp8=fp8)  # cast and fused once for all steps
-    head = draft.lm_head.weight
-    if not head.requires_grad:  # frozen: cast once too
-        head = head.to(weights.qkv.dtype)
-    head_fp8 = Fp8Matrix.of(head.to(weights.qkv.dtype)) if fp8 else None
+    head, head_fp8 = _head(draft, weights.qkv.dtype, fp8)
     sums, correct, rows_per_step = [], [], []
     # 4. Step 0: fused target states + the next token, causal within each document.
     rows = cols[0]
@@ -254,6 +252,14 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         hidden = draft.next_hidden(h)
     # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
     return _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
+
+
+def _head(draft: Eagle3Draft, dtype: torch.dtype, fp8: bool):
+    """The lm_head as the steps use it (a frozen one cast once) and its fp8 copy or None."""
+    head = draft.lm_head.weight
+    if not head.requires_grad:
+        head = head.to(dtype)
+    return head, Fp8Matrix.of(head.to(dtype)) if fp8 else None
 
 
 def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_lse, head,
