@@ -283,6 +283,9 @@ def main(argv=None) -> int:
                    help="comma list of: eager (plans pruned per batch, as eyas train runs by "
                         "default), graph (static plans, the iteration replayed from a CUDA "
                         "graph: eyas train --cuda-graph); CUDA only")
+    p.add_argument("--cudnn-gqa", choices=("on", "off"), default="on",
+                   help="off: cuDNN attention gets K/V repeated to the query heads instead of "
+                        "its own GQA (more memory; an earlier profile suggests faster kernels)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3, help="timed iterations, at least")
@@ -305,11 +308,15 @@ def main(argv=None) -> int:
             print("no CUDA device; use --smoke for the CPU check", file=sys.stderr)
             return 2
         device, shapes = torch.device("cuda"), LLAMA_8B
+    if args.cudnn_gqa == "off":
+        from eyas.attention import _CudnnCausal
+
+        _CudnnCausal.gqa = False
     cfg, draft, lm_head = random_draft(shapes, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     meta = {"device": name, "compiled": sorted(COMPILE_DEVICES),
             "torch": torch.__version__, "steps": args.steps, "config": cfg.to_dict(),
-            "peak_flops": args.peak_flops, "smoke": args.smoke}
+            "peak_flops": args.peak_flops, "smoke": args.smoke, "cudnn_gqa": args.cudnn_gqa}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
