@@ -317,6 +317,15 @@ def test_chunked_soft_ce_matches_autograd(chunk, indexed):
         assert not soft_cross_entropy(hidden, weight, teacher)[0].requires_grad
 
 
+def _soft_ce_and_grads(hidden, weight, call):
+    """call(h, w) -> (loss, top1) on fresh leaf copies of hidden and weight, backpropagated:
+    (loss, top1, d hidden, d weight)."""
+    h, w = (x.detach().clone().requires_grad_() for x in (hidden, weight))
+    loss, top1 = call(h, w)
+    loss.backward()
+    return loss, top1, h.grad, w.grad
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_soft_ce_row_weights_drop_rows_exactly(compiled, monkeypatch):
     """Rows weighted 0 add nothing to the loss or any gradient: the weighted sum over all
@@ -326,19 +335,17 @@ def test_soft_ce_row_weights_drop_rows_exactly(compiled, monkeypatch):
     if compiled:
         monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
     torch.manual_seed(9)
-    hidden = torch.randn(13, 16, requires_grad=True)
-    weight = torch.randn(21, 16, requires_grad=True)
+    hidden, weight = torch.randn(13, 16), torch.randn(21, 16)
     teacher = torch.randn(13, 21) * 2
     keep = torch.rand(13) < 0.7
-    loss, top1 = soft_cross_entropy(hidden, weight, teacher, chunk=5, row_weight=keep)
-    loss.backward()
-    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-    ref, ref_top1 = soft_cross_entropy(h2[keep], w2, teacher[keep], chunk=5)
-    ref.backward()
+    loss, top1, d_hidden, d_weight = _soft_ce_and_grads(hidden, weight, lambda h, w: (
+        soft_cross_entropy(h, w, teacher, chunk=5, row_weight=keep)))
+    ref, ref_top1, ref_hidden, ref_weight = _soft_ce_and_grads(hidden, weight, lambda h, w: (
+        soft_cross_entropy(h[keep], w, teacher[keep], chunk=5)))
     torch.testing.assert_close(loss, ref)
-    torch.testing.assert_close(weight.grad, w2.grad)
-    torch.testing.assert_close(hidden.grad, h2.grad)
-    assert not hidden.grad[~keep].any() and torch.equal(top1[keep], ref_top1)
+    torch.testing.assert_close(d_weight, ref_weight)
+    torch.testing.assert_close(d_hidden, ref_hidden)
+    assert not d_hidden[~keep].any() and torch.equal(top1[keep], ref_top1)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -353,22 +360,20 @@ def test_soft_ce_teacher_lse_and_extra_hidden_rows(compiled, indexed, monkeypatc
     if compiled:
         monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
     torch.manual_seed(4)
-    hidden = torch.randn(15, 16, requires_grad=True)
-    weight = torch.randn(21, 16, requires_grad=True)
+    hidden, weight = torch.randn(15, 16), torch.randn(21, 16)
     teacher = torch.randn(17, 21) * 3
     rows = torch.randint(0, 17, (12,)) if indexed else None
     scored = teacher[rows] if indexed else teacher[:12]
     lse = row_logsumexp(teacher if indexed else scored)
-    loss, top1 = soft_cross_entropy(hidden, weight, teacher if indexed else scored, rows=rows,
-                                    chunk=5, teacher_lse=lse)
-    loss.backward()
-    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-    ref, ref_top1 = soft_cross_entropy(h2[:12], w2, scored, chunk=5)
-    ref.backward()
+    loss, top1, d_hidden, d_weight = _soft_ce_and_grads(hidden, weight, lambda h, w: (
+        soft_cross_entropy(h, w, teacher if indexed else scored, rows=rows, chunk=5,
+                           teacher_lse=lse)))
+    ref, ref_top1, ref_hidden, ref_weight = _soft_ce_and_grads(hidden, weight, lambda h, w: (
+        soft_cross_entropy(h[:12], w, scored, chunk=5)))
     torch.testing.assert_close(loss, ref)
-    torch.testing.assert_close(weight.grad, w2.grad)
-    torch.testing.assert_close(hidden.grad[:12], h2.grad[:12])
-    assert not hidden.grad[12:].any() and torch.equal(top1, ref_top1) and top1.shape == (12,)
+    torch.testing.assert_close(d_weight, ref_weight)
+    torch.testing.assert_close(d_hidden[:12], ref_hidden[:12])
+    assert not d_hidden[12:].any() and torch.equal(top1, ref_top1) and top1.shape == (12,)
     with pytest.raises(ValueError, match="disagree"):
         soft_cross_entropy(hidden[:5], weight, scored)
 

@@ -285,7 +285,7 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
     at = plan.first[steps + j]
     t = slice(None) if at is None else slice(at + 1 + j, at + 1 + j + n_valid)
     teach_rows = teach if at is None else None  # a run: views, no gather
-    loss, pred = soft_cross_entropy(draft.norm(h[here]), head, teacher[t], rows=teach_rows,
+    loss, pred = soft_cross_entropy(draft.norm(_take(h, here)), head, teacher[t], rows=teach_rows,
                                     chunk=chunk, fp8_weight=head_fp8, teacher_lse=lse[t])
     return loss, (pred == top1_draft[teach]).sum()
 
