@@ -340,3 +340,29 @@ def test_embedding_is_required_and_shape_checked():
         draft(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 120), torch.zeros(1, 2).long())
     with pytest.raises(EyasError, match="another target"):
         draft.set_embed_tokens(torch.nn.Embedding(96, 48))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,hq,hkv,d", [(37, 4, 2, 16), (8192, 32, 8, 128)])
+def test_triton_rope_matches_the_torch_functions(n, hq, hkv, d):
+    """On CUDA QKVRope runs eyas.rope_kernels: q and k within one bf16 step of the torch
+    rotation (fp32 math in both; the kernel may fuse a multiply-add), v copied exactly, and
+    the backward (the rotation at -positions into the fused layout) likewise."""
+    from eyas import fused, rope_kernels
+
+    torch.manual_seed(n)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device="cuda").bfloat16()
+    pos = torch.randint(0, 131072, (n, 1), device="cuda").float()
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    got = rope_kernels.rope(qkv, pos, inv, 1.1, hq, hkv)
+    ref = fused._rope.__wrapped__(*qkv.view(n, hq + 2 * hkv, d).split([hq, hkv, hkv], 1), pos,
+                                  inv, 1.1)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(got[2], ref[2])
+    grads = [torch.randn_like(t) for t in ref]
+    grads[0] = grads[0].transpose(0, 1).contiguous().transpose(0, 1)  # a strided gradient
+    back = rope_kernels.rope_backward(*grads, pos, inv, 1.1)
+    ref_back = fused._rope_backward.__wrapped__(*grads, pos, inv, 1.1)
+    torch.testing.assert_close(back.float(), ref_back.float(), rtol=2 ** -7, atol=1e-6)

@@ -147,16 +147,25 @@ class QKVRope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, positions, inv_freq, scale: float, hq: int, hkv: int):
-        q, k, v = qkv.view(qkv.shape[0], hq + 2 * hkv, -1).split([hq, hkv, hkv], dim=1)
         ctx.save_for_backward(positions, inv_freq)
         ctx.scale = scale
+        if use_kernels(qkv) and qkv.shape[0]:  # Triton: cos/sin once per position
+            from eyas import rope_kernels
+
+            return rope_kernels.rope(qkv, positions, inv_freq, scale, hq, hkv)
+        q, k, v = qkv.view(qkv.shape[0], hq + 2 * hkv, -1).split([hq, hkv, hkv], dim=1)
         return _rope(q, k, v, positions, inv_freq, scale)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         positions, inv_freq = ctx.saved_tensors
-        return _rope_backward(dq, dk, dv, positions, inv_freq, ctx.scale), \
-            None, None, None, None, None
+        if use_kernels(dq) and dq.shape[0]:
+            from eyas import rope_kernels
+
+            grad = rope_kernels.rope_backward(dq, dk, dv, positions, inv_freq, ctx.scale)
+        else:
+            grad = _rope_backward(dq, dk, dv, positions, inv_freq, ctx.scale)
+        return grad, None, None, None, None, None
 
 
 @cuda_compiled
