@@ -140,6 +140,12 @@ def _rope_backward(dq, dk, dv, positions, inv_freq, scale: float):
                       _rotate(dk, -positions, inv_freq, scale).flatten(1), dv.flatten(1)], dim=1)
 
 
+def _rope_kernel_fits(x: torch.Tensor, inv_freq: torch.Tensor) -> bool:
+    """eyas.rope_kernels takes it: CUDA with kernels on, rows, a power-of-two half head."""
+    half = inv_freq.shape[0]
+    return use_kernels(x) and x.shape[0] > 0 and half >= 1 and half & (half - 1) == 0
+
+
 class QKVRope(torch.autograd.Function):
     """qkv (N, (hq + 2 hkv) d) from the fused projection -> q (N, hq, d), k, v (N, hkv, d),
     RoPE on q and k at positions (N, 1): one kernel each way on CUDA (eager autograd: a
@@ -149,7 +155,7 @@ class QKVRope(torch.autograd.Function):
     def forward(ctx, qkv, positions, inv_freq, scale: float, hq: int, hkv: int):
         ctx.save_for_backward(positions, inv_freq)
         ctx.scale = scale
-        if use_kernels(qkv) and qkv.shape[0]:  # Triton: cos/sin once per position
+        if _rope_kernel_fits(qkv, inv_freq):  # Triton: cos/sin once per position
             from eyas import rope_kernels
 
             return rope_kernels.rope(qkv, positions, inv_freq, scale, hq, hkv)
@@ -159,7 +165,7 @@ class QKVRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         positions, inv_freq = ctx.saved_tensors
-        if use_kernels(dq) and dq.shape[0]:
+        if _rope_kernel_fits(dq, inv_freq):
             from eyas import rope_kernels
 
             grad = rope_kernels.rope_backward(dq, dk, dv, positions, inv_freq, ctx.scale)
