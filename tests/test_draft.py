@@ -366,3 +366,22 @@ def test_triton_rope_matches_the_torch_functions(n, hq, hkv, d):
     back = rope_kernels.rope_backward(*grads, pos, inv, 1.1)
     ref_back = fused._rope_backward.__wrapped__(*grads, pos, inv, 1.1)
     torch.testing.assert_close(back.float(), ref_back.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,cols", [(37, 64), (8192, 4096), (3000, 5120)])
+def test_triton_rms_norm_backward_matches_the_torch_function(rows, cols):
+    """On CUDA RMSNormFn's backward runs eyas.norm_kernels (both gradients in one pass): the
+    input's gradient within one bf16 step, the weight's to fp32 summation order."""
+    from eyas import fused, norm_kernels
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, cols, device="cuda").bfloat16()
+    w = torch.randn(cols, device="cuda") * 0.5 + 1
+    g = torch.randn(rows, cols, device="cuda").bfloat16()
+    _, rstd = fused._rms_norm.__wrapped__(x, w, 1e-5)
+    dx, dw = norm_kernels.rms_norm_backward(g, x, w, rstd)
+    ref_dx, ref_dw = fused._rms_norm_backward.__wrapped__(g, x, w, rstd)
+    assert dx.dtype == ref_dx.dtype and dw.dtype == ref_dw.dtype
+    torch.testing.assert_close(dx.float(), ref_dx.float(), rtol=2 ** -7, atol=1e-5)
+    torch.testing.assert_close(dw, ref_dw, rtol=1e-4, atol=1e-3)

@@ -113,7 +113,14 @@ class RMSNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         c = x.shape[-1]
-        dx, d_weight = _rms_norm_backward(grad.reshape(-1, c), x.reshape(-1, c), weight, rstd)
+        g, flat = grad.reshape(-1, c), x.reshape(-1, c)
+        if use_kernels(x) and flat.shape[0] and c <= 8192:  # one pass for both gradients
+            from eyas import norm_kernels
+
+            dx, d_weight = norm_kernels.rms_norm_backward(g.contiguous(), flat.contiguous(),
+                                                          weight, rstd)
+        else:
+            dx, d_weight = _rms_norm_backward(g, flat, weight, rstd)
         return dx.view(x.shape), d_weight, None
 
 
