@@ -178,7 +178,8 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device,
            "precision": "fp8" if fp8 else "bf16", "doc_tokens": args.doc_tokens or context,
            "mode": mode}
     graphed = None if mode == "eager" else GraphedTTT(
-        lambda b, p: ttt_forward(draft, b, lm_head, steps=args.steps, fp8=fp8, plan=p),
+        lambda b, p: ttt_forward(draft, b, lm_head, steps=args.steps, fp8=fp8, plan=p,
+                                vocab_chunk=args.vocab_chunk),
         list(draft.parameters()))
 
     def step():
@@ -188,7 +189,8 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device,
         with torch.autocast(device.type, dtype=torch.bfloat16):
             if graphed is not None:
                 return graphed(batch, plan)
-            out = ttt_forward(draft, batch, lm_head, steps=args.steps, fp8=fp8, plan=plan)
+            out = ttt_forward(draft, batch, lm_head, steps=args.steps, fp8=fp8, plan=plan,
+                              vocab_chunk=args.vocab_chunk)
         out.loss.backward()
         return out
 
@@ -287,6 +289,9 @@ def main(argv=None) -> int:
                    help="off: cuDNN attention gets K/V repeated to the query heads instead of "
                         "its own GQA (more memory; an earlier profile suggests faster kernels)")
     p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--vocab-chunk", type=int, default=4096,
+                   help="rows per chunk of the lm_head + soft cross-entropy (ttt_forward's "
+                        "vocab_chunk)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=3, help="timed iterations, at least")
     p.add_argument("--min-seconds", type=float, default=2.0,

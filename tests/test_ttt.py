@@ -208,6 +208,36 @@ def test_a_plan_made_ahead_gives_the_same_forward():
         ttt_forward(draft, batch, lm_head, steps=4, plan=plan)
 
 
+def test_a_host_plan_is_made_on_one_thread_and_the_pool_restored(monkeypatch):
+    """ttt_plan on the host runs its small ops on one intra-op thread (see its docstring)
+    and gives the process its thread count back, also when making the plan fails."""
+    from eyas import ttt as ttt_module
+
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        real = ttt_module._plan
+        monkeypatch.setattr(ttt_module, "_plan",
+                            lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+        plan = ttt_module.ttt_plan(batch, draft.t2d, 5)
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert plan.valid.shape == (5, batch.input_ids.numel())
+
+        def broken(*a):
+            raise RuntimeError("bad batch")
+
+        monkeypatch.setattr(ttt_module, "_plan", broken)
+        with pytest.raises(RuntimeError, match="bad batch"):
+            ttt_module.ttt_plan(batch, draft.t2d, 5)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_compiled_kernels_trace_and_agree(monkeypatch):
     """The code CUDA runs through torch.compile (norms, RoPE, SwiGLU, the soft-CE chunk, the
     diagonal merge), compiled here on CPU: it must trace as whole graphs (fullgraph) and

@@ -131,8 +131,22 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     static: every step computes every position and takes its loss on all of them, weighted
     0/1 (no pruning, `prune` ignored): the plan's shapes then depend only on the batch's
     shape and on whether it is one document, so one CUDA graph serves every batch of that
-    shape (eyas.ttt_graph). The same loss and gradients; more rows where masks are sparse."""
-    plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
+    shape (eyas.ttt_graph). The same loss and gradients; more rows where masks are sparse.
+
+    On the CPU the plan is made on one thread: its ~40 ops on (steps, N) tensors are too
+    small to gain from more (8K tokens: 2.4 ms on one thread, 5.9 on two), and an intra-op
+    pool spinning on a busy host is the suspected cause of stalls seen on an H200 host (in
+    ~40 % of benchmark runs the host took ~360 ms to queue a graphed 8K iteration the GPU
+    ran in ~165; docs/benchmarks.md)."""
+    host = batch.target_top1.device.type == "cpu"
+    threads = torch.get_num_threads()
+    if host and threads > 1:  # see below
+        torch.set_num_threads(1)
+    try:
+        plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
+    finally:
+        if host and threads > 1:
+            torch.set_num_threads(threads)
     if device is not None and torch.device(device) != plan.valid.device:
         counts = [c.numel() for c in plan.cols]
         plan.valid, plan.rank, flat = (x.to(device, non_blocking=True) for x in
