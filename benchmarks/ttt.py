@@ -287,7 +287,7 @@ def main(argv=None) -> int:
                         "graph: eyas train --cuda-graph); CUDA only")
     p.add_argument("--cudnn-gqa", choices=("on", "off"), default="on",
                    help="off: cuDNN attention gets K/V repeated to the query heads instead of "
-                        "its own GQA (more memory; an earlier profile suggests faster kernels)")
+                        "its own GQA (more memory; measured slower on an H200, docs/benchmarks.md)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--vocab-chunk", type=int, default=4096,
                    help="rows per chunk of the lm_head + soft cross-entropy (ttt_forward's "
