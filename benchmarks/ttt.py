@@ -166,6 +166,17 @@ def timed(fn, iters: int, device):
     return (time.perf_counter() - start) / iters, result
 
 
+def _host_time(step, device) -> float:
+    """Seconds until step() returns, started on an idle GPU (then waits for it)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    step()
+    took = time.perf_counter() - start
+    sync()
+    return took
+
+
 def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device,
             mode: str = "eager") -> dict:
     draft.init_lm_head_from_target(lm_head, freeze=not trained)
@@ -212,6 +223,9 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device,
         row["mfu"] = row["tflops"] * 1e12 / args.peak_flops
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        # the time until step() returns, the GPU idle at its start: the host queueing one
+        # iteration. Near ms/iter the cell was host-bound (a stalled host, or too little work)
+        row["host_ms"] = 1000 * min(_host_time(step, device) for _ in range(2))
     except torch.OutOfMemoryError:
         row["error"] = "OOM"
     if graphed is not None:
@@ -334,6 +348,9 @@ def main(argv=None) -> int:
                                   precision == "fp8", args, device, mode)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
+                    if row.get("host_ms", 0.0) > 0.8 * row.get("ms", float("inf")):
+                        print(f"note: host-bound: {row['host_ms']:.1f} ms to queue an "
+                              f"iteration that took {row['ms']:.1f} ms", file=sys.stderr)
                     # after every row: a run cut short keeps what it measured
                     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(table(rows))
