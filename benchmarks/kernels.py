@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +134,7 @@ def attention(contexts: list[int]) -> list[dict]:
 
 def profile(context: int, trace: str | None, fp8: bool = False, graph: bool = False) -> dict:
     sys.path.insert(0, "benchmarks")
-    from ttt import LLAMA_8B, make_batch, on_device, random_draft
+    from ttt import LLAMA_8B, host_time, make_batch, on_device, random_draft
 
     from eyas.ttt import ttt_forward, ttt_plan
     from eyas.ttt_graph import GraphedTTT
@@ -163,12 +162,7 @@ def profile(context: int, trace: str | None, fp8: bool = False, graph: bool = Fa
     for _ in range(3):
         step()
     wall = bench(step, iters=3, warmup=0)
-    host = []  # time until step() returns: the CPU queueing the work (the GPU runs behind)
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        host.append(time.perf_counter() - start)
+    host = [host_time(step, torch.device("cuda")) for _ in range(3)]
     from torch.profiler import ProfilerActivity, profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:

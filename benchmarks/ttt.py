@@ -155,25 +155,29 @@ def flops(cfg: DraftConfig, context: int, rows: list[int], counted: list[int], t
     return total
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn, iters: int, device):
     """(seconds per call, last result) over `iters` calls."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         result = fn()
-    sync()
+    _sync(device)
     return (time.perf_counter() - start) / iters, result
 
 
-def _host_time(step, device) -> float:
-    """Seconds until step() returns, started on an idle GPU (then waits for it)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+def host_time(step, device) -> float:
+    """Seconds until step() returns, started on an idle GPU (then waits for it): the host
+    queueing one iteration."""
+    _sync(device)
     start = time.perf_counter()
     step()
     took = time.perf_counter() - start
-    sync()
+    _sync(device)
     return took
 
 
@@ -225,7 +229,7 @@ def run_one(draft, lm_head, cfg, context, mask, trained, fp8, args, device,
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         # the time until step() returns, the GPU idle at its start: the host queueing one
         # iteration. Near ms/iter the cell was host-bound (a stalled host, or too little work)
-        row["host_ms"] = 1000 * min(_host_time(step, device) for _ in range(2))
+        row["host_ms"] = 1000 * min(host_time(step, device) for _ in range(2))
     except torch.OutOfMemoryError:
         row["error"] = "OOM"
     if graphed is not None:

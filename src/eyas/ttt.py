@@ -138,14 +138,14 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     pool spinning on a busy host is the suspected cause of stalls seen on an H200 host (in
     ~40 % of benchmark runs the host took ~360 ms to queue a graphed 8K iteration the GPU
     ran in ~165; docs/benchmarks.md)."""
-    host = batch.target_top1.device.type == "cpu"
     threads = torch.get_num_threads()
-    if host and threads > 1:  # see below
+    one_thread = batch.target_top1.device.type == "cpu" and threads > 1  # see above
+    if one_thread:
         torch.set_num_threads(1)
     try:
         plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
     finally:
-        if host and threads > 1:
+        if one_thread:
             torch.set_num_threads(threads)
     if device is not None and torch.device(device) != plan.valid.device:
         counts = [c.numel() for c in plan.cols]
