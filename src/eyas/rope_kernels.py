@@ -88,8 +88,7 @@ def rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     """Gradients of q, k, v -> the gradient of qkv (N, (hq + 2 hkv) d)."""
     n, hq, d = dq.shape
     hkv = dk.shape[1]
-    dq, dk, dv = (t.reshape(n, -1) if t.stride(-1) == 1 and t.is_contiguous() else
-                  t.contiguous().reshape(n, -1) for t in (dq, dk, dv))
+    dq, dk, dv = (t.contiguous().reshape(n, -1) for t in (dq, dk, dv))  # a copy only if needed
     out = dq.new_empty(n, (hq + 2 * hkv) * d)
     dst = (out, out[:, hq * d:], out[:, (hq + hkv) * d:])
     _launch((dq, dk, dv), dst, positions, inv_freq, scale, -1.0, hq, hkv)
