@@ -231,6 +231,10 @@ class LayerWeights:
     down: torch.Tensor  # (H, I)
     # the same matrices quantized for fp8 products (eyas.fp8), when those are on
     fp8: dict[str, Fp8Matrix | None] = field(default_factory=dict)
+    # with layer_weights(split=True): qkv's columns that read the embedding (its first H)
+    # and those that read the hidden state, as two matrices (fp8: two fp8 copies, no qkv one)
+    qkv_embed: torch.Tensor | None = None  # ((hq + 2 hkv) d, H)
+    qkv_hidden: torch.Tensor | None = None  # ((hq + 2 hkv) d, H)
 
 
 def _matmul_dtype(device_type: str, weight: torch.Tensor) -> torch.dtype:
@@ -342,39 +346,63 @@ class Eagle3Draft(nn.Module):
             return fp8_mm.linear(aux.to(dtype), w, Fp8Matrix.of(w))
         return self.fc(aux)
 
-    def layer_weights(self, device_type: str, fp8: bool = False) -> LayerWeights:
+    def layer_weights(self, device_type: str, fp8: bool = False,
+                      split: bool = False) -> LayerWeights:
         """The layer's matrices as its matmuls use them (see LayerWeights), and with `fp8`
-        their fp8 copies too. Without grad (drafting token by token) they are kept until a
-        parameter changes, rather than concatenated again at every call."""
+        their fp8 copies too; `split`: also qkv's embedding and hidden columns apart (for
+        embed_share and project(add_embed=)). Without grad (drafting token by token) they are
+        kept until a parameter changes, rather than concatenated again at every call."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         dtype = _matmul_dtype(device_type, attn.q_proj.weight)
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
-        key = (dtype, fp8, *((m.weight.data_ptr(), m.weight._version) for m in linears))
+        key = (dtype, fp8, split,
+               *((m.weight.data_ptr(), m.weight._version) for m in linears))
         cached = self._cached_weights
         if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
             return cached[1]
         q, k, v, o, gate, up, down = (m.weight.to(dtype) for m in linears)
         weights = LayerWeights(qkv=torch.cat([q, k, v]), o=o, gate_up=torch.cat([gate, up]),
                                down=down)
+        if split:
+            h = self.cfg.hidden_size
+            weights.qkv_embed, weights.qkv_hidden = weights.qkv[:, :h], weights.qkv[:, h:]
         if fp8:
+            names = ("qkv_embed", "qkv_hidden") if split else ("qkv",)
             weights.fp8 = {name: Fp8Matrix.of(getattr(weights, name))
-                           for name in ("qkv", "o", "gate_up", "down")}
+                           for name in (*names, "o", "gate_up", "down")}
         self._cached_weights = None if torch.is_grad_enabled() else (key, weights)
         return weights
 
-    def project(self, input_ids, hidden, position_ids, weights: LayerWeights | None = None):
+    def embed_share(self, input_ids, weights: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
+        """input_ids (N,) -> their embedding's share of q/k/v, (N, (hq + 2 hkv) d):
+        input_layernorm(embed(ids)) times qkv's embedding columns. q/k/v read the
+        concatenation [e, g], so they are this share plus the hidden state's. A TTT step's
+        token at a position is some position's own token, so ttt_forward computes the shares
+        once and every step adds rows of them (project(add_embed=)) instead of projecting
+        the embedding again: 1/7 of that half of the q/k/v matmuls. `weights`: from
+        layer_weights(split=True); dtype: the hidden state's."""
+        e = self.midlayer.input_layernorm(self.embed(input_ids).to(dtype))  # (N, H)
+        return fp8_mm.linear(e, weights.qkv_embed, weights.fp8.get("qkv_embed"))
+
+    def project(self, input_ids, hidden, position_ids, weights: LayerWeights | None = None,
+                add_embed=None):
         """input_ids (N,), hidden (N, H), position_ids (N,) -> q (N, hq, d) and k, v
         (N, hkv, d) with RoPE applied, and the residual (N, H). `weights`: from
-        layer_weights(), made here when not given."""
+        layer_weights(), made here when not given. add_embed: instead of input_ids (then
+        None), a function adding the tokens' embedding share (embed_share) to the hidden
+        state's share of q/k/v (N, C); weights must then be split."""
         layer, cfg = self.midlayer, self.cfg
         w = self.layer_weights(hidden.device.type) if weights is None else weights
         g = layer.hidden_norm(hidden)  # (N, H)
-        e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
-        x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
+        if add_embed is None:
+            e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
+            x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
+            qkv = fp8_mm.linear(x, w.qkv, w.fp8.get("qkv"))
+        else:
+            qkv = add_embed(fp8_mm.linear(g, w.qkv_hidden, w.fp8.get("qkv_hidden")))
         residual = g if cfg.norm_before_residual else hidden
-        q, k, v = QKVRope.apply(fp8_mm.linear(x, w.qkv, w.fp8.get("qkv")),
-                                 position_ids.float()[:, None],
+        q, k, v = QKVRope.apply(qkv, position_ids.float()[:, None],
                                  self.inv_freq, self.rope_scale, cfg.num_attention_heads,
                                  cfg.num_key_value_heads)
         return q, k, v, residual

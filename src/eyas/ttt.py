@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from eyas.attention import attention, causal_attention
 from eyas.draft import Eagle3Draft
 from eyas.fp8 import Fp8Matrix
+from eyas.fused import cuda_compiled
 from eyas.loss import row_logsumexp, simulated_acceptance_length, soft_cross_entropy
 
 
@@ -233,12 +234,15 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     teacher_lse = row_logsumexp(teacher)  # (N,)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
     top1_draft = draft_id[top1]  # (N,) the target's top-1 as a draft id (where in the vocab)
-    weights = draft.layer_weights(dev.type, fp8=fp8)  # cast and fused once for all steps
+    weights = draft.layer_weights(dev.type, fp8=fp8, split=True)  # once for all steps
     head, head_fp8 = _head(draft, weights.qkv.dtype, fp8)
     sums, correct, rows_per_step = [], [], []
     # 4. Step 0: fused target states + the next token, causal within each document.
     rows = cols[0]
     hidden = draft.fuse(batch.aux_hidden, fp8=fp8).reshape(n_all, -1)  # (N, H)
+    # every position's token's share of q/k/v, once: step j's token at a row is the token
+    # of some position (ground truth, shifted), so the steps gather rows of it
+    shares = _Shares(draft.embed_share(ids, weights, hidden.dtype))  # (N, C)
     diag_k, diag_v = [], []  # keys/values of steps 1..j at the kept positions
     k0 = v0 = None
     for j in range(steps):
@@ -248,8 +252,9 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
             sel = _index(plan, j, j - 1, cols[j].numel()) or rank[j - 1][cols[j]]
             rows, hidden = cols[j], _take(hidden, sel)  # sel: into the previous step's rows
             diag_k, diag_v = [_take(t, sel) for t in diag_k], [_take(t, sel) for t in diag_v]
-        token = ids[torch.minimum(rows + 1 + j, seg_end[rows])]  # (n,) ground-truth token
-        q, k, v, residual = draft.project(token, hidden, pos[rows] + j, weights)
+        token_at = torch.minimum(rows + 1 + j, seg_end[rows])  # (n,) its ground-truth token
+        q, k, v, residual = draft.project(None, hidden, pos[rows] + j, weights,
+                                          add_embed=shares.adder(token_at))
         if j == 0:
             k0, v0 = k, v
         else:
@@ -302,6 +307,55 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
     loss, pred = soft_cross_entropy(draft.norm(_take(h, here)), head, teacher[t], rows=teach_rows,
                                     chunk=chunk, fp8_weight=head_fp8, teacher_lse=lse[t])
     return loss, (pred == top1_draft[teach]).sum()
+
+
+class _Shares:
+    """The (N, C) embedding shares of q/k/v that every TTT step reads rows of, and the sum
+    of the steps' gradients for them (see _AddShare)."""
+
+    def __init__(self, shares: torch.Tensor):
+        self.shares, self.grad, self.calls = shares, None, 0
+
+    def adder(self, at: torch.Tensor):
+        """A function: the hidden state's share of q/k/v (n, C) -> plus shares[at]."""
+        self.calls += 1
+        first = self.calls == 1
+        return lambda qkv_hidden: _AddShare.apply(qkv_hidden, self.shares, at, self, first)
+
+
+@cuda_compiled
+def _gather_add(a, table, at):
+    """a (n, C) + table[at] (n, C): one kernel on CUDA."""
+    return a + table.index_select(0, at)
+
+
+class _AddShare(torch.autograd.Function):
+    """qkv_hidden + shares[at]: one step's q/k/v. Backward adds the step's gradient rows into
+    one (N, C) sum for all steps (autograd would scatter each step's into its own zeroed
+    (N, C) tensor and add those up). The step that ran first hands the sum to `shares`: its
+    backward runs last, since each step's gradient needs the next step's (through the hidden
+    state the next step reads), so every other step has added its rows by then."""
+
+    @staticmethod
+    def forward(ctx, qkv_hidden, shares, at, holder: _Shares, first: bool):
+        ctx.save_for_backward(at)
+        ctx.holder, ctx.first = holder, first
+        return _gather_add(qkv_hidden, shares, at)
+
+    @staticmethod
+    def backward(ctx, grad):
+        holder = ctx.holder
+        total = None
+        if ctx.needs_input_grad[1]:
+            (at,) = ctx.saved_tensors
+            if holder.grad is None:
+                holder.grad = torch.zeros_like(holder.shares)
+            # rows that share a token (at a document's end) carry no loss: their gradients
+            # are exact zeros, so the order of accumulation cannot change the sum
+            holder.grad.index_put_((at,), grad.to(holder.grad.dtype), accumulate=True)
+            if ctx.first:
+                total, holder.grad = holder.grad, None
+        return grad, total, None, None, None
 
 
 def _take(x: torch.Tensor, sel) -> torch.Tensor:
