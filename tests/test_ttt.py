@@ -876,3 +876,23 @@ def test_cudnn_gqa_fallback_only_on_a_refusal(monkeypatch):
     # each K/V head serves the query heads of its group: 0, 1 <- head 0; 2, 3 <- head 1
     assert band.vt.shape[1] == 4 and torch.equal(band.kt[0, 1], k[:, 0]) \
         and torch.equal(band.kt[0, 2], k[:, 1]) and torch.equal(band.vt[0, 3], v[:, 1])
+
+
+def test_embedding_shares_are_not_kept_alive_by_the_graph_after_backward(monkeypatch):
+    """The (N, C) shares table is freed once backward has run, though the output (and so
+    its graph) is still held, as `eyas train` holds it into the next micro-batch's forward."""
+    import gc
+    import weakref
+
+    made = []
+    original = Eagle3Draft.embed_share
+    monkeypatch.setattr(Eagle3Draft, "embed_share",
+                        lambda self, *a: made.append(original(self, *a)) or made[-1])
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[7, 1, 11], [4, 4, 4, 3]], 24)
+    out = ttt_forward(draft, batch, torch.randn(cfg.vocab_size, cfg.target_hidden_size), steps=7)
+    ref = weakref.ref(made.pop())
+    out.loss.backward()
+    gc.collect()
+    assert ref() is None, f"a {tuple(ref().shape)} shares table outlives backward"

@@ -396,10 +396,15 @@ class Eagle3Draft(nn.Module):
         w = self.layer_weights(hidden.device.type) if weights is None else weights
         g = layer.hidden_norm(hidden)  # (N, H)
         if add_embed is None:
+            if w.qkv_embed is not None and w.fp8 and "qkv" not in w.fp8:
+                raise ValueError("project(input_ids) with split fp8 weights would run q/k/v "
+                                 "in the matmul dtype; make them with split=False")
             e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
             x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
             qkv = fp8_mm.linear(x, w.qkv, w.fp8.get("qkv"))
         else:
+            if w.qkv_hidden is None:
+                raise ValueError("project(add_embed=) needs layer_weights(split=True)")
             qkv = add_embed(fp8_mm.linear(g, w.qkv_hidden, w.fp8.get("qkv_hidden")))
         residual = g if cfg.norm_before_residual else hidden
         q, k, v = QKVRope.apply(qkv, position_ids.float()[:, None],

@@ -310,17 +310,30 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
 
 
 class _Shares:
-    """The (N, C) embedding shares of q/k/v that every TTT step reads rows of, and the sum
-    of the steps' gradients for them (see _AddShare)."""
+    """The (N, C) embedding shares of q/k/v that every TTT step reads rows of (see
+    _AddShare). The autograd nodes hold only a _GradSum, not the table: held by them, it
+    would live as long as the graph's output (eyas train keeps that into the next
+    micro-batch's forward)."""
 
     def __init__(self, shares: torch.Tensor):
-        self.shares, self.grad, self.calls = shares, None, 0
+        self.shares, self.calls = shares, 0
+        self.sum = _GradSum(shares.shape, shares.dtype, shares.device)
 
     def adder(self, at: torch.Tensor):
         """A function: the hidden state's share of q/k/v (n, C) -> plus shares[at]."""
         self.calls += 1
-        first = self.calls == 1
-        return lambda qkv_hidden: _AddShare.apply(qkv_hidden, self.shares, at, self, first)
+        table, total, first = self.shares, self.sum, self.calls == 1
+        return lambda qkv_hidden: _AddShare.apply(qkv_hidden, table, at, total, first)
+
+
+@dataclass
+class _GradSum:
+    """The sum of the steps' gradients for the shares table, filled in backward."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    grad: torch.Tensor | None = None
 
 
 @cuda_compiled
@@ -337,25 +350,24 @@ class _AddShare(torch.autograd.Function):
     state the next step reads), so every other step has added its rows by then."""
 
     @staticmethod
-    def forward(ctx, qkv_hidden, shares, at, holder: _Shares, first: bool):
+    def forward(ctx, qkv_hidden, shares, at, total: _GradSum, first: bool):
         ctx.save_for_backward(at)
-        ctx.holder, ctx.first = holder, first
+        ctx.total, ctx.first = total, first
         return _gather_add(qkv_hidden, shares, at)
 
     @staticmethod
     def backward(ctx, grad):
-        holder = ctx.holder
-        total = None
+        total, summed = ctx.total, None
         if ctx.needs_input_grad[1]:
             (at,) = ctx.saved_tensors
-            if holder.grad is None:
-                holder.grad = torch.zeros_like(holder.shares)
+            if total.grad is None:
+                total.grad = torch.zeros(total.shape, dtype=total.dtype, device=total.device)
             # rows that share a token (at a document's end) carry no loss: their gradients
             # are exact zeros, so the order of accumulation cannot change the sum
-            holder.grad.index_put_((at,), grad.to(holder.grad.dtype), accumulate=True)
+            total.grad.index_put_((at,), grad.to(total.dtype), accumulate=True)
             if ctx.first:
-                total, holder.grad = holder.grad, None
-        return grad, total, None, None, None
+                summed, total.grad = total.grad, None
+        return grad, summed, None, None, None
 
 
 def _take(x: torch.Tensor, sel) -> torch.Tensor:
