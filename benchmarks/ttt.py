@@ -30,6 +30,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eyas.attention import ATTENTION_ENV, band_kernel
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.fused import COMPILE_DEVICES
 from eyas.ttt import TTTBatch, ttt_forward, ttt_plan
@@ -306,6 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--cudnn-gqa", choices=("on", "off"), default="on",
                    help="off: cuDNN attention gets K/V repeated to the query heads instead of "
                         "its own GQA (more memory; measured slower on an H200, docs/benchmarks.md)")
+    p.add_argument("--attention", choices=("auto", "fa4", "cudnn"), default="auto",
+                   help="the causal band's kernel (sets EYAS_ATTENTION): auto = FlashAttention-4 "
+                        "when installed (pip install 'eyas[fa4]'), else cuDNN")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--vocab-chunk", type=int, default=4096,
                    help="rows per chunk of the lm_head + soft cross-entropy (ttt_forward's "
@@ -335,11 +340,21 @@ def main(argv=None) -> int:
         from eyas.attention import _CudnnCausal
 
         _CudnnCausal.gqa = False
+    os.environ[ATTENTION_ENV] = args.attention
     cfg, draft, lm_head = random_draft(shapes, device)
+    if device.type == "cuda":
+        probe = torch.empty(2, cfg.num_attention_heads, cfg.head_dim, device=device,
+                            dtype=torch.bfloat16)
+        kernel = getattr(band_kernel(probe), "__name__", "flex")
+        attention_kernel = {"_Fa4Causal": "fa4", "_CudnnCausal": "cudnn"}.get(kernel, kernel)
+    else:
+        attention_kernel = "reference"
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     meta = {"device": name, "compiled": sorted(COMPILE_DEVICES),
             "torch": torch.__version__, "steps": args.steps, "config": cfg.to_dict(),
-            "peak_flops": args.peak_flops, "smoke": args.smoke, "cudnn_gqa": args.cudnn_gqa}
+            "peak_flops": args.peak_flops, "smoke": args.smoke, "cudnn_gqa": args.cudnn_gqa,
+            "attention": attention_kernel}
+    print(f"{name}, torch {torch.__version__}, attention {attention_kernel}", file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -3,6 +3,7 @@ dense-mask TTT written here (fp32), on packed rows with padding."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -697,18 +698,24 @@ def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("diag", [0, 4])
-@pytest.mark.parametrize("gqa", [True, False])
-def test_causal_fast_path_on_cuda_matches_flex(diag, gqa, monkeypatch):
-    """cuDNN band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes;
-    with cuDNN's own GQA and with K/V repeated to the query heads (older cuDNN)."""
-    from eyas.attention import _CudnnCausal, causal_attention
+@pytest.mark.parametrize("kernel", ["cudnn", "cudnn-repeat", "fa4"])
+def test_causal_fast_path_on_cuda_matches_flex(diag, kernel, monkeypatch):
+    """The fused band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes:
+    cuDNN with its own GQA, cuDNN with K/V repeated to the query heads (older cuDNN), and
+    FlashAttention-4 (skipped where it is not installed)."""
+    from eyas import attention as att
 
-    monkeypatch.setattr(_CudnnCausal, "gqa", gqa)
+    monkeypatch.setattr(att._CudnnCausal, "gqa", kernel != "cudnn-repeat")
+    monkeypatch.setenv(att.ATTENTION_ENV, kernel.split("-")[0])
+    if kernel == "fa4" and att._fa4() is None:
+        pytest.skip("FlashAttention-4 (flash_attn.cute) is not installed")
+    causal_attention = att.causal_attention
 
     torch.manual_seed(diag)
     n, hq, hkv, d = 3000, 32, 8, 128
     dev = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(n, hq, d, **dev, requires_grad=True)
+    assert att.band_kernel(q) is (att._Fa4Causal if kernel == "fa4" else att._CudnnCausal)
     k, v = (torch.randn(n, hkv, d, **dev, requires_grad=True) for _ in range(2))
     dk, dv = (torch.randn(diag, n, hkv, d, **dev, requires_grad=True) if diag else None
               for _ in range(2))
@@ -896,3 +903,38 @@ def test_embedding_shares_are_not_kept_alive_by_the_graph_after_backward(monkeyp
     out.loss.backward()
     gc.collect()
     assert ref() is None, f"a {tuple(ref().shape)} shares table outlives backward"
+
+
+def test_attention_kernel_choice_is_checked(monkeypatch, caplog):
+    """EYAS_ATTENTION: a value other than auto / fa4 / cudnn is an error naming them;
+    `fa4` where FlashAttention-4 cannot run says why; a FlashAttention-4 that does not import
+    (or lacks the functions eyas calls) is logged once and left to cuDNN."""
+    from eyas import attention as att
+
+    q = torch.randn(16, 4, 8)
+    monkeypatch.setenv(att.ATTENTION_ENV, "flash")
+    with pytest.raises(ValueError, match="expected auto, fa4 or cudnn"):
+        att.band_kernel(q)
+    monkeypatch.setenv(att.ATTENTION_ENV, "fa4")
+    with pytest.raises(RuntimeError, match=r"float32 .*unset EYAS_ATTENTION"):
+        att.band_kernel(q)
+    assert "head dim 12" in att._fa4_refuses(torch.randn(16, 4, 12).bfloat16())
+    assert "dtype" in att._fa4_refuses(q)
+
+    imported = []
+
+    def fake_import(name):
+        imported.append(name)
+        if len(imported) == 1:
+            raise ImportError("No module named 'flash_attn'")
+        return object()  # a module without the functions eyas calls
+
+    monkeypatch.setattr(att.importlib, "import_module", fake_import)
+    for expected_log in ("ImportError: No module named 'flash_attn'", "lacks _flash_attn_fwd"):
+        monkeypatch.setattr(att, "_fa4_module", None)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="eyas.attention"):
+            assert att._fa4() is None and att._fa4() is None
+        assert [r.getMessage() for r in caplog.records if "FlashAttention-4" in r.getMessage()] \
+            and expected_log in caplog.text and len(caplog.records) == 1
+    assert imported == ["flash_attn.cute.interface"] * 2

@@ -10,7 +10,9 @@ chunked reference of the same band. Scores never exist beyond one (query chunk, 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -190,13 +192,71 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
                               for x in (diag_k, diag_v))
         return causal_attention(placed, k, v, diag_k, diag_v).index_select(0, rows)
     n, _, d = q.shape
-    if q.device.type == "cuda" and not _cudnn_fits(q):
+    if q.device.type == "cuda" and band_kernel(q) is None:
         idx = torch.arange(n, device=q.device)
         return attention(q, k, v, torch.zeros_like(idx), idx, diag_k, diag_v)
     with torch.autocast(q.device.type, enabled=False):
         if k.shape[0] > n:  # a slice only when needed: even a whole one costs backward a copy
             k, v = k[:n], v[:n]
         return _CausalDiag.apply(q, k, v, diag_k, diag_v)
+
+
+ATTENTION_ENV = "EYAS_ATTENTION"  # auto (default) | fa4 | cudnn
+_fa4_module = None  # flash_attn.cute.interface once imported; False when it does not import
+
+
+def _fa4():
+    """FlashAttention-4's interface module (`pip install 'eyas[fa4]'`), or None when it does
+    not import (imported once per process; the reason is logged once)."""
+    global _fa4_module
+    if _fa4_module is None:
+        try:
+            module = importlib.import_module("flash_attn.cute.interface")
+            if not all(hasattr(module, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
+                raise ImportError("it lacks _flash_attn_fwd / _flash_attn_bwd (eyas[fa4] pins "
+                                  "the version eyas was measured with)")
+            _fa4_module = module
+        except Exception as e:  # ImportError, or a missing CUDA library / driver inside it
+            log.info("FlashAttention-4 not used (%s: %s); cuDNN attention instead",
+                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            _fa4_module = False
+    return _fa4_module or None
+
+
+def band_kernel(q: torch.Tensor):
+    """The fused kernel class for the causal band of CUDA queries q (N, hq, d), or None when
+    neither takes them (causal_attention then runs FlexAttention, same result).
+
+    EYAS_ATTENTION chooses: `auto` (default) takes FlashAttention-4 when it is installed and
+    takes q, else cuDNN; `fa4` requires FlashAttention-4 (an error says why it cannot run);
+    `cudnn` never uses it."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "fa4", "cudnn"):
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fa4 or cudnn")
+    if choice != "cudnn":
+        why = _fa4_refuses(q)
+        if why is None:
+            return _Fa4Causal
+        if choice == "fa4":
+            raise RuntimeError(f"{ATTENTION_ENV}=fa4 but FlashAttention-4 cannot run these "
+                               f"queries: {why} (unset {ATTENTION_ENV} to fall back to cuDNN)")
+    return _CudnnCausal if _cudnn_fits(q) else None
+
+
+def _fa4_refuses(q: torch.Tensor) -> str | None:
+    """Why FlashAttention-4's backward cannot take these queries, or None when it can: half
+    precision, head dim a multiple of 8 up to 256, more than one query, an NVIDIA GPU of
+    compute capability 9.x or 10.x, and the package installed."""
+    n, _, d = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (it takes bfloat16 / float16)"
+    if d % 8 or d > 256 or n < 2:
+        return f"head dim {d} / {n} queries (it takes head dims 8..256, multiples of 8)"
+    if torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
+        return "not an NVIDIA GPU of compute capability 9.x or 10.x (Hopper, Blackwell)"
+    if _fa4() is None:
+        return "flash_attn.cute does not import (pip install 'eyas[fa4]')"
+    return None
 
 
 def _cudnn_fits(q: torch.Tensor) -> bool:
@@ -220,7 +280,7 @@ class _CausalDiag(torch.autograd.Function):
         n, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        band = _CudnnCausal(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
+        band = band_kernel(q)(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
         out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
         if diag_k is None:
             merged, w_band, w_diag = out_b, None, None
@@ -378,6 +438,32 @@ class _CudnnCausal:
             n, heads, d = dk.shape
             dk, dv = (x.view(n, self.hkv, heads // self.hkv, d).sum(2) for x in (dk, dv))
         return dq[0].transpose(0, 1), dk, dv
+
+
+class _Fa4Causal:
+    """_CudnnCausal's contract on FlashAttention-4 (flash_attn.cute; on an H200 its backward
+    took 12 % less time than cuDNN's at 8K-32K tokens, docs/benchmarks.md). Its layout
+    (1, N, heads, d) is eyas's (N, heads, d) with a batch dimension, so nothing is transposed;
+    it takes fewer K/V heads than query heads itself. Its backward reads `out` only for
+    rowsum(dO * out), as cuDNN's does, so the merged output goes there. Under
+    torch.use_deterministic_algorithms it runs its deterministic backward."""
+
+    def __init__(self, q, k, v):
+        self.q, self.hkv = q, k.shape[1]
+        self.q4, self.k4, self.v4 = (x.contiguous()[None] for x in (q, k, v))
+
+    def forward(self):
+        out, lse = _fa4()._flash_attn_fwd(self.q4, self.k4, self.v4, causal=True,
+                                         return_lse=True)[:2]
+        self.lse = lse  # (1, hq, N) fp32, natural log as cuDNN's
+        return out[0], lse[0].t()
+
+    def backward(self, grad_band, merged):
+        dq, dk, dv = _fa4()._flash_attn_bwd(
+            self.q4, self.k4, self.v4, merged.contiguous()[None], grad_band.contiguous()[None],
+            self.lse, causal=True,
+            deterministic=torch.are_deterministic_algorithms_enabled())[:3]
+        return dq[0], dk[0], dv[0]
 
 
 class _ReferenceCausal:
