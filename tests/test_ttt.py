@@ -938,3 +938,44 @@ def test_attention_kernel_choice_is_checked(monkeypatch, caplog):
         assert [r.getMessage() for r in caplog.records if "FlashAttention-4" in r.getMessage()] \
             and expected_log in caplog.text and len(caplog.records) == 1
     assert imported == ["flash_attn.cute.interface"] * 2
+
+
+def test_fa4_failure_gives_way_to_cudnn(monkeypatch, caplog):
+    """Under EYAS_ATTENTION=auto a FlashAttention-4 call that fails (a kernel that does not
+    compile, say) is logged, FlashAttention-4 is switched off for the process and cuDNN
+    computes the same gradients; running out of memory, or EYAS_ATTENTION=fa4, propagates.
+    (On CPU the exact reference band, which has cuDNN's contract, stands in for cuDNN.)"""
+    from eyas import attention as att
+
+    monkeypatch.setattr(att, "_cudnn_fits", lambda q: True)
+    monkeypatch.setattr(att, "_CudnnCausal", att._ReferenceCausal)
+    monkeypatch.delenv(att.ATTENTION_ENV, raising=False)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(40, 4, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
+    grad_band, merged = torch.randn(40, 4, 8), torch.randn(40, 4, 8)
+    reference = att._ReferenceCausal(q, k, v)
+    reference.forward()
+    want = reference.backward(grad_band, merged)
+
+    def broken_band(error):
+        class Broken:  # a FlashAttention-4 whose backward fails
+            def _flash_attn_bwd(self, *args, **kwargs):
+                raise error
+
+        band = att._Fa4Causal(q, k, v)
+        band.fa4, band.lse = Broken(), None
+        return band
+
+    monkeypatch.setattr(att, "_fa4_module", None)
+    with pytest.raises(torch.OutOfMemoryError):
+        broken_band(torch.OutOfMemoryError()).backward(grad_band, merged)
+    monkeypatch.setenv(att.ATTENTION_ENV, "fa4")
+    with pytest.raises(RuntimeError, match="no kernel"):
+        broken_band(RuntimeError("no kernel")).backward(grad_band, merged)
+    monkeypatch.setenv(att.ATTENTION_ENV, "auto")
+    with caplog.at_level(logging.WARNING, logger="eyas.attention"):
+        got = broken_band(RuntimeError("no kernel for sm_90a")).backward(grad_band, merged)
+    assert "FlashAttention-4 failed (RuntimeError: no kernel for sm_90a)" in caplog.text
+    assert att._fa4_module is False  # off for the process
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -223,6 +223,28 @@ def _fa4():
     return _fa4_module or None
 
 
+def _attention_choice() -> str:
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "fa4", "cudnn"):
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fa4 or cudnn")
+    return choice
+
+
+def _fa4_failed(band, q, e: Exception) -> bool:
+    """Whether a FlashAttention-4 call that raised `e` gives way to cuDNN: under
+    EYAS_ATTENTION=auto, for a failure other than running out of memory, where cuDNN takes q.
+    FlashAttention-4 is then off for the process (logged once)."""
+    global _fa4_module
+    if (not isinstance(band, _Fa4Causal) or isinstance(e, torch.OutOfMemoryError)
+            or _attention_choice() != "auto" or not _cudnn_fits(q)):
+        return False
+    log.warning("FlashAttention-4 failed (%s: %s); cuDNN attention from now on (set "
+                "%s=cudnn to skip it, or =fa4 to stop on such errors)", type(e).__name__,
+                str(e).splitlines()[0][:200] if str(e) else "", ATTENTION_ENV)
+    _fa4_module = False
+    return True
+
+
 def band_kernel(q: torch.Tensor):
     """The fused kernel class for the causal band of CUDA queries q (N, hq, d), or None when
     neither takes them (causal_attention then runs FlexAttention, same result).
@@ -230,9 +252,7 @@ def band_kernel(q: torch.Tensor):
     EYAS_ATTENTION chooses: `auto` (default) takes FlashAttention-4 when it is installed and
     takes q, else cuDNN; `fa4` requires FlashAttention-4 (an error says why it cannot run);
     `cudnn` never uses it."""
-    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "fa4", "cudnn"):
-        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fa4 or cudnn")
+    choice = _attention_choice()
     if choice != "cudnn":
         why = _fa4_refuses(q)
         if why is None:
@@ -281,7 +301,13 @@ class _CausalDiag(torch.autograd.Function):
         hkv = k.shape[1]
         g = hq // hkv
         band = band_kernel(q)(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
-        out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
+        try:
+            out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
+        except Exception as e:
+            if not _fa4_failed(band, q, e):
+                raise
+            band = _CudnnCausal(q, k, v)
+            out_b, lse = band.forward()
         if diag_k is None:
             merged, w_band, w_diag = out_b, None, None
         else:
@@ -446,23 +472,31 @@ class _Fa4Causal:
     (1, N, heads, d) is eyas's (N, heads, d) with a batch dimension, so nothing is transposed;
     it takes fewer K/V heads than query heads itself. Its backward reads `out` only for
     rowsum(dO * out), as cuDNN's does, so the merged output goes there. Under
-    torch.use_deterministic_algorithms it runs its deterministic backward."""
+    torch.use_deterministic_algorithms it runs its deterministic backward. A backward that
+    fails gives way to cuDNN's (which then runs its own forward first) as `_fa4_failed` says."""
 
     def __init__(self, q, k, v):
-        self.q, self.hkv = q, k.shape[1]
+        self.q, self.hkv, self.fa4 = q, k.shape[1], _fa4()
         self.q4, self.k4, self.v4 = (x.contiguous()[None] for x in (q, k, v))
 
     def forward(self):
-        out, lse = _fa4()._flash_attn_fwd(self.q4, self.k4, self.v4, causal=True,
-                                         return_lse=True)[:2]
+        out, lse = self.fa4._flash_attn_fwd(self.q4, self.k4, self.v4, causal=True,
+                                            return_lse=True)[:2]
         self.lse = lse  # (1, hq, N) fp32, natural log as cuDNN's
         return out[0], lse[0].t()
 
     def backward(self, grad_band, merged):
-        dq, dk, dv = _fa4()._flash_attn_bwd(
-            self.q4, self.k4, self.v4, merged.contiguous()[None], grad_band.contiguous()[None],
-            self.lse, causal=True,
-            deterministic=torch.are_deterministic_algorithms_enabled())[:3]
+        try:
+            dq, dk, dv = self.fa4._flash_attn_bwd(
+                self.q4, self.k4, self.v4, merged.contiguous()[None],
+                grad_band.contiguous()[None], self.lse, causal=True,
+                deterministic=torch.are_deterministic_algorithms_enabled())[:3]
+        except Exception as e:
+            if not _fa4_failed(self, self.q, e):
+                raise
+            cudnn = _CudnnCausal(self.q, self.k4[0], self.v4[0])
+            cudnn.forward()
+            return cudnn.backward(grad_band, merged)
         return dq[0], dk[0], dv[0]
 
 
