@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eyas.attention import ATTENTION_ENV, band_kernel
+from eyas.band_kernels import ATTENTION_ENV, CudnnCausal, Fa4Causal, band_kernel
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.fused import COMPILE_DEVICES
 from eyas.ttt import TTTBatch, ttt_forward, ttt_plan
@@ -291,6 +291,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kernel_name(cfg, device) -> str:
+    """The kernel the causal band of a bf16 document runs on now: fa4, cudnn, flex, or
+    reference (CPU)."""
+    if device.type != "cuda":
+        return "reference"
+    probe = torch.empty(2, cfg.num_attention_heads, cfg.head_dim, device=device,
+                        dtype=torch.bfloat16)
+    return {Fa4Causal: "fa4", CudnnCausal: "cudnn", None: "flex"}[band_kernel(probe)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="2048,4096,8192,16384,32768,65536")
@@ -308,9 +318,10 @@ def main(argv=None) -> int:
     p.add_argument("--cudnn-gqa", choices=("on", "off"), default="on",
                    help="off: cuDNN attention gets K/V repeated to the query heads instead of "
                         "its own GQA (more memory; measured slower on an H200, docs/benchmarks.md)")
-    p.add_argument("--attention", choices=("auto", "fa4", "cudnn"), default="auto",
-                   help="the causal band's kernel (sets EYAS_ATTENTION): auto = FlashAttention-4 "
-                        "when installed (pip install 'eyas[fa4]'), else cuDNN")
+    p.add_argument("--attention", choices=("auto", "fa4", "cudnn"),
+                   help="the causal band's kernel (sets EYAS_ATTENTION; default: as set, else "
+                        "auto = FlashAttention-4 when installed (pip install 'eyas[fa4]'), "
+                        "else cuDNN)")
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--vocab-chunk", type=int, default=4096,
                    help="rows per chunk of the lm_head + soft cross-entropy (ttt_forward's "
@@ -337,18 +348,11 @@ def main(argv=None) -> int:
             return 2
         device, shapes = torch.device("cuda"), LLAMA_8B
     if args.cudnn_gqa == "off":
-        from eyas.attention import _CudnnCausal
-
-        _CudnnCausal.gqa = False
-    os.environ[ATTENTION_ENV] = args.attention
+        CudnnCausal.gqa = False
+    if args.attention:
+        os.environ[ATTENTION_ENV] = args.attention
     cfg, draft, lm_head = random_draft(shapes, device)
-    if device.type == "cuda":
-        probe = torch.empty(2, cfg.num_attention_heads, cfg.head_dim, device=device,
-                            dtype=torch.bfloat16)
-        kernel = getattr(band_kernel(probe), "__name__", "flex")
-        attention_kernel = {"_Fa4Causal": "fa4", "_CudnnCausal": "cudnn"}.get(kernel, kernel)
-    else:
-        attention_kernel = "reference"
+    attention_kernel = kernel_name(cfg, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     meta = {"device": name, "compiled": sorted(COMPILE_DEVICES),
             "torch": torch.__version__, "steps": args.steps, "config": cfg.to_dict(),
@@ -365,6 +369,7 @@ def main(argv=None) -> int:
                                                          args.modes.split(",")):
                     row = run_one(draft, lm_head, cfg, context, mask, head == "trained",
                                   precision == "fp8", args, device, mode)
+                    row["attention"] = kernel_name(cfg, device)  # after a failed FA4: cudnn
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     if row.get("host_ms", 0.0) > 0.8 * row.get("ms", float("inf")):

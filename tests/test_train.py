@@ -339,7 +339,7 @@ def test_online_training_equals_offline(run_inputs, tmp_path):
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path):
+def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatch):
     # a vocab folder made for another target
     other_vocab = tmp_path / "vocab"
     shutil.copytree(run_inputs["vocab"], other_vocab)
@@ -359,6 +359,12 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path):
     # a prepared folder where a capture folder belongs
     with pytest.raises(EyasError, match="eyas capture"):
         train(_cfg(run_inputs, tmp_path / "r3", data=run_inputs["prepared"]))
+    # an attention kernel that does not exist: refused before anything loads
+    monkeypatch.setenv("EYAS_ATTENTION", "flash2")
+    with pytest.raises(EyasError, match="EYAS_ATTENTION='flash2': expected auto, fa4 or cudnn"):
+        train(_cfg(run_inputs, tmp_path / "r3b"))
+    assert not (tmp_path / "r3b").exists()
+    monkeypatch.delenv("EYAS_ATTENTION")
     # a batch smaller than the longest sample: the length and the flags to change
     with pytest.raises(EyasError, match=r"has \d+ tokens but a packed row holds only 32"):
         train(_cfg(run_inputs, tmp_path / "r4", batch_tokens=32))

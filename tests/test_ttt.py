@@ -703,19 +703,20 @@ def test_causal_fast_path_on_cuda_matches_flex(diag, kernel, monkeypatch):
     """The fused band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes:
     cuDNN with its own GQA, cuDNN with K/V repeated to the query heads (older cuDNN), and
     FlashAttention-4 (skipped where it is not installed)."""
-    from eyas import attention as att
+    from eyas import band_kernels as bk
+    from eyas.attention import causal_attention
 
-    monkeypatch.setattr(att._CudnnCausal, "gqa", kernel != "cudnn-repeat")
-    monkeypatch.setenv(att.ATTENTION_ENV, kernel.split("-")[0])
-    if kernel == "fa4" and att._fa4() is None:
+    monkeypatch.setattr(bk.CudnnCausal, "gqa", kernel != "cudnn-repeat")
+    monkeypatch.setenv(bk.ATTENTION_ENV, kernel.split("-")[0])
+    monkeypatch.setattr(bk, "_fa4_module", None)  # imported afresh: not off from an earlier test
+    if kernel == "fa4" and bk._fa4() is None:
         pytest.skip("FlashAttention-4 (flash_attn.cute) is not installed")
-    causal_attention = att.causal_attention
 
     torch.manual_seed(diag)
     n, hq, hkv, d = 3000, 32, 8, 128
     dev = dict(device="cuda", dtype=torch.bfloat16)
     q = torch.randn(n, hq, d, **dev, requires_grad=True)
-    assert att.band_kernel(q) is (att._Fa4Causal if kernel == "fa4" else att._CudnnCausal)
+    assert bk.band_kernel(q) is (bk.Fa4Causal if kernel == "fa4" else bk.CudnnCausal)
     k, v = (torch.randn(n, hkv, d, **dev, requires_grad=True) for _ in range(2))
     dk, dv = (torch.randn(diag, n, hkv, d, **dev, requires_grad=True) if diag else None
               for _ in range(2))
@@ -861,7 +862,7 @@ def test_cudnn_gqa_fallback_only_on_a_refusal(monkeypatch):
     """A cuDNN that refuses fewer K/V heads than query heads gets K/V repeated (and the process
     remembers); running out of memory is not a refusal: it propagates and GQA stays on. (The
     kernel itself runs only on CUDA: here its call is replaced by one that fails.)"""
-    from eyas.attention import _CudnnCausal
+    from eyas.band_kernels import CudnnCausal as _CudnnCausal
 
     monkeypatch.setattr(_CudnnCausal, "gqa", True)
     q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
@@ -907,75 +908,101 @@ def test_embedding_shares_are_not_kept_alive_by_the_graph_after_backward(monkeyp
 
 def test_attention_kernel_choice_is_checked(monkeypatch, caplog):
     """EYAS_ATTENTION: a value other than auto / fa4 / cudnn is an error naming them;
-    `fa4` where FlashAttention-4 cannot run says why; a FlashAttention-4 that does not import
-    (or lacks the functions eyas calls) is logged once and left to cuDNN."""
-    from eyas import attention as att
+    `fa4` where FlashAttention-4 cannot run says why; a FlashAttention-4 that is absent is
+    logged once at INFO, one that is installed but broken (or lacks the functions eyas calls)
+    once as a warning, and either is left to cuDNN."""
+    from eyas import band_kernels as bk
+    from eyas.errors import EyasError
 
     q = torch.randn(16, 4, 8)
-    monkeypatch.setenv(att.ATTENTION_ENV, "flash")
-    with pytest.raises(ValueError, match="expected auto, fa4 or cudnn"):
-        att.band_kernel(q)
-    monkeypatch.setenv(att.ATTENTION_ENV, "fa4")
-    with pytest.raises(RuntimeError, match=r"float32 .*unset EYAS_ATTENTION"):
-        att.band_kernel(q)
-    assert "head dim 12" in att._fa4_refuses(torch.randn(16, 4, 12).bfloat16())
-    assert "dtype" in att._fa4_refuses(q)
+    monkeypatch.setenv(bk.ATTENTION_ENV, "flash")
+    with pytest.raises(EyasError, match="expected auto, fa4 or cudnn"):
+        bk.band_kernel(q)
+    monkeypatch.setenv(bk.ATTENTION_ENV, "fa4")
+    with pytest.raises(EyasError, match=r"float32 .*unset EYAS_ATTENTION"):
+        bk.band_kernel(q)
+    assert "head dim 12" in bk._fa4_refuses(torch.randn(16, 4, 12).bfloat16())
+    assert "dtype" in bk._fa4_refuses(q)
 
+    failures = [ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn"),
+                OSError("libcuda.so.1: cannot open shared object file"), None]
     imported = []
 
     def fake_import(name):
         imported.append(name)
-        if len(imported) == 1:
-            raise ImportError("No module named 'flash_attn'")
+        error = failures[len(imported) - 1]
+        if error is not None:
+            raise error
         return object()  # a module without the functions eyas calls
 
-    monkeypatch.setattr(att.importlib, "import_module", fake_import)
-    for expected_log in ("ImportError: No module named 'flash_attn'", "lacks _flash_attn_fwd"):
-        monkeypatch.setattr(att, "_fa4_module", None)
+    monkeypatch.setattr(bk.importlib, "import_module", fake_import)
+    for level, expected in (("INFO", "ModuleNotFoundError: No module named 'flash_attn'"),
+                            ("WARNING", "OSError: libcuda.so.1"),
+                            ("WARNING", "lacks _flash_attn_fwd")):
+        monkeypatch.setattr(bk, "_fa4_module", None)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="eyas.attention"):
-            assert att._fa4() is None and att._fa4() is None
-        assert [r.getMessage() for r in caplog.records if "FlashAttention-4" in r.getMessage()] \
-            and expected_log in caplog.text and len(caplog.records) == 1
-    assert imported == ["flash_attn.cute.interface"] * 2
+        with caplog.at_level(logging.INFO, logger="eyas.band_kernels"):
+            assert bk._fa4() is None and bk._fa4() is None
+        assert [(r.levelname, expected in r.getMessage()) for r in caplog.records] \
+            == [(level, True)]
+    assert imported == ["flash_attn.cute.interface"] * 3
 
 
-def test_fa4_failure_gives_way_to_cudnn(monkeypatch, caplog):
-    """Under EYAS_ATTENTION=auto a FlashAttention-4 call that fails (a kernel that does not
-    compile, say) is logged, FlashAttention-4 is switched off for the process and cuDNN
-    computes the same gradients; running out of memory, or EYAS_ATTENTION=fa4, propagates.
-    (On CPU the exact reference band, which has cuDNN's contract, stands in for cuDNN.)"""
+def _broken_fa4(q, k, v, error, where):
+    """A FlashAttention-4 band whose forward or backward raises `error` (a forward that does
+    not raise computes the reference band, in FlashAttention-4's layout)."""
     from eyas import attention as att
+    from eyas import band_kernels as bk
 
-    monkeypatch.setattr(att, "_cudnn_fits", lambda q: True)
-    monkeypatch.setattr(att, "_CudnnCausal", att._ReferenceCausal)
-    monkeypatch.delenv(att.ATTENTION_ENV, raising=False)
-    torch.manual_seed(0)
-    q, k, v = torch.randn(40, 4, 8), torch.randn(40, 2, 8), torch.randn(40, 2, 8)
-    grad_band, merged = torch.randn(40, 4, 8), torch.randn(40, 4, 8)
-    reference = att._ReferenceCausal(q, k, v)
-    reference.forward()
-    want = reference.backward(grad_band, merged)
-
-    def broken_band(error):
-        class Broken:  # a FlashAttention-4 whose backward fails
-            def _flash_attn_bwd(self, *args, **kwargs):
+    class Broken:
+        def _flash_attn_fwd(self, q4, k4, v4, **kwargs):
+            if where == "forward":
                 raise error
+            out, lse = att._ReferenceCausal(q4[0], k4[0], v4[0]).forward()
+            return out[None], lse.t()[None]
 
-        band = att._Fa4Causal(q, k, v)
-        band.fa4, band.lse = Broken(), None
-        return band
+        def _flash_attn_bwd(self, *args, **kwargs):
+            raise error
 
-    monkeypatch.setattr(att, "_fa4_module", None)
-    with pytest.raises(torch.OutOfMemoryError):
-        broken_band(torch.OutOfMemoryError()).backward(grad_band, merged)
-    monkeypatch.setenv(att.ATTENTION_ENV, "fa4")
-    with pytest.raises(RuntimeError, match="no kernel"):
-        broken_band(RuntimeError("no kernel")).backward(grad_band, merged)
-    monkeypatch.setenv(att.ATTENTION_ENV, "auto")
-    with caplog.at_level(logging.WARNING, logger="eyas.attention"):
-        got = broken_band(RuntimeError("no kernel for sm_90a")).backward(grad_band, merged)
+    band = bk.Fa4Causal(q, k, v)
+    band.fa4 = Broken()
+    return band
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_fa4_failure_gives_way(where, monkeypatch, caplog):
+    """Under EYAS_ATTENTION=auto a FlashAttention-4 forward or backward that fails (a kernel
+    that does not compile, say) is logged, FlashAttention-4 is switched off for the process
+    and another kernel computes the same output and gradients (on CPU the exact reference
+    band, which has the fused kernels' contract); running out of memory, or
+    EYAS_ATTENTION=fa4, propagates."""
+    from eyas import attention as att
+    from eyas import band_kernels as bk
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(40, h, 8, requires_grad=True) for h in (4, 2, 2))
+    dk, dv = (torch.randn(3, 40, 2, 8, requires_grad=True) for _ in range(2))
+    grad = torch.randn(40, 4, 8)
+    inputs = (q, k, v, dk, dv)
+    want = att.causal_attention(*inputs)
+    want_grads = torch.autograd.grad(want, inputs, grad)
+
+    error = [None]
+    monkeypatch.setattr(att, "_new_band", lambda q, k, v: _broken_fa4(q, k, v, error[0], where))
+    monkeypatch.delenv(bk.ATTENTION_ENV, raising=False)
+    for env, error[0] in (("auto", torch.OutOfMemoryError()), ("fa4", RuntimeError("no kernel"))):
+        monkeypatch.setenv(bk.ATTENTION_ENV, env)
+        monkeypatch.setattr(bk, "_fa4_module", object())  # installed, not off
+        with pytest.raises(type(error[0]), match="no kernel" if env == "fa4" else None):
+            torch.autograd.grad(att.causal_attention(*inputs), inputs, grad)
+        assert bk._fa4_module is not False
+    monkeypatch.setenv(bk.ATTENTION_ENV, "auto")
+    error[0] = RuntimeError("no kernel for sm_90a")
+    with caplog.at_level(logging.WARNING, logger="eyas.band_kernels"):
+        got = att.causal_attention(*inputs)
+        got_grads = torch.autograd.grad(got, inputs, grad)
     assert "FlashAttention-4 failed (RuntimeError: no kernel for sm_90a)" in caplog.text
-    assert att._fa4_module is False  # off for the process
-    for g, w in zip(got, want):
+    assert bk._fa4_module is False  # off for the process
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w)

@@ -10,14 +10,13 @@ chunked reference of the same band. Scores never exist beyond one (query chunk, 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
 from eyas import fused
+from eyas.band_kernels import CudnnCausal, band_kernel, cudnn_fits, fa4_gives_way
 from eyas.fused import cuda_compiled
 
 log = logging.getLogger(__name__)
@@ -201,97 +200,29 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
         return _CausalDiag.apply(q, k, v, diag_k, diag_v)
 
 
-ATTENTION_ENV = "EYAS_ATTENTION"  # auto (default) | fa4 | cudnn
-_fa4_module = None  # flash_attn.cute.interface once imported; False when it does not import
+def _new_band(q, k, v):
+    """The band's kernel object (eyas.band_kernels' contract): a fused kernel on CUDA, the
+    exact reference on CPU."""
+    return band_kernel(q)(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
 
 
-def _fa4():
-    """FlashAttention-4's interface module (`pip install 'eyas[fa4]'`), or None when it does
-    not import (imported once per process; the reason is logged once)."""
-    global _fa4_module
-    if _fa4_module is None:
-        try:
-            module = importlib.import_module("flash_attn.cute.interface")
-            if not all(hasattr(module, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
-                raise ImportError("it lacks _flash_attn_fwd / _flash_attn_bwd (eyas[fa4] pins "
-                                  "the version eyas was measured with)")
-            _fa4_module = module
-        except Exception as e:  # ImportError, or a missing CUDA library / driver inside it
-            log.info("FlashAttention-4 not used (%s: %s); cuDNN attention instead",
-                     type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            _fa4_module = False
-    return _fa4_module or None
+def _fallback_band(q, k, v):
+    """The band's kernel once FlashAttention-4 has failed: cuDNN where it takes q, else the
+    exact reference (FlexAttention needs a block mask this path does not build)."""
+    return CudnnCausal(q, k, v) if cudnn_fits(q) else _ReferenceCausal(q, k, v)
 
 
-def _attention_choice() -> str:
-    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "fa4", "cudnn"):
-        raise ValueError(f"{ATTENTION_ENV}={choice!r}: expected auto, fa4 or cudnn")
-    return choice
-
-
-def _fa4_failed(band, q, e: Exception) -> bool:
-    """Whether a FlashAttention-4 call that raised `e` gives way to cuDNN: under
-    EYAS_ATTENTION=auto, for a failure other than running out of memory, where cuDNN takes q.
-    FlashAttention-4 is then off for the process (logged once)."""
-    global _fa4_module
-    if (not isinstance(band, _Fa4Causal) or isinstance(e, torch.OutOfMemoryError)
-            or _attention_choice() != "auto" or not _cudnn_fits(q)):
-        return False
-    log.warning("FlashAttention-4 failed (%s: %s); cuDNN attention from now on (set "
-                "%s=cudnn to skip it, or =fa4 to stop on such errors)", type(e).__name__,
-                str(e).splitlines()[0][:200] if str(e) else "", ATTENTION_ENV)
-    _fa4_module = False
-    return True
-
-
-def band_kernel(q: torch.Tensor):
-    """The fused kernel class for the causal band of CUDA queries q (N, hq, d), or None when
-    neither takes them (causal_attention then runs FlexAttention, same result).
-
-    EYAS_ATTENTION chooses: `auto` (default) takes FlashAttention-4 when it is installed and
-    takes q, else cuDNN; `fa4` requires FlashAttention-4 (an error says why it cannot run);
-    `cudnn` never uses it."""
-    choice = _attention_choice()
-    if choice != "cudnn":
-        why = _fa4_refuses(q)
-        if why is None:
-            return _Fa4Causal
-        if choice == "fa4":
-            raise RuntimeError(f"{ATTENTION_ENV}=fa4 but FlashAttention-4 cannot run these "
-                               f"queries: {why} (unset {ATTENTION_ENV} to fall back to cuDNN)")
-    return _CudnnCausal if _cudnn_fits(q) else None
-
-
-def _fa4_refuses(q: torch.Tensor) -> str | None:
-    """Why FlashAttention-4's backward cannot take these queries, or None when it can: half
-    precision, head dim a multiple of 8 up to 256, more than one query, an NVIDIA GPU of
-    compute capability 9.x or 10.x, and the package installed."""
-    n, _, d = q.shape
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (it takes bfloat16 / float16)"
-    if d % 8 or d > 256 or n < 2:
-        return f"head dim {d} / {n} queries (it takes head dims 8..256, multiples of 8)"
-    if torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
-        return "not an NVIDIA GPU of compute capability 9.x or 10.x (Hopper, Blackwell)"
-    if _fa4() is None:
-        return "flash_attn.cute does not import (pip install 'eyas[fa4]')"
-    return None
-
-
-def _cudnn_fits(q: torch.Tensor) -> bool:
-    """Whether cuDNN's fused attention takes these queries: half precision, head dim <= 128
-    and a multiple of 8, more than one query, an NVIDIA GPU of compute capability 8.0+ with
-    cuDNN, and cuDNN attention neither switched off
-    (`torch.backends.cuda.enable_cudnn_sdp(False)`) nor excluded by deterministic mode: the
-    private op called here skips the checks PyTorch's own dispatch makes. Anything else takes
-    the FlexAttention band, which gives the same result."""
-    n, _, d = q.shape
-    return (q.dtype in (torch.bfloat16, torch.float16) and d <= 128 and d % 8 == 0 and n > 1
-            and torch.version.hip is None and torch.backends.cudnn.is_available()
-            and torch.backends.cuda.cudnn_sdp_enabled()
-            and not torch.are_deterministic_algorithms_enabled()
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+def _band_backward(band, grad_band, merged):
+    """band.backward, or, where its FlashAttention-4 backward failed and gives way, the
+    fallback kernel's forward (for its own statistics) and backward."""
+    try:
+        return band.backward(grad_band, merged)
+    except Exception as e:
+        if not fa4_gives_way(band, e):
+            raise
+        band = _fallback_band(band.q, band.k, band.v)
+        band.forward()
+        return band.backward(grad_band, merged)
 
 
 class _CausalDiag(torch.autograd.Function):
@@ -300,13 +231,13 @@ class _CausalDiag(torch.autograd.Function):
         n, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        band = band_kernel(q)(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
+        band = _new_band(q, k, v)
         try:
             out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
         except Exception as e:
-            if not _fa4_failed(band, q, e):
+            if not fa4_gives_way(band, e):
                 raise
-            band = _CudnnCausal(q, k, v)
+            band = _fallback_band(q, k, v)
             out_b, lse = band.forward()
         if diag_k is None:
             merged, w_band, w_diag = out_b, None, None
@@ -326,12 +257,12 @@ class _CausalDiag(torch.autograd.Function):
         hkv = band.hkv
         g = hq // hkv
         if w_band is None:
-            dq, dk, dv = band.backward(grad, merged)
+            dq, dk, dv = _band_backward(band, grad, merged)
             return dq, dk, dv, None, None
         grad_band, dq_diag, d_diag_k, d_diag_v = _merge_backward(
             grad.view(n, hkv, g, d), merged.view(n, hkv, g, d), w_band, w_diag,
             band.q.view(n, hkv, g, d), diag_k, diag_v)
-        dq, dk, dv = band.backward(grad_band.view(n, hq, d), merged)
+        dq, dk, dv = _band_backward(band, grad_band.view(n, hq, d), merged)
         dq = _add_in_fp32(dq, dq_diag.view(n, hq, d))
         return dq, dk, dv, d_diag_k, d_diag_v
 
@@ -405,103 +336,9 @@ def _add_in_fp32(a, b):
     return (a.float() + b.float()).to(a.dtype)
 
 
-class _CudnnCausal:
-    """Causal attention of q (N, hq, d) over k, v (N, hkv, d) through cuDNN's fused kernels,
-    forward returning the log-sum-exp, backward taking the `out` whose rowsum(dO * out) it
-    uses (see causal_attention). cuDNN takes fewer K/V heads than query heads (GQA) and sums
-    their gradients itself; a cuDNN that refuses them (older versions) gets K/V repeated to
-    the query heads and the gradients summed back here."""
-
-    gqa = True  # cleared (for the process) the first time cuDNN refuses GQA
-
-    def __init__(self, q, k, v):
-        self.q, self.hkv = q, k.shape[1]
-        self.qt = q.transpose(0, 1)[None]  # (1, hq, N, d)
-        self.kt, self.vt = (x.transpose(0, 1)[None] for x in (k, v))  # (1, hkv, N, d)
-
-    def forward(self):
-        if _CudnnCausal.gqa and self.hkv != self.q.shape[1]:
-            try:
-                return self._forward()
-            except torch.OutOfMemoryError:
-                raise  # not a refusal: repeating K/V would need more memory still
-            except RuntimeError as e:
-                log.warning("cuDNN attention refused %d K/V heads for %d query heads (%s); "
-                            "K/V are repeated to the query heads from now on (more memory)",
-                            self.hkv, self.q.shape[1], str(e).splitlines()[0][:200])
-                _CudnnCausal.gqa = False
-        if self.hkv != self.q.shape[1]:
-            g = self.q.shape[1] // self.hkv
-            self.kt, self.vt = (x.repeat_interleave(g, dim=1) for x in (self.kt, self.vt))
-        return self._forward()
-
-    def _forward(self):
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            self.qt, self.kt, self.vt, None, True, 0.0, True, False)
-        out, lse = res[0], res[1]
-        # the output's layout only (backward hands the kernel tensors laid out like it): the
-        # band output itself is not kept
-        self.out_layout = (out.shape, out.stride(), out.dtype, out.device)
-        self.lse, self.extra = lse, res[2:8]
-        n, hq = self.q.shape[:2]
-        return out[0].transpose(0, 1), lse.reshape(hq, n).t().float()
-
-    def backward(self, grad_band, merged):
-        cq, ck, mq, mk, seed, offset = self.extra
-
-        def like_out(x):  # (N, hq, d) -> the kernel's output layout (a copy only if it differs)
-            shape, stride, dtype, device = self.out_layout
-            view = x.transpose(0, 1)[None]
-            if view.stride() == stride and view.dtype == dtype:
-                return view
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(view)
-
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            like_out(grad_band), self.qt, self.kt, self.vt, like_out(merged), self.lse, seed,
-            offset, None, cq, ck, mq, mk, 0.0, True)
-        dk, dv = (x[0].transpose(0, 1) for x in (dk, dv))  # (N, heads, d)
-        if dk.shape[1] != self.hkv:  # K/V were repeated: sum each group back
-            n, heads, d = dk.shape
-            dk, dv = (x.view(n, self.hkv, heads // self.hkv, d).sum(2) for x in (dk, dv))
-        return dq[0].transpose(0, 1), dk, dv
-
-
-class _Fa4Causal:
-    """_CudnnCausal's contract on FlashAttention-4 (flash_attn.cute; on an H200 its backward
-    took 12 % less time than cuDNN's at 8K-32K tokens, docs/benchmarks.md). Its layout
-    (1, N, heads, d) is eyas's (N, heads, d) with a batch dimension, so nothing is transposed;
-    it takes fewer K/V heads than query heads itself. Its backward reads `out` only for
-    rowsum(dO * out), as cuDNN's does, so the merged output goes there. Under
-    torch.use_deterministic_algorithms it runs its deterministic backward. A backward that
-    fails gives way to cuDNN's (which then runs its own forward first) as `_fa4_failed` says."""
-
-    def __init__(self, q, k, v):
-        self.q, self.hkv, self.fa4 = q, k.shape[1], _fa4()
-        self.q4, self.k4, self.v4 = (x.contiguous()[None] for x in (q, k, v))
-
-    def forward(self):
-        out, lse = self.fa4._flash_attn_fwd(self.q4, self.k4, self.v4, causal=True,
-                                            return_lse=True)[:2]
-        self.lse = lse  # (1, hq, N) fp32, natural log as cuDNN's
-        return out[0], lse[0].t()
-
-    def backward(self, grad_band, merged):
-        try:
-            dq, dk, dv = self.fa4._flash_attn_bwd(
-                self.q4, self.k4, self.v4, merged.contiguous()[None],
-                grad_band.contiguous()[None], self.lse, causal=True,
-                deterministic=torch.are_deterministic_algorithms_enabled())[:3]
-        except Exception as e:
-            if not _fa4_failed(self, self.q, e):
-                raise
-            cudnn = _CudnnCausal(self.q, self.k4[0], self.v4[0])
-            cudnn.forward()
-            return cudnn.backward(grad_band, merged)
-        return dq[0], dk[0], dv[0]
-
-
 class _ReferenceCausal:
-    """The same contract as _CudnnCausal in plain torch (CPU): exact, chunked over queries."""
+    """eyas.band_kernels' contract in plain torch: exact, chunked over queries. The CPU path,
+    and on CUDA the fallback where a failed FlashAttention-4 call has no cuDNN to go to."""
 
     def __init__(self, q, k, v, chunk: int = 1024):
         self.q, self.k, self.v, self.hkv, self.chunk = q, k, v, k.shape[1], chunk

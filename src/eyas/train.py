@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eyas import checkpoint, data
+from eyas import band_kernels, checkpoint, data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
@@ -340,6 +340,7 @@ def train(cfg: TrainConfig) -> dict:
     """Train an EAGLE-3 draft into `cfg.out` (see docs/train.md). Returns the run summary:
     steps, best {step, sim_acceptance_length}, and the last train and eval metrics."""
     # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
+    band_kernels.attention_choice()  # a bad EYAS_ATTENTION stops here, not at the first step
     env = init_env(cfg)
     run_dir, dtype = Path(cfg.out), compute_dtype(env)
     inputs = data.open_inputs(cfg, env.device, "bfloat16" if env.autocast else "float32")
