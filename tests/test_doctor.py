@@ -11,6 +11,7 @@ import types
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import pytest
+import torch
 
 from eyas.cli import main, parse_config
 from eyas.config import ConfigError
@@ -46,7 +47,18 @@ def test_report_matches_inspection(model_dir, name, capsys):
     text = capsys.readouterr().out
     assert f"{info.layers_path}: {info.num_layers} x " in text
     assert f"aux layer ids    {info.default_aux_layer_ids} default (2, L//2, L-3)" in text
+    if not torch.cuda.is_available():
+        assert "draft attention  no CUDA GPU here (CPU training runs the exact plain-torch " \
+               "band) [one-document rows; packed rows: FlexAttention]" in text
     json.dumps(report)  # the same dict is what --json prints
+
+
+def test_bad_attention_choice_is_a_problem(model_dir, monkeypatch, capsys):
+    monkeypatch.setenv("EYAS_ATTENTION", "flash3")
+    report = doctor(DoctorConfig(target=str(model_dir("llama"))))
+    assert not report["ok"]
+    assert "draft attention: EYAS_ATTENTION='flash3': expected auto, fa4 or cudnn" \
+        in report["problems"]
 
 
 def test_kimi_like_report_text(model_dir, capsys):

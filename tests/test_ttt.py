@@ -1006,3 +1006,20 @@ def test_fa4_failure_gives_way(where, monkeypatch, caplog):
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.gpu
+def test_describe_names_the_kernel_on_cuda(monkeypatch):
+    """`eyas doctor`'s line: cuDNN for an 8B draft's heads under EYAS_ATTENTION=cudnn; an MLA
+    target's draft (head dim 192: beyond cuDNN) on FlashAttention-4 where it runs, else on
+    FlexAttention with the reason."""
+    from eyas import band_kernels as bk
+
+    monkeypatch.setenv(bk.ATTENTION_ENV, "cudnn")
+    assert bk.describe(32, 128) == "cuDNN (EYAS_ATTENTION=cudnn)"
+    monkeypatch.setenv(bk.ATTENTION_ENV, "auto")
+    line = bk.describe(64, 192)
+    if line.startswith("FlashAttention-4"):
+        assert line == "FlashAttention-4 (64 heads x 192)"
+    else:
+        assert line.startswith("FlexAttention; not FlashAttention-4: ")

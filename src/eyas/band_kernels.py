@@ -78,6 +78,25 @@ def band_kernel(q: torch.Tensor):
     return CudnnCausal if cudnn_fits(q) else None
 
 
+def describe(heads: int, head_dim: int) -> str:
+    """For `eyas doctor`: the kernel the causal band of a one-document row of a bf16 draft with
+    these query heads runs on here, and why it is not FlashAttention-4."""
+    try:
+        attention_choice()
+        if not torch.cuda.is_available():
+            return "no CUDA GPU here (CPU training runs the exact plain-torch band)"
+        q = torch.empty(2, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        kernel = band_kernel(q)
+    except EyasError as e:
+        return f"error: {e}"
+    if kernel is Fa4Causal:
+        return f"FlashAttention-4 ({heads} heads x {head_dim})"
+    name = "cuDNN" if kernel is CudnnCausal else "FlexAttention"
+    if attention_choice() == "cudnn":
+        return f"{name} ({ATTENTION_ENV}=cudnn)"
+    return f"{name}; not FlashAttention-4: {_fa4_refuses(q)}"
+
+
 def _fa4_refuses(q: torch.Tensor) -> str | None:
     """Why FlashAttention-4's backward cannot take these queries, or None when it can: half
     precision, more than one query, an NVIDIA GPU of compute capability 9.x (head dims 8..256,

@@ -20,6 +20,7 @@ import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eyas import band_kernels
 from eyas.config import (ConfigError, option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
@@ -80,6 +81,8 @@ def doctor(cfg: DoctorConfig) -> dict:
         "tokenizer": _tokenizer_report(cfg, info),
         "plan": _plan(info, ids, cfg),
         "vllm": vllm_report(config.architectures or [info.architecture], info.text_model_type),
+        # the draft's heads are the target's by default (DraftConfig.from_target)
+        "draft_attention": band_kernels.describe(info.num_attention_heads, info.head_dim),
     }
     report["problems"] = _problems(report, info)
     report["ok"] = not report["problems"]
@@ -299,6 +302,8 @@ def _problems(report: dict, info: ModelInfo) -> list[str]:
                        f"{info.vocab_size} embedding rows: wrong tokenizer for this model")
     if info.lm_head_path is None:
         out.append("no output head (lm_head) found: eyas needs the target's logits as teacher")
+    if report["draft_attention"].startswith("error: "):
+        out.append(f"draft attention: {report['draft_attention'][len('error: '):]}")
     vl = report["vllm"]
     if vl["importable"]:
         if "eagle3" not in vl:
@@ -379,6 +384,8 @@ def render_text(r: dict) -> str:
         ("chat template", ("yes" if tok.get("chat_template") else "NO") if tok["loaded"]
          else f"tokenizer not loaded: {tok['error']}"),
         *[(f"eyas {k}", v) for k, v in r["plan"].items()],
+        ("draft attention", r["draft_attention"] + " [one-document rows; packed rows: "
+                            "FlexAttention]"),
         *_vllm_lines(r["vllm"]),
         ("verdict", (f"{len(r['problems'])} problem(s)" if not r["ok"] else "ok" if
                      r["vllm"]["importable"] else "ok for capture/train/export; vLLM side "
