@@ -990,6 +990,7 @@ def test_fa4_failure_gives_way(where, monkeypatch, caplog):
     error = [None]
     monkeypatch.setattr(att, "_new_band", lambda q, k, v: _broken_fa4(q, k, v, error[0], where))
     monkeypatch.delenv(bk.ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(bk, "_failed", None)
     for env, error[0] in (("auto", torch.OutOfMemoryError()), ("fa4", RuntimeError("no kernel"))):
         monkeypatch.setenv(bk.ATTENTION_ENV, env)
         monkeypatch.setattr(bk, "_fa4_module", object())  # installed, not off
@@ -1001,8 +1002,10 @@ def test_fa4_failure_gives_way(where, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="eyas.band_kernels"):
         got = att.causal_attention(*inputs)
         got_grads = torch.autograd.grad(got, inputs, grad)
-    assert "FlashAttention-4 failed (RuntimeError: no kernel for sm_90a)" in caplog.text
-    assert bk._fa4_module is False  # off for the process
+    assert "FlashAttention-4 failed in this process (RuntimeError: no kernel for sm_90a)" \
+        in caplog.text
+    assert bk._fa4_module is False  # off for the process, and doctor / refusals say why:
+    assert bk._failed == "it failed in this process (RuntimeError: no kernel for sm_90a)"
     torch.testing.assert_close(got, want)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w)

@@ -29,6 +29,7 @@ ATTENTION_ENV = "EYAS_ATTENTION"
 _fa4_module = None  # flash_attn.cute.interface once imported; False: not importable, or off
 _said: set[str] = set()  # reasons FlashAttention-4 was not used, logged once each
 _NOT_IMPORTABLE = "flash_attn.cute does not import (pip install 'eyas[fa4]')"
+_failed: str | None = None  # why FlashAttention-4 was switched off after a failed call
 
 
 def attention_choice() -> str:
@@ -72,7 +73,7 @@ def band_kernel(q: torch.Tensor):
         if choice == "fa4":
             raise EyasError(f"{ATTENTION_ENV}=fa4 but FlashAttention-4 cannot run these "
                             f"queries: {why} (unset {ATTENTION_ENV} to fall back to cuDNN)")
-        if why not in _said and why != _NOT_IMPORTABLE:  # _fa4 logged that one
+        if why not in _said and why not in (_NOT_IMPORTABLE, _failed):  # logged already
             _said.add(why)
             log.info("FlashAttention-4 not used: %s", why)
     return CudnnCausal if cudnn_fits(q) else None
@@ -114,7 +115,7 @@ def _fa4_refuses(q: torch.Tensor) -> str | None:
     if major == 10 and 128 < d < 256:
         return f"head dim {d} on compute capability 10.x (it takes up to 128, or 256)"
     if _fa4() is None:
-        return _NOT_IMPORTABLE
+        return _failed or _NOT_IMPORTABLE
     return None
 
 
@@ -137,15 +138,15 @@ def fa4_gives_way(band, e: Exception) -> bool:
     call under EYAS_ATTENTION=auto that failed other than by running out of memory (a kernel
     that does not compile for this GPU, say). FlashAttention-4 is then off for the process
     (logged once)."""
-    global _fa4_module
+    global _fa4_module, _failed
     if (not isinstance(band, Fa4Causal) or isinstance(e, torch.OutOfMemoryError)
             or attention_choice() != "auto"):
         return False
     if _fa4_module is not False:
-        log.warning("FlashAttention-4 failed (%s: %s); cuDNN attention (or FlexAttention) "
-                    "from now on (%s=cudnn skips it, =fa4 stops on such errors)",
-                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
-                    ATTENTION_ENV)
+        _failed = (f"it failed in this process ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+        log.warning("FlashAttention-4 %s; cuDNN attention (or FlexAttention) from now on "
+                    "(%s=cudnn skips it, =fa4 stops on such errors)", _failed[3:], ATTENTION_ENV)
     _fa4_module = False
     return True
 
