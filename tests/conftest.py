@@ -8,6 +8,17 @@ import torch
 from eyas.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip (rather than fail) where there is no CUDA GPU, e.g. `make test-all` on
+    a CPU machine."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_tok():
     return tiny_tokenizer()
