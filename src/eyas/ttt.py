@@ -323,6 +323,8 @@ class _Shares:
         """A function: the hidden state's share of q/k/v (n, C) -> plus shares[at]."""
         self.calls += 1
         table, total, first = self.shares, self.sum, self.calls == 1
+        if torch.compiler.is_compiling():  # autograd's own sum: _AddShare's state would be a
+            return lambda qkv_hidden: qkv_hidden + table.index_select(0, at)  # graph break
         return lambda qkv_hidden: _AddShare.apply(qkv_hidden, table, at, total, first)
 
 
