@@ -69,6 +69,10 @@ def band_kernel(q: torch.Tensor):
     if choice != "cudnn":
         why = _fa4_refuses(q)
         if why is None:
+            if "used" not in _said:
+                _said.add("used")
+                log.info("causal attention of one-document rows on FlashAttention-4 "
+                         "(%s=cudnn for cuDNN's)", ATTENTION_ENV)
             return Fa4Causal
         if choice == "fa4":
             raise EyasError(f"{ATTENTION_ENV}=fa4 but FlashAttention-4 cannot run these "

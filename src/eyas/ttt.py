@@ -139,9 +139,11 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     pool spinning on a busy host is the suspected cause of stalls seen on an H200 host (in
     ~40 % of benchmark runs the host took ~360 ms to queue a graphed 8K iteration the GPU
     ran in ~165; docs/benchmarks.md)."""
-    threads = torch.get_num_threads()
-    one_thread = batch.target_top1.device.type == "cpu" and threads > 1  # see above
+    # (compiled, dynamo cannot trace the thread switch: a graph break each way)
+    one_thread = (batch.target_top1.device.type == "cpu" and not torch.compiler.is_compiling()
+                  and torch.get_num_threads() > 1)
     if one_thread:
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
     try:
         plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
