@@ -988,19 +988,25 @@ def test_fa4_failure_gives_way(where, monkeypatch, caplog):
     want_grads = torch.autograd.grad(want, inputs, grad)
 
     error = [None]
-    monkeypatch.setattr(att, "_new_band", lambda q, k, v: _broken_fa4(q, k, v, error[0], where))
+
+    def broken_kernel(q, k, v):
+        return _broken_fa4(q, k, v, error[0], where)
+
+    def broken_attention(*inputs):  # causal_attention's call, on a broken FlashAttention-4
+        return att._CausalDiag.apply(*inputs, broken_kernel)
+
     monkeypatch.delenv(bk.ATTENTION_ENV, raising=False)
     monkeypatch.setattr(bk, "_failed", None)
     for env, error[0] in (("auto", torch.OutOfMemoryError()), ("fa4", RuntimeError("no kernel"))):
         monkeypatch.setenv(bk.ATTENTION_ENV, env)
         monkeypatch.setattr(bk, "_fa4_module", object())  # installed, not off
         with pytest.raises(type(error[0]), match="no kernel" if env == "fa4" else None):
-            torch.autograd.grad(att.causal_attention(*inputs), inputs, grad)
+            torch.autograd.grad(broken_attention(*inputs), inputs, grad)
         assert bk._fa4_module is not False
     monkeypatch.setenv(bk.ATTENTION_ENV, "auto")
     error[0] = RuntimeError("no kernel for sm_90a")
     with caplog.at_level(logging.WARNING, logger="eyas.band_kernels"):
-        got = att.causal_attention(*inputs)
+        got = broken_attention(*inputs)
         got_grads = torch.autograd.grad(got, inputs, grad)
     assert "FlashAttention-4 failed in this process (RuntimeError: no kernel for sm_90a)" \
         in caplog.text

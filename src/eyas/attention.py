@@ -191,25 +191,32 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
                               for x in (diag_k, diag_v))
         return causal_attention(placed, k, v, diag_k, diag_v).index_select(0, rows)
     n, _, d = q.shape
-    if q.device.type == "cuda" and band_kernel(q) is None:
+    kernel = band_kernel(q) if q.device.type == "cuda" else _ReferenceCausal
+    if kernel is None:  # no fused kernel takes q
         idx = torch.arange(n, device=q.device)
         return attention(q, k, v, torch.zeros_like(idx), idx, diag_k, diag_v)
     with torch.autocast(q.device.type, enabled=False):
         if k.shape[0] > n:  # a slice only when needed: even a whole one costs backward a copy
             k, v = k[:n], v[:n]
-        return _CausalDiag.apply(q, k, v, diag_k, diag_v)
-
-
-def _new_band(q, k, v):
-    """The band's kernel object (eyas.band_kernels' contract): a fused kernel on CUDA, the
-    exact reference on CPU."""
-    return band_kernel(q)(q, k, v) if q.device.type == "cuda" else _ReferenceCausal(q, k, v)
+        return _CausalDiag.apply(q, k, v, diag_k, diag_v, kernel)
 
 
 def _fallback_band(q, k, v):
     """The band's kernel once FlashAttention-4 has failed: cuDNN where it takes q, else the
     exact reference (FlexAttention needs a block mask this path does not build)."""
     return CudnnCausal(q, k, v) if cudnn_fits(q) else _ReferenceCausal(q, k, v)
+
+
+def _band_forward(band):
+    """(band, its forward's out and LSE), or, where its FlashAttention-4 forward failed and
+    gives way, the fallback kernel and its forward's."""
+    try:
+        return band, *band.forward()
+    except Exception as e:
+        if not fa4_gives_way(band, e):
+            raise
+        band = _fallback_band(band.q, band.k, band.v)
+        return band, *band.forward()
 
 
 def _band_backward(band, grad_band, merged):
@@ -227,18 +234,11 @@ def _band_backward(band, grad_band, merged):
 
 class _CausalDiag(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, diag_k, diag_v):
+    def forward(ctx, q, k, v, diag_k, diag_v, kernel):
         n, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
-        band = _new_band(q, k, v)
-        try:
-            out_b, lse = band.forward()  # (N, hq, d), (N, hq) fp32
-        except Exception as e:
-            if not fa4_gives_way(band, e):
-                raise
-            band = _fallback_band(q, k, v)
-            out_b, lse = band.forward()
+        band, out_b, lse = _band_forward(kernel(q, k, v))  # (N, hq, d), (N, hq) fp32
         if diag_k is None:
             merged, w_band, w_diag = out_b, None, None
         else:
@@ -258,13 +258,13 @@ class _CausalDiag(torch.autograd.Function):
         g = hq // hkv
         if w_band is None:
             dq, dk, dv = _band_backward(band, grad, merged)
-            return dq, dk, dv, None, None
+            return dq, dk, dv, None, None, None
         grad_band, dq_diag, d_diag_k, d_diag_v = _merge_backward(
             grad.view(n, hkv, g, d), merged.view(n, hkv, g, d), w_band, w_diag,
             band.q.view(n, hkv, g, d), diag_k, diag_v)
         dq, dk, dv = _band_backward(band, grad_band.view(n, hq, d), merged)
         dq = _add_in_fp32(dq, dq_diag.view(n, hq, d))
-        return dq, dk, dv, d_diag_k, d_diag_v
+        return dq, dk, dv, d_diag_k, d_diag_v, None
 
 
 # The diagonal merge as two torch functions: the CPU path and the reference of the Triton

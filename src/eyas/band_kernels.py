@@ -87,7 +87,7 @@ def describe(heads: int, head_dim: int) -> str:
     """For `eyas doctor`: the kernel the causal band of a one-document row of a bf16 draft with
     these query heads runs on here, and why it is not FlashAttention-4."""
     try:
-        attention_choice()
+        choice = attention_choice()
         if not torch.cuda.is_available():
             return "no CUDA GPU here (CPU training runs the exact plain-torch band)"
         q = torch.empty(2, heads, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -97,7 +97,7 @@ def describe(heads: int, head_dim: int) -> str:
     if kernel is Fa4Causal:
         return f"FlashAttention-4 ({heads} heads x {head_dim})"
     name = "cuDNN" if kernel is CudnnCausal else "FlexAttention"
-    if attention_choice() == "cudnn":
+    if choice == "cudnn":
         return f"{name} ({ATTENTION_ENV}=cudnn)"
     return f"{name}; not FlashAttention-4: {_fa4_refuses(q)}"
 
@@ -147,10 +147,11 @@ def fa4_gives_way(band, e: Exception) -> bool:
             or attention_choice() != "auto"):
         return False
     if _fa4_module is not False:
-        _failed = (f"it failed in this process ({type(e).__name__}: "
-                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
-        log.warning("FlashAttention-4 %s; cuDNN attention (or FlexAttention) from now on "
-                    "(%s=cudnn skips it, =fa4 stops on such errors)", _failed[3:], ATTENTION_ENV)
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        _failed = f"it failed in this process ({error})"
+        log.warning("FlashAttention-4 failed in this process (%s); cuDNN attention (or "
+                    "FlexAttention) from now on (%s=cudnn skips it, =fa4 stops on such "
+                    "errors)", error, ATTENTION_ENV)
     _fa4_module = False
     return True
 

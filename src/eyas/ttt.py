@@ -140,15 +140,14 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     ~40 % of benchmark runs the host took ~360 ms to queue a graphed 8K iteration the GPU
     ran in ~165; docs/benchmarks.md)."""
     # (compiled, dynamo cannot trace the thread switch: a graph break each way)
-    one_thread = (batch.target_top1.device.type == "cpu" and not torch.compiler.is_compiling()
-                  and torch.get_num_threads() > 1)
-    if one_thread:
-        threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if batch.target_top1.device.type == "cpu" \
+        and not torch.compiler.is_compiling() else 1
+    if threads > 1:
         torch.set_num_threads(1)
     try:
         plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
     finally:
-        if one_thread:
+        if threads > 1:
             torch.set_num_threads(threads)
     if device is not None and torch.device(device) != plan.valid.device:
         counts = [c.numel() for c in plan.cols]
