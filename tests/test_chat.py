@@ -102,6 +102,21 @@ def test_normalize_rejects_malformed_rows_with_reason(row, reason):
         chat.normalize(row)
 
 
+def test_normalize_accepts_prompts_only_when_asked():
+    prompt = {"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "Hi"}]}
+    human = {"conversations": [{"from": "human", "value": "Hi"}]}
+    with pytest.raises(ChatFormatError, match="no assistant turn"):
+        chat.normalize(prompt)  # the default: training data needs answers to supervise
+    assert chat.normalize(prompt, need_assistant=False) == prompt["messages"]
+    assert chat.normalize(human, "sharegpt", need_assistant=False) == [
+        {"role": "user", "content": "Hi"}]
+    with pytest.raises(ChatFormatError, match="empty conversation"):
+        chat.normalize({"messages": []}, need_assistant=False)  # still checked
+    with pytest.raises(ChatFormatError, match="unknown role"):
+        chat.normalize({"messages": [{"role": "bot", "content": "x"}]}, need_assistant=False)
+
+
 def test_chat_format_error_is_a_value_error():
     assert issubclass(ChatFormatError, ValueError)
 

@@ -3,8 +3,9 @@
 The tiny random model rarely emits its own end-of-turn token, so the fixture copies it and adds
 one token its greedy answers often contain to `generation_config.eos_token_id` (real models list
 several end ids the same way, e.g. Llama 3). Some rows then finish and others run into
-`max_new_tokens`, which exercises both outcomes. Every expected answer comes from an
-independent reference: plain one-prompt `model.generate` without padding or batching.
+`max_new_tokens` (kept, marked truncated), which exercises both outcomes. Every expected
+answer comes from an independent reference: plain one-prompt `model.generate` without padding
+or batching.
 """
 
 from __future__ import annotations
@@ -41,10 +42,19 @@ TEMPLATE = (
 )
 
 
+SYNTHETIC = synthetic_chats(9, seed=5)  # one and two assistant turns, some with a system turn
+# Prompt-only rows (no assistant turn) and a conversation that ends with a user turn: each
+# gets a new final answer.
+PROMPTS = ("prompt-first", "prompt-only", "sharegpt-prompt", "system-prompt", "ends-with-user")
+# Rows refused as input: nothing to answer, an unknown role, a line that is not JSON.
+INPUT_REJECTS = 3
+
+
 def _rows() -> list:
-    """Input rows: synthetic chats (one and two assistant turns), a ShareGPT row, a tool call,
-    and three malformed rows."""
-    rows: list = synthetic_chats(9, seed=5)
+    """Input rows: a prompt-only row, synthetic chats, a ShareGPT row, a tool call, more
+    prompt-only rows, then the malformed ones."""
+    rows: list = [{"id": "prompt-first", "messages": [
+        {"role": "user", "content": "Write a sentence about a green frog."}]}, *SYNTHETIC]
     rows.append({"id": "sharegpt-1", "conversations": [
         {"from": "human", "value": "Name three animals."}, {"from": "gpt", "value": "A cat."}]})
     rows.append({"id": "tool-1", "messages": [
@@ -52,10 +62,26 @@ def _rows() -> list:
         {"role": "assistant", "content": "call get_weather(city='Paris')"},
         {"role": "tool", "content": "sunny, 21 C"},
         {"role": "assistant", "content": "It is sunny in Paris."}]})
-    rows.append({"id": "no-answer", "messages": [{"role": "user", "content": "Hello?"}]})
+    rows.append({"id": "prompt-only", "messages": [{"role": "user", "content": "Hello?"}]})
+    rows.append({"id": "sharegpt-prompt", "conversations": [
+        {"from": "human", "value": "Count from 3 to 9."}]})
+    rows.append({"id": "system-prompt", "messages": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What do you know about Paris?"}]})
+    rows.append({"id": "ends-with-user", "messages": [
+        {"role": "user", "content": "Name two animals."},
+        {"role": "assistant", "content": "A fox and an owl."},
+        {"role": "user", "content": "Add 12 and 30."}]})
+    rows.append({"id": "system-only", "messages": [{"role": "system", "content": "Be brief."}]})
     rows.append({"id": "bad-role", "messages": [{"role": "robot", "content": "beep"}]})
     rows.append("this line is not JSON")
     return rows
+
+
+def _messages(row: dict) -> list[dict]:
+    return row.get("messages") or [
+        {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+        for t in row["conversations"]]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,12 +103,7 @@ def setup(llama_dir, tmp_path_factory):
     (model_dir / "generation_config.json").write_text(json.dumps(config))
     gen = load_generator(model_dir, device="cpu")
     assert gen.stop_ids == {gen.tokenizer.eos_token_id, stop}
-    expected = {}
-    for r in rows[:11]:
-        messages = r.get("messages") or [
-            {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
-            for t in r["conversations"]]
-        expected[r["id"]] = _reference(gen, messages)
+    expected = {r["id"]: _reference(gen, _messages(r)) for r in rows[:-INPUT_REJECTS]}
     return model_dir, data, rows, expected
 
 
@@ -92,11 +113,11 @@ def _prompt_ids(tok, messages) -> torch.Tensor:
     return tok(text, add_special_tokens=False, return_tensors="pt").input_ids  # (1, T)
 
 
-def _greedy(gen, messages, eos: list[int]) -> list[int]:
+def _greedy(gen, messages, eos: list[int], max_new: int = MAX_NEW) -> list[int]:
     ids = _prompt_ids(gen.tokenizer, messages)
     with torch.no_grad():
         out = gen.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                 max_new_tokens=max_new, eos_token_id=eos,
                                  pad_token_id=gen.tokenizer.pad_token_id)
     return out[0, ids.shape[1]:].tolist()
 
@@ -106,31 +127,35 @@ def _pick_stop_token(gen, rows) -> int:
     eos = gen.tokenizer.eos_token_id
     answers = [_greedy(gen, r["messages"][:next(i for i, m in enumerate(r["messages"])
                                                 if m["role"] == "assistant")], [eos])
-               for r in rows[:9]]
+               for r in SYNTHETIC]
     seen = Counter(t for a in answers for t in set(a[1:]))
     return next(t for t, n in seen.most_common() if n < len(answers) and t != eos)
 
 
-def _reference(gen, messages, last_only: bool = False) -> list | str:
-    """Regenerate every assistant turn (tool calls kept), or the last, one prompt at a time:
-    the new messages, or the reject kind."""
+def _reference(gen, messages, last_only: bool = False, max_new: int = MAX_NEW,
+               drop_truncated: bool = False) -> dict | str:
+    """Regenerate every assistant turn (tool calls kept), or the last, one prompt at a time; a
+    conversation ending with a user turn gets a new final answer, and a truncated answer ends
+    the conversation. {"messages", "truncated"}, or the reject kind."""
     messages = [dict(m) for m in messages]
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or (i + 1 < len(messages)
-                                        and messages[i + 1]["role"] == "tool"):
-            continue
-        if last_only and i != last:
-            continue
-        new = _greedy(gen, messages[:i], sorted(gen.stop_ids))
+    if messages[-1]["role"] == "user":
+        messages.append({"role": "assistant", "content": ""})
+    redo = [i for i, m in enumerate(messages) if m["role"] == "assistant"
+            and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")]
+    for i in redo[-1:] if last_only else redo:
+        new = _greedy(gen, messages[:i], sorted(gen.stop_ids), max_new)
         end = next((k for k, t in enumerate(new) if t in gen.stop_ids), None)
-        if end is None:
-            return "length"
         text = gen.tokenizer.decode(new[:end], skip_special_tokens=True)
+        if end is None:
+            text = text.rstrip("\ufffd")  # a character cut in half is not the target's
         if not text.strip():
             return "empty"
+        if end is None and drop_truncated:
+            return "length"
         messages[i] = {"role": "assistant", "content": text}
-    return messages
+        if end is None:
+            return {"messages": messages[:i + 1], "truncated": True}
+    return {"messages": messages, "truncated": False}
 
 
 def _cfg(setup, out, **kw) -> RegenerateConfig:
@@ -144,20 +169,35 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _check_outputs(setup, out: Path) -> dict:
+def _outcomes(out: Path) -> dict:
+    """Row id -> {"messages", "truncated"} or the reject kind, from an output folder."""
+    got = {r["id"]: {"messages": r["messages"], "truncated": r["truncated"]}
+           for r in _read(out / OUTPUT)}
+    got.update({r["sample_id"]: r["kind"] for r in _read(out / REJECTS)})
+    return got
+
+
+def _with_input_rejects(setup, expected: dict) -> dict:
+    data, rows = setup[1], setup[2]
+    return {**expected, "system-only": "input", "bad-role": "input",
+            f"{data}:{len(rows)}": "input"}  # the bad JSON line has no id of its own
+
+
+def _check_outputs(setup, out: Path, expected: dict | None = None) -> dict:
     """Every input row is in exactly one output, as the reference says; returns the manifest."""
-    _, data, rows, expected = setup
+    rows = setup[2]
     ok, rejects = _read(out / OUTPUT), _read(out / REJECTS)
     keys = [(r["source"]["file"], r["source"]["row"]) for r in ok] + [
         (r["file"], r["row"]) for r in rejects]
     assert sorted(k[1] for k in keys) == list(range(1, len(rows) + 1))  # no loss, no duplicate
     assert [r["source"]["row"] for r in ok] == sorted(r["source"]["row"] for r in ok)
-    got = {r["id"]: r["messages"] for r in ok}
-    got.update({r["sample_id"]: r["kind"] for r in rejects})
-    assert got == {**expected, "no-answer": "input", "bad-role": "input",
-                   f"{data}:{len(rows)}": "input"}  # the bad JSON line has no id of its own
+    assert _outcomes(out) == _with_input_rejects(setup, expected or setup[3])
     manifest = json.loads((out / "eyas.json").read_text())
     assert manifest["complete"] is True
+    stats = manifest["stats"]
+    assert stats["ok"] + stats["failed"] + stats["skipped"] == stats["input"] == len(rows)
+    assert stats["ok_total"] == len(ok) and stats["failed_total"] == len(rejects)
+    assert stats["truncated_total"] == sum(r["truncated"] for r in ok)
     return manifest
 
 
@@ -167,24 +207,95 @@ def local_run(setup, tmp_path_factory):
     return out, regenerate(_cfg(setup, out))
 
 
+def _kinds(expected: dict) -> Counter:
+    return Counter(v if isinstance(v, str) else "truncated" if v["truncated"] else "ok"
+                   for v in expected.values())
+
+
 def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
     out, stats = local_run
     _, _, rows, expected = setup
-    kinds = Counter(v if isinstance(v, str) else "ok" for v in expected.values())
-    assert kinds["ok"] >= 2 and kinds["length"] >= 1, kinds  # both outcomes are exercised
+    kinds = _kinds(expected)
+    assert kinds["ok"] >= 2 and kinds["truncated"] >= 1, kinds  # both outcomes are exercised
     manifest = _check_outputs(setup, out)
     assert stats == manifest["stats"]
     assert stats["input"] == len(rows) == stats["ok"] + stats["failed"] + stats["skipped"]
-    assert stats["ok"] == kinds["ok"] and stats["skipped"] == 0
+    assert stats["ok"] == kinds["ok"] + kinds["truncated"] and stats["skipped"] == 0
+    assert stats["truncated"] == stats["truncated_total"] == kinds["truncated"]
+    assert stats["failed_by_kind"] == {"input": INPUT_REJECTS, **{
+        k: n for k, n in kinds.items() if k not in ("ok", "truncated")}}
     assert manifest["sampling"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert manifest["sampling"]["temperature"] == 0.0
-    ok = {r["id"]: r["messages"] for r in _read(out / OUTPUT)}
+    ok = {r["id"]: r for r in _read(out / OUTPUT)}
     if "tool-1" in ok:  # the tool call stays, only the final answer is new
-        assert ok["tool-1"][1]["content"] == "call get_weather(city='Paris')"
+        assert ok["tool-1"]["messages"][1]["content"] == "call get_weather(city='Paris')"
     reasons = {r["sample_id"]: r["reason"] for r in _read(out / REJECTS)}
-    assert "no assistant turn" in reasons["no-answer"]
+    assert "no user or tool turn at the end to answer" in reasons["system-only"]
     assert "unknown role 'robot'" in reasons["bad-role"]
-    assert any("max_new_tokens=10" in r for r in reasons.values())
+
+
+def test_prompt_only_rows_get_an_answer(setup, local_run):
+    ok = {r["id"]: r for r in _read(local_run[0] / OUTPUT)}
+    prompts = {p: ok[p] for p in PROMPTS if p in ok}
+    assert len(prompts) >= 4, sorted(ok)  # the tiny model answers most of them
+    for sid, row in prompts.items():
+        source = _messages(setup[2][row["source"]["row"] - 1])
+        assert row["messages"][-1]["role"] == "assistant" and row["messages"][-1]["content"]
+        if not row["truncated"]:
+            assert len(row["messages"]) == len(source) + 1, sid
+        assert [m["role"] for m in row["messages"][:len(source)]] == [
+            m["role"] for m in source][:len(row["messages"])]
+    if "ends-with-user" in prompts and len(prompts["ends-with-user"]["messages"]) == 4:
+        # turns=all: the earlier answer was regenerated too
+        assert prompts["ends-with-user"]["messages"][1]["content"] != "A fox and an owl."
+
+
+def test_truncated_answers_are_kept_marked_and_end_the_conversation(setup, tmp_path):
+    """With 1 new token every answer that is not empty is cut; turns=all stops at the cut."""
+    gen = load_generator(setup[0], device="cpu")
+    stats = regenerate(_cfg(setup, tmp_path, max_new_tokens=1))
+    expected = {r["id"]: _reference(gen, _messages(r), max_new=1)
+                for r in setup[2][:-INPUT_REJECTS]}
+    _check_outputs(setup, tmp_path, expected)
+    kinds = _kinds(expected)
+    assert stats["truncated"] == kinds["truncated"] >= 4 and kinds["ok"] == 0
+    rows = {r["id"]: _messages(r) for r in setup[2][:-INPUT_REJECTS]}
+    short = [sid for sid, v in expected.items() if not isinstance(v, str)
+             and len(v["messages"]) < len(rows[sid]) + (rows[sid][-1]["role"] == "user")]
+    assert stats["cut_short"] == len(short) >= 1
+
+
+def test_drop_truncated_rejects_them(setup, tmp_path):
+    gen = load_generator(setup[0], device="cpu")
+    stats = regenerate(_cfg(setup, tmp_path, drop_truncated=True))
+    expected = {r["id"]: _reference(gen, _messages(r), drop_truncated=True)
+                for r in setup[2][:-INPUT_REJECTS]}
+    _check_outputs(setup, tmp_path, expected)
+    assert stats["truncated"] == 0
+    assert stats["failed_by_kind"]["length"] == _kinds(setup[3])["truncated"] >= 1
+    reasons = [r["reason"] for r in _read(tmp_path / REJECTS) if r["kind"] == "length"]
+    assert all("max_new_tokens=10" in r and "--drop-truncated" in r for r in reasons)
+
+
+def test_accept_keeps_a_cut_answer_as_the_target_wrote_it():
+    from eyas.openai_server import Generation, _parse_choice
+    from eyas.regenerate import Rejected, accept
+
+    cfg = RegenerateConfig(target="m", data=("d",), out="o")
+    assert accept(Generation("caf\ufffd", "length"), 1, cfg)["content"] == "caf"
+    assert accept(Generation("caf\ufffd", "stop"), 1, cfg)["content"] == "caf\ufffd"
+    # Cut inside its reasoning, split off by a server's reasoning parser: no closing tag added.
+    split = _parse_choice({"choices": [{"finish_reason": "length", "message": {
+        "content": None, "reasoning_content": "Let me think"}}]})
+    assert accept(split, 1, cfg)["content"] == "<think>\nLet me think"
+    whole = _parse_choice({"choices": [{"finish_reason": "length", "message": {
+        "content": "The answer", "reasoning_content": "Let me think"}}]})
+    assert accept(whole, 1, cfg)["content"] == "<think>\nLet me think\n</think>\n\nThe answer"
+    with pytest.raises(Rejected, match="--drop-truncated") as err:
+        accept(whole, 1, replace(cfg, drop_truncated=True))
+    assert err.value.kind == "length"
+    with pytest.raises(Rejected, match="empty answer"):
+        accept(Generation("  ", "length"), 1, cfg)
 
 
 def test_output_is_ready_for_prepare(setup, local_run, tmp_path):
@@ -200,14 +311,17 @@ def test_output_is_ready_for_prepare(setup, local_run, tmp_path):
 
 
 def test_turns_last_keeps_earlier_answers(setup, tmp_path):
-    _, _, rows, _ = setup
-    two_turns = [r for r in rows[:9] if sum(m["role"] == "assistant" for m in r["messages"]) > 1]
+    rows = setup[2]
+    two_turns = [r for r in SYNTHETIC if sum(m["role"] == "assistant" for m in r["messages"]) > 1]
     assert two_turns
     gen = load_generator(setup[0], device="cpu")
-    regenerate(_cfg(setup, tmp_path, turns="last", limit=9))
-    got = {r["id"]: r["messages"] for r in _read(tmp_path / OUTPUT)}
-    got.update({r["sample_id"]: r["kind"] for r in _read(tmp_path / REJECTS)})
-    assert got == {r["id"]: _reference(gen, r["messages"], last_only=True) for r in rows[:9]}
+    regenerate(_cfg(setup, tmp_path, turns="last"))
+    expected = {r["id"]: _reference(gen, _messages(r), last_only=True)
+                for r in rows[:-INPUT_REJECTS]}
+    _check_outputs(setup, tmp_path, expected)
+    got = _outcomes(tmp_path)
+    if not isinstance(got["ends-with-user"], str):  # only the new final answer is generated
+        assert got["ends-with-user"]["messages"][1]["content"] == "A fox and an owl."
 
 
 def test_server_backend_matches_transformers_despite_faults(setup, local_run, tmp_path):
@@ -235,22 +349,23 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
                                 server_url=(down.url,), retries=1, retry_backoff=0.01))
     rejects = _read(tmp_path / REJECTS)
     server = [r for r in rejects if r["kind"] == "server"]
-    assert len(server) == stats["failed_by_kind"]["server"] == 11
+    usable = len(setup[2]) - INPUT_REJECTS
+    assert len(server) == stats["failed_by_kind"]["server"] == usable
     assert all("after 2 attempts" in r["reason"] and "HTTP 500" in r["reason"] for r in server)
-    assert down.stats["requests"] == 2 * 11  # every request was retried once
+    assert down.stats["requests"] == 2 * usable  # every request was retried once
 
     with ChatServer(gen, "tiny", max_prompt_tokens=3) as small:
         short = tmp_path / "short"
         regenerate(_cfg(setup, short, backend="openai", served_model_name="tiny",
                         server_url=(small.url,)))
-    assert small.stats["requests"] == 11  # HTTP 400 is not retried
+    assert small.stats["requests"] == usable  # HTTP 400 is not retried
     assert all("maximum context length" in r["reason"] for r in _read(short / REJECTS)
                if r["kind"] == "server")
 
     with ChatServer(gen, "tiny") as up:
         again = regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
                                 server_url=(up.url,), retry_rejects=True))
-    assert again["skipped"] == 3 and again["ok"] + again["failed"] == 11
+    assert again["skipped"] == INPUT_REJECTS and again["ok"] + again["failed"] == usable
     _check_outputs(setup, tmp_path)
 
 
@@ -266,8 +381,10 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
         env = {**os.environ, KILL_ENV: "5", "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == -signal.SIGKILL, proc.stderr
-        done = len(_read(out / OUTPUT)) + len(_read(out / REJECTS))
+        before = _outcomes(out)
+        done = len(before)
         assert 5 <= done < len(rows)
+        assert "prompt-first" in before and "prompt-only" not in before  # prompts on both sides
         assert json.loads((out / "eyas.json").read_text())["complete"] is False
         with open(out / OUTPUT, "a") as f:  # as if a later kill had torn a line in half
             f.write('{"id": "torn", "messages": [{"ro')
@@ -275,6 +392,8 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
                                 server_url=(server.url,), batch_size=2))
     assert stats["skipped"] == done and stats["ok"] + stats["failed"] == len(rows) - done
     assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
+    assert stats["truncated_total"] == local_run[1]["truncated"]
+    assert stats["ok_total"] == local_run[1]["ok"]
     _check_outputs(setup, out)
 
 
@@ -283,12 +402,27 @@ def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     shutil.copytree(local_run[0], out)
     with pytest.raises(EyasError, match="different max_new_tokens"):
         regenerate(replace(_cfg(setup, out), max_new_tokens=MAX_NEW + 1))
+    with pytest.raises(EyasError, match="different drop_truncated"):
+        regenerate(replace(_cfg(setup, out), drop_truncated=True))
     data = tmp_path / "chats.jsonl"
     data.write_text(setup[1].read_text() + json.dumps(synthetic_chats(1)[0]) + "\n")
     with pytest.raises(EyasError, match="different data"):
         regenerate(replace(_cfg(setup, out), data=(str(data),)))
     again = regenerate(_cfg(setup, out))  # same settings: nothing left to do
     assert again["skipped"] == again["input"] and again["ok"] == 0
+    assert again["truncated_total"] == local_run[1]["truncated"]
+
+
+def test_run_from_before_drop_truncated_resumes_as_it_ran(setup, local_run, tmp_path):
+    """A manifest without drop_truncated comes from a run that rejected truncated answers."""
+    out = tmp_path / "out"
+    shutil.copytree(local_run[0], out)
+    manifest = json.loads((out / "eyas.json").read_text())
+    del manifest["config"]["drop_truncated"]
+    (out / "eyas.json").write_text(json.dumps(manifest))
+    with pytest.raises(EyasError, match=r"different drop_truncated \(it ran with true\)"):
+        regenerate(_cfg(setup, out))
+    assert regenerate(_cfg(setup, out, drop_truncated=True))["skipped"] == len(setup[2])
 
 
 def test_server_checks_fail_with_the_fix(setup, tmp_path):

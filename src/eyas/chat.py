@@ -251,11 +251,14 @@ def detect_format(row: dict) -> str:
     raise ChatFormatError(f"no 'conversations' or 'messages' column (row has: {keys})")
 
 
-def normalize(row: dict, fmt: str = "auto") -> list[dict[str, str]]:
+def normalize(row: dict, fmt: str = "auto", *,
+              need_assistant: bool = True) -> list[dict[str, str]]:
     """The row's turns as `[{"role": ..., "content": str}]` (OpenAI roles).
 
     Raises `ChatFormatError` for an empty conversation, a turn without role or content, an
-    unknown role, non-text content or a conversation without an assistant turn.
+    unknown role, non-text content or, with `need_assistant` (training data supervises
+    assistant turns), a conversation without an assistant turn. `need_assistant=False`
+    accepts prompts, such as a lone user turn, for callers that generate the answer.
     A turn's `reasoning_content` (or `reasoning`) is kept, inline as `<think>...</think>`.
     """
     if not isinstance(row, dict):
@@ -274,7 +277,7 @@ def normalize(row: dict, fmt: str = "auto") -> list[dict[str, str]]:
     if not turns:
         raise ChatFormatError("empty conversation")
     messages = [_normalize_turn(i, turn) for i, turn in enumerate(turns)]
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ChatFormatError("no assistant turn")
     return messages
 

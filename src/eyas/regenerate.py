@@ -4,8 +4,11 @@ A draft learns to predict the target, so it should train on text the target writ
 mode it is served in (its chat template, system prompt, thinking setting, greedy). This step
 reads conversations in any format `eyas prepare` reads and regenerates every assistant turn
 (`turns="all"`, each given the conversation so far, earlier turns already regenerated) or only
-the last one, keeping system, user and tool turns. The result, `out/conversations.jsonl`
-(OpenAI `messages` form, with each input row's id), is input for `eyas prepare`.
+the last one, keeping system, user and tool turns. A conversation that ends with a user or tool
+turn (a prompt-only row is the usual case) gets its final answer generated as a new turn. An
+answer cut at `max_new_tokens` is kept, marked `"truncated": true`, and ends its conversation
+(unless `drop_truncated`). The result, `out/conversations.jsonl` (OpenAI `messages` form, with
+each input row's id), is input for `eyas prepare`.
 
 Backends: `transformers` generates here in left-padded batches with a KV cache; `openai`
 calls OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang) with many requests in
@@ -28,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from eyas.chat import (FORMATS, ChatFormatError, normalize, read_rows, sample_id,
-                       source_fingerprints, strip_reasoning, with_system_prompt)
+from eyas.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
+                       sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.manifest import chat_template_fingerprint, target_record, write_manifest
@@ -59,7 +62,10 @@ class RegenerateConfig:
                           "OpenAI-compatible servers (vLLM, SGLang)", choices=BACKENDS)
     turns: str = option("all", "regenerate every assistant turn (each given the conversation so "
                         "far) or only the last", choices=("all", "last"))
-    max_new_tokens: int = option(2048, "most tokens per turn; a turn that hits it is rejected")
+    max_new_tokens: int = option(2048, "most tokens per turn; an answer that hits it is kept, "
+                                 "marked truncated, and ends its conversation")
+    drop_truncated: bool = option(False, "reject conversations with an answer cut at "
+                                  "max_new_tokens (rejects kind length) instead of keeping them")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
     reasoning: str = option("default", "thinking mode: on/off send chat_template_kwargs "
@@ -115,13 +121,27 @@ class RegenerateConfig:
 
 @dataclass
 class Job:
-    """One input conversation and the positions of the assistant turns to regenerate."""
+    """One input conversation and the positions of the assistant turns to regenerate.
+
+    A conversation that ends with a user or tool turn carries an empty assistant turn at the
+    end, the slot for the answer to generate.
+    """
 
     file: str
     row: int
     sample_id: str
     messages: list[dict]
     turns: list[int]
+
+
+@dataclass
+class Regenerated:
+    """A conversation in the target's words. `truncated`: its last message is an answer cut at
+    max_new_tokens; `cut_short`: turns after that answer were left out."""
+
+    messages: list[dict]
+    truncated: bool = False
+    cut_short: bool = False
 
 
 class Rejected(Exception):
@@ -159,15 +179,20 @@ def regenerate(cfg: RegenerateConfig) -> dict:
 
     for name in (OUTPUT, REJECTS):
         sort_by_input(out / name, order)
-    totals = Counter(prior.values())
+    totals = Counter(prior.values())  # "truncated" rows are ok rows too
     stats = {"input": counts["input"], "ok": counts["ok"], "failed": counts["failed"],
-             "skipped": counts["skipped"], "ok_total": totals["ok"] + counts["ok"],
+             "skipped": counts["skipped"],
+             "ok_total": totals["ok"] + totals["truncated"] + counts["ok"],
              "failed_total": totals["failed"] + counts["failed"],
+             "truncated": counts["truncated"],
+             "truncated_total": totals["truncated"] + counts["truncated"],
+             "cut_short": counts["cut_short"],
              "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")}}
     write_manifest(out, "regenerate", cfg, target=target, complete=True, stats=stats, **extras)
-    log.info("regenerate: %d input rows = %d ok + %d failed + %d done before; %d conversations "
-             "in %s (rejects: %s)", stats["input"], stats["ok"], stats["failed"],
-             stats["skipped"], stats["ok_total"], out / OUTPUT, stats["failed_by_kind"] or "none")
+    log.info("regenerate: %d input rows = %d ok (%d of them truncated) + %d failed + %d done "
+             "before; %d conversations in %s (rejects: %s)", stats["input"], stats["ok"],
+             stats["truncated"], stats["failed"], stats["skipped"], stats["ok_total"],
+             out / OUTPUT, stats["failed_by_kind"] or "none")
     return stats
 
 
@@ -204,7 +229,11 @@ def _jobs(cfg: RegenerateConfig, done: set, output: Output, counts: Counter,
         try:
             if isinstance(raw.data, Exception):
                 raise raw.data
-            messages = with_system_prompt(normalize(raw.data, cfg.format), cfg.system_prompt)
+            messages = with_system_prompt(normalize(raw.data, cfg.format, need_assistant=False),
+                                          cfg.system_prompt)
+            if messages[-1]["role"] in ("user", "tool"):
+                # A prompt: the answer to it is the conversation's new final turn.
+                messages.append({"role": "assistant", "content": ""})
             job = Job(raw.file, raw.row, sid, messages, _turns_to_redo(messages, cfg.turns))
         except ChatFormatError as err:
             output.reject(raw.file, raw.row, sid, Rejected(str(err), "input"))
@@ -218,33 +247,68 @@ def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
     redo = [i for i, m in enumerate(messages) if m["role"] == "assistant"
             and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool")]
     if not redo:
-        raise ChatFormatError("no assistant turn to regenerate (every one is a tool call)")
+        raise ChatFormatError("nothing to generate: no assistant turn to regenerate (tool calls "
+                              "are kept) and no user or tool turn at the end to answer")
     return redo if turns == "all" else redo[-1:]
 
 
-def accept(gen: Generation, turn: int, max_new_tokens: int) -> dict:
-    """The assistant message for the turn generated at `messages[turn]`, or Rejected."""
+# The form eyas writes a server's separate reasoning in (eyas.openai_server._parse_choice).
+_INLINE_CLOSE = f"\n{THINK_CLOSE}\n\n"
+
+
+def accept(gen: Generation, turn: int, cfg: RegenerateConfig) -> dict:
+    """The assistant message for the turn generated at `messages[turn]`, or Rejected.
+
+    A truncated answer (finish_reason length) is kept unless `cfg.drop_truncated`.
+    """
     where = f"assistant turn at message {turn}"
-    if gen.finish_reason == "length":
-        raise Rejected(f"{where}: truncated at max_new_tokens={max_new_tokens} (finish_reason "
-                       f"length); raise --max-new-tokens", "length")
+    truncated = gen.finish_reason == "length"
     if gen.finish_reason == "out_of_memory":
         raise Rejected(f"{where}: out of GPU memory even alone; lower --max-new-tokens or use "
                        f"the openai backend", "memory")
-    if gen.finish_reason != "stop":
+    if gen.finish_reason not in ("stop", "length"):
         raise Rejected(f"{where}: finish_reason {gen.finish_reason!r}", "server")
-    message = {"role": "assistant", "content": gen.text}
+    text = gen.text
+    if truncated:
+        # A cut can split a character: byte-level tokenizers decode its first bytes as U+FFFD,
+        # which the target did not write.
+        text = text.rstrip("\ufffd")
+        if (text.startswith(THINK_OPEN) and text.endswith(_INLINE_CLOSE)
+                and text.count(THINK_CLOSE) == 1):
+            # Cut inside its reasoning, which a server's reasoning parser returned apart: the
+            # closing tag is eyas's, not the target's. Keep it open, as the transformers
+            # backend gives it. (An answer cut right after its own </think> looks the same.)
+            text = text[:-len(_INLINE_CLOSE)]
+    message = {"role": "assistant", "content": text}
     if not strip_reasoning([message])[0]["content"].strip():
         raise Rejected(f"{where}: empty answer", "empty")
+    if truncated and cfg.drop_truncated:  # last, so it moves only answers kept otherwise
+        raise Rejected(f"{where}: truncated at max_new_tokens={cfg.max_new_tokens} (finish_reason "
+                       f"length) and --drop-truncated is set; raise --max-new-tokens", "length")
     return message
 
 
-def converse(job: Job, complete: Callable[[list[dict]], Generation], max_new_tokens: int):
+def _answer(messages: list[dict], turn: int, gen: Generation,
+            cfg: RegenerateConfig) -> Regenerated | None:
+    """Put the answer `gen` at `messages[turn]` (Rejected if unusable). A truncated answer ends
+    the conversation: it is returned cut after that turn; otherwise None (go on)."""
+    messages[turn] = accept(gen, turn, cfg)
+    if gen.finish_reason != "length":
+        return None
+    # The later turns would follow an answer the target never finished (and the next user
+    # turn replies to the old, whole answer), so the conversation ends at the cut.
+    return Regenerated(messages[:turn + 1], truncated=True, cut_short=turn + 1 < len(messages))
+
+
+def converse(job: Job, complete: Callable[[list[dict]], Generation],
+             cfg: RegenerateConfig) -> Regenerated:
     """Regenerate the job's turns in order, each given the conversation so far."""
     messages = [dict(m) for m in job.messages]
     for turn in job.turns:
-        messages[turn] = accept(complete(messages[:turn]), turn, max_new_tokens)
-    return messages
+        ended = _answer(messages, turn, complete(messages[:turn]), cfg)
+        if ended is not None:
+            return ended
+    return Regenerated(messages)
 
 
 # ---------------------------------------------------------------- transformers backend
@@ -281,24 +345,23 @@ def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output
 def regenerate_batch(gen: LocalGenerator, jobs: list[Job], cfg: RegenerateConfig) -> list:
     """Regenerate `jobs` together: round r generates the r-th turn of every job that has one.
 
-    Returns, per job, its new messages or the Rejected that stopped it.
+    Returns, per job, its Regenerated conversation or the Rejected that stopped it.
     """
     convs = [[dict(m) for m in job.messages] for job in jobs]
-    failed: list[Rejected | None] = [None] * len(jobs)
+    ended: list[Regenerated | Rejected | None] = [None] * len(jobs)  # None: still going
     kwargs = TEMPLATE_KWARGS[cfg.reasoning]
     for r in range(max(len(job.turns) for job in jobs)):
-        live = [k for k, job in enumerate(jobs) if r < len(job.turns) and failed[k] is None]
+        live = [k for k, job in enumerate(jobs) if r < len(job.turns) and ended[k] is None]
         if not live:
             break
         prompts = [gen.render(convs[k][:jobs[k].turns[r]], kwargs) for k in live]
         outs = gen.generate(prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
         for k, out in zip(live, outs):
-            turn = jobs[k].turns[r]
             try:
-                convs[k][turn] = accept(out, turn, cfg.max_new_tokens)
+                ended[k] = _answer(convs[k], jobs[k].turns[r], out, cfg)
             except Rejected as err:
-                failed[k] = err
-    return [err if err is not None else conv for err, conv in zip(failed, convs)]
+                ended[k] = err
+    return [Regenerated(conv) if end is None else end for end, conv in zip(ended, convs)]
 
 
 # ---------------------------------------------------------------- openai backend
@@ -332,7 +395,7 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> N
     pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="eyas-regenerate")
     try:
         for job in jobs:
-            pending[pool.submit(converse, job, complete, cfg.max_new_tokens)] = job
+            pending[pool.submit(converse, job, complete, cfg)] = job
             # A bounded queue keeps memory flat and the outputs close to the input position.
             while len(pending) >= 2 * cfg.concurrency:
                 collect()

@@ -25,7 +25,7 @@ from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, read_manifest
 
 if TYPE_CHECKING:  # annotations only: eyas.regenerate imports this module
-    from eyas.regenerate import Job, RegenerateConfig, Rejected
+    from eyas.regenerate import Job, RegenerateConfig, Regenerated, Rejected
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,9 @@ OUTPUT, REJECTS = "conversations.jsonl", "rejects.jsonl"
 KILL_ENV = "EYAS_REGENERATE_KILL_AFTER"
 # Settings that change what is generated: a resumed run must keep them.
 SAME_ON_RESUME = ("target", "revision", "data", "format", "turns", "max_new_tokens",
-                  "temperature", "top_p", "reasoning", "system_prompt", "seed")
+                  "drop_truncated", "temperature", "top_p", "reasoning", "system_prompt", "seed")
+# Settings added later, as runs made before they existed behaved: such a run resumes with them.
+BEFORE_SETTING = {"drop_truncated": True}
 
 
 class Output:
@@ -48,8 +50,11 @@ class Output:
         self.kill_after = int(os.environ.get(KILL_ENV) or 0)
         self.started = self.last_log = time.monotonic()
 
-    def ok(self, job: Job, messages: list[dict]) -> None:
-        self._write("ok", {"id": job.sample_id, "messages": messages,
+    def ok(self, job: Job, result: Regenerated) -> None:
+        self.counts["truncated"] += result.truncated
+        self.counts["cut_short"] += result.cut_short
+        self._write("ok", {"id": job.sample_id, "messages": result.messages,
+                           "truncated": result.truncated,
                            "source": {"file": job.file, "row": job.row}})
 
     def reject(self, file: str, row: int, sid: str, err: Rejected) -> None:
@@ -98,7 +103,9 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
         return
     old = read_manifest(out, step="regenerate")
     new = json.loads(json.dumps(to_dict(cfg)))
-    changed = [k for k in SAME_ON_RESUME if old["config"].get(k) != new[k]]
+    was = {k: old["config"].get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
+    changed = [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
+               if was[k] != new[k]]
     if old.get("data_files") != sources:
         changed.append("data file contents")
     if changed:
@@ -109,12 +116,14 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
 
 
 def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
-    """(file, row) -> "ok"/"failed" for every row a previous run in `out` wrote."""
+    """(file, row) -> "ok"/"truncated"/"failed" for every row a previous run in `out` wrote
+    ("truncated": an ok row whose last answer was cut at max_new_tokens)."""
     done: dict[tuple[str, int], str] = {}
     for name in (OUTPUT, REJECTS):
         _cut_torn_tail(out / name)
     for _, _, rec in _records(out / OUTPUT):
-        done[(rec["source"]["file"], rec["source"]["row"])] = "ok"
+        done[(rec["source"]["file"], rec["source"]["row"])] = (
+            "truncated" if rec.get("truncated") else "ok")
     rejects = [rec for _, _, rec in _records(out / REJECTS)]
     if retry_rejects and any(r["kind"] == "server" for r in rejects):
         kept = [r for r in rejects if r["kind"] != "server"]
