@@ -332,6 +332,22 @@ def eval_rank_batches(batches: list, *, rank: int, world_size: int) -> list:
 
 # ---------------------------------------------------------------- tensors
 
+# Trimmed micro-batches are padded to a multiple of this many tokens: few distinct shapes
+# for the compiled kernels and attention block masks, little padding.
+PAD_MULTIPLE = 256
+
+
+def row_width(rows: list[list[int]], lengths, row_tokens: int, static: bool) -> int:
+    """Width T of a micro-batch of `rows` (sample indices): `row_tokens` when static (CUDA
+    graphs, --compile replay fixed shapes), else its longest row rounded up to
+    PAD_MULTIPLE (a micro-batch smaller than --batch-tokens is not padded to it)."""
+    if static:
+        return row_tokens
+    longest = max((sum(min(int(lengths[i]), row_tokens) for i in row) for row in rows),
+                  default=1)
+    return min(row_tokens, -(-max(longest, 1) // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
 def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
             hidden_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Pack samples into (B=len(rows), T=row_tokens) tensors; padding has doc_id -1, mask 0."""
@@ -369,9 +385,10 @@ def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
 class MicroBatches(torch.utils.data.Dataset):
     """Map-style view of a list of planned micro-batches (None = an all-padding batch)."""
 
-    def __init__(self, source, batches: list, row_tokens: int, hidden_dtype: torch.dtype):
+    def __init__(self, source, batches: list, row_tokens: int, hidden_dtype: torch.dtype,
+                 static: bool = True):
         self.source, self.batches = source, batches
-        self.row_tokens, self.hidden_dtype = row_tokens, hidden_dtype
+        self.row_tokens, self.hidden_dtype, self.static = row_tokens, hidden_dtype, static
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -386,18 +403,22 @@ class MicroBatches(torch.utils.data.Dataset):
         for row in plan:
             rows.append(flat[at:at + len(row)])
             at += len(row)
-        out = collate(rows, self.row_tokens, self.hidden_dtype)
+        width = row_width(plan, self.source.lengths, self.row_tokens, self.static)
+        out = collate(rows, width, self.hidden_dtype)
         if empty:
             out["loss_mask"].zero_()
         return out
 
 
 def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,
-           num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+           num_workers: int, pin_memory: bool, static: bool = True
+           ) -> torch.utils.data.DataLoader:
     """Iterate micro-batches in plan order; workers prefetch (offline only: the online source
-    runs the target on the GPU and must stay in the main process)."""
+    runs the target on the GPU and must stay in the main process). static: every micro-batch
+    `row_tokens` wide; else as wide as its longest row needs (row_width)."""
     return torch.utils.data.DataLoader(
-        MicroBatches(source, batches, row_tokens, hidden_dtype), batch_size=None, shuffle=False,
+        MicroBatches(source, batches, row_tokens, hidden_dtype, static), batch_size=None,
+        shuffle=False,
         num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=False, prefetch_factor=2 if num_workers else None)
 

@@ -166,3 +166,46 @@ def simulated_acceptance_length(step_acc) -> float:
         run *= float(a)
         total += run
     return total
+
+
+def chain_acceptance(hits: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                     k: int) -> tuple[int, list[int]]:
+    """Chain speculative decoding with k draft tokens replayed on teacher-forced sequences,
+    counted as vLLM counts it: (number of drafts, accepted drafts at each position (k,)).
+
+    hits (S >= k, N) bool: TTT step j at flat position n predicted token n+2+j right (its
+    target's top-1; TTTOutput.hits); loss_mask, doc_ids (N,) or (B, T). Each run of
+    loss-masked tokens of one document is one generation: the target makes its first token
+    itself, so rounds start at the position before it; a round drafts up to k tokens
+    (fewer where the run ends), accepts the leading hits, and the next round starts after
+    the accepted tokens and the target's own (correction or bonus) token. Unlike the
+    per-step rates of TTT, position i counts only where positions 0..i-1 were accepted, and
+    rounds start where the previous draft failed, as they do at serving time.
+    """
+    if k > hits.shape[0]:
+        raise ValueError(f"chain_acceptance: k={k} needs at least k TTT steps, have "
+                         f"{hits.shape[0]}")
+    hit = hits[:k].cpu().numpy()
+    mask = loss_mask.reshape(-1).bool().cpu().numpy()
+    doc = doc_ids.reshape(-1).cpu().numpy()
+    n_all = mask.shape[0]
+    drafts, accepted = 0, [0] * k
+    p = 0
+    while p < n_all:
+        if not mask[p] or doc[p] < 0:
+            p += 1
+            continue
+        end = p  # the run of assistant tokens p..end of one document
+        while end + 1 < n_all and mask[end + 1] and doc[end + 1] == doc[p]:
+            end += 1
+        at = p - 1 if p > 0 and doc[p - 1] == doc[p] else p
+        while (m := min(k, end - at - 1)) > 0:
+            a = 0
+            while a < m and hit[a, at]:
+                a += 1
+            drafts += 1
+            for i in range(a):
+                accepted[i] += 1
+            at += a + 1
+        p = end + 1
+    return drafts, accepted

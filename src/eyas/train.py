@@ -35,7 +35,7 @@ from eyas import band_kernels, checkpoint, data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.loss import simulated_acceptance_length
+from eyas.loss import chain_acceptance, simulated_acceptance_length
 from eyas.manifest import write_manifest
 from eyas.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
                               wrap)
@@ -248,13 +248,17 @@ def _on(mb: dict, env: Env):
 
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
-    """stats = [loss sums (S), correct (S), counts (S)] summed over batches and ranks."""
+    """stats = [loss sums (S), correct (S), counts (S)] summed over batches and ranks, then
+    (eval) the chain counts of _chain_stats."""
     sums, correct, counts = stats[:steps], stats[steps:2 * steps], stats[2 * steps:3 * steps]
     acc = (correct / counts.clamp(min=1)).tolist()
-    return {"loss": float((weights * sums / counts.clamp(min=1)).sum()),
-            "acc": [round(a, 5) for a in acc],
-            "sim_acceptance_length": round(simulated_acceptance_length(acc), 5),
-            "positions": int(counts[0])}
+    out = {"loss": float((weights * sums / counts.clamp(min=1)).sum()),
+           "acc": [round(a, 5) for a in acc],
+           "sim_acceptance_length": round(simulated_acceptance_length(acc), 5),
+           "positions": int(counts[0])}
+    if stats.shape[0] > 3 * steps:
+        out["chain"] = _chain_summary(stats[3 * steps:].tolist(), steps)
+    return out
 
 
 def _batch_stats(out, steps: int) -> torch.Tensor:
@@ -264,15 +268,41 @@ def _batch_stats(out, steps: int) -> torch.Tensor:
                       (out.step_acc.double() * counts).round(), counts])
 
 
+def _chain_stats(out, batch: TTTBatch, steps: int) -> torch.Tensor:
+    """For k = 1..S: [drafts, accepted at positions 0..k-1] of chain decoding replayed on
+    the batch (eyas.loss.chain_acceptance), flat (S + S(S+1)/2,) float64."""
+    counts = []
+    for k in range(1, steps + 1):
+        drafts, accepted = chain_acceptance(out.hits, batch.loss_mask, batch.doc_ids, k)
+        counts += [drafts, *accepted]
+    return torch.tensor(counts, dtype=torch.float64, device=out.hits.device)
+
+
+def _chain_summary(counts: list[float], steps: int) -> dict:
+    """Per k: the simulated mean acceptance length and per-position acceptance as vLLM
+    counts them (what `eyas eval` measures), from the _chain_stats sums."""
+    al, per_position, at = {}, {}, 0
+    for k in range(1, steps + 1):
+        drafts, accepted = counts[at], counts[at + 1: at + 1 + k]
+        at += 1 + k
+        al[str(k)] = round(1 + sum(accepted) / drafts, 5) if drafts else None
+        per_position[str(k)] = [round(a / drafts, 5) if drafts else None for a in accepted]
+    return {"drafts": int(counts[0]), "acceptance_length": al, "per_position": per_position}
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, env: Env, steps: int,
              weights: torch.Tensor) -> dict:
-    """Per-step accuracy, loss and simulated acceptance length over the whole eval set."""
+    """Per-step accuracy, loss and simulated acceptance length over the whole eval set, and
+    chain decoding replayed on it for every k <= steps (`chain`: vLLM's counting)."""
     model.eval()
-    stats = torch.zeros(3 * steps, dtype=torch.float64, device=env.device)
+    stats = torch.zeros(3 * steps + steps + steps * (steps + 1) // 2, dtype=torch.float64,
+                        device=env.device)
     for mb in loader:
+        batch = _on(mb, env)
         with _autocast(env):
-            stats += _batch_stats(model(_on(mb, env)), steps)
+            out = model(batch, record_hits=True)
+        stats += torch.cat([_batch_stats(out, steps), _chain_stats(out, batch, steps)])
     model.train()
     return _summary(_all_sum(stats), steps, weights.to(stats))
 
@@ -368,7 +398,11 @@ def train(cfg: TrainConfig) -> dict:
     pin = env.device.type == "cuda" and not cfg.online
     mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
                            start=start * plan.per_step)
-    batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers, pin_memory=pin))
+    # fixed shapes only where a replay or compiled graph needs them; else a micro-batch is as
+    # wide as its longest row (a small dataset is not padded to --batch-tokens)
+    static = cfg.cuda_graph or cfg.compile
+    batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
+                               pin_memory=pin, static=static))
     metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
     weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
     t2d_host = draft.t2d.cpu()
@@ -376,12 +410,15 @@ def train(cfg: TrainConfig) -> dict:
 
     def run_eval(step: int) -> dict:
         loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
-                             pin_memory=pin)
+                             pin_memory=pin, static=static)
         record = {"kind": "eval", "step": step, **evaluate(model, loader, env, steps, weights)}
         if metrics:
             metrics.write(record)
-            log.info("eval step %d | loss %.4f | acc %s | simulated AL %.3f", step,
-                     record["loss"], record["acc"], record["sim_acceptance_length"])
+            chain = record["chain"]["acceptance_length"]
+            log.info("eval step %d | loss %.4f | acc %s | simulated AL %.3f | replayed "
+                     "chain AL %s (k=1,3,%d)", step, record["loss"], record["acc"],
+                     record["sim_acceptance_length"],
+                     "/".join(str(chain.get(str(k))) for k in (1, 3, steps)), steps)
         return record
 
     if env.main:

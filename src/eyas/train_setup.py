@@ -133,11 +133,11 @@ class TTTModule(torch.nn.Module):
         self.steps = steps
         self.fp8 = fp8
 
-    def forward(self, batch, plan=None):
+    def forward(self, batch, plan=None, record_hits: bool = False):
         # fp8 for training only: eval (no grad) measures the model as it is served, in bf16
         fp8 = self.fp8 and torch.is_grad_enabled()
         return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=fp8,
-                           plan=plan)
+                           plan=plan, record_hits=record_hits)
 
 
 def wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:

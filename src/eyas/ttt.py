@@ -45,6 +45,9 @@ class TTTOutput:
     step_acc: torch.Tensor  # (S,) top-1 agreement with the target per step
     step_count: torch.Tensor  # (S,) positions that carried a loss per step
     step_rows: list[int]  # positions computed per step (after pruning)
+    # (S, N) bool with record_hits: the draft's top-1 at step j, position n equals the
+    # target's top-1 (False where step j carries no loss at n); None otherwise
+    hits: torch.Tensor | None = None
 
     @property
     def sim_acceptance_length(self) -> float:
@@ -207,8 +210,8 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool,
 
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
                 steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
-                prune: bool = True, fp8: bool = False, plan: TTTPlan | None = None
-                ) -> TTTOutput:
+                prune: bool = True, fp8: bool = False, plan: TTTPlan | None = None,
+                record_hits: bool = False) -> TTTOutput:
     """Training-time test: `steps` chained draft passes over a packed batch, one loss.
 
     target_lm_head: (V, Ht) or its draft-vocab rows (Vd, Ht). vocab_chunk: rows per chunk of
@@ -216,7 +219,9 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     still carry a loss at this or a later step (exact: a position's chain reads only its own
     earlier steps and the step-0 keys). fp8: the draft's matmuls (fc, q/k/v, o, MLP,
     lm_head) in fp8 with per-tensor scales (eyas.fp8); the teacher stays as it is. plan:
-    from ttt_plan (same batch, t2d, steps and prune), made here when not given.
+    from ttt_plan (same batch, t2d, steps and prune), made here when not given. record_hits:
+    also return which (step, position) pairs the draft got right (TTTOutput.hits), for
+    eyas.loss.chain_acceptance (eval only).
     """
     dev = batch.input_ids.device
     # 1. Flatten the packed rows into one token stream of N positions.
@@ -238,6 +243,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     weights = draft.layer_weights(dev.type, fp8=fp8, split=True)  # once for all steps
     head, head_fp8 = _head(draft, weights.qkv.dtype, fp8)
     sums, correct, rows_per_step = [], [], []
+    hits = torch.zeros(steps, n_all, dtype=torch.bool, device=dev) if record_hits else None
     # 4. Step 0: fused target states + the next token, causal within each document.
     rows = cols[0]
     hidden = draft.fuse(batch.aux_hidden, fp8=fp8).reshape(n_all, -1)  # (N, H)
@@ -264,14 +270,17 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         out = _attend(plan, j, q, k0, v0, rows, seg_start, diag_k, diag_v)
         h = draft.finish(out, residual, weights)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
-        loss_sum, hits = _step_loss(draft, plan, j, rows, h, (teacher, teacher_lse), head,
-                                    head_fp8, top1_draft, vocab_chunk)
+        loss_sum, right = _step_loss(draft, plan, j, rows, h, (teacher, teacher_lse), head,
+                                     head_fp8, top1_draft, vocab_chunk,
+                                     None if hits is None else hits[j])
         sums.append(loss_sum)
-        correct.append(hits)
+        correct.append(right)
         rows_per_step.append(rows.numel())
         hidden = draft.next_hidden(h)
     # 7. Weighted sum of per-step means; steps never reached (nothing left to predict) are 0.
-    return _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
+    out = _ttt_output(sums, correct, plan.valid.sum(1), rows_per_step, step_weight)
+    out.hits = hits
+    return out
 
 
 def _head(draft: Eagle3Draft, dtype: torch.dtype, fp8: bool):
@@ -283,10 +292,11 @@ def _head(draft: Eagle3Draft, dtype: torch.dtype, fp8: bool):
 
 
 def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_lse, head,
-               head_fp8, top1_draft, chunk: int):
+               head_fp8, top1_draft, chunk: int, record=None):
     """Step j's soft CE summed over its loss positions, against the teacher at rows + 1 + j,
     and how many of them the draft's top-1 gets right. h (n, H) pre-norm at `rows`;
-    teacher_and_lse: the teacher logits (N, Vd) and their row logsumexps (N,)."""
+    teacher_and_lse: the teacher logits (N, Vd) and their row logsumexps (N,). record (N,)
+    bool or None: set True at the loss positions the draft gets right."""
     steps = len(plan.loss_on_all)
     teacher, lse = teacher_and_lse
     if plan.loss_on_all[j]:  # rows are a run: every row, weighted 1 where it counts
@@ -298,7 +308,10 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
         loss, pred = soft_cross_entropy(draft.norm(h), head, teacher[t], chunk=chunk,
                                         fp8_weight=head_fp8, row_weight=counted,
                                         teacher_lse=lse[t])
-        return loss, ((pred == top1_draft[t]) & counted).sum()
+        right = (pred == top1_draft[t]) & counted
+        if record is not None:
+            record[at: at + n] = right
+        return loss, right.sum()
     n_valid = plan.cols[steps + j].numel()
     here = _index(plan, steps + j, j, n_valid) or plan.rank[j][plan.cols[steps + j]]
     teach = rows[here] + 1 + j  # here: indices into this step's rows
@@ -307,7 +320,10 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
     teach_rows = teach if at is None else None  # a run: views, no gather
     loss, pred = soft_cross_entropy(draft.norm(_take(h, here)), head, teacher[t], rows=teach_rows,
                                     chunk=chunk, fp8_weight=head_fp8, teacher_lse=lse[t])
-    return loss, (pred == top1_draft[teach]).sum()
+    right = pred == top1_draft[teach]
+    if record is not None:
+        record[teach - 1 - j] = right
+    return loss, right.sum()
 
 
 class _Shares:
