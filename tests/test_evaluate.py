@@ -117,6 +117,30 @@ def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats,
     assert read_manifest(out, step="eval")["lossless"] is True
 
 
+def test_workers_give_the_same_report_and_replay_matches(llama_dir, draft_dir, chats,
+                                                           tmp_path):
+    """Prompts spread over 2 processes: the same tokens, counts and acceptance as one
+    process, in prompt order; the replay on training's TTT forward is reported per k and
+    agrees with the measured acceptance (all rounds but a generation's last one are the
+    same rounds: tests/test_replay.py)."""
+    kw = dict(target=str(llama_dir), data=str(chats), draft=str(draft_dir), k=(1, 3), **SMALL)
+    one = evaluate(EvalConfig(out=str(tmp_path / "one"), **kw))
+    two = evaluate(EvalConfig(out=str(tmp_path / "two"), workers=2, **kw))
+    assert two.workers == 2 and one.workers == 1
+    strip = ("seconds", "tokens_per_s", "speedup")
+    for a, b in zip(one.results, two.results):
+        assert {f: v for f, v in vars(a).items() if f not in strip} == \
+            {f: v for f, v in vars(b).items() if f not in strip}
+    assert one.per_position_acceptance == two.per_position_acceptance
+    assert one.replayed == two.replayed and set(one.replayed) == {"1", "3"}
+    for k, rep in one.replayed.items():
+        measured = one.result("eagle3", int(k))
+        assert abs(rep["drafts"] - measured.drafts) <= one.num_prompts
+        lo, hi = one.ci95[k]["mean_acceptance_length"]
+        assert lo <= measured.mean_acceptance_length <= hi
+    assert "replayed on training's TTT forward" in (tmp_path / "one" / "report.md").read_text()
+
+
 def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
     from eyas.prepare import PrepareConfig, prepare
 

@@ -53,6 +53,15 @@ class EvalReport:
     mismatches: list[dict]
     results: list[MethodResult] = field(default_factory=list)
     settings: str = "chain drafts, batch size 1"
+    # str(k) -> 95 % intervals of the primary method's mean acceptance length and
+    # per-position rates, from a bootstrap over prompts (rounds of one prompt are correlated)
+    ci95: dict[str, dict] = field(default_factory=dict)
+    # str(k) -> chain decoding replayed on training's TTT forward over the same greedy
+    # continuations (eyas.replay; EAGLE-3 at temperature 0): acceptance length, per-position
+    # rates, drafts and their 95 % intervals. It equals the measured numbers when the draft
+    # is served as it was trained.
+    replayed: dict[str, dict] = field(default_factory=dict)
+    workers: int = 1  # processes that shared the prompts (each its own batch-1 stream)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -117,7 +126,28 @@ def markdown(report: EvalReport) -> str:
         lines.append(f"| {r.method} | {r.k or '-'} | {_fmt(r.mean_acceptance_length)} | "
                      f"{_fmt(r.draft_acceptance_rate)} | {per_pos} | {r.tokens_per_s:.1f} | "
                      f"x{r.speedup:.2f} |")
+    if report.replayed:
+        lines += ["", "Measured against replayed on training's TTT forward over the same "
+                  "continuations (95 % intervals, bootstrap over prompts):", "",
+                  "| k | measured AL | replayed AL | measured by position | replayed by "
+                  "position |", "|---|---|---|---|---|"]
+        for k, rep in report.replayed.items():
+            ci = report.ci95.get(k, {})
+            lines.append(f"| {k} | {_fmt(report.mean_acceptance_length.get(k))} "
+                         f"{_interval(ci.get('mean_acceptance_length'))} | "
+                         f"{_fmt(rep['mean_acceptance_length'])} "
+                         f"{_interval(rep['ci95']['mean_acceptance_length'])} | "
+                         f"{_rates(report.per_position_acceptance.get(k))} | "
+                         f"{_rates(rep['per_position_acceptance'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _interval(ci) -> str:
+    return "" if not ci else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def _rates(rates) -> str:
+    return " / ".join(f"{x:.2f}" for x in rates or []) or "-"
 
 
 def _plot(out: Path, report: EvalReport) -> None:

@@ -64,8 +64,15 @@ class EvalConfig:
             "folder's)")
     seed: int = option(0, "random seed (sampling at temperature > 0)")
     device: str = option("auto", "auto (all GPUs through device_map, else CPU), cpu, cuda, cuda:N")
-    dtype: str = option("auto", "target and draft weight dtype (auto = the checkpoint's)",
-                        choices=DTYPES)
+    dtype: str = option("auto", "target and draft weight dtype (auto = the checkpoint's; "
+                        "float32 on CPU)", choices=DTYPES)
+    workers: int = option(1, "processes sharing the prompts, each loading target and draft "
+                          "and decoding its prompts at batch 1 (e.g. 8-16 for a small target "
+                          "on one GPU, whose batch-1 decoding is host-bound); results are "
+                          "the same as with one")
+    replay: bool = option(True, "at temperature 0, also replay chain decoding on training's "
+                          "TTT forward over the same continuations (eyas.replay): the "
+                          "acceptance training would simulate, beside the measured one")
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()
 
@@ -79,7 +86,7 @@ class EvalConfig:
         if self.check_lossless and self.temperature > 0:
             raise ConfigError("check_lossless compares tokens with greedy decoding: use it with "
                               "--temperature 0, or pass --no-check-lossless")
-        for name in ("max_new_tokens", "num_prompts", "ngram_min"):
+        for name in ("max_new_tokens", "num_prompts", "ngram_min", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ngram_max < self.ngram_min:
@@ -153,6 +160,21 @@ def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass
+class Measured:
+    """Raw results of the methods on some prompts (one process's share with --workers)."""
+
+    index: list[int]  # the prompts' positions in the whole prompt list
+    stats: dict  # (method, k) -> SpecStats summed over these prompts
+    outputs: dict  # (method, k) -> new tokens per prompt, in `index` order
+    seconds: dict  # (method, k) -> seconds summed over these prompts
+    per_prompt: dict  # (method, k) -> [(drafts, accepted per position)] per prompt
+    replayed: dict  # k -> [(drafts, accepted per position)] per prompt (EAGLE-3, T=0)
+    mismatches: list[dict]
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
 def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
              stop_ids: frozenset[int] = frozenset()) -> EvalReport:
     """Measure every method on `prompts` with an already loaded target and draft.
@@ -161,6 +183,14 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
     capture). `draft`: an `Eagle3Draft` sharing the target's embedding, or None. Training can
     call this on checkpoints with the models it holds; `evaluate` is the file-to-file step.
     """
+    measured = measure(model, layers, final_norm, draft, prompts, cfg, stop_ids)
+    return summarize(cfg, measured, len(prompts))
+
+
+def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
+            stop_ids: frozenset[int] = frozenset(), index: list[int] | None = None) -> Measured:
+    """Every method on `prompts` (batch 1, interleaved per prompt), the lossless check and
+    the replay; raw counts, merged across processes by `merge`."""
     device = model.get_input_embeddings().weight.device
     runner = TargetRunner(model, layers, final_norm,
                           tuple(draft.cfg.aux_layer_ids) if draft is not None else ())
@@ -178,9 +208,13 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
 
     runs = [("target", 0, decoder(None, 0, cfg.max_new_tokens))]
     runs += [(name, k, decoder(d, k, cfg.max_new_tokens)) for name, d in drafters for k in cfg.k]
-    stats = {(name, k): SpecStats(k=k) for name, k, _ in runs}
-    outputs = {(name, k): [] for name, k, _ in runs}
-    seconds = dict.fromkeys(stats, 0.0)
+    out = Measured(index=list(range(len(prompts))) if index is None else list(index),
+                   stats={(name, k): SpecStats(k=k) for name, k, _ in runs},
+                   outputs={(name, k): [] for name, k, _ in runs},
+                   seconds={(name, k): 0.0 for name, k, _ in runs},
+                   per_prompt={(name, k): [] for name, k, _ in runs}, replayed={},
+                   mismatches=[], device=str(device),
+                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     try:
         with torch.inference_mode():
             # warm-up (kernels, allocator, lazy init) so the first method is not penalised
@@ -190,22 +224,107 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
             for prompt in prompts:
                 for name, k, generate in runs:
                     gen, took = _timed(generate, prompt.ids, device)
-                    stats[name, k].merge(gen.stats)
-                    outputs[name, k].append(gen.tokens)
-                    seconds[name, k] += took
-            reference = outputs["target", 0]
-            base = _result("target", 0, reference, stats["target", 0], seconds["target", 0], None)
-            results, mismatches = [base], []
-            for name, k, _ in runs[1:]:
-                results.append(_result(name, k, outputs[name, k], stats[name, k],
-                                       seconds[name, k], base.tokens_per_s))
-                if cfg.lossless_check:
-                    mismatches += _compare(reference, outputs[name, k], prompts, name, k)
-            for m in mismatches:
+                    out.stats[name, k].merge(gen.stats)
+                    out.outputs[name, k].append(gen.tokens)
+                    out.seconds[name, k] += took
+                    out.per_prompt[name, k].append((gen.stats.drafts,
+                                                    list(gen.stats.accepted_per_position)))
+            reference = out.outputs["target", 0]
+            if cfg.lossless_check:
+                for name, k, _ in runs[1:]:
+                    out.mismatches += _compare(reference, out.outputs[name, k], prompts, name, k)
+            for m in out.mismatches:
                 m["margin"] = _logit_margin(runner, prompts, reference, m)
     finally:
         runner.close()
-    return _report(cfg, results, mismatches, len(prompts), device, model)
+    if draft is not None and cfg.replay and cfg.temperature == 0:
+        out.replayed = _replay_all(model, layers, final_norm, draft, prompts, reference, cfg.k)
+    return out
+
+
+def _replay_all(model, layers, final_norm, draft, prompts, reference, ks) -> dict:
+    from eyas.replay import replay
+
+    head = model.get_output_embeddings().weight
+    per_k = {k: [] for k in ks}
+    for prompt, tokens in zip(prompts, reference):
+        if len(tokens) < 2:  # nothing drafted after the target's first token
+            continue
+        for k, counts in replay(model, layers, final_norm, head, draft, prompt.ids, tokens,
+                                tuple(ks)).items():
+            per_k[k].append(counts)
+    return per_k
+
+
+def merge(parts: list[Measured]) -> Measured:
+    """One Measured from the shares of several processes, in prompt order."""
+    concat = [j for p in parts for j in p.index]
+    order = sorted(range(len(concat)), key=concat.__getitem__)
+    first = parts[0]
+    whole = Measured(index=sorted(j for p in parts for j in p.index),
+                     stats={key: SpecStats(k=s.k) for key, s in first.stats.items()},
+                     outputs={}, seconds=dict.fromkeys(first.seconds, 0.0), per_prompt={},
+                     replayed={}, mismatches=[m for p in parts for m in p.mismatches],
+                     device=first.device, dtype=first.dtype)
+    for key in first.stats:
+        for p in parts:
+            whole.stats[key].merge(p.stats[key])
+            whole.seconds[key] += p.seconds[key]
+        outputs = [o for p in parts for o in p.outputs[key]]
+        rows = [r for p in parts for r in p.per_prompt[key]]
+        whole.outputs[key] = [outputs[i] for i in order]
+        whole.per_prompt[key] = [rows[i] for i in order]
+    for k in first.replayed:
+        whole.replayed[k] = [c for p in parts for c in p.replayed[k]]
+    return whole
+
+
+def summarize(cfg: EvalConfig, measured: Measured, num_prompts: int) -> EvalReport:
+    """The report of measured results: per method and k, speed against plain decoding,
+    95 % intervals and the replayed acceptance."""
+    st, sec = measured.stats, measured.seconds
+    reference = measured.outputs["target", 0]
+    base = _result("target", 0, reference, st["target", 0], sec["target", 0], None)
+    results = [base] + [_result(name, k, measured.outputs[name, k], st[name, k],
+                                sec[name, k], base.tokens_per_s)
+                        for name, k in st if name != "target"]
+    report = _report(cfg, results, measured.mismatches, num_prompts, measured)
+    report.ci95 = {str(k): bootstrap_ci(measured.per_prompt[report.primary, k], k)
+                   for k in cfg.k if (report.primary, k) in measured.per_prompt}
+    for k, rows in measured.replayed.items():
+        drafts = sum(d for d, _ in rows)
+        accepted = [sum(a[i] for _, a in rows) for i in range(k)]
+        report.replayed[str(k)] = {
+            "drafts": drafts,
+            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 4) if drafts else None,
+            "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
+                                        for a in accepted],
+            "ci95": bootstrap_ci(rows, k)}
+    report.workers = cfg.workers
+    return report
+
+
+def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
+                 seed: int = 0) -> dict:
+    """95 % intervals of the mean acceptance length and of each position's rate from
+    per-prompt (drafts, accepted per position) counts, resampling prompts with replacement
+    (the rounds of one prompt are not independent draws)."""
+    import numpy as np
+
+    if not rows:
+        return {}
+    drafts = np.array([d for d, _ in rows], dtype=np.float64)  # (P,)
+    acc = np.array([list(a)[:k] + [0] * (k - len(a)) for _, a in rows],
+                   dtype=np.float64)  # (P, k)
+    pick = np.random.default_rng(seed).integers(0, len(rows), size=(n, len(rows)))  # (n, P)
+    d = np.maximum(drafts[pick].sum(1), 1)  # (n,)
+    a = acc[pick].sum(1)  # (n, k)
+    al = 1 + a.sum(1) / d
+    rates = a / d[:, None]
+    lo, hi = 2.5, 97.5
+    return {"mean_acceptance_length": [round(float(np.percentile(al, q)), 4) for q in (lo, hi)],
+            "per_position_acceptance": [[round(float(np.percentile(rates[:, i], q)), 4)
+                                         for q in (lo, hi)] for i in range(k)]}
 
 
 def _compare(reference, outputs, prompts, method: str, k: int) -> list[dict]:
@@ -234,15 +353,14 @@ def _logit_margin(runner, prompts, reference, mismatch: dict) -> float | None:
     return round(float(logits[-1, mismatch["expected"]] - logits[-1, mismatch["got"]]), 6)
 
 
-def _report(cfg: EvalConfig, results, mismatches, num_prompts: int, device,
-            model) -> EvalReport:
+def _report(cfg: EvalConfig, results, mismatches, num_prompts: int,
+            measured: Measured) -> EvalReport:
     primary = "eagle3" if any(r.method == "eagle3" for r in results) else "ngram"
     mine = [r for r in results if r.method == primary]
     return EvalReport(
         target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
         k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens,
-        device=str(device),
-        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        device=measured.device, dtype=measured.dtype,
         mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
         per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
         lossless=(not mismatches) if cfg.lossless_check else None,
@@ -404,36 +522,26 @@ def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str) 
 def evaluate(cfg: EvalConfig) -> EvalReport:
     """Load target, draft and prompts, measure, write the report folder; return the report.
     Raises EyasError (after writing the report) if the lossless check finds a difference."""
-    from eyas.models import load_tokenizer, submodule
+    from eyas.models import load_config, load_tokenizer, text_config
 
     out = _claim_out(Path(cfg.out))
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
     prompts, prepared = load_prompts(cfg, tokenizer)
-    model, info = _load_target(cfg)
-    record = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
-    if prepared is not None:
-        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}")
-    room = info.max_position_embeddings - cfg.max_new_tokens - max(cfg.k) - 1
-    long = [p.id for p in prompts if len(p.ids) > room]
-    if long:
-        log.warning("%d prompt(s) longer than %d tokens skipped (max_position_embeddings %d "
-                    "minus --max-new-tokens and k): %s", len(long), room,
-                    info.max_position_embeddings, long[:5])
-        prompts = [p for p in prompts if len(p.ids) <= room]
-        if not prompts:
-            raise EyasError("every prompt is too long for the target's context; lower "
-                            "--max-new-tokens or use shorter prompts")
-    draft, draft_manifest = None, None
-    if cfg.draft:
-        draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path))
-        _check_draft(draft, info, draft_manifest, record, cfg.draft)
-    log.info("eval: %d prompts, k=%s, temperature %g, max %d new tokens, %s", len(prompts),
+    config = load_config(cfg.target, revision=cfg.revision,
+                         trust_remote_code=cfg.trust_remote_code)
+    prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg)
+    log.info("eval: %d prompts, k=%s, temperature %g, max %d new tokens, %s%s", len(prompts),
              list(cfg.k), cfg.temperature, cfg.max_new_tokens,
-             f"draft {cfg.draft}" if draft is not None else "no draft (n-gram only)")
-    report = run_eval(model, submodule(model, info.layers_path), submodule(model, info.norm_path),
-                      draft, prompts, cfg, _stop_ids(model, tokenizer, cfg.ignore_eos))
+             f"draft {cfg.draft}" if cfg.draft else "no draft (n-gram only)",
+             f", {cfg.workers} processes" if cfg.workers > 1 else "")
+    if cfg.workers > 1 and len(prompts) > 1:
+        measured, record, draft_manifest = _measure_in_workers(cfg, prompts, prepared)
+    else:
+        measured, record, draft_manifest = _measure_here(cfg, prompts, prepared,
+                                                         tokenizer=tokenizer)
+    report = summarize(cfg, measured, len(prompts))
     write_report(out, report)
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None],
@@ -442,6 +550,63 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     if report.lossless is False:
         raise EyasError(mismatch_message(report))
     return report
+
+
+def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig) -> list[Prompt]:
+    """The prompts that leave room for max_new_tokens + k in the target's context."""
+    room = max_positions - cfg.max_new_tokens - max(cfg.k) - 1
+    long = [p.id for p in prompts if len(p.ids) > room]
+    if long:
+        log.warning("%d prompt(s) longer than %d tokens skipped (max_position_embeddings %d "
+                    "minus --max-new-tokens and k): %s", len(long), room, max_positions,
+                    long[:5])
+        prompts = [p for p in prompts if len(p.ids) <= room]
+        if not prompts:
+            raise EyasError("every prompt is too long for the target's context; lower "
+                            "--max-new-tokens or use shorter prompts")
+    return prompts
+
+
+def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
+                  index: list[int] | None = None, tokenizer=None):
+    """Load target and draft in this process and measure `prompts`; (Measured, the target's
+    manifest record, the draft's manifest or None)."""
+    from eyas.models import load_tokenizer, submodule
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
+                                   trust_remote_code=cfg.trust_remote_code)
+    model, info = _load_target(cfg)
+    record = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
+    if prepared is not None:
+        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}")
+    draft, draft_manifest = None, None
+    if cfg.draft:
+        draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path))
+        _check_draft(draft, info, draft_manifest, record, cfg.draft)
+    measured = measure(model, submodule(model, info.layers_path),
+                       submodule(model, info.norm_path), draft, prompts, cfg,
+                       _stop_ids(model, tokenizer, cfg.ignore_eos), index)
+    return measured, record, draft_manifest
+
+
+def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None):
+    """`cfg.workers` spawned processes, each measuring every workers-th prompt with its own
+    target and draft (batch 1, the same code path as one process); merged in prompt order.
+    With one GPU they share it: a small target's batch-1 decoding is bound by the host
+    launching kernels, so streams side by side fill the GPU. Speeds are per stream under
+    that shared load, for every method alike."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    n = min(cfg.workers, len(prompts))
+    shards = [list(range(w, len(prompts), n)) for w in range(n)]
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with ProcessPoolExecutor(n, mp_context=ctx) as pool:
+        futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], prepared,
+                               shard) for shard in shards]
+        parts = [f.result() for f in futures]
+    return merge([p[0] for p in parts]), parts[0][1], parts[0][2]
 
 
 def _claim_out(out: Path) -> Path:
