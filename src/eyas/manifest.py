@@ -91,13 +91,23 @@ def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None)
     return body
 
 
+# Bytes hashed at each end of a GGUF target (see gguf_fingerprint).
+GGUF_HASHED_END_BYTES = 4 << 20
+
+
 def target_record(name_or_path: str, revision: str | None = None, *, config=None,
                   tokenizer=None) -> dict[str, Any]:
     """Identify a target: name, revision/commit if known, and fingerprints that let
-    later steps detect a different model or tokenizer behind the same name."""
+    later steps detect a different model or tokenizer behind the same name (for a .gguf
+    file: its name, size and `gguf_fingerprint`)."""
     rec: dict[str, Any] = {"name_or_path": str(name_or_path), "revision": revision}
     commit = getattr(config, "_commit_hash", None) if config is not None else None
     rec["commit"] = commit
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        rec["gguf_file"] = path.name
+        rec["gguf_bytes"] = path.stat().st_size
+        rec["gguf_fingerprint"] = gguf_fingerprint(path)
     if config is not None:
         text = getattr(config, "get_text_config", lambda: config)()
         rec["model_type"] = getattr(config, "model_type", None)
@@ -107,6 +117,21 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     if tokenizer is not None:
         rec["tokenizer_hash"] = tokenizer_fingerprint(tokenizer)
     return rec
+
+
+def gguf_fingerprint(path: str | Path) -> str:
+    """sha256 of a GGUF file's size, first and last GGUF_HASHED_END_BYTES. Not the whole file:
+    a GGUF target can be hundreds of GB and every step records it, so hashing it all would cost
+    minutes per step. The front holds the metadata, tokenizer and tensor table (a re-conversion
+    or another quantization changes it) and the back the last tensors' data; a file edited
+    only in the middle goes unnoticed."""
+    size = Path(path).stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(GGUF_HASHED_END_BYTES))
+        f.seek(max(GGUF_HASHED_END_BYTES, size - GGUF_HASHED_END_BYTES))
+        h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -128,7 +153,9 @@ def check_same_target(found: dict | None, expected: dict | None, what: str) -> N
     """Refuse an artifact made for another target (different name or tokenizer/shape)."""
     if not found or not expected:
         return
-    for key in ("tokenizer_hash", "hidden_size", "num_hidden_layers", "vocab_size"):
+    # a key only compares where both records have it (older manifests lack gguf_fingerprint)
+    for key in ("tokenizer_hash", "hidden_size", "num_hidden_layers", "vocab_size",
+                "gguf_fingerprint"):
         a, b = found.get(key), expected.get(key)
         if a is not None and b is not None and a != b:
             raise EyasError(

@@ -11,6 +11,10 @@ final norm; the output head is `get_output_embeddings()`. That works the same fo
 From a config alone the model is built on the meta device: no weight is read or allocated, so
 `inspect_model` answers in seconds even for a 1T-parameter target.
 
+A target is a hub name, a local folder, or a `.gguf` file: transformers reads a GGUF's config,
+tokenizer (with its chat template) and de-quantized weights through the `gguf` package, so every
+step that loads a target through `load_config` / `load_tokenizer` / `load_target` takes one.
+
 Layer ids follow vLLM: aux id `k` is the residual stream entering decoder layer `k`
 (= HF `output_hidden_states[k]` for `k < L`); id `L` is the last layer's output before the
 final norm.
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # Config keys that hold the number of routed experts, as spelled by different families.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-# dtype names load_target accepts (a torch.dtype or "auto" = the checkpoint's own also work).
+# dtype names load_target accepts (a torch.dtype or "auto" also work; see load_target).
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -140,7 +144,11 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
         return (f"{name} ships its own model code; re-run with --trust-remote-code "
                 f"(trust_remote_code=True) if you trust it")
     first = text.splitlines()[0] if text else repr(err)
-    if Path(name).exists():
+    if is_gguf(name):
+        return (f"cannot load the {what} from the GGUF file {name}: {first}. transformers reads "
+                f"GGUF files of the architectures its GGUF documentation lists; upgrade "
+                f"transformers and gguf, or pass the model's Hugging Face folder instead")
+    if Path(name).expanduser().exists():
         return (f"cannot load the {what} from the folder {name}: {first}. Check that it holds "
                 f"the model's files as published (config.json, tokenizer files, weights)")
     return (f"cannot load the {what} of {name!r}: {first}. "
@@ -157,28 +165,59 @@ def _check_exists(name: str) -> str:
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 
+def is_gguf(name_or_path) -> bool:
+    return str(name_or_path).lower().endswith(".gguf")
+
+
+def _locate(name_or_path) -> tuple[str, dict]:
+    """(what to pass to `from_pretrained`, extra kwargs): a hub name or folder as is; a `.gguf`
+    file as its folder plus `gguf_file=` (an absolute path, so a same-named file in the working
+    directory is never picked instead)."""
+    name = str(name_or_path)
+    if not is_gguf(name):
+        return _check_exists(name), {}
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise EyasError(f"GGUF file {name} does not exist; pass the path of a local .gguf file "
+                        f"(a GGUF on the hub: `huggingface-cli download REPO FILE.gguf "
+                        f"--local-dir DIR`, then --target DIR/FILE.gguf)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise EyasError(f"{name} is not a GGUF file (it does not start with the bytes 'GGUF'); "
+                        f"download it again, or pass the model's Hugging Face folder instead")
+    if importlib.util.find_spec("gguf") is None:
+        raise EyasError(f"reading the GGUF file {name} needs the gguf package: pip install "
+                        f"gguf, or pip install 'eyas[gguf]'")
+    return str(path.parent.resolve()), {"gguf_file": str(path.resolve())}
+
+
 def load_config(name_or_path, *, revision=None, trust_remote_code=False):
-    """`AutoConfig.from_pretrained` with a clear EyasError when the model cannot be found."""
+    """`AutoConfig.from_pretrained` (of a hub name, folder or .gguf file) with a clear EyasError
+    when the model cannot be found."""
     from transformers import AutoConfig
 
-    name = _check_exists(name_or_path)
+    name, where = _locate(name_or_path)
     try:
         return AutoConfig.from_pretrained(name, revision=revision,
-                                          trust_remote_code=trust_remote_code)
+                                          trust_remote_code=trust_remote_code, **where)
     except (OSError, ValueError, KeyError) as err:
-        raise EyasError(_explain_load_error("config", name, err, trust_remote_code)) from err
+        raise EyasError(_explain_load_error("config", str(name_or_path), err,
+                                            trust_remote_code)) from err
 
 
 def load_tokenizer(name_or_path, *, revision=None, trust_remote_code=False):
-    """`AutoTokenizer.from_pretrained` with a clear EyasError when it cannot be loaded."""
+    """`AutoTokenizer.from_pretrained` (of a hub name, folder or .gguf file) with a clear
+    EyasError when it cannot be loaded."""
     from transformers import AutoTokenizer
 
-    name = _check_exists(name_or_path)
+    name, where = _locate(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(name, revision=revision,
-                                             trust_remote_code=trust_remote_code)
+                                             trust_remote_code=trust_remote_code, **where)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise EyasError(_explain_load_error("tokenizer", name, err, trust_remote_code)) from err
+        raise EyasError(_explain_load_error("tokenizer", str(name_or_path), err,
+                                            trust_remote_code)) from err
 
 
 # ----------------------------------------------------------------------------- model classes
@@ -230,13 +269,43 @@ def build_meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
     return model
 
 
-def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="bfloat16",
-                device_map=None, device=None) -> tuple[nn.Module, ModelInfo]:
-    """Load the target's weights with transformers (eval mode) and describe it."""
+def _on_cpu(device, device_map) -> bool:
+    # with neither a device nor a device_map the model stays where transformers loads it
+    if device_map is not None:
+        places = device_map.values() if isinstance(device_map, dict) else [device_map]
+        return not torch.cuda.is_available() or all(str(p) in ("cpu", "disk") for p in places)
+    return device is None or torch.device(device).type == "cpu"
+
+
+def _load_dtype(dtype, *, gguf: bool, on_cpu: bool):
+    """The dtype handed to transformers. "auto" is float32 on the CPU: bf16 matmuls there are
+    slow, and their rounding turns near-ties of the target's top-1 into false alarms in eval's
+    lossless check. On a GPU "auto" is the checkpoint's own dtype; a GGUF has none (its weights
+    are de-quantized to whatever is asked), so it gets bfloat16 there."""
     if not isinstance(dtype, torch.dtype) and dtype not in (*DTYPES, "auto"):
         raise ConfigError(f"dtype {dtype!r} is not a torch.dtype, one of {sorted(DTYPES)} "
                           f"or 'auto'")
-    torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype != "auto":
+        return DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if on_cpu:
+        return torch.float32
+    return torch.bfloat16 if gguf else "auto"
+
+
+def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="bfloat16",
+                device_map=None, device=None) -> tuple[nn.Module, ModelInfo]:
+    """Load the target's weights with transformers (eval mode) and describe it.
+
+    `name_or_path` is a hub name, a folder or a .gguf file (de-quantized at load). `dtype` is a
+    torch.dtype, a name in DTYPES, or "auto": float32 on the CPU, the checkpoint's dtype on a
+    GPU (bfloat16 for a GGUF)."""
+    import transformers
+
+    torch_dtype = _load_dtype(dtype, gguf=is_gguf(name_or_path),
+                              on_cpu=_on_cpu(device, device_map))
+    if is_gguf(name_or_path) and importlib.util.find_spec("accelerate") is None:
+        raise EyasError(f"transformers loads the weights of a GGUF file ({name_or_path}) only "
+                        f"with accelerate: pip install accelerate, or pip install 'eyas[gguf]'")
     if device_map is not None and importlib.util.find_spec("accelerate") is None:
         # transformers (5.x) refuses every device_map, even "cpu", without it
         raise EyasError(f"placing the target with device_map {device_map!r} (capture "
@@ -245,19 +314,26 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
                         f"layers with it): pip install accelerate, or pip install "
                         f"'eyas[multigpu]'")
     config = load_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-    name = _check_exists(name_or_path)
+    name, where = _locate(name_or_path)
+    if where and hasattr(transformers, "GgufConfig"):
+        # With the `kernels` package installed, recent transformers keep a GGUF's weights in
+        # packed blocks (GgufLinear / GgufEmbedding); eyas needs the plain nn.Linear /
+        # nn.Embedding of every other target (lm_head and embedding weights, hooks).
+        where["quantization_config"] = transformers.GgufConfig(dequantize=True)
 
     def make(cls_name, cls):
-        kwargs = dict(revision=revision, dtype=torch_dtype, device_map=device_map)
+        kwargs = dict(revision=revision, dtype=torch_dtype, device_map=device_map, **where)
         if cls_name.startswith("Auto"):
             kwargs["trust_remote_code"] = trust_remote_code
         return cls.from_pretrained(name, config=config, **kwargs)
 
-    log.info("loading %s (%s) in %s", name, (config.architectures or ["?"])[0], torch_dtype)
+    log.info("loading %s (%s) in %s", name_or_path, (config.architectures or ["?"])[0],
+             torch_dtype)
     try:
         model = _instantiate(config, trust_remote_code, make)
     except OSError as err:
-        raise EyasError(_explain_load_error("weights", name, err, trust_remote_code)) from err
+        raise EyasError(_explain_load_error("weights", str(name_or_path), err,
+                                            trust_remote_code)) from err
     if device is not None:
         model.to(device)
     model.eval()
