@@ -4,6 +4,7 @@ independent construction, and the prepared/ folder (rejects, length policy, mani
 from __future__ import annotations
 
 import json
+import logging
 
 import datasets
 import numpy as np
@@ -220,6 +221,70 @@ def test_template_without_end_of_turn_token(tok):
                           (" <think>\nhmm\n</think>\n\nThe cat.", 1), ("\n\n", 0)])
 
 
+PLAIN_TEXT = ("{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n<end>\\n\\n' }}"
+              "{%- endfor %}{%- if add_generation_prompt %}{{- 'assistant:' }}{%- endif %}")
+CUT = [{"role": "user", "content": "Name two animals."},
+       {"role": "assistant", "content": "A cat and a dog."},
+       {"role": "user", "content": "Two more?"},
+       {"role": "assistant", "content": "The cow and"}]  # cut at max_new_tokens
+
+
+def cut_case(tok, template):
+    """CUT's hand-built segments as if its last answer were whole, and the closing the target
+    writes after a whole answer (end-of-turn token; a plain "<end>" line without one)."""
+    if template == "llama3":
+        h, eot = llama3_header, "<|eot_id|>"
+        return CUT, [("<|begin_of_text|>" + h("user") + "Name two animals." + eot
+                      + h("assistant"), 0), ("A cat and a dog." + eot, 1),
+                     (h("user") + "Two more?" + eot + h("assistant"), 0),
+                     ("The cow and" + eot, 1)], eot
+    if template == "plain text":
+        tok.chat_template = PLAIN_TEXT
+        return CUT, [("user: Name two animals.\n<end>\n\nassistant:", 0),
+                     (" A cat and a dog.\n<end>", 1),
+                     ("\n\nuser: Two more?\n<end>\n\nassistant:", 0),
+                     (" The cow and\n<end>", 1), ("\n\n", 0)], "\n<end>"
+    tok.chat_template = {"chatml": CHATML, "qwen3": QWEN3}[template]
+    system = chatml("system", "You are a helpful assistant.") if template == "chatml" else ""
+    head = [(system + chatml("user", "Name two animals.") + "<|im_start|>assistant\n", 0),
+            ("A cat and a dog.<|im_end|>", 1),
+            ("\n" + chatml("user", "Two more?") + "<|im_start|>assistant\n", 0)]
+    if template == "chatml":
+        return CUT, [*head, ("The cow and<|im_end|>", 1), ("\n", 0)], "<|im_end|>"
+    # Qwen3 cut inside its reasoning: no </think>, so the template inserts an empty block.
+    messages = [*CUT[:-1], {"role": "assistant", "content": "<think>\nthe cow"}]
+    head[-1] = (head[-1][0] + "<think>\n\n</think>\n\n", 0)
+    return messages, [*head, ("<think>\nthe cow<|im_end|>", 1), ("\n", 0)], "<|im_end|>"
+
+
+@pytest.mark.parametrize("template", ["llama3", "chatml", "qwen3", "plain text"])
+def test_truncated_answer_leaves_its_end_of_turn_out(tok, template):
+    # The cut answer's text is what the target wrote; what the template closes the turn with
+    # (<|eot_id|>, <|im_end|>, the plain "<end>" line) the target never wrote there. The same
+    # conversation untruncated supervises it, as before; earlier turns keep theirs.
+    messages, whole, close = cut_case(tok, template)
+    k = max(i for i, (_, supervised) in enumerate(whole) if supervised)  # the last answer
+    answer = whole[k][0][:-len(close)]
+    cut = [*whole[:k], (answer, 1), (close, 0), *whole[k + 1:]]
+    _, full_mask = check(tok, messages, whole)
+    ids, cut_mask = check(tok, messages, cut, truncated=True)
+    n_close = len(tok(close, add_special_tokens=False)["input_ids"])
+    last = max(i for i, m in enumerate(cut_mask) if m)  # the mask ends at the answer's text
+    assert tok.decode(ids[:last + 1]).endswith(answer)
+    assert full_mask[last + 1:last + 1 + n_close] == [1] * n_close
+    assert cut_mask[:last + 1] == full_mask[:last + 1]
+    assert sum(cut_mask) == sum(full_mask) - n_close
+    # --last-turn-only supervises the same cut span and nothing before it
+    _, only = check(tok, messages, [(t, m and i >= k) for i, (t, m) in enumerate(cut)],
+                    truncated=True, last_turn_only=True)
+    assert only[last] == 1 and not any(only[last + 1:])
+
+
+def test_truncated_needs_the_cut_answer_last(tok):
+    with pytest.raises(ChatFormatError, match="last message is a user turn"):
+        tokenize_conversation(tok, [*CUT, {"role": "user", "content": "go on"}], truncated=True)
+
+
 def test_slow_tokenizer_path_agrees_when_nothing_merges(tok):
     tok.chat_template = CHATML
     text, spans = assistant_spans(tok, PLAIN)
@@ -331,7 +396,8 @@ def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
     assert m["target"]["model_type"] == "llama" and m["target"]["vocab_size"] == 2048
     assert m["target"]["tokenizer_hash"] == tokenizer_fingerprint(tok)
     train = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"]
-    assert m["stats"] == {"kept": 2, "dropped_too_long": 0, "truncated": 0, "rejected": 0,
+    assert m["stats"] == {"kept": 2, "dropped_too_long": 0, "truncated": 0,
+                          "truncated_answers": 0, "rejected": 0,
                           "tokens": sum(train["num_tokens"]),
                           "masked_tokens": sum(map(sum, train["loss_mask"])),
                           "train": 2, "eval": 0}
@@ -383,6 +449,39 @@ def test_length_policy(tok_dir, tmp_path, tok):
     full_ids, full_mask = tokenize_conversation(tok, PLAIN)
     row = train[0]
     assert row["input_ids"] == full_ids[:limit] and row["loss_mask"] == full_mask[:limit]
+
+
+def test_truncated_rows_from_regenerate(tok_dir, tmp_path, tok, caplog):
+    # regenerate's output lines: the same conversation marked cut, marked whole, and unmarked
+    # (from before the mark); a mark that is not a boolean, and one on a conversation whose
+    # last message is not the cut answer, are rejected.
+    rows = [{"id": "cut", "messages": CUT, "truncated": True},
+            {"id": "whole", "messages": CUT, "truncated": False},
+            {"id": "unmarked", "messages": CUT},
+            {"id": "bad", "messages": CUT, "truncated": "yes"},
+            {"id": "user-last", "truncated": True,
+             "messages": [*CUT, {"role": "user", "content": "And?"}]}]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO, logger="eyas.prepare"):
+        s = run_prepare(tok_dir, [data], tmp_path / "out")
+    assert (s.kept, s.truncated_answers, s.truncated, s.rejected) == (3, 1, 0, 2)
+    assert "1 end in a truncated answer" in caplog.text
+    assert read_manifest(tmp_path / "out", "prepare")["stats"]["truncated_answers"] == 1
+    reasons = [json.loads(x)["reason"] for x in (tmp_path / "out" / "rejects.jsonl").open()]
+    assert "'truncated' is 'yes'" in reasons[0] and "last message is a user turn" in reasons[1]
+    train = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"]
+    train = {row["sample_id"]: row for row in train}
+    cut, whole, unmarked = train["cut"], train["whole"], train["unmarked"]
+    assert cut["input_ids"] == whole["input_ids"] == unmarked["input_ids"]
+    # false and no mark: exactly as before, the closing <|eot_id|> (the last token) supervised
+    assert whole["loss_mask"] == unmarked["loss_mask"] == tokenize_conversation(tok, CUT)[1]
+    assert tok.convert_ids_to_tokens(whole["input_ids"][-1]) == "<|eot_id|>"
+    assert whole["loss_mask"][-1] == 1
+    # true: the mask ends at the answer's last token
+    assert cut["loss_mask"] == whole["loss_mask"][:-1] + [0]
+    assert tok.decode(cut["input_ids"][:-1]).endswith("The cow and")
+    assert s.masked_tokens == 3 * sum(whole["loss_mask"]) - 1
 
 
 def test_eval_split_is_deterministic(tok_dir, tmp_path):

@@ -10,8 +10,10 @@ template works without per-model code. Templates that render a turn differently 
 turns follow (Qwen3 drops reasoning before the last user message) are aligned by the text
 between turns, which does not change. Empty `<think></think>` blocks are never supervised.
 Character spans become token masks through the tokenizer's offsets, so tokens that merge
-across a boundary are still placed. `eyas prepare` masks its data here; eval and regenerate
-render prompts the same way. See docs/prepare.md.
+across a boundary are still placed. An answer cut before its end (regenerate's
+`"truncated": true`) keeps its text in the mask but not the end-of-turn the template closes it
+with, found by rendering it once more with a mark after its text. `eyas prepare` masks its
+data here; eval and regenerate render prompts the same way. See docs/prepare.md.
 """
 
 from __future__ import annotations
@@ -181,14 +183,51 @@ def _tokens_by_segments(tokenizer, text: str, cmask: np.ndarray) -> tuple[list[i
     return ids, mask
 
 
+# Written after a cut answer's text to find where the template's closing of the turn starts.
+_CUT_MARK = "\ue000eyas-cut\ue000"
+
+
+def _answer_end(tokenizer, messages: list[dict], full: str, kw: dict) -> int:
+    """Where the last message's own text ends in `full` (the render of `messages`).
+
+    Rendered again with a mark after that text, the template writes after the mark exactly
+    what it closes the turn with (`<|im_end|>\n`, `<|eot_id|>`); `full` ends with the same."""
+    last = messages[-1]
+    marked = render(tokenizer, [*messages[:-1], {**last, "content": last["content"] + _CUT_MARK}],
+                    **kw)
+    k = marked.rfind(_CUT_MARK)
+    closing = marked[k + len(_CUT_MARK):] if k >= 0 else None
+    if closing is None or not full.endswith(closing):
+        raise ChatFormatError("cannot find where the truncated last answer ends: the chat "
+                              "template renders it differently with text appended")
+    return len(full) - len(closing)
+
+
+def _cut_last_span(tokenizer, messages: list[dict], full: str,
+                   spans: list[tuple[int, int]], kw: dict) -> list[tuple[int, int]]:
+    """`spans` with the last assistant turn ending at its text: the answer was cut (at
+    regenerate's max_new_tokens), so the target never wrote the end-of-turn the template adds."""
+    if messages[-1]["role"] != "assistant":
+        raise ChatFormatError("marked truncated, but the last message is a "
+                              f"{messages[-1]['role']} turn, not the cut assistant answer")
+    if len(messages) == 1:  # a lone assistant message is context only: no span to cut
+        return spans
+    start, end = spans[-1]
+    return [*spans[:-1], (start, max(start, min(end, _answer_end(tokenizer, messages, full, kw))))]
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], *, last_turn_only: bool = False,
-                          chat_template: str | None = None,
+                          truncated: bool = False, chat_template: str | None = None,
                           template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of a conversation; mask 1 on tokens the target generates
-    (assistant content and its end-of-turn token). Raises ChatFormatError for conversations
-    the template refuses or that cannot be masked."""
-    text, spans = assistant_spans(tokenizer, messages, chat_template=chat_template,
-                                  template_kwargs=template_kwargs)
+    (assistant content and its end-of-turn token). With `truncated`, the last message is an
+    answer cut before its end: its text is supervised, what the template closes it with is
+    not. Raises ChatFormatError for conversations the template refuses or that cannot be
+    masked."""
+    kw = {"chat_template": chat_template, "template_kwargs": template_kwargs}
+    text, spans = assistant_spans(tokenizer, messages, **kw)
+    if truncated:
+        spans = _cut_last_span(tokenizer, messages, text, spans, kw)
     if last_turn_only:
         spans = spans[-1:]
     return _tokens_with_mask(tokenizer, text, _char_mask(text, spans))

@@ -3,8 +3,11 @@
 Rows are read and normalised by `eyas.chat`; each conversation is rendered with the target
 tokenizer's own chat template and masked by `eyas.masking` (assistant content and its
 end-of-turn token, found from the template itself, so any template works without per-model
-code). This module runs that over the whole input with `datasets`, sets aside malformed and
-overlong rows, splits train/eval and writes the prepared folder. See docs/prepare.md.
+code). A row marked `"truncated": true` (`eyas regenerate` kept an answer cut at its
+max_new_tokens as the last message) keeps that answer's text in the mask but not the
+end-of-turn the template closes it with: the target never wrote it there. This module runs
+that over the whole input with `datasets`, sets aside malformed and overlong rows, splits
+train/eval and writes the prepared folder. See docs/prepare.md.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ class PrepareSummary:
 
     kept: int
     dropped_too_long: int
-    truncated: int
+    truncated: int  # kept rows cut to max_length (length_policy truncate)
+    truncated_answers: int  # kept rows whose last answer regenerate cut ("truncated": true)
     rejected: int
     tokens: int
     masked_tokens: int
@@ -172,13 +176,35 @@ def _claim_out(out: Path, cfg: PrepareConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _truncated(data: dict) -> bool:
+    """A row's `truncated` mark (regenerate's output): true, false, or absent (false)."""
+    flag = data.get("truncated")
+    if flag is not None and not isinstance(flag, bool):
+        raise ChatFormatError(f"'truncated' is {flag!r}; it must be true or false")
+    return bool(flag)
+
+
 def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip: bool):
-    """Dataset rows: the normalised conversation as JSON, or the reason it is unusable."""
-    for c in chat.read_conversations(paths, fmt, system_prompt=system_prompt, strip_think=strip):
-        bad = isinstance(c.messages, ChatFormatError)
-        yield {"file": c.file, "row": c.row, "sample_id": c.sample_id,
-               "messages_json": "" if bad else json.dumps(c.messages, ensure_ascii=False),
-               "error": str(c.messages) if bad else ""}
+    """Dataset rows: the normalised conversation as JSON and its `truncated` mark, or the
+    reason it is unusable. (`chat.read_conversations` with the raw row's mark kept.)"""
+    for file, row, data in chat.read_rows(paths, fmt):
+        rec = {"file": file, "row": row, "sample_id": f"{file}:{row}", "messages_json": "",
+               "truncated": False, "error": ""}
+        try:
+            if isinstance(data, ChatFormatError):
+                raise data
+            rec["sample_id"] = chat.sample_id(data, file, row)
+            messages = chat.normalize(data, fmt)
+            rec["truncated"] = _truncated(data)
+        except ChatFormatError as err:
+            rec["error"] = str(err)
+            yield rec
+            continue
+        if strip:
+            messages = chat.strip_reasoning(messages)
+        messages = chat.with_system_prompt(messages, system_prompt)
+        rec["messages_json"] = json.dumps(messages, ensure_ascii=False)
+        yield rec
 
 
 def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
@@ -190,7 +216,7 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
         return out
     try:
         ids, mask = tokenize_conversation(tokenizer, json.loads(rec["messages_json"]),
-                                          **mask_kwargs)
+                                          truncated=rec["truncated"], **mask_kwargs)
     except ChatFormatError as err:
         out["reason"] = str(err)
         return out
@@ -217,7 +243,7 @@ def _features():
     return datasets.Features({
         "file": datasets.Value("string"), "row": datasets.Value("int64"),
         "sample_id": datasets.Value("string"), "messages_json": datasets.Value("string"),
-        "error": datasets.Value("string"),
+        "truncated": datasets.Value("bool"), "error": datasets.Value("string"),
         "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
         "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
         "status": datasets.Value("string"), "reason": datasets.Value("string"),
@@ -230,7 +256,8 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path):
 
     features = _features()
     read_features = datasets.Features({k: features[k] for k in
-                                       ("file", "row", "sample_id", "messages_json", "error")})
+                                       ("file", "row", "sample_id", "messages_json",
+                                        "truncated", "error")})
     rows = datasets.Dataset.from_generator(
         _records, features=read_features, cache_dir=str(work / "read"),
         gen_kwargs={"paths": tuple(cfg.data), "fmt": cfg.format,
@@ -326,17 +353,21 @@ def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int) -> Prepa
               str(out / "token_counts.safetensors"))
     num_tokens = np.asarray(ds["num_tokens"], dtype=np.int64)[kept]
     num_masked = np.asarray(ds["num_masked"], dtype=np.int64)[kept]
+    cut_answer = np.asarray(ds["truncated"], dtype=bool)[kept]
     return PrepareSummary(
         kept=len(kept), dropped_too_long=int((status == "too_long").sum()),
-        truncated=int((status == "truncated").sum()), rejected=int((status == "rejected").sum()),
+        truncated=int((status == "truncated").sum()),
+        truncated_answers=int(cut_answer.sum()), rejected=int((status == "rejected").sum()),
         tokens=int(num_tokens.sum()), masked_tokens=int(num_masked.sum()),
         train=len(train_rows), eval=len(eval_rows), out=str(out))
 
 
 def _log_summary(s: PrepareSummary, out: Path) -> None:
-    log.info("prepare: kept %d conversations (train %d, eval %d; %d truncated), dropped %d "
-             "too long, rejected %d; %d tokens, %d supervised -> %s", s.kept, s.train, s.eval,
-             s.truncated, s.dropped_too_long, s.rejected, s.tokens, s.masked_tokens, out)
+    log.info("prepare: kept %d conversations (train %d, eval %d; %d truncated to max_length; "
+             "%d end in a truncated answer, its end-of-turn not supervised), dropped %d too "
+             "long, rejected %d; %d tokens, %d supervised -> %s", s.kept, s.train, s.eval,
+             s.truncated, s.truncated_answers, s.dropped_too_long, s.rejected, s.tokens,
+             s.masked_tokens, out)
     if s.rejected:
         log.warning("%d malformed rows set aside: reasons and row numbers in %s", s.rejected,
                     out / "rejects.jsonl")
