@@ -125,8 +125,6 @@ def test_prepare_manifest_records_the_gguf(prepared, smollm2_gguf, tokenizer):
     assert target["tokenizer_hash"] == tokenizer_fingerprint(tokenizer)
 
 
-@pytest.mark.xfail(strict=True, reason="prepare._target_config calls AutoConfig.from_pretrained "
-                   "on the .gguf path itself (read as JSON) instead of eyas.models.load_config")
 def test_prepare_manifest_records_the_gguf_model_shape(prepared):
     target = read_manifest(prepared, step="prepare")["target"]
     assert (target["num_hidden_layers"], target["hidden_size"]) == (30, 576)
@@ -179,6 +177,18 @@ def test_capture_equals_the_targets_own_forward(captured, prepared, target, smol
         assert sample["loss_mask"].tolist() == rows[row]["loss_mask"]
     # the taps are not a copy of one another: three distinct residual streams
     assert not torch.equal(got[0]["aux_hidden"][:, 0], got[0]["aux_hidden"][:, 2])
+
+
+def test_offline_training_reads_embedding_and_head_from_the_gguf(smollm2_gguf, target):
+    """eyas train (offline) reads only the two tensors it needs from the GGUF: the values
+    transformers' loader gives the model (tied: one matrix)."""
+    from eyas.data import target_head_weights
+
+    model, info = target
+    embed, head, got_info, _ = target_head_weights(str(smollm2_gguf))
+    assert got_info.layers_path == info.layers_path
+    assert torch.equal(embed, model.get_input_embeddings().weight.detach().float())
+    assert torch.equal(head, model.get_output_embeddings().weight.detach().float())
 
 
 def test_capture_refuses_a_folder_prepared_from_another_gguf(smollm2_gguf, prepared, tmp_path):

@@ -438,10 +438,12 @@ def target_head_weights(name: str, *, revision: str | None = None,
     never loads the whole target."""
     from safetensors import safe_open
 
-    from eyas.models import inspect_model, load_config, text_config
+    from eyas.models import inspect_model, is_gguf, load_config, text_config
 
     config = load_config(name, revision=revision, trust_remote_code=trust_remote_code)
     info = inspect_model(config, trust_remote_code=trust_remote_code)
+    if is_gguf(name):
+        return (*_gguf_head_weights(name, info, config), info, config)
     where, fetch = _weight_map(name, revision)
 
     def read(module_path: str) -> torch.Tensor | None:
@@ -462,6 +464,41 @@ def target_head_weights(name: str, *, revision: str | None = None,
                             f"safetensors files of {name}; train with --online.")
         head = embed  # tied: the checkpoint stores the matrix once
     return embed, head, info, config
+
+
+# GGUF names of the input embedding and output head (llama.cpp's for every architecture)
+GGUF_EMBED, GGUF_HEAD = "token_embd.weight", "output.weight"
+
+
+def _gguf_head_weights(name: str, info, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed, lm_head) de-quantized from a .gguf file, reading only those two tensors (the
+    values transformers' own GGUF loader gives them: tests/test_real_model.py)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from eyas.models import text_config
+
+    tensors = {t.name: t for t in GGUFReader(name).tensors
+               if t.name in (GGUF_EMBED, GGUF_HEAD)}
+
+    def read(key: str) -> torch.Tensor | None:
+        t = tensors.get(key)
+        if t is None:
+            return None
+        return torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+
+    embed = read(GGUF_EMBED)
+    if embed is None or embed.shape != (info.vocab_size, info.hidden_size):
+        raise EyasError(f"{name} has no {GGUF_EMBED} of shape ({info.vocab_size}, "
+                        f"{info.hidden_size}); train with --online.")
+    head = read(GGUF_HEAD)
+    if head is None:
+        if not (info.tied_embeddings or getattr(text_config(config), "tie_word_embeddings",
+                                                False)):
+            raise EyasError(f"{name} has no {GGUF_HEAD} and its embeddings are not tied; "
+                            f"train with --online.")
+        head = embed  # tied: llama.cpp stores the matrix once
+    return embed, head
 
 
 INDEX = "model.safetensors.index.json"

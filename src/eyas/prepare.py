@@ -123,13 +123,14 @@ def load_tokenizer(cfg: PrepareConfig):
 
 
 def _target_config(cfg: PrepareConfig):
-    """The target's config.json (for the manifest and vocab size), or None if unavailable."""
-    from transformers import AutoConfig
+    """The target's config (for the manifest and vocab size), or None if unavailable (a
+    run with --tokenizer only). Through eyas.models.load_config, so a .gguf target works."""
+    from eyas.models import load_config
 
     try:
-        return AutoConfig.from_pretrained(cfg.target, revision=cfg.revision,
-                                          trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError, KeyError) as err:
+        return load_config(cfg.target, revision=cfg.revision,
+                           trust_remote_code=cfg.trust_remote_code)
+    except EyasError as err:
         log.warning("no model config for %s (%s); the manifest records the tokenizer only",
                     cfg.target, err)
         return None
