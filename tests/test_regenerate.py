@@ -234,6 +234,17 @@ def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
     assert "unknown role 'robot'" in reasons["bad-role"]
 
 
+def test_padded_batches_give_the_same_answers(setup, local_run, tmp_path):
+    """Continuous batching (the default) and padded batches both equal the plain generate
+    reference row for row, so they equal each other (T=0)."""
+    assert json.loads((local_run[0] / "eyas.json").read_text())["config"]["batching"] == \
+        "continuous"
+    out = tmp_path / "padded"
+    regenerate(_cfg(setup, out, batching="padded"))
+    _check_outputs(setup, out)
+    assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
+
+
 def test_prompt_only_rows_get_an_answer(setup, local_run):
     ok = {r["id"]: r for r in _read(local_run[0] / OUTPUT)}
     prompts = {p: ok[p] for p in PROMPTS if p in ok}

@@ -65,10 +65,30 @@ def stop_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-class LocalGenerator:
-    """Batched chat generation with a transformers model: chat template, left padding, KV cache."""
+BATCHING = ("continuous", "padded")
 
-    def __init__(self, model, tokenizer):
+
+class LocalGenerator:
+    """Batched chat generation with a transformers model and its chat template.
+
+    batching "continuous": transformers' continuous batching (`model.generate_batch`: a paged
+    KV cache where a finished row frees its room for the next prompt at once, so a batch never
+    waits for its longest answer); "padded": left-padded batches through `model.generate`,
+    which run until their longest row ends. Greedy outputs are the same (tests). Models
+    without `generate_batch` (some remote code) or spread over several devices use padded.
+    """
+
+    def __init__(self, model, tokenizer, batching: str = "padded"):
+        if batching not in BATCHING:
+            raise EyasError(f"batching {batching!r}: use one of {BATCHING}")
+        devices = set(getattr(model, "hf_device_map", {}).values())
+        if batching == "continuous" and (not hasattr(model, "generate_batch")
+                                         or len(devices) > 1):
+            log.info("continuous batching is not available for this model (%s); using "
+                     "padded batches", "spread over several devices" if len(devices) > 1
+                     else "no generate_batch")
+            batching = "padded"
+        self.batching = batching
         self.model, self.tokenizer = model, tokenizer
         self.lock = threading.Lock()  # held by callers that share this generator across threads
         self.stop_ids = stop_token_ids(model, tokenizer)
@@ -98,9 +118,50 @@ class LocalGenerator:
             return (self.generate(prompts[:half], max_new_tokens, temperature, top_p)
                     + self.generate(prompts[half:], max_new_tokens, temperature, top_p))
 
-    def _generate(self, prompts, max_new_tokens, temperature, top_p) -> list[Generation]:
-        import torch
+    def _config(self, max_new_tokens: int, temperature: float, top_p: float):
         from transformers import GenerationConfig
+
+        # Unset options (e.g. top_k) come from the model's generation_config, as in vLLM.
+        sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p)
+                    if temperature > 0 else dict(do_sample=False))
+        return GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                                eos_token_id=sorted(self.stop_ids), **sampling)
+
+    def _result(self, row: list[int]) -> Generation:
+        end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+        text = self.tokenizer.decode(row[:end], skip_special_tokens=True)
+        return Generation(text, "length" if end is None else "stop",
+                          len(row) if end is None else end + 1)
+
+    def _generate(self, prompts, max_new_tokens, temperature, top_p) -> list[Generation]:
+        if self.batching == "continuous":
+            return self._generate_continuous(prompts, max_new_tokens, temperature, top_p)
+        return self._generate_padded(prompts, max_new_tokens, temperature, top_p)
+
+    def _generate_continuous(self, prompts, max_new_tokens, temperature,
+                             top_p) -> list[Generation]:
+        import torch
+
+        gen_cfg = self._config(max_new_tokens, temperature, top_p)
+        with torch.inference_mode():
+            done = list(self.model.generate_batch([list(p) for p in prompts],
+                                                  generation_config=gen_cfg,
+                                                  progress_bar=False).values())
+        # results come in input order; a request that failed inside transformers is missing
+        # or carries an error
+        results, at = [], 0
+        for p in prompts:
+            out = done[at] if at < len(done) else None
+            if out is None or list(out.prompt_ids) != list(p):
+                results.append(Generation("", "error: no result from continuous batching"))
+                continue
+            at += 1
+            results.append(Generation("", f"error: {out.error}") if out.error is not None
+                           else self._result(list(out.generated_tokens)))
+        return results
+
+    def _generate_padded(self, prompts, max_new_tokens, temperature, top_p) -> list[Generation]:
+        import torch
 
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (B, T)
@@ -108,34 +169,24 @@ class LocalGenerator:
         for i, p in enumerate(prompts):  # left padding: every prompt ends at column T - 1
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        # Unset options (e.g. top_k) come from the model's generation_config, as in vLLM.
-        sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p)
-                    if temperature > 0 else dict(do_sample=False))
-        gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                                   eos_token_id=sorted(self.stop_ids), **sampling)
+        gen_cfg = self._config(max_new_tokens, temperature, top_p)
         device = self.model.device
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       generation_config=gen_cfg)  # (B, T + new)
-        results = []
-        for row in out[:, width:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
-            text = self.tokenizer.decode(row[:end], skip_special_tokens=True)
-            results.append(Generation(text, "length" if end is None else "stop",
-                                      len(row) if end is None else end + 1))
-        return results
+        return [self._result(row) for row in out[:, width:].tolist()]
 
 
 def load_generator(model: str | Path, *, dtype: str = "auto", device: str | None = None,
                    device_map: str | None = None, revision: str | None = None,
-                   trust_remote_code: bool = False) -> LocalGenerator:
+                   trust_remote_code: bool = False, batching: str = "padded") -> LocalGenerator:
     """A LocalGenerator for a hub name or folder, loaded through `eyas.models`."""
     from eyas.models import load_target, load_tokenizer
 
     target, _ = load_target(model, revision=revision, dtype=dtype, device=device,
                             device_map=device_map, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(model, revision=revision, trust_remote_code=trust_remote_code)
-    return LocalGenerator(target, tokenizer)
+    return LocalGenerator(target, tokenizer, batching)
 
 
 def _error(status: int, message: str) -> tuple[int, dict]:

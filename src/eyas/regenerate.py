@@ -36,8 +36,8 @@ from eyas.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normal
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.manifest import chat_template_fingerprint, target_record, write_manifest
-from eyas.openai_server import (ChatClient, Generation, LocalGenerator, RequestFailed,
-                                load_generator)
+from eyas.openai_server import (BATCHING, ChatClient, Generation, LocalGenerator,
+                                RequestFailed, load_generator)
 from eyas.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
                                     sort_by_input)
 
@@ -77,7 +77,13 @@ class RegenerateConfig:
     limit: int | None = option(None, "only the first N input rows; raise it later to continue")
     batch_size: int = option(16, "conversations per generate call (transformers); rows per "
                              "fsync of the outputs")
-    dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's)",
+    batching: str = option("continuous", "transformers backend: continuous = transformers' "
+                           "continuous batching (a finished row frees its room at once; "
+                           "--batch-size x 8 prompts per call), padded = left-padded batches "
+                           "of --batch-size that wait for their longest row",
+                           choices=BATCHING)
+    dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's; "
+                        "float32 on CPU)",
                         choices=("auto", "bfloat16", "float16", "float32"))
     device: str = option("auto", "transformers backend: auto (all GPUs through device_map, "
                          "else CPU), cpu, cuda or cuda:N")
@@ -95,7 +101,7 @@ class RegenerateConfig:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
-        for name, choices in (("format", FORMATS), ("backend", BACKENDS),
+        for name, choices in (("format", FORMATS), ("backend", BACKENDS), ("batching", BATCHING),
                               ("turns", ("all", "last")), ("reasoning", tuple(TEMPLATE_KWARGS))):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: use one of {choices}")
@@ -321,7 +327,8 @@ def _load_generator(cfg: RegenerateConfig) -> LocalGenerator:
         # Spread a target too big for one GPU over all of them; without a GPU use the CPU.
         device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
     return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=device,
-                          device_map=device_map, trust_remote_code=cfg.trust_remote_code)
+                          device_map=device_map, trust_remote_code=cfg.trust_remote_code,
+                          batching=cfg.batching)
 
 
 def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
@@ -330,10 +337,12 @@ def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output
     torch.manual_seed(cfg.seed)
     gen = _load_generator(cfg)
     while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
-        # Conversations of similar length share a batch, so left padding wastes little.
+        # Conversations of similar length share a batch, so left padding wastes little;
+        # continuous batching takes the whole window in one call and schedules it itself.
         window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
-        for start in range(0, len(window), cfg.batch_size):
-            batch = window[start:start + cfg.batch_size]
+        step = len(window) if gen.batching == "continuous" else cfg.batch_size
+        for start in range(0, len(window), step):
+            batch = window[start:start + step]
             for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
                 if isinstance(result, Rejected):
                     output.reject(job.file, job.row, job.sample_id, result)

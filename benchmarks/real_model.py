@@ -1,0 +1,195 @@
+"""The whole pipeline on a real target and real prompts, and the fidelity table.
+
+    python benchmarks/real_model.py --target SmolLM2-135M-Instruct.Q4_1.gguf \
+        --data realdata/ --work /tmp/run --out benchmarks/results/real-smollm2.json
+
+`--data` is a folder written by benchmarks/real_data.py: prompt-only rows in train.jsonl
+(training sources) and heldout.jsonl (whole held-out sources). The steps, each through the
+`eyas` CLI as a user runs them:
+
+    regenerate (the target answers every training prompt, greedy)
+    -> prepare (--eval-fraction: held-out in-distribution samples = the eval split)
+    -> capture (train and eval splits) -> vocab -> train -> export
+    -> eval on the eval split (in-distribution) and on heldout.jsonl
+
+and the JSON holds, per split, training's simulated acceptance (its eval's chain replay at
+the exported checkpoint: in-distribution only, training never sees the held-out sources),
+eval's replay on its own continuations and eval's measured acceptance with 95 % intervals,
+n-gram's, and speed. A step already finished in --work is skipped (the CLI's own resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run(step: str, *args: str, log: Path, out: Path) -> float:
+    """One `eyas STEP ...` in a subprocess, its output appended to `log`; seconds taken. A
+    step whose `out` folder holds a complete manifest from an earlier call is skipped (0)."""
+    manifest = out / "eyas.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("complete", True):
+        print(f"{step}: done before, skipped", flush=True)
+        return 0.0
+    cmd = [sys.executable, "-m", "eyas", step, *map(str, args)]
+    start = time.perf_counter()
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    took = time.perf_counter() - start
+    print(f"{step}: {took:.1f} s (rc {done.returncode})", flush=True)
+    if done.returncode:
+        raise SystemExit(f"eyas {step} failed (rc {done.returncode}); see {log}")
+    return took
+
+
+def _best_eval(run_dir: Path) -> dict:
+    """Training's eval record at the checkpoint export takes (the best one)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    best = max(evals, key=lambda r: r["sim_acceptance_length"])
+    return best
+
+
+def _split_summary(report: dict, ks: list[int]) -> dict:
+    res = {(r["method"], r["k"]): r for r in report["results"]}
+    out = {"prompts": report["num_prompts"], "lossless": report["lossless"],
+           "target_tokens_per_s": res["target", 0]["tokens_per_s"],
+           "measured_al": {}, "measured_per_position": {}, "measured_ci95": report["ci95"],
+           "replayed_al": {}, "replayed_per_position": {}, "replayed_ci95": {},
+           "ngram_al": {}, "speedup": {}, "ngram_speedup": {}}
+    for k in ks:
+        e, n = res.get(("eagle3", k)), res.get(("ngram", k))
+        out["measured_al"][str(k)] = e["mean_acceptance_length"]
+        out["measured_per_position"][str(k)] = e["per_position_acceptance"]
+        out["speedup"][str(k)] = e["speedup"]
+        if n:
+            out["ngram_al"][str(k)] = n["mean_acceptance_length"]
+            out["ngram_speedup"][str(k)] = n["speedup"]
+        rep = report.get("replayed", {}).get(str(k))
+        if rep:
+            out["replayed_al"][str(k)] = rep["mean_acceptance_length"]
+            out["replayed_per_position"][str(k)] = rep["per_position_acceptance"]
+            out["replayed_ci95"][str(k)] = rep["ci95"]
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="the target (.gguf file, folder or hub name)")
+    p.add_argument("--data", required=True, help="benchmarks/real_data.py output folder")
+    p.add_argument("--work", required=True, help="folder for every step's output")
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--max-train", type=int, default=0, help="first N training prompts (0 = all)")
+    p.add_argument("--regen-tokens", type=int, default=256)
+    p.add_argument("--regen-batch", type=int, default=256)
+    p.add_argument("--eval-fraction", type=float, default=0.05)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--indist-prompts", type=int, default=300)
+    p.add_argument("--heldout-prompts", type=int, default=200)
+    p.add_argument("--k", default="3,6")
+    p.add_argument("--workers", type=int, default=1, help="eyas eval --workers")
+    p.add_argument("--dtype", default="float32", help="target dtype for regenerate/capture/eval")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+
+    work, data = Path(a.work), Path(a.data)
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "log.txt"
+    t = {}
+    train_prompts = data / "train.jsonl"
+    if a.max_train:
+        lines = train_prompts.read_text().splitlines()[: a.max_train]
+        train_prompts = work / "train-prompts.jsonl"
+        train_prompts.write_text("\n".join(lines) + "\n")
+    model_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[a.dtype]
+    common = ["--target", a.target]
+    t["regenerate"] = run("regenerate", *common, "--data", train_prompts,
+                          "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
+                          "--batch-size", a.regen_batch, "--dtype", a.dtype,
+                          "--device", a.device, log=log, out=work / "regenerated")
+    t["prepare"] = run("prepare", *common, "--data", work / "regenerated/conversations.jsonl",
+                       "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
+                       out=work / "prepared")
+    t["capture"] = run("capture", *common, "--data", work / "prepared", "--out",
+                       work / "captured", "--split", "all", "--model-dtype", model_dtype,
+                       log=log, out=work / "captured")
+    t["vocab"] = run("vocab", "--data", work / "prepared", "--out", work / "vocab", log=log,
+                     out=work / "vocab")
+    t["train"] = run("train", "--data", work / "captured", "--vocab", work / "vocab",
+                     "--out", work / "run", "--epochs", a.epochs, "--batch-tokens",
+                     a.batch_tokens, "--lr", a.lr, "--eval-every", 200, "--save-every", 200,
+                     log=log, out=work / "run")
+    t["export"] = run("export", "--checkpoint", work / "run", "--out", work / "draft", log=log,
+                      out=work / "draft")
+    ks = [int(k) for k in a.k.split(",")]
+    ev = ["--target", a.target, "--draft", work / "draft", "--k", a.k, "--max-new-tokens",
+          a.eval_tokens, "--dtype", a.dtype, "--workers", a.workers, "--device", a.device]
+    t["eval_indist"] = run("eval", *ev, "--data", work / "prepared", "--split", "eval",
+                           "--num-prompts", a.indist_prompts, "--out", work / "eval-indist",
+                           log=log, out=work / "eval-indist")
+    t["eval_heldout"] = run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts",
+                            a.heldout_prompts, "--out", work / "eval-heldout", log=log,
+                            out=work / "eval-heldout")
+
+    regen = json.loads((work / "regenerated/eyas.json").read_text())
+    prep = json.loads((work / "prepared/eyas.json").read_text())
+    best = _best_eval(work / "run")
+    indist = json.loads((work / "eval-indist/report.json").read_text())
+    heldout = json.loads((work / "eval-heldout/report.json").read_text())
+    sources = json.loads((data / "sources.json").read_text()) \
+        if (data / "sources.json").is_file() else None
+    chain = best.get("chain", {})
+    result = {
+        "target": a.target,
+        "command": " ".join(["python", "benchmarks/real_model.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": _device(),
+        "samples": prep.get("stats", {}),
+        "regenerate": regen.get("stats", {}),
+        "tokens": prep.get("stats", {}).get("tokens"),
+        "seconds": {k: round(v, 1) for k, v in t.items()},
+        "training_eval": {"step": best["step"], "per_step_acc": best["acc"],
+                          "sim_acceptance_length_product": best["sim_acceptance_length"],
+                          "positions": best["positions"]},
+        "indist": {"simulated_al": {str(k): chain.get("acceptance_length", {}).get(str(k))
+                                    for k in ks},
+                   "simulated_per_position": {str(k): chain.get("per_position", {}).get(str(k))
+                                              for k in ks},
+                   **_split_summary(indist, ks)},
+        "heldout": {"simulated_al": None, "simulated_per_position": None,
+                    **_split_summary(heldout, ks)},
+        "data_sources": sources,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("training_eval", "seconds")}, indent=1))
+    for split in ("indist", "heldout"):
+        r = result[split]
+        print(split, "sim", r["simulated_per_position"], "replayed", r["replayed_per_position"],
+              "measured", r["measured_per_position"], "AL", r["measured_al"], "ngram",
+              r["ngram_al"], "speedup", r["speedup"], flush=True)
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
+            f"CPU ({os.cpu_count()} cores)"
+    except ImportError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
