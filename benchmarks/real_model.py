@@ -50,12 +50,12 @@ def run(step: str, *args: str, log: Path, out: Path) -> float:
 
 
 def _best_eval(run_dir: Path) -> dict:
-    """Training's eval record at the checkpoint export takes (the best one)."""
+    """Training's eval record at the checkpoint export takes (the run's best step)."""
+    best = json.loads((run_dir / "eyas.json").read_text())["best"]["step"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     evals = [r for r in records if r.get("kind") == "eval"]
-    best = max(evals, key=lambda r: r["sim_acceptance_length"])
-    return best
+    return next((r for r in evals if r["step"] == best), evals[-1])
 
 
 def _split_summary(report: dict, ks: list[int]) -> dict:
