@@ -140,13 +140,12 @@ class LocalGenerator:
 
     def _generate_continuous(self, prompts, max_new_tokens, temperature,
                              top_p) -> list[Generation]:
-        import torch
-
         gen_cfg = self._config(max_new_tokens, temperature, top_p)
-        with torch.inference_mode():
-            done = list(self.model.generate_batch([list(p) for p in prompts],
-                                                  generation_config=gen_cfg,
-                                                  progress_bar=False).values())
+        # not under inference_mode: transformers generates in a thread of its own, which
+        # updates in place the tensors made here (inference tensors there would refuse it)
+        done = list(self.model.generate_batch([list(p) for p in prompts],
+                                              generation_config=gen_cfg,
+                                              progress_bar=False).values())
         # results come in input order; a request that failed inside transformers is missing
         # or carries an error
         results, at = [], 0
@@ -158,6 +157,13 @@ class LocalGenerator:
             at += 1
             results.append(Generation("", f"error: {out.error}") if out.error is not None
                            else self._result(list(out.generated_tokens)))
+        if prompts and all(r.finish_reason.startswith("error") for r in results):
+            # every request failed: continuous batching does not work here (its error is in
+            # transformers' log); padded batches give the same answers
+            log.warning("continuous batching failed for all %d prompts (%s); using padded "
+                        "batches from now on", len(prompts), results[0].finish_reason[:200])
+            self.batching = "padded"
+            return self._generate_padded(prompts, max_new_tokens, temperature, top_p)
         return results
 
     def _generate_padded(self, prompts, max_new_tokens, temperature, top_p) -> list[Generation]:
