@@ -90,6 +90,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-train", type=int, default=0, help="first N training prompts (0 = all)")
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-batch", type=int, default=256)
+    p.add_argument("--regen-batching", default="padded", help="eyas regenerate --batching")
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=16384)
@@ -116,7 +117,8 @@ def main(argv=None) -> None:
     common = ["--target", a.target]
     t["regenerate"] = run("regenerate", *common, "--data", train_prompts,
                           "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
-                          "--batch-size", a.regen_batch, "--dtype", a.dtype,
+                          "--batch-size", a.regen_batch, "--batching", a.regen_batching,
+                          "--dtype", a.dtype,
                           "--device", a.device, log=log, out=work / "regenerated")
     t["prepare"] = run("prepare", *common, "--data", work / "regenerated/conversations.jsonl",
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,

@@ -557,6 +557,10 @@ def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
     assert len((tmp_path / "out" / "rejects.jsonl").read_text().splitlines()) == 2
     (tmp_path / "ok.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
     assert run_prepare(tok_dir, [tmp_path / "ok.jsonl"], tmp_path / "out").kept == 1
+    # an empty file (a regenerate whose rows were all rejected) names the cause
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(EyasError, match="no rows in .*empty"):
+        run_prepare(tok_dir, [tmp_path / "empty.jsonl"], tmp_path / "out2")
 
 
 # ---------------------------------------------------------------- config and CLI

@@ -234,13 +234,13 @@ def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
     assert "unknown role 'robot'" in reasons["bad-role"]
 
 
-def test_padded_batches_give_the_same_answers(setup, local_run, tmp_path):
-    """Continuous batching (the default) and padded batches both equal the plain generate
-    reference row for row, so they equal each other (T=0)."""
+def test_continuous_batching_gives_the_same_answers(setup, local_run, tmp_path):
+    """Padded batches (the default) and transformers' continuous batching both equal the
+    plain generate reference row for row, so they equal each other (T=0)."""
     assert json.loads((local_run[0] / "eyas.json").read_text())["config"]["batching"] == \
-        "continuous"
-    out = tmp_path / "padded"
-    regenerate(_cfg(setup, out, batching="padded"))
+        "padded"
+    out = tmp_path / "continuous"
+    regenerate(_cfg(setup, out, batching="continuous"))
     _check_outputs(setup, out)
     assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
 

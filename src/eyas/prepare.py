@@ -259,6 +259,10 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path):
     read_features = datasets.Features({k: features[k] for k in
                                        ("file", "row", "sample_id", "messages_json",
                                         "truncated", "error")})
+    if next(chat.read_rows(cfg.data, cfg.format), None) is None:  # datasets' own error is cryptic
+        raise EyasError(f"no rows in {list(cfg.data)}: the input files are empty (an `eyas "
+                        f"regenerate` whose rows were all rejected writes an empty "
+                        f"conversations.jsonl: see its rejects.jsonl)")
     rows = datasets.Dataset.from_generator(
         _records, features=read_features, cache_dir=str(work / "read"),
         gen_kwargs={"paths": tuple(cfg.data), "fmt": cfg.format,

@@ -77,11 +77,11 @@ class RegenerateConfig:
     limit: int | None = option(None, "only the first N input rows; raise it later to continue")
     batch_size: int = option(16, "conversations per generate call (transformers); rows per "
                              "fsync of the outputs")
-    batching: str = option("continuous", "transformers backend: continuous = transformers' "
-                           "continuous batching (a finished row frees its room at once; "
-                           "--batch-size x 8 prompts per call), padded = left-padded batches "
-                           "of --batch-size that wait for their longest row",
-                           choices=BATCHING)
+    batching: str = option("padded", "transformers backend: padded = left-padded batches "
+                           "of --batch-size (length-sorted); continuous = transformers' "
+                           "continuous batching (paged KV cache, --batch-size x 8 prompts per "
+                           "call; measured far slower on an H200 without flash attention: "
+                           "docs/regenerate.md)", choices=BATCHING)
     dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's; "
                         "float32 on CPU)",
                         choices=("auto", "bfloat16", "float16", "float32"))
