@@ -217,9 +217,15 @@ def test_tiny_draft_learns_and_writes_the_run_folder(run_inputs, tmp_path):
     train_rows = _records(run, "train")
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]
     assert all(r["tokens_per_s"] > 0 and len(r["acc"]) == 7 for r in train_rows)
-    # checkpoints: the best by simulated AL, the last, nothing else (keep_last=1)
-    best = max(evals[1:], key=lambda r: r["sim_acceptance_length"])
+    # checkpoints: the best by the replayed chain's AL at k = 7, the last, nothing else
+    # (keep_last=1)
+    best = max(evals[1:], key=lambda r: r["chain"]["acceptance_length"]["7"])
     assert summary["best"]["step"] == best["step"]
+    assert summary["best"]["chain_by_k"] == best["chain"]["acceptance_length"]
+    # the replay counts as a server does: position i is accepted only after 0..i-1
+    for r in evals[1:]:
+        per_pos = r["chain"]["per_position"]["7"]
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
     assert checkpoint.read_pointer(run, "best").name == f"step-{best['step']:08d}"
     assert checkpoint.read_pointer(run, "last").name == "step-00000036"
     kept = {p.name for p in (run / "checkpoints").iterdir() if p.is_dir()}

@@ -78,8 +78,8 @@ def _training_lines(train: dict | None) -> list[str]:
         return ["## Training", "", "Not recorded (the checkpoint had no run manifest).", ""]
     config, best = train.get("config") or {}, train.get("best") or {}
     out = ["## Training", "", f"`eyas train`, {train.get('steps', '?')} optimizer steps"
-           + (f"; exported step {best['step']} had simulated acceptance length "
-              f"{best['sim_acceptance_length']:.3f} on held-out data" if best.get("step") else "")
+           + (f"; exported step {best['step']} had {_simulated(best)} on held-out data"
+              if best.get("step") else "")
            + ". Settings:", ""]
     out += [f"- {k}: {config[k]}" for k in TRAIN_KEYS if config.get(k) not in (None, "", ())]
     out += ["", "The full configuration and input manifests are in `eyas.json`.", ""]
@@ -108,3 +108,13 @@ def _acceptance_lines(report: dict | None, draft: str, target: str) -> list[str]
         length = f"{al[k]:.3f}" if al[k] is not None else "-"
         out.append(f"| {k} | {length} | {rates} | {f'{sp:.2f}x' if sp else '-'} |")
     return out + [""]
+
+
+def _simulated(best: dict) -> str:
+    """Training's simulated acceptance of the exported step: chain decoding replayed on its
+    eval set per k (runs from before the replay have the per-step product only)."""
+    chain = best.get("chain_by_k")
+    if chain:
+        shown = ", ".join(f"k={k}: {al:.3f}" for k, al in chain.items() if al is not None)
+        return f"acceptance length replayed as vLLM counts it ({shown})"
+    return f"simulated acceptance length {best['sim_acceptance_length']:.3f}"
