@@ -1,7 +1,9 @@
-"""The `eyas eval` report: what it holds (`EvalReport`, one `MethodResult` per method and k)
-and how it is written: report.json, report.md and two plots, al_vs_k.png and
-acceptance_by_position.png (docs/eval.md). `mismatch_message` explains a failed lossless
-check.
+"""The `eyas eval` report: what it holds (`EvalReport`, one `MethodResult` per method and k),
+how it is made from the raw counts (`Measured`, merged across processes by `merge`, turned
+into a report with 95 % intervals by `summarize`) and how it is written: report.json,
+report.md and two plots, al_vs_k.png and acceptance_by_position.png (docs/eval.md).
+`mismatch_message` explains a failed lossless check. `cfg` below is an
+eyas.evaluate.EvalConfig.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from eyas.speculate import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,132 @@ class EvalReport:
     def result(self, method: str, k: int = 0) -> MethodResult:
         return next(r for r in self.results if r.method == method and r.k == k)
 
+
+# ---------------------------------------------------------------- from counts to a report
+
+def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, seconds: float,
+            base_tps: float | None) -> MethodResult:
+    tokens = sum(len(o) for o in outputs)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    spec = method != "target"
+    result = MethodResult(
+        method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
+        tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
+        target_forwards=stats.target_forwards, drafts=stats.drafts,
+        draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted,
+        mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
+        draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
+        per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance])
+    if spec:
+        log.info("%s k=%d: mean acceptance length %.3f, per position %s, %.1f tokens/s (x%.2f)",
+                 method, k, result.mean_acceptance_length, result.per_position_acceptance,
+                 tps, result.speedup)
+    else:
+        log.info("no speculation: %.1f tokens/s", tps)
+    return result
+
+
+@dataclass
+class Measured:
+    """Raw results of the methods on some prompts (one process's share with --workers)."""
+
+    index: list[int]  # the prompts' positions in the whole prompt list
+    stats: dict  # (method, k) -> SpecStats summed over these prompts
+    outputs: dict  # (method, k) -> new tokens per prompt, in `index` order
+    seconds: dict  # (method, k) -> seconds summed over these prompts
+    per_prompt: dict  # (method, k) -> [(drafts, accepted per position)] per prompt
+    replayed: dict  # k -> [(drafts, accepted per position)] per prompt (EAGLE-3, T=0)
+    mismatches: list[dict]
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def merge(parts: list[Measured]) -> Measured:
+    """One Measured from the shares of several processes, in prompt order."""
+    concat = [j for p in parts for j in p.index]
+    order = sorted(range(len(concat)), key=concat.__getitem__)
+    first = parts[0]
+    whole = Measured(index=sorted(j for p in parts for j in p.index),
+                     stats={key: SpecStats(k=s.k) for key, s in first.stats.items()},
+                     outputs={}, seconds=dict.fromkeys(first.seconds, 0.0), per_prompt={},
+                     replayed={}, mismatches=[m for p in parts for m in p.mismatches],
+                     device=first.device, dtype=first.dtype)
+    for key in first.stats:
+        for p in parts:
+            whole.stats[key].merge(p.stats[key])
+            whole.seconds[key] += p.seconds[key]
+        outputs = [o for p in parts for o in p.outputs[key]]
+        rows = [r for p in parts for r in p.per_prompt[key]]
+        whole.outputs[key] = [outputs[i] for i in order]
+        whole.per_prompt[key] = [rows[i] for i in order]
+    for k in first.replayed:
+        whole.replayed[k] = [c for p in parts for c in p.replayed[k]]
+    return whole
+
+
+def summarize(cfg, measured: Measured, num_prompts: int) -> EvalReport:
+    """The report of measured results: per method and k, speed against plain decoding,
+    95 % intervals and the replayed acceptance."""
+    st, sec = measured.stats, measured.seconds
+    reference = measured.outputs["target", 0]
+    base = _result("target", 0, reference, st["target", 0], sec["target", 0], None)
+    results = [base] + [_result(name, k, measured.outputs[name, k], st[name, k],
+                                sec[name, k], base.tokens_per_s)
+                        for name, k in st if name != "target"]
+    report = _report(cfg, results, measured.mismatches, num_prompts, measured)
+    report.ci95 = {str(k): bootstrap_ci(measured.per_prompt[report.primary, k], k)
+                   for k in cfg.k if (report.primary, k) in measured.per_prompt}
+    for k, rows in measured.replayed.items():
+        drafts = sum(d for d, _ in rows)
+        accepted = [sum(a[i] for _, a in rows) for i in range(k)]
+        report.replayed[str(k)] = {
+            "drafts": drafts,
+            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 4) if drafts else None,
+            "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
+                                        for a in accepted],
+            "ci95": bootstrap_ci(rows, k)}
+    report.workers = cfg.workers
+    return report
+
+
+def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
+                 seed: int = 0) -> dict:
+    """95 % intervals of the mean acceptance length and of each position's rate from
+    per-prompt (drafts, accepted per position) counts, resampling prompts with replacement
+    (the rounds of one prompt are not independent draws)."""
+    import numpy as np
+
+    if not rows:
+        return {}
+    drafts = np.array([d for d, _ in rows], dtype=np.float64)  # (P,)
+    acc = np.array([list(a)[:k] + [0] * (k - len(a)) for _, a in rows],
+                   dtype=np.float64)  # (P, k)
+    pick = np.random.default_rng(seed).integers(0, len(rows), size=(n, len(rows)))  # (n, P)
+    d = np.maximum(drafts[pick].sum(1), 1)  # (n,)
+    a = acc[pick].sum(1)  # (n, k)
+    al = 1 + a.sum(1) / d
+    rates = a / d[:, None]
+    lo, hi = 2.5, 97.5
+    return {"mean_acceptance_length": [round(float(np.percentile(al, q)), 4) for q in (lo, hi)],
+            "per_position_acceptance": [[round(float(np.percentile(rates[:, i], q)), 4)
+                                         for q in (lo, hi)] for i in range(k)]}
+
+
+def _report(cfg, results, mismatches, num_prompts: int,
+            measured: Measured) -> EvalReport:
+    primary = "eagle3" if any(r.method == "eagle3" for r in results) else "ngram"
+    mine = [r for r in results if r.method == primary]
+    return EvalReport(
+        target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
+        k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens,
+        device=measured.device, dtype=measured.dtype,
+        mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
+        per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
+        lossless=(not mismatches) if cfg.lossless_check else None,
+        mismatches=mismatches, results=results)
+
+
+# ---------------------------------------------------------------- writing it
 
 def mismatch_message(report: EvalReport) -> str:
     shown = "; ".join(

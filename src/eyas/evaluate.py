@@ -21,7 +21,8 @@ import torch
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.eval_report import EvalReport, MethodResult, mismatch_message, write_report
+from eyas.eval_report import (EvalReport, Measured, merge, mismatch_message, summarize,
+                              write_report)
 from eyas.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
                            write_manifest)
 from eyas.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
@@ -127,28 +128,6 @@ def _timed(generate, ids: torch.Tensor, device):
     return gen, time.perf_counter() - start
 
 
-def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, seconds: float,
-            base_tps: float | None) -> MethodResult:
-    tokens = sum(len(o) for o in outputs)
-    tps = tokens / seconds if seconds > 0 else 0.0
-    spec = method != "target"
-    result = MethodResult(
-        method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
-        tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
-        target_forwards=stats.target_forwards, drafts=stats.drafts,
-        draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted,
-        mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
-        draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
-        per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance])
-    if spec:
-        log.info("%s k=%d: mean acceptance length %.3f, per position %s, %.1f tokens/s (x%.2f)",
-                 method, k, result.mean_acceptance_length, result.per_position_acceptance,
-                 tps, result.speedup)
-    else:
-        log.info("no speculation: %.1f tokens/s", tps)
-    return result
-
-
 def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
     """End-of-turn ids: the generation config's eos ids and the tokenizer's eos."""
     if ignore_eos:
@@ -158,21 +137,6 @@ def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
         value = getattr(source, "eos_token_id", None)
         ids.update([value] if isinstance(value, int) else (value or []))
     return frozenset(ids)
-
-
-@dataclass
-class Measured:
-    """Raw results of the methods on some prompts (one process's share with --workers)."""
-
-    index: list[int]  # the prompts' positions in the whole prompt list
-    stats: dict  # (method, k) -> SpecStats summed over these prompts
-    outputs: dict  # (method, k) -> new tokens per prompt, in `index` order
-    seconds: dict  # (method, k) -> seconds summed over these prompts
-    per_prompt: dict  # (method, k) -> [(drafts, accepted per position)] per prompt
-    replayed: dict  # k -> [(drafts, accepted per position)] per prompt (EAGLE-3, T=0)
-    mismatches: list[dict]
-    device: str = "cpu"
-    dtype: str = "float32"
 
 
 def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
@@ -261,77 +225,6 @@ def _replay_all(model, layers, final_norm, draft, prompts, reference, ks) -> dic
     return per_k
 
 
-def merge(parts: list[Measured]) -> Measured:
-    """One Measured from the shares of several processes, in prompt order."""
-    concat = [j for p in parts for j in p.index]
-    order = sorted(range(len(concat)), key=concat.__getitem__)
-    first = parts[0]
-    whole = Measured(index=sorted(j for p in parts for j in p.index),
-                     stats={key: SpecStats(k=s.k) for key, s in first.stats.items()},
-                     outputs={}, seconds=dict.fromkeys(first.seconds, 0.0), per_prompt={},
-                     replayed={}, mismatches=[m for p in parts for m in p.mismatches],
-                     device=first.device, dtype=first.dtype)
-    for key in first.stats:
-        for p in parts:
-            whole.stats[key].merge(p.stats[key])
-            whole.seconds[key] += p.seconds[key]
-        outputs = [o for p in parts for o in p.outputs[key]]
-        rows = [r for p in parts for r in p.per_prompt[key]]
-        whole.outputs[key] = [outputs[i] for i in order]
-        whole.per_prompt[key] = [rows[i] for i in order]
-    for k in first.replayed:
-        whole.replayed[k] = [c for p in parts for c in p.replayed[k]]
-    return whole
-
-
-def summarize(cfg: EvalConfig, measured: Measured, num_prompts: int) -> EvalReport:
-    """The report of measured results: per method and k, speed against plain decoding,
-    95 % intervals and the replayed acceptance."""
-    st, sec = measured.stats, measured.seconds
-    reference = measured.outputs["target", 0]
-    base = _result("target", 0, reference, st["target", 0], sec["target", 0], None)
-    results = [base] + [_result(name, k, measured.outputs[name, k], st[name, k],
-                                sec[name, k], base.tokens_per_s)
-                        for name, k in st if name != "target"]
-    report = _report(cfg, results, measured.mismatches, num_prompts, measured)
-    report.ci95 = {str(k): bootstrap_ci(measured.per_prompt[report.primary, k], k)
-                   for k in cfg.k if (report.primary, k) in measured.per_prompt}
-    for k, rows in measured.replayed.items():
-        drafts = sum(d for d, _ in rows)
-        accepted = [sum(a[i] for _, a in rows) for i in range(k)]
-        report.replayed[str(k)] = {
-            "drafts": drafts,
-            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 4) if drafts else None,
-            "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
-                                        for a in accepted],
-            "ci95": bootstrap_ci(rows, k)}
-    report.workers = cfg.workers
-    return report
-
-
-def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
-                 seed: int = 0) -> dict:
-    """95 % intervals of the mean acceptance length and of each position's rate from
-    per-prompt (drafts, accepted per position) counts, resampling prompts with replacement
-    (the rounds of one prompt are not independent draws)."""
-    import numpy as np
-
-    if not rows:
-        return {}
-    drafts = np.array([d for d, _ in rows], dtype=np.float64)  # (P,)
-    acc = np.array([list(a)[:k] + [0] * (k - len(a)) for _, a in rows],
-                   dtype=np.float64)  # (P, k)
-    pick = np.random.default_rng(seed).integers(0, len(rows), size=(n, len(rows)))  # (n, P)
-    d = np.maximum(drafts[pick].sum(1), 1)  # (n,)
-    a = acc[pick].sum(1)  # (n, k)
-    al = 1 + a.sum(1) / d
-    rates = a / d[:, None]
-    lo, hi = 2.5, 97.5
-    return {"mean_acceptance_length": [round(float(np.percentile(al, q)), 4) for q in (lo, hi)],
-            "per_position_acceptance": [[round(float(np.percentile(rates[:, i], q)), 4)
-                                         for q in (lo, hi)] for i in range(k)]}
-
-
 def _compare(reference, outputs, prompts, method: str, k: int) -> list[dict]:
     """The first differing new token of each prompt whose output is not the reference."""
     found = []
@@ -356,20 +249,6 @@ def _logit_margin(runner, prompts, reference, mismatch: dict) -> float | None:
     ids = torch.cat([prompts[index].ids, torch.tensor(prefix, dtype=torch.long)])
     logits, _ = runner.forward(ids, last_only=True)
     return round(float(logits[-1, mismatch["expected"]] - logits[-1, mismatch["got"]]), 6)
-
-
-def _report(cfg: EvalConfig, results, mismatches, num_prompts: int,
-            measured: Measured) -> EvalReport:
-    primary = "eagle3" if any(r.method == "eagle3" for r in results) else "ngram"
-    mine = [r for r in results if r.method == primary]
-    return EvalReport(
-        target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
-        k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens,
-        device=measured.device, dtype=measured.dtype,
-        mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
-        per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
-        lossless=(not mismatches) if cfg.lossless_check else None,
-        mismatches=mismatches, results=results)
 
 
 # ---------------------------------------------------------------- prompts
