@@ -66,3 +66,50 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
     bad.write_text("nope: 1\n")
     assert cli.main(["run", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+
+def _build_draft(cfg):
+    """eyas.train_setup.build_draft on a tiny target: only what it reads of eyas.data.Inputs."""
+    import types
+
+    import torch
+    from transformers import LlamaConfig
+
+    from eyas.train_setup import Env, build_draft
+
+    inputs = types.SimpleNamespace(
+        info=LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=50, max_position_embeddings=128),
+        aux_layer_ids=(1, 2, 3), d2t=None, t2d=None, embed=torch.randn(50, 32),
+        lm_head=torch.randn(50, 32))
+    return build_draft(cfg, inputs, Env(0, 1, torch.device("cpu"), autocast=False))
+
+
+@pytest.mark.parametrize("flags,want", [
+    ([], {"norm_before_fc": False, "fc_norm": False, "norm_output": False}),
+    (["--norm-before-fc", "--norm-output"],
+     {"norm_before_fc": True, "fc_norm": False, "norm_output": True}),
+    (["--fc-norm", "--norm-output"],
+     {"norm_before_fc": False, "fc_norm": True, "norm_output": True}),
+])
+def test_train_eagle31_flags_reach_the_draft_and_its_saved_config(flags, want):
+    """`eyas train --norm-before-fc / --fc-norm / --norm-output` -> TrainConfig -> build_draft's
+    DraftConfig (the dict train writes to draft_config.json and its manifest) and the norm
+    modules of the draft."""
+    from eyas.draft import DraftConfig
+
+    cfg = cli.parse_config("train", ["--data", "captured/", "--out", "run/", *flags])
+    assert {k: getattr(cfg, k) for k in want} == want
+    draft, dcfg = _build_draft(cfg)
+    assert {k: dcfg.to_dict()[k] for k in want} == want
+    assert DraftConfig.from_dict(dcfg.to_dict()) == dcfg
+    assert hasattr(draft, "input_norm") == want["norm_before_fc"]
+    assert hasattr(draft, "fc_norm") == want["fc_norm"]
+
+
+def test_train_refuses_both_fc_norm_variants():
+    cfg = cli.parse_config("train", ["--data", "c/", "--out", "r/", "--norm-before-fc",
+                                     "--fc-norm"])
+    with pytest.raises(ConfigError, match="choose one"):
+        _build_draft(cfg)

@@ -75,7 +75,9 @@ def reference_forward(sd, cfg, embed, ids, aux, pos, hidden=None):
 
     L = "midlayer."
     if hidden is None:
-        if cfg.fc_norm:
+        if cfg.norm_before_fc:  # vLLM's input_norm: one RMSNorm over all 3*Ht values
+            aux = rms(aux, sd["input_norm.weight"])
+        if cfg.fc_norm:  # vLLM's fc_norm: one RMSNorm per Ht-wide chunk
             aux = torch.cat([rms(a, sd[f"fc_norm.{i}.weight"])
                              for i, a in enumerate(aux.split(cfg.target_hidden_size, -1))], -1)
         g = aux @ sd["fc.weight"].T  # (T, H)
@@ -121,13 +123,20 @@ def test_parameter_names_are_the_vllm_export_names():
     assert sd["lm_head.weight"].shape == (61, 48)
     assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
     assert "embed_weight" not in names  # the shared target embedding is never saved
-    with_norm = set(make_draft(small_cfg(fc_norm=True)).state_dict()) - names
-    assert with_norm == {f"fc_norm.{i}.weight" for i in range(3)}
+    with_norm = make_draft(small_cfg(fc_norm=True)).state_dict()
+    assert set(with_norm) - names == {f"fc_norm.{i}.weight" for i in range(3)}
+    assert all(with_norm[f"fc_norm.{i}.weight"].shape == (40,) for i in range(3))  # (Ht,) each
+    with_norm = make_draft(small_cfg(norm_before_fc=True)).state_dict()
+    assert set(with_norm) - names == {"input_norm.weight"}
+    assert with_norm["input_norm.weight"].shape == (3 * 40,)  # one norm over concat(aux)
+    assert set(make_draft(small_cfg(norm_output=True)).state_dict()) == names  # no weights
 
 
 @pytest.mark.parametrize("variant", [
     {}, {"norm_before_residual": True}, {"rope_scaling": LLAMA3}, {"fc_norm": True},
     {"norm_output": True, "hidden_size": 64, "target_hidden_size": 64, "num_key_value_heads": 4},
+    {"norm_before_fc": True}, {"norm_before_fc": True, "norm_output": True},
+    {"fc_norm": True, "norm_output": True, "norm_before_residual": True},
 ])
 def test_forward_matches_reference_math(variant):
     cfg = small_cfg(**variant)
@@ -154,7 +163,8 @@ def test_forward_matches_reference_math(variant):
     torch.testing.assert_close(out2.logits[0], logits, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True, "rope_scaling": LLAMA3}])
+@pytest.mark.parametrize("variant", [{}, {"norm_before_residual": True, "rope_scaling": LLAMA3},
+                                     {"norm_before_fc": True}, {"fc_norm": True}])
 def test_gradients_match_reference_math(variant):
     """Every parameter gradient through the forward (fused q/k/v + RoPE, fused gate/up with
     the recomputing SwiGLU, RMSNorm backward) against autograd through the reference."""
@@ -173,6 +183,37 @@ def test_gradients_match_reference_math(variant):
     for name, p in draft.named_parameters():
         torch.testing.assert_close(p.grad, sd[name].grad, atol=1e-5, rtol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("variant", [
+    {"norm_before_fc": True, "norm_output": True},  # speculators' EAGLE 3.1 default
+    {"fc_norm": True, "norm_output": True},  # the EAGLE 3.1 paper's (vLLM blog, SGLang)
+])
+def test_eagle31_chained_steps_match_vllm_math(variant):
+    """Three draft steps chained as vLLM's proposer chains them. From llama_eagle3.py
+    (docs/draft.md, "EAGLE 3.1 variants"): combine_hidden_states = fc(norms(aux)) with
+    norm_before_fc one RMSNorm over the (3*Ht,) concatenation and fc_norm one per (Ht,) chunk;
+    the model returns (norm(h), norm(h) if norm_output else h); compute_logits reads the
+    first, the next step's hidden input is the second, at position + 1."""
+    cfg = small_cfg(**variant)
+    draft = make_draft(cfg)
+    sd = {k: v.double().float() for k, v in draft.state_dict().items()}
+    torch.manual_seed(5)
+    t = 9
+    ids, aux, pos = torch.randint(0, 97, (1, t)), torch.randn(1, t, 3 * 40), torch.arange(t)[None]
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    ours, theirs = None, None  # the hidden input of the next step: eyas's, the reference's
+    for step in range(3):
+        out = draft(ids, aux, pos + step, hidden=ours)  # aux is read at step 0 only
+        logits, h = reference_forward(sd, cfg, draft.embed_weight, ids[0], aux[0], pos[0] + step,
+                                      hidden=None if theirs is None else theirs[0])
+        theirs = rms(h, sd["norm.weight"])[None]  # norm_output: the post-norm state goes on
+        ours = out.hidden
+        torch.testing.assert_close(out.logits[0], logits, atol=3e-5, rtol=1e-5)
+        torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=1e-5)
 
 
 def test_weights_kept_between_no_grad_calls_follow_parameter_updates():
@@ -271,6 +312,10 @@ def test_config_round_trips_and_validates():
         small_cfg(hidden_act="gelu")
     with pytest.raises(ConfigError, match="aux_layer_ids"):
         small_cfg(aux_layer_ids=(1, 2))
+    eagle31 = small_cfg(norm_before_fc=True, norm_output=True)
+    assert DraftConfig.from_dict(json.loads(json.dumps(eagle31.to_dict()))) == eagle31
+    with pytest.raises(ConfigError, match="norm_before_fc .* fc_norm .* choose one"):
+        small_cfg(norm_before_fc=True, fc_norm=True)
 
 
 def test_from_target_hf_config_and_rope_normalisation():

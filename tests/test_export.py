@@ -18,8 +18,8 @@ from eyas.errors import EyasError
 from eyas.export import (
     ExportConfig, expected_shapes, export, find_checkpoint, read_vllm_folder, validate_folder)
 from eyas.export_configs import (
-    from_speculators_config, from_vllm_config, read_config, sglang_layer_ids, to_sglang_config,
-    to_speculators_config, to_vllm_config)
+    SERVED_SINCE, from_speculators_config, from_vllm_config, read_config, sglang_layer_ids,
+    to_sglang_config, to_speculators_config, to_vllm_config)
 from eyas.manifest import read_manifest, write_manifest
 
 TARGET = {"name_or_path": "tiny/llama", "revision": None, "commit": "abc123", "model_type": "llama",
@@ -39,7 +39,8 @@ VARIANTS = {
     "plain": {},
     "wide-target": {"target_hidden_size": 48},
     "norm-before-residual": {"norm_before_residual": True},
-    "eagle-3.1": {"fc_norm": True, "norm_output": True},
+    "eagle-3.1": {"fc_norm": True, "norm_output": True},  # the paper's (vLLM blog, SGLang)
+    "eagle-3.1-norm-before-fc": {"norm_before_fc": True, "norm_output": True},  # speculators'
     "llama3-rope": {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}},
@@ -108,7 +109,7 @@ def test_each_format_round_trips_the_draft_config(variant):
     assert from_vllm_config(to_vllm_config(cfg)) == cfg
     spec = to_speculators_config(cfg, verifier="org/model", verifier_architectures=["X"])
     assert from_speculators_config(spec) == cfg and read_config(spec) == cfg
-    if not (cfg.norm_before_residual or cfg.fc_norm or cfg.norm_output):
+    if not (cfg.norm_before_residual or cfg.norm_before_fc):  # the two SGLang refuses
         assert from_vllm_config(to_sglang_config(cfg)) == cfg  # top-level ids win, as in vLLM
     for config in (to_vllm_config(cfg), spec):
         assert no_nulls(config), "a null would be read as a value by vLLM / SGLang"
@@ -150,9 +151,40 @@ def test_sglang_ids_are_one_less_and_unservable_drafts_are_refused():
     assert c["eagle_aux_hidden_state_layer_ids"] == [0, 3, 5]
     with pytest.raises(EyasError, match="cannot be captured by SGLang"):
         sglang_layer_ids((2, 3, 6), num_target_layers=6)
-    for flag in ("norm_before_residual", "fc_norm", "norm_output"):
+    for flag in ("norm_before_residual", "norm_before_fc"):  # SGLang's draft has neither
         with pytest.raises(EyasError, match=flag):
             to_sglang_config(draft_config(**{flag: True}))
+    c = to_sglang_config(draft_config(**VARIANTS["eagle-3.1"]))  # SGLang runs these two
+    assert c["fc_norm"] is True and c["norm_output"] is True
+
+
+@pytest.mark.parametrize("variant", ["eagle-3.1", "eagle-3.1-norm-before-fc"])
+def test_eagle31_keys_are_written_where_vllm_reads_them(variant):
+    cfg = draft_config(**VARIANTS[variant])
+    c = to_vllm_config(cfg)  # top level, read by llama_eagle3 with getattr(config, key, False)
+    assert {k: c.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+        k: getattr(cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+    assert "norm_before_fc" not in c["eagle_config"]  # so the top-level key is the one read
+    spec = to_speculators_config(cfg, verifier="m", verifier_architectures=[])
+    # update_eagle3 copies the three from the top level; all written, as speculators does
+    assert {k: spec[k] for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+        k: getattr(cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+    plain = to_vllm_config(draft_config())
+    assert not {"norm_before_fc", "fc_norm", "norm_output"} & set(plain)  # unchanged when off
+
+
+def test_norm_before_fc_in_eagle_config_is_read_first_as_vllm_does():
+    c = to_vllm_config(draft_config())  # an NVIDIA-style draft keeps the key in eagle_config
+    c["eagle_config"]["norm_before_fc"] = True
+    assert from_vllm_config(c).norm_before_fc is True
+    c["norm_before_fc"], c["eagle_config"]["norm_before_fc"] = True, False
+    assert from_vllm_config(c).norm_before_fc is False  # eagle_config's value wins
+    s = to_speculators_config(draft_config(norm_before_fc=True), verifier="m",
+                              verifier_architectures=[])
+    assert read_config(s).norm_before_fc is True  # speculators' own EAGLE 3.1 drafts read back
+    s["fc_norm"] = True
+    with pytest.raises(ConfigError, match="choose one"):
+        read_config(s)
 
 
 def test_missing_norm_before_residual_reads_as_each_server_does():
@@ -215,6 +247,35 @@ def test_bf16_export_keeps_vocab_maps_and_stays_close(tmp_path):
     got, _ = logits_of(Eagle3Draft.from_pretrained(out).float(), cfg, embed)
     assert not torch.equal(got, want)
     assert torch.allclose(got, want, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+@pytest.mark.parametrize("variant", ["eagle-3.1", "eagle-3.1-norm-before-fc"])
+def test_eagle31_export_has_the_norm_weights_and_identical_logits(tmp_path, fmt, variant, caplog):
+    cfg = draft_config(**VARIANTS[variant])
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    ec = ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"), format=fmt,
+                      dtype="fp32")
+    if fmt == "sglang" and cfg.norm_before_fc:
+        with pytest.raises(EyasError, match=r"does not implement \['norm_before_fc'\]"):
+            export(ec)
+        assert not (tmp_path / "d").exists()
+        return
+    with caplog.at_level("WARNING", logger="eyas.export"):
+        out = export(ec)
+    norms = {"input_norm.weight": (3 * 32,)} if cfg.norm_before_fc else \
+        {f"fc_norm.{i}.weight": (32,) for i in range(3)}
+    tensors = load_file(str(out / "model.safetensors"))
+    plain = expected_shapes(draft_config(), "layers.0" if fmt == "speculators" else "midlayer")
+    assert {k: tuple(t.shape) for k, t in tensors.items() if k not in plain} == norms
+    assert validate_folder(out) == cfg
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    want, want_hidden = logits_of(trained, cfg, embed)
+    got, got_hidden = logits_of(Eagle3Draft.from_pretrained(out), cfg, embed)
+    assert torch.equal(got, want) and torch.equal(got_hidden, want_hidden)
+    since = SERVED_SINCE[fmt]
+    assert any(since["norm_output"] in r.getMessage() for r in caplog.records)  # needs that server
+    assert "norm_output True" in (out / "README.md").read_text()
 
 
 def test_which_picks_best_last_or_a_step(tmp_path):
@@ -413,6 +474,28 @@ def test_vllm_config_readers_accept_both_formats(tmp_path):
     assert eagle.target_hidden_size == 48 and eagle.eagle_config["use_aux_hidden_state"] is True
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("variant", ["eagle-3.1", "eagle-3.1-norm-before-fc"])
+def test_vllm_config_readers_read_the_eagle31_keys(tmp_path, variant):
+    """vLLM's own readers of both formats hand llama_eagle3 the EAGLE 3.1 keys as trained
+    (the speculators format needs vLLM >= 0.24 for fc_norm / norm_output, PR #46488)."""
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    cfg = draft_config(**VARIANTS[variant])
+    make_run(tmp_path / "run", cfg)
+    want = {k: getattr(cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+    spec_dir = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "s"),
+                                   format="speculators"))
+    hf = SpeculatorsConfig.from_pretrained(str(spec_dir))
+    assert {k: bool(getattr(hf, k, False)) for k in want} == want
+    vllm_dir = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "v")))
+    eagle = EAGLEConfig(AutoConfig.from_pretrained(vllm_dir), method="eagle3", model_type="eagle")
+    assert {k: bool(getattr(eagle, k, False)) for k in want} == want
+
+
 _VLLM_STARTED: list = []
 
 
@@ -483,8 +566,15 @@ class _CausalAttention(torch.nn.Module):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("variant", ["plain", "norm-before-residual", "eagle-3.1"])
-def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_builder, variant):
+@pytest.mark.parametrize("variant,fmt", [
+    ("plain", "vllm"), ("norm-before-residual", "vllm"), ("eagle-3.1", "vllm"),
+    ("eagle-3.1-norm-before-fc", "vllm"), ("eagle-3.1", "speculators"),
+    ("eagle-3.1-norm-before-fc", "speculators")])
+def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_builder, variant,
+                                           fmt):
+    """vLLM's Eagle3LlamaForCausalLM built from the exported folder: its combine_hidden_states
+    (fc after input_norm / fc_norm), layer, compute_logits and the hidden state it hands the
+    next step (post-norm with norm_output) equal eyas's draft."""
     from transformers import AutoConfig
 
     target = AutoConfig.from_pretrained(llama_dir)
@@ -492,7 +582,7 @@ def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_b
                                   **VARIANTS[variant])
     trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
-                              dtype="fp32"))
+                              dtype="fp32", format=fmt, target=str(llama_dir)))
     vllm_draft = vllm_cpu_draft_builder(llama_dir, out)
     assert vllm_draft.has_own_embed_tokens is False  # shares the target's embedding
     torch.manual_seed(1)

@@ -24,6 +24,7 @@ from eyas import band_kernels
 from eyas.config import (ConfigError, option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
+from eyas.export_configs import SERVED_SINCE
 from eyas.manifest import LAYER_ID_CONVENTION, versions
 from eyas.models import (ModelInfo, build_meta_model, inspect_model, load_config,
                          load_tokenizer, submodule, validate_aux_layer_ids)
@@ -138,7 +139,11 @@ def _plan(info: ModelInfo, ids: tuple[int, ...], cfg: DoctorConfig) -> dict:
                    f"vocab_size {info.vocab_size}, max_position_embeddings "
                    f"{info.max_position_embeddings}, rope_theta {info.rope_theta:g}"
                    f"{', rope_scaling ' + str(info.rope_scaling) if info.rope_scaling else ''}; "
-                   f"no embed_tokens.weight (vLLM shares the target's)"),
+                   f"no embed_tokens.weight (vLLM shares the target's); EAGLE 3.1 keys "
+                   f"(train --norm-before-fc / --fc-norm / --norm-output) are served by "
+                   + "; ".join(f"--format {fmt}: " + ", ".join(f"{k} {v}+" for k, v in
+                                                               since.items())
+                               for fmt, since in SERVED_SINCE.items())),
         "serve": (f"vllm serve {cfg.target}{remote} --speculative-config "
                   "'{\"method\":\"eagle3\",\"model\":\"DRAFT\",\"num_speculative_tokens\":3}'"),
     }

@@ -8,9 +8,14 @@ Per position, with target hidden size Ht, draft hidden size H, draft vocabulary 
     h = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))             over Vd; h (pre-norm) feeds the next draft step
 
-Parameter names equal the vLLM export (`fc.weight`, `midlayer.*`, `norm.weight`,
-`lm_head.weight`, buffers `d2t`, `t2d`). The target's embedding is shared and frozen: it is a
-non-persistent buffer, so it is never saved or exported.
+EAGLE 3.1 variants, as vLLM's llama_eagle3 runs them (docs/draft.md, "EAGLE 3.1 variants"):
+`norm_before_fc` feeds fc input_norm(concat(aux)) (one RMSNorm over all 3*Ht), `fc_norm`
+feeds it concat(fc_norm[i](aux_i)) (one RMSNorm per aux state), `norm_output` feeds norm(h)
+to the next step instead of h.
+
+Parameter names equal the vLLM export (`fc.weight`, `input_norm.weight`, `fc_norm.{i}.weight`,
+`midlayer.*`, `norm.weight`, `lm_head.weight`, buffers `d2t`, `t2d`). The target's embedding
+is shared and frozen: it is a non-persistent buffer, so it is never saved or exported.
 
 Attention has one path, `eyas.attention.attention()`: query n sees keys `lo[n]..hi[n]` of
 one key sequence (causal within its packed document, or cache + causal at eval) plus, during
@@ -100,8 +105,13 @@ class DraftConfig:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, int, int]
     norm_before_residual: bool = False
-    fc_norm: bool = False  # EAGLE 3.1: RMSNorm on each aux state before fc (not in vLLM)
-    norm_output: bool = False  # EAGLE 3.1: feed norm(h) to the next step (not in vLLM)
+    # EAGLE 3.1 variants; docs/draft.md says which server versions run each.
+    # norm_before_fc: one RMSNorm over the concatenated aux states before fc (weight
+    # input_norm.weight, (3*Ht,)), speculators' default recipe; fc_norm: one RMSNorm per aux
+    # state (fc_norm.{0,1,2}.weight, (Ht,) each), the paper's; one or the other, not both
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False  # feed norm(h), not h, to the next draft step
     hidden_act: str = "silu"
 
     def __post_init__(self):
@@ -122,6 +132,10 @@ class DraftConfig:
             raise ConfigError(f"draft config: aux_layer_ids needs 3 layer ids, got "
                               f"{self.aux_layer_ids}")
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if self.norm_before_fc and self.fc_norm:
+            raise ConfigError("draft config: norm_before_fc (one RMSNorm over the concatenated "
+                              "aux states) and fc_norm (one per aux state) are alternatives "
+                              "(speculators refuses both too); choose one")
         if self.hidden_act != "silu":
             raise ConfigError(f"draft config: hidden_act {self.hidden_act!r}: vLLM's Llama MLP "
                               f"only runs 'silu'; set hidden_act='silu'")
@@ -256,6 +270,8 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         h, hq, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         d = cfg.head_dim
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
                                          for _ in range(3))
@@ -335,6 +351,8 @@ class Eagle3Draft(nn.Module):
         product in fp8 (eyas.fp8)."""
         ht = self.cfg.target_hidden_size
         aux = aux_hidden if aux_hidden.shape[-1] == 3 * ht else aux_hidden.flatten(-2)
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)  # statistics over all 3*Ht values at once
         if self.cfg.fc_norm:
             parts = aux.chunk(3, dim=-1)  # 3 x (..., Ht)
             aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from eyas.config import ConfigError, option, out_option, required
 from eyas.draft import DraftConfig
 from eyas.errors import EyasError
-from eyas.export_configs import (DTYPES, read_config, to_sglang_config, to_speculators_config,
-                                 to_vllm_config)
+from eyas.export_configs import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
+                                 to_sglang_config, to_speculators_config, to_vllm_config)
 # Documented as eyas.export API (docs/export.md); they live in eyas.export_configs.
 from eyas.export_configs import (from_speculators_config, from_vllm_config,  # noqa: F401
                                  sglang_layer_ids)
@@ -104,6 +104,8 @@ def expected_shapes(cfg: DraftConfig, layout: str = "midlayer") -> dict[str, tup
              "self_attn.o_proj": (h, q), "post_attention_layernorm": (h,),
              "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
     out = {"fc.weight": (h, 3 * ht)}
+    if cfg.norm_before_fc:
+        out["input_norm.weight"] = (3 * ht,)  # one norm over the concatenated aux states
     if cfg.fc_norm:
         out.update({f"fc_norm.{j}.weight": (ht,) for j in range(3)})
     out.update({f"{layout}.{name}.weight": shape for name, shape in layer.items()})
@@ -299,11 +301,13 @@ def export(cfg: ExportConfig) -> Path:
     if cfg.format == "speculators" and not target_name:
         raise EyasError("--format speculators names the verifier, but the run records no "
                         "target; give --target MODEL")
-    if (dcfg.fc_norm or dcfg.norm_output) and cfg.format != "sglang":
-        log.warning("this draft uses %s: only vLLM versions whose llama_eagle3 reads fc_norm / "
-                    "norm_output (0.33 does) run it as trained; older ones ignore the keys",
-                    [k for k in ("fc_norm", "norm_output") if getattr(dcfg, k)])
-    config = _format_config(cfg, dcfg, target_name, target)
+    config = _format_config(cfg, dcfg, target_name, target)  # refuses what a format cannot run
+    variants = [k for k in EAGLE31_KEYS if getattr(dcfg, k)]
+    if variants:
+        since = SERVED_SINCE[cfg.format]
+        log.warning("this draft uses EAGLE 3.1 %s: a --format %s folder runs as trained on %s; "
+                    "older releases do not build these norms", variants, cfg.format,
+                    ", ".join(f"{since[k]} or later ({k})" for k in variants))
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
     report = _read_report(cfg.acceptance_report)

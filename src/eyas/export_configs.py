@@ -19,6 +19,16 @@ from eyas.errors import EyasError
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 SPECULATORS_FORMAT_VERSION = "0.7.0"  # the speculators release whose config format this follows
+EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")
+# The first server release that builds each EAGLE 3.1 variant from each format's config.json
+# (older ones do not build the norm, and run another model than the one trained); sources in
+# docs/draft.md, "EAGLE 3.1 variants". SGLang has no norm_before_fc: to_sglang_config refuses it.
+SERVED_SINCE = {
+    "vllm": {"norm_before_fc": "vLLM 0.19", "fc_norm": "vLLM 0.22", "norm_output": "vLLM 0.22"},
+    "speculators": {"norm_before_fc": "vLLM 0.19", "fc_norm": "vLLM 0.24",
+                    "norm_output": "vLLM 0.24"},
+    "sglang": {"fc_norm": "SGLang 0.5.13", "norm_output": "SGLang 0.5.13"},
+}
 
 
 def _rope_keys(cfg: DraftConfig) -> dict:
@@ -48,15 +58,14 @@ def _llama_layer(cfg: DraftConfig, dtype: str) -> dict:
 
 def _eagle_keys(cfg: DraftConfig) -> dict:
     """EAGLE-3 keys read next to the layer config. target_hidden_size is written only when it
-    differs: vLLM and SGLang read it with getattr/hasattr, so a null would break both."""
+    differs: vLLM and SGLang read it with getattr/hasattr, so a null would break both. The
+    EAGLE 3.1 keys go at the top level, where vLLM's llama_eagle3 and its speculators reader
+    (update_eagle3) look for them; written when on, so a plain draft's config is unchanged."""
     out = {"draft_vocab_size": cfg.draft_vocab_size,
            "norm_before_residual": cfg.norm_before_residual}
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
-    if cfg.fc_norm:
-        out["fc_norm"] = True
-    if cfg.norm_output:
-        out["norm_output"] = True
+    out.update({key: True for key in EAGLE31_KEYS if getattr(cfg, key)})
     return out
 
 
@@ -99,7 +108,7 @@ def _draft_config(layer: dict, extras: dict, ids, norm_before_residual_default: 
         draft_vocab_size=int(extras.get("draft_vocab_size") or layer["vocab_size"]),
         aux_layer_ids=tuple(int(i) for i in ids),
         norm_before_residual=bool(extras.get("norm_before_residual", norm_before_residual_default)),
-        fc_norm=bool(extras.get("fc_norm", False)), norm_output=bool(extras.get("norm_output", False)),
+        **{key: bool(extras.get(key, False)) for key in EAGLE31_KEYS},
         hidden_act=layer.get("hidden_act", "silu"))
 
 
@@ -108,10 +117,14 @@ def from_vllm_config(config: dict) -> DraftConfig:
     else `eagle_config`'s. A foreign SGLang/SpecForge draft with ids only in `eagle_config` is
     in SGLang's convention (one less than vLLM's); eyas cannot tell, so such ids are taken as
     they are, exactly as vLLM would."""
-    ids = config.get("eagle_aux_hidden_state_layer_ids") or \
-        (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    eagle = config.get("eagle_config") or {}
+    ids = (config.get("eagle_aux_hidden_state_layer_ids")
+           or eagle.get("eagle_aux_hidden_state_layer_ids"))
+    extras = dict(config)
+    if "norm_before_fc" in eagle:  # vLLM reads eagle_config's first (NVIDIA's drafts keep it there)
+        extras["norm_before_fc"] = eagle["norm_before_fc"]
     # vLLM reads a missing norm_before_residual as False (getattr default)
-    return _draft_config(config, config, ids, norm_before_residual_default=False)
+    return _draft_config(config, extras, ids, norm_before_residual_default=False)
 
 
 def sglang_layer_ids(aux_layer_ids, num_target_layers: int | None = None) -> list[int]:
@@ -130,13 +143,16 @@ def sglang_layer_ids(aux_layer_ids, num_target_layers: int | None = None) -> lis
 def to_sglang_config(cfg: DraftConfig, dtype: str = "bf16",
                      num_target_layers: int | None = None) -> dict:
     """config.json for SGLang's `LlamaForCausalLMEagle3`: the vLLM config with `eagle_config`
-    ids in SGLang's convention. SGLang's draft layer always uses residual = g and has no fc_norm /
-    norm_output, so drafts trained with those are refused rather than served wrong."""
-    unsupported = [k for k in ("norm_before_residual", "fc_norm", "norm_output") if getattr(cfg, k)]
+    ids in SGLang's convention. SGLang's draft layer always uses residual = g and has no
+    norm_before_fc (an input_norm weight is skipped without a word), so drafts trained with
+    those are refused rather than served wrong; fc_norm and norm_output it runs (SERVED_SINCE)."""
+    unsupported = [k for k in ("norm_before_residual", "norm_before_fc") if getattr(cfg, k)]
     if unsupported:
         raise EyasError(f"SGLang's llama_eagle3 does not implement {unsupported}: it would run a "
                         f"different model than the one trained. Serve it with vLLM "
-                        f"(--format vllm), or train without {unsupported} for SGLang")
+                        f"(--format vllm), or train without {unsupported} for SGLang"
+                        + (" (--fc-norm is the EAGLE 3.1 fc norm SGLang runs)"
+                           if cfg.norm_before_fc else ""))
     out = to_vllm_config(cfg, dtype)
     out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
                            sglang_layer_ids(cfg.aux_layer_ids, num_target_layers),
@@ -155,7 +171,8 @@ def to_speculators_config(cfg: DraftConfig, *, verifier: str, verifier_architect
         "transformer_layer_config": {"architectures": ["LlamaForCausalLM"],
                                      **_llama_layer(cfg, dtype)},
         **_eagle_keys(cfg), "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        "norm_before_fc": False, "embed_requires_grad": False,
+        # all three explicit, as speculators writes its own configs
+        **{key: getattr(cfg, key) for key in EAGLE31_KEYS}, "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens":
@@ -173,9 +190,8 @@ def from_speculators_config(config: dict) -> DraftConfig:
     if config.get("speculators_model_type") != "eagle3":
         raise EyasError(f"speculators config has speculators_model_type="
                         f"{config.get('speculators_model_type')!r}; eyas reads eagle3 drafts only")
-    if config.get("norm_before_fc"):
-        raise EyasError("draft config sets norm_before_fc, a variant eyas does not train or run")
-    # vLLM's update_eagle3 reads a missing norm_before_residual as True
+    # vLLM's update_eagle3 reads a missing norm_before_residual as True, the EAGLE 3.1 keys
+    # (top level only) as False
     return _draft_config(config.get("transformer_layer_config") or {}, config,
                          config.get("eagle_aux_hidden_state_layer_ids"),
                          norm_before_residual_default=True)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from eyas import __version__
-from eyas.export_configs import sglang_layer_ids
+from eyas.export_configs import EAGLE31_KEYS, SERVED_SINCE, sglang_layer_ids
 from eyas.manifest import LAYER_ID_CONVENTION
 
 # Train config keys quoted in the README (the whole config stays in eyas.json).
@@ -66,9 +66,17 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
               f"{dcfg.num_attention_heads} (kv {dcfg.num_key_value_heads}, head_dim "
               f"{dcfg.head_dim}), intermediate {dcfg.intermediate_size}",
               f"- draft vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size} target ids (d2t/t2d)",
-              f"- norm_before_residual {dcfg.norm_before_residual}, fc_norm {dcfg.fc_norm}, "
-              f"norm_output {dcfg.norm_output}, rope_theta {dcfg.rope_theta:g}, rope_scaling "
-              f"{dcfg.rope_scaling}, max_position_embeddings {dcfg.max_position_embeddings}", ""]
+              f"- norm_before_residual {dcfg.norm_before_residual}, norm_before_fc "
+              f"{dcfg.norm_before_fc}, fc_norm {dcfg.fc_norm}, norm_output {dcfg.norm_output}, "
+              f"rope_theta {dcfg.rope_theta:g}, rope_scaling {dcfg.rope_scaling}, "
+              f"max_position_embeddings {dcfg.max_position_embeddings}"]
+    variants = [k for k in EAGLE31_KEYS if getattr(dcfg, k)]
+    if variants:
+        since = SERVED_SINCE[cfg.format]
+        lines.append("- EAGLE 3.1 (" + ", ".join(variants) + "): served as trained by "
+                     + ", ".join(f"{since[k]} or later ({k})" for k in variants)
+                     + "; older servers do not build these norms")
+    lines.append("")
     lines += _training_lines(train) + _acceptance_lines(report, draft, name)
     return "\n".join(lines) + "\n"
 

@@ -95,6 +95,15 @@ class TrainConfig:
     draft_num_attention_heads: int = option(0, "draft attention heads; 0 = the target's")
     draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
     norm_before_residual: bool = option(False, "residual = hidden_norm(g) instead of g")
+    norm_before_fc: bool = option(False, "EAGLE 3.1 (speculators' default): one RMSNorm over the "
+                                         "3 concatenated aux states before fc; served by vLLM >= "
+                                         "0.19 (both formats), not by SGLang; not with --fc-norm")
+    fc_norm: bool = option(False, "EAGLE 3.1 (the paper's): one RMSNorm per aux state before fc; "
+                                  "served by vLLM >= 0.22 (speculators format >= 0.24) and "
+                                  "SGLang >= 0.5.13; not with --norm-before-fc")
+    norm_output: bool = option(False, "EAGLE 3.1: feed norm(h), not h, to the next draft step; "
+                                      "served by vLLM >= 0.22 (speculators format >= 0.24) and "
+                                      "SGLang >= 0.5.13")
     parallel: str = option("ddp", "data parallelism under torchrun: DDP replicates the draft, "
                                   "FSDP2 shards weights and optimizer state",
                           choices=("ddp", "fsdp"))

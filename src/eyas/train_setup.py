@@ -98,7 +98,9 @@ def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     vd = int(inputs.d2t.numel()) if inputs.d2t is not None else inputs.info.vocab_size
     dcfg = DraftConfig.from_target(inputs.info, draft_vocab_size=vd,
                                    aux_layer_ids=inputs.aux_layer_ids,
-                                   norm_before_residual=cfg.norm_before_residual, **overrides)
+                                   norm_before_residual=cfg.norm_before_residual,
+                                   norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm,
+                                   norm_output=cfg.norm_output, **overrides)
     if dcfg.hidden_size != inputs.info.hidden_size:
         raise EyasError(f"--draft-hidden-size {dcfg.hidden_size} differs from the target's "
                         f"{inputs.info.hidden_size}, but the draft reads the target's token "
