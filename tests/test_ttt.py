@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from eyas.attention import BLOCK, attention, band_block_mask
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.loss import simulated_acceptance_length, soft_cross_entropy
-from eyas.ttt import TTTBatch, ttt_forward
+from eyas.ttt import TTTBatch, ttt_forward, ttt_positions
 
 
 def tiny_cfg(**kw) -> DraftConfig:
@@ -59,10 +59,11 @@ def packed_batch(cfg: DraftConfig, docs: list[list[int]], t: int, seed=0) -> TTT
 
 # ---------------------------------------------------------------- the dense reference
 
-def reference_ttt(draft, batch, lm_head, steps, weight=0.8):
+def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None):
     """Unpruned TTT with every step's keys concatenated and an explicit (N, N*(j+1)) mask.
     Shift convention: step j at position t reads token t+1+j, RoPE position pos+j and
-    predicts token t+2+j against the teacher at t+1+j."""
+    predicts token t+2+j against the teacher at t+1+j. hits: a (steps, N) bool tensor to
+    mark the loss positions whose top-1 is right."""
     b, t = batch.input_ids.shape
     n = b * t
     ids, pos = batch.input_ids.reshape(-1), batch.position_ids.reshape(-1)
@@ -100,7 +101,10 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8):
             r = torch.tensor(rows)
             ce = -(probs[r + 1 + j] * F.log_softmax(logits[r], -1)).sum(-1)
             means.append(ce.mean())
-            accs.append((target_of[logits[r].argmax(-1)] == top1[r + 1 + j]).float().mean())
+            right = target_of[logits[r].argmax(-1)] == top1[r + 1 + j]
+            accs.append(right.float().mean())
+            if hits is not None:
+                hits[j, r] = right
         else:
             means.append(logits.sum() * 0)
             accs.append(torch.zeros(()))
@@ -125,7 +129,8 @@ CASES = [  # (rows of document lengths, row length T, steps)
 
 
 @pytest.mark.parametrize("docs,t,steps", CASES)
-@pytest.mark.parametrize("variant", [{}, {"norm_output": True, "norm_before_residual": True}])
+@pytest.mark.parametrize("variant", [{}, {"norm_output": True, "norm_before_residual": True},
+                                     {"fc_norm": True}, {"norm_before_fc": True}])
 def test_ttt_matches_dense_reference(docs, t, steps, variant):
     cfg = tiny_cfg(**variant)
     draft = make_draft(cfg)
@@ -143,6 +148,27 @@ def test_ttt_matches_dense_reference(docs, t, steps, variant):
     for name in ref_grads:
         torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("docs,t,steps", CASES)
+def test_recorded_hits_are_the_references(docs, t, steps):
+    """record_hits marks exactly the (step, position) pairs whose top-1 the dense reference
+    finds right (a 2-token draft vocabulary and teachers drawn from it: many hits), in the
+    one-run and the gathered loss paths alike (sparse masks take the gathered one)."""
+    cfg = tiny_cfg(draft_vocab_size=2)
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, docs, t, seed=len(docs) + t)
+    ids = draft.t2d.nonzero().squeeze(1)
+    pick = torch.randint(0, 2, batch.target_top1.shape, generator=torch.Generator().manual_seed(1))
+    batch.target_top1 = ids[pick].to(torch.int32)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    valid = ttt_positions(batch, draft.t2d, steps)
+    ref_hits = torch.zeros_like(valid)
+    with torch.no_grad():
+        out = ttt_forward(draft, batch, lm_head, steps=steps, vocab_chunk=7, record_hits=True)
+        reference_ttt(draft, batch, lm_head, steps, hits=ref_hits)
+    assert ref_hits.sum() >= 2
+    assert torch.equal(out.hits, ref_hits) and not (out.hits & ~valid).any()
 
 
 def test_pruning_is_exact_and_prunes():
