@@ -91,6 +91,9 @@ def main(argv=None) -> None:
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-batch", type=int, default=256)
     p.add_argument("--regen-batching", default="padded", help="eyas regenerate --batching")
+    p.add_argument("--conversations", default=None,
+                   help="train on this conversations.jsonl (an earlier, possibly partial "
+                        "`eyas regenerate` output) instead of regenerating")
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=16384)
@@ -115,12 +118,15 @@ def main(argv=None) -> None:
         train_prompts.write_text("\n".join(lines) + "\n")
     model_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[a.dtype]
     common = ["--target", a.target]
-    t["regenerate"] = run("regenerate", *common, "--data", train_prompts,
+    conversations = Path(a.conversations) if a.conversations else \
+        work / "regenerated/conversations.jsonl"
+    t["regenerate"] = 0.0 if a.conversations else run(
+                          "regenerate", *common, "--data", train_prompts,
                           "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
                           "--batch-size", a.regen_batch, "--batching", a.regen_batching,
                           "--dtype", a.dtype,
                           "--device", a.device, log=log, out=work / "regenerated")
-    t["prepare"] = run("prepare", *common, "--data", work / "regenerated/conversations.jsonl",
+    t["prepare"] = run("prepare", *common, "--data", conversations,
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")
     t["capture"] = run("capture", *common, "--data", work / "prepared", "--out",
@@ -144,7 +150,8 @@ def main(argv=None) -> None:
                             a.heldout_prompts, "--out", work / "eval-heldout", log=log,
                             out=work / "eval-heldout")
 
-    regen = json.loads((work / "regenerated/eyas.json").read_text())
+    regen_manifest = conversations.parent / "eyas.json"
+    regen = json.loads(regen_manifest.read_text()) if regen_manifest.is_file() else {}
     prep = json.loads((work / "prepared/eyas.json").read_text())
     best = _best_eval(work / "run")
     indist = json.loads((work / "eval-indist/report.json").read_text())
@@ -158,7 +165,8 @@ def main(argv=None) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "device": _device(),
         "samples": prep.get("stats", {}),
-        "regenerate": regen.get("stats", {}),
+        "regenerate": {**regen.get("stats", {}), "complete": regen.get("complete"),
+                       "conversations_used": sum(1 for _ in conversations.open())},
         "tokens": prep.get("stats", {}).get("tokens"),
         "seconds": {k: round(v, 1) for k, v in t.items()},
         "training_eval": {"step": best["step"], "per_step_acc": best["acc"],
