@@ -79,9 +79,9 @@ class RegenerateConfig:
                              "fsync of the outputs")
     batching: str = option("padded", "transformers backend: padded = left-padded batches "
                            "of --batch-size (length-sorted); continuous = transformers' "
-                           "continuous batching (paged KV cache, --batch-size x 8 prompts per "
-                           "call; measured far slower on an H200 without flash attention: "
-                           "docs/regenerate.md)", choices=BATCHING)
+                           "continuous batching (--batch-size x 8 prompts per call, a paged "
+                           "KV cache for --batch-size of them at once; not measured faster "
+                           "yet: docs/regenerate.md)", choices=BATCHING)
     dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's; "
                         "float32 on CPU)",
                         choices=("auto", "bfloat16", "float16", "float32"))
@@ -328,7 +328,7 @@ def _load_generator(cfg: RegenerateConfig) -> LocalGenerator:
         device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
     return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=device,
                           device_map=device_map, trust_remote_code=cfg.trust_remote_code,
-                          batching=cfg.batching)
+                          batching=cfg.batching, concurrency=cfg.batch_size)
 
 
 def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
