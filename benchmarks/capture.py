@@ -35,9 +35,10 @@ import datasets
 import torch
 import transformers
 
-from eyas.capture import CaptureConfig, capture_loaded, iter_captured_batches
-from eyas.models import inspect_model, submodule
-from eyas.shard_writer import PartWriter
+from eyas.capture import CaptureConfig, capture_loaded
+from eyas.target.capture_forward import iter_captured_batches
+from eyas.target.models import inspect_model, submodule
+from eyas.store.shard_writer import PartWriter
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

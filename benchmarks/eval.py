@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
 from eyas.evaluate import EvalConfig, Prompt, run_eval
-from eyas.models import inspect_model, submodule
-from eyas.speculate import (Eagle3Drafter, Proposal, Sampling, SpecStats, TargetRunner,
-                            generate_plain, generate_speculative)
+from eyas.target.models import inspect_model, submodule
+from eyas.serve.speculate import (Eagle3Drafter, Proposal, Sampling, SpecStats, TargetRunner,
+                                  generate_plain, generate_speculative)
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

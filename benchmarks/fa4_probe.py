@@ -1,7 +1,7 @@
 """FlashAttention-4 (flash_attn.cute) against the cuDNN attention ops eyas calls, kernels
 alone: bf16, 32 query / 8 K/V heads, d 128, causal, batch 1 (an 8B draft's attention). The
 backward gets a *different* O (a stand-in for eyas's merged output) plus the forward's LSE,
-as eyas.band_kernels does. Prints relative differences and mean ms of forward / backward.
+as eyas.kernels.band_kernels does. Prints relative differences and mean ms of forward / backward.
 
     pip install 'eyas[fa4]'
     python benchmarks/fa4_probe.py 8192 32768     # contexts; results/fa4-probe-h200-session7.txt

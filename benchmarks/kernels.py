@@ -98,7 +98,7 @@ def gemm(contexts: list[int]) -> list[dict]:
 def attention(contexts: list[int]) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eyas.attention import _band_flex
+    from eyas.kernels.attention import _band_flex
 
     rows = []
     for t in contexts:
@@ -136,8 +136,8 @@ def profile(context: int, trace: str | None, fp8: bool = False, graph: bool = Fa
     sys.path.insert(0, "benchmarks")
     from ttt import LLAMA_8B, host_time, make_batch, on_device, random_draft
 
-    from eyas.ttt import ttt_forward, ttt_plan
-    from eyas.ttt_graph import GraphedTTT
+    from eyas.draft.ttt import ttt_forward, ttt_plan
+    from eyas.draft.ttt_graph import GraphedTTT
 
     cfg, draft, lm_head = random_draft(LLAMA_8B, torch.device("cuda"))
     draft.init_lm_head_from_target(lm_head, freeze=True)

@@ -98,7 +98,7 @@ def _train_rows(run: Path) -> list[dict]:
 def _final_weights(run: Path, step: int) -> dict:
     from safetensors.torch import load_file
 
-    from eyas import checkpoint
+    from eyas.store import checkpoint
 
     return load_file(str(checkpoint.step_dir(run, step) / "draft.safetensors"))
 
@@ -118,7 +118,7 @@ def _one_train(root: Path, name: str, base: dict, nproc: int | None, timeout: fl
                start: int = 0, **overrides) -> dict:
     """One training run into root/name; with `start`, resumed from that folder's step-`start`
     checkpoint."""
-    from eyas import checkpoint
+    from eyas.store import checkpoint
     from eyas.config import to_dict
     from eyas.train import TrainConfig
 
@@ -193,7 +193,7 @@ def bench_train(root: Path, args) -> dict:
 def make_big_target(folder: Path, shape: dict, layers: int) -> Path:
     """A random bf16 Llama with `shape` but `layers` layers, initialised on a GPU when there
     is one (CPU init of ~10B parameters takes minutes), saved like a hub checkpoint."""
-    from eyas.tiny import save_tiny_tokenizer
+    from eyas.target.tiny import save_tiny_tokenizer
 
     config = transformers.LlamaConfig(**{**shape, "num_hidden_layers": layers})
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -211,8 +211,8 @@ def make_prepared(folder: Path, target_dir: Path, vocab: int, samples: int,
     """A prepared/ folder (docs/architecture.md) of random token rows, 60 % loss-masked."""
     import datasets
 
-    from eyas.manifest import target_record, write_manifest
-    from eyas.models import load_tokenizer
+    from eyas.store.manifest import target_record, write_manifest
+    from eyas.target.models import load_tokenizer
 
     rng = np.random.default_rng(0)
 

@@ -35,10 +35,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from eyas import data
-from eyas.manifest import target_record, write_manifest
-from eyas.shard_writer import write_part
-from eyas.shards import part_name
+from eyas.draft import data
+from eyas.store.manifest import target_record, write_manifest
+from eyas.store.shard_writer import write_part
+from eyas.store.shards import part_name
 from eyas.train import TrainConfig, train
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -54,9 +54,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
 
 def make_target(folder: Path, shape: dict) -> tuple[Path, dict]:
     """config.json + tokenizer + embed/lm_head-only safetensors; returns (folder, record)."""
-    from eyas.tiny import save_tiny_tokenizer
+    from eyas.target.tiny import save_tiny_tokenizer
 
-    from eyas.models import load_tokenizer
+    from eyas.target.models import load_tokenizer
 
     config = transformers.LlamaConfig(**shape)
     config.save_pretrained(folder)
@@ -71,7 +71,7 @@ def make_target(folder: Path, shape: dict) -> tuple[Path, dict]:
 
 def make_capture(folder: Path, target: dict, shape: dict, *, tokens: int, lengths: tuple,
                  draft_vocab: int, part_tokens: int) -> None:
-    """A complete capture folder with random bf16 states (eyas.shards format)."""
+    """A complete capture folder with random bf16 states (eyas.store.shards format)."""
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     aux = [2, layers // 2, layers - 3]
     rng = np.random.default_rng(0)

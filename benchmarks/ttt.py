@@ -14,13 +14,13 @@ step plan made from the host batch as `eyas train` makes it, and reports tokens/
 memory and MFU (model FLOPs over the bf16 peak, also for fp8). Masks: `ones` (every position
 carries a loss) and `60` (alternating prompt / answer spans, ~60% answer tokens: steps >= 1
 prune most prompt positions). Precision: `bf16`, or `fp8` (the draft's matmuls in fp8,
-eyas.fp8). lm_head: `frozen` (initialised from the target rows, no weight gradient) or
+eyas.kernels.fp8). lm_head: `frozen` (initialised from the target rows, no weight gradient) or
 `trained`. Where it fits (--dense-max; frozen head, bf16 only), a dense-mask TTT runs too, as
 peers do it (every step's keys concatenated, an explicit (T, T*(j+1)) mask, materialised
 logits): its speed, memory and loss.
 Modes (--modes): `eager` makes a pruned plan per batch and queues the kernels one by one, as
 `eyas train` does by default; `graph` makes static plans and replays the whole forward +
-backward from one CUDA graph (eyas.ttt_graph, `eyas train --cuda-graph`; CUDA only).
+backward from one CUDA graph (eyas.draft.ttt_graph, `eyas train --cuda-graph`; CUDA only).
 Prints a markdown table and writes JSON (--out).
 """
 
@@ -39,11 +39,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eyas.band_kernels import ATTENTION_ENV, CudnnCausal, Fa4Causal, band_kernel
-from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.fused import COMPILE_DEVICES
-from eyas.ttt import TTTBatch, ttt_forward, ttt_plan
-from eyas.ttt_graph import GraphedTTT
+from eyas.kernels.band_kernels import ATTENTION_ENV, CudnnCausal, Fa4Causal, band_kernel
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
+from eyas.kernels.fused import COMPILE_DEVICES
+from eyas.draft.ttt import TTTBatch, ttt_forward, ttt_plan
+from eyas.draft.ttt_graph import GraphedTTT
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
+from eyas.target.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,7 +60,7 @@ def llama_dir(tiny_model_dir):
 def kimi_like_dir(tmp_path_factory):
     """Folder with a tiny Kimi-K2.5-like remote-code wrapper (load with trust_remote_code=True):
     DeepSeek-V3 text decoder at `language_model.model`, a fake vision tower, the tiny tokenizer."""
-    from eyas.kimi_like import build_kimi_like
+    from eyas.target.kimi_like import build_kimi_like
 
     return build_kimi_like(tmp_path_factory.mktemp("kimi-like"))
 

@@ -70,13 +70,13 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
 
 
 def _build_draft(cfg):
-    """eyas.train_setup.build_draft on a tiny target: only what it reads of eyas.data.Inputs."""
+    """eyas.draft.train_setup.build_draft on a tiny target: only what it reads of eyas.draft.data.Inputs."""
     import types
 
     import torch
     from transformers import LlamaConfig
 
-    from eyas.train_setup import Env, build_draft
+    from eyas.draft.train_setup import Env, build_draft
 
     inputs = types.SimpleNamespace(
         info=LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -97,7 +97,7 @@ def test_train_eagle31_flags_reach_the_draft_and_its_saved_config(flags, want):
     """`eyas train --norm-before-fc / --fc-norm / --norm-output` -> TrainConfig -> build_draft's
     DraftConfig (the dict train writes to draft_config.json and its manifest) and the norm
     modules of the draft."""
-    from eyas.draft import DraftConfig
+    from eyas.draft.config import DraftConfig
 
     cfg = cli.parse_config("train", ["--data", "captured/", "--out", "run/", *flags])
     assert {k: getattr(cfg, k) for k in want} == want

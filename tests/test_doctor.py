@@ -19,7 +19,7 @@ from eyas.doctor import (DoctorConfig, allow_list_in_source, allowed_by,
                          capture_bytes_per_token, doctor, eagle3_interface, plugin_plan,
                          protocol_members)
 from eyas.errors import EyasError
-from eyas.models import inspect_model, load_config, load_tokenizer
+from eyas.target.models import inspect_model, load_config, load_tokenizer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -208,9 +208,9 @@ def test_allow_list_matches_by_substring_like_vllm():
 
 
 def test_plugin_plan_is_forwarded(monkeypatch):
-    plugin = types.ModuleType("eyas.vllm_plugin")
+    plugin = types.ModuleType("eyas.serve.vllm_plugin")
     plugin.plan_patch = lambda cls: {"class": cls.__name__, "would_fix": True}
-    monkeypatch.setitem(sys.modules, "eyas.vllm_plugin", plugin)
+    monkeypatch.setitem(sys.modules, "eyas.serve.vllm_plugin", plugin)
     assert plugin_plan(_Wrapper) == {"status": "planned",
                                      "plan": {"class": "_Wrapper", "would_fix": True}}
     del plugin.plan_patch

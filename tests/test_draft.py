@@ -12,9 +12,10 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from eyas.config import ConfigError
-from eyas.draft import DraftConfig, Eagle3Draft, KVCache, draft_rope_scaling
+from eyas.draft.config import DraftConfig, draft_rope_scaling
+from eyas.draft.eagle3 import Eagle3Draft, KVCache
 from eyas.errors import EyasError
-from eyas.export_configs import to_vllm_config
+from eyas.draft.formats import to_vllm_config
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -232,7 +233,7 @@ def test_weights_kept_between_no_grad_calls_follow_parameter_updates():
 
 
 def test_rms_norm_values_and_gradients():
-    from eyas.draft import RMSNorm
+    from eyas.draft.eagle3 import RMSNorm
 
     norm = RMSNorm(12, 1e-5).double()
     with torch.no_grad():
@@ -342,7 +343,7 @@ def test_from_target_hf_config_and_rope_normalisation():
 
 
 def test_from_target_model_info(llama_dir):
-    from eyas.models import inspect_model, load_config
+    from eyas.target.models import inspect_model, load_config
 
     info = inspect_model(load_config(str(llama_dir)))
     cfg = DraftConfig.from_target(info, draft_vocab_size=min(32000, info.vocab_size),
@@ -390,10 +391,10 @@ def test_embedding_is_required_and_shape_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,hq,hkv,d", [(37, 4, 2, 16), (8192, 32, 8, 128)])
 def test_triton_rope_matches_the_torch_functions(n, hq, hkv, d):
-    """On CUDA QKVRope runs eyas.rope_kernels: q and k within one bf16 step of the torch
+    """On CUDA QKVRope runs eyas.kernels.rope_kernels: q and k within one bf16 step of the torch
     rotation (fp32 math in both; the kernel may fuse a multiply-add), v copied exactly, and
     the backward (the rotation at -positions into the fused layout) likewise."""
-    from eyas import fused, rope_kernels
+    from eyas.kernels import fused, rope_kernels
 
     torch.manual_seed(n)
     qkv = torch.randn(n, (hq + 2 * hkv) * d, device="cuda").bfloat16()
@@ -416,9 +417,9 @@ def test_triton_rope_matches_the_torch_functions(n, hq, hkv, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,cols", [(37, 64), (8192, 4096), (3000, 5120)])
 def test_triton_rms_norm_backward_matches_the_torch_function(rows, cols):
-    """On CUDA RMSNormFn's backward runs eyas.norm_kernels (both gradients in one pass): the
+    """On CUDA RMSNormFn's backward runs eyas.kernels.norm_kernels (both gradients in one pass): the
     input's gradient within one bf16 step, the weight's to fp32 summation order."""
-    from eyas import fused, norm_kernels
+    from eyas.kernels import fused, norm_kernels
 
     torch.manual_seed(rows)
     x = torch.randn(rows, cols, device="cuda").bfloat16()

@@ -11,19 +11,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eyas import speculate
+from eyas.serve import speculate
 from eyas.cli import parse_config
 from eyas.config import ConfigError
-from eyas.corpus import synthetic_chats
-from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.target.corpus import synthetic_chats
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.eval_report import write_report
+from eyas.serve.eval_report import write_report
 from eyas.evaluate import EvalConfig, evaluate, load_draft
 from eyas.export import export_state_dict
-from eyas.export_configs import to_vllm_config
-from eyas.manifest import read_manifest
-from eyas.models import load_target, submodule
-from eyas.tiny import TINY_VOCAB
+from eyas.draft.formats import to_vllm_config
+from eyas.store.manifest import read_manifest
+from eyas.target.models import load_target, submodule
+from eyas.target.tiny import TINY_VOCAB
 
 SMALL = dict(num_prompts=3, max_new_tokens=10, dtype="float32", device="cpu")
 

@@ -11,16 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas import checkpoint, cli
+from eyas.store import checkpoint
+from eyas import cli
 from eyas.config import ConfigError
-from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.export import (
-    ExportConfig, expected_shapes, export, find_checkpoint, read_vllm_folder, validate_folder)
-from eyas.export_configs import (
+from eyas.export import ExportConfig, expected_shapes, export, validate_folder
+from eyas.draft.formats import find_checkpoint, read_vllm_folder
+from eyas.draft.formats import (
     SERVED_SINCE, from_speculators_config, from_vllm_config, read_config, sglang_layer_ids,
     to_sglang_config, to_speculators_config, to_vllm_config)
-from eyas.manifest import read_manifest, write_manifest
+from eyas.store.manifest import read_manifest, write_manifest
 
 TARGET = {"name_or_path": "tiny/llama", "revision": None, "commit": "abc123", "model_type": "llama",
           "num_hidden_layers": 6, "hidden_size": 32, "vocab_size": 100, "tokenizer_hash": "t"}
@@ -331,7 +333,7 @@ def test_speculators_needs_a_verifier_name(tmp_path):
 
 
 def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
-    from eyas.eval_report import EvalReport, MethodResult
+    from eyas.serve.eval_report import EvalReport, MethodResult
 
     make_run(tmp_path / "run", draft_config())
     res = MethodResult(method="eagle3", k=3, new_tokens=100, seconds=1.0, tokens_per_s=100.0,

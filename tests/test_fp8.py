@@ -1,4 +1,4 @@
-"""fp8 matmuls (eyas.fp8): each product against its fp32 value, and a whole TTT forward and
+"""fp8 matmuls (eyas.kernels.fp8): each product against its fp32 value, and a whole TTT forward and
 backward in fp8 against the same in full precision. torch._scaled_mm runs on CPU, so these
 are the real fp8 kernels' numerics, not a simulation."""
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from test_ttt import grads, make_draft, packed_batch, tiny_cfg
 
-from eyas import fp8
-from eyas.fp8 import Fp8Matrix
-from eyas.fused import SwiGLUDown
-from eyas.ttt import ttt_forward
+from eyas.kernels import fp8
+from eyas.kernels.fp8 import Fp8Matrix
+from eyas.kernels.swiglu import SwiGLUDown
+from eyas.draft.ttt import ttt_forward
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,9 +59,9 @@ def test_quantize_with_a_bound_or_only_transposed():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(37, 64), (3000, 4096), (4096, 14336)])
 def test_triton_quantize_matches_the_portable_code_bit_for_bit(shape):
-    """On CUDA quantize runs two Triton kernels (eyas.fp8_kernels); the values, scale and
+    """On CUDA quantize runs two Triton kernels (eyas.kernels.fp8_kernels); the values, scale and
     padded transposed copy are those of the portable code (eager torch) exactly."""
-    from eyas import fp8_kernels
+    from eyas.kernels import fp8_kernels
 
     torch.manual_seed(shape[0])
     x = (torch.randn(*shape, device="cuda") * 3).bfloat16()
@@ -87,7 +87,7 @@ def test_triton_swiglu_quantize_matches_quantizing_the_product(shape):
     """quantize_swiglu on CUDA computes silu(gate) * up inside the Triton passes: the same
     scale and fp8 values as quantizing the product the torch code writes out, up to the
     product's last bit (sigmoid implementations differ); a given scale is used as is."""
-    from eyas import fused
+    from eyas.kernels import fused
 
     torch.manual_seed(shape[0])
     gate_up = (torch.randn(*shape, device="cuda") * 2).bfloat16()
@@ -167,7 +167,7 @@ def test_train_refuses_fp8_on_a_gpu_without_fp8_units(monkeypatch):
     """The compute-capability threshold: an A100 (8.0) is refused with the fix, an L4 (8.9)
     and an H100 (9.0) pass."""
     from eyas.errors import EyasError
-    from eyas.train_setup import check_fp8
+    from eyas.draft.train_setup import check_fp8
 
     for capability, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)

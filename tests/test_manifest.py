@@ -7,8 +7,8 @@ import pytest
 
 from eyas.config import option
 from eyas.errors import EyasError
-from eyas.manifest import (LAYER_ID_CONVENTION, check_same_target, read_manifest, target_record,
-                           write_manifest)
+from eyas.store.manifest import (LAYER_ID_CONVENTION, check_same_target, read_manifest, target_record,
+                                 write_manifest)
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,16 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from eyas import chat
-from eyas.chat import ChatFormatError
+from eyas.target import chat
+from eyas.target.chat import ChatFormatError
 from eyas.cli import build_parser, main, parse_config
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.manifest import read_manifest, tokenizer_fingerprint
-from eyas.masking import (_char_mask, _tokens_by_segments, _tokens_with_mask, assistant_spans,
-                          render_prompt, tokenize_conversation)
+from eyas.store.manifest import read_manifest, tokenizer_fingerprint
+from eyas.target.masking import (_char_mask, _tokens_by_segments, _tokens_with_mask, assistant_spans,
+                                 render_prompt, tokenize_conversation)
 from eyas.prepare import PrepareConfig, prepare
-from eyas.tiny import save_tiny_tokenizer
+from eyas.target.tiny import save_tiny_tokenizer
 
 # ChatML as Qwen2.5 writes it: a default system turn, tool results inside a user turn.
 CHATML = (
@@ -420,7 +420,7 @@ def test_tokenizer_override(llama_dir, tok_dir, tmp_path, tok):
 
 
 def test_remote_code_target_only_when_asked(tmp_path):
-    from eyas.kimi_like import kimi_like_text_config, write_kimi_like_config
+    from eyas.target.kimi_like import kimi_like_text_config, write_kimi_like_config
 
     target = write_kimi_like_config(tmp_path / "kimi", kimi_like_text_config())
     save_tiny_tokenizer(target)

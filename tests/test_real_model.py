@@ -16,16 +16,16 @@ import datasets
 import pytest
 import torch
 
-from eyas import shards
+from eyas.store import shards
 from eyas.capture import CaptureConfig, capture
-from eyas.capture_forward import batch_inputs, plan_batches
+from eyas.target.capture_forward import batch_inputs, plan_batches
 from eyas.cli import main
 from eyas.errors import EyasError
-from eyas.manifest import (check_same_target, gguf_fingerprint, read_manifest, target_record,
-                           tokenizer_fingerprint)
-from eyas.models import _load_dtype, load_config, load_target, load_tokenizer, submodule
+from eyas.store.manifest import (check_same_target, gguf_fingerprint, read_manifest, target_record,
+                                 tokenizer_fingerprint)
+from eyas.target.models import _load_dtype, load_config, load_target, load_tokenizer, submodule
 from eyas.prepare import PrepareConfig, prepare
-from eyas.tiny import build_tiny_model
+from eyas.target.tiny import build_tiny_model
 
 CHATS = [
     [{"role": "user", "content": "What is 2 plus 2?"},
@@ -182,7 +182,7 @@ def test_capture_equals_the_targets_own_forward(captured, prepared, target, smol
 def test_offline_training_reads_embedding_and_head_from_the_gguf(smollm2_gguf, target):
     """eyas train (offline) reads only the two tensors it needs from the GGUF: the values
     transformers' loader gives the model (tied: one matrix)."""
-    from eyas.data import target_head_weights
+    from eyas.draft.data import target_head_weights
 
     model, info = target
     embed, head, got_info, _ = target_head_weights(str(smollm2_gguf))

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from eyas.config import ConfigError
-from eyas.corpus import synthetic_chats
+from eyas.target.corpus import synthetic_chats
 from eyas.errors import EyasError
-from eyas.openai_server import ChatServer, load_generator
+from eyas.serve.openai_server import ChatServer, load_generator
 from eyas.regenerate import RegenerateConfig, regenerate
-from eyas.regenerate_output import KILL_ENV, OUTPUT, REJECTS
+from eyas.store.regenerate_output import KILL_ENV, OUTPUT, REJECTS
 
 MAX_NEW = 10
-# The Llama-3 template of eyas.tiny plus Qwen3's switch: thinking off = an empty think block.
+# The Llama-3 template of eyas.target.tiny plus Qwen3's switch: thinking off = an empty think block.
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
@@ -289,7 +289,7 @@ def test_drop_truncated_rejects_them(setup, tmp_path):
 
 
 def test_accept_keeps_a_cut_answer_as_the_target_wrote_it():
-    from eyas.openai_server import Generation, _parse_choice
+    from eyas.serve.openai_server import Generation, _parse_choice
     from eyas.regenerate import Rejected, accept
 
     cfg = RegenerateConfig(target="m", data=("d",), out="o")
@@ -448,7 +448,7 @@ def test_server_checks_fail_with_the_fix(setup, tmp_path):
 
 
 def test_torn_tail_is_cut_back_to_the_last_whole_line(tmp_path):
-    from eyas.regenerate_output import _cut_torn_tail
+    from eyas.store.regenerate_output import _cut_torn_tail
 
     path = tmp_path / "x.jsonl"
     whole = '{"a": 1}\n{"b": 2}\n'
@@ -474,7 +474,7 @@ def test_config_errors_name_the_fix(setup, tmp_path):
 
 
 def test_separate_reasoning_from_a_server_is_kept_inline():
-    from eyas.openai_server import _parse_choice
+    from eyas.serve.openai_server import _parse_choice
 
     answer = {"choices": [{"finish_reason": "stop", "message": {
         "role": "assistant", "content": "\n\n42.", "reasoning_content": " 6 times 7. "}}],

@@ -1,5 +1,5 @@
 """Trained == served: chain decoding replayed on TTT hits (training's forward) against the
-real speculative loop (eyas.speculate, the draft run the way vLLM runs it), and
+real speculative loop (eyas.serve.speculate, the draft run the way vLLM runs it), and
 chain_acceptance's counting on hand-made hits."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.loss import chain_acceptance
-from eyas.models import inspect_model
-from eyas.replay import replay
-from eyas.speculate import (Eagle3Drafter, Sampling, TargetRunner, generate_plain,
-                            generate_speculative)
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
+from eyas.draft.loss import chain_acceptance
+from eyas.target.models import inspect_model
+from eyas.draft.replay import replay
+from eyas.serve.speculate import (Eagle3Drafter, Sampling, TargetRunner, generate_plain,
+                                  generate_speculative)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,8 +49,8 @@ def llama(llama_dir):
 def _trained_draft(llama, info, prompts, refs) -> Eagle3Draft:
     """A draft over the tokens of the continuations, fitted to them for a few steps of TTT,
     so that it is right often, also at later chain positions."""
-    from eyas.replay import teacher_forced_batch
-    from eyas.ttt import ttt_forward
+    from eyas.draft.replay import teacher_forced_batch
+    from eyas.draft.ttt import ttt_forward
 
     used = sorted({t for r in refs for t in r})
     cfg = DraftConfig.from_target(info, draft_vocab_size=len(used),
@@ -117,8 +118,8 @@ def test_replay_on_ttt_hits_equals_the_speculative_loop(llama):
 
 def _replayed_rounds(llama, draft, prompt, ref, k):
     """The accepted count of each replayed round (chain_acceptance's walk, one document)."""
-    from eyas.replay import teacher_forced_batch
-    from eyas.ttt import ttt_forward
+    from eyas.draft.replay import teacher_forced_batch
+    from eyas.draft.ttt import ttt_forward
 
     batch = teacher_forced_batch(llama, llama.model.layers, llama.model.norm,
                                  tuple(draft.cfg.aux_layer_ids), prompt, ref)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.models import inspect_model
-from eyas.speculate import (Eagle3Drafter, NgramDrafter, Proposal, Sampling, TargetRunner,
-                            generate_plain, generate_speculative, verify)
+from eyas.target.models import inspect_model
+from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Proposal, Sampling, TargetRunner,
+                                  generate_plain, generate_speculative, verify)
 
 NO_STOP = frozenset()
 
@@ -357,7 +358,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(deterministic):
 def test_chi_square_catches_a_wrong_residual(monkeypatch):
     """Negative control: resampling a rejected position from p instead of norm(max(p-q, 0)),
     the classic bug, fails the same test at the same sample size."""
-    from eyas import speculate
+    from eyas.serve import speculate
 
     right = speculate.verify
 
@@ -378,7 +379,7 @@ def test_chi_square_catches_a_wrong_residual(monkeypatch):
 def test_runner_on_wrapper_and_moe_targets(tiny_model_dir, arch, prompt):
     """A multimodal wrapper (decoder below `model.language_model`, M-RoPE) and an MoE target:
     aux capture through models.py's paths, KV-cache rollback, lossless n-gram decoding."""
-    from eyas.models import load_target, submodule
+    from eyas.target.models import load_target, submodule
 
     model, info = load_target(tiny_model_dir(arch), dtype="float32")
     runner = TargetRunner(model, submodule(model, info.layers_path),

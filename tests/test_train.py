@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas import checkpoint, data
+from eyas.store import checkpoint
+from eyas.draft import data
 from eyas.config import ConfigError, to_dict
 from eyas.errors import EyasError
 from eyas.train import TrainConfig, train, warmup_cosine
@@ -32,7 +33,7 @@ def copy_target(out: Path) -> Path:
     embedding and its blocks are damped, so the target mostly predicts a token of the recent
     context with a peaked distribution. A purely random tiny target predicts near-uniform
     noise, which no draft can learn in a few steps."""
-    from eyas.tiny import build_tiny_model
+    from eyas.target.tiny import build_tiny_model
 
     build_tiny_model("llama", out)
     path = out / "model.safetensors"
@@ -50,7 +51,7 @@ def copy_target(out: Path) -> Path:
 def run_inputs(tmp_path_factory):
     """The real pipeline on the tiny target: 80 synthetic chats, captured with --split all."""
     from eyas.capture import CaptureConfig, capture
-    from eyas.corpus import synthetic_chats
+    from eyas.target.corpus import synthetic_chats
     from eyas.prepare import PrepareConfig, prepare
     from eyas.vocab import VocabConfig, vocab
 
@@ -203,8 +204,9 @@ def test_checkpoints_keep_last_n_and_best_and_restore_everything(tmp_path):
 
 
 def test_tiny_draft_learns_and_writes_the_run_folder(run_inputs, tmp_path):
-    from eyas.draft import DraftConfig, Eagle3Draft
-    from eyas.manifest import read_manifest
+    from eyas.draft.config import DraftConfig
+    from eyas.draft.eagle3 import Eagle3Draft
+    from eyas.store.manifest import read_manifest
 
     run = tmp_path / "run"
     summary = train(_cfg(run_inputs, run, max_steps=36, log_every=6, eval_every=12,
@@ -271,7 +273,7 @@ def test_batch_4_accum_1_equals_batch_1_accum_4(run_inputs, tmp_path):
 
 KILLER = """
 import json, os, signal, sys
-from eyas import checkpoint
+from eyas.store import checkpoint
 from eyas.train import TrainConfig, train
 
 kill_at = int(sys.argv[2])
@@ -438,15 +440,15 @@ def test_online_with_target_device_map_equals_online(run_inputs, tmp_path, monke
     """The target placed by transformers/accelerate ("auto": on a CPU box all on cpu; "cpu":
     one device) trains exactly like the target moved to the draft's device. Spreading over
     several GPUs needs GPUs: not this test."""
-    import eyas.models
+    import eyas.target.models
 
-    real, calls = eyas.models.load_target, []
+    real, calls = eyas.target.models.load_target, []
 
     def load_target(*args, **kwargs):  # the real loader; records what train asked of it
         calls.append({k: kwargs.get(k) for k in ("device_map", "device")})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(eyas.models, "load_target", load_target)
+    monkeypatch.setattr(eyas.target.models, "load_target", load_target)
     kw = dict(max_steps=1, lm_head="target", online=True, data=run_inputs["prepared"],
               target=run_inputs["target"], device="cpu")
     plain = train(_cfg(run_inputs, tmp_path / "plain", **kw))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas import checkpoint
+from eyas.store import checkpoint
 from eyas.config import to_dict
 from eyas.train import TrainConfig, train
 

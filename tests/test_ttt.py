@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.attention import BLOCK, attention, band_block_mask
-from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.loss import simulated_acceptance_length, soft_cross_entropy
-from eyas.ttt import TTTBatch, ttt_forward, ttt_positions
+from eyas.kernels.attention import BLOCK, attention, band_block_mask
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
+from eyas.draft.loss import simulated_acceptance_length, soft_cross_entropy
+from eyas.draft.ttt import TTTBatch, ttt_forward, ttt_positions
 
 
 def tiny_cfg(**kw) -> DraftConfig:
@@ -193,7 +194,7 @@ def test_runs_of_rows_are_found_for_slicing():
     rows are that run, so ttt_forward indexes by slices (views; the results are checked
     against the dense reference in test_one_document_takes_the_fast_path...). A gap (a
     top-1 outside the draft vocab) breaks the run of every step that loses the row."""
-    from eyas.ttt import _plan
+    from eyas.draft.ttt import _plan
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
@@ -221,7 +222,7 @@ def test_runs_of_rows_are_found_for_slicing():
 def test_a_plan_made_ahead_gives_the_same_forward():
     """ttt_plan made ahead (as `eyas train` does, from the host batch) and passed in: the same
     result as the plan ttt_forward makes itself; a plan for another shape is refused."""
-    from eyas.ttt import ttt_plan
+    from eyas.draft.ttt import ttt_plan
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
@@ -239,7 +240,7 @@ def test_embedding_shares_get_every_steps_gradient():
     """The steps' q/k/v take rows of one table of embedding shares (_Shares/_AddShare, whose
     backward sums all steps' rows into one gradient): with the steps chained as in TTT (each
     reads the previous one's output) and rows repeated, the gradients of plain autograd."""
-    from eyas.ttt import _Shares
+    from eyas.draft.ttt import _Shares
 
     g = torch.Generator().manual_seed(0)
     x0, table, w = (torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -262,7 +263,7 @@ def test_embedding_shares_get_every_steps_gradient():
 def test_a_host_plan_is_made_on_one_thread_and_the_pool_restored(monkeypatch):
     """ttt_plan on the host runs its small ops on one intra-op thread (see its docstring)
     and gives the process its thread count back, also when making the plan fails."""
-    from eyas import ttt as ttt_module
+    from eyas.draft import ttt as ttt_module
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
@@ -296,7 +297,7 @@ def test_compiled_kernels_trace_and_agree(monkeypatch):
     recompile."""
     from torch._dynamo.utils import counters
 
-    import eyas.fused
+    import eyas.kernels.fused
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
@@ -304,7 +305,7 @@ def test_compiled_kernels_trace_and_agree(monkeypatch):
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
     eager = ttt_forward(draft, batch, lm_head, steps=7, vocab_chunk=50)
     eager_grads = grads(draft, eager.loss)
-    monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+    monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
     graphs = counters["stats"]["unique_graphs"]
     for _ in range(2):
         out = ttt_forward(draft, batch, lm_head, steps=7, vocab_chunk=50)
@@ -412,10 +413,10 @@ def _soft_ce_and_grads(hidden, weight, call):
 def test_soft_ce_row_weights_drop_rows_exactly(compiled, monkeypatch):
     """Rows weighted 0 add nothing to the loss or any gradient: the weighted sum over all
     rows equals the plain sum over the rows weighted 1 (eager, and compiled on CPU)."""
-    import eyas.fused
+    import eyas.kernels.fused
 
     if compiled:
-        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+        monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
     torch.manual_seed(9)
     hidden, weight = torch.randn(13, 16), torch.randn(21, 16)
     teacher = torch.randn(13, 21) * 2
@@ -436,11 +437,11 @@ def test_soft_ce_teacher_lse_and_extra_hidden_rows(compiled, indexed, monkeypatc
     """A given teacher logsumexp gives the same loss as the one computed inside; hidden rows
     past the teacher's carry no loss and get a zero gradient (TTT passes a step's rows whole
     instead of slicing off the last ones)."""
-    import eyas.fused
-    from eyas.loss import row_logsumexp
+    import eyas.kernels.fused
+    from eyas.draft.loss import row_logsumexp
 
     if compiled:
-        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+        monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
     torch.manual_seed(4)
     hidden, weight = torch.randn(15, 16), torch.randn(21, 16)
     teacher = torch.randn(17, 21) * 3
@@ -483,10 +484,10 @@ def dense_attention(q, k, v, lo, hi, dk, dv):
 def test_attention_matches_dense(n_keys, n_q, diag, compiled, monkeypatch):
     """The band + diagonal merge against dense masked softmax attention written in the test
     (values and every gradient, fp32); also with the merge compiled, as CUDA runs it."""
-    import eyas.fused
+    import eyas.kernels.fused
 
     if compiled:
-        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+        monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
     torch.manual_seed(n_keys)
     hq, hkv, d = 6, 2, 8
     starts = torch.zeros(n_keys, dtype=torch.long)
@@ -568,7 +569,7 @@ def test_flex_band_plumbing_matches_reference(monkeypatch, n_q, n_keys):
     CPU (forward only: CPU FlexAttention has no backward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import eyas.attention as D
+    import eyas.kernels.attention as D
 
     monkeypatch.setattr(D, "_compiled_flex", lambda: flex_attention)
     torch.manual_seed(13)
@@ -589,7 +590,7 @@ def test_block_mask_with_compiled_flex_kernel_cpu():
     """The real FlexAttention kernel (CPU inference template) honours the block mask."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eyas.attention import _band_reference
+    from eyas.kernels.attention import _band_reference
 
     torch.manual_seed(11)
     m, rows = 700, torch.randperm(700)[:300].sort().values
@@ -645,11 +646,11 @@ def test_causal_fast_path_matches_lse_autograd(n_keys, n_q, diag, compiled, monk
     equal `attention`'s, whose band returns its LSE and takes that LSE's gradient, fp32,
     across a chunk boundary; also with the merge compiled (as CUDA runs it). Both share the
     merge functions: test_attention_matches_dense checks those against dense attention."""
-    import eyas.fused
-    from eyas.attention import causal_attention
+    import eyas.kernels.fused
+    from eyas.kernels.attention import causal_attention
 
     if compiled:
-        monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+        monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
 
     torch.manual_seed(n_keys + diag)
     hq, hkv, d = 4, 2, 8
@@ -673,14 +674,14 @@ def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
     """A batch of one document (padding only after it) goes through causal_attention at every
     step whose kept positions fill at least half their prefix; packed batches never do. Same
     loss and gradients as the dense reference."""
-    import eyas.ttt
+    import eyas.draft.ttt
 
     cfg = tiny_cfg()
     draft = make_draft(cfg)
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
     seen = []  # the arguments of every causal_attention call
-    real = eyas.ttt.causal_attention
-    monkeypatch.setattr(eyas.ttt, "causal_attention", lambda *a: seen.append(a) or real(*a))
+    real = eyas.draft.ttt.causal_attention
+    monkeypatch.setattr(eyas.draft.ttt, "causal_attention", lambda *a: seen.append(a) or real(*a))
 
     def checked(batch):
         """ttt_forward on `batch`, its loss and gradients equal to the reference's; the
@@ -705,12 +706,12 @@ def test_one_document_takes_the_fast_path_with_the_same_result(monkeypatch):
     one.target_top1[0, [9, 30]] = int((~draft.t2d).nonzero()[0])
     gaps, calls = checked(one)  # 33 of 35 positions fill >= RUN_FILL of the span: all 35
     assert calls == gaps.step_rows == [40, 37, 36, 35] and gaps.step_count[3] == 33
-    monkeypatch.setattr(eyas.ttt, "RUN_FILL", 1.0)  # only exact runs: the gaps are dropped
+    monkeypatch.setattr(eyas.draft.ttt, "RUN_FILL", 1.0)  # only exact runs: the gaps are dropped
     gaps, calls = checked(one)
     assert calls == gaps.step_rows == [40, 37, 36, 33]  # step 3 lost 2 rows to the gaps
     assert [len(a) > 5 and a[5] is not None for a in seen] == [False, False, False, True]
     monkeypatch.undo()
-    monkeypatch.setattr(eyas.ttt, "causal_attention", lambda *a: seen.append(a) or real(*a))
+    monkeypatch.setattr(eyas.draft.ttt, "causal_attention", lambda *a: seen.append(a) or real(*a))
     # one document padded at the end: still the fused path (padding sees no real key)
     padded = packed_batch(cfg, [[34]], 40, seed=6)
     padded.target_top1 = one.target_top1
@@ -729,8 +730,8 @@ def test_causal_fast_path_on_cuda_matches_flex(diag, kernel, monkeypatch):
     """The fused band + folded LSE gradient against the FlexAttention path, bf16, 8B shapes:
     cuDNN with its own GQA, cuDNN with K/V repeated to the query heads (older cuDNN), and
     FlashAttention-4 (skipped where it is not installed)."""
-    from eyas import band_kernels as bk
-    from eyas.attention import causal_attention
+    from eyas.kernels import band_kernels as bk
+    from eyas.kernels.attention import causal_attention
 
     monkeypatch.setattr(bk.CudnnCausal, "gqa", kernel != "cudnn-repeat")
     monkeypatch.setenv(bk.ATTENTION_ENV, kernel.split("-")[0])
@@ -798,12 +799,12 @@ def test_output_flattens_to_its_tensors_for_fsdp():
 def test_compiled_function_past_the_recompile_limit_runs_eagerly(monkeypatch, caplog):
     # a process that sweeps many layouts (benchmarks) must not crash at torch.compile's
     # graph limit: the new layout runs eagerly, with a warning, and the result is the same
-    import eyas.fused
+    import eyas.kernels.fused
 
-    monkeypatch.setattr(eyas.fused, "COMPILE_DEVICES", {"cpu"})
+    monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
     name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
         else "cache_size_limit"
-    double_sum = eyas.fused.cuda_compiled(lambda x: (x * 2).sum(-1))
+    double_sum = eyas.kernels.fused.cuda_compiled(lambda x: (x * 2).sum(-1))
     with torch._dynamo.config.patch(**{name: 1}):  # (monkeypatch's undo broke the alias)
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float32):
             x = torch.arange(12, dtype=dtype).reshape(3, 4)
@@ -814,11 +815,11 @@ def test_compiled_function_past_the_recompile_limit_runs_eagerly(monkeypatch, ca
 @pytest.mark.gpu
 @pytest.mark.parametrize("g,s,d", [(4, 1, 128), (4, 6, 128), (5, 3, 64)])
 def test_triton_diagonal_merge_matches_the_torch_functions(g, s, d):
-    """CUDA runs the diagonal merge and its backward as Triton kernels (eyas.attention_kernels):
+    """CUDA runs the diagonal merge and its backward as Triton kernels (eyas.kernels.attention_kernels):
     the same values as the torch functions (eager, fp32 math) for every output, incl. G and
     S that are not powers of two."""
-    from eyas import attention_kernels
-    from eyas.attention import _merge_diag, _merge_diag_backward
+    from eyas.kernels import attention_kernels
+    from eyas.kernels.attention import _merge_diag, _merge_diag_backward
 
     torch.manual_seed(s)
     n, hkv = 300, 2
@@ -850,10 +851,10 @@ def test_triton_diagonal_merge_matches_the_torch_functions(g, s, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", [1000, 32000])
 def test_triton_soft_ce_chunk_matches_the_torch_function(v):
-    """CUDA runs a soft-CE chunk as one Triton kernel (eyas.loss_kernels): loss, argmax and
+    """CUDA runs a soft-CE chunk as one Triton kernel (eyas.kernels.loss_kernels): loss, argmax and
     gradient as the torch function's, weighted or not; its fp8 gradient within e5m2 rounding."""
-    from eyas import loss_kernels
-    from eyas.loss import _soft_ce_chunk
+    from eyas.kernels import loss_kernels
+    from eyas.draft.loss import _soft_ce_chunk
 
     torch.manual_seed(v)
     c = 333
@@ -888,7 +889,7 @@ def test_cudnn_gqa_fallback_only_on_a_refusal(monkeypatch):
     """A cuDNN that refuses fewer K/V heads than query heads gets K/V repeated (and the process
     remembers); running out of memory is not a refusal: it propagates and GQA stays on. (The
     kernel itself runs only on CUDA: here its call is replaced by one that fails.)"""
-    from eyas.band_kernels import CudnnCausal as _CudnnCausal
+    from eyas.kernels.band_kernels import CudnnCausal as _CudnnCausal
 
     monkeypatch.setattr(_CudnnCausal, "gqa", True)
     q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
@@ -937,7 +938,7 @@ def test_attention_kernel_choice_is_checked(monkeypatch, caplog):
     `fa4` where FlashAttention-4 cannot run says why; a FlashAttention-4 that is absent is
     logged once at INFO, one that is installed but broken (or lacks the functions eyas calls)
     once as a warning, and either is left to cuDNN."""
-    from eyas import band_kernels as bk
+    from eyas.kernels import band_kernels as bk
     from eyas.errors import EyasError
 
     q = torch.randn(16, 4, 8)
@@ -967,7 +968,7 @@ def test_attention_kernel_choice_is_checked(monkeypatch, caplog):
                             ("WARNING", "lacks _flash_attn_fwd")):
         monkeypatch.setattr(bk, "_fa4_module", None)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="eyas.band_kernels"):
+        with caplog.at_level(logging.INFO, logger="eyas.kernels.band_kernels"):
             assert bk._fa4() is None and bk._fa4() is None
         assert [(r.levelname, expected in r.getMessage()) for r in caplog.records] \
             == [(level, True)]
@@ -977,8 +978,8 @@ def test_attention_kernel_choice_is_checked(monkeypatch, caplog):
 def _broken_fa4(q, k, v, error, where):
     """A FlashAttention-4 band whose forward or backward raises `error` (a forward that does
     not raise computes the reference band, in FlashAttention-4's layout)."""
-    from eyas import attention as att
-    from eyas import band_kernels as bk
+    from eyas.kernels import attention as att
+    from eyas.kernels import band_kernels as bk
 
     class Broken:
         def _flash_attn_fwd(self, q4, k4, v4, **kwargs):
@@ -1002,8 +1003,8 @@ def test_fa4_failure_gives_way(where, monkeypatch, caplog):
     and another kernel computes the same output and gradients (on CPU the exact reference
     band, which has the fused kernels' contract); running out of memory, or
     EYAS_ATTENTION=fa4, propagates."""
-    from eyas import attention as att
-    from eyas import band_kernels as bk
+    from eyas.kernels import attention as att
+    from eyas.kernels import band_kernels as bk
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(40, h, 8, requires_grad=True) for h in (4, 2, 2))
@@ -1031,7 +1032,7 @@ def test_fa4_failure_gives_way(where, monkeypatch, caplog):
         assert bk._fa4_module is not False
     monkeypatch.setenv(bk.ATTENTION_ENV, "auto")
     error[0] = RuntimeError("no kernel for sm_90a")
-    with caplog.at_level(logging.WARNING, logger="eyas.band_kernels"):
+    with caplog.at_level(logging.WARNING, logger="eyas.kernels.band_kernels"):
         got = broken_attention(*inputs)
         got_grads = torch.autograd.grad(got, inputs, grad)
     assert "FlashAttention-4 failed in this process (RuntimeError: no kernel for sm_90a)" \
@@ -1048,7 +1049,7 @@ def test_describe_names_the_kernel_on_cuda(monkeypatch):
     """`eyas doctor`'s line: cuDNN for an 8B draft's heads under EYAS_ATTENTION=cudnn; an MLA
     target's draft (head dim 192: beyond cuDNN) on FlashAttention-4 where it runs, else on
     FlexAttention with the reason."""
-    from eyas import band_kernels as bk
+    from eyas.kernels import band_kernels as bk
 
     monkeypatch.setenv(bk.ATTENTION_ENV, "cudnn")
     assert bk.describe(32, 128) == "cuDNN (EYAS_ATTENTION=cudnn)"

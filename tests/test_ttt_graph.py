@@ -1,13 +1,13 @@
 """Static TTT plans (the same loss and gradients as pruned ones, shapes fixed by the batch's)
-and the TTT iteration replayed from a CUDA graph (eyas.ttt_graph; GPU tests)."""
+and the TTT iteration replayed from a CUDA graph (eyas.draft.ttt_graph; GPU tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eyas.ttt import TTTBatch, ttt_forward, ttt_plan
-from eyas.ttt_graph import GraphedTTT, plan_signature
+from eyas.draft.ttt import TTTBatch, ttt_forward, ttt_plan
+from eyas.draft.ttt_graph import GraphedTTT, plan_signature
 from test_ttt import grads, make_draft, packed_batch, tiny_cfg
 
 LAYOUTS = {"packed": ([[20, 9, 30], [59]], 64), "one document": ([[50]], 64)}

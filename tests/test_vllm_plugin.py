@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from eyas import vllm_plugin
-from eyas.vllm_plugin import MEMBERS, PatchPlan, patch, plan_patch
+from eyas.serve import vllm_plugin
+from eyas.serve.vllm_plugin import MEMBERS, PatchPlan, patch, plan_patch
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 H, V, L = 16, 50, 8
@@ -398,12 +398,12 @@ def test_patching_on_import_is_lazy_and_idempotent(tmp_path, monkeypatch):
 
 def test_register_is_switchable_and_never_raises(monkeypatch, caplog):
     monkeypatch.setenv("EYAS_VLLM_PLUGIN", "0")
-    with caplog.at_level(logging.INFO, logger="eyas.vllm_plugin"):
+    with caplog.at_level(logging.INFO, logger="eyas.serve.vllm_plugin"):
         vllm_plugin.register()
     assert "disabled by EYAS_VLLM_PLUGIN=0" in caplog.text
     monkeypatch.delenv("EYAS_VLLM_PLUGIN")
     monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM absent or broken: log, do not raise
-    with caplog.at_level(logging.WARNING, logger="eyas.vllm_plugin"):
+    with caplog.at_level(logging.WARNING, logger="eyas.serve.vllm_plugin"):
         vllm_plugin.register()
     assert "could not start" in caplog.text
 
@@ -411,7 +411,7 @@ def test_register_is_switchable_and_never_raises(monkeypatch, caplog):
 PY312_SCRIPT = """
 import inspect, sys
 from typing import ClassVar, Literal, Protocol, runtime_checkable
-from eyas.vllm_plugin import patch
+from eyas.serve.vllm_plugin import patch
 
 @runtime_checkable
 class SupportsEagle3(Protocol):
@@ -515,7 +515,7 @@ LAZY_SCRIPT = """
 import sys
 import vllm  # noqa: F401
 from vllm.plugins import load_general_plugins
-load_general_plugins()  # runs eyas.vllm_plugin:register through the entry point
+load_general_plugins()  # runs eyas.serve.vllm_plugin:register through the entry point
 name = "vllm.model_executor.models.kimi_vl"
 assert name not in sys.modules, "the plugin must not import model modules early"
 from vllm.model_executor.models.interfaces import supports_eagle3
@@ -530,7 +530,7 @@ def test_vllm_loads_the_plugin_and_patches_lazily():
     pytest.importorskip("vllm")
     from importlib.metadata import entry_points
 
-    if not any(e.value == "eyas.vllm_plugin:register"
+    if not any(e.value == "eyas.serve.vllm_plugin:register"
                for e in entry_points(group="vllm.general_plugins")):
         pytest.skip("eyas is not installed in this environment (pip install -e .)")
     run = subprocess.run([sys.executable, "-c", LAZY_SCRIPT], capture_output=True, text=True,

@@ -10,8 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from eyas.config import ConfigError, from_dict
 from eyas.errors import EyasError
-from eyas.manifest import read_manifest, write_manifest
-from eyas.vocab import VocabConfig, build_vocab, check_vocab, load_vocab, vocab
+from eyas.store.manifest import read_manifest, write_manifest
+from eyas.vocab import VocabConfig, build_vocab, vocab
+from eyas.store.vocab import check_vocab, load_vocab
 
 
 def fake_prepared(folder, counts, *, tokenizer_hash="tok-a", name="tiny/llama"):

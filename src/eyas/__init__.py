@@ -23,8 +23,8 @@ _EXPORTS = {
     "regenerate": "eyas.regenerate", "RegenerateConfig": "eyas.regenerate",
     "run": "eyas.pipeline", "RunConfig": "eyas.pipeline",
     "demo": "eyas.demo", "DemoConfig": "eyas.demo",
-    "Eagle3Draft": "eyas.draft", "DraftConfig": "eyas.draft",
-    "inspect_model": "eyas.models", "ModelInfo": "eyas.models",
+    "Eagle3Draft": "eyas.draft.eagle3", "DraftConfig": "eyas.draft.eagle3",
+    "inspect_model": "eyas.target.models", "ModelInfo": "eyas.target.models",
 }
 
 

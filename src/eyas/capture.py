@@ -3,12 +3,12 @@
 Per token: the residual stream entering the aux decoder layers (vLLM ids, default
 (2, L//2, L-3); id L is the last layer's output before the final norm), the final hidden state
 after the final norm, and the target's top-1 next-token id. The target is the transformers
-model itself (`eyas.models.load_target`); hooks on its decoder layers and final norm keep only
+model itself (`eyas.target.models.load_target`); hooks on its decoder layers and final norm keep only
 those tensors, and top-1 comes from the lm_head run over chunks of tokens so that (N, V)
 logits never exist at once. Samples are packed by length into `batch_tokens`-token batches,
 either flattened with position resets (when the attention honours them: checked, not assumed)
 or right-padded with an attention mask. On GPU, results are copied to pinned host memory on a
-side stream and writer threads (`eyas.shard_writer.PartWriter`) write safetensors parts while
+side stream and writer threads (`eyas.store.shard_writer.PartWriter`) write safetensors parts while
 the next batches run. Files appear atomically, so a killed run resumes where it stopped.
 """
 
@@ -27,10 +27,12 @@ import torch
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.manifest import check_same_target, read_manifest, target_record, write_manifest
-from eyas import shards
-from eyas.capture_forward import forward_batches
-from eyas.shard_writer import PartWriter
+from eyas.store.manifest import check_same_target, read_manifest, target_record, write_manifest
+from eyas.store import shards
+from eyas.target.capture_forward import forward_batches
+from eyas.store.shard_writer import PartWriter
+from eyas.store.prepared import load_split
+from eyas.target.capture_forward import iter_captured_batches, capture_samples
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class CaptureConfig:
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1 (or unset), got {self.limit}")
         if self.aux_layer_ids:
-            from eyas.models import validate_aux_layer_ids
+            from eyas.target.models import validate_aux_layer_ids
 
             validate_aux_layer_ids(self.aux_layer_ids, None)
         self.shard_index()  # validates the I/N spelling
@@ -105,7 +107,7 @@ class CaptureConfig:
 
 def capture(cfg: CaptureConfig) -> dict:
     """Capture `cfg.split` of the prepared folder into `cfg.out`; returns the summary stats."""
-    from eyas.models import load_target, load_tokenizer
+    from eyas.target.models import load_target, load_tokenizer
 
     prepared = read_manifest(cfg.data, step="prepare")
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
@@ -133,84 +135,6 @@ def _default_device(cfg: CaptureConfig) -> str | None:
     return cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_split(prepared: str | Path, split: str, limit: int | None = None):
-    """(dataset, split_rows) of a prepared folder; for `all`, train rows then eval rows, and
-    `split_rows` maps each split to its [start, end) row range in that order."""
-    import datasets
-
-    path = Path(prepared) / "dataset"
-    if not path.is_dir():
-        raise EyasError(f"{prepared} has no dataset/ folder; run `eyas prepare --out {prepared}`.")
-    dd = datasets.load_from_disk(str(path))
-    names = ("train", "eval") if split == "all" else (split,)
-    missing = [n for n in names if n not in dd]
-    if missing:
-        raise EyasError(f"{prepared} has no {missing} split; re-run `eyas prepare` (it writes "
-                        f"train and eval) or choose --split from {sorted(dd)}.")
-    parts = [dd[n] for n in names]
-    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    split_rows, start = {}, 0
-    for n, p in zip(names, parts):
-        split_rows[n] = [start, start + len(p)]
-        start += len(p)
-    if limit is not None and limit < len(ds):
-        ds = ds.select(range(limit))
-        split_rows = {n: [min(a, limit), min(b, limit)] for n, (a, b) in split_rows.items()}
-    return ds, split_rows
-
-
-def iter_captured_batches(model, info, dataset, aux_layer_ids, batch_tokens: int, *,
-                          rows=None, packing: str = "auto", sort_by_length: bool = True,
-                          drop_nonfinite: bool = True) -> Iterator[dict[str, torch.Tensor]]:
-    """Capture in-process (online training): yields one dict per forward, on the model's device,
-    with a shard's keys: `aux_hidden` (N, 3, H) and `final_hidden` (N, H) in the model dtype,
-    `target_top1`/`input_ids` (N,) int32, `loss_mask` (N,) uint8, `sample_offsets` (n+1,) and
-    `sample_index` (n,) int64 (rows of `dataset`). `rows` restricts/orders the rows; with
-    `sort_by_length` they are length-sorted for minimal padding. Samples with NaN/Inf are
-    dropped and logged (costs one host sync per batch); with `drop_nonfinite=False` they are
-    kept and flagged in an extra `nonfinite_samples` (n,) bool."""
-    for out, meta in forward_batches(model, info, dataset, rows, aux_layer_ids, batch_tokens,
-                                     packing, sort_by_length):
-        bad = out.pop("nonfinite")
-        device = out["aux_hidden"].device
-        pin = device.type == "cuda"
-        batch = {**out, **{k: (v.pin_memory() if pin else v).to(device, non_blocking=True)
-                           for k, v in meta.items() if isinstance(v, torch.Tensor)}}
-        if drop_nonfinite and bool(bad.any()):
-            batch, dropped = shards.drop_samples(batch, bad)
-            log.warning("dropped samples with NaN/Inf hidden states: %s",
-                        [meta["sample_ids"][i] for i in dropped])
-        elif not drop_nonfinite:
-            batch["nonfinite_samples"] = shards.flagged_samples(batch["sample_offsets"], bad)
-        yield batch
-
-
-def capture_samples(model, info, rows_ds, aux_layer_ids, *, dtype: torch.dtype | None = None,
-                    batch_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """Capture the rows of `rows_ds` (a datasets.Dataset) and return one dict per row, in its
-    order, on the model's device: `aux_hidden` (T, 3, H), `final_hidden` (T, H) (in `dtype`,
-    default the model's), `target_top1`, `input_ids` (T,) int32, `loss_mask` (T,) uint8. A
-    sample with NaN/Inf states is returned zeroed with loss_mask 0 (logged), so it adds no loss.
-    Without `batch_tokens` all rows run in one forward."""
-    budget = batch_tokens or max(1, sum(int(n) for n in rows_ds["num_tokens"]))
-    result: list[dict | None] = [None] * len(rows_ds)
-    for batch in iter_captured_batches(model, info, rows_ds, aux_layer_ids, budget,
-                                       drop_nonfinite=False):
-        bad = batch.pop("nonfinite_samples").tolist()                     # one host sync
-        off = batch.pop("sample_offsets").tolist()
-        for j, row in enumerate(batch.pop("sample_index").tolist()):
-            sample = {k: v[off[j]:off[j + 1]] for k, v in batch.items()}
-            if bad[j]:
-                log.warning("prepared row %d has NaN/Inf hidden states: zeroed, loss_mask 0", row)
-                for k in ("aux_hidden", "final_hidden", "loss_mask"):
-                    sample[k] = torch.zeros_like(sample[k])
-            if dtype is not None:
-                for k in ("aux_hidden", "final_hidden"):
-                    sample[k] = sample[k].to(dtype)
-            result[row] = sample
-    return result
-
-
 # ---------------------------------------------------------------------------------------------
 # offline capture to shards
 
@@ -219,7 +143,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
                    inputs: list[dict] = (), split_rows: dict | None = None) -> dict:
     """Capture with an already loaded target (what `capture` does after loading; benchmarks
     call it directly). Resumes this shard's previous run; returns summary stats."""
-    from eyas.models import default_aux_layer_ids, validate_aux_layer_ids
+    from eyas.target.models import default_aux_layer_ids, validate_aux_layer_ids
 
     aux_ids = tuple(cfg.aux_layer_ids) or tuple(default_aux_layer_ids(info.num_layers))
     validate_aux_layer_ids(aux_ids, info.num_layers)
@@ -325,7 +249,7 @@ def _job_stats(tokens: int, seconds: float, loop_s: float, stage_s: float, write
 
 def _device_of(model, info) -> torch.device:
     """Where the final norm runs, i.e. where captured tensors are gathered."""
-    from eyas.models import submodule
+    from eyas.target.models import submodule
 
     param = next(submodule(model, info.norm_path).parameters(), None)
     return param.device if param is not None else next(model.parameters()).device

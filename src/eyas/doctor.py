@@ -20,14 +20,14 @@ import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eyas import band_kernels
+from eyas.kernels import band_kernels
 from eyas.config import (ConfigError, option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.export_configs import SERVED_SINCE
-from eyas.manifest import LAYER_ID_CONVENTION, versions
-from eyas.models import (ModelInfo, build_meta_model, inspect_model, load_config,
-                         load_tokenizer, submodule, validate_aux_layer_ids)
+from eyas.draft.formats import SERVED_SINCE
+from eyas.store.manifest import LAYER_ID_CONVENTION, versions
+from eyas.target.models import (ModelInfo, build_meta_model, inspect_model, load_config,
+                                load_tokenizer, submodule, validate_aux_layer_ids)
 
 # Every member name vLLM's SupportsEagle3 protocol has had (vLLM renamed the default-layer
 # getter around 0.18 and added the two has_own_* flags around 0.12).
@@ -275,14 +275,14 @@ def eagle3_model_type_check(text_model_type: str) -> dict:
 
 
 def plugin_plan(cls) -> dict:
-    """Ask `eyas.vllm_plugin.plan_patch(cls)` what the plugin would change on `cls`."""
+    """Ask `eyas.serve.vllm_plugin.plan_patch(cls)` what the plugin would change on `cls`."""
     try:
-        plugin = importlib.import_module("eyas.vllm_plugin")
+        plugin = importlib.import_module("eyas.serve.vllm_plugin")
     except ImportError as err:
-        return {"status": "unknown", "why": f"eyas.vllm_plugin cannot be imported ({err})"}
+        return {"status": "unknown", "why": f"eyas.serve.vllm_plugin cannot be imported ({err})"}
     plan_patch = getattr(plugin, "plan_patch", None)
     if plan_patch is None:
-        return {"status": "unknown", "why": "eyas.vllm_plugin has no plan_patch()"}
+        return {"status": "unknown", "why": "eyas.serve.vllm_plugin has no plan_patch()"}
     try:
         plan = plan_patch(cls)
     except Exception as err:  # report a plugin bug instead of losing the whole report

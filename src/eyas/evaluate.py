@@ -4,8 +4,8 @@ For each prompt the target decodes plainly (the "no speculation" baseline, and a
 greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 draft for
 every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
 `1 + accepted / drafts`, per-position acceptance `accepted at i / drafts`, batch 1, chain drafts.
-The loop itself is `eyas.speculate`; this module loads things and runs it, and
-`eyas.eval_report` writes `report.json`, `report.md` and two plots (docs/eval.md).
+The loop itself is `eyas.serve.speculate`; this module loads things and runs it, and
+`eyas.serve.eval_report` writes `report.json`, `report.md` and two plots (docs/eval.md).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.eval_report import (EvalReport, Measured, merge, mismatch_message, summarize,
-                              write_report)
-from eyas.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
-                           write_manifest)
-from eyas.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
-                            generate_plain, generate_speculative)
+from eyas.serve.eval_report import (EvalReport, Measured, merge, mismatch_message, summarize,
+                                    write_report)
+from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
+                                 write_manifest)
+from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
+                                  generate_plain, generate_speculative)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class EvalConfig:
                           "on one GPU, whose batch-1 decoding is host-bound); results are "
                           "the same as with one")
     replay: bool = option(True, "at temperature 0, also replay chain decoding on training's "
-                          "TTT forward over the same continuations (eyas.replay): the "
+                          "TTT forward over the same continuations (eyas.draft.replay): the "
                           "acceptance training would simulate, beside the measured one")
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()
@@ -212,7 +212,7 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
 
 
 def _replay_all(model, layers, final_norm, draft, prompts, reference, ks) -> dict:
-    from eyas.replay import replay
+    from eyas.draft.replay import replay
 
     head = model.get_output_embeddings().weight
     per_k = {k: [] for k in ks}
@@ -255,7 +255,7 @@ def _logit_margin(runner, prompts, reference, mismatch: dict) -> float | None:
 
 def _chat_template(cfg: EvalConfig, tokenizer, prepared: dict | None) -> dict:
     """Use the chat template and variables the draft was trained with; return the variables."""
-    from eyas.prepare import parse_template_kwargs
+    from eyas.target.chat import parse_template_kwargs
 
     trained = (prepared or {}).get("config") or {}
     template = cfg.chat_template or trained.get("chat_template")
@@ -286,7 +286,7 @@ def _prepared_conversations(folder: Path, split: str):
 def _normalize_prompt(item):
     """A row's messages; prompt-only rows (no assistant turn, e.g. MT-bench questions) get an
     empty reply slot at the end so the chat reader accepts them."""
-    from eyas import chat
+    from eyas.target import chat
 
     try:
         return chat.normalize(item)
@@ -303,7 +303,7 @@ def _normalize_prompt(item):
 
 def _file_conversations(data: str):
     """(sample id, messages) of every usable row; bad rows are logged with file and row."""
-    from eyas import chat
+    from eyas.target import chat
 
     for file, row, item in chat.read_rows(data):
         try:
@@ -320,8 +320,8 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[Prompt], dict | None]
     """The first `num_prompts` prompts rendered with the training chat template, and the
     prepared folder's manifest if `data` is one. A prompt is the conversation before its
     last assistant turn (the whole conversation if it does not end with one)."""
-    from eyas.chat import ChatFormatError
-    from eyas.masking import render_prompt
+    from eyas.target.chat import ChatFormatError
+    from eyas.target.masking import render_prompt
 
     path = Path(cfg.data)
     prepared = read_manifest(path, step="prepare") if (path / MANIFEST).is_file() else None
@@ -351,7 +351,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[Prompt], dict | None]
 # ---------------------------------------------------------------- target and draft
 
 def _load_target(cfg: EvalConfig):
-    from eyas.models import load_target
+    from eyas.target.models import load_target
 
     device, device_map = cfg.device, None
     if device == "auto":
@@ -365,8 +365,8 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module):
     """An `eyas export` folder (config.json + safetensors, any export format), a training
     step folder or a run folder (its best, else last, checkpoint), on the embedding's device
     and dtype. Returns (draft, manifest of the export or run folder, or None)."""
-    from eyas.draft import Eagle3Draft
-    from eyas.export import find_checkpoint, load_checkpoint
+    from eyas.draft.eagle3 import Eagle3Draft
+    from eyas.draft.formats import find_checkpoint, load_checkpoint
 
     folder = Path(folder)
     if (folder / "config.json").is_file():
@@ -406,7 +406,7 @@ def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str) 
 def evaluate(cfg: EvalConfig) -> EvalReport:
     """Load target, draft and prompts, measure, write the report folder; return the report.
     Raises EyasError (after writing the report) if the lossless check finds a difference."""
-    from eyas.models import load_config, load_tokenizer, text_config
+    from eyas.target.models import load_config, load_tokenizer, text_config
 
     out = _claim_out(Path(cfg.out))
     torch.manual_seed(cfg.seed)
@@ -455,7 +455,7 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
                   index: list[int] | None = None, tokenizer=None):
     """Load target and draft in this process and measure `prompts`; (Measured, the target's
     manifest record, the draft's manifest or None)."""
-    from eyas.models import load_tokenizer, submodule
+    from eyas.target.models import load_tokenizer, submodule
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,

@@ -16,7 +16,7 @@ Three formats, one set of weights (reference §5; docs/export.md):
 
 Inside eyas the weight names are the vLLM export names (`fc.weight`, `midlayer.*`, `norm.weight`,
 `lm_head.weight`, `d2t`, `t2d`); each format's config mapping is one pair of functions in
-`eyas.export_configs` (`to_*_config` / `from_*_config`). Every folder is validated before it is
+`eyas.draft.formats` (`to_*_config` / `from_*_config`). Every folder is validated before it is
 written.
 """
 
@@ -34,15 +34,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.config import ConfigError, option, out_option, required
-from eyas.draft import DraftConfig
+from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
-from eyas.export_configs import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
-                                 to_sglang_config, to_speculators_config, to_vllm_config)
-# Documented as eyas.export API (docs/export.md); they live in eyas.export_configs.
-from eyas.export_configs import (from_speculators_config, from_vllm_config,  # noqa: F401
-                                 sglang_layer_ids)
-from eyas.export_readme import render_readme
-from eyas.manifest import MANIFEST, file_sha256, read_manifest, write_manifest
+from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
+                                to_sglang_config, to_speculators_config, to_vllm_config)
+# Documented as eyas.export API (docs/export.md); they live in eyas.draft.formats.
+from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
+                                sglang_layer_ids)
+from eyas.serve.export_readme import render_readme
+from eyas.store.manifest import MANIFEST, file_sha256, read_manifest, write_manifest
+from eyas.draft.formats import (internal_state_dict, read_vllm_folder, find_checkpoint,
+                                load_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -125,29 +127,6 @@ def export_state_dict(state: dict[str, torch.Tensor], *, layout: str = "midlayer
             tensor = tensor.to(DTYPES[dtype])
         out[name] = tensor.contiguous()
     return out
-
-
-def internal_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Export names (either layout, optional `model.` prefix) -> the draft's internal names."""
-    return {re.sub(r"^(model\.)?layers\.0\.", "midlayer.", name.removeprefix("model.")): t
-            for name, t in tensors.items()}
-
-
-def read_vllm_folder(folder: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    """(DraftConfig, state dict in internal names) of an exported draft folder, any format.
-    The weights are not validated here; `validate_folder` does that."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise EyasError(f"{folder} has no config.json; point at a folder written by "
-                        f"`eyas export` (or another EAGLE-3 draft in vLLM layout)")
-    cfg = read_config(json.loads((folder / "config.json").read_text()))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise EyasError(f"{folder} has no *.safetensors weights; re-run `eyas export`")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return cfg, internal_state_dict(tensors)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -252,39 +231,6 @@ def validate_folder(path: str | Path) -> DraftConfig:
 
 
 # ----------------------------------------------------------------------------- checkpoint
-
-def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path | None]:
-    """(step folder, run folder or None) for a run folder + best|last|step-N, or a step folder."""
-    path = Path(path)
-    if (path / "draft.safetensors").is_file():
-        run = path.parent.parent if path.parent.name == "checkpoints" else None
-        return path, run
-    ckpt = path / "checkpoints"
-    if not ckpt.is_dir():
-        raise EyasError(f"{path} is neither an `eyas train` run folder (no checkpoints/) nor a "
-                        f"checkpoint folder (no draft.safetensors); pass the train --out folder")
-    if which in ("best", "last"):
-        pointer = ckpt / which
-        if not pointer.is_file():
-            hint = " (no eval ran, so no best was chosen)" if which == "best" else ""
-            raise EyasError(f"{path} has no checkpoints/{which}{hint}; use --which last or "
-                            f"--which step-N")
-        step = ckpt / pointer.read_text().strip()
-    else:
-        step = ckpt / f"step-{int(which.split('-')[1]):08d}"
-    if not (step / "draft.safetensors").is_file():
-        have = sorted(p.name for p in ckpt.glob("step-*") if p.is_dir())
-        raise EyasError(f"checkpoint {step} is missing (or has no draft.safetensors); this run "
-                        f"has {have}; pick one with --which")
-    return step, path
-
-
-def load_checkpoint(step: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    if not (step / "draft_config.json").is_file():
-        raise EyasError(f"{step} has no draft_config.json; it was not written by `eyas train`")
-    cfg = DraftConfig.from_dict(json.loads((step / "draft_config.json").read_text()))
-    return cfg, load_file(str(step / "draft.safetensors"))
-
 
 # ----------------------------------------------------------------------------- export
 

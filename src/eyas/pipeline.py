@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eyas.config import ConfigError, from_dict, load_yaml, option, required, to_dict
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST
+from eyas.store.manifest import MANIFEST
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Backends: `transformers` generates here in left-padded batches with a KV cache; 
 calls OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang) with many requests in
 flight, retries with exponential backoff, and several servers used round-robin.
 
-Resume (`eyas.regenerate_output`): both output files are append-only and fsynced every
+Resume (`eyas.store.regenerate_output`): both output files are append-only and fsynced every
 `batch_size` rows, and every line names its input position (file, row). A restarted run skips
 the positions already written and so never writes a row twice. When every row is done the files
 are rewritten in input order, so the result does not depend on concurrency or on how often the
@@ -31,15 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from eyas.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
-                       sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
+from eyas.target.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
+                              sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
-from eyas.manifest import chat_template_fingerprint, target_record, write_manifest
-from eyas.openai_server import (BATCHING, ChatClient, Generation, LocalGenerator,
-                                RequestFailed, load_generator)
-from eyas.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
-                                    sort_by_input)
+from eyas.store.manifest import chat_template_fingerprint, target_record, write_manifest
+from eyas.serve.openai_server import (BATCHING, ChatClient, Generation, LocalGenerator,
+                                      RequestFailed, load_generator)
+from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
+                                          sort_by_input)
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
 
 def _target(cfg: RegenerateConfig):
     """The target's tokenizer and manifest record (config only; weights load later if needed)."""
-    from eyas.models import load_config, load_tokenizer
+    from eyas.target.models import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
@@ -258,7 +258,7 @@ def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
     return redo if turns == "all" else redo[-1:]
 
 
-# The form eyas writes a server's separate reasoning in (eyas.openai_server._parse_choice).
+# The form eyas writes a server's separate reasoning in (eyas.serve.openai_server._parse_choice).
 _INLINE_CLOSE = f"\n{THINK_CLOSE}\n\n"
 
 

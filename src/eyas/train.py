@@ -3,7 +3,7 @@
 Setup (inputs, draft, DDP/FSDP2, optimizer, schedule, resume), then per optimizer step:
 load `grad_accum` micro-batches -> forward (TTT, `ttt_steps` chained draft passes) -> loss
 -> backward -> clip -> AdamW step -> log -> eval -> checkpoint. One process or `torchrun`
-with any number of ranks and nodes runs the same code; eyas.train_setup holds what runs
+with any number of ranks and nodes runs the same code; eyas.draft.train_setup holds what runs
 before the loop (only its `wrap` differs between DDP and FSDP2).
 
 The loss of an optimizer step is  sum_j w^j * (summed soft-CE of step j) / N_j  where N_j
@@ -31,16 +31,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eyas import band_kernels, checkpoint, data
+from eyas.kernels import band_kernels
+from eyas.store import checkpoint
+from eyas.draft import data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.loss import chain_acceptance, simulated_acceptance_length
-from eyas.manifest import write_manifest
-from eyas.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
-                              wrap)
-from eyas.ttt import TTTBatch, ttt_plan, ttt_positions
-from eyas.ttt_graph import GraphedTTT
+from eyas.draft.loss import chain_acceptance, simulated_acceptance_length
+from eyas.store.manifest import write_manifest
+from eyas.draft.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
+                                    wrap)
+from eyas.draft.ttt import TTTBatch, ttt_plan, ttt_positions
+from eyas.draft.ttt_graph import GraphedTTT
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +281,7 @@ def _batch_stats(out, steps: int) -> torch.Tensor:
 
 def _chain_stats(out, batch: TTTBatch, steps: int) -> torch.Tensor:
     """For k = 1..S: [drafts, accepted at positions 0..k-1] of chain decoding replayed on
-    the batch (eyas.loss.chain_acceptance), flat (S + S(S+1)/2,) float64."""
+    the batch (eyas.draft.loss.chain_acceptance), flat (S + S(S+1)/2,) float64."""
     counts = []
     for k in range(1, steps + 1):
         drafts, accepted = chain_acceptance(out.hits, batch.loss_mask, batch.doc_ids, k)
@@ -344,7 +346,7 @@ def _resume_path(cfg: TrainConfig, env: Env) -> Path | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """The run's data order (see eyas.data): every global micro-batch, and the eval batches
+    """The run's data order (see eyas.draft.data): every global micro-batch, and the eval batches
     of this rank."""
 
     packing: data.Packing

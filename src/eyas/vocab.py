@@ -19,13 +19,13 @@ from safetensors.torch import load_file, save_file
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.errors import EyasError
-from eyas.manifest import check_same_target, read_manifest, write_manifest
+from eyas.store.manifest import check_same_target, read_manifest, write_manifest
+from eyas.store.vocab import VOCAB_FILE, check_vocab, load_vocab
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_VOCAB = 32000
 COUNTS_FILE = "token_counts.safetensors"
-VOCAB_FILE = "vocab.safetensors"
 
 
 @dataclass(frozen=True)
@@ -63,33 +63,6 @@ def build_vocab(counts: torch.Tensor, draft_vocab_size: int
     total = int(counts.sum())
     coverage = float(counts[chosen].sum()) / total if total else 0.0
     return d2t, t2d, coverage
-
-
-def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int | None = None,
-                draft_vocab_size: int | None = None) -> None:
-    """Refuse a d2t/t2d pair that is malformed or made for other vocab sizes."""
-    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.dtype != torch.bool:
-        raise EyasError(f"vocab: d2t must be 1-D int64 and t2d 1-D bool, got d2t "
-                        f"{tuple(d2t.shape)} {d2t.dtype}, t2d {tuple(t2d.shape)} {t2d.dtype}")
-    if vocab_size is not None and t2d.numel() != vocab_size:
-        raise EyasError(f"vocab: t2d covers {t2d.numel()} target ids but the target has "
-                        f"{vocab_size}; re-run `eyas vocab` on data prepared for this target")
-    if draft_vocab_size is not None and d2t.numel() != draft_vocab_size:
-        raise EyasError(f"vocab: d2t has {d2t.numel()} draft ids but the draft expects "
-                        f"{draft_vocab_size}; use the same --draft-vocab-size for vocab and train")
-    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
-    if int(t2d.sum()) != d2t.numel() or not torch.equal(ids.cpu(), t2d.nonzero().squeeze(1).cpu()):
-        raise EyasError("vocab: d2t and t2d disagree (target ids i + d2t[i] must be exactly the "
-                        "true entries of t2d, ascending); re-run `eyas vocab`")
-
-
-def load_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(d2t, t2d, manifest) of a folder written by `eyas vocab`, checked."""
-    manifest = read_manifest(folder, step="vocab")
-    tensors = load_file(str(Path(folder) / VOCAB_FILE))
-    check_vocab(tensors["d2t"], tensors["t2d"], manifest.get("vocab_size"),
-                manifest.get("draft_vocab_size"))
-    return tensors["d2t"], tensors["t2d"], manifest
 
 
 def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:

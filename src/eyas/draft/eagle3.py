@@ -1,0 +1,367 @@
+"""The EAGLE-3 draft model (what vLLM's `llama_eagle3` runs).
+
+Per position, with target hidden size Ht, draft hidden size H, draft vocabulary Vd:
+
+    g = fc(concat(aux_0, aux_1, aux_2))                     (3*Ht -> H, no bias)
+    x = concat(input_layernorm(embed(token)), hidden_norm(g))   (2H; q/k/v read all of it)
+    h = residual + o_proj(attn(x))        residual = g, or hidden_norm(g) if norm_before_residual
+    h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))             over Vd; h (pre-norm) feeds the next draft step
+
+EAGLE 3.1 variants, as vLLM's llama_eagle3 runs them (docs/draft.md, "EAGLE 3.1 variants"):
+`norm_before_fc` feeds fc input_norm(concat(aux)) (one RMSNorm over all 3*Ht), `fc_norm`
+feeds it concat(fc_norm[i](aux_i)) (one RMSNorm per aux state), `norm_output` feeds norm(h)
+to the next step instead of h.
+
+Parameter names equal the vLLM export (`fc.weight`, `input_norm.weight`, `fc_norm.{i}.weight`,
+`midlayer.*`, `norm.weight`, `lm_head.weight`, buffers `d2t`, `t2d`). The target's embedding
+is shared and frozen: it is a non-persistent buffer, so it is never saved or exported.
+
+Attention has one path, `eyas.kernels.attention.attention()`: query n sees keys `lo[n]..hi[n]` of
+one key sequence (causal within its packed document, or cache + causal at eval) plus, during
+TTT, the keys its own position produced at earlier steps. The training forward,
+`eyas.draft.ttt.ttt_forward`, chains this layer's pieces (`fuse`, `project`, `attention`,
+`finish`); docs/draft.md has the math and the shift convention.
+
+Speed: the layer's matmuls use `LayerWeights` (cast once per forward, q/k/v and gate/up
+concatenated); its elementwise parts (RMSNorm, q/k/v split + RoPE, SwiGLU) are custom
+autograd Functions from eyas.kernels.fused, compiled into a few kernels on CUDA, eager on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.kernels.attention import attention
+from eyas.config import ConfigError, from_dict, to_dict
+from eyas.errors import EyasError
+from eyas.kernels import fp8 as fp8_mm
+from eyas.kernels.fp8 import Fp8Matrix
+from eyas.kernels.fused import QKVRope, RMSNormFn
+from eyas.kernels.swiglu import SwiGLUDown
+from eyas.draft.config import draft_rope_scaling, DraftConfig
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- config
+
+# ----------------------------------------------------------------------------- layers
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (see eyas.kernels.fused.RMSNormFn)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RMSNormFn.apply(x, self.weight, self.eps)
+
+
+def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq (head_dim/2,), cos/sin scale) for the draft's RoPE, scaled types through
+    transformers' ROPE_INIT_FUNCTIONS (the same formulas vLLM implements)."""
+    if cfg.rope_scaling is None:
+        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+        return 1.0 / (cfg.rope_theta ** exponent), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                     head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                     rope_parameters={"rope_theta": cfg.rope_theta, **cfg.rope_scaling})
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](hf, None)
+    return inv_freq.float(), float(scale)
+
+
+# ----------------------------------------------------------------------------- model
+
+@dataclass
+class DraftOutput:
+    logits: torch.Tensor  # (B, T, Vd)
+    hidden: torch.Tensor  # (B, T, H): pre-norm h (post-norm if cfg.norm_output), next step's input
+
+
+class KVCache:
+    """Keys/values of earlier positions for eval-time drafting; rows share one length.
+    `forward(..., cache=c)` appends in place; `crop(n)` drops everything after position n."""
+
+    def __init__(self):
+        self.k = self.v = None  # (B, L, hkv, d) each
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+
+    def crop(self, n: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :n], self.v[:, :n]
+
+
+@dataclass
+class LayerWeights:
+    """The decoder layer's matrices in the dtype its matmuls run in (the autocast dtype, else
+    the parameters' own), q/k/v and gate/up concatenated so each group is one matmul (fewer,
+    larger kernels). ttt_forward makes them once for all its steps; the parameters, their
+    names and their fp32 gradients stay those of the separate nn.Linear modules."""
+
+    qkv: torch.Tensor  # ((hq + 2 hkv) d, 2H)
+    o: torch.Tensor  # (H, hq d)
+    gate_up: torch.Tensor  # (2I, H)
+    down: torch.Tensor  # (H, I)
+    # the same matrices quantized for fp8 products (eyas.kernels.fp8), when those are on
+    fp8: dict[str, Fp8Matrix | None] = field(default_factory=dict)
+    # with layer_weights(split=True): qkv's columns that read the embedding (its first H)
+    # and those that read the hidden state, as two matrices (fp8: two fp8 copies, no qkv one)
+    qkv_embed: torch.Tensor | None = None  # ((hq + 2 hkv) d, H)
+    qkv_hidden: torch.Tensor | None = None  # ((hq + 2 hkv) d, H)
+
+
+def _matmul_dtype(device_type: str, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul with `weight` runs in: autocast's when it is on, else the weight's."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _linear(i: int, o: int) -> nn.Linear:
+    return nn.Linear(i, o, bias=False)
+
+
+class Eagle3Draft(nn.Module):
+    """The EAGLE-3 draft: fc over three target aux states + one Llama-style decoder layer."""
+
+    def __init__(self, cfg: DraftConfig, embed_tokens: nn.Embedding | torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        h, hq, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        d = cfg.head_dim
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                         for _ in range(3))
+        self.fc = _linear(3 * cfg.target_hidden_size, h)
+        self.midlayer = nn.ModuleDict(dict(
+            input_layernorm=RMSNorm(h, cfg.rms_norm_eps),
+            hidden_norm=RMSNorm(h, cfg.rms_norm_eps),
+            self_attn=nn.ModuleDict(dict(
+                q_proj=_linear(2 * h, hq * d), k_proj=_linear(2 * h, hkv * d),
+                v_proj=_linear(2 * h, hkv * d), o_proj=_linear(hq * d, h))),
+            post_attention_layernorm=RMSNorm(h, cfg.rms_norm_eps),
+            mlp=nn.ModuleDict(dict(gate_proj=_linear(h, cfg.intermediate_size),
+                                   up_proj=_linear(h, cfg.intermediate_size),
+                                   down_proj=_linear(cfg.intermediate_size, h))),
+        ))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = _linear(h, cfg.draft_vocab_size)
+        # draft id i <-> target id i + d2t[i]; identity on the first Vd ids until set_vocab
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("embed_weight", None, persistent=False)
+        self._cached_weights = None  # (key, LayerWeights) of the last call without grad
+        if embed_tokens is not None:
+            self.set_embed_tokens(embed_tokens)
+
+    # -- setup --------------------------------------------------------------------------
+
+    def set_embed_tokens(self, embed_tokens: nn.Embedding | torch.Tensor) -> None:
+        """Share the target's input embedding (V, H); frozen and never saved."""
+        w = embed_tokens.weight if isinstance(embed_tokens, nn.Embedding) else embed_tokens
+        if tuple(w.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
+            raise EyasError(f"target embedding is {tuple(w.shape)} but the draft needs "
+                            f"({self.cfg.vocab_size}, {self.cfg.hidden_size}); the draft config "
+                            f"was made for another target")
+        self.embed_weight = w.detach()
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary (from `eyas vocab`): d2t (Vd,) offsets, t2d (V,) bool."""
+        from eyas.store.vocab import check_vocab
+
+        check_vocab(d2t, t2d, self.cfg.vocab_size, self.cfg.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def init_lm_head_from_target(self, target_lm_head_weight: torch.Tensor, freeze: bool) -> None:
+        """Start lm_head from the target's output rows of the draft vocab (set_vocab first);
+        `freeze` keeps it fixed (leave it out of the optimizer)."""
+        w = target_lm_head_weight
+        if w.shape[0] == self.cfg.vocab_size:
+            w = w[self.t2d.to(w.device)]  # (Vd, Ht)
+        if tuple(w.shape) != tuple(self.lm_head.weight.shape):
+            raise EyasError(f"target lm_head rows are {tuple(w.shape)} but the draft lm_head is "
+                            f"{tuple(self.lm_head.weight.shape)}; initialising from the target "
+                            f"needs hidden_size == target_hidden_size")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(w)
+        self.lm_head.weight.requires_grad_(not freeze)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- the layer, in pieces TTT reuses --------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_weight is None:
+            raise EyasError("the draft has no token embedding; pass the target's "
+                            "embed_tokens to Eagle3Draft(...) or set_embed_tokens()")
+        return F.embedding(input_ids, self.embed_weight)
+
+    def fuse(self, aux_hidden: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+        """(..., 3*Ht) target aux states (or (..., 3, Ht)) -> g (..., H); `fp8`: the fc
+        product in fp8 (eyas.kernels.fp8)."""
+        ht = self.cfg.target_hidden_size
+        aux = aux_hidden if aux_hidden.shape[-1] == 3 * ht else aux_hidden.flatten(-2)
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)  # statistics over all 3*Ht values at once
+        if self.cfg.fc_norm:
+            parts = aux.chunk(3, dim=-1)  # 3 x (..., Ht)
+            aux = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts)], dim=-1)
+        if not torch.is_autocast_enabled(aux.device.type):
+            aux = aux.to(self.fc.weight.dtype)  # e.g. bf16 captures into an fp32 draft
+        if fp8:
+            dtype = _matmul_dtype(aux.device.type, self.fc.weight)
+            w = self.fc.weight.to(dtype)
+            return fp8_mm.linear(aux.to(dtype), w, Fp8Matrix.of(w))
+        return self.fc(aux)
+
+    def layer_weights(self, device_type: str, fp8: bool = False,
+                      split: bool = False) -> LayerWeights:
+        """The layer's matrices as its matmuls use them (see LayerWeights), and with `fp8`
+        their fp8 copies too; `split`: also qkv's embedding and hidden columns apart (for
+        embed_share and project(add_embed=)). Without grad (drafting token by token) they are
+        kept until a parameter changes, rather than concatenated again at every call."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        dtype = _matmul_dtype(device_type, attn.q_proj.weight)
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj)
+        key = (dtype, fp8, split,
+               *((m.weight.data_ptr(), m.weight._version) for m in linears))
+        cached = self._cached_weights
+        if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
+            return cached[1]
+        q, k, v, o, gate, up, down = (m.weight.to(dtype) for m in linears)
+        weights = LayerWeights(qkv=torch.cat([q, k, v]), o=o, gate_up=torch.cat([gate, up]),
+                               down=down)
+        if split:
+            h = self.cfg.hidden_size
+            weights.qkv_embed, weights.qkv_hidden = weights.qkv[:, :h], weights.qkv[:, h:]
+        if fp8:
+            names = ("qkv_embed", "qkv_hidden") if split else ("qkv",)
+            weights.fp8 = {name: Fp8Matrix.of(getattr(weights, name))
+                           for name in (*names, "o", "gate_up", "down")}
+        self._cached_weights = None if torch.is_grad_enabled() else (key, weights)
+        return weights
+
+    def embed_share(self, input_ids, weights: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
+        """input_ids (N,) -> their embedding's share of q/k/v, (N, (hq + 2 hkv) d):
+        input_layernorm(embed(ids)) times qkv's embedding columns. q/k/v read the
+        concatenation [e, g], so they are this share plus the hidden state's. A TTT step's
+        token at a position is some position's own token, so ttt_forward computes the shares
+        once and every step adds rows of them (project(add_embed=)) instead of projecting
+        the embedding again: 1/7 of that half of the q/k/v matmuls. `weights`: from
+        layer_weights(split=True); dtype: the hidden state's."""
+        e = self.midlayer.input_layernorm(self.embed(input_ids).to(dtype))  # (N, H)
+        return fp8_mm.linear(e, weights.qkv_embed, weights.fp8.get("qkv_embed"))
+
+    def project(self, input_ids, hidden, position_ids, weights: LayerWeights | None = None,
+                add_embed=None):
+        """input_ids (N,), hidden (N, H), position_ids (N,) -> q (N, hq, d) and k, v
+        (N, hkv, d) with RoPE applied, and the residual (N, H). `weights`: from
+        layer_weights(), made here when not given. add_embed: instead of input_ids (then
+        None), a function adding the tokens' embedding share (embed_share) to the hidden
+        state's share of q/k/v (N, C); weights must then be split."""
+        layer, cfg = self.midlayer, self.cfg
+        w = self.layer_weights(hidden.device.type) if weights is None else weights
+        g = layer.hidden_norm(hidden)  # (N, H)
+        if add_embed is None:
+            if w.qkv_embed is not None and w.fp8 and "qkv" not in w.fp8:
+                raise ValueError("project(input_ids) with split fp8 weights would run q/k/v "
+                                 "in the matmul dtype; make them with split=False")
+            e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
+            x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
+            qkv = fp8_mm.linear(x, w.qkv, w.fp8.get("qkv"))
+        else:
+            if w.qkv_hidden is None:
+                raise ValueError("project(add_embed=) needs layer_weights(split=True)")
+            qkv = add_embed(fp8_mm.linear(g, w.qkv_hidden, w.fp8.get("qkv_hidden")))
+        residual = g if cfg.norm_before_residual else hidden
+        q, k, v = QKVRope.apply(qkv, position_ids.float()[:, None],
+                                 self.inv_freq, self.rope_scale, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads)
+        return q, k, v, residual
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor,
+               weights: LayerWeights | None = None) -> torch.Tensor:
+        """attn_out (N, hq, d), residual (N, H) -> pre-norm h (N, H)."""
+        w = self.layer_weights(residual.device.type) if weights is None else weights
+        h = residual + fp8_mm.linear(attn_out.flatten(1), w.o, w.fp8.get("o"))
+        x = self.midlayer.post_attention_layernorm(h)
+        gate_up = fp8_mm.linear(x, w.gate_up, w.fp8.get("gate_up"))
+        return h + SwiGLUDown.apply(gate_up, w.down, w.fp8.get("down"))
+
+    def next_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """What the next draft step receives as its hidden input."""
+        return self.norm(h) if self.cfg.norm_output else h
+
+    # -- eval forward --------------------------------------------------------------------
+
+    def forward(self, input_ids, aux_hidden, position_ids, *, hidden=None,
+                cache: KVCache | None = None) -> DraftOutput:
+        """input_ids (B, T): the token after each position; aux_hidden (B, T, 3*Ht) target
+        states (ignored when `hidden` (B, T, H) from a previous draft step is given);
+        position_ids (B, T). Attention is causal within each row, after all of `cache`
+        (appended to in place)."""
+        b, t = input_ids.shape
+        g = self.fuse(aux_hidden) if hidden is None else hidden  # (B, T, H)
+        w = self.layer_weights(g.device.type)
+        q, k, v, residual = self.project(input_ids.reshape(-1), g.reshape(b * t, -1),
+                                         position_ids.reshape(-1), w)
+        k, v = k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:])  # (B, T, hkv, d)
+        if cache is not None:
+            cache.append(k, v)
+            k, v = cache.k, cache.v  # (B, L, hkv, d)
+        keys = k.shape[1]
+        # rows flattened into one key sequence; query i of row r sees row r's keys up to itself
+        lo = (torch.arange(b, device=q.device) * keys)[:, None].expand(b, t)  # (B, T)
+        hi = lo + (keys - t) + torch.arange(t, device=q.device)
+        out = attention(q, k.flatten(0, 1), v.flatten(0, 1), lo.reshape(-1), hi.reshape(-1))
+        h = self.finish(out, residual, w).view(b, t, -1)  # (B, T, H)
+        return DraftOutput(self.lm_head(self.norm(h)), self.next_hidden(h))
+
+    # -- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, folder, embed_tokens=None, dtype=None) -> Eagle3Draft:
+        """Load an exported draft folder (config.json + *.safetensors, vLLM / SGLang /
+        speculators layout, read by eyas.export). `embed_tokens`: the target's embedding,
+        unless the folder carries its own `embed_tokens.weight`."""
+        from eyas.draft.formats import read_vllm_folder
+
+        cfg, state = read_vllm_folder(folder)
+        embedded = state.pop("embed_tokens.weight", None)
+        draft = cls(cfg, embed_tokens if embed_tokens is not None else embedded)
+        if "d2t" not in state:  # vLLM treats a missing d2t as the identity
+            state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        if "t2d" not in state:
+            state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            state["t2d"][torch.arange(cfg.draft_vocab_size) + state["d2t"]] = True
+        result = draft.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise EyasError(f"{folder}: weights do not match the config (missing "
+                            f"{result.missing_keys}, unexpected {result.unexpected_keys})")
+        return draft.to(dtype) if dtype is not None else draft

@@ -1,0 +1,171 @@
+"""What `eyas train` sets up before its loop: the process group and device (`init_env`), the
+draft with its vocabulary, head and embedding (`build_draft`), the module DDP or FSDP2 wraps
+(`TTTModule`, one forward per micro-batch) and the wrapping itself (`wrap`). One process and
+`torchrun` with any number of ranks share all of it; only `wrap` differs between DDP and
+FSDP2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from eyas.draft import data
+from eyas.kernels import fp8
+from eyas.draft.config import DraftConfig
+from eyas.draft.eagle3 import Eagle3Draft
+from eyas.errors import EyasError
+from eyas.draft.ttt import ttt_forward
+
+# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device
+    autocast: bool  # bf16 autocast (CUDA + --precision bf16 or fp8)
+    fp8: bool = False  # the draft's matmuls in fp8 (--precision fp8)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_env(cfg: TrainConfig) -> Env:
+    """Join the torchrun process group if there is one (gloo on CPU, nccl on GPU)."""
+    kind = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise EyasError("--device cuda but no CUDA device is visible; use --device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and cfg.target_device_map is not None:
+        # torchrun shows every rank the same GPUs: N ranks would place N copies of the target
+        # over them (and rank r's draft goes to cuda:r, inside some other rank's target)
+        raise EyasError(
+            f"--target-device-map {cfg.target_device_map} under torchrun (WORLD_SIZE={world}) "
+            f"would make every rank load its own copy of the target over the same GPUs. Run "
+            f"one process instead (`eyas train --online --target-device-map "
+            f"{cfg.target_device_map} ...` without torchrun): it spreads the target over the "
+            f"GPUs that CUDA_VISIBLE_DEVICES shows and trains the draft on the first. A target "
+            f"that fits one GPU can use torchrun without --target-device-map.")
+    if cfg.cuda_graph and (kind != "cuda" or world > 1):
+        raise EyasError(
+            f"--cuda-graph runs on one GPU (this run: {world} process(es) on {kind}): a graph "
+            f"cannot hold DDP's or FSDP's gradient communication. Drop --cuda-graph under "
+            f"torchrun; with one process it needs a CUDA device.")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if cfg.precision == "fp8":
+        check_fp8(device)
+    return Env(rank, world, device, kind == "cuda" and cfg.precision in ("bf16", "fp8"),
+               cfg.precision == "fp8")
+
+
+def check_fp8(device: torch.device) -> None:
+    """--precision fp8: refused on a GPU without fp8 matrix units; allowed on CPU, where
+    torch runs the same fp8 products (slowly: it is there to test the path, not for speed)."""
+    if not fp8.supported(device):
+        raise EyasError(f"--precision fp8 needs fp8 matrix units (CUDA compute capability "
+                        f"8.9+: L4/L40, H100/H200, B200); {device} has none. Use "
+                        f"--precision bf16.")
+    if device.type == "cpu":
+        log.warning("--precision fp8 on CPU runs the real fp8 products, but slower than fp32: "
+                    "use it to test the path, not for speed")
+
+
+def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
+    """The draft (fp32 master weights, on the device) and its DraftConfig."""
+    overrides = {k: v for k, v in (
+        ("hidden_size", cfg.draft_hidden_size), ("intermediate_size", cfg.draft_intermediate_size),
+        ("num_attention_heads", cfg.draft_num_attention_heads),
+        ("num_key_value_heads", cfg.draft_num_key_value_heads)) if v}
+    if "hidden_size" in overrides or "num_attention_heads" in overrides:
+        heads = overrides.get("num_attention_heads", inputs.info.num_attention_heads)
+        overrides["head_dim"] = overrides.get("hidden_size", inputs.info.hidden_size) // heads
+    vd = int(inputs.d2t.numel()) if inputs.d2t is not None else inputs.info.vocab_size
+    dcfg = DraftConfig.from_target(inputs.info, draft_vocab_size=vd,
+                                   aux_layer_ids=inputs.aux_layer_ids,
+                                   norm_before_residual=cfg.norm_before_residual,
+                                   norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm,
+                                   norm_output=cfg.norm_output, **overrides)
+    if dcfg.hidden_size != inputs.info.hidden_size:
+        raise EyasError(f"--draft-hidden-size {dcfg.hidden_size} differs from the target's "
+                        f"{inputs.info.hidden_size}, but the draft reads the target's token "
+                        f"embedding (width {inputs.info.hidden_size}); leave it at 0.")
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    draft = Eagle3Draft(dcfg)
+    if inputs.d2t is not None:
+        draft.set_vocab(inputs.d2t, inputs.t2d)
+    if cfg.lm_head == "target":
+        # index on the head's own device (with --target-device-map maybe another GPU), so
+        # only the (Vd, Ht) rows travel to the draft's device, never the whole (V, Ht) head
+        rows = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht)
+        draft.init_lm_head_from_target(rows.float(), freeze=cfg.freeze_lm_head)
+    draft.to(env.device)
+    # a copy on the draft's device: with --target-device-map the target's own may be elsewhere
+    draft.set_embed_tokens(inputs.embed.to(env.device, compute_dtype(env)))
+    return draft, dcfg
+
+
+def compute_dtype(env: Env) -> torch.dtype:
+    return torch.bfloat16 if env.autocast else torch.float32
+
+
+class TTTModule(torch.nn.Module):
+    """The draft plus its teacher head as one forward, so DDP and FSDP2 see a single call per
+    micro-batch (TTT runs the draft layer `ttt_steps` times inside it)."""
+
+    def __init__(self, draft, teacher: torch.Tensor, steps: int, fp8: bool = False):
+        super().__init__()
+        self.draft = draft
+        self.teacher = teacher  # (Vd, Ht) frozen; a plain attribute: never synced or sharded
+        self.steps = steps
+        self.fp8 = fp8
+
+    def forward(self, batch, plan=None, record_hits: bool = False):
+        # fp8 for training only: eval (no grad) measures the model as it is served, in bf16
+        fp8 = self.fp8 and torch.is_grad_enabled()
+        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=fp8,
+                           plan=plan, record_hits=record_hits)
+
+
+def wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:
+    """DDP or FSDP2 around the TTT module under torchrun; the module itself otherwise."""
+    if cfg.compile:
+        module.compile()
+    if env.world_size == 1:
+        return module
+    if cfg.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        return fully_shard(module, mesh=mesh)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # buffers (d2t, t2d, the frozen embedding) are equal everywhere: no per-step broadcast
+    return DDP(module, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+               broadcast_buffers=False)
+
+
+def grad_sync(model: torch.nn.Module, sync: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not sync:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()

@@ -1,0 +1,1 @@
+"""serve/: serving: the vLLM plugin, OpenAI client/server, speculative decoding, its report."""

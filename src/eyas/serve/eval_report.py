@@ -1,0 +1,310 @@
+"""The `eyas eval` report: what it holds (`EvalReport`, one `MethodResult` per method and k),
+how it is made from the raw counts (`Measured`, merged across processes by `merge`, turned
+into a report with 95 % intervals by `summarize`) and how it is written: report.json,
+report.md and two plots, al_vs_k.png and acceptance_by_position.png (docs/eval.md).
+`mismatch_message` explains a failed lossless check. `cfg` below is an
+eyas.evaluate.EvalConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyas.serve.speculate import SpecStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MethodResult:
+    """One decoding method at one k (k = 0 for plain decoding), summed over all prompts."""
+
+    method: str  # "target" (no speculation), "ngram" or "eagle3"
+    k: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float  # tokens_per_s / the target's
+    target_forwards: int  # prefills included
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float | None  # None for plain decoding
+    draft_acceptance_rate: float | None
+    per_position_acceptance: list[float]
+
+
+@dataclass
+class EvalReport:
+    """What `evaluate` returns and writes as report.json."""
+
+    target: str
+    draft: str | None
+    primary: str  # the method the top-level acceptance fields describe: eagle3, else ngram
+    temperature: float
+    k: list[int]
+    num_prompts: int
+    max_new_tokens: int
+    device: str
+    dtype: str
+    mean_acceptance_length: dict[str, float]  # str(k) -> AL of `primary`
+    per_position_acceptance: dict[str, list[float]]  # str(k) -> rates of `primary`
+    lossless: bool | None  # None = not checked (temperature > 0 or --no-check-lossless)
+    mismatches: list[dict]
+    results: list[MethodResult] = field(default_factory=list)
+    settings: str = "chain drafts, batch size 1"
+    # str(k) -> 95 % intervals of the primary method's mean acceptance length and
+    # per-position rates, from a bootstrap over prompts (rounds of one prompt are correlated)
+    ci95: dict[str, dict] = field(default_factory=dict)
+    # str(k) -> chain decoding replayed on training's TTT forward over the same greedy
+    # continuations (eyas.draft.replay; EAGLE-3 at temperature 0): acceptance length, per-position
+    # rates, drafts and their 95 % intervals. It equals the measured numbers when the draft
+    # is served as it was trained.
+    replayed: dict[str, dict] = field(default_factory=dict)
+    workers: int = 1  # processes that shared the prompts (each its own batch-1 stream)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def result(self, method: str, k: int = 0) -> MethodResult:
+        return next(r for r in self.results if r.method == method and r.k == k)
+
+
+# ---------------------------------------------------------------- from counts to a report
+
+def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, seconds: float,
+            base_tps: float | None) -> MethodResult:
+    tokens = sum(len(o) for o in outputs)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    spec = method != "target"
+    result = MethodResult(
+        method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
+        tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
+        target_forwards=stats.target_forwards, drafts=stats.drafts,
+        draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted,
+        mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
+        draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
+        per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance])
+    if spec:
+        log.info("%s k=%d: mean acceptance length %.3f, per position %s, %.1f tokens/s (x%.2f)",
+                 method, k, result.mean_acceptance_length, result.per_position_acceptance,
+                 tps, result.speedup)
+    else:
+        log.info("no speculation: %.1f tokens/s", tps)
+    return result
+
+
+@dataclass
+class Measured:
+    """Raw results of the methods on some prompts (one process's share with --workers)."""
+
+    index: list[int]  # the prompts' positions in the whole prompt list
+    stats: dict  # (method, k) -> SpecStats summed over these prompts
+    outputs: dict  # (method, k) -> new tokens per prompt, in `index` order
+    seconds: dict  # (method, k) -> seconds summed over these prompts
+    per_prompt: dict  # (method, k) -> [(drafts, accepted per position)] per prompt
+    replayed: dict  # k -> [(drafts, accepted per position)] per prompt (EAGLE-3, T=0)
+    mismatches: list[dict]
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+def merge(parts: list[Measured]) -> Measured:
+    """One Measured from the shares of several processes, in prompt order."""
+    concat = [j for p in parts for j in p.index]
+    order = sorted(range(len(concat)), key=concat.__getitem__)
+    first = parts[0]
+    whole = Measured(index=sorted(j for p in parts for j in p.index),
+                     stats={key: SpecStats(k=s.k) for key, s in first.stats.items()},
+                     outputs={}, seconds=dict.fromkeys(first.seconds, 0.0), per_prompt={},
+                     replayed={}, mismatches=[m for p in parts for m in p.mismatches],
+                     device=first.device, dtype=first.dtype)
+    for key in first.stats:
+        for p in parts:
+            whole.stats[key].merge(p.stats[key])
+            whole.seconds[key] += p.seconds[key]
+        outputs = [o for p in parts for o in p.outputs[key]]
+        rows = [r for p in parts for r in p.per_prompt[key]]
+        whole.outputs[key] = [outputs[i] for i in order]
+        whole.per_prompt[key] = [rows[i] for i in order]
+    for k in first.replayed:
+        whole.replayed[k] = [c for p in parts for c in p.replayed[k]]
+    return whole
+
+
+def summarize(cfg, measured: Measured, num_prompts: int) -> EvalReport:
+    """The report of measured results: per method and k, speed against plain decoding,
+    95 % intervals and the replayed acceptance."""
+    st, sec = measured.stats, measured.seconds
+    reference = measured.outputs["target", 0]
+    base = _result("target", 0, reference, st["target", 0], sec["target", 0], None)
+    results = [base] + [_result(name, k, measured.outputs[name, k], st[name, k],
+                                sec[name, k], base.tokens_per_s)
+                        for name, k in st if name != "target"]
+    report = _report(cfg, results, measured.mismatches, num_prompts, measured)
+    report.ci95 = {str(k): bootstrap_ci(measured.per_prompt[report.primary, k], k)
+                   for k in cfg.k if (report.primary, k) in measured.per_prompt}
+    for k, rows in measured.replayed.items():
+        drafts = sum(d for d, _ in rows)
+        accepted = [sum(a[i] for _, a in rows) for i in range(k)]
+        report.replayed[str(k)] = {
+            "drafts": drafts,
+            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 4) if drafts else None,
+            "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
+                                        for a in accepted],
+            "ci95": bootstrap_ci(rows, k)}
+    report.workers = cfg.workers
+    return report
+
+
+def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
+                 seed: int = 0) -> dict:
+    """95 % intervals of the mean acceptance length and of each position's rate from
+    per-prompt (drafts, accepted per position) counts, resampling prompts with replacement
+    (the rounds of one prompt are not independent draws)."""
+    import numpy as np
+
+    if not rows:
+        return {}
+    drafts = np.array([d for d, _ in rows], dtype=np.float64)  # (P,)
+    acc = np.array([list(a)[:k] + [0] * (k - len(a)) for _, a in rows],
+                   dtype=np.float64)  # (P, k)
+    pick = np.random.default_rng(seed).integers(0, len(rows), size=(n, len(rows)))  # (n, P)
+    d = np.maximum(drafts[pick].sum(1), 1)  # (n,)
+    a = acc[pick].sum(1)  # (n, k)
+    al = 1 + a.sum(1) / d
+    rates = a / d[:, None]
+    lo, hi = 2.5, 97.5
+    return {"mean_acceptance_length": [round(float(np.percentile(al, q)), 4) for q in (lo, hi)],
+            "per_position_acceptance": [[round(float(np.percentile(rates[:, i], q)), 4)
+                                         for q in (lo, hi)] for i in range(k)]}
+
+
+def _report(cfg, results, mismatches, num_prompts: int,
+            measured: Measured) -> EvalReport:
+    primary = "eagle3" if any(r.method == "eagle3" for r in results) else "ngram"
+    mine = [r for r in results if r.method == primary]
+    return EvalReport(
+        target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
+        k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens,
+        device=measured.device, dtype=measured.dtype,
+        mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
+        per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
+        lossless=(not mismatches) if cfg.lossless_check else None,
+        mismatches=mismatches, results=results)
+
+
+# ---------------------------------------------------------------- writing it
+
+def mismatch_message(report: EvalReport) -> str:
+    shown = "; ".join(
+        f"{m['prompt_id']} ({m['method']} k={m['k']}): first divergence at new token "
+        f"{m['position']}, greedy {m['expected']} vs speculative {m['got']}"
+        + (f" (target logit margin {m['margin']:.4g})" if m.get("margin") is not None else "")
+        for m in report.mismatches[:10])
+    more = f" and {len(report.mismatches) - 10} more" if len(report.mismatches) > 10 else ""
+    return (f"lossless check failed: speculative decoding differs from the target's greedy "
+            f"output in {len(report.mismatches)} generation(s): {shown}{more}. The report is "
+            f"written regardless. In {report.dtype} this can be rounding rather than a bug: "
+            f"verification scores k+1 tokens in one forward, plain decoding one at a time, and "
+            f"a near-tie of the top two logits (margin near 0) can flip. Re-run with --dtype "
+            f"float32 to tell them apart (a difference in float32 with a clear margin is a "
+            f"bug: please report it), or pass --no-check-lossless to skip the check.")
+
+
+def write_report(out: Path, report: EvalReport) -> None:
+    """report.json, report.md and the two plots (skipped, with a log line, without
+    matplotlib)."""
+    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    try:
+        import matplotlib
+    except ImportError:
+        log.info("matplotlib is not installed: no plots (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    _plot(out, report)
+    log.info("report written to %s", out)
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report: EvalReport) -> str:
+    lossless = {True: "yes (every output equals the target's greedy output)",
+                False: f"NO ({len(report.mismatches)} differing generations)",
+                None: "not checked"}[report.lossless]
+    lines = [
+        f"# eyas eval: {report.target}", "",
+        f"- draft: {report.draft or 'none (n-gram only)'}",
+        f"- {report.num_prompts} prompts, up to {report.max_new_tokens} new tokens, temperature "
+        f"{report.temperature:g}, {report.settings}, {report.device} {report.dtype}",
+        f"- lossless: {lossless}",
+        "- mean acceptance length = 1 + accepted / drafts (bonus token included), as vLLM "
+        "reports it", "",
+        "| method | k | mean acceptance length | draft acceptance rate | acceptance by position "
+        "| tokens/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report.results:
+        per_pos = " / ".join(f"{x:.2f}" for x in r.per_position_acceptance) or "-"
+        lines.append(f"| {r.method} | {r.k or '-'} | {_fmt(r.mean_acceptance_length)} | "
+                     f"{_fmt(r.draft_acceptance_rate)} | {per_pos} | {r.tokens_per_s:.1f} | "
+                     f"x{r.speedup:.2f} |")
+    if report.replayed:
+        lines += ["", "Measured against replayed on training's TTT forward over the same "
+                  "continuations (95 % intervals, bootstrap over prompts):", "",
+                  "| k | measured AL | replayed AL | measured by position | replayed by "
+                  "position |", "|---|---|---|---|---|"]
+        for k, rep in report.replayed.items():
+            ci = report.ci95.get(k, {})
+            lines.append(f"| {k} | {_fmt(report.mean_acceptance_length.get(k))} "
+                         f"{_interval(ci.get('mean_acceptance_length'))} | "
+                         f"{_fmt(rep['mean_acceptance_length'])} "
+                         f"{_interval(rep['ci95']['mean_acceptance_length'])} | "
+                         f"{_rates(report.per_position_acceptance.get(k))} | "
+                         f"{_rates(rep['per_position_acceptance'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _interval(ci) -> str:
+    return "" if not ci else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def _rates(rates) -> str:
+    return " / ".join(f"{x:.2f}" for x in rates or []) or "-"
+
+
+def _plot(out: Path, report: EvalReport) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method in ("eagle3", "ngram"):
+        rs = [r for r in report.results if r.method == method]
+        if rs:
+            ax.plot([r.k for r in rs], [r.mean_acceptance_length for r in rs], "o-", label=method)
+    ax.set(xlabel="k (draft tokens per step)", ylabel="mean acceptance length",
+           title=f"T={report.temperature:g}, {report.num_prompts} prompts")
+    ax.set_xticks(report.k)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "al_vs_k.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in report.results:
+        if r.method == report.primary:
+            ax.plot(range(1, r.k + 1), r.per_position_acceptance, "o-", label=f"k={r.k}")
+    ax.set_xticks(range(1, max(report.k) + 1))
+    ax.set(xlabel="draft position", ylabel="acceptance rate (per draft)", ylim=(0, 1.02),
+           title=f"{report.primary}, T={report.temperature:g}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)

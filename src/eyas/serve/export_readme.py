@@ -1,0 +1,128 @@
+"""README.md of an exported draft: what it is for, how to serve it, how it was trained and what
+acceptance was measured. Everything comes from the run's manifests and the eval report, so the
+README says nothing the folder cannot back up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eyas import __version__
+from eyas.draft.formats import EAGLE31_KEYS, SERVED_SINCE, sglang_layer_ids
+from eyas.store.manifest import LAYER_ID_CONVENTION
+
+# Train config keys quoted in the README (the whole config stays in eyas.json).
+TRAIN_KEYS = ("data", "vocab", "epochs", "max_steps", "lr", "batch_tokens", "grad_accum",
+              "ttt_steps", "step_weight", "lm_head", "precision", "seed")
+
+
+def serve_commands(fmt: str, target: str, draft: str, k: int, trust_remote_code: bool) -> list[str]:
+    """Exact command lines for the format (chain drafting with k tokens)."""
+    remote = " --trust-remote-code" if trust_remote_code else ""
+    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
+    vllm = f"vllm serve {target}{remote} \\\n    --speculative-config '{spec}'"
+    if fmt == "vllm":
+        return [vllm]
+    if fmt == "speculators":  # the verifier is read from config.json
+        return [f"vllm serve {draft}{remote}", vllm]
+    return [f"python -m sglang.launch_server --model-path {target}{remote} \\\n"
+            f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\\n"
+            f"    --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}", vllm]
+
+
+def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | None,
+                  step: Path, report: dict | None) -> str:
+    """cfg: ExportConfig; dcfg: DraftConfig; train: the run's manifest (or None)."""
+    target = (train or {}).get("target") or {}
+    name = target_name or "TARGET"
+    remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
+    draft = str(Path(out).resolve())
+    lines = [f"# EAGLE-3 draft for {name}", "",
+             f"Format **{cfg.format}** (`{cfg.resolved_layout}.*` weights, {cfg.dtype}), written "
+             f"by eyas {__version__} from `{step}`.", "", "## Serve", ""]
+    for cmd in serve_commands(cfg.format, name, draft, cfg.num_speculative_tokens, remote):
+        lines += ["```bash", cmd, "```", ""]
+    lines += [f"Replace `{draft}` with where this folder lives (or its hub name). If vLLM says "
+              "\"Model does not support EAGLE3 interface\", install eyas in the serving "
+              "environment: its vLLM plugin adds the interface to wrapper models (see "
+              "`eyas doctor TARGET`; `EYAS_VLLM_PLUGIN=0` turns it off).", ""]
+    ids = list(dcfg.aux_layer_ids)
+    lines += ["## Target", "",
+              f"- model: `{name}`" + (f" (revision {target['revision']})" if target.get("revision") else "")
+              + (f", commit {target['commit']}" if target.get("commit") else ""),
+              f"- model_type {target.get('model_type', '?')}, {target.get('num_hidden_layers', '?')} "
+              f"layers, hidden {target.get('hidden_size', dcfg.target_hidden_size)}, vocab "
+              f"{target.get('vocab_size', dcfg.vocab_size)}",
+              f"- aux layer ids {ids} ({LAYER_ID_CONVENTION})"]
+    if cfg.format == "vllm":
+        lines.append("- for SGLang, export again with `--format sglang`: SGLang reads these ids "
+                     "one layer later")
+    if cfg.format == "sglang":
+        lines.append(f"- SGLang reads `eagle_config` ids {sglang_layer_ids(ids)}: it adds 1 and "
+                     f"captures that layer's input, i.e. the same residual streams")
+    lines += ["", "## Draft", "",
+              f"- hidden {dcfg.hidden_size} (target {dcfg.target_hidden_size}), heads "
+              f"{dcfg.num_attention_heads} (kv {dcfg.num_key_value_heads}, head_dim "
+              f"{dcfg.head_dim}), intermediate {dcfg.intermediate_size}",
+              f"- draft vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size} target ids (d2t/t2d)",
+              f"- norm_before_residual {dcfg.norm_before_residual}, norm_before_fc "
+              f"{dcfg.norm_before_fc}, fc_norm {dcfg.fc_norm}, norm_output {dcfg.norm_output}, "
+              f"rope_theta {dcfg.rope_theta:g}, rope_scaling {dcfg.rope_scaling}, "
+              f"max_position_embeddings {dcfg.max_position_embeddings}"]
+    variants = [k for k in EAGLE31_KEYS if getattr(dcfg, k)]
+    if variants:
+        since = SERVED_SINCE[cfg.format]
+        lines.append("- EAGLE 3.1 (" + ", ".join(variants) + "): served as trained by "
+                     + ", ".join(f"{since[k]} or later ({k})" for k in variants)
+                     + "; older servers do not build these norms")
+    lines.append("")
+    lines += _training_lines(train) + _acceptance_lines(report, draft, name)
+    return "\n".join(lines) + "\n"
+
+
+def _training_lines(train: dict | None) -> list[str]:
+    if train is None:
+        return ["## Training", "", "Not recorded (the checkpoint had no run manifest).", ""]
+    config, best = train.get("config") or {}, train.get("best") or {}
+    out = ["## Training", "", f"`eyas train`, {train.get('steps', '?')} optimizer steps"
+           + (f"; exported step {best['step']} had {_simulated(best)} on held-out data"
+              if best.get("step") else "")
+           + ". Settings:", ""]
+    out += [f"- {k}: {config[k]}" for k in TRAIN_KEYS if config.get(k) not in (None, "", ())]
+    out += ["", "The full configuration and input manifests are in `eyas.json`.", ""]
+    return out
+
+
+def _acceptance_lines(report: dict | None, draft: str, target: str) -> list[str]:
+    if report is None:
+        return ["## Measured acceptance", "", "Not measured yet: `eyas eval --target "
+                f"{target} --draft {draft} --data PROMPTS --out REPORT --k 1,2,3,5,7`, then "
+                "re-export with `--acceptance-report REPORT`.", ""]
+    al, per = report.get("mean_acceptance_length") or {}, report.get("per_position_acceptance") or {}
+    speed = {str(r.get("k")): r.get("speedup") for r in report.get("results") or []
+             if r.get("method") == report.get("primary")}
+    out = ["## Measured acceptance", "",
+           f"`eyas eval`: {report.get('num_prompts', '?')} prompts, temperature "
+           f"{report.get('temperature', '?')}, {report.get('settings', '')}, "
+           f"{report.get('max_new_tokens', '?')} new tokens, {report.get('device', '?')} "
+           f"{report.get('dtype', '')}; lossless check: {report.get('lossless')}. Mean acceptance "
+           "length counts the bonus token.", "",
+           "| k | mean acceptance length | acceptance by position | speedup |",
+           "|---|---|---|---|"]
+    for k in sorted(al, key=int):
+        rates = ", ".join(f"{r:.2f}" for r in per.get(k) or [])
+        sp = speed.get(k)
+        length = f"{al[k]:.3f}" if al[k] is not None else "-"
+        out.append(f"| {k} | {length} | {rates} | {f'{sp:.2f}x' if sp else '-'} |")
+    return out + [""]
+
+
+def _simulated(best: dict) -> str:
+    """Training's simulated acceptance of the exported step: chain decoding replayed on its
+    eval set per k (runs from before the replay have the per-step product only)."""
+    chain = best.get("chain_by_k")
+    if chain:
+        shown = ", ".join(f"k={k}: {al:.3f}" for k, al in chain.items() if al is not None)
+        return f"acceptance length replayed as vLLM counts it ({shown})"
+    return f"simulated acceptance length {best['sim_acceptance_length']:.3f}"

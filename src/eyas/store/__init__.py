@@ -1,0 +1,1 @@
+"""store/: the folders steps hand over: manifests, shards, checkpoints, splits, vocab files."""

@@ -1,0 +1,34 @@
+"""A prepared folder's splits (written by `eyas prepare`), read for capture, online training
+and eval.
+"""
+
+from __future__ import annotations
+from pathlib import Path
+
+from eyas.errors import EyasError
+
+
+def load_split(prepared: str | Path, split: str, limit: int | None = None):
+    """(dataset, split_rows) of a prepared folder; for `all`, train rows then eval rows, and
+    `split_rows` maps each split to its [start, end) row range in that order."""
+    import datasets
+
+    path = Path(prepared) / "dataset"
+    if not path.is_dir():
+        raise EyasError(f"{prepared} has no dataset/ folder; run `eyas prepare --out {prepared}`.")
+    dd = datasets.load_from_disk(str(path))
+    names = ("train", "eval") if split == "all" else (split,)
+    missing = [n for n in names if n not in dd]
+    if missing:
+        raise EyasError(f"{prepared} has no {missing} split; re-run `eyas prepare` (it writes "
+                        f"train and eval) or choose --split from {sorted(dd)}.")
+    parts = [dd[n] for n in names]
+    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    split_rows, start = {}, 0
+    for n, p in zip(names, parts):
+        split_rows[n] = [start, start + len(p)]
+        start += len(p)
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
+        split_rows = {n: [min(a, limit), min(b, limit)] for n, (a, b) in split_rows.items()}
+    return ds, split_rows

@@ -1,0 +1,201 @@
+"""The outputs of `eyas regenerate` and resuming them after an interruption.
+
+Both files, `conversations.jsonl` and `rejects.jsonl`, are append-only and fsynced every
+`batch_size` rows, and every line names its input position (file, row). A restarted run
+first checks that the folder was made with the same generation settings and inputs
+(`check_resume`), cuts a line torn by a kill and skips the positions already written
+(`read_previous`), so it never writes a row twice. When every row is done the files are
+rewritten in input order (`sort_by_input`), so the result does not depend on concurrency or
+on how often the run was interrupted. See docs/regenerate.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from eyas.config import to_dict
+from eyas.errors import EyasError
+from eyas.store.manifest import MANIFEST, read_manifest
+
+# Job, RegenerateConfig, Regenerated, Rejected: from the step eyas.regenerate, named in annotations only (a layer never imports a step)
+
+log = logging.getLogger(__name__)
+
+OUTPUT, REJECTS = "conversations.jsonl", "rejects.jsonl"
+# Test hook: a run SIGKILLs itself once this many rows are synced, to prove resume works.
+KILL_ENV = "EYAS_REGENERATE_KILL_AFTER"
+# Settings that change what is generated: a resumed run must keep them.
+SAME_ON_RESUME = ("target", "revision", "data", "format", "turns", "max_new_tokens",
+                  "drop_truncated", "temperature", "top_p", "reasoning", "system_prompt", "seed")
+# Settings added later, as runs made before they existed behaved: such a run resumes with them.
+BEFORE_SETTING = {"drop_truncated": True}
+
+
+class Output:
+    """Append-only conversations.jsonl and rejects.jsonl, fsynced every `sync_every` rows."""
+
+    def __init__(self, folder: Path, sync_every: int):
+        self.files = {"ok": open(folder / OUTPUT, "a", encoding="utf-8"),
+                      "failed": open(folder / REJECTS, "a", encoding="utf-8")}
+        self.sync_every, self.unsynced, self.synced = sync_every, 0, 0
+        self.counts: Counter = Counter()
+        self.kill_after = int(os.environ.get(KILL_ENV) or 0)
+        self.started = self.last_log = time.monotonic()
+
+    def ok(self, job: Job, result: Regenerated) -> None:
+        self.counts["truncated"] += result.truncated
+        self.counts["cut_short"] += result.cut_short
+        self._write("ok", {"id": job.sample_id, "messages": result.messages,
+                           "truncated": result.truncated,
+                           "source": {"file": job.file, "row": job.row}})
+
+    def reject(self, file: str, row: int, sid: str, err: Rejected) -> None:
+        self.counts["failed_" + err.kind] += 1
+        self._write("failed", {"file": file, "row": row, "sample_id": sid,
+                               "reason": str(err), "kind": err.kind})
+
+    def _write(self, what: str, record: dict) -> None:
+        self.files[what].write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.counts[what] += 1
+        self.unsynced += 1
+        if self.unsynced >= self.sync_every:
+            self.sync()
+
+    def sync(self) -> None:
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        self.synced += self.unsynced
+        self.unsynced = 0
+        if self.kill_after and self.synced >= self.kill_after:
+            log.warning("%s=%d: killing this process now (test hook)", KILL_ENV, self.kill_after)
+            os.kill(os.getpid(), signal.SIGKILL)
+        now = time.monotonic()
+        if now - self.last_log > 30:
+            self.last_log = now
+            log.info("regenerate: %d ok, %d failed, %.2f rows/s", self.counts["ok"],
+                     self.counts["failed"], self.synced / (now - self.started))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.sync()
+        for f in self.files.values():
+            f.close()
+
+
+def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
+    """Refuse to continue a run in `out` that generated with other settings or inputs."""
+    if not (out / MANIFEST).is_file():
+        if any((out / name).exists() for name in (OUTPUT, REJECTS)):
+            raise EyasError(f"{out} holds {OUTPUT}/{REJECTS} but no {MANIFEST}, so they cannot "
+                            f"be resumed safely; pass a new --out or delete them")
+        return
+    old = read_manifest(out, step="regenerate")
+    new = json.loads(json.dumps(to_dict(cfg)))
+    was = {k: old["config"].get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
+    changed = [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
+               if was[k] != new[k]]
+    if old.get("data_files") != sources:
+        changed.append("data file contents")
+    if changed:
+        raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
+                        f"use the same settings to resume it, or pass a new --out")
+    if old.get("complete") is False:
+        log.info("resuming the interrupted run in %s", out)
+
+
+def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
+    """(file, row) -> "ok"/"truncated"/"failed" for every row a previous run in `out` wrote
+    ("truncated": an ok row whose last answer was cut at max_new_tokens)."""
+    done: dict[tuple[str, int], str] = {}
+    for name in (OUTPUT, REJECTS):
+        _cut_torn_tail(out / name)
+    for _, _, rec in _records(out / OUTPUT):
+        done[(rec["source"]["file"], rec["source"]["row"])] = (
+            "truncated" if rec.get("truncated") else "ok")
+    rejects = [rec for _, _, rec in _records(out / REJECTS)]
+    if retry_rejects and any(r["kind"] == "server" for r in rejects):
+        kept = [r for r in rejects if r["kind"] != "server"]
+        log.info("retry_rejects: %d rows rejected for server errors will be tried again",
+                 len(rejects) - len(kept))
+        _rewrite(out / REJECTS, [json.dumps(r, ensure_ascii=False) + "\n" for r in kept])
+        rejects = kept
+    for rec in rejects:
+        done[(rec["file"], rec["row"])] = "failed"
+    return done
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline: the process was killed while writing it."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size == 0:
+        return
+    with open(path, "r+b") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        end = size
+        while end > 0:  # scan back for the last complete line
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                end = start + newline + 1
+                break
+            end = start
+        f.truncate(end)
+    log.warning("%s: cut a partial last line (%d bytes) left by an interrupted run", path,
+                size - end)
+
+
+def _records(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """(byte offset, byte length, record) of each line of a JSONL output."""
+    if not path.is_file():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise EyasError(f"line {number} of {path} is not JSON; delete that line (its "
+                                f"row is then regenerated) and run again") from None
+            yield offset, len(line), record
+            offset += len(line)
+
+
+def _rewrite(path: Path, lines: Iterable[str | bytes]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for line in lines:
+            f.write(line.encode() if isinstance(line, str) else line)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sort_by_input(path: Path, order: dict[str, int]) -> None:
+    """Rewrite a finished output in input order (rows of files not read this time go last)."""
+    index = []  # (file rank, file, row, byte offset, byte length)
+    for offset, size, rec in _records(path):
+        src = rec.get("source", rec)  # rejects keep file and row at the top level
+        index.append((order.get(src["file"], len(order)), src["file"], src["row"], offset, size))
+    ranked = sorted(index)
+    if ranked == index:
+        return
+    with open(path, "rb") as f:
+        def lines():
+            for *_, offset, size in ranked:
+                f.seek(offset)
+                yield f.read(size)
+        _rewrite(path, lines())

@@ -1,0 +1,505 @@
+"""Capture shards on disk: file names, atomic writes, fp8 packing, the index, `verify`, and
+`open_capture`, the memory-mapped reader that train uses. The part files themselves are
+written by eyas.store.shard_writer.
+
+A capture folder (format in docs/architecture.md, "captured/") holds safetensors part files
+`shard-{i:05d}-of-{n:05d}.part-{j:05d}.safetensors`, one small JSON state file per shard
+(`shard-{i:05d}-of-{n:05d}.json`: its settings, finished parts, whether it is complete),
+a report of samples set aside for non-finite values per shard, `index.json` and `eyas.json`.
+Every file is written under a `.tmp` name and renamed once complete, so a killed job leaves
+only whole files behind and a restart can trust every file it finds.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from eyas.errors import EyasError
+from eyas.store.manifest import MANIFEST, read_manifest
+
+FORMAT = "eyas-capture-v1"
+INDEX = "index.json"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+TOKEN_KEYS = ("aux_hidden", "final_hidden", "target_top1", "input_ids", "loss_mask")
+_PART_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.part-(\d{5})\.safetensors$")
+
+
+def part_name(shard: int, num_shards: int, part: int) -> str:
+    return f"shard-{shard:05d}-of-{num_shards:05d}.part-{part:05d}.safetensors"
+
+
+def state_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard:05d}-of-{num_shards:05d}.json"
+
+
+def report_name(shard: int, num_shards: int) -> str:
+    return f"set-aside-{shard:05d}-of-{num_shards:05d}.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 storage of aux states
+
+
+def quantize_fp8(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, A, H) float -> (N, A, H) float8_e4m3fn and (N, A) float32 scales, one per token per layer.
+
+    Each row is scaled so its largest magnitude lands on 448 (e4m3's largest value), which keeps
+    the ~2 significant digits e4m3 has for the bulk of the row. All-zero rows get scale 1.
+    """
+    amax = aux.abs().amax(dim=-1).float()                                   # (N, A)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))    # (N, A)
+    q = torch.empty(aux.shape, dtype=torch.float8_e4m3fn, device=aux.device)
+    for a in range(aux.shape[1]):  # one layer at a time: an fp32 copy of all three is large
+        q[:, a] = (aux[:, a].float() / scale[:, a, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: (N, A, H) fp8 and (N, A) scales -> (N, A, H) `dtype`."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# files and index entries (eyas.store.shard_writer writes the part files themselves)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+# torch dtype -> its safetensors name, for the part writer's headers and for reading them back
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32",
+             torch.float16: "F16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def part_entry(name: str, tensors: dict[str, torch.Tensor], nbytes: int, digest: str) -> dict:
+    """The index entry (shard state and index.json) of part file `name` holding `tensors`."""
+    shard, num_shards, part = (int(x) for x in _PART_RE.match(name).groups())
+    return {
+        "file": name, "shard": shard, "num_shards": num_shards, "part": part,
+        "samples": int(tensors["sample_index"].shape[0]),
+        "tokens": int(tensors["input_ids"].shape[0]),
+        "bytes": nbytes, "sha256": digest,
+        "shapes": {k: list(v.shape) for k, v in sorted(tensors.items())},
+        "dtypes": {k: str(v.dtype).replace("torch.", "") for k, v in sorted(tensors.items())},
+    }
+
+
+def _describe_existing(path: Path) -> dict[str, Any]:
+    """Index entry of a complete part file found on disk (hashes it; reads only headers)."""
+    with safe_open(str(path), framework="pt") as f:
+        fake = {k: torch.empty(f.get_slice(k).get_shape(), dtype=_slice_dtype(f, k), device="meta")
+                for k in f.keys()}
+    return part_entry(path.name, fake, path.stat().st_size, file_sha256(path))
+
+
+def _slice_dtype(f, key: str) -> torch.dtype:
+    return {name: dtype for dtype, name in ST_DTYPES.items()}[f.get_slice(key).get_dtype()]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# per-shard state (used for resume and for completeness)
+
+
+def read_state(folder: Path, shard: int, num_shards: int) -> dict[str, Any] | None:
+    path = Path(folder) / state_name(shard, num_shards)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def all_states(folder: Path) -> list[dict[str, Any]]:
+    """Every shard state file in `folder` (any shard count), sorted by shard."""
+    states = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("shard-*-of-*.json"))]
+    return sorted(states, key=lambda s: (s["num_shards"], s["shard"]))
+
+
+def recover_parts(folder: Path, shard: int, num_shards: int,
+                  known: list[dict] | None) -> list[dict[str, Any]]:
+    """Index entries of this shard's complete part files, after removing unfinished `.tmp` files.
+
+    `known` are the entries the state file lists; a part renamed just before a kill is not
+    listed yet and is hashed here instead. A part that cannot be opened is removed (its
+    samples are captured again).
+    """
+    folder = Path(folder)
+    prefix = f"shard-{shard:05d}-of-{num_shards:05d}."
+    for tmp in folder.glob(prefix + "part-*.tmp"):
+        tmp.unlink()
+    by_name = {e["file"]: e for e in (known or [])}
+    entries = []
+    for path in sorted(folder.glob(prefix + "part-*.safetensors")):
+        entry = by_name.get(path.name)
+        if entry is None or entry["bytes"] != path.stat().st_size:
+            try:
+                entry = _describe_existing(path)
+            except Exception:  # noqa: BLE001 - any unreadable file is redone, never trusted
+                path.unlink()
+                continue
+        entries.append(entry)
+    return entries
+
+
+def part_sample_index(folder: Path, name: str) -> torch.Tensor:
+    with safe_open(str(Path(folder) / name), framework="pt") as f:
+        return f.get_tensor("sample_index")
+
+
+def read_report(folder: Path, shard: int | None = None, num_shards: int | None = None) -> list[dict]:
+    """Samples set aside for non-finite values (one shard, or all); a torn last line is skipped."""
+    names = ([report_name(shard, num_shards)] if shard is not None
+             else [p.name for p in sorted(Path(folder).glob("set-aside-*.jsonl"))])
+    rows = []
+    for name in names:
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows: int, *,
+                overwrite: bool = False) -> dict[str, Any]:
+    """This shard's state, with its finished parts recovered from disk, after checking that
+    `folder` holds nothing captured with other settings (deleted instead if `overwrite`)."""
+    folder = Path(folder)
+    clash = [s for s in all_states(folder)
+             if s["settings"] != settings or s["num_shards"] != num_shards]
+    if clash and not overwrite:
+        old = clash[0]
+        keys = [k for k in settings if old["settings"].get(k) != settings[k]]
+        if old["num_shards"] != num_shards:
+            keys.append(f"shard count {old['num_shards']} vs {num_shards}")
+        raise EyasError(f"{folder} already holds a capture made with other settings ({keys}); "
+                        f"resume it with the same flags, use another --out, or pass --overwrite "
+                        f"to delete it.")
+    for old in clash:
+        prefix = f"shard-{old['shard']:05d}-of-{old['num_shards']:05d}"
+        for path in [*folder.glob(prefix + ".*"), folder / report_name(old["shard"], old["num_shards"])]:
+            path.unlink(missing_ok=True)
+    if clash:
+        for name in (INDEX, MANIFEST):
+            (folder / name).unlink(missing_ok=True)
+    state = read_state(folder, shard, num_shards) or {
+        "format": FORMAT, "shard": shard, "num_shards": num_shards, "settings": settings,
+        "rows": rows, "complete": False, "parts": [], "nonfinite": 0}
+    state["parts"] = recover_parts(folder, shard, num_shards, state["parts"])
+    state["nonfinite"] = len(read_report(folder, shard, num_shards))
+    state["complete"] = False
+    write_json_atomic(folder / state_name(shard, num_shards), state)
+    return state
+
+
+def done_rows(folder: Path, state: dict) -> set[int]:
+    """Rows this shard already captured (in its finished parts) or set aside."""
+    done: set[int] = set()
+    for e in state["parts"]:
+        done.update(part_sample_index(folder, e["file"]).tolist())
+    done.update(r["sample_index"] for r in read_report(folder, state["shard"], state["num_shards"]))
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# flattened batches: a dict of per-token tensors plus sample_offsets (n+1,), sample_index (n,)
+
+
+def flagged_samples(offsets: torch.Tensor, bad_tokens: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: which samples (delimited by `offsets` (n+1,)) have a flagged token."""
+    counts = torch.cat([torch.zeros(1, dtype=torch.int64, device=bad_tokens.device),
+                        bad_tokens.long().cumsum(0)])                      # (N+1,)
+    off = offsets.to(bad_tokens.device)
+    return (counts[off[1:]] - counts[off[:-1]]) > 0
+
+
+def drop_samples(batch: dict[str, torch.Tensor], bad_tokens: torch.Tensor):
+    """Remove every sample that has a flagged token (`bad_tokens` (N,) bool) from a batch.
+
+    Returns (batch without them, positions of the removed samples within the batch)."""
+    off = batch["sample_offsets"].cpu()
+    bad_sample = flagged_samples(off, bad_tokens.cpu())                    # (n,)
+    keep = (~bad_sample).nonzero().flatten()
+    lengths = (off[1:] - off[:-1])[keep]
+    token_idx = (torch.cat([torch.arange(int(off[i]), int(off[i + 1])) for i in keep.tolist()])
+                 if keep.numel() else torch.zeros(0, dtype=torch.int64))
+    out = {}
+    for k, v in batch.items():
+        if k == "sample_offsets":
+            out[k] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(v.device)
+        elif k == "sample_index":
+            out[k] = v[keep.to(v.device)]
+        else:
+            out[k] = v.index_select(0, token_idx.to(v.device))
+    return out, bad_sample.nonzero().flatten().tolist()
+
+
+def merged_offsets(batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """(n+1,) sample offsets of the concatenated batches."""
+    if len(batches) == 1:
+        return batches[0]["sample_offsets"]
+    starts = torch.tensor([0, *[int(b["sample_offsets"][-1]) for b in batches]]).cumsum(0)
+    return torch.cat([batches[0]["sample_offsets"][:1],
+                      *[b["sample_offsets"][1:] + starts[i] for i, b in enumerate(batches)]])
+
+
+def merge_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate flattened batches into one (offsets shifted, sample order kept)."""
+    if len(batches) == 1:
+        return batches[0]
+    out = {k: torch.cat([b[k] for b in batches]) for k in batches[0] if k != "sample_offsets"}
+    out["sample_offsets"] = merged_offsets(batches)
+    return out
+
+
+
+# ---------------------------------------------------------------------------------------------
+# index and verification
+
+
+def build_index(folder: Path) -> dict[str, Any]:
+    """Combine the shard state files into `index.json`'s content (every shard's finished files)."""
+    states = all_states(folder)
+    if not states:
+        raise EyasError(f"{folder} holds no capture shards; run `eyas capture --out {folder}`.")
+    first = states[0]
+    for s in states[1:]:
+        if s["settings"] != first["settings"] or s["num_shards"] != first["num_shards"]:
+            raise EyasError(f"{folder} mixes captures made with different settings or --shard "
+                            f"counts ({state_name(s['shard'], s['num_shards'])} vs "
+                            f"{state_name(first['shard'], first['num_shards'])}); capture into "
+                            f"an empty --out folder.")
+    n = first["num_shards"]
+    complete = {i: False for i in range(n)}
+    files: list[dict] = []
+    for s in states:
+        complete[s["shard"]] = bool(s["complete"])
+        files.extend(s["parts"])
+    files.sort(key=lambda e: (e["shard"], e["part"]))
+    return {
+        "format": FORMAT, "settings": first["settings"], "num_shards": n,
+        "shards": {str(i): c for i, c in complete.items()}, "complete": all(complete.values()),
+        "rows": sum(s["rows"] for s in states) if len(states) == n else None,
+        "num_samples": sum(e["samples"] for e in files),
+        "num_tokens": sum(e["tokens"] for e in files),
+        "num_bytes": sum(e["bytes"] for e in files),
+        "nonfinite": sum(s.get("nonfinite", 0) for s in states),
+        "files": files,
+    }
+
+
+def verify(folder: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Check a finished capture: every shard complete, files present with the recorded sizes,
+    sha256 (if `checksums`), shapes and dtypes, and every prepared row captured exactly once
+    (or set aside in a non-finite report). Returns the index; raises EyasError listing problems."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, step="capture")
+    index_path = folder / INDEX
+    if not index_path.is_file():
+        raise EyasError(f"{folder} has no {INDEX}; finish the capture (re-run `eyas capture` with "
+                        f"the same flags; it resumes).")
+    index = json.loads(index_path.read_text())
+    problems: list[str] = []
+    missing = [i for i, c in index["shards"].items() if not c]
+    if missing:
+        problems.append(f"shards {missing} of {index['num_shards']} are not finished: run "
+                        f"`eyas capture ... --shard I/{index['num_shards']}` for each (it resumes)")
+    hidden, num_aux = manifest["hidden_size"], len(manifest["aux_layer_ids"])
+    seen: list[torch.Tensor] = []
+    for e in index["files"]:
+        path = folder / e["file"]
+        if not path.is_file():
+            problems.append(f"{e['file']} is missing")
+            continue
+        if path.stat().st_size != e["bytes"]:
+            problems.append(f"{e['file']} has {path.stat().st_size} bytes, index says {e['bytes']}")
+            continue
+        if checksums and file_sha256(path) != e["sha256"]:
+            problems.append(f"{e['file']} fails its sha256 check (corrupt copy?)")
+            continue
+        problems.extend(_check_part(path, e, hidden, num_aux, manifest["dtype"]))
+        seen.append(part_sample_index(folder, e["file"]))
+    set_aside = torch.tensor([r["sample_index"] for r in read_report(folder)], dtype=torch.int64)
+    problems.extend(_check_rows(torch.cat([*seen, set_aside]), index.get("rows")))
+    if problems:
+        shown = "\n  - ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise EyasError(f"capture {folder} failed verification:\n  - {shown}{more}")
+    return index
+
+
+def _check_part(path: Path, entry: dict, hidden: int, num_aux: int, dtype: str) -> list[str]:
+    bad = []
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        n, t = entry["samples"], entry["tokens"]
+        want = {"aux_hidden": [t, num_aux, hidden], "final_hidden": [t, hidden],
+                "target_top1": [t], "input_ids": [t], "loss_mask": [t],
+                "sample_offsets": [n + 1], "sample_index": [n]}
+        if dtype == "fp8":
+            want["aux_scale"] = [t, num_aux]
+        for k, shape in want.items():
+            if shapes.get(k) != shape:
+                bad.append(f"{path.name}: {k} has shape {shapes.get(k)}, expected {shape}")
+        if f.get_slice("aux_hidden").get_dtype() != {"bf16": "BF16", "fp8": "F8_E4M3"}[dtype]:
+            bad.append(f"{path.name}: aux_hidden is {f.get_slice('aux_hidden').get_dtype()}, "
+                       f"manifest says {dtype}")
+        if not bad:
+            off = f.get_tensor("sample_offsets")
+            if off[0] != 0 or off[-1] != t or bool((off[1:] <= off[:-1]).any()):
+                bad.append(f"{path.name}: sample_offsets are not increasing from 0 to {t}")
+    return bad
+
+
+def _check_rows(rows: torch.Tensor, expected: int | None) -> list[str]:
+    """Every row 0..expected-1 exactly once across all files and reports."""
+    if expected is None:
+        return ["the shard state files do not cover every shard"]
+    counts = torch.bincount(rows, minlength=expected) if rows.numel() else torch.zeros(expected)
+    problems = []
+    if counts.numel() > expected:
+        problems.append(f"rows beyond the prepared split's {expected} rows were captured")
+    dup = (counts[:expected] > 1).nonzero().flatten()
+    lost = (counts[:expected] == 0).nonzero().flatten()
+    if dup.numel():
+        problems.append(f"{dup.numel()} rows captured more than once, e.g. {dup[:5].tolist()}")
+    if lost.numel():
+        problems.append(f"{lost.numel()} rows were never captured, e.g. {lost[:5].tolist()}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# reading for training
+
+
+def open_capture(folder: str | Path) -> CaptureSet:
+    """Open a finished capture folder for reading (no checksums; call `.verify()` for those)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, step="capture")
+    if not (folder / INDEX).is_file():
+        raise EyasError(f"{folder} has no {INDEX}; the capture did not finish. Re-run "
+                        f"`eyas capture` with the same flags to resume it.")
+    index = json.loads((folder / INDEX).read_text())
+    if not index["complete"]:
+        missing = [i for i, c in index["shards"].items() if not c]
+        raise EyasError(f"capture {folder} is incomplete: shards {missing} of "
+                        f"{index['num_shards']} are not finished; run `eyas capture ... --shard "
+                        f"I/{index['num_shards']}` for each (it resumes where it stopped).")
+    return CaptureSet(folder, manifest, index)
+
+
+class CaptureSet:
+    """Random access to the samples of a capture folder, memory-mapped through safetensors.
+
+    `sample(i)` returns one whole sample: `aux_hidden` (T, 3, H) and `final_hidden` (T, H) in
+    `dtype` (fp8 files are dequantised), `target_top1`/`input_ids` (T,) int32, `loss_mask`
+    (T,) uint8 and `sample_index` (the row in the prepared split). Samples are numbered in
+    file order, which is by decreasing length within each batch, not the prepared order.
+    """
+
+    max_open_files = 64
+
+    def __init__(self, folder: Path, manifest: dict, index: dict):
+        self.folder = Path(folder)
+        self.manifest = manifest
+        self.index = index
+        self.aux_layer_ids = tuple(manifest["aux_layer_ids"])
+        self.hidden_size = int(manifest["hidden_size"])
+        self.dtype = manifest["dtype"]
+        self.split_rows = manifest.get("split_rows", {})
+        self._files = [e["file"] for e in index["files"]]
+        file_of, starts, ends, rows = [], [], [], []
+        for fi, name in enumerate(self._files):
+            with safe_open(str(self.folder / name), framework="pt") as f:
+                off = f.get_tensor("sample_offsets")
+                rows.append(f.get_tensor("sample_index"))
+            file_of.append(torch.full((off.numel() - 1,), fi, dtype=torch.int32))
+            starts.append(off[:-1])
+            ends.append(off[1:])
+        empty = torch.zeros(0, dtype=torch.int64)
+        self._file_of = torch.cat(file_of) if file_of else empty.int()
+        self._start = torch.cat(starts) if starts else empty
+        self._end = torch.cat(ends) if ends else empty
+        self.sample_index = torch.cat(rows) if rows else empty     # (num_samples,) prepared row
+        self.sample_lengths = self._end - self._start               # (num_samples,) tokens
+        self._handles: collections.OrderedDict = collections.OrderedDict()
+        self._pid = os.getpid()
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_index.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sample_lengths.sum())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.sample(i)
+
+    def positions(self, split: str) -> torch.Tensor:
+        """Sample numbers (for `sample`) whose prepared row belongs to `split` of a --split all
+        capture; for a single-split capture, all samples if `split` is that split."""
+        if self.manifest["split"] != "all":
+            if split != self.manifest["split"]:
+                raise EyasError(f"{self.folder} holds the {self.manifest['split']} split, not "
+                                f"{split}; capture it with `eyas capture --split {split}`.")
+            return torch.arange(self.num_samples)
+        lo, hi = self.split_rows[split]
+        return ((self.sample_index >= lo) & (self.sample_index < hi)).nonzero().flatten()
+
+    def sample(self, i: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        f = self._handle(int(self._file_of[i]))
+        s, e = int(self._start[i]), int(self._end[i])
+        out = {k: f.get_slice(k)[s:e] for k in TOKEN_KEYS}
+        if self.dtype == "fp8":
+            out["aux_hidden"] = dequantize_fp8(out["aux_hidden"], f.get_slice("aux_scale")[s:e], dtype)
+        else:
+            out["aux_hidden"] = out["aux_hidden"].to(dtype)
+        out["final_hidden"] = out["final_hidden"].to(dtype)
+        out["sample_index"] = self.sample_index[i].clone()
+        return out
+
+    def verify(self, *, checksums: bool = True) -> dict[str, Any]:
+        return verify(self.folder, checksums=checksums)
+
+    def _handle(self, fi: int):
+        if self._pid != os.getpid():  # a DataLoader worker: never share mmaps across fork
+            self._handles = collections.OrderedDict()
+            self._pid = os.getpid()
+        if fi in self._handles:
+            self._handles.move_to_end(fi)
+            return self._handles[fi]
+        handle = safe_open(str(self.folder / self._files[fi]), framework="pt")
+        self._handles[fi] = handle
+        if len(self._handles) > self.max_open_files:
+            self._handles.popitem(last=False)
+        return handle
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_handles"] = collections.OrderedDict()
+        return state

@@ -1,0 +1,395 @@
+"""Reading chat data: files -> rows -> normalised conversations.
+
+Inputs are JSONL, JSON, Parquet, a `datasets` folder (`save_to_disk`), a folder of such
+files, or a glob of any of them. A row is ShareGPT (`conversations` of `from`/`value`, as in
+Open-PerfectBlend) or OpenAI/HF `messages` (`role`/`content`); with `fmt="auto"` each row's
+format is read from its own keys, so every file (even a mixed one) is read in its format.
+
+`normalize` turns a row into OpenAI `messages` form, `[{"role", "content"}]` with roles
+system/user/assistant/tool, or raises `ChatFormatError` saying what is wrong with it.
+`read_rows` never raises for a bad row either: it yields the error in the row's place, so a
+caller can report it with its file and row number and carry on.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple
+
+from eyas.errors import EyasError
+
+FORMATS = ("auto", "sharegpt", "messages")
+# Column that holds the turns, per format; the first one a row has is used.
+TURN_COLUMNS = {"sharegpt": ("conversations", "conversation"), "messages": ("messages",)}
+# Input role spelling -> OpenAI role. ShareGPT says human/gpt, OpenAI says user/assistant.
+ROLES = {
+    "system": "system", "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant",
+    "tool": "tool",
+}
+# Columns that name a row; the first one present becomes its sample id.
+ID_COLUMNS = ("id", "sample_id", "conversation_id", "uuid")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ChatFormatError(ValueError):
+    """A row that cannot be used; the message is the reason written to rejects.jsonl."""
+
+
+class RawRow(NamedTuple):
+    """One input row: where it came from and its content (a dict, or why it is unreadable).
+
+    `row` is the 1-based line number in JSONL files and the 0-based record index
+    (`dataset[i]`) in JSON, Parquet and `datasets` folders.
+    """
+
+    file: str
+    row: int
+    data: dict | ChatFormatError
+
+
+# ---------------------------------------------------------------- finding and reading files
+
+def resolve_paths(paths: str | Path | tuple | list) -> list[Path]:
+    """Expand files, folders and globs into the ordered list of sources to read.
+
+    A `datasets` folder (written by `save_to_disk`) is one source; any other folder stands
+    for the supported files inside it (recursively, sorted).
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    out: list[Path] = []
+    for spec in paths:
+        spec = str(spec)
+        if any(ch in spec for ch in "*?["):
+            matches = sorted(glob.glob(spec, recursive=True))
+            if not matches:
+                raise EyasError(f"no files match {spec!r}; check the --data glob")
+            out.extend(Path(m) for m in matches if _is_source(Path(m)))
+            continue
+        path = Path(spec)
+        if not path.exists():
+            raise EyasError(f"data path {path} does not exist; check --data")
+        if path.is_dir() and not _is_datasets_folder(path):
+            found = _sources_in(path)
+            if not found:
+                raise EyasError(f"folder {path} holds no {'/'.join(FILE_SUFFIXES)} files and is "
+                                f"not a datasets folder (save_to_disk); check --data")
+            out.extend(found)
+        elif _is_source(path):
+            out.append(path)
+        else:
+            raise EyasError(f"cannot read {path}: give {'/'.join(FILE_SUFFIXES)} files or "
+                            f"a datasets folder (save_to_disk) in --data")
+    if not out:
+        raise EyasError(f"no chat data found in {list(paths)}; check --data")
+    return out
+
+
+def source_fingerprints(paths) -> list[dict]:
+    """What `paths` hold now, for manifests: sha256 per file, fingerprints per datasets folder."""
+    from eyas.store.manifest import file_sha256
+
+    out = []
+    for path in resolve_paths(paths):
+        if path.is_dir():
+            states = sorted(path.rglob("state.json"))
+            prints = [json.loads(s.read_text()).get("_fingerprint") for s in states]
+            out.append({"path": str(path), "fingerprints": prints})
+        else:
+            out.append({"path": str(path), "sha256": file_sha256(path)})
+    return out
+
+
+def _sources_in(folder: Path) -> list[Path]:
+    """Data files and datasets folders under `folder`, sorted; a datasets folder's own
+    files (state.json, ...) are not data."""
+    out = []
+    for path in sorted(folder.iterdir()):
+        if _is_datasets_folder(path):
+            out.append(path)
+        elif path.is_dir():
+            out.extend(_sources_in(path))
+        elif _is_source(path):
+            out.append(path)
+    return out
+
+
+def _is_datasets_folder(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).is_file() for name in ("dataset_dict.json", "state.json"))
+
+
+def _is_source(path: Path) -> bool:
+    return _is_datasets_folder(path) or (path.is_file() and path.name.endswith(FILE_SUFFIXES))
+
+
+def read_rows(paths, fmt: str = "auto") -> Iterator[RawRow]:
+    """Yield every row of every source in order; unreadable rows come as `ChatFormatError`.
+
+    `fmt` is accepted for symmetry with `normalize` (rows are read the same way in every
+    format); it is checked here so a typo fails before any file is read.
+    """
+    if fmt not in FORMATS:
+        raise EyasError(f"unknown chat format {fmt!r}; use one of {FORMATS}")
+    for path in resolve_paths(paths):
+        if _is_datasets_folder(path):
+            yield from _read_datasets_folder(path)
+        elif path.name.endswith(".parquet"):
+            yield from _guarded(path, _read_parquet(path), first=0)
+        elif path.name.endswith((".json", ".json.gz")):
+            yield from _guarded(path, _read_json(path), first=0)
+        else:
+            yield from _guarded(path, _read_jsonl(path, _binary_lines(path)), first=1)
+
+
+def _guarded(path: Path, rows: Iterator[RawRow], first: int) -> Iterator[RawRow]:
+    """A file that breaks while being read (corrupt gzip / parquet, I/O error) becomes one
+    reject at the row where it broke instead of ending the run."""
+    row = first
+    try:
+        for item in rows:
+            row = item.row + 1
+            yield item
+    except (OSError, EOFError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+        yield RawRow(str(path), row, ChatFormatError(
+            f"file unreadable from here on ({type(err).__name__}: {err})"))
+
+
+def _binary_lines(path: Path) -> Iterator[bytes]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        yield from f
+
+
+def _check_dict(file: str, row: int, value: Any) -> RawRow:
+    if isinstance(value, dict):
+        return RawRow(file, row, value)
+    return RawRow(file, row, ChatFormatError(
+        f"row is a JSON {type(value).__name__}, not an object"))
+
+
+def _read_jsonl(path: Path, lines: Iterable[bytes | str]) -> Iterator[RawRow]:
+    for number, line in enumerate(lines, start=1):
+        try:
+            text = line.decode("utf-8") if isinstance(line, bytes) else line
+        except UnicodeDecodeError as err:
+            yield RawRow(str(path), number, ChatFormatError(f"line is not UTF-8 text: {err}"))
+            continue
+        if not text.strip():
+            continue  # blank lines are not rows
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            yield RawRow(str(path), number, ChatFormatError(f"invalid JSON line: {err}"))
+            continue
+        yield _check_dict(str(path), number, value)
+
+
+def _read_json(path: Path) -> Iterator[RawRow]:
+    text = b"".join(_binary_lines(path)).decode("utf-8")  # not UTF-8: ValueError, guarded
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        # `Dataset.to_json` and many tools write JSON Lines into *.json files.
+        yield from _read_jsonl(path, text.splitlines())
+        return
+    if isinstance(value, dict):
+        lists = [v for v in value.values() if isinstance(v, list)]
+        if any(k in value for cols in TURN_COLUMNS.values() for k in cols):
+            value = [value]  # the file is a single conversation
+        elif len(lists) == 1:
+            value = lists[0]  # {"data": [rows...]}
+        else:
+            yield RawRow(str(path), 0, ChatFormatError(
+                "JSON file is an object without one list of rows; write a list of "
+                "conversations or JSON Lines"))
+            return
+    if not isinstance(value, list):
+        yield RawRow(str(path), 0, ChatFormatError(
+            f"JSON file holds a {type(value).__name__}; write a list of conversations"))
+        return
+    for i, item in enumerate(value):
+        yield _check_dict(str(path), i, item)
+
+
+def _read_parquet(path: Path) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    index = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for item in batch.to_pylist():
+            yield RawRow(str(path), index, item)
+            index += 1
+
+
+def _read_datasets_folder(path: Path) -> Iterator[RawRow]:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
+    for split, ds in splits:
+        name = str(path) if split is None else f"{path}/{split}"
+        for i, item in enumerate(ds):
+            yield RawRow(name, i, item)
+
+
+# ---------------------------------------------------------------- rows -> conversations
+
+def detect_format(row: dict) -> str:
+    """'messages' or 'sharegpt' from the row's keys, or ChatFormatError if neither fits."""
+    if row.get("messages") is not None:
+        return "messages"
+    if any(row.get(c) is not None for c in TURN_COLUMNS["sharegpt"]):
+        return "sharegpt"
+    keys = ", ".join(sorted(map(str, row))) or "none"
+    raise ChatFormatError(f"no 'conversations' or 'messages' column (row has: {keys})")
+
+
+def normalize(row: dict, fmt: str = "auto", *,
+              need_assistant: bool = True) -> list[dict[str, str]]:
+    """The row's turns as `[{"role": ..., "content": str}]` (OpenAI roles).
+
+    Raises `ChatFormatError` for an empty conversation, a turn without role or content, an
+    unknown role, non-text content or, with `need_assistant` (training data supervises
+    assistant turns), a conversation without an assistant turn. `need_assistant=False`
+    accepts prompts, such as a lone user turn, for callers that generate the answer.
+    A turn's `reasoning_content` (or `reasoning`) is kept, inline as `<think>...</think>`.
+    """
+    if not isinstance(row, dict):
+        raise ChatFormatError(f"row is a {type(row).__name__}, not an object")
+    if fmt == "auto":
+        fmt = detect_format(row)
+    if fmt not in TURN_COLUMNS:
+        raise ValueError(f"unknown chat format {fmt!r}; use one of {FORMATS}")
+    column = next((c for c in TURN_COLUMNS[fmt] if row.get(c) is not None), None)
+    if column is None:
+        raise ChatFormatError(f"no {' or '.join(repr(c) for c in TURN_COLUMNS[fmt])} column "
+                              f"for format {fmt}")
+    turns = row[column]
+    if not isinstance(turns, (list, tuple)):
+        raise ChatFormatError(f"'{column}' is a {type(turns).__name__}, not a list of turns")
+    if not turns:
+        raise ChatFormatError("empty conversation")
+    messages = [_normalize_turn(i, turn) for i, turn in enumerate(turns)]
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ChatFormatError("no assistant turn")
+    return messages
+
+
+def _normalize_turn(i: int, turn: Any) -> dict[str, str]:
+    if not isinstance(turn, dict):
+        raise ChatFormatError(f"turn {i} is a {type(turn).__name__}, not an object")
+    raw_role = _first_present(turn, ("role", "from"))
+    if raw_role is None:
+        raise ChatFormatError(f"turn {i} has no 'role'/'from'")
+    role = ROLES.get(str(raw_role).strip().lower())
+    if role is None:
+        raise ChatFormatError(f"turn {i} has unknown role {raw_role!r} "
+                              f"(known: {', '.join(sorted(ROLES))})")
+    content = _text(i, _first_present(turn, ("content", "value")))
+    reasoning = _first_present(turn, ("reasoning_content", "reasoning"))
+    if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+        content = f"{THINK_OPEN}\n{reasoning.strip()}\n{THINK_CLOSE}\n\n{content.lstrip()}"
+    return {"role": role, "content": content}
+
+
+def _first_present(turn: dict, keys: tuple[str, ...]):
+    return next((turn[k] for k in keys if turn.get(k) is not None), None)
+
+
+def _text(i: int, content: Any) -> str:
+    """Content as a string; a list of OpenAI text parts is joined, anything else refused."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise ChatFormatError(f"turn {i} has no content")
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ChatFormatError(f"turn {i} content is a {type(content).__name__}, not a string "
+                          f"(only text conversations are supported)")
+
+
+def sample_id(row: dict, file: str, row_number: int) -> str:
+    """The row's own id column if it has one, else `file:row`."""
+    if isinstance(row, dict):
+        for key in ID_COLUMNS:
+            value = row.get(key)
+            if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+                return str(value)
+    return f"{file}:{row_number}"
+
+
+class Conversation(NamedTuple):
+    """A row read and normalised: its messages, or why it cannot be used."""
+
+    file: str
+    row: int
+    sample_id: str
+    messages: list[dict[str, str]] | ChatFormatError
+
+
+def read_conversations(paths, fmt: str = "auto", *, system_prompt: str | None = None,
+                       strip_think: bool = False) -> Iterator[Conversation]:
+    """`read_rows` + `normalize` (+ optional system prompt / reasoning strip) per row."""
+    for file, row, data in read_rows(paths, fmt):
+        if isinstance(data, ChatFormatError):
+            yield Conversation(file, row, f"{file}:{row}", data)
+            continue
+        sid = sample_id(data, file, row)
+        try:
+            messages = normalize(data, fmt)
+        except ChatFormatError as err:
+            yield Conversation(file, row, sid, err)
+            continue
+        if strip_think:
+            messages = strip_reasoning(messages)
+        yield Conversation(file, row, sid, with_system_prompt(messages, system_prompt))
+
+
+# ---------------------------------------------------------------- conversation edits
+
+_THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + r".*?" + re.escape(THINK_CLOSE) + r"\s*",
+                          re.DOTALL)
+
+
+def strip_reasoning(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Assistant turns without their `<think>...</think>` reasoning.
+
+    Text before a lone `</think>` counts as reasoning too (R1-style outputs whose opening
+    tag was part of the prompt).
+    """
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            text = _THINK_BLOCK.sub("", m["content"])
+            if THINK_CLOSE in text:
+                text = text.split(THINK_CLOSE)[-1]
+            m = {"role": "assistant", "content": text.lstrip()}
+        out.append(m)
+    return out
+
+
+def with_system_prompt(messages: list[dict[str, str]], prompt: str | None) -> list[dict[str, str]]:
+    """Prepend `prompt` as the system message unless the conversation already has one."""
+    if not prompt or any(m["role"] == "system" for m in messages):
+        return list(messages)
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def parse_template_kwargs(pairs: tuple[str, ...]) -> dict:
+    """("enable_thinking=false",) -> {"enable_thinking": False} (values read as YAML)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
