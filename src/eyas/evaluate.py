@@ -25,6 +25,8 @@ from eyas.serve.eval_report import (EvalReport, Measured, merge, mismatch_messag
                                     write_report)
 from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
                                  write_manifest)
+from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
+                                generate_batch)
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
 
@@ -67,10 +69,13 @@ class EvalConfig:
     device: str = option("auto", "auto (all GPUs through device_map, else CPU), cpu, cuda, cuda:N")
     dtype: str = option("auto", "target and draft weight dtype (auto = the checkpoint's; "
                         "float32 on CPU)", choices=DTYPES)
+    batch_size: int = option(16, "prompts decoded at once, each row accepting its own "
+                             "drafts (eyas.serve.batched); 1 = one prompt at a time, the "
+                             "per-request speed servers report. Acceptance is the same at "
+                             "any batch size; speedups are for this batch size")
     workers: int = option(1, "processes sharing the prompts, each loading target and draft "
-                          "and decoding its prompts at batch 1 (e.g. 8-16 for a small target "
-                          "on one GPU, whose batch-1 decoding is host-bound); results are "
-                          "the same as with one")
+                          "and decoding its share (at --batch-size); results are the same "
+                          "as with one")
     replay: bool = option(True, "at temperature 0, also replay chain decoding on training's "
                           "TTT forward over the same continuations (eyas.draft.replay): the "
                           "acceptance training would simulate, beside the measured one")
@@ -87,7 +92,7 @@ class EvalConfig:
         if self.check_lossless and self.temperature > 0:
             raise ConfigError("check_lossless compares tokens with greedy decoding: use it with "
                               "--temperature 0, or pass --no-check-lossless")
-        for name in ("max_new_tokens", "num_prompts", "ngram_min", "workers"):
+        for name in ("max_new_tokens", "num_prompts", "ngram_min", "workers", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ngram_max < self.ngram_min:
@@ -119,8 +124,8 @@ def _sync(device: torch.device) -> None:
             torch.cuda.synchronize(i)
 
 
-def _timed(generate, ids: torch.Tensor, device):
-    """(Generation, seconds) of one generation, the GPU work included."""
+def _timed(generate, ids: list[torch.Tensor], device):
+    """(Generations, seconds) of one batch of generations, the GPU work included."""
     _sync(device)
     start = time.perf_counter()
     gen = generate(ids)
@@ -153,46 +158,69 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
 
 def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
             stop_ids: frozenset[int] = frozenset(), index: list[int] | None = None) -> Measured:
-    """Every method on `prompts` (batch 1, interleaved per prompt), the lossless check and
-    the replay; raw counts, merged across processes by `merge`."""
+    """Every method on `prompts`, `cfg.batch_size` prompts at a time (batch 1: the loop of
+    eyas.serve.speculate per prompt; more: eyas.serve.batched over prompts of similar
+    length), methods interleaved per batch; the lossless check and the replay. Raw counts,
+    merged across processes by `merge`."""
     device = model.get_input_embeddings().weight.device
-    runner = TargetRunner(model, layers, final_norm,
-                          tuple(draft.cfg.aux_layer_ids) if draft is not None else ())
-    drafters = [("ngram", NgramDrafter(cfg.ngram_min, cfg.ngram_max))] if cfg.ngram else []
+    aux_ids = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
+    runner = TargetRunner(model, layers, final_norm, aux_ids)
+    batched = cfg.batch_size > 1
+    if batched:
+        batch_target = BatchTarget(model, layers, final_norm, aux_ids)
+    drafters = []
+    if cfg.ngram:
+        drafters.append(("ngram", (BatchNgramDrafter if batched else NgramDrafter)(
+            cfg.ngram_min, cfg.ngram_max)))
     if draft is not None:
-        drafters.append(("eagle3", Eagle3Drafter(draft, device)))
+        drafters.append(("eagle3", (BatchEagle3Drafter if batched else Eagle3Drafter)(
+            draft, device)))
 
     def decoder(drafter, k: int, n: int):
+        """A function: list of prompt ids -> their Generations."""
         # each method samples from its own generator, all seeded alike
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
         s = Sampling(cfg.temperature, gen)
+        if batched:
+            return lambda ids: generate_batch(batch_target, drafter, ids, k, n, stop_ids, s)
         if drafter is None:
-            return lambda ids: generate_plain(runner, ids, n, stop_ids, s)
-        return lambda ids: generate_speculative(runner, drafter, ids, k, n, stop_ids, s)
+            return lambda ids: [generate_plain(runner, i, n, stop_ids, s) for i in ids]
+        return lambda ids: [generate_speculative(runner, drafter, i, k, n, stop_ids, s)
+                            for i in ids]
 
     runs = [("target", 0, decoder(None, 0, cfg.max_new_tokens))]
     runs += [(name, k, decoder(d, k, cfg.max_new_tokens)) for name, d in drafters for k in cfg.k]
+    # batches of similar length (less padding) unless batch 1, which keeps the prompt order
+    order = list(range(len(prompts)))
+    if batched:
+        order.sort(key=lambda i: len(prompts[i].ids))
+    groups = [order[i: i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
     out = Measured(index=list(range(len(prompts))) if index is None else list(index),
                    stats={(name, k): SpecStats(k=k) for name, k, _ in runs},
-                   outputs={(name, k): [] for name, k, _ in runs},
-                   seconds={(name, k): 0.0 for name, k, _ in runs},
-                   per_prompt={(name, k): [] for name, k, _ in runs}, replayed={},
-                   mismatches=[], device=str(device),
+                   outputs={}, seconds={(name, k): 0.0 for name, k, _ in runs},
+                   per_prompt={}, replayed={}, mismatches=[], device=str(device),
                    dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    gens = {(name, k): [None] * len(prompts) for name, k, _ in runs}
     try:
         with torch.inference_mode():
             # warm-up (kernels, allocator, lazy init) so the first method is not penalised
+            first = [prompts[i].ids for i in groups[0]]
             for _, drafter in [("target", None), *drafters]:
-                decoder(drafter, max(cfg.k), 4)(prompts[0].ids)
-            # methods interleaved per prompt: a drifting machine load hits all of them alike
-            for prompt in prompts:
+                decoder(drafter, max(cfg.k), 4)(first)
+            # methods interleaved per batch: a drifting machine load hits all of them alike
+            for group in groups:
+                ids = [prompts[i].ids for i in group]
                 for name, k, generate in runs:
-                    gen, took = _timed(generate, prompt.ids, device)
-                    out.stats[name, k].merge(gen.stats)
-                    out.outputs[name, k].append(gen.tokens)
+                    done, took = _timed(generate, ids, device)
                     out.seconds[name, k] += took
-                    out.per_prompt[name, k].append((gen.stats.drafts,
-                                                    list(gen.stats.accepted_per_position)))
+                    for i, g in zip(group, done):
+                        gens[name, k][i] = g
+            for key, row in gens.items():
+                for g in row:
+                    out.stats[key].merge(g.stats)
+                out.outputs[key] = [g.tokens for g in row]
+                out.per_prompt[key] = [(g.stats.drafts, list(g.stats.accepted_per_position))
+                                       for g in row]
             reference = out.outputs["target", 0]
             if cfg.lossless_check:
                 for name, k, _ in runs[1:]:

@@ -65,7 +65,8 @@ class EvalReport:
     # rates, drafts and their 95 % intervals. It equals the measured numbers when the draft
     # is served as it was trained.
     replayed: dict[str, dict] = field(default_factory=dict)
-    workers: int = 1  # processes that shared the prompts (each its own batch-1 stream)
+    workers: int = 1  # processes that shared the prompts
+    batch_size: int = 1  # prompts decoded at once (eyas.serve.batched when > 1)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -158,6 +159,8 @@ def summarize(cfg, measured: Measured, num_prompts: int) -> EvalReport:
                                         for a in accepted],
             "ci95": bootstrap_ci(rows, k)}
     report.workers = cfg.workers
+    report.batch_size = cfg.batch_size
+    report.settings = f"chain drafts, batch size {cfg.batch_size}"
     return report
 
 
