@@ -10,6 +10,13 @@ draft proposal of k tokens.
 
     python benchmarks/eval.py              # H200: ~2-4 minutes
     python benchmarks/eval.py --smoke      # tiny CPU model, seconds
+
+With `--target T --draft D --data PROMPTS` it instead times whole `eyas eval` sweeps on a real
+target and draft, one prompt at a time against `--batch-size` prompts at once (issue: the
+30-prompt k = 3,6 sweep in <= 30 s), and checks the two reports agree token for token:
+
+    python benchmarks/eval.py --target smol.gguf --draft run/draft --data heldout.jsonl \
+        --prompts 30 --new-tokens 96 --k 3,6 --batch-sizes 1,32 --json eval-batched.json
 """
 
 from __future__ import annotations
@@ -149,6 +156,73 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+SPEED_FIELDS = ("seconds", "tokens_per_s", "speedup")
+
+
+def batch_sweep(args, ks: tuple[int, ...]) -> dict:
+    """Whole `eyas eval` runs at each batch size on the same prompts: wall seconds, tokens/s
+    and prompts/s per method, and whether every non-speed field equals batch 1's."""
+    import tempfile
+
+    from eyas.evaluate import evaluate
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    runs, reports = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for bs in sizes:
+            cfg = EvalConfig(target=args.target, draft=args.draft, data=args.data,
+                             out=f"{tmp}/b{bs}", k=ks, max_new_tokens=args.new_tokens,
+                             num_prompts=args.prompts, batch_size=bs, dtype=args.dtype,
+                             replay=False)
+            t0 = time.perf_counter()
+            report = evaluate(cfg)
+            wall = time.perf_counter() - t0
+            reports[bs] = report
+            runs.append({
+                "batch_size": bs, "wall_s": round(wall, 2),
+                "decode_s": round(sum(r.seconds for r in report.results), 2),
+                "lossless": report.lossless,
+                "methods": [{"method": r.method, "k": r.k, "seconds": r.seconds,
+                             "tokens_per_s": r.tokens_per_s,
+                             "prompts_per_s": round(report.num_prompts / r.seconds, 3),
+                             "speedup": r.speedup, "al": r.mean_acceptance_length}
+                            for r in report.results]})
+    first = reports[sizes[0]]
+    for run in runs:
+        other = reports[run["batch_size"]]
+        run["same_as_batch_%d" % sizes[0]] = all(
+            {f: v for f, v in vars(a).items() if f not in SPEED_FIELDS}
+            == {f: v for f, v in vars(b).items() if f not in SPEED_FIELDS}
+            for a, b in zip(first.results, other.results, strict=True))
+    return {"benchmark": "eval-batched", "target": args.target, "draft": args.draft,
+            "data": args.data, "prompts": first.num_prompts, "new_tokens": args.new_tokens,
+            "k": list(ks), "dtype": first.dtype, "device": first.device,
+            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else
+            platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d"), "runs": runs}
+
+
+def batch_markdown(result: dict) -> str:
+    lines = [f"### eyas eval, batch 1 vs batched ({result['device_name']}, {result['dtype']}, "
+             f"{result['prompts']} prompts x {result['new_tokens']} new tokens, k = "
+             f"{','.join(map(str, result['k']))})", "",
+             "| batch | method | k | AL | tokens/s | prompts/s | speedup |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for run in result["runs"]:
+        for m in run["methods"]:
+            al = "-" if m["al"] is None else f"{m['al']:.3f}"
+            lines.append(f"| {run['batch_size']} | {m['method']} | {m['k'] or '-'} | {al} | "
+                         f"{m['tokens_per_s']:.1f} | {m['prompts_per_s']:.2f} | "
+                         f"x{m['speedup']:.2f} |")
+    lines.append("")
+    lines += [f"batch {r['batch_size']}: whole eval {r['wall_s']} s (decoding {r['decode_s']} s), "
+              f"lossless {r['lossless']}, "
+              + ", ".join(f"{k} {v}" for k, v in r.items() if k.startswith("same_as"))
+              for r in result["runs"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script)")
@@ -158,9 +232,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--k", default="1,3,5")
     p.add_argument("--reps", type=int, default=20, help="repetitions of each micro timing")
     p.add_argument("--json", default=None, help="also write the JSON result here")
+    p.add_argument("--target", default=None, help="a real target: time whole eval sweeps")
+    p.add_argument("--draft", default=None, help="with --target: the draft folder")
+    p.add_argument("--data", default=None, help="with --target: prompts (eyas eval --data)")
+    p.add_argument("--batch-sizes", default="1,32", help="with --target: batch sizes to time")
+    p.add_argument("--dtype", default="float32", help="with --target: eyas eval --dtype")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     ks = tuple(int(k) for k in args.k.split(","))
+    if args.target:
+        result = batch_sweep(args, ks)
+        print(batch_markdown(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return result
     if args.smoke:
         device, shape, dtype, draft_vocab = "cpu", TINY, torch.float32, 512
         args.prompts, args.prompt_len, args.new_tokens, args.reps = 2, 32, 16, 3

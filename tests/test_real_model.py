@@ -273,3 +273,18 @@ def test_auto_dtype_is_float32_on_cpu_and_the_checkpoints_on_gpu(tmp_path):
 def test_auto_dtype_loads_the_gguf_in_bfloat16_on_gpu(smollm2_gguf):
     model, info = load_target(smollm2_gguf, dtype="auto", device="cuda")
     assert info.dtype == "bfloat16" and next(model.parameters()).is_cuda
+
+
+def test_gguf_config_and_tokenizer_are_parsed_once_and_handed_out_as_copies(smollm2_gguf):
+    """A step loads config and tokenizer several times; the GGUF is parsed once per process
+    (a second load is fast) and every caller gets its own copy (eval sets chat_template)."""
+    import time
+
+    first = load_tokenizer(smollm2_gguf)
+    first.chat_template = "changed"
+    start = time.perf_counter()
+    again, config = load_tokenizer(smollm2_gguf), load_config(smollm2_gguf)
+    assert time.perf_counter() - start < 2.0
+    assert again.chat_template != "changed" and "im_start" in again.chat_template
+    config.num_hidden_layers = 1
+    assert load_config(smollm2_gguf).num_hidden_layers == 30

@@ -195,29 +195,43 @@ def _locate(name_or_path) -> tuple[str, dict]:
 def load_config(name_or_path, *, revision=None, trust_remote_code=False):
     """`AutoConfig.from_pretrained` (of a hub name, folder or .gguf file) with a clear EyasError
     when the model cannot be found."""
-    from transformers import AutoConfig
-
-    name, where = _locate(name_or_path)
-    try:
-        return AutoConfig.from_pretrained(name, revision=revision,
-                                          trust_remote_code=trust_remote_code, **where)
-    except (OSError, ValueError, KeyError) as err:
-        raise EyasError(_explain_load_error("config", str(name_or_path), err,
-                                            trust_remote_code)) from err
+    return _from_pretrained("config", name_or_path, revision, trust_remote_code)
 
 
 def load_tokenizer(name_or_path, *, revision=None, trust_remote_code=False):
     """`AutoTokenizer.from_pretrained` (of a hub name, folder or .gguf file) with a clear
     EyasError when it cannot be loaded."""
-    from transformers import AutoTokenizer
+    return _from_pretrained("tokenizer", name_or_path, revision, trust_remote_code)
 
+
+# A GGUF file's metadata is parsed again at every from_pretrained (for SmolLM2-135M, ~5 s of
+# pure Python on a CPU core), and a step asks for config and tokenizer several times (its
+# own use, the manifest record): parse each once per process and hand out copies, keyed by
+# the file's path, size and modification time.
+_GGUF_LOADED: dict[tuple, Any] = {}
+
+
+def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool):
+    import transformers
+
+    auto = {"config": transformers.AutoConfig, "tokenizer": transformers.AutoTokenizer}[kind]
     name, where = _locate(name_or_path)
+    key = None
+    if where:
+        stat = Path(where["gguf_file"]).stat()
+        key = (kind, where["gguf_file"], stat.st_size, stat.st_mtime_ns, revision,
+               trust_remote_code)
+        if key in _GGUF_LOADED:
+            return copy.deepcopy(_GGUF_LOADED[key])
     try:
-        return AutoTokenizer.from_pretrained(name, revision=revision,
-                                             trust_remote_code=trust_remote_code, **where)
+        loaded = auto.from_pretrained(name, revision=revision,
+                                      trust_remote_code=trust_remote_code, **where)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise EyasError(_explain_load_error("tokenizer", str(name_or_path), err,
+        raise EyasError(_explain_load_error(kind, str(name_or_path), err,
                                             trust_remote_code)) from err
+    if key is not None:
+        _GGUF_LOADED[key] = copy.deepcopy(loaded)
+    return loaded
 
 
 # ----------------------------------------------------------------------------- model classes
