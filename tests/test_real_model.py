@@ -281,6 +281,7 @@ def test_gguf_config_and_tokenizer_are_parsed_once_and_handed_out_as_copies(smol
     import time
 
     first = load_tokenizer(smollm2_gguf)
+    load_config(smollm2_gguf)
     first.chat_template = "changed"
     start = time.perf_counter()
     again, config = load_tokenizer(smollm2_gguf), load_config(smollm2_gguf)
