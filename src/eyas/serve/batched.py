@@ -28,11 +28,11 @@ import contextlib
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from eyas.errors import EyasError
-from eyas.kernels.attention import attention
 from eyas.serve.speculate import (Generation, NgramDrafter, Proposal, Sampling, SpecStats,
                                   _cut, _finished, pick, verify)
 from eyas.target.taps import AuxTaps
@@ -170,18 +170,23 @@ class BatchEagle3Drafter:
         self.seen = [self.seen[r] for r in rows]
 
     def _layer(self, ids, hidden, positions, rows, write):
-        """One draft layer over queries (N,) of rows r at positions p: keys/values written
-        to slot (r, p) where `write`, attention over slots 0..p of row r -> pre-norm h."""
+        """One draft layer over queries (B*A,) of rows r at positions p, A per row: keys and
+        values written to slot (r, p) where `write`, attention over slots 0..p of row r
+        (SDPA with a mask: the shapes change every call, which compiled kernels would
+        recompile for) -> pre-norm h (B*A, H)."""
         draft = self.draft
         w = draft.layer_weights(hidden.device.type)
         q, k, v, residual = draft.project(ids, hidden, positions, w)
-        cap = self.keys.shape[1]
         self.keys[rows[write], positions[write]] = k[write].to(self.dtype)
         self.values[rows[write], positions[write]] = v[write].to(self.dtype)
-        lo = rows * cap
-        out = attention(q, self.keys.flatten(0, 1), self.values.flatten(0, 1), lo,
-                        lo + positions)
-        return draft.finish(out, residual, w)  # (N, H)
+        b, cap = self.keys.shape[:2]
+        a = q.shape[0] // b
+        slots = torch.arange(cap, device=q.device)
+        mask = slots[None, None, None] <= positions.view(b, 1, a, 1)  # (B, 1, A, C)
+        out = F.scaled_dot_product_attention(
+            q.view(b, a, *q.shape[1:]).transpose(1, 2), self.keys.transpose(1, 2).to(q.dtype),
+            self.values.transpose(1, 2).to(q.dtype), attn_mask=mask, enable_gqa=True)
+        return draft.finish(out.transpose(1, 2).reshape(q.shape), residual, w)  # (N, H)
 
     def _pick(self, logits: torch.Tensor, sampling: Sampling):
         """(B, Vd) draft logits -> target ids (B,) and, at T > 0, their distributions."""
