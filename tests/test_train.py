@@ -393,6 +393,8 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatc
     (dict(online=True, target="t", target_device_map="gpus"), "must be one of auto"),
     (dict(cuda_graph=True, compile=True), "exclude each other"),
     (dict(cuda_graph=True, device="cpu"), "needs --device cuda"),
+    (dict(loss="lk"), "--loss 'lk'"),
+    (dict(loss="lk-lambda", lk_kl_scale=2.0), "--lk-kl-scale must be in"),
 ])
 def test_config_errors_name_the_flag(kw, match):
     base = dict(data="d", out="o")
@@ -482,6 +484,25 @@ def test_cli_builds_the_config():
     cfg = parse_config("train", ["--data", "p", "--out", "r", "--online", "--target", "t",
                                  "--target-device-map", "auto"])
     assert cfg.online and cfg.target_device_map == "auto"
+
+
+def test_lk_loss_trains_through_the_cli_and_is_recorded(run_inputs, tmp_path):
+    """`eyas train --loss lk-lambda` through the whole loop: the loss falls, the objective is
+    in the manifest, the checkpoint is an ordinary draft (serving is unchanged)."""
+    from eyas.cli import parse_config
+    from eyas.store.manifest import read_manifest
+
+    run = tmp_path / "run"
+    cfg = parse_config("train", ["--data", str(run_inputs["captured"]), "--vocab",
+                                 str(run_inputs["vocab"]), "--out", str(run),
+                                 "--loss", "lk-lambda", "--lk-kl-decay", "2"])
+    assert (cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay) == ("lk-lambda", 1.0, 2.0)
+    train(_cfg(run_inputs, run, loss=cfg.loss, lk_kl_decay=cfg.lk_kl_decay, max_steps=8))
+    rows = _records(run, "train")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    config = read_manifest(run, step="train")["config"]
+    assert (config["loss"], config["lk_kl_decay"]) == ("lk-lambda", 2.0)
+    assert "fc.weight" in _weights(run, 8)
 
 
 def test_fp8_training_tracks_fp32(run_inputs, tmp_path):

@@ -400,6 +400,75 @@ def test_chunked_soft_ce_matches_autograd(chunk, indexed):
         assert not soft_cross_entropy(hidden, weight, teacher)[0].requires_grad
 
 
+def _lk_reference(logits, teacher, mode, kl_weight=None):
+    """LK losses written directly with autograd (the definitions, no hand-made gradient)."""
+    p, q = torch.softmax(teacher, -1), torch.softmax(logits, -1)
+    alpha = torch.minimum(p, q).sum(-1)
+    if mode == "alpha":
+        return -torch.log(alpha).sum()
+    ce = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    return (kl_weight * ce + (1 - kl_weight) * (1 - alpha)).sum()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", ["alpha", "lambda"])
+def test_lk_losses_chunked_match_autograd_of_their_definition(mode, compiled, monkeypatch):
+    """soft_cross_entropy(lk=...): loss, d hidden and d weight equal autograd through the
+    LK definitions (Samarin et al. 2026), over chunks and with rows weighted 0/1."""
+    import eyas.kernels.fused
+    from eyas.draft.loss import Lk, mean_acceptance
+
+    if compiled:
+        monkeypatch.setattr(eyas.kernels.fused, "COMPILE_DEVICES", {"cpu"})
+    torch.manual_seed(10)
+    hidden, weight = torch.randn(13, 16), torch.randn(21, 16)
+    teacher = torch.randn(13, 21) * 2
+    keep = torch.rand(13) < 0.7
+    w = torch.tensor(0.3)
+    lk = Lk("alpha") if mode == "alpha" else Lk("lambda", w)
+    loss, top1, d_hidden, d_weight = _soft_ce_and_grads(hidden, weight, lambda h, v: (
+        soft_cross_entropy(h, v, teacher, chunk=5, row_weight=keep, lk=lk)))
+    h2, w2 = (x.clone().requires_grad_() for x in (hidden, weight))
+    ref = _lk_reference((h2 @ w2.T)[keep], teacher[keep], mode, w)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(d_hidden, h2.grad)
+    torch.testing.assert_close(d_weight, w2.grad)
+    assert not d_hidden[~keep].any()
+    # the lambda weight's statistic: the mean acceptance over the counted rows
+    alpha = torch.minimum(torch.softmax(teacher, -1),
+                          torch.softmax(hidden @ weight.T, -1)).sum(-1)
+    torch.testing.assert_close(mean_acceptance(hidden, weight, teacher, row_weight=keep,
+                                               chunk=5), alpha[keep].mean())
+
+
+@pytest.mark.parametrize("name", ["lk-alpha", "lk-lambda"])
+def test_ttt_under_lk_losses_raises_the_acceptance_rate(name):
+    """25 Adam steps of 3-step TTT under an LK objective raise the mean expected acceptance
+    alpha of every step (read as 1 - the step loss of lk-lambda with KL weight 0)."""
+    from eyas.draft.loss import Objective
+
+    cfg = tiny_cfg()
+    draft, batch = make_draft(cfg, seed=3), packed_batch(cfg, [[20, 12], [32]], 32, seed=3)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+
+    def acceptance():
+        with torch.no_grad():
+            out = ttt_forward(draft, batch, lm_head, steps=3,
+                              objective=Objective("lk-lambda", kl_scale=0.0))
+        return 1 - out.step_loss
+
+    before = acceptance()
+    for _ in range(25):
+        loss = ttt_forward(draft, batch, lm_head, steps=3, objective=Objective(name)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = acceptance()
+    assert (after > before + 0.03).all(), (before, after)
+
+
 def _soft_ce_and_grads(hidden, weight, call):
     """call(h, w) -> (loss, top1) on fresh leaf copies of hidden and weight, backpropagated:
     (loss, top1, d hidden, d weight)."""

@@ -37,7 +37,7 @@ from eyas.draft import data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.draft.loss import chain_acceptance, simulated_acceptance_length
+from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
 from eyas.draft.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
                                     wrap)
@@ -89,6 +89,14 @@ class TrainConfig:
     grad_clip: float = option(0.5, "clip the global gradient norm to this (0 = off)")
     ttt_steps: int = option(7, "training-time-test steps (chained draft passes)")
     step_weight: float = option(0.8, "loss weight of TTT step j is step_weight**j")
+    loss: str = option("kl", "per-position objective of each TTT step: kl = soft cross-entropy "
+                       "against the target (EAGLE-3's); lk-alpha = -log of the expected "
+                       "acceptance rate; lk-lambda = KL and 1 - acceptance mixed by an "
+                       "adaptive weight (LK losses, arXiv 2602.23881; docs/train.md)",
+                       choices=OBJECTIVES)
+    lk_kl_scale: float = option(1.0, "lk-lambda: KL weight = scale * exp(-decay * mean "
+                                "acceptance of the step)")
+    lk_kl_decay: float = option(1.0, "lk-lambda: see --lk-kl-scale")
     lm_head: str = option("target", "initialise the draft lm_head from the target's rows of "
                                     "the draft vocab, or randomly", choices=("target", "scratch"))
     freeze_lm_head: bool = option(False, "keep the lm_head fixed (needs --lm-head target)")
@@ -149,6 +157,10 @@ class TrainConfig:
             (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}"),
             (self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}"),
             (0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}"),
+            (self.loss in OBJECTIVES, f"--loss {self.loss!r}: use one of {OBJECTIVES}"),
+            (0 <= self.lk_kl_scale <= 1 and self.lk_kl_decay >= 0,
+             f"--lk-kl-scale must be in [0, 1] and --lk-kl-decay >= 0 (the KL weight stays in "
+             f"[0, 1]), got {self.lk_kl_scale}, {self.lk_kl_decay}"),
             (0 <= self.eval_fraction < 1,
              f"--eval-fraction must be in [0, 1), got {self.eval_fraction}"),
             (not (self.freeze_lm_head and self.lm_head == "scratch"),
@@ -389,7 +401,8 @@ def train(cfg: TrainConfig) -> dict:
     draft, dcfg = build_draft(cfg, inputs, env)
     teacher = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht) frozen
     teacher = teacher.to(env.device, dtype)  # from the target's (maybe other) GPU to the draft's
-    model = wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8), cfg, env)
+    objective = Objective(cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay)
+    model = wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8, objective), cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
     params = [p for p in model.parameters() if p.requires_grad]

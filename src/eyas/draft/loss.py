@@ -15,6 +15,8 @@ chunk's fp32 math is fused by `eyas.kernels.fused.cuda_compiled` on CUDA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from eyas.kernels import fp8, fused
@@ -41,16 +43,107 @@ def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None, teacher_lse=No
     return loss, logits.argmax(dim=-1), None if grad is None else grad.to(logits.dtype)
 
 
+OBJECTIVES = ("kl", "lk-alpha", "lk-lambda")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What each TTT step minimises per position: "kl" (soft cross-entropy, EAGLE-3's),
+    "lk-alpha" or "lk-lambda" (LK losses; kl_scale, kl_decay: lk-lambda's KL weight)."""
+
+    name: str = "kl"
+    kl_scale: float = 1.0
+    kl_decay: float = 1.0
+
+    def __post_init__(self):
+        if self.name not in OBJECTIVES:
+            raise ValueError(f"loss {self.name!r}: use one of {OBJECTIVES}")
+
+    def for_step(self, mean_alpha) -> Lk | None:
+        """The Lk for soft_cross_entropy; mean_alpha: a function giving the step's mean
+        acceptance (called only for lk-lambda)."""
+        if self.name == "kl":
+            return None
+        if self.name == "lk-alpha":
+            return Lk("alpha")
+        return Lk("lambda", self.kl_scale * torch.exp(-self.kl_decay * mean_alpha()))
+
+
+@dataclass(frozen=True)
+class Lk:
+    """An LK objective for soft_cross_entropy: mode "alpha" (-log alpha) or "lambda" (KL and
+    1 - alpha mixed by kl_weight, a 0-d tensor: see the module docstring)."""
+
+    mode: str
+    kl_weight: torch.Tensor | None = None
+
+
+def _teacher_probs(teacher, teacher_lse):
+    return torch.softmax(teacher.float(), dim=-1) if teacher_lse is None else \
+        (teacher.float() - teacher_lse.float()[:, None]).exp()
+
+
+@cuda_compiled
+def _lk_chunk(logits, teacher, with_grad: bool, weight, teacher_lse, mode: str, kl_weight):
+    """_soft_ce_chunk for an LK objective: (summed loss, argmax, d loss / d logits)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)  # (c, Vd)
+    q, p = logq.exp(), _teacher_probs(teacher, teacher_lse)
+    alpha = torch.minimum(p, q).sum(-1)  # (c,) expected acceptance of each position
+    below = (q < p).float()
+    d_alpha = q * (below - (below * q).sum(-1, keepdim=True)) if with_grad else None
+    if mode == "alpha":  # -log alpha; a position with alpha 0 (underflow) adds nothing
+        alive = alpha > 0
+        safe = torch.where(alive, alpha, torch.ones_like(alpha))
+        rows = torch.where(alive, -torch.log(safe), torch.zeros_like(alpha))
+        grad = -(d_alpha / safe[:, None]) * alive.float()[:, None] if with_grad else None
+    else:
+        w = kl_weight.float()
+        rows = w * -(p * logq).sum(-1) + (1 - w) * (1 - alpha)
+        grad = w * (q - p) - (1 - w) * d_alpha if with_grad else None
+    if weight is not None:
+        rows = rows * weight.float()
+        grad = grad * weight.float()[:, None] if with_grad else None
+    return rows.sum(), logits.argmax(dim=-1), None if grad is None else grad.to(logits.dtype)
+
+
+@torch.no_grad()
+def mean_acceptance(hidden, weight, teacher, *, rows=None, row_weight=None, teacher_lse=None,
+                    chunk: int = 4096, n: int | None = None) -> torch.Tensor:
+    """The mean over counted rows of alpha = sum_i min(p_target, q_draft) (0-d fp32 tensor;
+    no host sync), for Lk("lambda")'s weight. Arguments as soft_cross_entropy's."""
+    n = (teacher.shape[0] if rows is None else rows.shape[0]) if n is None else n
+    w = weight.to(hidden.dtype)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        t = teacher[s: e] if rows is None else teacher[rows[s: e]]
+        lse = None if teacher_lse is None else \
+            teacher_lse[s: e] if rows is None else teacher_lse[rows[s: e]]
+        q = torch.softmax((hidden[s: e] @ w.t()).float(), dim=-1)
+        alpha = torch.minimum(_teacher_probs(t, lse), q).sum(-1)
+        total += (alpha if row_weight is None else alpha * row_weight[s: e].float()).sum()
+    count = n if row_weight is None else row_weight[:n].float().sum()
+    return total / torch.as_tensor(count, dtype=torch.float32, device=hidden.device).clamp(min=1)
+
+
 @cuda_compiled
 def row_logsumexp(x):
     """x (R, C) -> (R,) fp32 logsumexp of each row (one pass over x when compiled)."""
     return torch.logsumexp(x.float(), dim=-1)
 
 
-def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool, teacher_lse=None):
+def _chunk(logits, teacher, with_grad: bool, weight, grad_fp8: bool, teacher_lse=None,
+           lk: Lk | None = None):
     """_soft_ce_chunk -> (loss, argmax, gradient, its fp8 scale or None): on CUDA one Triton
     kernel (eyas.kernels.loss_kernels), which can also write the gradient as fp8 (`grad_fp8`, scaled
     by its bound 1); elsewhere the torch function, and the fp8 copy from eyas.kernels.fp8.quantize."""
+    if lk is not None:  # the torch function (compiled on CUDA); no fp8-gradient kernel
+        loss, pred, g = _lk_chunk(logits, teacher, with_grad, weight, teacher_lse, lk.mode,
+                                  lk.kl_weight)
+        if not grad_fp8 or g is None:
+            return loss, pred, g, None
+        g8, sg, _ = fp8.quantize(g, fp8.E5M2)  # |g| may exceed 1 here: scaled by its amax
+        return loss, pred, g8, sg
     if fused.use_kernels(logits) and logits.shape[0] and logits.stride(-1) == 1 \
             and teacher.stride(-1) == 1:
         from eyas.kernels import loss_kernels
@@ -69,11 +162,11 @@ class _ChunkedSoftCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, rows, chunk: int, grad_hidden: bool,
-                grad_weight: bool, packed, row_weight, teacher_lse, n: int):
+                grad_weight: bool, packed, row_weight, teacher_lse, n: int, lk):
         # hidden (>= n, H) compute dtype, its first n rows scored; weight (Vd, H) master
         # dtype; teacher (M, Vd) logits whose row rows[i] (or i when rows is None) is the
         # teacher of hidden row i; packed: the weight's eyas.kernels.fp8.Fp8Matrix for fp8 products,
-        # or None; row_weight (n,) or None; teacher_lse (M,) or None
+        # or None; row_weight (n,) or None; teacher_lse (M,) or None; lk: Lk or None (soft CE)
         w = weight.to(hidden.dtype) if packed is None else None  # what autocast would feed
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         top1 = torch.empty(n, dtype=torch.long, device=hidden.device)  # (n,)
@@ -91,19 +184,20 @@ class _ChunkedSoftCE(torch.autograd.Function):
             rw = None if row_weight is None else row_weight[s: e]
             if packed is None:
                 loss, pred, g, _ = _chunk(h @ w.t(), t, grad_hidden or grad_weight, rw, False,
-                                          lse)
+                                          lse, lk)
             else:
                 h8, sh, h8_t = fp8.quantize(h, transposed=grad_weight)
                 logits = fp8.mm(h8, sh, packed.w.t(), packed.scale, hidden.dtype)
                 # only dx needs it (frozen lm_head): the gradient straight to fp8
                 direct = grad_hidden and not grad_weight
                 loss, pred, g, sg = _chunk(logits, t, grad_hidden or grad_weight, rw, direct,
-                                           lse)
+                                           lse, lk)
                 if direct:
                     g8 = g
-                elif g is not None:  # softmax - p: every entry lies in [-1, 1], no amax pass
+                elif g is not None:  # softmax - p lies in [-1, 1], no amax pass (LK's not)
                     g8, sg, g8_t = fp8.quantize(g, fp8.E5M2, transposed=grad_weight,
-                                                bound=1.0, row_major=grad_hidden)
+                                                bound=None if lk else 1.0,
+                                                row_major=grad_hidden)
             total += loss
             top1[s: e] = pred
             if grad_hidden:  # g: d loss / d logits (c, Vd)
@@ -122,16 +216,17 @@ class _ChunkedSoftCE(torch.autograd.Function):
         d_hidden, d_weight = ctx.saved_tensors
         gh = d_hidden * grad_total.to(d_hidden.dtype) if d_hidden is not None else None
         gw = (d_weight * grad_total).to(ctx.weight_dtype) if d_weight is not None else None
-        return gh, gw, None, None, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None, None, None
 
 
 def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, *,
                        rows: torch.Tensor | None = None, chunk: int = 4096,
                        fp8_weight: Fp8Matrix | None = None,
                        row_weight: torch.Tensor | None = None,
-                       teacher_lse: torch.Tensor | None = None,
+                       teacher_lse: torch.Tensor | None = None, lk: Lk | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)`.
+    """Summed soft cross-entropy of `hidden @ weight.T` against `softmax(teacher)` (or, with
+    `lk`, the LK objective of the module docstring).
 
     hidden (n, H): the draft's post-norm hidden states; weight (Vd, H): its lm_head;
     teacher (M, Vd): target logits over the draft vocabulary, row `rows[i]` for hidden row i
@@ -155,7 +250,7 @@ def soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, teacher: torc
     return _ChunkedSoftCE.apply(hidden, weight, teacher, rows, max(1, int(chunk)),
                                 grad_on and hidden.requires_grad,
                                 grad_on and weight.requires_grad, fp8_weight, row_weight,
-                                teacher_lse, n_teacher)
+                                teacher_lse, n_teacher, lk)
 
 
 def simulated_acceptance_length(step_acc) -> float:

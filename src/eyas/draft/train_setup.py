@@ -20,6 +20,7 @@ from eyas.kernels import fp8
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
+from eyas.draft.loss import Objective
 from eyas.draft.ttt import ttt_forward
 
 # TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
@@ -128,18 +129,20 @@ class TTTModule(torch.nn.Module):
     """The draft plus its teacher head as one forward, so DDP and FSDP2 see a single call per
     micro-batch (TTT runs the draft layer `ttt_steps` times inside it)."""
 
-    def __init__(self, draft, teacher: torch.Tensor, steps: int, fp8: bool = False):
+    def __init__(self, draft, teacher: torch.Tensor, steps: int, fp8: bool = False,
+                 objective: Objective = Objective()):
         super().__init__()
         self.draft = draft
         self.teacher = teacher  # (Vd, Ht) frozen; a plain attribute: never synced or sharded
         self.steps = steps
         self.fp8 = fp8
+        self.objective = objective
 
     def forward(self, batch, plan=None, record_hits: bool = False):
         # fp8 for training only: eval (no grad) measures the model as it is served, in bf16
         fp8 = self.fp8 and torch.is_grad_enabled()
         return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=fp8,
-                           plan=plan, record_hits=record_hits)
+                           plan=plan, record_hits=record_hits, objective=self.objective)
 
 
 def wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:

@@ -19,7 +19,8 @@ from eyas.kernels.attention import attention, causal_attention
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.kernels.fp8 import Fp8Matrix
 from eyas.kernels.fused import cuda_compiled
-from eyas.draft.loss import row_logsumexp, simulated_acceptance_length, soft_cross_entropy
+from eyas.draft.loss import (Objective, mean_acceptance, row_logsumexp,
+                             simulated_acceptance_length, soft_cross_entropy)
 
 
 @dataclass
@@ -211,7 +212,7 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool,
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
                 steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
                 prune: bool = True, fp8: bool = False, plan: TTTPlan | None = None,
-                record_hits: bool = False) -> TTTOutput:
+                record_hits: bool = False, objective: Objective = Objective()) -> TTTOutput:
     """Training-time test: `steps` chained draft passes over a packed batch, one loss.
 
     target_lm_head: (V, Ht) or its draft-vocab rows (Vd, Ht). vocab_chunk: rows per chunk of
@@ -272,7 +273,7 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
         loss_sum, right = _step_loss(draft, plan, j, rows, h, (teacher, teacher_lse), head,
                                      head_fp8, top1_draft, vocab_chunk,
-                                     None if hits is None else hits[j])
+                                     None if hits is None else hits[j], objective)
         sums.append(loss_sum)
         correct.append(right)
         rows_per_step.append(rows.numel())
@@ -292,7 +293,7 @@ def _head(draft: Eagle3Draft, dtype: torch.dtype, fp8: bool):
 
 
 def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_lse, head,
-               head_fp8, top1_draft, chunk: int, record=None):
+               head_fp8, top1_draft, chunk: int, record=None, objective=Objective()):
     """Step j's soft CE summed over its loss positions, against the teacher at rows + 1 + j,
     and how many of them the draft's top-1 gets right. h (n, H) pre-norm at `rows`;
     teacher_and_lse: the teacher logits (N, Vd) and their row logsumexps (N,). record (N,)
@@ -305,9 +306,12 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
         # passed whole, not sliced: a slice's backward is a zero fill and a copy)
         n = max(0, min(rows.numel(), teacher.shape[0] - 1 - j - at))  # 0: a batch <= j+1 long
         counted, t = plan.valid[j, at: at + n], slice(at + 1 + j, at + 1 + j + n)
-        loss, pred = soft_cross_entropy(draft.norm(h), head, teacher[t], chunk=chunk,
+        normed = draft.norm(h)
+        lk = objective.for_step(lambda: mean_acceptance(
+            normed, head, teacher[t], row_weight=counted, teacher_lse=lse[t], chunk=chunk))
+        loss, pred = soft_cross_entropy(normed, head, teacher[t], chunk=chunk,
                                         fp8_weight=head_fp8, row_weight=counted,
-                                        teacher_lse=lse[t])
+                                        teacher_lse=lse[t], lk=lk)
         right = (pred == top1_draft[t]) & counted
         if record is not None:
             record[at: at + n] = right
@@ -318,8 +322,11 @@ def _step_loss(draft: Eagle3Draft, plan: TTTPlan, j: int, rows, h, teacher_and_l
     at = plan.first[steps + j]
     t = slice(None) if at is None else slice(at + 1 + j, at + 1 + j + n_valid)
     teach_rows = teach if at is None else None  # a run: views, no gather
-    loss, pred = soft_cross_entropy(draft.norm(_take(h, here)), head, teacher[t], rows=teach_rows,
-                                    chunk=chunk, fp8_weight=head_fp8, teacher_lse=lse[t])
+    normed = draft.norm(_take(h, here))
+    lk = objective.for_step(lambda: mean_acceptance(
+        normed, head, teacher[t], rows=teach_rows, teacher_lse=lse[t], chunk=chunk))
+    loss, pred = soft_cross_entropy(normed, head, teacher[t], rows=teach_rows, chunk=chunk,
+                                    fp8_weight=head_fp8, teacher_lse=lse[t], lk=lk)
     right = pred == top1_draft[teach]
     if record is not None:
         record[teach - 1 - j] = right
