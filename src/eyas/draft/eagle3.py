@@ -19,7 +19,9 @@ is shared and frozen: it is a non-persistent buffer, so it is never saved or exp
 
 Attention has one path, `eyas.kernels.attention.attention()`: query n sees keys `lo[n]..hi[n]` of
 one key sequence (causal within its packed document, or cache + causal at eval) plus, during
-TTT, the keys its own position produced at earlier steps. The training forward,
+TTT, the keys its own position produced at earlier steps (eval's batched drafter,
+eyas.serve.batched, runs this layer's pieces over a per-row cache through SDPA with a slot
+mask instead: its shapes change at every call). The training forward,
 `eyas.draft.ttt.ttt_forward`, chains this layer's pieces (`fuse`, `project`, `attention`,
 `finish`); docs/draft.md has the math and the shift convention.
 

@@ -1,0 +1,130 @@
+"""The recipe ablation of issue 23 on a real target: same data, same steps, one variant at a
+time, each trained, exported and measured by `eyas eval` (held-out prompts, k = 1..7).
+
+    python benchmarks/recipe.py --work run --data realdata --target smol.gguf \
+        --variants eagle3,eagle3.1,eagle3-lk,eagle3.1-lk,eagle3-ttt3 --out recipe-h200.json
+
+`--work` is a benchmarks/real_model.py work folder (its captured/, vocab/ and prepared/ are
+reused: no regeneration or capture per variant). Per variant: `eyas train` with the
+variant's flags on top of the shared ones, `eyas export`, then `eyas eval` on the prepared
+eval split (in-distribution) and on heldout.jsonl. The JSON holds per variant training
+tokens/s, training's replayed AL, and per split the measured AL and per-position acceptance
+for every k, with 95 % intervals; the markdown table compares each variant's mean AL over
+k with the first variant's (issue 23's goal: +7 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from real_model import _best_eval, run  # noqa: E402  (the same CLI runner and records)
+
+VARIANTS = {  # name -> eyas train flags on top of the shared ones
+    "eagle3": [],
+    "eagle3.1": ["--norm-before-fc", "--norm-output"],
+    "eagle3-lk": ["--loss", "lk-lambda"],
+    "eagle3-lk-alpha": ["--loss", "lk-alpha"],
+    "eagle3.1-lk": ["--norm-before-fc", "--norm-output", "--loss", "lk-lambda"],
+    "eagle3-ttt3": ["--ttt-steps", "3"],
+}
+
+
+def _train_speed(run_dir: Path) -> float | None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    speeds = [r["tokens_per_s"] for r in rows if r.get("kind") == "train"][1:]  # no warm-up
+    return round(sum(speeds) / len(speeds), 1) if speeds else None
+
+
+def _measured(report: dict) -> dict:
+    out = {}
+    for r in report["results"]:
+        if r["method"] == "eagle3":
+            out[str(r["k"])] = {"al": r["mean_acceptance_length"],
+                                "per_position": r["per_position_acceptance"],
+                                "speedup": r["speedup"],
+                                "ci95": report["ci95"].get(str(r["k"]))}
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", required=True, help="benchmarks/real_model.py work folder")
+    p.add_argument("--data", required=True, help="benchmarks/real_data.py output folder")
+    p.add_argument("--target", required=True)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--k", default="1,2,3,4,5,6,7")
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--indist-prompts", type=int, default=160)
+    p.add_argument("--heldout-prompts", type=int, default=200)
+    p.add_argument("--eval-batch", type=int, default=64)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    work, data = Path(a.work), Path(a.data)
+    log = work / "recipe-log.txt"
+    results = {}
+    for name in a.variants.split(","):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}: use some of {sorted(VARIANTS)}")
+        base = work / f"recipe-{name}"
+        t0 = time.perf_counter()
+        run("train", "--data", work / "captured", "--vocab", work / "vocab", "--out",
+            base / "run", "--epochs", a.epochs, "--batch-tokens", a.batch_tokens, "--lr", a.lr,
+            "--eval-every", 200, "--save-every", 200, *VARIANTS[name], log=log,
+            out=base / "run")
+        train_s = time.perf_counter() - t0
+        run("export", "--checkpoint", base / "run", "--out", base / "draft", log=log,
+            out=base / "draft")
+        ev = ["--target", a.target, "--draft", base / "draft", "--k", a.k, "--max-new-tokens",
+              a.eval_tokens, "--dtype", "float32", "--batch-size", a.eval_batch]
+        run("eval", *ev, "--data", work / "prepared", "--split", "eval", "--num-prompts",
+            a.indist_prompts, "--out", base / "eval-indist", log=log, out=base / "eval-indist")
+        run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts,
+            "--out", base / "eval-heldout", log=log, out=base / "eval-heldout")
+        best = _best_eval(base / "run")
+        results[name] = {
+            "flags": VARIANTS[name], "train_s": round(train_s, 1),
+            "train_tokens_per_s": _train_speed(base / "run"),
+            "training_replayed_al": best.get("chain", {}).get("acceptance_length"),
+            **{split: _measured(json.loads((base / f"eval-{split}/report.json").read_text()))
+               for split in ("indist", "heldout")}}
+        Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
+    result = _result(a, results)
+    print(markdown(result))
+    return result
+
+
+def _result(a, results: dict) -> dict:
+    return {"benchmark": "recipe", "target": a.target, "work": a.work, "epochs": a.epochs,
+            "batch_tokens": a.batch_tokens, "lr": a.lr, "k": a.k,
+            "command": " ".join(["python", "benchmarks/recipe.py", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%d"), "variants": results}
+
+
+def markdown(result: dict) -> str:
+    """One row per variant: held-out AL per k, mean over k and its change from the first."""
+    variants = result["variants"]
+    ks = result["k"].split(",")
+    lines = ["| variant | train tok/s | " + " | ".join(f"AL k={k}" for k in ks)
+             + " | mean | vs first |", "|---|---:|" + "---:|" * (len(ks) + 2)]
+    first = None
+    for name, v in variants.items():
+        als = [v["heldout"].get(k, {}).get("al") or 0.0 for k in ks]
+        mean = sum(als) / len(als)
+        first = mean if first is None else first
+        lines.append(f"| {name} | {v['train_tokens_per_s']} | "
+                     + " | ".join(f"{x:.3f}" for x in als)
+                     + f" | {mean:.3f} | {100 * (mean / first - 1):+.1f} % |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
