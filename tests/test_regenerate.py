@@ -490,3 +490,29 @@ def test_reasoning_switch_reaches_the_chat_template(setup):
     off = gen.tokenizer.decode(gen.render(messages, {"enable_thinking": False}))
     assert off.endswith("<think>\n\n</think>\n\n")
     assert "<think>" not in gen.tokenizer.decode(gen.render(messages, {}))
+
+
+def test_a_batch_out_of_gpu_memory_is_split_after_its_memory_is_freed():
+    """A batch that runs out of GPU memory is retried in halves, and the retry starts only
+    once the failed call's tensors are gone (the exception's traceback would keep its
+    frames, and so its activations, alive: each half would then fail too)."""
+    import weakref
+
+    from eyas.serve.openai_server import Generation, LocalGenerator
+
+    gen = LocalGenerator.__new__(LocalGenerator)  # no model: only the splitting is tested
+    failed, sizes = [], []
+
+    def fake(prompts, max_new_tokens, temperature, top_p):
+        assert all(ref() is None for ref in failed), "a failed batch's tensors are still alive"
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            activations = torch.zeros(8)
+            failed.append(weakref.ref(activations))
+            raise torch.cuda.OutOfMemoryError("fake")
+        return [Generation(f"answer {p[0]}", "stop", 1) for p in prompts]
+
+    gen._generate = fake
+    out = gen.generate([[i] for i in range(5)], 4)
+    assert [g.text for g in out] == [f"answer {i}" for i in range(5)]
+    assert sizes == [5, 2, 3, 1, 2] and len(failed) == 2

@@ -112,13 +112,15 @@ class LocalGenerator:
         try:
             return self._generate(prompts, max_new_tokens, temperature, top_p)
         except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            if len(prompts) == 1:
-                return [Generation("", "out_of_memory")]
-            half = len(prompts) // 2
-            log.warning("out of GPU memory with %d prompts; splitting the batch", len(prompts))
-            return (self.generate(prompts[:half], max_new_tokens, temperature, top_p)
-                    + self.generate(prompts[half:], max_new_tokens, temperature, top_p))
+            pass  # retried below, outside this block: the exception's traceback holds the
+            # failed forward's frames and so its activations, which must be freed first
+        torch.cuda.empty_cache()
+        if len(prompts) == 1:
+            return [Generation("", "out_of_memory")]
+        half = len(prompts) // 2
+        log.warning("out of GPU memory with %d prompts; splitting the batch", len(prompts))
+        return (self.generate(prompts[:half], max_new_tokens, temperature, top_p)
+                + self.generate(prompts[half:], max_new_tokens, temperature, top_p))
 
     def _config(self, max_new_tokens: int, temperature: float, top_p: float):
         from transformers import GenerationConfig
