@@ -1,0 +1,140 @@
+"""An eyas-exported EAGLE-3 draft served by a real vLLM, acceptance counted by vLLM itself
+(issue 24), beside `eyas eval`'s measurement on the same prompts.
+
+    python benchmarks/vllm_serve.py --target smol.gguf --draft run/draft \
+        --data run/prepared --split eval --num-prompts 160 --max-new-tokens 96 --k 3,6 \
+        --eyas-report run/eval-indist/report.json --json vllm-serve-h200.json
+
+Prompts are rendered by eyas's own eval code (eyas.evaluate.load_prompts: the same chat
+template, variables and order as `eyas eval --data ...`) and handed to vLLM as token ids.
+Per k a fresh `vllm.LLM` (greedy, enforce_eager, stats on) generates them with
+`speculative_config={"method": "eagle3", ...}`; vLLM's counters (spec_decode_num_drafts,
+..._num_accepted_tokens, ..._num_accepted_tokens_per_pos) give its mean acceptance length
+and per-position rates. A run without speculation gives the reference outputs: every
+speculative output must equal it. A .gguf target is first saved as a Hugging Face folder
+(vLLM 0.24 core reads no GGUF). Needs vLLM (>= 0.22); on the lent H200 see docs/export.md
+("A real vLLM, offline") for the wheels and the environment it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_NO_USAGE_STATS", "1"),
+                   ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+    os.environ.setdefault(key, value)  # before vLLM is imported (its engine process reads them)
+
+
+def hf_folder(target: str, out: Path, dtype: str) -> str:
+    """`target` itself, or for a .gguf file a de-quantized Hugging Face folder in `out` (in
+    `dtype`: float32 keeps the logits of eyas's float32 eval bit for bit)."""
+    if not target.endswith(".gguf"):
+        return target
+    if (out / "config.json").is_file():
+        return str(out)
+    import torch
+
+    from eyas.target.models import load_target, load_tokenizer
+
+    model, _ = load_target(target, dtype=dtype, device="cpu")
+    model.hf_quantizer = None  # the weights are de-quantized; transformers would refuse to save
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    load_tokenizer(target).save_pretrained(out)
+    return str(out)
+
+
+def counters(llm) -> dict:
+    """vLLM's speculative-decoding counters summed: drafts, accepted, accepted per position."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    got = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_pos": None}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(m, Vector):
+            got["per_pos"] = [a + b for a, b in zip(got["per_pos"] or [0] * len(m.values),
+                                                    m.values)]
+        elif m.name.startswith("vllm:spec_decode_") and isinstance(m, Counter):
+            key = m.name.removeprefix("vllm:spec_decode_")
+            if key in got:
+                got[key] += m.value
+    return got
+
+
+def generate(target_dir: str, prompts, max_new_tokens: int, ignore_eos: bool, dtype: str,
+             draft=None, k: int = 0):
+    from vllm import LLM, SamplingParams
+
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None
+    llm = LLM(model=target_dir, enforce_eager=True, disable_log_stats=False, seed=0,
+              gpu_memory_utilization=0.4, speculative_config=spec, dtype=dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p.ids.tolist()} for p in prompts], params)
+    seconds = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    stats = counters(llm) if draft else None
+    del llm
+    return tokens, seconds, stats
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True, help="an `eyas export` folder (vLLM format)")
+    p.add_argument("--data", required=True, help="as `eyas eval --data`")
+    p.add_argument("--split", default="eval")
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", default="3")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--eyas-report", default=None, help="an `eyas eval` report.json to set beside")
+    p.add_argument("--hf-dir", default="/tmp/vllm-target", help="where a .gguf is converted")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="target (and draft) dtype in vLLM; eyas eval's report should match")
+    p.add_argument("--json", required=True)
+    a = p.parse_args(argv)
+
+    from eyas.evaluate import EvalConfig, load_prompts
+    from eyas.target.models import load_tokenizer
+
+    ks = [int(k) for k in a.k.split(",")]
+    cfg = EvalConfig(target=a.target, data=a.data, out="(none)", split=a.split,
+                     num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens, k=tuple(ks))
+    prompts, _ = load_prompts(cfg, load_tokenizer(a.target))
+    target_dir = hf_folder(a.target, Path(a.hf_dir), a.dtype)
+    import vllm
+
+    reference, base_s, _ = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
+                                    a.dtype)
+    eyas = json.loads(Path(a.eyas_report).read_text()) if a.eyas_report else None
+    mine = {r["k"]: r for r in (eyas or {}).get("results", []) if r["method"] == "eagle3"}
+    per_k = {}
+    for k in ks:
+        tokens, seconds, c = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
+                                      a.dtype, a.draft, k)
+        n = c["num_drafts"]
+        per_k[str(k)] = {
+            "vllm_al": round(1 + c["num_accepted_tokens"] / n, 4) if n else None,
+            "vllm_per_position": [round(x / n, 4) for x in c["per_pos"]] if n else None,
+            "vllm_drafts": n, "vllm_seconds": round(seconds, 2),
+            "vllm_speedup": round(base_s / seconds, 3),
+            "same_outputs_as_no_speculation": sum(t == r for t, r in zip(tokens, reference)),
+            "eyas_eval_al": mine.get(k, {}).get("mean_acceptance_length"),
+            "eyas_eval_per_position": mine.get(k, {}).get("per_position_acceptance")}
+    result = {"benchmark": "vllm-serve", "vllm_version": vllm.__version__, "target": a.target,
+              "draft": a.draft, "data": a.data, "prompts": len(prompts),
+              "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "date": time.strftime("%Y-%m-%d"),
+              "per_k": per_k, "plugin_wrapper_served": None,
+              "plugin_note": "not exercised by this script (issue 24 part 2)"}
+    Path(a.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in another process
+    main()
