@@ -132,3 +132,14 @@ def test_sampling_in_a_batch_keeps_the_targets_law(llama, draft):
             llama.lm_head.weight.div_(0.02)
     tv = 0.5 * (counts / counts.sum() - first).abs().sum()
     assert tv < 0.5 * (first.numel() / 600) ** 0.5, tv  # ~ the sampling noise of 600 draws
+
+
+def test_batched_on_a_remote_code_wrapper(kimi_like_dir, prompts):
+    """The Kimi-K2.5-like remote-code wrapper (DeepSeek-V3 decoder inside): batched n-gram
+    decoding equals batch 1."""
+    model, info = load_target(kimi_like_dir, dtype="float32", trust_remote_code=True)
+    layers, norm = submodule(model, info.layers_path), submodule(model, info.norm_path)
+    single = _one_by_one(TargetRunner(model, layers, norm), NgramDrafter(1, 3), prompts, 3, 12)
+    got = generate_batch(BatchTarget(model, layers, norm), BatchNgramDrafter(1, 3), prompts, 3,
+                         12, NO_STOP, Sampling())
+    _same(got, single)
