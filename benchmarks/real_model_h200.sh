@@ -28,10 +28,10 @@ timeout 480 python3 benchmarks/eval.py --target $W/smol.gguf --draft $W/run/draf
     --batch-sizes 32,1 --json "$R/eval-batched-h200.json" > "$R/eval_bench.out" 2>&1
 stage "eval benchmark rc $?"
 
-stage "regenerate benchmark: generate, padded"
-timeout 300 python3 benchmarks/regenerate.py --target $W/smol.gguf \
+stage "regenerate benchmark: generate, padded, lookup"
+timeout 420 python3 benchmarks/regenerate.py --target $W/smol.gguf \
     --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
-    --modes generate,padded --dtype float32 --json "$R/regenerate-h200.json" \
+    --modes generate,padded,lookup --dtype float32 --json "$R/regenerate-h200.json" \
     > "$R/regen_bench.out" 2>&1
 stage "regenerate benchmark rc $?"
 stage "regenerate benchmark: continuous"

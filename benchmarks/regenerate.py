@@ -2,14 +2,15 @@
 
     python benchmarks/regenerate.py --target SmolLM2-135M-Instruct.Q4_1.gguf \
         --data realdata/train.jsonl --rows 1024 --new-tokens 256 --batch-size 256 \
-        --modes generate,padded,continuous --json regenerate-h200.json
+        --modes generate,padded,lookup,continuous --json regenerate-h200.json
 
 Every mode answers the same first `--rows` prompt-only rows (greedy, `--new-tokens` at most):
 
 - generate: the baseline, `model.generate` on left-padded batches of `--batch-size` rows in
   input order (what a script calling transformers does), the model loaded once beforehand;
-- padded / continuous: `eyas regenerate --batching MODE` end to end in this process (writing
-  its outputs and manifest included; the model load is timed apart and left out).
+- padded / continuous / lookup: `eyas regenerate --batching MODE` end to end in this
+  process (writing its outputs and manifest included; the model load is timed apart and
+  left out).
 
 Reported per mode: seconds, rows/s, generated tokens/s (the answers' tokens, counted with the
 target's tokenizer), and how many answers equal the baseline's text (greedy: all of them, up
@@ -116,7 +117,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--modes", default="generate,padded,continuous")
+    p.add_argument("--modes", default="generate,padded,lookup,continuous")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None)

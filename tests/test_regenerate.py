@@ -234,13 +234,15 @@ def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
     assert "unknown role 'robot'" in reasons["bad-role"]
 
 
-def test_continuous_batching_gives_the_same_answers(setup, local_run, tmp_path):
-    """Padded batches (the default) and transformers' continuous batching both equal the
-    plain generate reference row for row, so they equal each other (T=0)."""
+@pytest.mark.parametrize("batching", ["continuous", "lookup"])
+def test_other_batchings_give_the_same_answers(setup, local_run, tmp_path, batching):
+    """Padded batches (the default), transformers' continuous batching and prompt-lookup
+    speculative batches all equal the plain generate reference row for row, so they equal
+    each other (T=0)."""
     assert json.loads((local_run[0] / "eyas.json").read_text())["config"]["batching"] == \
         "padded"
-    out = tmp_path / "continuous"
-    regenerate(_cfg(setup, out, batching="continuous"))
+    out = tmp_path / batching
+    regenerate(_cfg(setup, out, batching=batching))
     _check_outputs(setup, out)
     assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
 

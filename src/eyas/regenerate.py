@@ -81,7 +81,9 @@ class RegenerateConfig:
                            "of --batch-size (length-sorted); continuous = transformers' "
                            "continuous batching (--batch-size x 8 prompts per call, a paged "
                            "KV cache for --batch-size of them at once; not measured faster "
-                           "yet: docs/regenerate.md)", choices=BATCHING)
+                           "yet: docs/regenerate.md); lookup = padded batches decoded with "
+                           "prompt-lookup speculation, each row accepting its own drafts "
+                           "(same answers at temperature 0; top_p 1 only)", choices=BATCHING)
     dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's; "
                         "float32 on CPU)",
                         choices=("auto", "bfloat16", "float16", "float32"))

@@ -65,7 +65,8 @@ def stop_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-BATCHING = ("continuous", "padded")
+BATCHING = ("continuous", "padded", "lookup")
+LOOKUP_K = 4  # drafts per step of --batching lookup (prompt lookup, 2..4-token suffixes)
 CB_BLOCK_TOKENS = 256  # tokens per block of transformers' paged cache (its default)
 
 
@@ -75,8 +76,12 @@ class LocalGenerator:
     batching "continuous": transformers' continuous batching (`model.generate_batch`: a paged
     KV cache where a finished row frees its room for the next prompt at once, so a batch never
     waits for its longest answer); "padded": left-padded batches through `model.generate`,
-    which run until their longest row ends. Greedy outputs are the same (tests). Models
-    without `generate_batch` (some remote code) or spread over several devices use padded.
+    which run until their longest row ends; "lookup": prompt-lookup speculative decoding of
+    the whole batch (eyas.serve.batched with the n-gram drafter: each row accepts its own
+    drafts and leaves the batch when done; exact at any temperature, top_p 1 only, and the
+    generation config's other sampling options, e.g. repetition_penalty, are not applied).
+    Greedy outputs are the same (tests). Models without `generate_batch` (some remote code)
+    or spread over several devices use padded instead of continuous.
     """
 
     def __init__(self, model, tokenizer, batching: str = "padded", concurrency: int = 64):
@@ -140,7 +145,26 @@ class LocalGenerator:
     def _generate(self, prompts, max_new_tokens, temperature, top_p) -> list[Generation]:
         if self.batching == "continuous":
             return self._generate_continuous(prompts, max_new_tokens, temperature, top_p)
+        if self.batching == "lookup" and top_p == 1.0:
+            return self._generate_lookup(prompts, max_new_tokens, temperature)
         return self._generate_padded(prompts, max_new_tokens, temperature, top_p)
+
+    def _generate_lookup(self, prompts, max_new_tokens, temperature) -> list[Generation]:
+        import torch
+
+        from eyas.serve.batched import BatchNgramDrafter, BatchTarget, generate_batch
+        from eyas.serve.speculate import Sampling
+        from eyas.target.models import inspect_model, submodule
+
+        info = inspect_model(self.model)
+        target = BatchTarget(self.model, submodule(self.model, info.layers_path),
+                             submodule(self.model, info.norm_path))
+        # sampling: a generator seeded from the global one (which --seed seeds)
+        gen = torch.Generator(device=target.device).manual_seed(
+            int(torch.randint(2**62, (1,)))) if temperature > 0 else None
+        done = generate_batch(target, BatchNgramDrafter(2, 4), [torch.tensor(p) for p in prompts],
+                              LOOKUP_K, max_new_tokens, self.stop_ids, Sampling(temperature, gen))
+        return [self._result(g.tokens) for g in done]
 
     def _generate_continuous(self, prompts, max_new_tokens, temperature,
                              top_p) -> list[Generation]:
