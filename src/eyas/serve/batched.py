@@ -24,18 +24,14 @@ A batch drafter has `aux_layer_ids`, `begin(rows, capacity)`, `select(rows)` and
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from eyas.errors import EyasError
-from eyas.serve.speculate import (Generation, NgramDrafter, Proposal, Sampling, SpecStats,
-                                  _cut, _finished, pick, verify)
-from eyas.target.taps import AuxTaps
+from eyas.serve.speculate import (Eagle3Drafter, Generation, NgramDrafter, Proposal, Sampling,
+                                  SpecStats, TargetRunner, _cut, _finished, pick, verify)
 
 
 class BatchTarget:
@@ -43,39 +39,27 @@ class BatchTarget:
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module,
                  aux_layer_ids: tuple[int, ...] = ()):
-        self.model = model
-        self.device = model.get_input_embeddings().weight.device
-        self.aux_layer_ids = tuple(aux_layer_ids)
-        self.taps = AuxTaps(layers, final_norm, self.aux_layer_ids, len(layers), final=False)
-        params = inspect.signature(model.forward).parameters
-        self._can_trim_logits = "logits_to_keep" in params
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self.cache = None
+        # the batch-1 runner's model call (its cache, aux taps and argument names), fed
+        # (B, T) ids with a mask and position ids
+        self.runner = TargetRunner(model, layers, final_norm, aux_layer_ids)
+        self.device = self.runner.device
+        self.aux_layer_ids = self.runner.aux_layer_ids
         self.mask = None  # (B, L) bool: slot counts for its row
         self.lengths = None  # (B,) int64: live tokens per row (the next position id)
         self._block = None  # (B,) lengths of the last step's blocks
 
     def _forward(self, ids, mask, positions, aux: bool, last_only: bool):
-        kwargs = {self._cache_arg: self.cache, "use_cache": True}
-        if last_only and self._can_trim_logits:
-            kwargs["logits_to_keep"] = 1
-        capture = aux and bool(self.aux_layer_ids)
-        with self.taps.attached() if capture else contextlib.nullcontext():
-            out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
-                             **kwargs)
-        cache = out.get("cache")
-        self.cache = cache if cache is not None else out.get("past_key_values")
-        logits = out.logits[:, -1:] if last_only else out.logits
-        states = None
-        if capture:  # (B*T, n, Ht) -> (B, T, n*Ht)
-            states = self.taps.collect(self.device)[0].flatten(1).view(*ids.shape, -1)
+        logits, states = self.runner.run(ids, last_only, aux, attention_mask=mask.long(),
+                                         position_ids=positions)
+        if states is not None:  # (B*T, n*Ht) -> (B, T, n*Ht)
+            states = states.view(*ids.shape, -1)
         return logits.float(), states
 
     @torch.inference_mode()
     def start(self, prompts: list[torch.Tensor], aux: bool = False):
         """Prefill the prompts, left-padded -> (last logits (B, V) fp32, per row the aux
         states of its prompt (n_r, n*Ht), or None)."""
-        self.cache = None
+        self.runner.reset()
         n = torch.tensor([len(p) for p in prompts])
         width = int(n.max())
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -118,7 +102,7 @@ class BatchTarget:
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (in this order)."""
         index = torch.tensor(rows, device=self.device)
-        self.cache.batch_select_indices(index)
+        self.runner.cache.batch_select_indices(index)
         self.mask, self.lengths = self.mask[index], self.lengths[index]
 
 
@@ -147,13 +131,9 @@ class BatchEagle3Drafter:
     whatever an earlier round's chain left beyond p is never read and is overwritten."""
 
     def __init__(self, draft, device: torch.device | str):
-        self.draft = draft
-        self.device = torch.device(device)
-        self.aux_layer_ids = tuple(draft.cfg.aux_layer_ids)
-        self.dtype = next(draft.parameters()).dtype
-        ids = torch.arange(draft.d2t.shape[0], device=draft.d2t.device)
-        self.draft_to_target = draft.to_target_ids(ids).to(self.device)  # (Vd,)
-        self.vocab_size = int(draft.t2d.shape[0])
+        self.one = Eagle3Drafter(draft, device)  # its vocabulary maps, for every row
+        self.draft, self.device = draft, self.one.device
+        self.aux_layer_ids, self.dtype = self.one.aux_layer_ids, self.one.dtype
         self.keys = self.values = None  # (B, C, hkv, d)
         self.seen: list[int] = []
 
@@ -191,12 +171,8 @@ class BatchEagle3Drafter:
     def _pick(self, logits: torch.Tensor, sampling: Sampling):
         """(B, Vd) draft logits -> target ids (B,) and, at T > 0, their distributions."""
         if sampling.temperature == 0:
-            return self.draft_to_target[logits.argmax(-1)].tolist(), None
-        picked = []
-        for row in logits:
-            full = row.new_full((self.vocab_size,), float("-inf"))
-            full[self.draft_to_target] = row
-            picked.append(pick(full, sampling))
+            return self.one.draft_to_target[logits.argmax(-1)].tolist(), None
+        picked = [pick(self.one.target_logits(row), sampling) for row in logits]
         return [t for t, _ in picked], [p for _, p in picked]
 
     @torch.inference_mode()

@@ -99,6 +99,7 @@ class LocalGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.lock = threading.Lock()  # held by callers that share this generator across threads
         self.stop_ids = stop_token_ids(model, tokenizer)
+        self._batch_target = None  # batching "lookup": made at its first batch
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.stop_ids)
 
@@ -156,9 +157,11 @@ class LocalGenerator:
         from eyas.serve.speculate import Sampling
         from eyas.target.models import inspect_model, submodule
 
-        info = inspect_model(self.model)
-        target = BatchTarget(self.model, submodule(self.model, info.layers_path),
-                             submodule(self.model, info.norm_path))
+        if self._batch_target is None:
+            info = inspect_model(self.model)
+            self._batch_target = BatchTarget(self.model, submodule(self.model, info.layers_path),
+                                             submodule(self.model, info.norm_path))
+        target = self._batch_target
         # sampling: a generator seeded from the global one (which --seed seeds)
         gen = torch.Generator(device=target.device).manual_seed(
             int(torch.randint(2**62, (1,)))) if temperature > 0 else None

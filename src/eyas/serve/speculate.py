@@ -190,23 +190,31 @@ class TargetRunner:
     def reset(self) -> None:
         self.cache = None  # the first forward lets the model build the cache type it needs
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool = False, aux: bool = False):
-        """Run `ids` (T,) after the cached prefix -> (logits (T or 1, V) fp32, aux states
-        (T, n*Ht) if `aux` else None), both on the input embedding's device."""
-        kwargs = {self._cache_arg: self.cache, "use_cache": True}
+    def run(self, ids: torch.Tensor, last_only: bool = False, aux: bool = False, **inputs):
+        """The model on `ids` (B, T) after the cached prefix, the cache kept for the next call
+        -> (logits (B, T or 1, V) as the model returns them, aux states (B*T, n*Ht) on the
+        input embedding's device or None). inputs: more model inputs (attention_mask,
+        position_ids: eyas.serve.batched)."""
+        kwargs = {self._cache_arg: self.cache, "use_cache": True, **inputs}
         if last_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
         capture = aux and bool(self.aux_layer_ids)
         with self.taps.attached() if capture else contextlib.nullcontext():
-            out = self.model(input_ids=ids.to(self.device)[None], **kwargs)
+            out = self.model(input_ids=ids.to(self.device), **kwargs)
         cache = out.get("cache")
         self.cache = cache if cache is not None else out.get("past_key_values")
-        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        logits = out.logits[:, -1:] if last_only else out.logits
         states = None
-        if capture:  # (T, n, Ht) -> (T, n*Ht), on the input device (device_map'ed layers)
+        if capture:  # (B*T, n, Ht) -> (B*T, n*Ht), on the input device (device_map'ed layers)
             states = self.taps.collect(self.device)[0].flatten(1)
-        return logits.float().to(self.device), states
+        return logits, states
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, last_only: bool = False, aux: bool = False):
+        """Run `ids` (T,) after the cached prefix -> (logits (T or 1, V) fp32, aux states
+        (T, n*Ht) if `aux` else None), both on the input embedding's device."""
+        logits, states = self.run(ids[None], last_only, aux)
+        return logits[0].float().to(self.device), states
 
     def rollback(self, n: int) -> None:
         """Drop the last `n` positions from the KV cache (rejected drafts)."""
@@ -331,7 +339,8 @@ class Eagle3Drafter:
         self.cache = self.draft.new_cache()
         self.seen = 0
 
-    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(Vd,) draft logits -> (V,) over the target vocabulary, -inf outside the draft's."""
         full = logits.new_full((self.vocab_size,), float("-inf"))  # (V,)
         full[self.draft_to_target] = logits
         return full
@@ -352,7 +361,7 @@ class Eagle3Drafter:
         self.seen = s - 1
         drafts, dists = [], []
         for j in range(k):
-            token, p = pick(self._target_logits(out.logits[0, -1]), sampling)
+            token, p = pick(self.target_logits(out.logits[0, -1]), sampling)
             drafts.append(token)
             dists.append(p)
             if j + 1 == k:
