@@ -24,6 +24,20 @@ from eyas.kernels.fp8 import Fp8Matrix
 from eyas.kernels.fused import cuda_compiled
 
 
+def _teacher_probs(teacher, teacher_lse):
+    """(c, Vd) teacher logits -> fp32 softmax, from their row logsumexps when known."""
+    return torch.softmax(teacher.float(), dim=-1) if teacher_lse is None else \
+        (teacher.float() - teacher_lse.float()[:, None]).exp()
+
+
+def _teacher_rows(teacher, teacher_lse, rows, s: int, e: int):
+    """The teacher logits and logsumexps (or None) of scored rows s..e: rows s..e of the
+    teacher, or rows[s..e] of it when `rows` indexes it."""
+    if rows is None:
+        return teacher[s: e], None if teacher_lse is None else teacher_lse[s: e]
+    return teacher[rows[s: e]], None if teacher_lse is None else teacher_lse[rows[s: e]]
+
+
 @cuda_compiled
 def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None, teacher_lse=None):
     """logits, teacher (c, Vd) -> (summed soft CE, draft argmax (c,), d loss / d logits in
@@ -31,8 +45,7 @@ def _soft_ce_chunk(logits, teacher, with_grad: bool, weight=None, teacher_lse=No
     teacher rows' logsumexp, when known. fp32 math on (c, Vd), fused into few passes when
     compiled."""
     logq = torch.log_softmax(logits.float(), dim=-1)
-    p = torch.softmax(teacher.float(), dim=-1) if teacher_lse is None else \
-        (teacher.float() - teacher_lse.float()[:, None]).exp()
+    p = _teacher_probs(teacher, teacher_lse)
     if weight is None:
         loss = -(p * logq).sum()
         grad = (logq.exp() - p) if with_grad else None
@@ -78,11 +91,6 @@ class Lk:
     kl_weight: torch.Tensor | None = None
 
 
-def _teacher_probs(teacher, teacher_lse):
-    return torch.softmax(teacher.float(), dim=-1) if teacher_lse is None else \
-        (teacher.float() - teacher_lse.float()[:, None]).exp()
-
-
 @cuda_compiled
 def _lk_chunk(logits, teacher, with_grad: bool, weight, teacher_lse, mode: str, kl_weight):
     """_soft_ce_chunk for an LK objective: (summed loss, argmax, d loss / d logits)."""
@@ -108,17 +116,15 @@ def _lk_chunk(logits, teacher, with_grad: bool, weight, teacher_lse, mode: str, 
 
 @torch.no_grad()
 def mean_acceptance(hidden, weight, teacher, *, rows=None, row_weight=None, teacher_lse=None,
-                    chunk: int = 4096, n: int | None = None) -> torch.Tensor:
+                    chunk: int = 4096) -> torch.Tensor:
     """The mean over counted rows of alpha = sum_i min(p_target, q_draft) (0-d fp32 tensor;
     no host sync), for Lk("lambda")'s weight. Arguments as soft_cross_entropy's."""
-    n = (teacher.shape[0] if rows is None else rows.shape[0]) if n is None else n
+    n = teacher.shape[0] if rows is None else rows.shape[0]
     w = weight.to(hidden.dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        t = teacher[s: e] if rows is None else teacher[rows[s: e]]
-        lse = None if teacher_lse is None else \
-            teacher_lse[s: e] if rows is None else teacher_lse[rows[s: e]]
+        t, lse = _teacher_rows(teacher, teacher_lse, rows, s, e)
         q = torch.softmax((hidden[s: e] @ w.t()).float(), dim=-1)
         alpha = torch.minimum(_teacher_probs(t, lse), q).sum(-1)
         total += (alpha if row_weight is None else alpha * row_weight[s: e].float()).sum()
@@ -178,9 +184,7 @@ class _ChunkedSoftCE(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s: e]  # (c, H)
-            t = teacher[s: e] if rows is None else teacher[rows[s: e]]
-            lse = None if teacher_lse is None else \
-                teacher_lse[s: e] if rows is None else teacher_lse[rows[s: e]]
+            t, lse = _teacher_rows(teacher, teacher_lse, rows, s, e)
             rw = None if row_weight is None else row_weight[s: e]
             if packed is None:
                 loss, pred, g, _ = _chunk(h @ w.t(), t, grad_hidden or grad_weight, rw, False,
