@@ -3,6 +3,9 @@
 # the recipe there ("Running it on the lent H200"): expects /tmp/w/smol.gguf (the joined GGUF),
 # /tmp/w/realdata (benchmarks/real_data.py output), /tmp/w/site (the carried wheels) and
 # /tmp/w/repo (a copy of this checkout); writes /tmp/w/results, one file per stage as it ends.
+# STAGES picks and orders the stages (default: all, most wanted first, so that a lease that
+# ends early still leaves the first ones): pipeline eval32 recipe eval1 regen.
+# REAL_ARGS overrides real_model.py's settings, RECIPE_VARIANTS the ablation's variants.
 set -u
 W=/tmp/w
 R=$W/results
@@ -10,34 +13,59 @@ mkdir -p "$R"
 export PYTHONPATH=$W/site:$W/repo/src PYTHONUNBUFFERED=1
 cd "$W/repo" || exit 1
 stage() { echo "$(date +%T) $*" >> "$R/stages.txt"; }
+REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
+    --eval-fraction 0.07 --epochs 20 --batch-tokens 16384 --indist-prompts 200 \
+    --heldout-prompts 200 --eval-tokens 96 --k 3,6 --eval-batch 64}
+# the ablation trains with the pipeline's settings and is measured on its held-out prompts,
+# so the pipeline's own draft is its eagle3 row
+arg() { echo "$REAL_ARGS" | tr -s ' ' '\n' | grep -A1 -- "^$1\$" | tail -1; }
 
-stage "pipeline: regenerate, prepare, capture, vocab, train, export, eval x2"
-python3 benchmarks/real_model.py --target $W/smol.gguf --data $W/realdata --work $W/run \
-    --out "$R/real-smollm2.json" ${REAL_ARGS:---max-train 3000 --regen-tokens 160 \
-    --regen-batch 1000 --eval-fraction 0.08 --epochs 8 --batch-tokens 16384 \
-    --indist-prompts 240 --heldout-prompts 300 --eval-tokens 96 --k 3,6 --eval-batch 64} \
-    > "$R/real_model.out" 2>&1
-stage "pipeline rc $?"
-grep -v "it/s\]" $W/run/log.txt > "$R/real_model_log.txt"
-cp $W/run/run/metrics.jsonl "$R/metrics.jsonl" 2>/dev/null
-for s in indist heldout; do cp $W/run/eval-$s/report.json "$R/eval-$s-report.json" 2>/dev/null; done
-
-stage "eval benchmark: batch 1 vs 32"
-timeout 480 python3 benchmarks/eval.py --target $W/smol.gguf --draft $W/run/draft \
-    --data $W/realdata/heldout.jsonl --prompts 30 --new-tokens 96 --k 3,6 \
-    --batch-sizes 32,1 --json "$R/eval-batched-h200.json" > "$R/eval_bench.out" 2>&1
-stage "eval benchmark rc $?"
-
-stage "regenerate benchmark: generate, padded, lookup"
-timeout 420 python3 benchmarks/regenerate.py --target $W/smol.gguf \
-    --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
-    --modes generate,padded,lookup --dtype float32 --json "$R/regenerate-h200.json" \
-    > "$R/regen_bench.out" 2>&1
-stage "regenerate benchmark rc $?"
-stage "regenerate benchmark: continuous"
-timeout 240 python3 benchmarks/regenerate.py --target $W/smol.gguf \
-    --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
-    --modes continuous --dtype float32 --json "$R/regenerate-cb-h200.json" \
-    > "$R/regen_cb_bench.out" 2>&1
-stage "regenerate continuous rc $?"
+for s in ${STAGES:-pipeline eval32 recipe eval1 regen}; do
+  case $s in
+  pipeline)
+    stage "pipeline: regenerate, prepare, capture, vocab, train, export, eval x2"
+    python3 benchmarks/real_model.py --target $W/smol.gguf --data $W/realdata --work $W/run \
+        --out "$R/real-smollm2.json" $REAL_ARGS > "$R/real_model.out" 2>&1
+    stage "pipeline rc $?"
+    grep -v "it/s\]" $W/run/log.txt > "$R/real_model_log.txt"
+    cp $W/run/run/metrics.jsonl "$R/metrics.jsonl" 2>/dev/null
+    for e in indist heldout; do
+      cp $W/run/eval-$e/report.json "$R/eval-$e-report.json" 2>/dev/null
+      cp $W/run/eval-$e/report.md "$R/eval-$e-report.md" 2>/dev/null
+    done
+    cp $W/run/prepared/eyas.json "$R/prepared-eyas.json" 2>/dev/null
+    cp $W/run/regenerated/eyas.json "$R/regen-eyas.json" 2>/dev/null
+    cp $W/run/eyas.json "$R/run-eyas.json" 2>/dev/null
+    mkdir -p "$R/draft" && cp $W/run/draft/* "$R/draft/" 2>/dev/null ;;
+  eval32|eval1)
+    sizes=$([ $s = eval32 ] && echo 32 || echo 32,1)
+    stage "eval benchmark: batch sizes $sizes"
+    timeout 540 python3 benchmarks/eval.py --target $W/smol.gguf --draft $W/run/draft \
+        --data $W/realdata/heldout.jsonl --prompts 30 --new-tokens 96 --k 3,6 \
+        --batch-sizes $sizes --json "$R/eval-batched-h200-$s.json" > "$R/eval_bench_$s.out" 2>&1
+    stage "eval benchmark $s rc $?" ;;
+  recipe)
+    stage "recipe ablation"
+    python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $W/smol.gguf \
+        --variants ${RECIPE_VARIANTS:-eagle3.1,eagle3-lk,eagle3-ttt3} --baseline eagle3 \
+        --splits heldout --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) \
+        --k $(arg --k) --heldout-prompts $(arg --heldout-prompts) \
+        --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \
+        --out "$R/recipe-h200.json" > "$R/recipe.out" 2>&1
+    stage "recipe rc $?"
+    cp $W/run/recipe-log.txt "$R/recipe-log.txt" 2>/dev/null ;;
+  regen)
+    stage "regenerate benchmark: generate, padded, lookup"
+    timeout 420 python3 benchmarks/regenerate.py --target $W/smol.gguf \
+        --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
+        --modes generate,padded,lookup --dtype float32 --json "$R/regenerate-h200.json" \
+        > "$R/regen_bench.out" 2>&1
+    stage "regenerate benchmark rc $?"
+    timeout 240 python3 benchmarks/regenerate.py --target $W/smol.gguf \
+        --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
+        --modes continuous --dtype float32 --json "$R/regenerate-cb-h200.json" \
+        > "$R/regen_cb_bench.out" 2>&1
+    stage "regenerate continuous rc $?" ;;
+  esac
+done
 stage done

@@ -66,11 +66,25 @@ def main(argv=None) -> dict:
     p.add_argument("--indist-prompts", type=int, default=160)
     p.add_argument("--heldout-prompts", type=int, default=200)
     p.add_argument("--eval-batch", type=int, default=64)
+    p.add_argument("--splits", default="indist,heldout",
+                   help="which evals to run per variant: indist (the prepared eval split), "
+                        "heldout (heldout.jsonl), or both")
+    p.add_argument("--baseline", default=None, metavar="VARIANT",
+                   help="take this variant (e.g. eagle3) from the work folder's own run/ and "
+                        "eval-*/ instead of training it again: real_model.py trained it with "
+                        "the same data, --epochs, --batch-tokens and --lr, and measured it on "
+                        "the same prompts")
+    p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure n-gram in each variant's eval (the same for all)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     work, data = Path(a.work), Path(a.data)
     log = work / "recipe-log.txt"
     results = {}
+    splits = a.splits.split(",")
+    if a.baseline:  # the work folder's own draft, trained and measured by real_model.py
+        results[a.baseline] = _record(a.baseline, work / "run", work, splits, None)
+        Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
     for name in a.variants.split(","):
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}: use some of {sorted(VARIANTS)}")
@@ -84,40 +98,50 @@ def main(argv=None) -> dict:
         run("export", "--checkpoint", base / "run", "--out", base / "draft", log=log,
             out=base / "draft")
         ev = ["--target", a.target, "--draft", base / "draft", "--k", a.k, "--max-new-tokens",
-              a.eval_tokens, "--dtype", "float32", "--batch-size", a.eval_batch]
-        run("eval", *ev, "--data", work / "prepared", "--split", "eval", "--num-prompts",
-            a.indist_prompts, "--out", base / "eval-indist", log=log, out=base / "eval-indist")
-        run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts,
-            "--out", base / "eval-heldout", log=log, out=base / "eval-heldout")
-        best = _best_eval(base / "run")
-        results[name] = {
-            "flags": VARIANTS[name], "train_s": round(train_s, 1),
-            "train_tokens_per_s": _train_speed(base / "run"),
-            "training_replayed_al": best.get("chain", {}).get("acceptance_length"),
-            **{split: _measured(json.loads((base / f"eval-{split}/report.json").read_text()))
-               for split in ("indist", "heldout")}}
+              a.eval_tokens, "--dtype", "float32", "--batch-size", a.eval_batch,
+              "--ngram" if a.ngram else "--no-ngram"]
+        if "indist" in splits:
+            run("eval", *ev, "--data", work / "prepared", "--split", "eval", "--num-prompts",
+                a.indist_prompts, "--out", base / "eval-indist", log=log,
+                out=base / "eval-indist")
+        if "heldout" in splits:
+            run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts",
+                a.heldout_prompts, "--out", base / "eval-heldout", log=log,
+                out=base / "eval-heldout")
+        results[name] = _record(name, base / "run", base, splits, train_s)
         Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
     result = _result(a, results)
     print(markdown(result))
     return result
 
 
+def _record(name: str, run_dir: Path, base: Path, splits: list, train_s) -> dict:
+    best = _best_eval(run_dir)
+    return {"flags": VARIANTS.get(name, []), "train_s": train_s and round(train_s, 1),
+            "train_tokens_per_s": _train_speed(run_dir), "best_step": best["step"],
+            "training_replayed_al": best.get("chain", {}).get("acceptance_length"),
+            **{split: _measured(json.loads((base / f"eval-{split}/report.json").read_text()))
+               for split in splits}}
+
+
 def _result(a, results: dict) -> dict:
     return {"benchmark": "recipe", "target": a.target, "work": a.work, "epochs": a.epochs,
-            "batch_tokens": a.batch_tokens, "lr": a.lr, "k": a.k,
+            "batch_tokens": a.batch_tokens, "lr": a.lr, "k": a.k, "splits": a.splits,
             "command": " ".join(["python", "benchmarks/recipe.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d"), "variants": results}
 
 
 def markdown(result: dict) -> str:
-    """One row per variant: held-out AL per k, mean over k and its change from the first."""
+    """One row per variant: held-out AL per k (in-distribution when only that split was
+    measured), mean over k and its change from the first."""
     variants = result["variants"]
     ks = result["k"].split(",")
+    split = "heldout" if "heldout" in result.get("splits", "heldout") else "indist"
     lines = ["| variant | train tok/s | " + " | ".join(f"AL k={k}" for k in ks)
              + " | mean | vs first |", "|---|---:|" + "---:|" * (len(ks) + 2)]
     first = None
     for name, v in variants.items():
-        als = [v["heldout"].get(k, {}).get("al") or 0.0 for k in ks]
+        als = [v[split].get(k, {}).get("al") or 0.0 for k in ks]
         mean = sum(als) / len(als)
         first = mean if first is None else first
         lines.append(f"| {name} | {v['train_tokens_per_s']} | "
