@@ -404,8 +404,10 @@ def test_config_validation():
         CaptureConfig(target="t", data="d", out="o", shard="2")
     with pytest.raises(ConfigError, match="0 <= I < N"):
         CaptureConfig(target="t", data="d", out="o", shard="2/2")
-    with pytest.raises(ConfigError, match="exactly 3"):
-        CaptureConfig(target="t", data="d", out="o", aux_layer_ids=(1, 2))
+    # any number of taps (DFlash reads N; the EAGLE-3 trainer refuses a count other than 3)
+    assert CaptureConfig(target="t", data="d", out="o", aux_layer_ids=(1, 2)).aux_layer_ids == (1, 2)
+    with pytest.raises(ConfigError, match="strictly ascending"):
+        CaptureConfig(target="t", data="d", out="o", aux_layer_ids=(2, 1))
     assert CaptureConfig(target="t", data="d", out="o", shard="3/4").shard_index() == (3, 4)
 
 

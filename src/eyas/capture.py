@@ -51,7 +51,12 @@ class CaptureConfig:
     split: str = option("train", "which prepared split to capture", choices=("train", "eval", "all"))
     aux_layer_ids: tuple[int, ...] = option(
         (), "aux layers in vLLM's convention (id k = residual entering layer k; id L = last "
-            "layer output before the final norm); empty = (2, L//2, L-3)")
+            "layer output before the final norm), any number of them (EAGLE-3 trains on 3, "
+            "DFlash on any); empty = EAGLE-3's (2, L//2, L-3), or DFlash's with --dflash-taps")
+    dflash_taps: int = option(0, "without --aux-layer-ids: capture DFlash's default layout of "
+                                 "N taps (one per draft layer; 5 in the public recipes), "
+                                 "layer outputs spread from 1 to L-3 = vLLM ids 2..L-2; "
+                                 "0 = EAGLE-3's three")
     dtype: str = option("bf16", "storage dtype of aux states (fp8 = e4m3 with per-token scales)",
                         choices=("bf16", "fp8"))
     model_dtype: str = option("bf16", "dtype the target runs in", choices=tuple(MODEL_DTYPES))
@@ -87,7 +92,10 @@ class CaptureConfig:
         if self.aux_layer_ids:
             from eyas.target.models import validate_aux_layer_ids
 
-            validate_aux_layer_ids(self.aux_layer_ids, None)
+            validate_aux_layer_ids(self.aux_layer_ids, None, count=None)
+        if self.dflash_taps < 0 or (self.dflash_taps and self.aux_layer_ids):
+            raise ConfigError(f"--dflash-taps {self.dflash_taps}: give a count >= 1 and no "
+                              f"--aux-layer-ids (those name the layers themselves), or 0")
         self.shard_index()  # validates the I/N spelling
 
     def shard_index(self) -> tuple[int, int]:
@@ -143,10 +151,13 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
                    inputs: list[dict] = (), split_rows: dict | None = None) -> dict:
     """Capture with an already loaded target (what `capture` does after loading; benchmarks
     call it directly). Resumes this shard's previous run; returns summary stats."""
-    from eyas.target.models import default_aux_layer_ids, validate_aux_layer_ids
+    from eyas.target.models import (default_aux_layer_ids, dflash_aux_layer_ids,
+                                    validate_aux_layer_ids)
 
-    aux_ids = tuple(cfg.aux_layer_ids) or tuple(default_aux_layer_ids(info.num_layers))
-    validate_aux_layer_ids(aux_ids, info.num_layers)
+    aux_ids = tuple(cfg.aux_layer_ids) or (
+        dflash_aux_layer_ids(info.num_layers, cfg.dflash_taps) if cfg.dflash_taps else
+        default_aux_layer_ids(info.num_layers))
+    validate_aux_layer_ids(aux_ids, info.num_layers, count=None)
     shard, num_shards = cfg.shard_index()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ ranks with accumulation A consumes exactly the micro-batches of a 1-rank run wit
 N*A.
 
 Sources are small classes with the same two members, `lengths` (tokens per sample, an int
-array) and `fetch(ids) -> list[dict]` (per sample: aux_hidden [n, 3, Ht], final_hidden [n, Ht],
+array) and `fetch(ids) -> list[dict]` (per sample: aux_hidden [n, taps, Ht], final_hidden [n, Ht],
 target_top1 [n], input_ids [n], loss_mask [n]): `OfflineSource` reads capture shards
 (memory-mapped by `eyas.store.shards`); `OnlineSource` runs the target on the prepared samples.
 """
@@ -351,6 +351,7 @@ def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
     """Pack samples into (B=len(rows), T=row_tokens) tensors; padding has doc_id -1, mask 0."""
     first = rows[0][0]
     ht, dev = first["final_hidden"].shape[-1], first["final_hidden"].device  # online: the GPU
+    taps = first["aux_hidden"].shape[-2]  # 3 for EAGLE-3; DFlash captures any number
     b, t = len(rows), row_tokens
 
     def zeros(*shape, dtype=torch.long):
@@ -358,7 +359,7 @@ def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
 
     out = {
         "input_ids": zeros(b, t),
-        "aux_hidden": zeros(b, t, 3 * ht, dtype=hidden_dtype),  # (B, T, 3*Ht)
+        "aux_hidden": zeros(b, t, taps * ht, dtype=hidden_dtype),  # (B, T, taps*Ht)
         "final_hidden": zeros(b, t, ht, dtype=hidden_dtype),  # (B, T, Ht)
         "target_top1": zeros(b, t),
         "loss_mask": zeros(b, t),
@@ -370,7 +371,8 @@ def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
         for d, s in enumerate(samples):
             n = min(int(s["input_ids"].shape[0]), t - at)
             span = slice(at, at + n)
-            out["aux_hidden"][r, span] = s["aux_hidden"][:n].reshape(n, 3 * ht).to(hidden_dtype)
+            out["aux_hidden"][r, span] = s["aux_hidden"][:n].reshape(n, taps * ht).to(
+                hidden_dtype)
             out["final_hidden"][r, span] = s["final_hidden"][:n].to(hidden_dtype)
             for key in ("input_ids", "target_top1", "loss_mask"):
                 out[key][r, span] = s[key][:n].long()

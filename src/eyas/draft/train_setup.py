@@ -89,6 +89,7 @@ def check_fp8(device: torch.device) -> None:
 
 def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     """The draft (fp32 master weights, on the device) and its DraftConfig."""
+    check_eagle3_taps(inputs.aux_layer_ids, cfg.data)
     overrides = {k: v for k, v in (
         ("hidden_size", cfg.draft_hidden_size), ("intermediate_size", cfg.draft_intermediate_size),
         ("num_attention_heads", cfg.draft_num_attention_heads),
@@ -119,6 +120,18 @@ def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     # a copy on the draft's device: with --target-device-map the target's own may be elsewhere
     draft.set_embed_tokens(inputs.embed.to(env.device, compute_dtype(env)))
     return draft, dcfg
+
+
+def check_eagle3_taps(aux_layer_ids, data: str) -> None:
+    """EAGLE-3's fc fuses exactly 3 target layers; a capture made for DFlash (N taps) is
+    refused here, before anything is built, with the two ways out."""
+    ids = tuple(aux_layer_ids)
+    if len(ids) != 3:
+        raise EyasError(
+            f"{data} holds {len(ids)} target layer(s) {list(ids)}, but an EAGLE-3 draft fuses "
+            f"exactly 3. Re-capture for EAGLE-3 with `eyas capture ... --aux-layer-ids` left "
+            f"out (the default (2, L//2, L-3)) or given 3 ids, or train a DFlash draft on this "
+            f"capture with `eyas train --draft dflash`.")
 
 
 def compute_dtype(env: Env) -> torch.dtype:
