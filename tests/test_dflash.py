@@ -19,6 +19,7 @@ from eyas.target.models import dflash_aux_layer_ids, validate_aux_layer_ids
 def dflash_inputs(tmp_path_factory):
     """The real pipeline on test_train's predictable tiny Llama (8 layers): 40 synthetic chats,
     prepared, captured with 5 taps (--split all)."""
+    from safetensors.torch import load_file, save_file
     from test_train import copy_target
 
     from eyas.capture import CaptureConfig, capture
@@ -27,6 +28,11 @@ def dflash_inputs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("dflash-inputs")
     model = copy_target(root / "target")
+    # the DFlash draft reads the target's lm_head as is: at x40 its logits are in the
+    # hundreds and a few CPU steps barely move a random draft; x4 keeps the same predictions
+    w = load_file(str(model / "model.safetensors"))
+    w["lm_head.weight"] = (w["lm_head.weight"] / 10).contiguous()
+    save_file(w, str(model / "model.safetensors"), metadata={"format": "pt"})
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(40, seed=0)))
     prepare(PrepareConfig(target=str(model), data=(str(chats),), out=str(root / "prepared"),
@@ -129,3 +135,343 @@ def test_eagle3_training_refuses_a_five_tap_capture_with_the_fix(dflash_inputs, 
     with pytest.raises(EyasError, match=r"holds 5 target layer.*exactly 3.*Re-capture.*"
                                         r"--aux-layer-ids.*--draft dflash"):
         train(cfg)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def tiny_dflash_cfg(**kw):
+    from eyas.draft.dflash import DFlashConfig
+
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=96, rms_norm_eps=1e-6,
+                rope_theta=10000.0, max_position_embeddings=512, vocab_size=300,
+                aux_layer_ids=(1, 3, 5), block_size=4, mask_token_id=299)
+    return DFlashConfig(**{**base, **kw})
+
+
+def make_dflash(cfg=None, seed=0):
+    """A draft with random weights everywhere (norm weights too, so a swapped or missing
+    norm shows) and random target embedding / lm_head."""
+    from eyas.draft.dflash import DFlashDraft
+
+    cfg = cfg or tiny_dflash_cfg()
+    torch.manual_seed(seed)
+    draft = DFlashDraft(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    draft.set_target(torch.randn(cfg.vocab_size, cfg.hidden_size),
+                     torch.randn(cfg.vocab_size, cfg.hidden_size) / 4)
+    return draft
+
+
+def test_block_attention_equals_dense_masked_attention():
+    """Band of context keys + own block, against one softmax over [context; all blocks] with
+    the mask written out (SpecForge's create_dflash_sdpa_mask rule), values and gradients."""
+    from eyas.kernels.attention import block_attention
+
+    g = torch.Generator().manual_seed(0)
+    m, nb, b, hq, hkv, d = 20, 3, 4, 4, 2, 8
+    n = nb * b
+    q, bk, bv = (torch.randn(n, h, d, generator=g, requires_grad=True)
+                 for h in (hq, hkv, hkv))
+    k, v = (torch.randn(m, hkv, d, generator=g, requires_grad=True) for _ in range(2))
+    lo = torch.tensor([0, 0, 11]).repeat_interleave(b)
+    hi = torch.tensor([4, 9, 18]).repeat_interleave(b)
+    out = block_attention(q, k, v, lo, hi, bk, bv, b)
+
+    keys, vals = torch.cat([k, bk]), torch.cat([v, bv])  # (m + n, hkv, d)
+    j = torch.arange(m + n)
+    blk = torch.arange(n) // b
+    seen = ((j[None] >= lo[:, None]) & (j[None] <= hi[:, None]) & (j[None] < m)) | \
+        ((j[None] >= m) & ((j[None] - m) // b == blk[:, None]))  # (n, m + n)
+    kq = keys.repeat_interleave(hq // hkv, 1)
+    vq = vals.repeat_interleave(hq // hkv, 1)
+    scores = torch.einsum("nhd,jhd->nhj", q, kq) / d ** 0.5
+    scores = scores.masked_fill(~seen[:, None], float("-inf"))
+    ref = torch.einsum("nhj,jhd->nhd", scores.softmax(-1), vq)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    mine = torch.autograd.grad(out, (q, k, v, bk, bv), grad)
+    theirs = torch.autograd.grad(ref, (q, k, v, bk, bv), grad)
+    for a, r in zip(mine, theirs):
+        torch.testing.assert_close(a, r)
+
+
+def reference_block(draft, aux, anchor: int, token: int):
+    """One block drafted after `anchor` context tokens, the way docs/dflash.md section 4 says
+    vLLM runs it, from transformers' own Qwen3 pieces (RMSNorm, rotary embedding, MLP) and a
+    plain softmax: context through fc + hidden_norm into each layer's k/v only; the block
+    [token, MASK...] at positions anchor..anchor+B-1, non-causal over [context; block]."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    cfg = draft.cfg
+    hf = Qwen3Config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                     num_key_value_heads=cfg.num_key_value_heads, rms_norm_eps=cfg.rms_norm_eps,
+                     rope_theta=cfg.rope_theta, max_position_embeddings=512, hidden_act="silu")
+
+    def norm(w):
+        n = q3.Qwen3RMSNorm(w.shape[0], eps=cfg.rms_norm_eps)
+        n.weight.data.copy_(w)
+        return n
+
+    b, hq, hkv, d = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rotary = q3.Qwen3RotaryEmbedding(hf)
+    ctx = norm(draft.hidden_norm.weight)(aux[:anchor] @ draft.fc.weight.t())  # (a, H)
+    ids = torch.tensor([token] + [cfg.mask_token_id] * (b - 1))
+    x = draft.embed_tokens[ids]  # (B, H)
+    pos = torch.arange(anchor + b)[None]
+    cos, sin = rotary(x[None], pos)
+    for layer in draft.layers:
+        at = layer.self_attn
+        a = norm(layer.input_layernorm.weight)(x)
+        both = torch.cat([ctx, a])  # (a + B, H): keys/values from context then block
+        q = norm(at.q_norm.weight)((a @ at.q_proj.weight.t()).view(b, hq, d))
+        k = norm(at.k_norm.weight)((both @ at.k_proj.weight.t()).view(-1, hkv, d))
+        v = (both @ at.v_proj.weight.t()).view(-1, hkv, d)
+        qr, _ = q3.apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None],
+                                        cos[:, anchor:], sin[:, anchor:])
+        _, kr = q3.apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                        cos, sin)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qr, kr, v.transpose(0, 1)[None], enable_gqa=True)  # no mask: non-causal
+        x = x + out[0].transpose(0, 1).flatten(1) @ at.o_proj.weight.t()
+        mlp = q3.Qwen3MLP(hf)
+        mlp.gate_proj.weight.data.copy_(layer.mlp.gate_proj.weight)
+        mlp.up_proj.weight.data.copy_(layer.mlp.up_proj.weight)
+        mlp.down_proj.weight.data.copy_(layer.mlp.down_proj.weight)
+        x = x + mlp(norm(layer.post_attention_layernorm.weight)(x))
+    return norm(draft.norm.weight)(x)  # (B, H)
+
+
+def test_draft_block_equals_transformers_qwen3_reference():
+    draft = make_dflash()
+    aux = torch.randn(12, 3 * 64)
+    anchor, token = 7, 42
+    c = draft.context(aux[:anchor])
+    kv = draft.context_kv(c, torch.arange(anchor))
+    b = draft.cfg.block_size
+    ids = torch.tensor([token] + [draft.cfg.mask_token_id] * (b - 1))
+    with torch.no_grad():
+        h = draft(ids, torch.arange(anchor, anchor + b), kv, torch.zeros(b, dtype=torch.long),
+                  torch.full((b,), anchor - 1))
+        ref = reference_block(draft, aux, anchor, token)
+    torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-5)
+    assert draft.logits(h).shape == (b, 300)
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+def packed_batch(seed=0, rows=2, width=24, hidden=64, taps=3):
+    """Two rows, each holding two documents and some padding, with a random loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.full((rows, width), -1)
+    pos = torch.zeros(rows, width, dtype=torch.long)
+    for r, lengths in enumerate([(10, 9), (13, 11)][:rows]):
+        at = 0
+        for d, n in enumerate(lengths):
+            doc[r, at:at + n], pos[r, at:at + n] = d, torch.arange(n)
+            at += n
+    return {"input_ids": torch.randint(0, 299, (rows, width), generator=g),
+            "target_top1": torch.randint(0, 299, (rows, width), generator=g),
+            "loss_mask": (torch.rand(rows, width, generator=g) < 0.7).long() * (doc >= 0),
+            "position_ids": pos, "doc_ids": doc,
+            "aux_hidden": torch.randn(rows, width, taps * hidden, generator=g)}
+
+
+def test_blocks_follow_specforge_rules():
+    from eyas.draft.dflash_objective import sample_blocks
+
+    batch = packed_batch()
+    kw = dict(block=4, mask_token_id=299, gamma=7.0, labels="data")
+    blocks = sample_blocks(batch, num_anchors=100, generator=torch.Generator().manual_seed(1),
+                           **kw)
+    ids, mask = batch["input_ids"].flatten(), batch["loss_mask"].flatten()
+    doc, pos = batch["doc_ids"].flatten(), batch["position_ids"].flatten()
+    nb = blocks.num_blocks // 4
+    a = blocks.hi.view(nb, 4)[:, 0] + 1  # anchor = last visible context token + 1
+    # every masked token with context before it and a token after it in its document
+    want = [t for t in range(48) if mask[t] and doc[t] >= 0 and t > 0 and doc[t - 1] == doc[t]
+            and t + 1 < 48 and doc[t + 1] == doc[t]]
+    assert a.tolist() == want
+    for i, t in enumerate(a.tolist()):
+        sl = slice(4 * i, 4 * i + 4)
+        assert blocks.ids[sl].tolist() == [int(ids[t]), 299, 299, 299]
+        assert blocks.positions[sl].tolist() == [int(pos[t]) + j for j in range(4)]
+        assert pos[blocks.lo[4 * i]] == 0 and doc[blocks.lo[4 * i]] == doc[t]  # doc start
+        for j in range(4):
+            inside = t + j < 48 and doc[t + j] == doc[t]
+            w = float(j > 0 and inside and mask[t + j]) * torch.exp(torch.tensor(-(j - 1) / 7.0))
+            assert blocks.weight[4 * i + j] == pytest.approx(float(w))
+            if w:
+                assert blocks.labels[4 * i + j] == ids[t + j]
+                assert blocks.greedy[4 * i + j] == batch["target_top1"].flatten()[t + j - 1]
+    capped = sample_blocks(batch, num_anchors=2, generator=torch.Generator().manual_seed(1), **kw)
+    assert capped.num_blocks == 4 * 2 * 4  # two anchors in each of the four documents
+    again = sample_blocks(batch, num_anchors=2, generator=torch.Generator().manual_seed(1), **kw)
+    assert torch.equal(capped.hi, again.hi)
+    target = sample_blocks(batch, num_anchors=2, generator=torch.Generator().manual_seed(1),
+                           **{**kw, "labels": "target"})
+    assert torch.equal(target.labels, target.greedy)
+
+
+def test_packed_training_blocks_equal_serving_one_block_at_a_time():
+    """Every block of a packed micro-batch (all in one forward) equals that block drafted the
+    way serving does: its own document's tokens before the anchor as the whole context."""
+    from eyas.draft.dflash_objective import sample_blocks
+
+    draft = make_dflash()
+    batch = packed_batch()
+    blocks = sample_blocks(batch, block=4, num_anchors=3, mask_token_id=299, gamma=7.0,
+                           labels="data", generator=torch.Generator().manual_seed(0))
+    aux = batch["aux_hidden"].flatten(0, 1)
+    with torch.no_grad():
+        kv = draft.context_kv(draft.context(aux), batch["position_ids"].flatten())
+        h = draft(blocks.ids, blocks.positions, kv, blocks.lo, blocks.hi)
+        for i in range(blocks.num_blocks // 4):
+            sl = slice(4 * i, 4 * i + 4)
+            s, a = int(blocks.lo[4 * i]), int(blocks.hi[4 * i]) + 1
+            kv1 = draft.context_kv(draft.context(aux[s:a]), torch.arange(a - s))
+            one = draft(blocks.ids[sl], blocks.positions[sl], kv1,
+                        torch.zeros(4, dtype=torch.long), torch.full((4,), a - s - 1))
+            torch.testing.assert_close(h[sl], one, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(one, reference_block(draft, aux[s:], a - s,
+                                                            int(blocks.ids[4 * i])),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_cross_entropy_equals_autograd():
+    from eyas.draft.dflash_objective import ChunkedCE
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    weight = torch.rand(37, generator=g) * (torch.rand(37, generator=g) > 0.3)
+    loss, top = ChunkedCE.apply(h, w, labels, weight, 8)
+    ref = (torch.nn.functional.cross_entropy(h @ w.t(), labels, reduction="none") * weight).sum()
+    torch.testing.assert_close(loss, ref)
+    assert torch.equal(top, (h @ w.t()).argmax(-1))
+    torch.testing.assert_close(torch.autograd.grad(loss * 3, h)[0],
+                               torch.autograd.grad(ref * 3, h)[0])
+
+
+def test_forward_counts_accepted_chains():
+    """The accepted chain of a block stops at its first slot whose argmax is not the target's
+    greedy token; the draft is made to hit slots 1-2 of block 0 and miss slot 1 of block 1."""
+    from eyas.draft.dflash_objective import Blocks, dflash_forward
+
+    draft = make_dflash()
+    batch = packed_batch()
+    blocks = Blocks(ids=torch.tensor([5, 299, 299, 299, 7, 299, 299, 299]),
+                    positions=torch.tensor([3, 4, 5, 6, 5, 6, 7, 8]),
+                    lo=torch.zeros(8, dtype=torch.long), hi=torch.tensor([2] * 4 + [4] * 4),
+                    labels=torch.zeros(8, dtype=torch.long), weight=torch.tensor([0., 1, 1, 1] * 2),
+                    greedy=torch.zeros(8, dtype=torch.long), valid=torch.tensor([False, True, True, True] * 2))
+    with torch.no_grad():
+        kv = draft.context_kv(draft.context(batch["aux_hidden"].flatten(0, 1)),
+                              batch["position_ids"].flatten())
+        top = draft.logits(draft(blocks.ids, blocks.positions, kv, blocks.lo, blocks.hi)).argmax(-1)
+    greedy = top.clone()
+    greedy[3] = (top[3] + 1) % 300  # block 0 misses slot 3
+    greedy[5] = (top[5] + 1) % 300  # block 1 misses slot 1
+    blocks.greedy, blocks.labels = greedy, greedy
+    out = dflash_forward(draft, batch, blocks)
+    assert out.accepted.tolist() == [2, 1, 1, 0]  # blocks accepting >= j drafts, j = 0..3
+    assert out.slot_correct.tolist() == [0, 1, 2, 1] and out.slot_count.tolist() == [0, 2, 2, 2]
+    assert out.weight_sum == 6
+
+
+# ----------------------------------------------------------------------------- eyas train
+
+
+def _dflash_train_cfg(inputs, out, **kw):
+    from eyas.train import TrainConfig
+
+    base = dict(data=inputs["captured"], out=str(out), draft="dflash", block_size=4,
+                num_anchors=16, dflash_layers=1, batch_tokens=256, max_steps=12, lr=3e-3,
+                num_workers=0, log_every=1, eval_every=6, save_every=100, seed=0,
+                warmup_ratio=0.0)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_dflash_trains_through_the_cli_and_writes_the_run_folder(dflash_inputs, tmp_path):
+    from eyas.cli import main
+    from eyas.store.manifest import read_manifest
+
+    run = tmp_path / "run"
+    argv = ["train", "--data", dflash_inputs["captured"], "--out", str(run), "--draft", "dflash",
+            "--block-size", "4", "--num-anchors", "16", "--dflash-layers", "1",
+            "--batch-tokens", "256", "--max-steps", "30", "--lr", "3e-3", "--num-workers", "0",
+            "--log-every", "1", "--eval-every", "15", "--warmup-ratio", "0",
+            "--dflash-labels", "target"]
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert len(train) == 30 and [r["step"] for r in evals] == [0, 15, 30]
+    assert sum(r["loss"] for r in train[-3:]) < 0.8 * sum(r["loss"] for r in train[:3])
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert set(evals[-1]["acceptance_length"]) == {"1", "2", "3"}
+    assert evals[-1]["acceptance_length"]["3"] > evals[0]["acceptance_length"]["3"]
+    man = read_manifest(run, step="train")
+    assert man["draft"] == "dflash" and man["aux_layer_ids"] == list(TAPS)
+    best = (run / "checkpoints" / (run / "checkpoints" / "best").read_text().strip())
+    config = json.loads((best / "draft_config.json").read_text())
+    assert config["draft"] == "dflash" and config["aux_layer_ids"] == list(TAPS)
+    assert config["num_hidden_layers"] == 1 and config["block_size"] == 4
+    assert 0 <= config["mask_token_id"] < config["vocab_size"]
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(best / "draft.safetensors")))
+    assert "fc.weight" in names and not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_dflash_resume_continues_exactly(dflash_inputs, tmp_path):
+    """6 steps in one go == 3 steps, then a resumed run to 6 (same anchors, same updates)."""
+    from safetensors.torch import load_file
+
+    from eyas.store import checkpoint
+    from eyas.train import train
+
+    whole = train(_dflash_train_cfg(dflash_inputs, tmp_path / "a", max_steps=6, save_every=3,
+                                    eval_every=100, grad_accum=2))
+    part = tmp_path / "b"
+    train(_dflash_train_cfg(dflash_inputs, part, max_steps=6, save_every=3, eval_every=100,
+                            grad_accum=2))
+    checkpoint.clear_after(part, 3)  # as if killed after step 3's checkpoint
+    again = train(_dflash_train_cfg(dflash_inputs, part, max_steps=6, save_every=3,
+                                    eval_every=100, grad_accum=2))
+    assert again["train"]["loss"] == pytest.approx(whole["train"]["loss"], rel=1e-6)
+    a = load_file(str(checkpoint.step_dir(tmp_path / "a", 6) / "draft.safetensors"))
+    b = load_file(str(checkpoint.step_dir(part, 6) / "draft.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(vocab="v"), "drop --vocab"),
+    (dict(loss="lk-alpha"), "cross-entropy"),
+    (dict(fc_norm=True), "DFlash drafts do not have it"),
+    (dict(block_size=1), "--block-size"),
+    (dict(cuda_graph=True, device="cuda"), "--cuda-graph"),
+])
+def test_dflash_config_errors_name_the_flag(kw, match):
+    from eyas.train import TrainConfig
+
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig(data="d", out="o", draft="dflash", **kw)
+
+
+def test_mask_token_resolution_order(tiny_tok):
+    from eyas.draft.dflash_train import resolve_mask_token_id
+
+    assert resolve_mask_token_id(tiny_tok, 4096, 17) == 17  # given
+    assert resolve_mask_token_id(tiny_tok, 4096) == len(tiny_tok)  # first unused row
+    full = resolve_mask_token_id(tiny_tok, len(tiny_tok))  # the table is full: pad, else eos
+    assert full == (tiny_tok.pad_token_id if tiny_tok.pad_token_id is not None
+                    else tiny_tok.eos_token_id)

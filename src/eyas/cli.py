@@ -29,7 +29,7 @@ COMMANDS = {
     "vocab": ("eyas.vocab", "vocab", "VocabConfig",
               "draft vocabulary (d2t / t2d) from token counts"),
     "train": ("eyas.train", "train", "TrainConfig",
-              "train the EAGLE-3 draft with training-time test"),
+              "train an EAGLE-3 draft (training-time test) or a DFlash one (--draft dflash)"),
     "export": ("eyas.export", "export", "ExportConfig",
                "write a draft folder vLLM / SGLang load as is"),
     "eval": ("eyas.evaluate", "evaluate", "EvalConfig",

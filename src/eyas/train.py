@@ -21,9 +21,7 @@ SGLang EAGLE-3 drafts; TTT length 7 with step weight 0.8 is common to both.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +35,12 @@ from eyas.draft import data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
+from eyas.draft.dflash_objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
-from eyas.draft.train_setup import (Env, TTTModule, build_draft, compute_dtype, grad_sync, init_env,
-                                    wrap)
+from eyas.draft.train_setup import (Env, TTTModule, all_sum, autocast, build_draft,
+                                    compute_dtype, grad_sync, init_env, peak_gib, plan_data,
+                                    resume_path, warmup_cosine, wrap)
 from eyas.draft.ttt import TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
@@ -54,6 +54,9 @@ class TrainConfig:
     data: str = required("capture folder from `eyas capture` (with --online: a prepared "
                          "folder from `eyas prepare`)")
     out: str = out_option("run folder: checkpoints/, metrics.jsonl, curves.png")
+    draft: str = option("eagle3", "draft family: eagle3 (3 taps, training-time test) or dflash "
+                                  "(block-parallel, any number of taps, served by vLLM's "
+                                  "method dflash; docs/dflash.md)", choices=("eagle3", "dflash"))
     vocab: str | None = option(None, "vocab folder from `eyas vocab` (d2t/t2d); unset = the "
                                      "draft predicts over the whole target vocabulary")
     target: str | None = option(None, "target model; offline it defaults to the one the "
@@ -114,6 +117,20 @@ class TrainConfig:
     norm_output: bool = option(False, "EAGLE 3.1: feed norm(h), not h, to the next draft step; "
                                       "served by vLLM >= 0.22 (speculators format >= 0.24) and "
                                       "SGLang >= 0.5.13")
+    block_size: int = option(16, "dflash: tokens per block, the bonus slot included (the public "
+                                 "recipes' 16); serve with num_speculative_tokens <= block_size - 1")
+    num_anchors: int = option(512, "dflash: at most this many blocks per document per step, at "
+                                   "random loss-masked anchors (SpecForge's 512)")
+    loss_decay_gamma: float = option(7.0, "dflash: slot j's loss weight is exp(-(j-1)/gamma) (7 "
+                                          "in every DFlash recipe at block 16); 0 = uniform")
+    dflash_layers: int = option(0, "dflash: decoder layers; 0 = one per captured tap "
+                                   "(SpecForge's rule)")
+    mask_token_id: int = option(-1, "dflash: id of the mask token filling slots 1..B-1; -1 = the "
+                                    "tokenizer's mask token, else its first unused embedding row, "
+                                    "else pad, else eos (SpecForge's order)")
+    dflash_labels: str = option("data", "dflash: slot targets: the data tokens (SpecForge) or "
+                                        "the target's greedy tokens (its captured top-1)",
+                                choices=DFLASH_LABELS)
     parallel: str = option("ddp", "data parallelism under torchrun: DDP replicates the draft, "
                                   "FSDP2 shards weights and optimizer state",
                           choices=("ddp", "fsdp"))
@@ -175,8 +192,9 @@ class TrainConfig:
             (_is_device_map(self.target_device_map),
              f"--target-device-map must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or a "
              f"device such as cuda:1 or cpu, got {self.target_device_map!r}"),
-            (len(self.aux_layer_ids) in (0, 3),
+            (len(self.aux_layer_ids) in (0, 3) or self.draft == "dflash",
              f"--aux-layer-ids needs 3 ids (e.g. 2,16,29), got {self.aux_layer_ids}"),
+            *(_dflash_checks(self) if self.draft == "dflash" else []),
             (not (self.online and self.eval_data),
              "--eval-data names a capture folder; with --online the eval split of the prepared "
              "folder (or --eval-fraction) is used instead"),
@@ -195,6 +213,29 @@ class TrainConfig:
                 raise ConfigError(message)
 
 
+def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
+    """What --draft dflash does not take, or takes differently."""
+    why = "an EAGLE-3 option; DFlash drafts do not have it: drop it with --draft dflash"
+    return [
+        (cfg.block_size >= 2, f"--block-size must be >= 2 (bonus + drafts), got {cfg.block_size}"),
+        (cfg.num_anchors >= 1, f"--num-anchors must be >= 1, got {cfg.num_anchors}"),
+        (cfg.loss_decay_gamma >= 0, f"--loss-decay-gamma must be >= 0, got {cfg.loss_decay_gamma}"),
+        (cfg.dflash_layers >= 0, f"--dflash-layers must be >= 0, got {cfg.dflash_layers}"),
+        (cfg.vocab is None, "--vocab: a DFlash draft predicts over the target's whole vocabulary "
+                            "with the target's own lm_head (what vLLM shares with it); drop --vocab"),
+        (cfg.loss == "kl", f"--loss {cfg.loss}: {why} (DFlash trains on cross-entropy)"),
+        (not (cfg.norm_before_fc or cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual),
+         f"--norm-before-fc / --fc-norm / --norm-output / --norm-before-residual: {why}"),
+        (not cfg.freeze_lm_head, f"--freeze-lm-head: the target's lm_head is always frozen for "
+                                 f"DFlash; drop it"),
+        (cfg.precision != "fp8", "--precision fp8 is not built for DFlash yet; use bf16"),
+        (not cfg.cuda_graph, "--cuda-graph is not built for DFlash yet (its block count changes "
+                             "every step); drop it"),
+        (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
+                                    "(it reads the target's embedding and lm_head); leave it 0"),
+    ]
+
+
 # transformers' device_map strategies (accelerate computes the placement)
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -210,26 +251,8 @@ def _is_device_map(value: str | None) -> bool:
     return True
 
 
-def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float):
-    """LR multiplier at step s: linear warmup over warmup_ratio * total, cosine to min_ratio."""
-    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
-
-
 def _item(t: torch.Tensor) -> float:
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)  # FSDP2: a DTensor
-
-
-def _all_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t
 
 
 def _check_gradients(model: torch.nn.Module, cfg: TrainConfig,
@@ -249,19 +272,6 @@ def _check_gradients(model: torch.nn.Module, cfg: TrainConfig,
                if dist.is_initialized() else "please report this as an eyas bug")
         raise EyasError(f"no gradient reached {len(missing)} trainable parameter(s) after the "
                         f"first backward ({', '.join(missing[:4])}): {fix}.")
-
-
-def _peak_gib(env: Env) -> list[float]:
-    """Peak GPU memory allocated so far on each rank (GiB, rank order); a collective."""
-    peaks = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)
-    peaks[env.rank] = torch.cuda.max_memory_allocated(env.device) / 2**30
-    return [round(x, 2) for x in _all_sum(peaks).tolist()]
-
-
-def _autocast(env: Env):
-    if env.autocast:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _on(mb: dict, env: Env):
@@ -323,11 +333,11 @@ def evaluate(model: torch.nn.Module, loader, env: Env, steps: int,
                         device=env.device)
     for mb in loader:
         batch = _on(mb, env)
-        with _autocast(env):
+        with autocast(env):
             out = model(batch, record_hits=True)
         stats += torch.cat([_batch_stats(out, steps), _chain_stats(out, batch, steps)])
     model.train()
-    return _summary(_all_sum(stats), steps, weights.to(stats))
+    return _summary(all_sum(stats), steps, weights.to(stats))
 
 
 def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
@@ -339,60 +349,15 @@ def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
             f"lr {rec['lr']:.2e} | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
 
-def _resume_path(cfg: TrainConfig, env: Env) -> Path | None:
-    """Rank 0 decides (only it needs the run folder) and tells the others."""
-    path = None
-    if env.main:
-        path = checkpoint.resolve_resume(cfg.out, cfg.resume)
-        if cfg.resume == "never" and (Path(cfg.out) / "checkpoints").is_dir():
-            log.warning("--resume never: deleting the old checkpoints in %s", cfg.out)
-            checkpoint.clear_after(cfg.out, -1)
-        elif path is not None:
-            checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
-    if dist.is_initialized():
-        box = [path]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-    return path
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The run's data order (see eyas.draft.data): every global micro-batch, and the eval batches
-    of this rank."""
-
-    packing: data.Packing
-    batches: list  # global micro-batches -> rows -> sample ids
-    epoch_of: list[int]
-    per_step: int  # global micro-batches per optimizer step (ranks x grad_accum)
-    total_steps: int
-    fingerprint: str
-    eval_batches: list  # this rank's, padded with None to the same count on every rank
-
-
-def plan_data(cfg: TrainConfig, inputs: data.Inputs, env: Env) -> Plan:
-    row = cfg.row_tokens or cfg.batch_tokens
-    packing = data.Packing(row, cfg.batch_tokens // row, cfg.truncate)
-    lengths, per_step = inputs.train.lengths, env.world_size * cfg.grad_accum
-    data.check_lengths(lengths, inputs.train_ids, packing, "the training data")
-    batches, epoch_of = data.plan_run(inputs.train_ids, lengths, packing, seed=cfg.seed,
-                                      per_step=per_step, epochs=cfg.epochs,
-                                      max_steps=cfg.max_steps)
-    eval_batches = []
-    if inputs.eval is not None:
-        data.check_lengths(inputs.eval.lengths, inputs.eval_ids, packing, "the eval data")
-        eval_batches = data.eval_rank_batches(
-            data.pack(inputs.eval_ids, inputs.eval.lengths, packing),
-            rank=env.rank, world_size=env.world_size)
-    return Plan(packing, batches, epoch_of, per_step, len(batches) // per_step,
-                data.plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),
-                eval_batches)
-
-
 def train(cfg: TrainConfig) -> dict:
-    """Train an EAGLE-3 draft into `cfg.out` (see docs/train.md). Returns the run summary:
+    """Train an EAGLE-3 draft (or with --draft dflash a DFlash one, eyas.draft.dflash_train)
+    into `cfg.out` (see docs/train.md). Returns the run summary:
     steps, best {step, chain_acceptance_length, chain_by_k, sim_acceptance_length}, and the
     last train and eval metrics."""
+    if cfg.draft == "dflash":  # its own loop, on the same setup pieces (docs/dflash.md)
+        from eyas.draft.dflash_train import train_dflash
+
+        return train_dflash(cfg)
     # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
     band_kernels.attention_choice()  # a bad EYAS_ATTENTION stops here, not at the first step
     env = init_env(cfg)
@@ -411,7 +376,7 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     start, best = 0, {"step": None, "sim_acceptance_length": None}
-    resume = _resume_path(cfg, env)
+    resume = resume_path(cfg, env)
     if resume is not None:
         state = checkpoint.load(resume, model, optimizer, scheduler)
         if state["plan"] != plan.fingerprint:
@@ -469,17 +434,17 @@ def train(cfg: TrainConfig) -> dict:
         micro = [_on(mb, env) for mb in micro]
         counted = [ttt_positions(b, draft.t2d, steps) if p is None else p.valid
                    for b, p in zip(micro, plans)]
-        denom = _all_sum(sum(c.sum(1) for c in counted).float())
+        denom = all_sum(sum(c.sum(1) for c in counted).float())
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
         #    DDP/FSDP average gradients over ranks, hence the world_size factor.
         scale = weights / denom.clamp(min=1) * env.world_size
         for a, batch in enumerate(micro):
             if graphed is not None:  # forward + backward of the same loss, replayed
-                with _autocast(env):
+                with autocast(env):
                     out = graphed(batch, plans[a], scale)
             else:
                 with grad_sync(model, a == len(micro) - 1):
-                    with _autocast(env):
+                    with autocast(env):
                         out = model(batch, plans[a])
                     (scale * out.step_loss_sum).sum().backward()
             window[:-1] += _batch_stats(out, steps)
@@ -493,7 +458,7 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
         # 4. Log (window sums over all ranks).
         if step % cfg.log_every == 0 or step == total:
-            stats, now = _all_sum(window).tolist(), time.perf_counter()
+            stats, now = all_sum(window).tolist(), time.perf_counter()
             last_train = {"kind": "train", "step": step,
                           "epoch": plan.epoch_of[(step - 1) * plan.per_step],
                           **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
@@ -501,7 +466,7 @@ def train(cfg: TrainConfig) -> dict:
                           "tokens": int(stats[-1]), "tokens_per_s": stats[-1] / (now - t_window),
                           "elapsed_s": round(now - t_start, 2)}
             if env.device.type == "cuda":
-                last_train["peak_gpu_gib"] = _peak_gib(env)
+                last_train["peak_gpu_gib"] = peak_gib(env)
             window.zero_()
             t_window = now
             if metrics:

@@ -183,7 +183,14 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
                     "memory. hf_device_map: %s", dmap, placed)
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
-    aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids, info.num_layers)
+    if cfg.draft == "dflash":  # any number of taps; default: DFlash's layout, one per layer
+        from eyas.target.models import dflash_aux_layer_ids
+
+        aux = validate_aux_layer_ids(cfg.aux_layer_ids or dflash_aux_layer_ids(
+            info.num_layers, cfg.dflash_layers or 5), info.num_layers, count=None)
+    else:
+        aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids,
+                                     info.num_layers)
     dataset, rows = load_split(cfg.data, "all")
     src = OnlineSource(model, info, dataset, aux)
     train_ids = np.arange(*rows["train"])

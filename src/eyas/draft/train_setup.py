@@ -1,21 +1,25 @@
 """What `eyas train` sets up before its loop: the process group and device (`init_env`), the
 draft with its vocabulary, head and embedding (`build_draft`), the module DDP or FSDP2 wraps
-(`TTTModule`, one forward per micro-batch) and the wrapping itself (`wrap`). One process and
-`torchrun` with any number of ranks share all of it; only `wrap` differs between DDP and
-FSDP2.
+(`TTTModule`, one forward per micro-batch) and the wrapping itself (`wrap`), and the pieces
+both draft families' loops share (the data plan, the LR schedule, resume, sums over ranks).
+One process and `torchrun` with any number of ranks share all of it; only `wrap` differs
+between DDP and FSDP2.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from eyas.draft import data
+from eyas.store import checkpoint
 from eyas.kernels import fp8
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
@@ -122,13 +126,13 @@ def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
     return draft, dcfg
 
 
-def check_eagle3_taps(aux_layer_ids, data: str) -> None:
+def check_eagle3_taps(aux_layer_ids, folder: str) -> None:
     """EAGLE-3's fc fuses exactly 3 target layers; a capture made for DFlash (N taps) is
     refused here, before anything is built, with the two ways out."""
     ids = tuple(aux_layer_ids)
     if len(ids) != 3:
         raise EyasError(
-            f"{data} holds {len(ids)} target layer(s) {list(ids)}, but an EAGLE-3 draft fuses "
+            f"{folder} holds {len(ids)} target layer(s) {list(ids)}, but an EAGLE-3 draft fuses "
             f"exactly 3. Re-capture for EAGLE-3 with `eyas capture ... --aux-layer-ids` left "
             f"out (the default (2, L//2, L-3)) or given 3 ids, or train a DFlash draft on this "
             f"capture with `eyas train --draft dflash`.")
@@ -185,3 +189,86 @@ def grad_sync(model: torch.nn.Module, sync: bool):
     if hasattr(model, "no_sync") and not sync:  # DDP
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------- shared by both loops
+
+def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float):
+    """LR multiplier at step s: linear warmup over warmup_ratio * total, cosine to min_ratio."""
+    warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def peak_gib(env: Env) -> list[float]:
+    """Peak GPU memory allocated so far on each rank (GiB, rank order); a collective."""
+    peaks = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)
+    peaks[env.rank] = torch.cuda.max_memory_allocated(env.device) / 2**30
+    return [round(x, 2) for x in all_sum(peaks).tolist()]
+
+
+def autocast(env: Env):
+    if env.autocast:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
+    """Rank 0 decides (only it needs the run folder) and tells the others."""
+    path = None
+    if env.main:
+        path = checkpoint.resolve_resume(cfg.out, cfg.resume)
+        if cfg.resume == "never" and (Path(cfg.out) / "checkpoints").is_dir():
+            log.warning("--resume never: deleting the old checkpoints in %s", cfg.out)
+            checkpoint.clear_after(cfg.out, -1)
+        elif path is not None:
+            checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
+    if dist.is_initialized():
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's data order (see eyas.draft.data): every global micro-batch, and the eval batches
+    of this rank."""
+
+    packing: data.Packing
+    batches: list  # global micro-batches -> rows -> sample ids
+    epoch_of: list[int]
+    per_step: int  # global micro-batches per optimizer step (ranks x grad_accum)
+    total_steps: int
+    fingerprint: str
+    eval_batches: list  # this rank's, padded with None to the same count on every rank
+
+
+def plan_data(cfg: TrainConfig, inputs: data.Inputs, env: Env) -> Plan:
+    row = cfg.row_tokens or cfg.batch_tokens
+    packing = data.Packing(row, cfg.batch_tokens // row, cfg.truncate)
+    lengths, per_step = inputs.train.lengths, env.world_size * cfg.grad_accum
+    data.check_lengths(lengths, inputs.train_ids, packing, "the training data")
+    batches, epoch_of = data.plan_run(inputs.train_ids, lengths, packing, seed=cfg.seed,
+                                      per_step=per_step, epochs=cfg.epochs,
+                                      max_steps=cfg.max_steps)
+    eval_batches = []
+    if inputs.eval is not None:
+        data.check_lengths(inputs.eval.lengths, inputs.eval_ids, packing, "the eval data")
+        eval_batches = data.eval_rank_batches(
+            data.pack(inputs.eval_ids, inputs.eval.lengths, packing),
+            rank=env.rank, world_size=env.world_size)
+    return Plan(packing, batches, epoch_of, per_step, len(batches) // per_step,
+                data.plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),
+                eval_batches)

@@ -373,3 +373,34 @@ class _ReferenceCausal:
             dk[:e] += torch.einsum("ckgj,ckgd->jkd", ds, qc)
             dv[:e] += torch.einsum("ckgj,ckgd->jkd", p, do)
         return dq.view(n, hq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ------------------------------------------------------------ DFlash: band + own block
+
+def block_attention(q, k, v, lo, hi, block_k, block_v, block: int) -> torch.Tensor:
+    """DFlash's attention: query n sees keys lo[n]..hi[n] of (k, v) (the target context before
+    its block's anchor, inclusive bounds, lo <= hi) and, bidirectionally, all `block` keys of
+    its own block in (block_k, block_v), never another block's.
+
+    q (N, hq, d) with N = blocks * block, queries ordered block by block; k, v (M, hkv, d);
+    block_k, block_v (N, hkv, d) in q's order. The context band runs through the same kernel
+    as `attention` (FlexAttention on CUDA, the chunked reference on CPU) and returns its
+    log-sum-exp; the (block x block) scores of each block are small and merged with it.
+    Returns (N, hq, d) in q's dtype.
+    """
+    with torch.autocast(q.device.type, enabled=False):
+        core = _band_flex if q.device.type == "cuda" else _band_reference
+        out_c, lse_c = core(q, k, v, lo, hi)  # (N, hq, d), (N, hq) fp32
+        n, hq, d = q.shape
+        hkv = block_k.shape[1]
+        g, nb = hq // hkv, n // block
+        qb = q.float().view(nb, block, hkv, g, d)
+        kb, vb = (t.float().view(nb, block, hkv, d) for t in (block_k, block_v))
+        scores = torch.einsum("nikgd,njkd->nkgij", qb, kb) * d ** -0.5  # (nb, hkv, G, B, B)
+        lse_b = scores.logsumexp(-1)  # (nb, hkv, G, B)
+        out_b = torch.einsum("nkgij,njkd->nikgd", (scores - lse_b[..., None]).exp(), vb)
+        lse_b = lse_b.permute(0, 3, 1, 2).reshape(n, hq)
+        lse = torch.logaddexp(lse_c, lse_b)
+        out = ((lse_c - lse).exp()[..., None] * out_c.float()
+               + (lse_b - lse).exp()[..., None] * out_b.reshape(n, hq, d))
+        return out.to(q.dtype)

@@ -1,0 +1,277 @@
+"""`eyas train --draft dflash`: the DFlash recipe, one function with one visible loop.
+
+The same setup as EAGLE-3's (`eyas.draft.train_setup`: processes, the data plan over the same
+capture shards, AdamW + warmup/cosine, DDP/FSDP2, checkpoints with exact resume, keep-last-N +
+best), then per optimizer step: load `grad_accum` micro-batches -> draw each one's blocks
+(eyas.draft.dflash_objective.sample_blocks, seeded by step, so a resumed run draws the same)
+-> one block-parallel forward each -> cross-entropy on slots 1..B-1 -> backward -> clip ->
+step -> log -> eval -> checkpoint.
+
+The loss of a step is  sum(weight * CE) / sum(weight)  over every block of the whole step
+(all micro-batches, all ranks), so accumulation and ranks do not change the update. The best
+checkpoint has the highest mean acceptance length on the eval set at k = block_size - 1,
+counted as vLLM counts it at temperature 0 (1 + leading drafts equal to the target's greedy
+token); the eval set's blocks are drawn with fixed seeds, the same at every eval.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.draft import data
+from eyas.draft.dflash import DFlashConfig, DFlashDraft
+from eyas.draft.dflash_objective import dflash_forward, sample_blocks
+from eyas.draft.train_setup import (all_sum, autocast, compute_dtype, grad_sync, init_env,
+                                    peak_gib, plan_data, resume_path, warmup_cosine, wrap)
+from eyas.errors import EyasError
+from eyas.store import checkpoint
+from eyas.store.manifest import write_manifest
+
+# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+
+log = logging.getLogger(__name__)
+
+HOST_KEYS = ("input_ids", "target_top1", "loss_mask", "position_ids", "doc_ids")
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, given: int = -1) -> int:
+    """The mask token: `given` if >= 0, else the tokenizer's mask token, else the first
+    embedding row no token uses (len(tokenizer), e.g. 151669 for Qwen3), else pad, else eos
+    (SpecForge's `resolve_mask_token_id` order; docs/dflash.md section 6)."""
+    if given >= 0:
+        return given
+    for tid in (getattr(tokenizer, "mask_token_id", None),
+                len(tokenizer) if len(tokenizer) < vocab_size else None,
+                tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None and 0 <= int(tid) < vocab_size:
+            return int(tid)
+    raise EyasError("no mask token found for DFlash (the tokenizer has no mask, pad or eos "
+                    "token and fills the embedding table); give --mask-token-id")
+
+
+def build_dflash(cfg: TrainConfig, inputs: data.Inputs, env) -> tuple[DFlashDraft, DFlashConfig]:
+    """The draft (fp32 master weights, on the device, HF's normal(0, 0.02) init) with the
+    target's embedding and lm_head in the compute dtype."""
+    from eyas.target.models import load_tokenizer
+
+    if cfg.vocab is None and inputs.d2t is not None:  # open_inputs never sets it without --vocab
+        raise EyasError("internal: a DFlash run got a draft vocabulary")
+    name = inputs.target.get("name_or_path")
+    tokenizer = load_tokenizer(name, revision=inputs.target.get("revision"),
+                               trust_remote_code=cfg.trust_remote_code)
+    overrides = {k: v for k, v in (
+        ("num_hidden_layers", cfg.dflash_layers), ("intermediate_size", cfg.draft_intermediate_size),
+        ("num_attention_heads", cfg.draft_num_attention_heads),
+        ("num_key_value_heads", cfg.draft_num_key_value_heads)) if v}
+    if "num_attention_heads" in overrides:
+        overrides["head_dim"] = inputs.info.hidden_size // overrides["num_attention_heads"]
+    dcfg = DFlashConfig.from_target(
+        inputs.info, aux_layer_ids=inputs.aux_layer_ids, block_size=cfg.block_size,
+        mask_token_id=resolve_mask_token_id(tokenizer, inputs.info.vocab_size, cfg.mask_token_id),
+        **overrides)
+    torch.manual_seed(cfg.seed)  # same init on every rank
+    draft = DFlashDraft(dcfg)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    draft.to(env.device)
+    dtype = compute_dtype(env)
+    draft.set_target(inputs.embed.to(env.device, dtype), inputs.lm_head.to(env.device, dtype))
+    return draft, dcfg
+
+
+class DFlashModule(torch.nn.Module):
+    """The draft's training forward as one call, so DDP and FSDP2 see one per micro-batch."""
+
+    def __init__(self, draft: DFlashDraft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, batch, blocks):
+        return dflash_forward(self.draft, batch, blocks)
+
+
+def _blocks(cfg: TrainConfig, dcfg: DFlashConfig, mb: dict, seed: int, device):
+    host = {k: mb[k].cpu() for k in HOST_KEYS}
+    return sample_blocks(host, block=dcfg.block_size, num_anchors=cfg.num_anchors,
+                         mask_token_id=dcfg.mask_token_id, gamma=cfg.loss_decay_gamma,
+                         labels=cfg.dflash_labels,
+                         generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _stats(out) -> torch.Tensor:
+    """[loss sum, weight sum, correct (B), counts (B), accepted (B)] of one forward, float64."""
+    return torch.cat([out.loss_sum.detach().double()[None], out.weight_sum.double()[None],
+                      out.slot_correct.double(), out.slot_count.double(),
+                      out.accepted.double()])
+
+
+def _summary(stats: list[float], b: int) -> dict:
+    """Loss, per-slot accuracy (slots 1..B-1) and acceptance as vLLM counts it at T=0: the
+    share of blocks accepting >= j drafts, and the mean acceptance length for every k < B."""
+    loss_sum, weight_sum = stats[0], stats[1]
+    correct, counts, accepted = stats[2:2 + b], stats[2 + b:2 + 2 * b], stats[2 + 2 * b:2 + 3 * b]
+    blocks = accepted[0]
+    rate = [a / blocks if blocks else 0.0 for a in accepted[1:]]
+    lengths = {str(k): round(1 + sum(rate[:k]), 5) for k in range(1, b)}
+    return {"loss": loss_sum / weight_sum if weight_sum else 0.0,
+            "acc": [round(c / n, 5) if n else 0.0 for c, n in zip(correct[1:], counts[1:])],
+            "blocks": int(blocks), "per_position": [round(r, 5) for r in rate],
+            "acceptance_length": lengths,
+            # what curves.png plots for both families: here the replayed chain at k = B - 1
+            "sim_acceptance_length": lengths[str(b - 1)]}
+
+
+@torch.no_grad()
+def evaluate(model, loader, cfg: TrainConfig, dcfg: DFlashConfig, env) -> dict:
+    model.eval()
+    stats = torch.zeros(2 + 3 * dcfg.block_size, dtype=torch.float64, device=env.device)
+    for i, mb in enumerate(loader):
+        blocks = _blocks(cfg, dcfg, mb, 1_000_003 * (cfg.seed + 1) + 7919 * i + env.rank,
+                         env.device)
+        with autocast(env):
+            stats += _stats(model(_on(mb, env), blocks))
+    model.train()
+    return _summary(all_sum(stats).tolist(), dcfg.block_size)
+
+
+def _on(mb: dict, env) -> dict:
+    return {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
+
+
+def train_dflash(cfg: TrainConfig) -> dict:
+    """Train a DFlash draft into `cfg.out` (docs/dflash.md). Returns the run summary: steps,
+    best {step, acceptance_length (k = block_size - 1), by_k}, last train and eval metrics."""
+    # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
+    env = init_env(cfg)
+    run_dir, dtype = Path(cfg.out), compute_dtype(env)
+    inputs = data.open_inputs(cfg, env.device, "bfloat16" if env.autocast else "float32")
+    draft, dcfg = build_dflash(cfg, inputs, env)
+    model = wrap(DFlashModule(draft), cfg, env)
+    plan = plan_data(cfg, inputs, env)
+    total, row, b = plan.total_steps, plan.packing.row_tokens, dcfg.block_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
+    start, best = 0, {"step": None, "acceptance_length": None}
+    resume = resume_path(cfg, env)
+    if resume is not None:
+        state = checkpoint.load(resume, model, optimizer, scheduler)
+        if state["plan"] != plan.fingerprint:
+            raise EyasError(f"{resume} was trained with other data or batching; resume with the "
+                            f"same settings or use --resume never.")
+        start, best = state["step"], state["best"]
+    workers = 0 if cfg.online else cfg.num_workers
+    pin = env.device.type == "cuda" and not cfg.online
+    mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
+                           start=start * plan.per_step)
+    batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
+                               pin_memory=pin, static=cfg.compile))
+    metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
+    config_record = {"draft": "dflash", **dcfg.to_dict()}
+
+    def run_eval(step: int) -> dict:
+        loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
+                             pin_memory=pin, static=cfg.compile)
+        record = {"kind": "eval", "step": step, **evaluate(model, loader, cfg, dcfg, env)}
+        if metrics:
+            metrics.write(record)
+            log.info("eval step %d | loss %.4f | acc %s | acceptance length %s (k=1,3,%d)",
+                     step, record["loss"], record["acc"][:4],
+                     "/".join(str(record["acceptance_length"].get(str(k))) for k in (1, 3, b - 1)),
+                     b - 1)
+        return record
+
+    if env.main:
+        write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", complete=False)
+        log.info("DFlash training steps %d..%d on %d samples: %d micro-batch(es) of %d x %d "
+                 "tokens per step, blocks of %d, mask token %d, %d layer(s) over taps %s",
+                 start + 1, total, len(inputs.train_ids), plan.per_step, plan.packing.rows, row,
+                 b, dcfg.mask_token_id, dcfg.num_hidden_layers, list(dcfg.aux_layer_ids))
+    last_train, last_eval = {}, (run_eval(0) if plan.eval_batches and start == 0 else {})
+    window = torch.zeros(3 + 3 * b, dtype=torch.float64, device=env.device)  # + tokens
+    t_window = t_start = time.perf_counter()
+    model.train()
+    # ---- the loop: one optimizer step per iteration
+    for step in range(start + 1, total + 1):
+        # 1. This rank's micro-batches and their blocks; the step's weight over all ranks.
+        micro = [next(batches) for _ in range(cfg.grad_accum)]
+        blocks = [_blocks(cfg, dcfg, mb, (cfg.seed * 1_000_003 + step) * 1009 + 31 * a + env.rank,
+                          env.device) for a, mb in enumerate(micro)]
+        denom = all_sum(sum(bl.weight.sum() for bl in blocks).double()).clamp(min=1e-6)
+        # 2. Forward -> loss -> backward (DDP/FSDP average over ranks: the world_size factor).
+        for a, (mb, bl) in enumerate(zip(micro, blocks)):
+            with grad_sync(model, a == len(micro) - 1):
+                with autocast(env):
+                    out = model(_on(mb, env), bl)
+                (out.loss_sum * (env.world_size / denom).float()).backward()
+            window[:-1] += _stats(out)
+            window[-1] += (mb["doc_ids"] >= 0).sum().item()
+        if step == start + 1:
+            missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+            if missing:
+                raise EyasError(f"no gradient reached {missing[:4]} after the first backward "
+                                f"(a step without any block?); please report this")
+        # 3. Clip, step AdamW and the schedule.
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # 4. Log (window sums over all ranks).
+        if step % cfg.log_every == 0 or step == total:
+            stats, now = all_sum(window).tolist(), time.perf_counter()
+            last_train = {"kind": "train", "step": step,
+                          "epoch": plan.epoch_of[(step - 1) * plan.per_step],
+                          **_summary(stats[:-1], b), "lr": scheduler.get_last_lr()[0],
+                          "grad_norm": float(norm), "tokens": int(stats[-1]),
+                          "tokens_per_s": stats[-1] / (now - t_window),
+                          "elapsed_s": round(now - t_start, 2)}
+            if env.device.type == "cuda":
+                last_train["peak_gpu_gib"] = peak_gib(env)
+            window.zero_()
+            t_window = now
+            if metrics:
+                metrics.write(last_train)
+                log.info("step %d/%d | loss %.4f | acc %s | AL %.2f (k=%d) | %.0f tok/s | lr %.2e",
+                         step, total, last_train["loss"],
+                         "/".join(f"{x:.2f}" for x in last_train["acc"][:4]),
+                         last_train["acceptance_length"][str(b - 1)], b - 1,
+                         last_train["tokens_per_s"], last_train["lr"])
+        # 5. Evaluate; the best checkpoint has the highest acceptance length at k = B - 1.
+        new_best = False
+        if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
+            last_eval = run_eval(step)
+            al = last_eval["acceptance_length"][str(b - 1)]
+            new_best = best["step"] is None or al > best["acceptance_length"]
+            if new_best:
+                best = {"step": step, "acceptance_length": al,
+                        "by_k": last_eval["acceptance_length"]}
+        # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
+        if step % cfg.save_every == 0 or step == total or new_best:
+            checkpoint.save(run_dir, step, model, optimizer, scheduler,
+                            draft_config=config_record, keep_last=cfg.keep_last,
+                            state={"step": step, "data_position": step * plan.per_step,
+                                   "plan": plan.fingerprint, "best": best,
+                                   "world_size": env.world_size},
+                            metrics={"train": last_train, "eval": last_eval},
+                            best_step=best["step"])
+    # ---- finish: curves, manifest, summary
+    if metrics:
+        metrics.close()
+        checkpoint.plot_curves(run_dir)
+        write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", complete=True,
+                       best=best, steps=total, draft_config=config_record)
+        log.info("done: best step %s (acceptance length %s at k=%d) in %s", best["step"],
+                 best.get("acceptance_length"), b - 1, run_dir / "checkpoints")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return {"steps": total, "best": best, "train": last_train, "eval": last_eval}
