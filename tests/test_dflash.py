@@ -475,3 +475,80 @@ def test_mask_token_resolution_order(tiny_tok):
     full = resolve_mask_token_id(tiny_tok, len(tiny_tok))  # the table is full: pad, else eos
     assert full == (tiny_tok.pad_token_id if tiny_tok.pad_token_id is not None
                     else tiny_tok.eos_token_id)
+
+
+# ----------------------------------------------------------------------------- eyas export
+
+
+@pytest.fixture(scope="module")
+def dflash_run(dflash_inputs, tmp_path_factory):
+    from eyas.train import train
+
+    run = tmp_path_factory.mktemp("dflash-run") / "run"
+    train(_dflash_train_cfg(dflash_inputs, run, max_steps=4, eval_every=2, dflash_layers=2))
+    return run
+
+
+# vLLM's names (qwen3_dflash.DFlashQwen3Model / load_weights, before its own "model." prefix)
+VLLM_LAYER_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                    "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+                    "input_layernorm", "post_attention_layernorm", "mlp.gate_proj",
+                    "mlp.up_proj", "mlp.down_proj")
+
+
+def test_export_writes_the_folder_vllms_dflash_loader_reads(dflash_run, dflash_inputs, tmp_path):
+    from safetensors.torch import load_file
+
+    from eyas.export import ExportConfig, export
+
+    out = export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "draft")))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"]["target_layer_ids"] == [k - 1 for k in TAPS]
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(TAPS)
+    assert config["dflash_config"]["block_size"] == config["block_size"] == 4
+    mask = config["dflash_config"]["mask_token_id"]
+    assert 0 <= mask < config["vocab_size"] == 2048
+    assert config["num_hidden_layers"] == 2 and config["layer_types"] == ["full_attention"] * 2
+    assert config["hidden_size"] == 64 and config["num_target_layers"] == 8
+    assert "draft_vocab_size" not in config and config["tie_word_embeddings"] is False
+    assert not config["attention_bias"] and config["rope_theta"] > 0
+    tensors = load_file(str(out / "model.safetensors"))
+    want = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}.weight" for i in range(2) for n in VLLM_LAYER_NAMES}
+    assert set(tensors) == want  # no embed_tokens / lm_head: vLLM shares the target's
+    assert tensors["fc.weight"].shape == (64, 5 * 64)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert "method\": \"dflash\"" in (out / "README.md").read_text()
+    with pytest.raises(EyasError, match="speculators"):
+        export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "s"),
+                            format="speculators"))
+
+
+def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from eyas.draft.dflash import DFlashDraft
+    from eyas.draft.formats import dflash_checkpoint_config, find_checkpoint
+    from eyas.export import ExportConfig, export
+
+    out = export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "d"), dtype="fp32"))
+    step, _ = find_checkpoint(dflash_run)
+    cfg = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text()))
+    trained = DFlashDraft(cfg)
+    trained.load_state_dict(load_file(str(step / "draft.safetensors")))
+    g = torch.Generator().manual_seed(0)
+    embed, head = torch.randn(2048, 64, generator=g), torch.randn(2048, 64, generator=g)
+    trained.set_target(embed, head)
+    served = DFlashDraft.from_pretrained(out, embed, head)
+    assert served.cfg == cfg
+    aux = torch.randn(9, 5 * 64, generator=g)
+    ids = torch.tensor([7] + [cfg.mask_token_id] * 3)
+    outs = []
+    with torch.no_grad():
+        for d in (trained, served):
+            kv = d.context_kv(d.context(aux), torch.arange(9))
+            h = d(ids, torch.arange(9, 13), kv, torch.zeros(4, dtype=torch.long),
+                  torch.full((4,), 8))
+            outs.append(d.logits(h))
+    assert torch.equal(outs[0], outs[1])

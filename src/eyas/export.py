@@ -1,6 +1,8 @@
 """`eyas export`: a training checkpoint -> a draft folder vLLM, SGLang or `speculators` loads.
 
-Three formats, one set of weights (reference §5; docs/export.md):
+Three formats, one set of weights (reference §5; docs/export.md); a DFlash checkpoint
+(`eyas train --draft dflash`) is written as the one folder vLLM's `dflash` and SGLang's DFLASH
+both read (eyas.serve.dflash_export, docs/dflash.md):
 
 - `vllm` (default): `config.json` in the Llama layout that vLLM's `LlamaForCausalLMEagle3`
   (`llama_eagle3.py`) reads + `model.safetensors`. Served with `vllm serve TARGET
@@ -44,7 +46,8 @@ from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # no
 from eyas.serve.export_readme import render_readme
 from eyas.store.manifest import MANIFEST, file_sha256, read_manifest, write_manifest
 from eyas.draft.formats import (internal_state_dict, read_vllm_folder, find_checkpoint,
-                                load_checkpoint)
+                                load_checkpoint, dflash_checkpoint_config)
+from eyas.serve.dflash_export import dflash_config_json, dflash_readme, dflash_tensors
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +240,12 @@ def validate_folder(path: str | Path) -> DraftConfig:
 def export(cfg: ExportConfig) -> Path:
     """Write the draft folder `cfg.out` (validated first) and return its path."""
     step, run = find_checkpoint(cfg.checkpoint, cfg.which)
-    dcfg, state = load_checkpoint(step)
     train = read_manifest(run, step="train") if run and (run / MANIFEST).is_file() else None
+    dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text())) \
+        if (step / "draft_config.json").is_file() else None
+    if dflash is not None:
+        return _export_dflash(cfg, dflash, step, train)
+    dcfg, state = load_checkpoint(step)
     if train is None:
         log.warning("no train manifest found next to %s: the README cannot say how the draft "
                     "was trained", step)
@@ -272,6 +279,37 @@ def export(cfg: ExportConfig) -> Path:
     os.replace(tmp, out)
     log.info("wrote %s draft (%s, %s) from %s to %s", cfg.format, cfg.dtype,
              cfg.resolved_layout, step, out)
+    return out
+
+
+def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> Path:
+    """A DFlash checkpoint -> the folder vLLM's `dflash` and SGLang's DFLASH both read (one
+    format: --format vllm or sglang; SGLang takes the taps from dflash_config itself)."""
+    if cfg.format == "speculators":
+        raise EyasError("--format speculators is not written for DFlash drafts yet; use --format "
+                        "vllm (the same folder serves SGLang's DFLASH)")
+    if cfg.layout is not None:
+        raise EyasError("--layout applies to EAGLE-3 drafts; a DFlash draft has layers.N.* "
+                        "weights only: drop --layout")
+    target = (train or {}).get("target") or {}
+    target_name = cfg.target or target.get("name_or_path") or "TARGET"
+    tensors = dflash_tensors(dcfg, load_file(str(step / "draft.safetensors")), cfg.dtype)
+    config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
+    out = Path(cfg.out)
+    tmp = _fresh_dir(out)
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
+    (tmp / "README.md").write_text(dflash_readme(dcfg, str(out.resolve()), target_name,
+                                                 str(step), (train or {}).get("best"), remote))
+    write_manifest(tmp, "export", cfg, target=target or None, inputs=[train] if train else [],
+                   format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
+                   aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),
+                   files={f: file_sha256(tmp / f) for f in (WEIGHTS_FILE, "config.json")})
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log.info("wrote DFlash draft (%s) from %s to %s", cfg.dtype, step, out)
     return out
 
 

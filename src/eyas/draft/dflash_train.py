@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from eyas.draft import data
-from eyas.draft.dflash import DFlashConfig, DFlashDraft
+from eyas.draft.config import DFlashConfig
+from eyas.draft.dflash import DFlashDraft
 from eyas.draft.dflash_objective import dflash_forward, sample_blocks
 from eyas.draft.train_setup import (all_sum, autocast, compute_dtype, grad_sync, init_env,
                                     peak_gib, plan_data, resume_path, warmup_cosine, wrap)

@@ -1,0 +1,78 @@
+"""The folder of an exported DFlash draft, as vLLM's `DFlashQwen3ForCausalLM` (`method:
+"dflash"`) and SGLang's DFLASH worker load it: `config.json` (eyas.draft.formats.
+to_dflash_config), `model.safetensors` under the draft's own names, which are vLLM's (no
+`model.` prefix: vLLM adds it; no `embed_tokens` / `lm_head`: vLLM then shares the target's,
+as the draft was trained with them), a README with the serve commands. Validated key by key
+before it is written (docs/dflash.md, sections 2-3)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from eyas.draft.config import DFlashConfig
+from eyas.draft.formats import DTYPES, from_dflash_config, to_dflash_config
+from eyas.errors import EyasError
+
+
+def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of an exported DFlash draft with its shape."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+             "self_attn.o_proj": (h, q), "self_attn.q_norm": (d,), "self_attn.k_norm": (d,),
+             "input_layernorm": (h,), "post_attention_layernorm": (h,),
+             "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    out = {"fc.weight": (h, len(cfg.aux_layer_ids) * h), "hidden_norm.weight": (h,),
+           "norm.weight": (h,)}
+    for n in range(cfg.num_hidden_layers):
+        out.update({f"layers.{n}.{name}.weight": shape for name, shape in layer.items()})
+    return out
+
+
+def dflash_tensors(cfg: DFlashConfig, state: dict[str, torch.Tensor],
+                   dtype: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights in the export dtype, checked against `dflash_shapes`."""
+    want = dflash_shapes(cfg)
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    wrong = [f"{k} {tuple(state[k].shape)} != {want[k]}" for k in want
+             if k in state and tuple(state[k].shape) != want[k]]
+    if missing or extra or wrong:
+        raise EyasError(f"the DFlash checkpoint does not match its config: missing {missing}, "
+                        f"unexpected {extra}, wrong shapes {wrong}")
+    return {k: state[k].to(DTYPES[dtype]).contiguous() for k in want}
+
+
+def dflash_config_json(cfg: DFlashConfig, dtype: str, num_target_layers: int | None) -> dict:
+    """to_dflash_config, read back once to prove the round trip before anything is written."""
+    config = to_dflash_config(cfg, dtype, num_target_layers)
+    if from_dflash_config(json.loads(json.dumps(config))) != cfg:
+        raise EyasError("internal: the DFlash config.json does not read back as the trained "
+                        "config; please report this")
+    return config
+
+
+def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: dict | None,
+                  trust_remote_code: bool) -> str:
+    k = cfg.block_size - 1
+    remote = " --trust-remote-code" if trust_remote_code else ""
+    spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": k})
+    al = (best or {}).get("acceptance_length")
+    return "\n".join([
+        "# DFlash draft (eyas)", "",
+        f"Block-parallel draft for `{target}`: {cfg.num_hidden_layers} Qwen3-style layer(s) "
+        f"over target layers {list(cfg.aux_layer_ids)} (vLLM's aux ids; DFlash "
+        f"`target_layer_ids` {list(cfg.target_layer_ids)}), blocks of {cfg.block_size} "
+        f"(bonus + {k} drafts), mask token {cfg.mask_token_id}. It uses the target's "
+        f"embedding and lm_head (not in this folder).", "",
+        f"Trained checkpoint: `{step}`" + (f"; acceptance length on the training run's eval "
+                                           f"set at k = {k}: {al}" if al else "") + ".", "",
+        "## vLLM (`method: dflash`; the draft's non-causal attention needs the FLASH_ATTN "
+        "backend)", "", "```bash", f"vllm serve {target}{remote} \\",
+        f"    --speculative-config '{spec}'", "```", "",
+        f"`num_speculative_tokens` may be anything up to {k}.", "",
+        "## SGLang (`--speculative-num-draft-tokens` counts the bonus token)", "", "```bash",
+        f"python -m sglang.launch_server --model-path {target}{remote} \\",
+        f"    --speculative-algorithm DFLASH --speculative-draft-model-path {draft} \\",
+        f"    --speculative-num-draft-tokens {cfg.block_size}", "```", ""])
