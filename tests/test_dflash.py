@@ -552,3 +552,169 @@ def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):
                   torch.full((4,), 8))
             outs.append(d.logits(h))
     assert torch.equal(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------- eyas eval
+
+
+def test_drafter_proposes_what_the_training_forward_predicts(dflash_inputs, dflash_run):
+    """The serving drafter (context K/V cached call by call, one block [last, MASK x k]) and
+    the training forward over the whole prefix (the packed path) draft the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.draft.dflash import DFlashDraft
+    from eyas.draft.formats import dflash_checkpoint_config, find_checkpoint
+    from eyas.serve.dflash_drafter import DFlashDrafter
+    from eyas.serve.speculate import Sampling
+    from eyas.target.taps import AuxTaps
+    from safetensors.torch import load_file
+
+    model = AutoModelForCausalLM.from_pretrained(dflash_inputs["target"], dtype=torch.float32)
+    step, _ = find_checkpoint(dflash_run)
+    cfg = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text()))
+    draft = DFlashDraft(cfg)
+    draft.load_state_dict(load_file(str(step / "draft.safetensors")))
+    draft.set_target(model.model.embed_tokens.weight, model.lm_head.weight)
+    tokens = torch.randint(10, 2000, (20,), generator=torch.Generator().manual_seed(3))
+    taps = AuxTaps(model.model.layers, model.model.norm, cfg.aux_layer_ids, 8, final=False)
+    with torch.no_grad(), taps.attached():
+        model(tokens[None])
+    aux = taps.collect("cpu")[0].flatten(1)  # (20, 5*64)
+    drafter, sampled = DFlashDrafter(draft, "cpu"), DFlashDrafter(draft, "cpu")
+    drafter.begin()
+    sampled.begin()
+    greedy = Sampling()
+    t1 = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    for s, since in ((9, 0), (13, 8), (20, 12)):  # calls after 8, 4 and 7 new target states
+        got = drafter.propose(tokens[:s], aux[since:s - 1], 3, greedy).tokens
+        q = sampled.propose(tokens[:s], aux[since:s - 1], 3, t1).probs  # (3, V)
+        with torch.no_grad():
+            kv = draft.context_kv(draft.context(aux[:s - 1]), torch.arange(s - 1))
+            ids = torch.tensor([int(tokens[s - 1])] + [cfg.mask_token_id] * 3)
+            h = draft(ids, torch.arange(s - 1, s + 3), kv, torch.zeros(4, dtype=torch.long),
+                      torch.full((4,), s - 2))
+            logits = draft.logits(h[1:])
+        assert got == logits.argmax(-1).tolist()
+        # the whole distribution, not just its argmax: positions and cache are exact
+        torch.testing.assert_close(q, logits.softmax(-1), atol=1e-6, rtol=1e-5)
+    with pytest.raises(EyasError, match="out of step"):
+        drafter.propose(tokens[:20], aux[10:19], 3, greedy)
+    with pytest.raises(EyasError, match="k <= 3"):
+        drafter.propose(tokens[:20], aux[:19], 4, greedy)
+
+
+def test_eval_measures_a_dflash_export_losslessly(dflash_inputs, dflash_run, tmp_path):
+    from eyas.evaluate import EvalConfig, evaluate
+    from eyas.export import ExportConfig, export
+
+    folder = export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "draft"),
+                                 dtype="fp32"))
+    report = evaluate(EvalConfig(target=dflash_inputs["target"], data=dflash_inputs["prepared"],
+                                 out=str(tmp_path / "report"), draft=str(folder), k=(1, 3),
+                                 num_prompts=3, max_new_tokens=12, dtype="float32",
+                                 device="cpu", batch_size=4, ngram=False))
+    assert report.primary == "dflash" and report.lossless is True
+    saved = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert set(saved["mean_acceptance_length"]) == {"1", "3"}
+    for k in ("1", "3"):
+        rates = saved["per_position_acceptance"][k]
+        assert len(rates) == int(k) and all(0 <= r <= 1 for r in rates)
+        assert saved["mean_acceptance_length"][k] == pytest.approx(1 + sum(rates), abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def fitted(llama_dir):
+    """A tiny random Llama target (8 layers), six prompts, its greedy continuations (long
+    enough for every k) and a DFlash draft fitted to them (labels: the target's own greedy
+    tokens), so that eval has acceptance to count, right at some positions and wrong at
+    others (about 0.45 / 0.11 / 0.11 at k = 3)."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.draft.dflash import DFlashConfig, DFlashDraft
+    from eyas.draft.dflash_objective import dflash_forward, sample_blocks
+    from eyas.evaluate import Prompt
+    from eyas.serve.speculate import Sampling, TargetRunner, generate_plain
+    from eyas.target.taps import AuxTaps
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    layers, norm = model.model.layers, model.model.norm
+    g = torch.Generator().manual_seed(5)
+    prompts = [Prompt(str(i), torch.randint(10, 2000, (int(n),), generator=g))
+               for i, n in enumerate(torch.randint(6, 14, (6,), generator=g))]
+    runner = TargetRunner(model, layers, norm)
+    refs = [generate_plain(runner, p.ids, 24, frozenset(), Sampling()).tokens for p in prompts]
+    cfg = DFlashConfig.from_target(model.config, aux_layer_ids=TAPS, mask_token_id=2047,
+                                   block_size=4, num_hidden_layers=2)
+    torch.manual_seed(0)
+    draft = DFlashDraft(cfg)
+    draft.set_target(model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())
+    taps = AuxTaps(layers, norm, TAPS, 8, final=False)
+    batches = []
+    for p, ref in zip(prompts, refs):
+        seq = torch.cat([p.ids, torch.tensor(ref)])[None]
+        with torch.no_grad(), taps.attached():
+            top1 = model(seq).logits.argmax(-1)
+        n = seq.shape[1]
+        batches.append({"input_ids": seq, "target_top1": top1,
+                        "aux_hidden": taps.collect("cpu")[0].flatten(1)[None],
+                        "loss_mask": (torch.arange(n) >= len(p.ids) - 1).long()[None],
+                        "position_ids": torch.arange(n)[None],
+                        "doc_ids": torch.zeros(1, n, dtype=torch.long)})
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    for step in range(60):
+        batch = batches[step % len(batches)]
+        blocks = sample_blocks(batch, block=4, num_anchors=64, mask_token_id=2047, gamma=7.0,
+                               labels="target", generator=torch.Generator().manual_seed(step))
+        out = dflash_forward(draft, batch, blocks)
+        opt.zero_grad()
+        (out.loss_sum / out.weight_sum).backward()
+        opt.step()
+    return model, prompts, refs, draft.eval()
+
+
+def replayed_acceptance(model, draft, prompt, ref, k: int, max_new: int) -> list[int]:
+    """[drafts, accepted at positions 1..k] of greedy chain drafting replayed on the target's
+    own continuation `ref`: each step drafts from the teacher-forced prefix with one block and
+    accepts its leading drafts equal to `ref`, then one token more (what the loop must count,
+    independent of its KV caches and verification)."""
+    from eyas.target.taps import AuxTaps
+
+    seq = torch.cat([prompt, torch.tensor(ref)])
+    taps = AuxTaps(model.model.layers, model.model.norm, draft.cfg.aux_layer_ids, 8, final=False)
+    with torch.no_grad(), taps.attached():
+        model(seq[None])
+    aux = taps.collect("cpu")[0].flatten(1)
+    counts, t, p = [0] * (k + 1), 1, len(prompt)
+    while t < max_new:
+        s = p + t  # sequence so far: prompt + t tokens; the last one is the block's bonus
+        with torch.no_grad():
+            kv = draft.context_kv(draft.context(aux[:s - 1]), torch.arange(s - 1))
+            ids = torch.tensor([int(seq[s - 1])] + [draft.cfg.mask_token_id] * k)
+            h = draft(ids, torch.arange(s - 1, s + k), kv, torch.zeros(k + 1, dtype=torch.long),
+                      torch.full((k + 1,), s - 2), block=k + 1)
+        drafts = draft.logits(h[1:]).argmax(-1).tolist()
+        accepted = next((i for i, d in enumerate(drafts) if d != ref[t + i]), k)
+        counts[0] += 1
+        for i in range(accepted):
+            counts[1 + i] += 1
+        t += accepted + 1
+    return counts
+
+
+def test_eval_counts_dflash_acceptance_as_replayed_and_stays_lossless(fitted, tmp_path):
+    from eyas.evaluate import EvalConfig, run_eval
+
+    model, prompts, refs, draft = fitted
+    cfg = EvalConfig(target="tiny", data="unused", out=str(tmp_path), draft="in-memory",
+                     k=(1, 3), max_new_tokens=16, batch_size=1, ngram=False, replay=False)
+    report = run_eval(model, model.model.layers, model.model.norm, draft, prompts, cfg)
+    assert report.primary == "dflash" and report.lossless is True
+    for k in (1, 3):
+        total = [sum(c) for c in zip(*(replayed_acceptance(model, draft, p.ids, r, k, 16)
+                                       for p, r in zip(prompts, refs)))]
+        measured = next(r for r in report.results if r.method == "dflash" and r.k == k)
+        want = [a / total[0] for a in total[1:]]  # the report rounds to 4 places
+        assert measured.per_position_acceptance == pytest.approx(want, abs=1e-4)
+        assert measured.mean_acceptance_length == pytest.approx(1 + sum(want), abs=1e-4)
+    rates = report.per_position_acceptance["3"]
+    assert report.mean_acceptance_length["3"] > 1.3 and 0 < rates[1] < rates[0] < 1

@@ -1,8 +1,8 @@
 """`eyas eval`: speculative decoding with the draft; acceptance length and speed report.
 
 For each prompt the target decodes plainly (the "no speculation" baseline, and at T=0 the
-greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 draft for
-every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
+greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 (or DFlash:
+eyas.serve.dflash_drafter, batch 1) draft for every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
 `1 + accepted / drafts`, per-position acceptance `accepted at i / drafts`, batch 1, chain drafts.
 The loop itself is `eyas.serve.speculate`; this module loads things and runs it, and
 `eyas.serve.eval_report` writes `report.json`, `report.md` and two plots (docs/eval.md).
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
@@ -27,6 +28,8 @@ from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, tar
                                  write_manifest)
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
+from eyas.draft.dflash import DFlashDraft
+from eyas.serve.dflash_drafter import DFlashDrafter
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
 
@@ -45,8 +48,9 @@ class EvalConfig:
                          "or an `eyas prepare` output folder (its eval split)")
     out: str = out_option("report folder: report.json, report.md, al_vs_k.png, "
                           "acceptance_by_position.png")
-    draft: str | None = option(None, "EAGLE-3 draft: an `eyas export` folder, an `eyas train` "
-                               "run folder (its best checkpoint) or a checkpoints/step-N folder; "
+    draft: str | None = option(None, "EAGLE-3 or DFlash draft: an `eyas export` folder, an "
+                               "`eyas train` run folder (its best checkpoint) or a "
+                               "checkpoints/step-N folder; "
                                "without it only n-gram and plain decoding are measured")
     k: tuple[int, ...] = option((3,), "draft tokens per step; several make a sweep, e.g. 1,2,3,5,7")
     temperature: float = option(0.0, "0 = greedy; > 0 samples with exact rejection sampling")
@@ -165,14 +169,21 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
     device = model.get_input_embeddings().weight.device
     aux_ids = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
     runner = TargetRunner(model, layers, final_norm, aux_ids)
-    batched = cfg.batch_size > 1
+    dflash = isinstance(draft, DFlashDraft)
+    batched = cfg.batch_size > 1 and not dflash
+    if dflash and cfg.batch_size > 1:
+        log.warning("DFlash drafts are measured with the batch-1 loop (no batched DFlash "
+                    "drafter yet): every method runs batch 1, --batch-size %d is not used",
+                    cfg.batch_size)
     if batched:
         batch_target = BatchTarget(model, layers, final_norm, aux_ids)
     drafters = []
     if cfg.ngram:
         drafters.append(("ngram", (BatchNgramDrafter if batched else NgramDrafter)(
             cfg.ngram_min, cfg.ngram_max)))
-    if draft is not None:
+    if dflash:
+        drafters.append(("dflash", DFlashDrafter(draft, device)))
+    elif draft is not None:
         drafters.append(("eagle3", (BatchEagle3Drafter if batched else Eagle3Drafter)(
             draft, device)))
 
@@ -229,7 +240,7 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
                 m["margin"] = _logit_margin(runner, prompts, reference, m)
     finally:
         runner.close()
-    if draft is not None and cfg.replay and cfg.temperature == 0:
+    if draft is not None and not dflash and cfg.replay and cfg.temperature == 0:
         try:
             out.replayed = _replay_all(model, layers, final_norm, draft, prompts, reference,
                                        cfg.k)
@@ -389,24 +400,36 @@ def _load_target(cfg: EvalConfig):
                        dtype=cfg.dtype, device=device, device_map=device_map)
 
 
-def load_draft(folder: str | Path, embedding: torch.nn.Module):
-    """An `eyas export` folder (config.json + safetensors, any export format), a training
-    step folder or a run folder (its best, else last, checkpoint), on the embedding's device
-    and dtype. Returns (draft, manifest of the export or run folder, or None)."""
+def load_draft(folder: str | Path, embedding: torch.nn.Module,
+               lm_head: torch.nn.Module | None = None):
+    """An `eyas export` folder (config.json + safetensors, any export format; EAGLE-3 or
+    DFlash), a training step folder or a run folder (its best, else last, checkpoint), on the
+    embedding's device and dtype. A DFlash draft reads the target's `lm_head` too. Returns
+    (draft, manifest of the export or run folder, or None)."""
     from eyas.draft.eagle3 import Eagle3Draft
-    from eyas.draft.formats import find_checkpoint, load_checkpoint
+    from eyas.draft.formats import (dflash_checkpoint_config, find_checkpoint, is_dflash_folder,
+                                    load_checkpoint)
 
     folder = Path(folder)
-    if (folder / "config.json").is_file():
+    if is_dflash_folder(folder):
+        draft = DFlashDraft.from_pretrained(folder, embedding.weight, _head(lm_head, folder))
+        manifest_dir = folder
+    elif (folder / "config.json").is_file():
         draft, manifest_dir = Eagle3Draft.from_pretrained(folder, embed_tokens=embedding), folder
     elif (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
         try:
             step, manifest_dir = find_checkpoint(folder, "best")
         except EyasError:  # a run without eval during training has no best
             step, manifest_dir = find_checkpoint(folder, "last")
-        dcfg, state = load_checkpoint(step)
-        draft = Eagle3Draft(dcfg, embedding)
-        draft.load_state_dict(state)
+        dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text()))
+        if dflash is not None:
+            draft = DFlashDraft(dflash)
+            draft.load_state_dict(load_file(str(step / "draft.safetensors")))
+            draft.set_target(embedding.weight, _head(lm_head, folder))
+        else:
+            dcfg, state = load_checkpoint(step)
+            draft = Eagle3Draft(dcfg, embedding)
+            draft.load_state_dict(state)
     else:
         raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
                         f"(config.json + model.safetensors) or an `eyas train` run or "
@@ -418,13 +441,21 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module):
     return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
 
 
+def _head(lm_head: torch.nn.Module | None, folder) -> torch.Tensor:
+    if lm_head is None:
+        raise EyasError(f"{folder} is a DFlash draft: it needs the target's lm_head (a target "
+                        f"without an output head cannot run it)")
+    return lm_head.weight
+
+
 def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str) -> None:
     if manifest is not None:
         check_same_target(manifest.get("target"), record, f"draft {folder}")
     c = draft.cfg
-    if c.vocab_size != info.vocab_size or c.target_hidden_size != info.hidden_size:
+    width = c.hidden_size if isinstance(draft, DFlashDraft) else c.target_hidden_size
+    if c.vocab_size != info.vocab_size or width != info.hidden_size:
         raise EyasError(f"draft {folder} expects a target with vocab_size {c.vocab_size} and "
-                        f"hidden_size {c.target_hidden_size}, but {info.architecture} has "
+                        f"hidden_size {width}, but {info.architecture} has "
                         f"{info.vocab_size} and {info.hidden_size}; evaluate it with the "
                         f"target it was trained for")
 
@@ -494,7 +525,8 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
         check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}")
     draft, draft_manifest = None, None
     if cfg.draft:
-        draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path))
+        draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path),
+                                           model.get_output_embeddings())
         _check_draft(draft, info, draft_manifest, record, cfg.draft)
     measured = measure(model, submodule(model, info.layers_path),
                        submodule(model, info.norm_path), draft, prompts, cfg,

@@ -134,13 +134,15 @@ class DFlashDraft(nn.Module):
         return [layer.context_kv(c, positions, self.inv_freq, self.rope_scale)
                 for layer in self.layers]
 
-    def forward(self, block_ids, positions, ctx_kv: list, lo, hi) -> torch.Tensor:
-        """block_ids, positions (N,) with N = blocks * block_size (slot 0 the bonus token, the
-        others mask_token_id); ctx_kv from `context_kv`; query n sees context keys
-        lo[n]..hi[n]. Returns norm(h) (N, H): the lm_head's input."""
+    def forward(self, block_ids, positions, ctx_kv: list, lo, hi,
+                block: int | None = None) -> torch.Tensor:
+        """block_ids, positions (N,) with N = blocks * block (slot 0 the bonus token, the
+        others mask_token_id; block: block_size in training, 1 + k when serving k drafts);
+        ctx_kv from `context_kv`; query n sees context keys lo[n]..hi[n]. Returns norm(h)
+        (N, H): the lm_head's input."""
         x = self.embed_tokens[block_ids].to(self.fc.weight.dtype)  # (N, H)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, positions, k, v, lo, hi, self.cfg.block_size, self.inv_freq,
+            x = layer(x, positions, k, v, lo, hi, block or self.cfg.block_size, self.inv_freq,
                       self.rope_scale)
         return self.norm(x)
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class MethodResult:
     """One decoding method at one k (k = 0 for plain decoding), summed over all prompts."""
 
-    method: str  # "target" (no speculation), "ngram" or "eagle3"
+    method: str  # "target" (no speculation), "ngram", "eagle3" or "dflash"
     k: int
     new_tokens: int
     seconds: float
@@ -44,7 +44,7 @@ class EvalReport:
 
     target: str
     draft: str | None
-    primary: str  # the method the top-level acceptance fields describe: eagle3, else ngram
+    primary: str  # the method the top-level acceptance fields describe: the draft, else ngram
     temperature: float
     k: list[int]
     num_prompts: int
@@ -189,7 +189,8 @@ def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
 
 def _report(cfg, results, mismatches, num_prompts: int,
             measured: Measured) -> EvalReport:
-    primary = "eagle3" if any(r.method == "eagle3" for r in results) else "ngram"
+    primary = next((m for m in ("eagle3", "dflash") if any(r.method == m for r in results)),
+                   "ngram")
     mine = [r for r in results if r.method == primary]
     return EvalReport(
         target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
@@ -287,7 +288,7 @@ def _plot(out: Path, report: EvalReport) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for method in ("eagle3", "ngram"):
+    for method in ("eagle3", "dflash", "ngram"):
         rs = [r for r in report.results if r.method == method]
         if rs:
             ax.plot([r.k for r in rs], [r.mean_acceptance_length for r in rs], "o-", label=method)
