@@ -453,6 +453,22 @@ def test_dflash_resume_continues_exactly(dflash_inputs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_dflash_online_training_equals_offline(dflash_inputs, tmp_path):
+    """--online runs the target in the job with the same taps: the same blocks and losses."""
+    from eyas.store.manifest import read_manifest
+    from eyas.train import train
+
+    kw = dict(max_steps=2, eval_every=2)
+    offline = train(_dflash_train_cfg(dflash_inputs, tmp_path / "off", **kw))
+    online = train(_dflash_train_cfg(dflash_inputs, tmp_path / "on", **kw, online=True,
+                                     data=dflash_inputs["prepared"],
+                                     target=dflash_inputs["target"], aux_layer_ids=TAPS))
+    assert read_manifest(tmp_path / "on", step="train")["aux_layer_ids"] == list(TAPS)
+    assert online["train"]["blocks"] == offline["train"]["blocks"] > 0
+    assert online["train"]["loss"] == pytest.approx(offline["train"]["loss"], rel=1e-3)
+    assert online["eval"]["loss"] == pytest.approx(offline["eval"]["loss"], rel=1e-3)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(vocab="v"), "drop --vocab"),
     (dict(loss="lk-alpha"), "cross-entropy"),
