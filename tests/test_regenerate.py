@@ -518,3 +518,11 @@ def test_a_batch_out_of_gpu_memory_is_split_after_its_memory_is_freed():
     out = gen.generate([[i] for i in range(5)], 4)
     assert [g.text for g in out] == [f"answer {i}" for i in range(5)]
     assert sizes == [5, 2, 3, 1, 2] and len(failed) == 2
+
+
+def test_device_auto_loads_where_the_cli_would(setup):
+    # benchmarks/regenerate.py hands the CLI's default device ("auto") to load_generator, which
+    # once passed it on to torch.device and failed
+    gen = load_generator(setup[0], device="auto")
+    where = "cuda" if torch.cuda.is_available() else "cpu"
+    assert next(gen.model.parameters()).device.type == where

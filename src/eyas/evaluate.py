@@ -392,12 +392,8 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[Prompt], dict | None]
 def _load_target(cfg: EvalConfig):
     from eyas.target.models import load_target
 
-    device, device_map = cfg.device, None
-    if device == "auto":
-        # spread a target too big for one GPU over all of them; without a GPU use the CPU
-        device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
     return load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                       dtype=cfg.dtype, device=device, device_map=device_map)
+                       dtype=cfg.dtype, device=cfg.device)
 
 
 def load_draft(folder: str | Path, embedding: torch.nn.Module,

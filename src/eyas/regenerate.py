@@ -322,14 +322,8 @@ def converse(job: Job, complete: Callable[[list[dict]], Generation],
 # ---------------------------------------------------------------- transformers backend
 
 def _load_generator(cfg: RegenerateConfig) -> LocalGenerator:
-    import torch
-
-    device, device_map = cfg.device, None
-    if device == "auto":
-        # Spread a target too big for one GPU over all of them; without a GPU use the CPU.
-        device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
-    return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=device,
-                          device_map=device_map, trust_remote_code=cfg.trust_remote_code,
+    return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=cfg.device,
+                          trust_remote_code=cfg.trust_remote_code,
                           batching=cfg.batching, concurrency=cfg.batch_size)
 
 

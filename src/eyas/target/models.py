@@ -335,9 +335,12 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
 
     `name_or_path` is a hub name, a folder or a .gguf file (de-quantized at load). `dtype` is a
     torch.dtype, a name in DTYPES, or "auto": float32 on the CPU, the checkpoint's dtype on a
-    GPU (bfloat16 for a GGUF)."""
+    GPU (bfloat16 for a GGUF). `device` "auto" spreads the target over every GPU (a
+    device_map), or keeps it on the CPU when there is none."""
     import transformers
 
+    if device == "auto":
+        device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
     torch_dtype = _load_dtype(dtype, gguf=is_gguf(name_or_path),
                               on_cpu=_on_cpu(device, device_map))
     if is_gguf(name_or_path) and importlib.util.find_spec("accelerate") is None:
