@@ -190,8 +190,8 @@ def test_lossless_check_fails_loudly_naming_prompt_and_divergence(
 
         monkeypatch.setattr(batched, "_accept_greedy", corrupt)
     with pytest.raises(EyasError, match=r"prompt-only \(ngram k=2\): first divergence at new "
-                                        r"token \d+, greedy \d+ vs speculative \d+.*--dtype "
-                                        r"float32"):
+                                        r"token \d+, greedy \d+ vs speculative \d+.*already "
+                                        r"float32: a margin below"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
                             k=(2,), ignore_eos=True, batch_size=batch_size, **SMALL))
     saved = json.loads((tmp_path / "report.json").read_text())  # written before failing

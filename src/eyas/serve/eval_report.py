@@ -211,13 +211,20 @@ def mismatch_message(report: EvalReport) -> str:
         + (f" (target logit margin {m['margin']:.4g})" if m.get("margin") is not None else "")
         for m in report.mismatches[:10])
     more = f" and {len(report.mismatches) - 10} more" if len(report.mismatches) > 10 else ""
+    if report.dtype == "float32":
+        # already the most exact dtype eval runs in: only the margin tells rounding from a bug
+        advice = ("This run was already float32: a margin below ~1e-4 is float32 rounding "
+                  "(the two forwards sum in different orders), a difference with a clear "
+                  "margin is a bug: please report it.")
+    else:
+        advice = ("Re-run with --dtype float32 to tell them apart (a difference in float32 "
+                  "with a clear margin is a bug: please report it).")
     return (f"lossless check failed: speculative decoding differs from the target's greedy "
             f"output in {len(report.mismatches)} generation(s): {shown}{more}. The report is "
             f"written regardless. In {report.dtype} this can be rounding rather than a bug: "
             f"verification scores k+1 tokens in one forward, plain decoding one at a time, and "
-            f"a near-tie of the top two logits (margin near 0) can flip. Re-run with --dtype "
-            f"float32 to tell them apart (a difference in float32 with a clear margin is a "
-            f"bug: please report it), or pass --no-check-lossless to skip the check.")
+            f"a near-tie of the top two logits (margin near 0) can flip. {advice} Pass "
+            f"--no-check-lossless to skip the check.")
 
 
 def write_report(out: Path, report: EvalReport) -> None:
