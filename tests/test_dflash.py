@@ -475,6 +475,7 @@ def test_dflash_online_training_equals_offline(dflash_inputs, tmp_path):
     (dict(fc_norm=True), "DFlash drafts do not have it"),
     (dict(block_size=1), "--block-size"),
     (dict(cuda_graph=True, device="cuda"), "--cuda-graph"),
+    (dict(compile=True), "--compile"),
 ])
 def test_dflash_config_errors_name_the_flag(kw, match):
     from eyas.train import TrainConfig

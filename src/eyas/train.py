@@ -231,6 +231,7 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (cfg.precision != "fp8", "--precision fp8 is not built for DFlash yet; use bf16"),
         (not cfg.cuda_graph, "--cuda-graph is not built for DFlash yet (its block count changes "
                              "every step); drop it"),
+        (not cfg.compile, "--compile is not built (or tested) for DFlash yet; drop it"),
         (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
                                     "(it reads the target's embedding and lm_head); leave it 0"),
     ]

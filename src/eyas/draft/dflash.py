@@ -127,7 +127,7 @@ class DFlashDraft(nn.Module):
     def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """aux_hidden (M, n*H) concatenated taps -> fused context (M, H), what vLLM's
         combine_hidden_states (fc) and precompute_and_store_context_kv (hidden_norm) make."""
-        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(aux_hidden))  # autocast (training) or same dtypes
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> list:
         """Per layer (k, v) of the fused context c (M, H) at positions (M,)."""
@@ -148,7 +148,7 @@ class DFlashDraft(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(N, H) -> (N, V) over the target vocabulary, through the target's lm_head."""
-        return h @ self.lm_head.to(h.dtype).t()
+        return h.to(self.lm_head.dtype) @ self.lm_head.t()
 
     @classmethod
     def from_pretrained(cls, folder, embed_tokens, lm_head, dtype=None) -> DFlashDraft:

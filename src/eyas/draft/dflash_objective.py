@@ -145,7 +145,8 @@ class ChunkedCE(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         top = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
         for s in range(0, h.shape[0], chunk):
-            logits = (h[s:s + chunk] @ w.to(h.dtype).t()).float()  # (C, V)
+            # in the head's dtype (bf16 on GPU): never an fp32 copy of the (V, H) head
+            logits = (h[s:s + chunk].to(w.dtype) @ w.t()).float()  # (C, V)
             lse = logits.logsumexp(-1)
             picked = logits.gather(1, labels[s:s + chunk, None])[:, 0]
             total += (weight[s:s + chunk] * (lse - picked)).sum()
@@ -159,10 +160,9 @@ class ChunkedCE(torch.autograd.Function):
     def backward(ctx, grad, _):
         h, w, labels, weight = ctx.saved_tensors
         dh = torch.empty_like(h)
-        wd = w.to(h.dtype)
         for s in range(0, h.shape[0], ctx.chunk):
-            p = (h[s:s + ctx.chunk] @ wd.t()).float().softmax(-1)  # (C, V)
+            p = (h[s:s + ctx.chunk].to(w.dtype) @ w.t()).float().softmax(-1)  # (C, V)
             p[torch.arange(p.shape[0], device=p.device), labels[s:s + ctx.chunk]] -= 1
             p *= (grad * weight[s:s + ctx.chunk])[:, None]
-            dh[s:s + ctx.chunk] = (p.to(h.dtype) @ wd).to(h.dtype)
+            dh[s:s + ctx.chunk] = (p.to(w.dtype) @ w).to(h.dtype)
         return dh, None, None, None, None

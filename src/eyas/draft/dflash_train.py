@@ -45,10 +45,15 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, given: int = -1) -> int:
     (SpecForge's `resolve_mask_token_id` order; docs/dflash.md section 6)."""
     if given >= 0:
         return given
-    for tid in (getattr(tokenizer, "mask_token_id", None),
-                len(tokenizer) if len(tokenizer) < vocab_size else None,
-                tokenizer.pad_token_id, tokenizer.eos_token_id):
+    own = [getattr(tokenizer, "mask_token_id", None),
+           len(tokenizer) if len(tokenizer) < vocab_size else None]
+    for tid in (*own, tokenizer.pad_token_id, tokenizer.eos_token_id):
         if tid is not None and 0 <= int(tid) < vocab_size:
+            if tid not in own:
+                log.warning("DFlash mask token: the tokenizer has no mask token and no unused "
+                            "embedding row, so the mask is id %d (%r), a token the data also "
+                            "holds; an unused special token may serve better (--mask-token-id)",
+                            int(tid), tokenizer.convert_ids_to_tokens(int(tid)))
             return int(tid)
     raise EyasError("no mask token found for DFlash (the tokenizer has no mask, pad or eos "
                     "token and fills the embedding table); give --mask-token-id")
@@ -174,13 +179,13 @@ def train_dflash(cfg: TrainConfig) -> dict:
     mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
                            start=start * plan.per_step)
     batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
-                               pin_memory=pin, static=cfg.compile))
+                               pin_memory=pin, static=False))
     metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
     config_record = {"draft": "dflash", **dcfg.to_dict()}
 
     def run_eval(step: int) -> dict:
         loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
-                             pin_memory=pin, static=cfg.compile)
+                             pin_memory=pin, static=False)
         record = {"kind": "eval", "step": step, **evaluate(model, loader, cfg, dcfg, env)}
         if metrics:
             metrics.write(record)
