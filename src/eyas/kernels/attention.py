@@ -386,10 +386,13 @@ def block_attention(q, k, v, lo, hi, block_k, block_v, block: int) -> torch.Tens
     block_k, block_v (N, hkv, d) in q's order. The context band runs through the same kernel
     as `attention` (FlexAttention on CUDA, the chunked reference on CPU) and returns its
     log-sum-exp; the (block x block) scores of each block are small and merged with it.
-    Returns (N, hq, d) in q's dtype.
+    Serving (inference mode: a handful of queries over a cache whose length changes at every
+    call, which would make compiled FlexAttention recompile) runs the exact reference there
+    too. Returns (N, hq, d) in q's dtype.
     """
     with torch.autocast(q.device.type, enabled=False):
-        core = _band_flex if q.device.type == "cuda" else _band_reference
+        flex = q.device.type == "cuda" and not torch.is_inference_mode_enabled()
+        core = _band_flex if flex else _band_reference
         out_c, lse_c = core(q, k, v, lo, hi)  # (N, hq, d), (N, hq) fp32
         n, hq, d = q.shape
         hkv = block_k.shape[1]
