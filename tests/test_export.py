@@ -168,9 +168,12 @@ def test_eagle31_keys_are_written_where_vllm_reads_them(variant):
         k: getattr(cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_output")}
     assert "norm_before_fc" not in c["eagle_config"]  # so the top-level key is the one read
     spec = to_speculators_config(cfg, verifier="m", verifier_architectures=[])
-    # update_eagle3 copies the three from the top level; all written, as speculators does
-    assert {k: spec[k] for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
-        k: getattr(cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+    # all three at the top level, as speculators writes them (update_eagle3 copies them from
+    # there after vLLM 0.24.0), and in transformer_layer_config, the only place 0.24.0's
+    # update_eagle3 leaves fc_norm / norm_output for llama_eagle3 to read
+    want = {k: getattr(cfg, k) for k in ("norm_before_fc", "fc_norm", "norm_output")}
+    assert {k: spec[k] for k in want} == want
+    assert {k: spec["transformer_layer_config"][k] for k in want} == want
     plain = to_vllm_config(draft_config())
     assert not {"norm_before_fc", "fc_norm", "norm_output"} & set(plain)  # unchanged when off
 
@@ -480,7 +483,8 @@ def test_vllm_config_readers_accept_both_formats(tmp_path):
 @pytest.mark.parametrize("variant", ["eagle-3.1", "eagle-3.1-norm-before-fc"])
 def test_vllm_config_readers_read_the_eagle31_keys(tmp_path, variant):
     """vLLM's own readers of both formats hand llama_eagle3 the EAGLE 3.1 keys as trained
-    (the speculators format needs vLLM >= 0.24 for fc_norm / norm_output, PR #46488)."""
+    (vLLM 0.24.0's speculators reader takes fc_norm / norm_output from transformer_layer_config
+    only; later releases also copy them from the top level)."""
     pytest.importorskip("vllm")
     from transformers import AutoConfig
     from vllm.transformers_utils.configs.eagle import EAGLEConfig

@@ -169,15 +169,20 @@ def to_speculators_config(cfg: DraftConfig, *, verifier: str, verifier_architect
                           num_speculative_tokens: int = 3, dtype: str = "bf16") -> dict:
     """config.json in the `speculators` format (Eagle3SpeculatorConfig): vLLM builds the draft
     from `transformer_layer_config` plus the top-level EAGLE-3 keys and loads the verifier named
-    in `speculators_config`. Inverse: `from_speculators_config`."""
+    in `speculators_config`. Inverse: `from_speculators_config`.
+
+    The EAGLE 3.1 keys are written in both places. vLLM 0.24.0's reader (`update_eagle3`)
+    copies only `norm_before_fc` from the top level, so `fc_norm` / `norm_output` reach
+    llama_eagle3 only through `transformer_layer_config` (the dict its config starts from);
+    later releases also copy them from the top level, where speculators writes them."""
+    eagle31 = {key: getattr(cfg, key) for key in EAGLE31_KEYS}
     return {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_FORMAT_VERSION,
         "transformer_layer_config": {"architectures": ["LlamaForCausalLM"],
-                                     **_llama_layer(cfg, dtype)},
+                                     **_llama_layer(cfg, dtype), **eagle31},
         **_eagle_keys(cfg), "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        # all three explicit, as speculators writes its own configs
-        **{key: getattr(cfg, key) for key in EAGLE31_KEYS}, "embed_requires_grad": False,
+        **eagle31, "embed_requires_grad": False,  # all three explicit, as speculators writes them
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens":
