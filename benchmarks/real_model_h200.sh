@@ -17,7 +17,7 @@ REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
     --eval-fraction 0.07 --epochs 20 --batch-tokens 16384 --indist-prompts 200 \
     --heldout-prompts 200 --eval-tokens 96 --k 3,6 --eval-batch 64}
 # the ablation trains with the pipeline's settings and is measured on its held-out prompts,
-# so the pipeline's own draft is its eagle3 row
+# so the pipeline's own draft (eyas train's defaults: EAGLE 3.1) is its eagle3.1 row
 arg() { echo "$REAL_ARGS" | tr -s ' ' '\n' | grep -A1 -- "^$1\$" | tail -1; }
 
 for s in ${STAGES:-pipeline eval32 recipe eval1 regen}; do
@@ -47,7 +47,7 @@ for s in ${STAGES:-pipeline eval32 recipe eval1 regen}; do
   recipe)
     stage "recipe ablation"
     python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $W/smol.gguf \
-        --variants ${RECIPE_VARIANTS:-eagle3.1,eagle3-lk,eagle3-ttt3} --baseline eagle3 \
+        --variants ${RECIPE_VARIANTS:-eagle3,eagle3.1-ttt3,eagle3.1-fc} --baseline eagle3.1 \
         --splits heldout --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) \
         --k $(arg --k) --heldout-prompts $(arg --heldout-prompts) \
         --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \

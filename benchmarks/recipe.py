@@ -24,13 +24,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from real_model import _best_eval, run  # noqa: E402  (the same CLI runner and records)
 
+# eyas train's defaults are EAGLE 3.1's norms (norm_before_fc + norm_output) since this
+# ablation measured them best; each variant spells its norms out so that names keep meaning
+PLAIN = ["--no-norm-before-fc", "--no-norm-output"]
+NORMS = ["--norm-before-fc", "--norm-output"]
 VARIANTS = {  # name -> eyas train flags on top of the shared ones
-    "eagle3": [],
-    "eagle3.1": ["--norm-before-fc", "--norm-output"],
-    "eagle3-lk": ["--loss", "lk-lambda"],
-    "eagle3-lk-alpha": ["--loss", "lk-alpha"],
-    "eagle3.1-lk": ["--norm-before-fc", "--norm-output", "--loss", "lk-lambda"],
-    "eagle3-ttt3": ["--ttt-steps", "3"],
+    "eagle3": PLAIN,
+    "eagle3.1": NORMS,
+    "eagle3.1-fc": ["--fc-norm", "--norm-output"],  # the paper's per-aux fc norm (SGLang too)
+    "eagle3-lk": [*PLAIN, "--loss", "lk-lambda"],
+    "eagle3-lk-alpha": [*PLAIN, "--loss", "lk-alpha"],
+    "eagle3.1-lk": [*NORMS, "--loss", "lk-lambda"],
+    "eagle3-ttt3": [*PLAIN, "--ttt-steps", "3"],
+    "eagle3.1-ttt3": [*NORMS, "--ttt-steps", "3"],
 }
 
 

@@ -87,11 +87,16 @@ def _build_draft(cfg):
 
 
 @pytest.mark.parametrize("flags,want", [
-    ([], {"norm_before_fc": False, "fc_norm": False, "norm_output": False}),
+    # the default recipe is EAGLE 3.1 with speculators' fc norm (measured best, docs/train.md)
+    ([], {"norm_before_fc": True, "fc_norm": False, "norm_output": True}),
+    (["--no-norm-before-fc", "--no-norm-output"],
+     {"norm_before_fc": False, "fc_norm": False, "norm_output": False}),
     (["--norm-before-fc", "--norm-output"],
      {"norm_before_fc": True, "fc_norm": False, "norm_output": True}),
-    (["--fc-norm", "--norm-output"],
+    (["--fc-norm"],  # the paper's fc norm takes the place of the default one
      {"norm_before_fc": False, "fc_norm": True, "norm_output": True}),
+    (["--fc-norm", "--no-norm-output"],
+     {"norm_before_fc": False, "fc_norm": True, "norm_output": False}),
 ])
 def test_train_eagle31_flags_reach_the_draft_and_its_saved_config(flags, want):
     """`eyas train --norm-before-fc / --fc-norm / --norm-output` -> TrainConfig -> build_draft's
@@ -106,6 +111,14 @@ def test_train_eagle31_flags_reach_the_draft_and_its_saved_config(flags, want):
     assert DraftConfig.from_dict(dcfg.to_dict()) == dcfg
     assert hasattr(draft, "input_norm") == want["norm_before_fc"]
     assert hasattr(draft, "fc_norm") == want["fc_norm"]
+
+
+def test_dflash_drafts_get_no_eagle31_norms_by_default():
+    cfg = cli.parse_config("train", ["--data", "c/", "--out", "r/", "--draft", "dflash"])
+    assert (cfg.norm_before_fc, cfg.fc_norm, cfg.norm_output) == (False, False, False)
+    with pytest.raises(ConfigError, match="--norm-before-fc"):
+        cli.parse_config("train", ["--data", "c/", "--out", "r/", "--draft", "dflash",
+                                   "--norm-output"])
 
 
 def test_train_refuses_both_fc_norm_variants():

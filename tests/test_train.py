@@ -604,3 +604,14 @@ def test_a_parameter_without_gradient_after_the_first_step_is_an_error():
         _check_gradients(net, TrainConfig(data="d", out="o"), record)
     _check_gradients(net, TrainConfig(data="d", out="o"), SimpleNamespace(params=params,
                                                                           unreached=[]))
+
+
+def test_resume_of_a_draft_with_other_norms_names_the_flags(run_inputs, tmp_path):
+    # a run started before EAGLE 3.1 became the default, resumed with today's defaults
+    plain = dict(norm_before_fc=False, norm_output=False)
+    train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **plain))
+    with pytest.raises(EyasError, match=r"norm_before_fc False there, True now.*Resume it with "
+                                        r"--no-norm-before-fc --no-norm-output"):
+        train(_cfg(run_inputs, tmp_path, max_steps=3))
+    train(_cfg(run_inputs, tmp_path, max_steps=3, **plain))  # as the message says
+    assert checkpoint.read_pointer(tmp_path, "last").name == "step-00000003"

@@ -139,8 +139,10 @@ def _plan(info: ModelInfo, ids: tuple[int, ...], cfg: DoctorConfig) -> dict:
                    f"vocab_size {info.vocab_size}, max_position_embeddings "
                    f"{info.max_position_embeddings}, rope_theta {info.rope_theta:g}"
                    f"{', rope_scaling ' + str(info.rope_scaling) if info.rope_scaling else ''}; "
-                   f"no embed_tokens.weight (vLLM shares the target's); EAGLE 3.1 keys "
-                   f"(train --norm-before-fc / --fc-norm / --norm-output) are served by "
+                   f"no embed_tokens.weight (vLLM shares the target's); train's default "
+                   f"recipe is EAGLE 3.1 (norm_before_fc + norm_output: vLLM 0.22+, not "
+                   f"SGLang, which takes --fc-norm instead; --no-norm-before-fc "
+                   f"--no-norm-output for plain EAGLE-3); EAGLE 3.1 keys are served by "
                    + "; ".join(f"--format {fmt}: " + ", ".join(f"{k} {v}+" for k, v in
                                                                since.items())
                                for fmt, since in SERVED_SINCE.items())),

@@ -21,6 +21,7 @@ SGLang EAGLE-3 drafts; TTT length 7 with step weight 0.8 is common to both.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -108,15 +109,19 @@ class TrainConfig:
     draft_num_attention_heads: int = option(0, "draft attention heads; 0 = the target's")
     draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
     norm_before_residual: bool = option(False, "residual = hidden_norm(g) instead of g")
-    norm_before_fc: bool = option(False, "EAGLE 3.1 (speculators' default): one RMSNorm over the "
-                                         "3 concatenated aux states before fc; served by vLLM >= "
-                                         "0.19 (both formats), not by SGLang; not with --fc-norm")
+    norm_before_fc: bool | None = option(
+        None, "EAGLE 3.1 (speculators' default): one RMSNorm over the 3 concatenated aux states "
+              "before fc; served by vLLM >= 0.19 (both formats), not by SGLang; not with "
+              "--fc-norm. Unset: on for EAGLE-3 unless --fc-norm is given (the measured best "
+              "recipe, docs/train.md), off for dflash; --no-norm-before-fc for SGLang or "
+              "plain EAGLE-3")
     fc_norm: bool = option(False, "EAGLE 3.1 (the paper's): one RMSNorm per aux state before fc; "
                                   "served by vLLM >= 0.22 (speculators format >= 0.24) and "
                                   "SGLang >= 0.5.13; not with --norm-before-fc")
-    norm_output: bool = option(False, "EAGLE 3.1: feed norm(h), not h, to the next draft step; "
-                                      "served by vLLM >= 0.22 (speculators format >= 0.24) and "
-                                      "SGLang >= 0.5.13")
+    norm_output: bool | None = option(
+        None, "EAGLE 3.1: feed norm(h), not h, to the next draft step; served by vLLM >= 0.22 "
+              "(speculators format >= 0.24) and SGLang >= 0.5.13. Unset: on for EAGLE-3 (the "
+              "measured best recipe), off for dflash; --no-norm-output for older servers")
     block_size: int = option(16, "dflash: tokens per block, the bonus slot included (the public "
                                  "recipes' 16); serve with num_speculative_tokens <= block_size - 1")
     num_anchors: int = option(512, "dflash: at most this many blocks per document per step, at "
@@ -156,6 +161,11 @@ class TrainConfig:
                                  "never = start over; or a checkpoints/step-N folder")
 
     def __post_init__(self):
+        eagle3 = self.draft != "dflash"  # unset EAGLE 3.1 norms take the recipe's default
+        if self.norm_before_fc is None:
+            object.__setattr__(self, "norm_before_fc", eagle3 and not self.fc_norm)
+        if self.norm_output is None:
+            object.__setattr__(self, "norm_output", eagle3)
         checks = [
             (self.batch_tokens > 0, f"--batch-tokens must be > 0, got {self.batch_tokens}"),
             (self.row_tokens >= 0 and self.batch_tokens % (self.row_tokens or 1) == 0,
@@ -211,6 +221,29 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+def _check_same_draft(resume: Path, dcfg) -> None:
+    """Refuse to resume a checkpoint of another draft shape, naming the flags that differ: a
+    run started before EAGLE 3.1 became the default resumes with --no-norm-before-fc
+    --no-norm-output."""
+    saved_file = Path(resume) / "draft_config.json"
+    if not saved_file.is_file():
+        return
+    saved, now = json.loads(saved_file.read_text()), dcfg.to_dict()
+    differ = {k: (saved.get(k), v) for k, v in now.items()
+              if k in saved and saved[k] != v and not isinstance(v, dict)}
+    if differ:
+        flags = {"norm_before_fc": "--norm-before-fc", "fc_norm": "--fc-norm",
+                 "norm_output": "--norm-output", "norm_before_residual": "--norm-before-residual"}
+        fix = " ".join(flags[k] if old else "--no-" + flags[k][2:]
+                       for k, (old, _) in differ.items() if k in flags)
+        raise EyasError(f"{resume} holds a draft with other settings than this run's: "
+                        + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in
+                                    differ.items())
+                        + (f". Resume it with {fix}" if fix else ". Resume it with the settings "
+                           "it was started with")
+                        + ", or start over with --resume never (or another --out).")
 
 
 def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
@@ -379,6 +412,7 @@ def train(cfg: TrainConfig) -> dict:
     start, best = 0, {"step": None, "sim_acceptance_length": None}
     resume = resume_path(cfg, env)
     if resume is not None:
+        _check_same_draft(resume, dcfg)
         state = checkpoint.load(resume, model, optimizer, scheduler)
         if state["plan"] != plan.fingerprint:
             raise EyasError(f"{resume} was trained with other data or batching (samples, "
