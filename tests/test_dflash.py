@@ -735,3 +735,62 @@ def test_eval_counts_dflash_acceptance_as_replayed_and_stays_lossless(fitted, tm
         assert measured.mean_acceptance_length == pytest.approx(1 + sum(want), abs=1e-4)
     rates = report.per_position_acceptance["3"]
     assert report.mean_acceptance_length["3"] > 1.3 and 0 < rates[1] < rates[0] < 1
+
+
+def test_batched_dflash_equals_batch_one(fitted):
+    """eyas.serve.batched with the DFlash drafter: token for token and counter for counter the
+    batch-1 loop, on prompts of different lengths (rows accept different counts and fall out
+    of step), in float32 at T=0."""
+    from eyas.serve.batched import BatchTarget, generate_batch
+    from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
+    from eyas.serve.speculate import Sampling, TargetRunner, generate_speculative
+
+    model, prompts, _, draft = fitted
+    layers, norm, ids = model.model.layers, model.model.norm, draft.cfg.aux_layer_ids
+    runner = TargetRunner(model, layers, norm, ids)
+    for k in (1, 3):
+        single = [generate_speculative(runner, DFlashDrafter(draft, "cpu"), p.ids, k, 16,
+                                       frozenset(), Sampling()) for p in prompts]
+        assert sum(g.stats.accepted_per_position[k - 1] for g in single) > 0
+        got = generate_batch(BatchTarget(model, layers, norm, ids),
+                             BatchDFlashDrafter(draft, "cpu"), [p.ids for p in prompts], k, 16,
+                             frozenset(), Sampling())
+        for b, s in zip(got, single, strict=True):
+            assert b.tokens == s.tokens
+            assert (b.stats.drafts, b.stats.accepted, b.stats.accepted_per_position) == \
+                (s.stats.drafts, s.stats.accepted, s.stats.accepted_per_position)
+
+
+def test_batched_dflash_drafter_gives_the_batch_one_distributions(fitted):
+    """Two rounds of proposals over rows of different lengths receiving different numbers of
+    new target states: every row's draft distributions (T = 1) equal the batch-1 drafter's,
+    not only their argmax."""
+    from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
+    from eyas.serve.speculate import Sampling
+    from eyas.target.taps import AuxTaps
+
+    model, prompts, refs, draft = fitted
+    taps = AuxTaps(model.model.layers, model.model.norm, draft.cfg.aux_layer_ids, 8, final=False)
+    seqs, auxs = [], []
+    for p, r in zip(prompts[:4], refs):
+        seq = torch.cat([p.ids, torch.tensor(r)])
+        with torch.no_grad(), taps.attached():
+            model(seq[None])
+        seqs.append(seq)
+        auxs.append(taps.collect("cpu")[0].flatten(1))
+    t1 = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    batch = BatchDFlashDrafter(draft, "cpu")
+    batch.begin(4, 64)
+    singles = [DFlashDrafter(draft, "cpu") for _ in seqs]
+    for d in singles:
+        d.begin()
+    ends = [len(p.ids) for p in prompts[:4]]  # the first call: the prompt's states
+    for more in (None, (1, 3, 2, 4)):  # then each row accepted a different number
+        starts = [0] * 4 if more is None else ends
+        ends = ends if more is None else [e + m for e, m in zip(ends, more)]
+        rows = [s[:e + 1].tolist() for s, e in zip(seqs, ends)]
+        new = [a[s:e] for a, s, e in zip(auxs, starts, ends)]
+        got = batch.propose(rows, new, 3, t1)
+        for d, row, aux, g in zip(singles, rows, new, got):
+            want = d.propose(torch.tensor(row), aux, 3, t1)
+            torch.testing.assert_close(g.probs, want.probs, atol=1e-6, rtol=1e-5)

@@ -2,7 +2,7 @@
 
 For each prompt the target decodes plainly (the "no speculation" baseline, and at T=0 the
 greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 (or DFlash:
-eyas.serve.dflash_drafter, batch 1) draft for every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
+eyas.serve.dflash_drafter) draft for every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
 `1 + accepted / drafts`, per-position acceptance `accepted at i / drafts`, batch 1, chain drafts.
 The loop itself is `eyas.serve.speculate`; this module loads things and runs it, and
 `eyas.serve.eval_report` writes `report.json`, `report.md` and two plots (docs/eval.md).
@@ -29,7 +29,7 @@ from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, tar
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
 from eyas.draft.dflash import DFlashDraft
-from eyas.serve.dflash_drafter import DFlashDrafter
+from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
 
@@ -170,11 +170,7 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
     aux_ids = tuple(draft.cfg.aux_layer_ids) if draft is not None else ()
     runner = TargetRunner(model, layers, final_norm, aux_ids)
     dflash = isinstance(draft, DFlashDraft)
-    batched = cfg.batch_size > 1 and not dflash
-    if dflash and cfg.batch_size > 1:
-        log.warning("DFlash drafts are measured with the batch-1 loop (no batched DFlash "
-                    "drafter yet): every method runs batch 1, --batch-size %d is not used",
-                    cfg.batch_size)
+    batched = cfg.batch_size > 1
     if batched:
         batch_target = BatchTarget(model, layers, final_norm, aux_ids)
     drafters = []
@@ -182,7 +178,8 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
         drafters.append(("ngram", (BatchNgramDrafter if batched else NgramDrafter)(
             cfg.ngram_min, cfg.ngram_max)))
     if dflash:
-        drafters.append(("dflash", DFlashDrafter(draft, device)))
+        drafters.append(("dflash", (BatchDFlashDrafter if batched else DFlashDrafter)(
+            draft, device)))
     elif draft is not None:
         drafters.append(("eagle3", (BatchEagle3Drafter if batched else Eagle3Drafter)(
             draft, device)))

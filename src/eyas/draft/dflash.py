@@ -87,17 +87,24 @@ class DFlashLayer(nn.Module):
         k = at.k_norm(at.k_proj(c).view(-1, at.hkv, at.d))
         return rope(k, positions, inv_freq, scale), at.v_proj(c).view(-1, at.hkv, at.d)
 
-    def forward(self, x, positions, ctx_k, ctx_v, lo, hi, block: int, inv_freq, scale):
-        """x (N, H) block hidden states (N = blocks * block), positions (N,); ctx_k, ctx_v
-        (M, hkv, d); query n sees context keys lo[n]..hi[n] and its own block."""
+    def project(self, x, positions, inv_freq, scale):
+        """x (N, H) block hidden states, positions (N,) -> q (N, hq, d), k, v (N, hkv, d)."""
         at = self.self_attn
         a = self.input_layernorm(x)
         q = rope(at.q_norm(at.q_proj(a).view(-1, at.hq, at.d)), positions, inv_freq, scale)
         k = rope(at.k_norm(at.k_proj(a).view(-1, at.hkv, at.d)), positions, inv_freq, scale)
-        v = at.v_proj(a).view(-1, at.hkv, at.d)
-        out = block_attention(q, ctx_k, ctx_v, lo, hi, k, v, block)  # (N, hq, d)
-        x = x + at.o_proj(out.flatten(1))
+        return q, k, at.v_proj(a).view(-1, at.hkv, at.d)
+
+    def finish(self, x, attn_out):
+        """x (N, H), attn_out (N, hq, d) -> the layer's output (N, H)."""
+        x = x + self.self_attn.o_proj(attn_out.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, positions, ctx_k, ctx_v, lo, hi, block: int, inv_freq, scale):
+        """x (N, H) block hidden states (N = blocks * block), positions (N,); ctx_k, ctx_v
+        (M, hkv, d); query n sees context keys lo[n]..hi[n] and its own block."""
+        q, k, v = self.project(x, positions, inv_freq, scale)
+        return self.finish(x, block_attention(q, ctx_k, ctx_v, lo, hi, k, v, block))
 
 
 class DFlashDraft(nn.Module):
