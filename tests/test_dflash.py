@@ -469,6 +469,28 @@ def test_dflash_online_training_equals_offline(dflash_inputs, tmp_path):
     assert online["eval"]["loss"] == pytest.approx(offline["eval"]["loss"], rel=1e-3)
 
 
+def test_eyas_run_wires_a_dflash_pipeline(tmp_path, llama_dir):
+    """`eyas run` with train.draft dflash: capture takes DFlash's default taps (one per draft
+    layer, 5 unless train.dflash_layers says otherwise) and train gets no draft vocabulary."""
+    import yaml
+
+    from eyas.pipeline import RunConfig, plan
+
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w",
+            "train": {"draft": "dflash", "dflash_layers": 3}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=str(path), dry_run=True))}
+    assert by["capture"].dflash_taps == 3 and by["capture"].aux_layer_ids == ()
+    assert by["train"].draft == "dflash" and by["train"].vocab is None
+    path.write_text(yaml.safe_dump({**spec, "capture": {"aux_layer_ids": [2, 4, 6, 8]}}))
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=str(path), dry_run=True))}
+    assert by["capture"].dflash_taps == 0 and by["capture"].aux_layer_ids == (2, 4, 6, 8)
+    path.write_text(yaml.safe_dump({**spec, "train": {}}))  # EAGLE-3 as before
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=str(path), dry_run=True))}
+    assert by["capture"].dflash_taps == 0 and by["train"].vocab == str(tmp_path / "w" / "vocab")
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(vocab="v"), "drop --vocab"),
     (dict(loss="lk-alpha"), "cross-entropy"),

@@ -70,16 +70,20 @@ def _step_config(step: str, spec: dict, work: Path):
     prepared_from = (work / "regenerated" / "conversations.jsonl"
                      if _enabled(spec, "regenerate") else spec.get("data"))
     online = bool((spec.get("train") or {}).get("online", False))
+    train = spec.get("train") or {}
+    dflash = train.get("draft") == "dflash"  # no draft vocabulary; DFlash's taps by default
+    taps = {} if not dflash or "aux_layer_ids" in (spec.get("capture") or {}) else \
+        {"dflash_taps": int(train.get("dflash_layers") or 5)}
     wiring = {
         "prepare": {"data": prepared_from, "out": work / "prepared"},
         "regenerate": {"data": spec.get("data"), "out": work / "regenerated"},
         # overwrite: a re-run after an upstream change replaces the old capture; an interrupted
         # capture with the same settings still resumes. split all: train holds out the eval rows.
         "capture": {"data": work / "prepared", "out": work / "captured", "overwrite": True,
-                    "split": "all"},
+                    "split": "all", **taps},
         "vocab": {"data": (str(work / "prepared"),), "out": work / "vocab"},
         "train": {"data": work / ("prepared" if online else "captured"),
-                  "vocab": work / "vocab", "out": work / "train"},
+                  **({} if dflash else {"vocab": work / "vocab"}), "out": work / "train"},
         "export": {"checkpoint": work / "train", "out": work / "draft"},
         "eval": {"draft": work / "draft", "data": work / "prepared", "out": work / "eval"},
     }[step]
