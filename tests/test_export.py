@@ -505,15 +505,17 @@ def test_vllm_config_readers_read_the_eagle31_keys(tmp_path, variant):
 _VLLM_STARTED: list = []
 
 
-def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None):
-    """Build vLLM's `model_cls` on CPU for the target (and EAGLE-3 draft) folder, load
+def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None, *, method="eagle3",
+                   attention=None):
+    """Build vLLM's `model_cls` on CPU for the target (and `method` draft) folder, load
     `weights` (name, tensor) pairs, and make it runnable without a GPU.
 
     Two stand-ins, both for GPU-only pieces outside what the tests check: the attention backend
     lookup (a CUDA wheel has no CPU platform) returns the CPU backend class so layers can be
-    built, and each paged-attention call becomes exact causal attention over one sequence.
-    Everything else (linear layers, norms, RoPE, residuals, aux capture, weight loading, d2t) is
-    vLLM's own code; CUDA custom ops run as their native torch versions."""
+    built, and each paged-attention call becomes exact attention over one sequence
+    (`attention(heads, kv_heads, head_dim)`, causal by default). Everything else (linear
+    layers, norms, RoPE, residuals, aux capture, weight loading, d2t) is vLLM's own code; CUDA
+    custom ops run as their native torch versions."""
     import tempfile
 
     import vllm.model_executor.layers.attention.attention as attention_module
@@ -525,7 +527,7 @@ def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None):
     attention_module.get_attn_backend = lambda *a, **k: CPUAttentionBackend
     mc = ModelConfig(model=str(target_dir), dtype="float32", max_model_len=256, enforce_eager=True)
     sc = None if draft_dir is None else SpeculativeConfig(
-        model=str(draft_dir), method="eagle3", num_speculative_tokens=3, target_model_config=mc,
+        model=str(draft_dir), method=method, num_speculative_tokens=3, target_model_config=mc,
         target_parallel_config=ParallelConfig())
     vc = VllmConfig(model_config=mc, speculative_config=sc, device_config=DeviceConfig("cpu"))
     with set_current_vllm_config(vc):
@@ -540,7 +542,8 @@ def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None):
             module._forward_method = module.forward_native
         attn = getattr(module, "attn", None)
         if hasattr(module, "num_kv_heads") and attn is not None and hasattr(attn, "impl"):
-            module.attn = _CausalAttention(module.num_heads, module.num_kv_heads, module.head_dim)
+            module.attn = (attention or _CausalAttention)(module.num_heads, module.num_kv_heads,
+                                                          module.head_dim)
     return model.eval()
 
 
