@@ -1,14 +1,17 @@
 #!/bin/bash
 # Issue 24 on one lent H200, in the background (docs/export.md, "A real vLLM, offline"):
 # waits for the vLLM bundle's parts in /tmp/vparts (carried one per call: .carry/vllm's
-# vllm-bundle-slim.tar.part-00..02 and SHA256SUMS), checks, joins and installs them into
+# vllm-bundle-slim.tar.part-00..02 and SHA256SUMS; the call that copies the last one then
+# touches /tmp/vparts/ready, so no part is read half-copied), checks, joins and installs them into
 # /tmp/vsite, then serves an eyas draft with a real vLLM (benchmarks/vllm_serve.py) and, if
 # present, runs the plugin check (benchmarks/vllm_plugin_serve.py). Expects what
 # real_model_h200.sh expects (/tmp/w/smol.gguf, /tmp/w/realdata, /tmp/w/site, /tmp/w/repo)
 # plus VLLM_DRAFT (an exported draft folder) and VLLM_REPORT (the `eyas eval` report.json of
 # that draft on the same prompts). Writes /tmp/w/vresults, one file per stage as it ends.
 # vLLM first runs as the bundle's notes advise; a failed run is retried with Model Runner V1,
-# then with the engine core in-process, and each attempt's log is kept.
+# then with the engine core in-process, and each attempt's log is kept. vLLM takes
+# VLLM_MEMORY (0.25) of the GPU, so that real_model_h200.sh can run beside it (its speeds are
+# then shared-GPU speeds: the acceptance counts are what this run is for).
 set -u
 W=/tmp/w
 R=$W/vresults
@@ -18,9 +21,7 @@ DRAFT=${VLLM_DRAFT:-$W/draft0}
 REPORT=${VLLM_REPORT:-$W/repo/benchmarks/results/real-smollm2-h200-3000/eval-heldout-report.json}
 
 stage "waiting for the bundle's parts in /tmp/vparts"
-while [ ! -f /tmp/vparts/vllm-bundle-slim.tar.part-02 ] || [ ! -f /tmp/vparts/SHA256SUMS ]; do
-  sleep 2
-done
+while [ ! -f /tmp/vparts/ready ]; do sleep 2; done
 cd /tmp/vparts || exit 1
 if ! sha256sum -c --ignore-missing SHA256SUMS > "$R/sha.txt" 2>&1; then
   stage "a part's sha256 differs: see sha.txt"; exit 1
@@ -38,7 +39,7 @@ attempt() {  # NAME, then the command; retried with the fallbacks until one succ
   for env in "" "VLLM_USE_V2_MODEL_RUNNER=0" \
              "VLLM_USE_V2_MODEL_RUNNER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0"; do
     stage "$name${env:+ with $env}"
-    env $env timeout 600 "$@" > "$R/$name${env:+-fallback${#env}}.out" 2>&1
+    env $env timeout 900 "$@" > "$R/$name${env:+-fallback${#env}}.out" 2>&1
     local rc=$?
     stage "$name rc $rc"
     [ $rc = 0 ] && return 0
@@ -47,7 +48,8 @@ attempt() {  # NAME, then the command; retried with the fallbacks until one succ
 }
 attempt vllm_serve python3 benchmarks/vllm_serve.py --target $W/smol.gguf --draft "$DRAFT" \
     --data $W/realdata/heldout.jsonl --num-prompts 200 --max-new-tokens 96 --k 3,6 \
-    --eyas-report "$REPORT" --json "$R/vllm-serve-h200.json"
+    --eyas-report "$REPORT" --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
+    --json "$R/vllm-serve-h200.json"
 if [ -f benchmarks/vllm_plugin_serve.py ]; then
   attempt vllm_plugin python3 benchmarks/vllm_plugin_serve.py --json "$R/vllm-plugin-h200.json"
 fi

@@ -66,12 +66,12 @@ def counters(llm) -> dict:
 
 
 def generate(target_dir: str, prompts, max_new_tokens: int, ignore_eos: bool, dtype: str,
-             draft=None, k: int = 0):
+             draft=None, k: int = 0, memory: float = 0.4):
     from vllm import LLM, SamplingParams
 
     spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None
     llm = LLM(model=target_dir, enforce_eager=True, disable_log_stats=False, seed=0,
-              gpu_memory_utilization=0.4, speculative_config=spec, dtype=dtype)
+              gpu_memory_utilization=memory, speculative_config=spec, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p.ids.tolist()} for p in prompts], params)
@@ -96,6 +96,8 @@ def main(argv=None) -> dict:
     p.add_argument("--hf-dir", default="/tmp/vllm-target", help="where a .gguf is converted")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="target (and draft) dtype in vLLM; eyas eval's report should match")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                   help="vLLM's share of the GPU (lower it when another job shares the GPU)")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
 
@@ -110,13 +112,13 @@ def main(argv=None) -> dict:
     import vllm
 
     reference, base_s, _ = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
-                                    a.dtype)
+                                    a.dtype, memory=a.gpu_memory_utilization)
     eyas = json.loads(Path(a.eyas_report).read_text()) if a.eyas_report else None
     mine = {r["k"]: r for r in (eyas or {}).get("results", []) if r["method"] == "eagle3"}
     per_k = {}
     for k in ks:
         tokens, seconds, c = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
-                                      a.dtype, a.draft, k)
+                                      a.dtype, a.draft, k, a.gpu_memory_utilization)
         n = c["num_drafts"]
         per_k[str(k)] = {
             "vllm_al": round(1 + c["num_accepted_tokens"] / n, 4) if n else None,
