@@ -74,7 +74,7 @@ for s in ${STAGES:-pipeline dflash regen recipe}; do
   recipe)
     stage "recipe ablation"
     python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $W/smol.gguf \
-        --variants ${RECIPE_VARIANTS:-eagle3,eagle3.1-ttt3,eagle3.1-fc} --baseline eagle3.1 \
+        --variants ${RECIPE_VARIANTS:-eagle3.1-lk,eagle3.1-ttt3,eagle3} --baseline eagle3.1 \
         --splits heldout --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) \
         --k $(arg --k) --heldout-prompts $(arg --heldout-prompts) \
         --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \
