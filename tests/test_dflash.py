@@ -816,3 +816,23 @@ def test_batched_dflash_drafter_gives_the_batch_one_distributions(fitted):
         for d, row, aux, g in zip(singles, rows, new, got):
             want = d.propose(torch.tensor(row), aux, 3, t1)
             torch.testing.assert_close(g.probs, want.probs, atol=1e-6, rtol=1e-5)
+
+
+def test_dflash_ddp_two_ranks_equal_one_process_with_accumulation(dflash_inputs, tmp_path):
+    """torchrun with 2 ranks (gloo, CPU) x accumulation 1 makes the updates of one process x
+    accumulation 2: the same micro-batches draw the same blocks (seeded by their global index)
+    and the loss is normalised by the whole step's weight."""
+    from safetensors.torch import load_file
+    from test_train_dist import _torchrun
+
+    from eyas.store import checkpoint
+    from eyas.train import train
+
+    kw = dict(max_steps=2, eval_every=100, save_every=2, num_workers=0)
+    train(_dflash_train_cfg(dflash_inputs, tmp_path / "one", grad_accum=2, **kw))
+    _torchrun(tmp_path, _dflash_train_cfg(dflash_inputs, tmp_path / "ddp", **kw))
+    a = load_file(str(checkpoint.step_dir(tmp_path / "one", 2) / "draft.safetensors"))
+    b = load_file(str(checkpoint.step_dir(tmp_path / "ddp", 2) / "draft.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

@@ -3,7 +3,8 @@
 The same setup as EAGLE-3's (`eyas.draft.train_setup`: processes, the data plan over the same
 capture shards, AdamW + warmup/cosine, DDP/FSDP2, checkpoints with exact resume, keep-last-N +
 best), then per optimizer step: load `grad_accum` micro-batches -> draw each one's blocks
-(eyas.draft.dflash_objective.sample_blocks, seeded by step, so a resumed run draws the same)
+(eyas.draft.dflash_objective.sample_blocks, seeded by the global micro-batch index, so a
+resumed run draws the same blocks, and N ranks x accumulation A the same as one process x N*A)
 -> one block-parallel forward each -> cross-entropy on slots 1..B-1 -> backward -> clip ->
 step -> log -> eval -> checkpoint.
 
@@ -102,6 +103,12 @@ class DFlashModule(torch.nn.Module):
         return dflash_forward(self.draft, batch, blocks)
 
 
+def block_seed(cfg: TrainConfig, index: int, train: bool) -> int:
+    """The anchor generator's seed of global micro-batch `index` (the data plan's: micro-batch
+    a of rank r in step s is (s-1) * per_step + a * world_size + r) of the run or its eval."""
+    return (cfg.seed * 2**32 + index) * 2 + (0 if train else 1)
+
+
 def _blocks(cfg: TrainConfig, dcfg: DFlashConfig, mb: dict, seed: int, device):
     host = {k: mb[k].cpu() for k in HOST_KEYS}
     return sample_blocks(host, block=dcfg.block_size, num_anchors=cfg.num_anchors,
@@ -138,7 +145,7 @@ def evaluate(model, loader, cfg: TrainConfig, dcfg: DFlashConfig, env) -> dict:
     model.eval()
     stats = torch.zeros(2 + 3 * dcfg.block_size, dtype=torch.float64, device=env.device)
     for i, mb in enumerate(loader):
-        blocks = _blocks(cfg, dcfg, mb, 1_000_003 * (cfg.seed + 1) + 7919 * i + env.rank,
+        blocks = _blocks(cfg, dcfg, mb, block_seed(cfg, i * env.world_size + env.rank, False),
                          env.device)
         with autocast(env):
             stats += _stats(model(_on(mb, env), blocks))
@@ -210,7 +217,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
     for step in range(start + 1, total + 1):
         # 1. This rank's micro-batches and their blocks; the step's weight over all ranks.
         micro = [next(batches) for _ in range(cfg.grad_accum)]
-        blocks = [_blocks(cfg, dcfg, mb, (cfg.seed * 1_000_003 + step) * 1009 + 31 * a + env.rank,
+        first = (step - 1) * plan.per_step + env.rank
+        blocks = [_blocks(cfg, dcfg, mb, block_seed(cfg, first + a * env.world_size, True),
                           env.device) for a, mb in enumerate(micro)]
         denom = all_sum(sum(bl.weight.sum() for bl in blocks).double()).clamp(min=1e-6)
         # 2. Forward -> loss -> backward (DDP/FSDP average over ranks: the world_size factor).
