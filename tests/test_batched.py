@@ -109,7 +109,8 @@ def test_batched_on_wrapper_and_moe_targets(tiny_model_dir, arch, prompts):
     _same(got, single)
 
 
-def test_sampling_in_a_batch_keeps_the_targets_law(llama, draft):
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_sampling_in_a_batch_keeps_the_targets_law(llama, draft, draft_sampling):
     """T=1: the first two new tokens of one prompt, decoded as 600 rows of one batch with
     EAGLE-3 k=2, follow the target's own law (total variation against exact probabilities
     under the tolerance of 600 samples)."""
@@ -122,7 +123,7 @@ def test_sampling_in_a_batch_keeps_the_targets_law(llama, draft):
         rows = generate_batch(BatchTarget(llama, llama.model.layers, llama.model.norm,
                                           IDS),
                               BatchEagle3Drafter(draft, "cpu"), [prompt] * 600, 2, 2, NO_STOP,
-                              Sampling(1.0, gen))
+                              Sampling(1.0, gen, draft_sampling))
         counts = torch.bincount(torch.tensor([g.tokens[0] for g in rows]),
                                 minlength=first.numel()).float()
         second = [g.tokens[1] for g in rows]

@@ -623,7 +623,8 @@ def test_drafter_proposes_what_the_training_forward_predicts(dflash_inputs, dfla
     drafter.begin()
     sampled.begin()
     greedy = Sampling()
-    t1 = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    t1 = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0),
+                  draft_sampling="probabilistic")  # drafts sampled: their distributions kept
     for s, since in ((9, 0), (13, 8), (20, 12)):  # calls after 8, 4 and 7 new target states
         got = drafter.propose(tokens[:s], aux[since:s - 1], 3, greedy).tokens
         q = sampled.propose(tokens[:s], aux[since:s - 1], 3, t1).probs  # (3, V)
@@ -800,7 +801,8 @@ def test_batched_dflash_drafter_gives_the_batch_one_distributions(fitted):
             model(seq[None])
         seqs.append(seq)
         auxs.append(taps.collect("cpu")[0].flatten(1))
-    t1 = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    t1 = Sampling(temperature=1.0, generator=torch.Generator().manual_seed(0),
+                  draft_sampling="probabilistic")
     batch = BatchDFlashDrafter(draft, "cpu")
     batch.begin(4, 64)
     singles = [DFlashDrafter(draft, "cpu") for _ in seqs]

@@ -215,6 +215,7 @@ def test_eval_drafter_proposes_what_vllm_drafts(tmp_path, tiny_model_dir, monkey
                                    int(tokens[s - 1]))
         at_zero = greedy.propose(tokens[:s], aux[seen:s - 1], cfg.block_size - 1, Sampling())
         at_one = sampled.propose(tokens[:s], aux[seen:s - 1], cfg.block_size - 1,
-                                 Sampling(temperature=1.0, generator=torch.Generator()))
+                                 Sampling(temperature=1.0, generator=torch.Generator(),
+                                          draft_sampling="probabilistic"))
         assert at_zero.tokens == logits[1:].argmax(-1).tolist()
         assert torch.allclose(at_one.probs, logits[1:].softmax(-1), atol=1e-6)

@@ -276,13 +276,21 @@ def test_eagle3_draft_distribution_lives_on_the_draft_vocab(llama, draft, prompt
     runner.reset()
     _, aux = runner.forward(prompt, last_only=True, aux=True)
     drafter.begin()
-    sampling = Sampling(1.0, torch.Generator().manual_seed(0))
-    proposal = drafter.propose(torch.cat([prompt, torch.tensor([7])]), aux, 4, sampling)
+    seq = torch.cat([prompt, torch.tensor([7])])
+    sampling = Sampling(1.0, torch.Generator().manual_seed(0), draft_sampling="probabilistic")
+    proposal = drafter.propose(seq, aux, 4, sampling)
     q = proposal.probs  # (4, V)
     assert q.shape == (4, llama.config.vocab_size)
     torch.testing.assert_close(q.sum(-1), torch.ones(4))
     assert float(q[:, ~draft.t2d].abs().sum()) == 0.0
     assert all(q[i, t] > 0 and t % 8 == 0 for i, t in enumerate(proposal.tokens))
+    # vLLM's default at T > 0 (draft_sample_method "greedy"): the T=0 drafts, verified as
+    # point masses
+    drafter.begin()
+    at_zero = drafter.propose(seq, aux, 4, Sampling())
+    drafter.begin()
+    greedy = drafter.propose(seq, aux, 4, Sampling(1.0, torch.Generator().manual_seed(0)))
+    assert greedy.probs is None and greedy.tokens == at_zero.tokens
 
 
 # ---------------------------------------------------------------- exactness at T > 0

@@ -54,6 +54,12 @@ class EvalConfig:
                                "without it only n-gram and plain decoding are measured")
     k: tuple[int, ...] = option((3,), "draft tokens per step; several make a sweep, e.g. 1,2,3,5,7")
     temperature: float = option(0.0, "0 = greedy; > 0 samples with exact rejection sampling")
+    draft_sampling: str = option(
+        "greedy", "at temperature > 0, how drafts are chosen, as vLLM's speculative_config "
+                  "draft_sample_method: greedy (vLLM's default: the draft's argmax, accepted "
+                  "with the target's probability of it) or probabilistic (sampled from the "
+                  "draft, accepted with min(1, p/q)); serve with the same setting",
+        choices=("greedy", "probabilistic"))
     max_new_tokens: int = option(256, "tokens generated per prompt")
     num_prompts: int = option(80, "prompts to use (the first N)")
     check_lossless: bool | None = option(
@@ -188,7 +194,7 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
         """A function: list of prompt ids -> their Generations."""
         # each method samples from its own generator, all seeded alike
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
-        s = Sampling(cfg.temperature, gen)
+        s = Sampling(cfg.temperature, gen, cfg.draft_sampling)
         if batched:
             return lambda ids: generate_batch(batch_target, drafter, ids, k, n, stop_ids, s)
         if drafter is None:

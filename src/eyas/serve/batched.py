@@ -31,7 +31,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from eyas.errors import EyasError
 from eyas.serve.speculate import (Eagle3Drafter, Generation, NgramDrafter, Proposal, Sampling,
-                                  SpecStats, TargetRunner, _cut, _finished, pick, verify)
+                                  SpecStats, TargetRunner, _cut, _finished, drafts_sampled,
+                                  pick, verify)
 
 
 class BatchTarget:
@@ -169,8 +170,9 @@ class BatchEagle3Drafter:
         return draft.finish(out.transpose(1, 2).reshape(q.shape), residual, w)  # (N, H)
 
     def _pick(self, logits: torch.Tensor, sampling: Sampling):
-        """(B, Vd) draft logits -> target ids (B,) and, at T > 0, their distributions."""
-        if sampling.temperature == 0:
+        """(B, Vd) draft logits -> target ids (B,) and, when drafts are sampled, their
+        distributions."""
+        if not drafts_sampled(sampling):
             return self.one.draft_to_target[logits.argmax(-1)].tolist(), None
         picked = [pick(self.one.target_logits(row), sampling) for row in logits]
         return [t for t, _ in picked], [p for _, p in picked]
@@ -215,7 +217,7 @@ class BatchEagle3Drafter:
                             positions, rows, everyone)
         out = []
         for r in range(b):
-            q = torch.stack([d[r] for d in dists]) if sampling.temperature > 0 else None
+            q = torch.stack([d[r] for d in dists]) if drafts_sampled(sampling) else None
             out.append(Proposal([d[r] for d in drafts], q))
         return out
 

@@ -5,9 +5,10 @@ Each call receives the target's aux states of the positions verified since the l
 they are fused (fc + hidden_norm) and projected into every layer's context keys/values once,
 appended to a per-layer cache that only ever holds positions with target states. The block
 [last token, MASK x k] at positions S-1 .. S-1+k attends to that whole cache and to itself
-(non-causal) in ONE forward; slot j's logits give draft j (argmax at T=0, else a sample whose
-distribution goes to the exact rejection sampler). Nothing of the block is cached: the next
-call's context overwrites those positions, as vLLM's slots are overwritten.
+(non-causal) in ONE forward; slot j's logits give draft j: its argmax (vLLM's default
+draft_sample_method "greedy"), or at T > 0 with "probabilistic" a sample whose distribution
+goes to the exact rejection sampler. Nothing of the block is cached: the next call's context
+overwrites those positions, as vLLM's slots are overwritten.
 `BatchDFlashDrafter` is the same over many rows for eyas.serve.batched.
 """
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from eyas.errors import EyasError
-from eyas.serve.speculate import Proposal, Sampling, pick
+from eyas.serve.speculate import Proposal, Sampling, draft_pick, drafts_sampled
 
 
 class DFlashDrafter:
@@ -63,8 +64,8 @@ class DFlashDrafter:
         hi = torch.full((k + 1,), s - 2, dtype=torch.long, device=self.device)
         h = self.draft(ids, pos, list(zip(self.keys, self.values)), lo, hi, block=k + 1)
         logits = self.draft.logits(h[1:]).float()  # (k, V): slot j predicts position S-1+j
-        drafts, dists = zip(*(pick(row, sampling) for row in logits))
-        q = torch.stack(dists) if sampling.temperature > 0 else None  # (k, V)
+        drafts, dists = zip(*(draft_pick(row, sampling) for row in logits))
+        q = torch.stack(dists) if drafts_sampled(sampling) else None  # (k, V)
         return Proposal(list(drafts), q)
 
 
@@ -141,7 +142,7 @@ class BatchDFlashDrafter:
         logits = draft.logits(draft.norm(x)).float().view(b, n, -1)[:, 1:]  # (B, k, V)
         out = []
         for row in logits:
-            drafts, dists = zip(*(pick(r, sampling) for r in row))
+            drafts, dists = zip(*(draft_pick(r, sampling) for r in row))
             out.append(Proposal(list(drafts),
-                                torch.stack(dists) if sampling.temperature > 0 else None))
+                                torch.stack(dists) if drafts_sampled(sampling) else None))
         return out

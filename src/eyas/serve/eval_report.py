@@ -160,7 +160,8 @@ def summarize(cfg, measured: Measured, num_prompts: int) -> EvalReport:
             "ci95": bootstrap_ci(rows, k)}
     report.workers = cfg.workers
     report.batch_size = cfg.batch_size
-    report.settings = f"chain drafts, batch size {cfg.batch_size}"
+    report.settings = f"chain drafts, batch size {cfg.batch_size}" + (
+        f", {cfg.draft_sampling} drafts (vLLM draft_sample_method)" if cfg.temperature else "")
     return report
 
 

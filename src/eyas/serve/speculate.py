@@ -30,10 +30,16 @@ from eyas.target.taps import AuxTaps
 
 @dataclass(frozen=True)
 class Sampling:
-    """How tokens are chosen: greedy at temperature 0, else sampling from softmax(logits / T)."""
+    """How tokens are chosen: greedy at temperature 0, else sampling from softmax(logits / T).
+    `draft_sampling` is how a draft picks its tokens at T > 0, as vLLM's speculative_config
+    `draft_sample_method`: "greedy" (vLLM's default) takes the draft's argmax and verifies it
+    as a point mass (accepted with the target's probability of it); "probabilistic" samples
+    from the draft and accepts with min(1, p/q). Both keep the target's distribution exactly;
+    their acceptance differs."""
 
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    draft_sampling: str = "greedy"
 
 
 @dataclass
@@ -131,6 +137,19 @@ def pick(logits: torch.Tensor, sampling: Sampling) -> tuple[int, torch.Tensor | 
         return int(logits.argmax().item()), None
     p = probs(logits, sampling)
     return sample(p, sampling), p
+
+
+def drafts_sampled(sampling: Sampling) -> bool:
+    """Whether a draft samples its tokens (and hands their distributions to `verify`) rather
+    than taking its argmax: only at T > 0 with draft_sampling "probabilistic"."""
+    return sampling.temperature > 0 and sampling.draft_sampling == "probabilistic"
+
+
+def draft_pick(logits: torch.Tensor, sampling: Sampling) -> tuple[int, torch.Tensor | None]:
+    """A draft's token from (V,) logits: `pick` when drafts are sampled, else (argmax, None)."""
+    if not drafts_sampled(sampling):
+        return int(logits.argmax().item()), None
+    return pick(logits, sampling)
 
 
 def verify(logits: torch.Tensor, proposal: Proposal, sampling: Sampling) -> tuple[int, int]:
@@ -361,7 +380,7 @@ class Eagle3Drafter:
         self.seen = s - 1
         drafts, dists = [], []
         for j in range(k):
-            token, p = pick(self.target_logits(out.logits[0, -1]), sampling)
+            token, p = draft_pick(self.target_logits(out.logits[0, -1]), sampling)
             drafts.append(token)
             dists.append(p)
             if j + 1 == k:
@@ -369,5 +388,5 @@ class Eagle3Drafter:
             ids = torch.tensor([[token]], device=self.device)  # (1, 1)
             pos = torch.tensor([[s - 1 + j]], device=self.device)  # (1, 1)
             out = self.draft(ids, None, pos, hidden=out.hidden[:, -1:], cache=self.cache)
-        q = torch.stack(dists) if sampling.temperature > 0 else None  # (k, V)
+        q = torch.stack(dists) if drafts_sampled(sampling) else None  # (k, V)
         return Proposal(drafts, q)
