@@ -126,3 +126,10 @@ def test_train_refuses_both_fc_norm_variants():
                                      "--fc-norm"])
     with pytest.raises(ConfigError, match="choose one"):
         _build_draft(cfg)
+
+
+@pytest.mark.parametrize("flag", [["--ttt-steps", "3"], ["--step-weight", "0.5"],
+                                  ["--lm-head", "scratch"], ["--lk-kl-scale", "0.5"]])
+def test_dflash_refuses_eagle3_flags_it_would_ignore(flag):
+    with pytest.raises(ConfigError, match=flag[0] + ": an EAGLE-3 option"):
+        cli.parse_config("train", ["--data", "c/", "--out", "r/", "--draft", "dflash", *flag])

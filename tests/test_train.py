@@ -615,3 +615,13 @@ def test_resume_of_a_draft_with_other_norms_names_the_flags(run_inputs, tmp_path
         train(_cfg(run_inputs, tmp_path, max_steps=3))
     train(_cfg(run_inputs, tmp_path, max_steps=3, **plain))  # as the message says
     assert checkpoint.read_pointer(tmp_path, "last").name == "step-00000003"
+
+
+def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):
+    dflash = dict(draft="dflash", vocab=None, lm_head="target", block_size=4, num_anchors=8)
+    train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **dflash))
+    with pytest.raises(EyasError, match=r"block_size 4 there, 8 now.*--block-size 4"):
+        train(_cfg(run_inputs, tmp_path, max_steps=3, **{**dflash, "block_size": 8}))
+    with pytest.raises(EyasError, match=r"holds a dflash draft and this run trains eagle3: "
+                                        r"resume it with --draft dflash"):
+        train(_cfg(run_inputs, tmp_path, max_steps=3))

@@ -21,7 +21,6 @@ SGLang EAGLE-3 drafts; TTT length 7 with step weight 0.8 is common to both.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -40,8 +39,8 @@ from eyas.draft.dflash_objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
 from eyas.draft.train_setup import (Env, TTTModule, all_sum, autocast, build_draft,
-                                    compute_dtype, grad_sync, init_env, peak_gib, plan_data,
-                                    resume_path, warmup_cosine, wrap)
+                                    check_same_draft, compute_dtype, grad_sync, init_env,
+                                    peak_gib, plan_data, resume_path, warmup_cosine, wrap)
 from eyas.draft.ttt import TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
@@ -223,29 +222,6 @@ class TrainConfig:
                 raise ConfigError(message)
 
 
-def _check_same_draft(resume: Path, dcfg) -> None:
-    """Refuse to resume a checkpoint of another draft shape, naming the flags that differ: a
-    run started before EAGLE 3.1 became the default resumes with --no-norm-before-fc
-    --no-norm-output."""
-    saved_file = Path(resume) / "draft_config.json"
-    if not saved_file.is_file():
-        return
-    saved, now = json.loads(saved_file.read_text()), dcfg.to_dict()
-    differ = {k: (saved.get(k), v) for k, v in now.items()
-              if k in saved and saved[k] != v and not isinstance(v, dict)}
-    if differ:
-        flags = {"norm_before_fc": "--norm-before-fc", "fc_norm": "--fc-norm",
-                 "norm_output": "--norm-output", "norm_before_residual": "--norm-before-residual"}
-        fix = " ".join(flags[k] if old else "--no-" + flags[k][2:]
-                       for k, (old, _) in differ.items() if k in flags)
-        raise EyasError(f"{resume} holds a draft with other settings than this run's: "
-                        + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in
-                                    differ.items())
-                        + (f". Resume it with {fix}" if fix else ". Resume it with the settings "
-                           "it was started with")
-                        + ", or start over with --resume never (or another --out).")
-
-
 def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
     """What --draft dflash does not take, or takes differently."""
     why = "an EAGLE-3 option; DFlash drafts do not have it: drop it with --draft dflash"
@@ -267,7 +243,13 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (not cfg.compile, "--compile is not built (or tested) for DFlash yet; drop it"),
         (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
                                     "(it reads the target's embedding and lm_head); leave it 0"),
+        *[(getattr(cfg, name) == _default(name), f"--{name.replace('_', '-')}: {why}")
+          for name in ("ttt_steps", "step_weight", "lm_head", "lk_kl_scale", "lk_kl_decay")],
     ]
+
+
+def _default(name: str):
+    return TrainConfig.__dataclass_fields__[name].default
 
 
 # transformers' device_map strategies (accelerate computes the placement)
@@ -412,7 +394,7 @@ def train(cfg: TrainConfig) -> dict:
     start, best = 0, {"step": None, "sim_acceptance_length": None}
     resume = resume_path(cfg, env)
     if resume is not None:
-        _check_same_draft(resume, dcfg)
+        check_same_draft(resume, dcfg.to_dict())
         state = checkpoint.load(resume, model, optimizer, scheduler)
         if state["plan"] != plan.fingerprint:
             raise EyasError(f"{resume} was trained with other data or batching (samples, "

@@ -27,8 +27,9 @@ from eyas.draft import data
 from eyas.draft.config import DFlashConfig
 from eyas.draft.dflash import DFlashDraft
 from eyas.draft.dflash_objective import dflash_forward, sample_blocks
-from eyas.draft.train_setup import (all_sum, autocast, compute_dtype, grad_sync, init_env,
-                                    peak_gib, plan_data, resume_path, warmup_cosine, wrap)
+from eyas.draft.train_setup import (all_sum, autocast, check_same_draft, compute_dtype,
+                                    grad_sync, init_env, peak_gib, plan_data, resume_path,
+                                    warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import write_manifest
@@ -176,6 +177,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     start, best = 0, {"step": None, "acceptance_length": None}
     resume = resume_path(cfg, env)
     if resume is not None:
+        check_same_draft(resume, {"draft": "dflash", **dcfg.to_dict()})
         state = checkpoint.load(resume, model, optimizer, scheduler)
         if state["plan"] != plan.fingerprint:
             raise EyasError(f"{resume} was trained with other data or batching; resume with the "

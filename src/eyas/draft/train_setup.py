@@ -9,6 +9,7 @@ between DDP and FSDP2.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -222,6 +223,39 @@ def autocast(env: Env):
     if env.autocast:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+# draft_config.json keys a train flag sets, for the message that refuses another draft
+_DRAFT_FLAGS = {"norm_before_fc": "--norm-before-fc", "fc_norm": "--fc-norm",
+                "norm_output": "--norm-output", "norm_before_residual": "--norm-before-residual",
+                "block_size": "--block-size", "mask_token_id": "--mask-token-id"}
+
+
+def check_same_draft(resume: Path, record: dict) -> None:
+    """Refuse to resume `resume` when the draft it holds differs from this run's (`record`, the
+    draft_config.json this run writes), naming what differs and the flags that resume it: e.g.
+    a run started before EAGLE 3.1 became the default resumes with --no-norm-before-fc
+    --no-norm-output, a DFlash run with its --block-size and --mask-token-id."""
+    saved_file = Path(resume) / "draft_config.json"
+    if not saved_file.is_file():
+        return
+    saved, now = json.loads(saved_file.read_text()), json.loads(json.dumps(record))
+    family = saved.get("draft", "eagle3"), now.get("draft", "eagle3")
+    if family[0] != family[1]:
+        raise EyasError(f"{resume} holds a {family[0]} draft and this run trains {family[1]}: "
+                        f"resume it with --draft {family[0]}, or start over with --resume never "
+                        f"(or another --out).")
+    differ = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    if not differ:
+        return
+    fix = [(f"{_DRAFT_FLAGS[k]}" if old else f"--no-{_DRAFT_FLAGS[k][2:]}")
+           if isinstance(old, bool) else f"{_DRAFT_FLAGS[k]} {old}"
+           for k, (old, _) in differ.items() if k in _DRAFT_FLAGS]
+    raise EyasError(f"{resume} holds a draft with other settings than this run's: "
+                    + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in differ.items())
+                    + (f". Resume it with {' '.join(fix)}" if fix else
+                       ". Resume it with the settings it was started with")
+                    + ", or start over with --resume never (or another --out).")
 
 
 def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
