@@ -48,8 +48,11 @@ from pathlib import Path
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
        "TRITON_F32_DEFAULT": "ieee"}
-# vLLM 0.24 v1/worker/gpu_model_runner.py, _setup_eagle3_aux_hidden_state_outputs
-KNOWN_ERROR = "Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+# vLLM 0.24's refusal: "Model does not support EAGLE3 interface but aux_hidden_state_outputs was
+# requested" (V1 runner, v1/worker/gpu_model_runner.py _setup_eagle3_aux_hidden_state_outputs,
+# the runner these targets get) or "Model does not support EAGLE3 interface" (Model Runner V2,
+# v1/worker/gpu/spec_decode/eagle/eagle3_utils.py); both start with this
+KNOWN_ERROR = "Model does not support EAGLE3 interface"
 # enforce_eager turns every vLLM custom op on; its CUDA M-RoPE (triton_mrope) rotates NeoX-style
 # whatever the model asks, and GLM rotates GPT-J-style (vLLM issue #42016, fix PR #42765, not
 # in 0.24). With the rotary op off, vLLM runs its own forward_native, which honours the style
