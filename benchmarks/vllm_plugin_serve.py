@@ -502,7 +502,8 @@ def main(argv=None) -> dict:
               "target_architecture": ARCHS[a.arch], "target": str(target), "draft": spec["draft"],
               "k": a.k, "dtype": a.dtype, "compare_prompt_tokens": len(sample["ids"]),
               "compilation_config": None if a.rope_custom_op else NATIVE_ROPE,
-              "eyas_pipeline_seconds": eyas_s, "plugin_entry_point": entry}
+              "eyas_pipeline_seconds": eyas_s, "plugin_entry_point": entry,
+              "eyas_package": str(Path(sys.modules["eyas"].__file__).parent)}
     if a.smoke:
         phases = {n: run_phase(n, work, plugin, a.phase_timeout)
                   for n, plugin in (("config-off", False), ("config-on", True))}
