@@ -243,6 +243,9 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
                 m["margin"] = _logit_margin(runner, prompts, reference, m)
     finally:
         runner.close()
+    if dflash and cfg.replay and cfg.temperature == 0:
+        log.info("eval: no replay column for a DFlash draft (the replay is EAGLE-3's TTT "
+                 "forward); the measured numbers stand alone")
     if draft is not None and not dflash and cfg.replay and cfg.temperature == 0:
         try:
             out.replayed = _replay_all(model, layers, final_norm, draft, prompts, reference,
@@ -442,8 +445,10 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
 
 def _head(lm_head: torch.nn.Module | None, folder) -> torch.Tensor:
     if lm_head is None:
-        raise EyasError(f"{folder} is a DFlash draft: it needs the target's lm_head (a target "
-                        f"without an output head cannot run it)")
+        raise EyasError(f"{folder} is a DFlash draft: it needs the target's lm_head, and this "
+                        f"target has no output head eyas can find; evaluate it with the "
+                        f"causal-LM target it was trained for (eyas doctor TARGET shows the "
+                        f"head it finds)")
     return lm_head.weight
 
 
