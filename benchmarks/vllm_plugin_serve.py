@@ -445,7 +445,8 @@ def outputs_equal(plain: list, spec: list, margins: list) -> dict:
         if a != b:
             j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             mismatches.append({"prompt": i, "position": j,
-                               "plain_top2_margin": margins[i][j] if j < len(margins[i]) else None})
+                               "plain_top2_margin": margins[i][j] if i < len(margins)
+                               and j < len(margins[i]) else None})
     return {"prompts": len(plain), "equal": len(plain) - len(mismatches),
             "mismatches": mismatches}
 
