@@ -542,6 +542,8 @@ def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None, *, metho
             module._forward_method = module.forward_native
         attn = getattr(module, "attn", None)
         if hasattr(module, "num_kv_heads") and attn is not None and hasattr(attn, "impl"):
+            # the stand-ins score with SDPA's 1/sqrt(head_dim): what vLLM built must agree
+            assert abs(attn.impl.scale - module.head_dim ** -0.5) < 1e-9, attn.impl.scale
             module.attn = (attention or _CausalAttention)(module.num_heads, module.num_kv_heads,
                                                           module.head_dim)
     return model.eval()
