@@ -589,3 +589,49 @@ def test_vllm_decoder_behind_patched_wrapper_captures_hf_hidden_states(llama_dir
     for got, exp in zip(aux, want):
         assert torch.allclose(got, exp, atol=1e-4, rtol=1e-4)
     assert torch.allclose(hidden, ref.hidden_states[-1][0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_patched_wrapper_config_gets_the_image_token_name_vllm_reads():
+    """vLLM 0.24's drafter set-up reads target.config.image_token_index for multimodal targets
+    it does not list (KimiVL's config says media_placeholder_token_id, Qwen2-VL's
+    image_token_id): a patched wrapper's instance config gets that name; one that has it keeps
+    its value; text models are left as they are."""
+    class Config:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    def with_config(base, config):
+        cls = fresh(base)
+        init = cls.__init__
+
+        def __init__(self):
+            init(self)
+            self.config = config
+        cls.__init__ = __init__
+        return cls
+
+    for given, want in (({"media_placeholder_token_id": 7}, 7), ({"image_token_id": 9}, 9),
+                        ({"image_token_index": 3, "image_token_id": 9}, 3)):
+        cls = with_config(WrapperCausalLM, Config(**given))
+        patch(cls)
+        assert cls().config.image_token_index == want
+    text = with_config(TextAuxLM, Config(image_token_id=9))
+    patch(text)
+    assert not hasattr(text().config, "image_token_index")
+
+
+@pytest.mark.vllm
+def test_vllm_draft_classes_are_never_patched():
+    """Patching a draft's has_own_lm_head / has_own_embed_tokens would make vLLM swap its own
+    head and embedding for the target's: the plugin leaves vLLM's draft architectures alone."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models import registry
+
+    loaded, lazy = vllm_plugin._registered_classes()
+    names = {c.__name__ for c in loaded} | {n for ns in lazy.values() for n in ns}
+    drafts = {name for _, name in registry._SPECULATIVE_DECODING_MODELS.values()}
+    targets = {name for arch, (_, name) in registry._VLLM_MODELS.items()
+               if arch not in registry._SPECULATIVE_DECODING_MODELS}
+    assert "Qwen3_5MTP" in drafts and "LlamaForCausalLM" in targets
+    assert not (names & (drafts - targets)), names & (drafts - targets)
+    assert {"LlamaForCausalLM", "KimiVLForConditionalGeneration"} <= names

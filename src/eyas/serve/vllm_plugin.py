@@ -16,6 +16,10 @@ sets the missing members on the class: `supports_eagle3 = True`, `has_own_lm_hea
 or the decoder that runs the layer loop) and both getter names
 (`get_eagle3_aux_hidden_state_layers` up to ~0.17, `get_eagle3_default_aux_hidden_state_layers`
 later), and wraps `forward` so that with aux layers set it returns `(hidden_states, aux_list)`.
+A wrapper's `__init__` is wrapped too: its config gets `image_token_index` from
+`image_token_id` / `media_placeholder_token_id` when it has none, because vLLM's drafter
+set-up reads that name for multimodal targets it does not list. Draft classes (vLLM's
+speculative-decoding architectures) are never patched.
 
 `register()` is the `vllm.general_plugins` entry point (pyproject). vLLM calls it in every
 process before it loads a model class; it patches the registered classes already imported and
@@ -225,6 +229,29 @@ def _wrap_forward(forward):
     return eagle3_forward
 
 
+# vLLM's drafter set-up (0.24: v1/spec_decode/llm_base_proposer.py, load_model) reads the
+# target config's `image_token_index` for every multimodal target it does not list by name;
+# wrappers whose config spells it otherwise would fail there with an AttributeError
+_IMAGE_TOKEN_SPELLINGS = ("image_token_id", "media_placeholder_token_id")
+
+
+def _wrap_init(init):
+    """__init__ that gives the model's config `image_token_index` from another spelling of
+    the image token when it has none (a wrapper is a multimodal model: see above)."""
+
+    @functools.wraps(init)
+    def eagle3_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        config = getattr(self, "config", None)
+        if config is not None and getattr(config, "image_token_index", None) is None:
+            for name in _IMAGE_TOKEN_SPELLINGS:
+                if getattr(config, name, None) is not None:
+                    config.image_token_index = getattr(config, name)
+                    break
+
+    return eagle3_init
+
+
 def _is_tensor(x) -> bool:
     import torch
 
@@ -247,6 +274,8 @@ def patch(cls) -> PatchPlan:
     for name in plan.missing:
         setattr(cls, name, members[name])
     cls.forward = _wrap_forward(cls.forward)
+    if plan.kind == "wrapper":
+        cls.__init__ = _wrap_init(cls.__init__)
     setattr(cls, MARKER, plan)
     log.info("eyas: gave %s the SupportsEagle3 members %s (decoder: %s)", plan.cls,
              list(plan.missing), plan.decoder)
@@ -302,11 +331,17 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 def _registered_classes() -> tuple[list[type], dict[str, set[str]]]:
-    """(classes already loaded, {module: class names} still lazy) of vLLM's ModelRegistry."""
+    """(classes already loaded, {module: class names} still lazy) of vLLM's ModelRegistry,
+    targets only: a draft class (EAGLE, MTP, DFlash, ...) is never patched, since vLLM reads
+    its has_own_lm_head / has_own_embed_tokens to decide whether to replace the draft's own
+    head and embedding with the target's."""
     from vllm import ModelRegistry
 
+    drafts = _draft_architectures()
     loaded, lazy = [], {}
-    for entry in getattr(ModelRegistry, "models", {}).values():
+    for arch, entry in getattr(ModelRegistry, "models", {}).items():
+        if arch in drafts:
+            continue
         cls = getattr(entry, "model_cls", None)
         module, name = getattr(entry, "module_name", None), getattr(entry, "class_name", None)
         if isinstance(cls, type):
@@ -314,6 +349,16 @@ def _registered_classes() -> tuple[list[type], dict[str, set[str]]]:
         elif module and name:
             lazy.setdefault(module, set()).add(name)
     return loaded, lazy
+
+
+def _draft_architectures() -> set[str]:
+    """The architectures vLLM registers as speculative-decoding drafts (its registry's
+    `_SPECULATIVE_DECODING_MODELS`; empty where a release has no such table)."""
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:
+        return set()
+    return set(getattr(registry, "_SPECULATIVE_DECODING_MODELS", {}))
 
 
 _finder: _PatchOnImport | None = None
