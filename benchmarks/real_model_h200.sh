@@ -4,7 +4,7 @@
 # /tmp/w/realdata (benchmarks/real_data.py output), /tmp/w/site (the carried wheels) and
 # /tmp/w/repo (a copy of this checkout); writes /tmp/w/results, one file per stage as it ends.
 # STAGES picks and orders the stages (most wanted first, so that a lease that ends early still
-# leaves the first ones; default: pipeline dflash regen recipe; also eval32, eval1).
+# leaves the first ones; default: pipeline dflash regen dflash5 recipe; also eval32, eval1).
 # REAL_ARGS overrides real_model.py's settings, RECIPE_VARIANTS the ablation's variants.
 set -u
 W=/tmp/w
@@ -20,7 +20,7 @@ REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
 # so the pipeline's own draft (eyas train's defaults: EAGLE 3.1) is its eagle3.1 row
 arg() { echo "$REAL_ARGS" | tr -s ' ' '\n' | grep -A1 -- "^$1\$" | tail -1; }
 
-for s in ${STAGES:-pipeline dflash regen recipe}; do
+for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
   case $s in
   pipeline)
     stage "pipeline: regenerate, prepare, capture, vocab, train, export, eval x2"
@@ -44,33 +44,41 @@ for s in ${STAGES:-pipeline dflash regen recipe}; do
         --data $W/realdata/heldout.jsonl --prompts 30 --new-tokens 96 --k 3,6 \
         --batch-sizes $sizes --json "$R/eval-batched-h200-$s.json" > "$R/eval_bench_$s.out" 2>&1
     stage "eval benchmark $s rc $?" ;;
-  dflash)
+  dflash|dflash5)
     # issue 25: a DFlash draft on the pipeline's own 3-tap capture (docs/dflash.md, "Reusing
-    # an EAGLE-3 capture"), the same epochs and batch as its EAGLE-3 draft, SpecForge's DFlash
-    # lr / warmup / clip, an unused special token as the mask (SmolLM2 has no mask token);
-    # measured on the same prompts as the pipeline's evals
-    stage "dflash: train"
-    D=$W/run/dflash
-    timeout 900 python3 -m eyas train --draft dflash --data $W/run/captured --out $D/run \
+    # an EAGLE-3 capture"; dflash5: a capture of DFlash's own 5-tap layout first), the same
+    # epochs and batch as its EAGLE-3 draft, SpecForge's DFlash lr / warmup / clip, an unused
+    # special token as the mask (SmolLM2 has none); measured on the pipeline's eval prompts
+    D=$W/run/$s
+    CAP=$W/run/captured
+    if [ $s = dflash5 ]; then
+      CAP=$D/captured
+      stage "$s: capture 5 taps"
+      python3 -m eyas capture --target $W/smol.gguf --data $W/run/prepared --out $CAP \
+          --split all --model-dtype fp32 --dflash-taps 5 > "$R/${s}_capture.out" 2>&1
+      stage "$s capture rc $?"
+    fi
+    stage "$s: train"
+    timeout 900 python3 -m eyas train --draft dflash --data $CAP --out $D/run \
         --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) --lr 6e-4 \
         --warmup-ratio 0.04 --grad-clip 1 --mask-token-id 16 --eval-every 200 \
-        --save-every 200 > "$R/dflash_train.out" 2>&1
-    stage "dflash train rc $?"
-    cp $D/run/metrics.jsonl "$R/dflash-metrics.jsonl" 2>/dev/null
-    python3 -m eyas export --checkpoint $D/run --out $D/draft > "$R/dflash_export.out" 2>&1
-    stage "dflash export rc $?"
+        --save-every 200 > "$R/${s}_train.out" 2>&1
+    stage "$s train rc $?"
+    cp $D/run/metrics.jsonl "$R/$s-metrics.jsonl" 2>/dev/null
+    python3 -m eyas export --checkpoint $D/run --out $D/draft > "$R/${s}_export.out" 2>&1
+    stage "$s export rc $?"
     ev="--target $W/smol.gguf --draft $D/draft --k 3,6,15 --max-new-tokens $(arg --eval-tokens) \
         --dtype float32 --batch-size $(arg --eval-batch) --no-ngram"
     timeout 600 python3 -m eyas eval $ev --data $W/realdata/heldout.jsonl \
-        --num-prompts $(arg --heldout-prompts) --out $D/eval-heldout > "$R/dflash_eval.out" 2>&1
-    stage "dflash eval heldout rc $?"
+        --num-prompts $(arg --heldout-prompts) --out $D/eval-heldout > "$R/${s}_eval.out" 2>&1
+    stage "$s eval heldout rc $?"
     timeout 600 python3 -m eyas eval $ev --data $W/run/prepared --split eval \
-        --num-prompts $(arg --indist-prompts) --out $D/eval-indist >> "$R/dflash_eval.out" 2>&1
-    stage "dflash eval indist rc $?"
+        --num-prompts $(arg --indist-prompts) --out $D/eval-indist >> "$R/${s}_eval.out" 2>&1
+    stage "$s eval indist rc $?"
     for e in indist heldout; do
-      cp $D/eval-$e/report.json "$R/dflash-eval-$e-report.json" 2>/dev/null
+      cp $D/eval-$e/report.json "$R/$s-eval-$e-report.json" 2>/dev/null
     done
-    cp $D/draft/config.json "$R/dflash-draft-config.json" 2>/dev/null ;;
+    cp $D/draft/config.json "$R/$s-draft-config.json" 2>/dev/null ;;
   recipe)
     stage "recipe ablation"
     python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $W/smol.gguf \
