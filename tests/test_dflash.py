@@ -842,3 +842,24 @@ def test_dflash_ddp_two_ranks_equal_one_process_with_accumulation(dflash_inputs,
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_a_micro_batch_without_blocks_still_reaches_every_parameter():
+    """A micro-batch with no anchor (no supervised token inside a document) must give every
+    trainable parameter a gradient, zero, as DDP and FSDP2 need the same set on every rank."""
+    from eyas.draft.dflash_objective import Blocks, dflash_forward
+
+    draft = make_dflash()
+    t = 12
+    batch = {"aux_hidden": torch.randn(1, t, 3 * 64), "position_ids": torch.arange(t)[None]}
+    empty = torch.zeros(0, dtype=torch.long)
+    blocks = Blocks(ids=empty, positions=empty, lo=empty, hi=empty, labels=empty,
+                    weight=torch.zeros(0), greedy=empty, valid=torch.zeros(0, dtype=torch.bool))
+    out = dflash_forward(draft, batch, blocks)
+    out.loss_sum.backward()
+    trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    assert len(trainable) > 10
+    missing = [n for n, p in trainable if p.grad is None]
+    assert not missing, missing
+    assert all(float(p.grad.abs().sum()) == 0.0 for _, p in trainable)
+    assert float(out.loss_sum) == 0.0 and float(out.weight_sum) == 0.0

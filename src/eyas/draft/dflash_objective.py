@@ -117,9 +117,17 @@ def dflash_forward(draft: DFlashDraft, batch, blocks: Blocks, *, chunk: int = 40
     # 1. The fused context of every token, and each layer's keys/values of it (once).
     c = draft.context(batch["aux_hidden"].flatten(0, 1))  # (B*T, H)
     kv = draft.context_kv(c, batch["position_ids"].flatten())
-    if blocks.num_blocks == 0:  # nothing to learn here: a zero loss that still reaches the graph
-        zero = c.sum() * 0.0
-        counts = torch.zeros(b, device=c.device)
+    if blocks.num_blocks == 0:
+        # Nothing to learn here. One placeholder block (all mask tokens over the first
+        # context key, weight 0) still runs every layer, so every parameter gets a (zero)
+        # gradient: DDP's reducer and FSDP2's reduce-scatter expect the same parameters on
+        # every rank, and a rank without blocks would otherwise send fewer.
+        dev = c.device
+        first = torch.zeros(b, dtype=torch.long, device=dev)
+        ids = torch.full((b,), draft.cfg.mask_token_id, dtype=torch.long, device=dev)
+        h = draft(ids, torch.arange(1, b + 1, device=dev), kv, first, first)  # (B, H)
+        zero = (h.float().sum() + c.float().sum()) * 0.0
+        counts = torch.zeros(b, device=dev)
         return DFlashOutput(zero, zero.detach(), counts, counts, counts)
     # 2. All blocks in one forward: each sees its context band and itself.
     h = draft(blocks.ids, blocks.positions, kv, blocks.lo, blocks.hi)  # (N, H)
