@@ -231,3 +231,29 @@ def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monke
     assert "no plots" in caplog.text
     assert (tmp_path / "b" / "report.json").is_file()
     assert not (tmp_path / "b" / "al_vs_k.png").exists()
+
+
+def test_acceptance_by_source_groups_prompts_by_id_prefix():
+    """Rows are in `index` order (a worker's share, or the merged whole): each row counts for
+    the source of the prompt it belongs to."""
+    from eyas.serve.eval_report import Measured, by_source, source_of
+
+    assert source_of("bigbench/known_unknowns/16") == "bigbench/known_unknowns"
+    assert source_of("row-3") == "(all)"
+    ids = ["humaneval/HumanEval/0", "chatterbot/conversations/4", "humaneval/HumanEval/1"]
+    rows = {("eagle3", 3): [(10, [5, 2, 1]), (4, [0, 0, 0]), (6, [3, 0, 0])],
+            ("target", 0): [(0, []), (0, []), (0, [])]}
+    # index [2, 0, 1]: row 0 is prompt 2 (humaneval), row 1 prompt 0 (humaneval), row 2
+    # prompt 1 (chatterbot)
+    m = Measured(index=[2, 0, 1], stats={}, outputs={}, seconds={}, per_prompt=rows,
+                 replayed={}, mismatches=[])
+    got = by_source(m, ids)
+    assert got == {
+        "chatterbot/conversations": {"prompts": 1,
+                                     "mean_acceptance_length": {"eagle3 k=3": 1.5}},
+        "humaneval/HumanEval": {"prompts": 2,
+                                "mean_acceptance_length": {"eagle3 k=3": round(1 + 8 / 14, 4)}}}
+    one_source = Measured(index=[0, 1], stats={}, outputs={}, seconds={},
+                          per_prompt={("eagle3", 3): rows["eagle3", 3][:2]}, replayed={},
+                          mismatches=[])
+    assert by_source(one_source, ids[:1] + ids[2:]) == {}

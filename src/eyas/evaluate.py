@@ -163,7 +163,7 @@ def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalC
     call this on checkpoints with the models it holds; `evaluate` is the file-to-file step.
     """
     measured = measure(model, layers, final_norm, draft, prompts, cfg, stop_ids)
-    return summarize(cfg, measured, len(prompts))
+    return summarize(cfg, measured, len(prompts), [p.id for p in prompts])
 
 
 def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
@@ -488,7 +488,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     else:
         measured, record, draft_manifest = _measure_here(cfg, prompts, prepared,
                                                          tokenizer=tokenizer)
-    report = summarize(cfg, measured, len(prompts))
+    report = summarize(cfg, measured, len(prompts), [p.id for p in prompts])
     write_report(out, report)
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None],

@@ -67,6 +67,9 @@ class EvalReport:
     replayed: dict[str, dict] = field(default_factory=dict)
     workers: int = 1  # processes that shared the prompts
     batch_size: int = 1  # prompts decoded at once (eyas.serve.batched when > 1)
+    # source (a prompt id without its last "/" part, e.g. bigbench/known_unknowns) ->
+    # {"prompts": n, "mean_acceptance_length": {"METHOD k=K": AL}}; only with several sources
+    by_source: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,9 +140,11 @@ def merge(parts: list[Measured]) -> Measured:
     return whole
 
 
-def summarize(cfg, measured: Measured, num_prompts: int) -> EvalReport:
+def summarize(cfg, measured: Measured, num_prompts: int,
+              prompt_ids: list[str] | None = None) -> EvalReport:
     """The report of measured results: per method and k, speed against plain decoding,
-    95 % intervals and the replayed acceptance."""
+    95 % intervals, the replayed acceptance and (given the prompts' ids) acceptance by
+    source."""
     st, sec = measured.stats, measured.seconds
     reference = measured.outputs["target", 0]
     base = _result("target", 0, reference, st["target", 0], sec["target", 0], None)
@@ -158,11 +163,39 @@ def summarize(cfg, measured: Measured, num_prompts: int) -> EvalReport:
             "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
                                         for a in accepted],
             "ci95": bootstrap_ci(rows, k)}
+    if prompt_ids is not None:
+        report.by_source = by_source(measured, prompt_ids)
     report.workers = cfg.workers
     report.batch_size = cfg.batch_size
     report.settings = f"chain drafts, batch size {cfg.batch_size}" + (
         f", {cfg.draft_sampling} drafts (vLLM draft_sample_method)" if cfg.temperature else "")
     return report
+
+
+def source_of(prompt_id: str) -> str:
+    """A prompt's source: its id without the last "/" part (real_data.py's ids are
+    SOURCE/TASK/N); ids without one share the source "(all)"."""
+    return prompt_id.rsplit("/", 1)[0] if "/" in prompt_id else "(all)"
+
+
+def by_source(measured: Measured, prompt_ids: list[str]) -> dict[str, dict]:
+    """Mean acceptance length of every drafting method and k per prompt source (prompts in
+    `measured.index` order), when the prompts come from more than one source."""
+    sources = [source_of(prompt_ids[j]) for j in measured.index]
+    if len(set(sources)) < 2:
+        return {}
+    out = {}
+    for src in sorted(set(sources)):
+        rows = [i for i, s in enumerate(sources) if s == src]
+        als = {}
+        for (name, k), per_prompt in measured.per_prompt.items():
+            if name == "target":
+                continue
+            drafts = sum(per_prompt[i][0] for i in rows)
+            accepted = sum(sum(per_prompt[i][1]) for i in rows)
+            als[f"{name} k={k}"] = round(1 + accepted / drafts, 4) if drafts else None
+        out[src] = {"prompts": len(rows), "mean_acceptance_length": als}
+    return out
 
 
 def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
@@ -281,6 +314,15 @@ def markdown(report: EvalReport) -> str:
                          f"{_interval(rep['ci95']['mean_acceptance_length'])} | "
                          f"{_rates(report.per_position_acceptance.get(k))} | "
                          f"{_rates(rep['per_position_acceptance'])} |")
+    if report.by_source:
+        cols = list(next(iter(report.by_source.values()))["mean_acceptance_length"])
+        lines += ["", "Mean acceptance length by prompt source:", "",
+                  "| source | prompts | " + " | ".join(cols) + " |",
+                  "|---|---:|" + "---:|" * len(cols)]
+        for src, row in report.by_source.items():
+            als = row["mean_acceptance_length"]
+            lines.append(f"| {src} | {row['prompts']} | "
+                         + " | ".join(_fmt(als.get(c)) for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
