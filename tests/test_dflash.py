@@ -862,4 +862,4 @@ def test_a_micro_batch_without_blocks_still_reaches_every_parameter():
     missing = [n for n, p in trainable if p.grad is None]
     assert not missing, missing
     assert all(float(p.grad.abs().sum()) == 0.0 for _, p in trainable)
-    assert float(out.loss_sum) == 0.0 and float(out.weight_sum) == 0.0
+    assert float(out.loss_sum.detach()) == 0.0 and float(out.weight_sum) == 0.0
