@@ -52,6 +52,25 @@ def _rope_of(target) -> tuple[float, dict | None]:
     return float(theta), draft_rope_scaling(scaling)
 
 
+def layer_shape(target) -> dict:
+    """The target's decoder-layer shape as draft config fields (hidden and MLP sizes, heads,
+    norm eps, RoPE, positions, vocab), from an `eyas.target.models.ModelInfo` or an HF (text)
+    config: what both draft families copy from the target."""
+    if hasattr(target, "get_text_config"):
+        target = target.get_text_config()
+    heads = int(target.num_attention_heads)
+    theta, scaling = _rope_of(target)
+    return dict(
+        hidden_size=int(target.hidden_size), num_attention_heads=heads,
+        num_key_value_heads=int(getattr(target, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(target, "head_dim", None) or target.hidden_size // heads),
+        intermediate_size=int(target.intermediate_size),
+        rms_norm_eps=float(getattr(target, "rms_norm_eps", None) or 1e-6),
+        rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(target.max_position_embeddings),
+        vocab_size=int(target.vocab_size))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig:
     """Shapes of an EAGLE-3 draft, in Hugging Face spelling. `vocab_size` is the TARGET
@@ -115,21 +134,9 @@ class DraftConfig:
     def from_target(cls, target, *, draft_vocab_size: int, aux_layer_ids, **overrides):
         """A draft shaped like the target's text decoder layer. `target` is an
         `eyas.target.models.ModelInfo` or a (text) HF config; `overrides` set any field."""
-        if hasattr(target, "get_text_config"):
-            target = target.get_text_config()
-        heads = int(target.num_attention_heads)
-        theta, scaling = _rope_of(target)
-        values = dict(
-            hidden_size=int(target.hidden_size), target_hidden_size=int(target.hidden_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(target, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(target, "head_dim", None) or target.hidden_size // heads),
-            intermediate_size=int(target.intermediate_size),
-            rms_norm_eps=float(getattr(target, "rms_norm_eps", None) or 1e-6),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(target.max_position_embeddings),
-            vocab_size=int(target.vocab_size), draft_vocab_size=int(draft_vocab_size),
-            aux_layer_ids=tuple(aux_layer_ids))
+        shape = layer_shape(target)
+        values = dict(shape, target_hidden_size=shape["hidden_size"],
+                      draft_vocab_size=int(draft_vocab_size), aux_layer_ids=tuple(aux_layer_ids))
         values.update(overrides)
         return cls(**values)
 
@@ -205,21 +212,8 @@ class DFlashConfig:
         """Decoder layers shaped like the target's (an `eyas.target.models.ModelInfo` or an HF
         text config), one per tap unless `num_hidden_layers` is given, RoPE as the target's
         (the block sits at the target's absolute positions)."""
-        if hasattr(target, "get_text_config"):
-            target = target.get_text_config()
-        heads = int(target.num_attention_heads)
-        theta, scaling = _rope_of(target)
-        values = dict(
-            hidden_size=int(target.hidden_size), num_hidden_layers=len(tuple(aux_layer_ids)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(target, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(target, "head_dim", None) or target.hidden_size // heads),
-            intermediate_size=int(target.intermediate_size),
-            rms_norm_eps=float(getattr(target, "rms_norm_eps", None) or 1e-6),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(target.max_position_embeddings),
-            vocab_size=int(target.vocab_size), aux_layer_ids=tuple(aux_layer_ids),
-            mask_token_id=int(mask_token_id))
+        values = dict(layer_shape(target), num_hidden_layers=len(tuple(aux_layer_ids)),
+                      aux_layer_ids=tuple(aux_layer_ids), mask_token_id=int(mask_token_id))
         values.update(overrides)
         return cls(**values)
 
