@@ -586,23 +586,23 @@ def test_cuda_graph_training_matches_eager(run_inputs, tmp_path):
 
 
 def test_a_parameter_without_gradient_after_the_first_step_is_an_error():
-    from eyas.train import _check_gradients
+    from eyas.draft.train_setup import check_gradients
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     net[0](torch.ones(1, 2)).sum().backward()  # the second layer never sees a gradient
     with pytest.raises(EyasError, match=r"no gradient reached 2 trainable parameter\(s\).*"
                                         r"1\.weight, 1\.bias.*report this as an eyas bug"):
-        _check_gradients(net, TrainConfig(data="d", out="o"))
+        check_gradients(net, TrainConfig(data="d", out="o"))
     net[1](torch.ones(1, 2)).sum().backward()
-    _check_gradients(net, TrainConfig(data="d", out="o"))
+    check_gradients(net, TrainConfig(data="d", out="o"))
     # under --cuda-graph every .grad exists; the graph's record of what its warm-up reached
     from types import SimpleNamespace
 
     params = list(net.parameters())
     record = SimpleNamespace(params=params, unreached=[2, 3])  # GraphedTTT's two attributes
     with pytest.raises(EyasError, match=r"2 trainable parameter\(s\).*1\.weight, 1\.bias"):
-        _check_gradients(net, TrainConfig(data="d", out="o"), record)
-    _check_gradients(net, TrainConfig(data="d", out="o"), SimpleNamespace(params=params,
+        check_gradients(net, TrainConfig(data="d", out="o"), record)
+    check_gradients(net, TrainConfig(data="d", out="o"), SimpleNamespace(params=params,
                                                                           unreached=[]))
 
 

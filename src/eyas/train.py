@@ -39,8 +39,8 @@ from eyas.draft.dflash_objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
 from eyas.draft.train_setup import (Env, TTTModule, all_sum, autocast, build_draft,
-                                    check_same_draft, compute_dtype, grad_sync, init_env,
-                                    peak_gib, plan_data, resume_path, warmup_cosine, wrap)
+                                    check_gradients, compute_dtype, grad_sync, init_env,
+                                    peak_gib, plan_data, resume, save_step, warmup_cosine, wrap)
 from eyas.draft.ttt import TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
@@ -271,25 +271,6 @@ def _item(t: torch.Tensor) -> float:
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)  # FSDP2: a DTensor
 
 
-def _check_gradients(model: torch.nn.Module, cfg: TrainConfig,
-                     graphed: GraphedTTT | None = None) -> None:
-    """After the first backward every trainable parameter holds a gradient; a wrapper that
-    silently skips the gradient reduction would otherwise leave the draft untrained. Under
-    --cuda-graph every .grad exists (zeros where none arrived): the graph's own record of
-    the parameters its warm-up reached counts instead."""
-    if graphed is None:
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    else:
-        unreached = {id(graphed.params[i]) for i in graphed.unreached}
-        missing = [n for n, p in model.named_parameters() if id(p) in unreached]
-    if missing:
-        fix = (f"--parallel {cfg.parallel} dropped them under torch {torch.__version__}; use "
-               f"--parallel {'ddp' if cfg.parallel == 'fsdp' else 'fsdp'} and report it"
-               if dist.is_initialized() else "please report this as an eyas bug")
-        raise EyasError(f"no gradient reached {len(missing)} trainable parameter(s) after the "
-                        f"first backward ({', '.join(missing[:4])}): {fix}.")
-
-
 def _on(mb: dict, env: Env):
     """A micro-batch on the draft's device. Online, captured states arrive on the device of
     the target's final norm, which --target-device-map may put on another GPU."""
@@ -392,14 +373,9 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     start, best = 0, {"step": None, "sim_acceptance_length": None}
-    resume = resume_path(cfg, env)
-    if resume is not None:
-        check_same_draft(resume, dcfg.to_dict())
-        state = checkpoint.load(resume, model, optimizer, scheduler)
-        if state["plan"] != plan.fingerprint:
-            raise EyasError(f"{resume} was trained with other data or batching (samples, "
-                            f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
-                            f"--grad-accum); resume with the same settings or use --resume never.")
+    record = dcfg.to_dict()  # the run's draft_config.json
+    state = resume(cfg, env, model, optimizer, scheduler, plan, record)
+    if state is not None:
         start, best = state["step"], state["best"]
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
     pin = env.device.type == "cuda" and not cfg.online
@@ -467,7 +443,7 @@ def train(cfg: TrainConfig) -> dict:
             window[:-1] += _batch_stats(out, steps)
             window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
         if step == start + 1:
-            _check_gradients(model, cfg, graphed)
+            check_gradients(model, cfg, graphed)
         # 3. Clip the global gradient norm, step AdamW and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         optimizer.step()
@@ -503,20 +479,15 @@ def train(cfg: TrainConfig) -> dict:
                         "sim_acceptance_length": last_eval["sim_acceptance_length"]}
         # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
         if step % cfg.save_every == 0 or step == total or new_best:
-            checkpoint.save(run_dir, step, model, optimizer, scheduler,
-                            draft_config=dcfg.to_dict(), keep_last=cfg.keep_last,
-                            state={"step": step, "data_position": step * plan.per_step,
-                                   "plan": plan.fingerprint, "best": best,
-                                   "world_size": env.world_size},
-                            metrics={"train": last_train, "eval": last_eval},
-                            best_step=best["step"])
+            save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
+                      best=best, record=record, last_train=last_train, last_eval=last_eval)
     # ---- finish: curves, manifest, summary
     if metrics:
         metrics.close()
         checkpoint.plot_curves(run_dir)
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
                        aux_layer_ids=list(inputs.aux_layer_ids), complete=True, best=best,
-                       steps=total, draft_config=dcfg.to_dict())
+                       steps=total, draft_config=record)
         log.info("done: best step %s (replayed chain AL %s at k=%d) in %s", best["step"],
                  best.get("chain_acceptance_length"), steps, run_dir / "checkpoints")
     if dist.is_initialized():

@@ -27,8 +27,8 @@ from eyas.draft import data
 from eyas.draft.config import DFlashConfig
 from eyas.draft.dflash import DFlashDraft
 from eyas.draft.dflash_objective import dflash_forward, sample_blocks
-from eyas.draft.train_setup import (all_sum, autocast, check_same_draft, compute_dtype,
-                                    grad_sync, init_env, peak_gib, plan_data, resume_path,
+from eyas.draft.train_setup import (all_sum, autocast, check_gradients, compute_dtype,
+                                    grad_sync, init_env, peak_gib, plan_data, resume, save_step,
                                     warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
@@ -175,13 +175,9 @@ def train_dflash(cfg: TrainConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     start, best = 0, {"step": None, "acceptance_length": None}
-    resume = resume_path(cfg, env)
-    if resume is not None:
-        check_same_draft(resume, {"draft": "dflash", **dcfg.to_dict()})
-        state = checkpoint.load(resume, model, optimizer, scheduler)
-        if state["plan"] != plan.fingerprint:
-            raise EyasError(f"{resume} was trained with other data or batching; resume with the "
-                            f"same settings or use --resume never.")
+    config_record = {"draft": "dflash", **dcfg.to_dict()}  # the run's draft_config.json
+    state = resume(cfg, env, model, optimizer, scheduler, plan, config_record)
+    if state is not None:
         start, best = state["step"], state["best"]
     workers = 0 if cfg.online else cfg.num_workers
     pin = env.device.type == "cuda" and not cfg.online
@@ -190,7 +186,6 @@ def train_dflash(cfg: TrainConfig) -> dict:
     batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
                                pin_memory=pin, static=False))
     metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
-    config_record = {"draft": "dflash", **dcfg.to_dict()}
 
     def run_eval(step: int) -> dict:
         loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
@@ -232,10 +227,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
             window[:-1] += _stats(out)
             window[-1] += (mb["doc_ids"] >= 0).sum().item()
         if step == start + 1:
-            missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-            if missing:
-                raise EyasError(f"no gradient reached {missing[:4]} after the first backward "
-                                f"(a step without any block?); please report this")
+            check_gradients(model, cfg)
         # 3. Clip, step AdamW and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
         optimizer.step()
@@ -272,13 +264,9 @@ def train_dflash(cfg: TrainConfig) -> dict:
                         "by_k": last_eval["acceptance_length"]}
         # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
         if step % cfg.save_every == 0 or step == total or new_best:
-            checkpoint.save(run_dir, step, model, optimizer, scheduler,
-                            draft_config=config_record, keep_last=cfg.keep_last,
-                            state={"step": step, "data_position": step * plan.per_step,
-                                   "plan": plan.fingerprint, "best": best,
-                                   "world_size": env.world_size},
-                            metrics={"train": last_train, "eval": last_eval},
-                            best_step=best["step"])
+            save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
+                      best=best, record=config_record, last_train=last_train,
+                      last_eval=last_eval)
     # ---- finish: curves, manifest, summary
     if metrics:
         metrics.close()

@@ -27,6 +27,7 @@ from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
 from eyas.draft.loss import Objective
 from eyas.draft.ttt import ttt_forward
+from eyas.draft.ttt_graph import GraphedTTT
 
 # TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
 
@@ -273,6 +274,54 @@ def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
         dist.broadcast_object_list(box, src=0)
         path = box[0]
     return path
+
+
+def check_gradients(model: torch.nn.Module, cfg: TrainConfig,
+                    graphed: GraphedTTT | None = None) -> None:
+    """After the first backward every trainable parameter holds a gradient; a wrapper that
+    silently skips the gradient reduction would otherwise leave the draft untrained. Under
+    --cuda-graph every .grad exists (zeros where none arrived): the graph's own record of
+    the parameters its warm-up reached counts instead."""
+    if graphed is None:
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    else:
+        unreached = {id(graphed.params[i]) for i in graphed.unreached}
+        missing = [n for n, p in model.named_parameters() if id(p) in unreached]
+    if missing:
+        fix = (f"--parallel {cfg.parallel} dropped them under torch {torch.__version__}; use "
+               f"--parallel {'ddp' if cfg.parallel == 'fsdp' else 'fsdp'} and report it"
+               if dist.is_initialized() else "please report this as an eyas bug")
+        raise EyasError(f"no gradient reached {len(missing)} trainable parameter(s) after the "
+                        f"first backward ({', '.join(missing[:4])}): {fix}.")
+
+
+def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
+           record: dict) -> dict | None:
+    """The trainer state of the checkpoint this run continues (weights, optimizer, schedule
+    and RNG restored into the given objects), or None for a fresh run. A checkpoint of another
+    draft (`record`: this run's draft_config.json) or another data plan is refused."""
+    path = resume_path(cfg, env)
+    if path is None:
+        return None
+    check_same_draft(path, record)
+    state = checkpoint.load(path, model, optimizer, scheduler)
+    if state["plan"] != plan.fingerprint:
+        raise EyasError(f"{path} was trained with other data or batching (samples, "
+                        f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
+                        f"--grad-accum); resume with the same settings or use --resume never.")
+    return state
+
+
+def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: TrainConfig,
+              env: Env, plan, best: dict, record: dict, last_train, last_eval) -> None:
+    """Checkpoint `step`: weights, optimizer, schedule, data position, RNG, this run's
+    draft_config.json (`record`) and metrics; keep the last --keep-last and the best."""
+    checkpoint.save(run_dir, step, model, optimizer, scheduler, draft_config=record,
+                    keep_last=cfg.keep_last,
+                    state={"step": step, "data_position": step * plan.per_step,
+                           "plan": plan.fingerprint, "best": best,
+                           "world_size": env.world_size},
+                    metrics={"train": last_train, "eval": last_eval}, best_step=best["step"])
 
 
 @dataclass(frozen=True)
