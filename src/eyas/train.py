@@ -34,7 +34,6 @@ from eyas.store import checkpoint
 from eyas.draft import data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
-from eyas.errors import EyasError
 from eyas.draft.dflash_objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
