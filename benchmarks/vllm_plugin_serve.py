@@ -44,6 +44,9 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_serve import counters  # noqa: E402  (vLLM's counters, read as vllm_serve.py reads them)
+
 # TRITON_F32_DEFAULT=ieee: Triton's fp32 dots (vLLM's float32 attention) would run in TF32
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -329,26 +332,6 @@ def install_recorder() -> dict:
     EagleProposer.propose = recording_propose
     Eagle3LlamaForCausalLM.compute_logits = recording_logits
     return record
-
-
-def counters(llm) -> dict:
-    """vLLM's spec-decode counters (as benchmarks/vllm_serve.py reads them) and the mean
-    acceptance length / per-position rates vLLM's own logger computes from them."""
-    from vllm.v1.metrics.reader import Counter, Vector
-
-    got = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_pos": None}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(m, Vector):
-            got["per_pos"] = [a + b for a, b in zip(got["per_pos"] or [0] * len(m.values),
-                                                    m.values)]
-        elif m.name.startswith("vllm:spec_decode_") and isinstance(m, Counter):
-            key = m.name.removeprefix("vllm:spec_decode_")
-            if key in got:
-                got[key] += m.value
-    n = got["num_drafts"]
-    got["mean_acceptance_length"] = round(1 + got["num_accepted_tokens"] / n, 4) if n else None
-    got["per_position"] = [round(x / n, 4) for x in got["per_pos"]] if n and got["per_pos"] else None
-    return got
 
 
 def engine_config(spec: dict) -> dict:

@@ -50,7 +50,8 @@ def hf_folder(target: str, out: Path, dtype: str) -> str:
 
 
 def counters(llm) -> dict:
-    """vLLM's speculative-decoding counters summed: drafts, accepted, accepted per position."""
+    """vLLM's speculative-decoding counters summed (drafts, accepted, accepted per position)
+    and the mean acceptance length / per-position rates vLLM's own logger computes from them."""
     from vllm.v1.metrics.reader import Counter, Vector
 
     got = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "per_pos": None}
@@ -62,6 +63,10 @@ def counters(llm) -> dict:
             key = m.name.removeprefix("vllm:spec_decode_")
             if key in got:
                 got[key] += m.value
+    n = got["num_drafts"]
+    got["mean_acceptance_length"] = round(1 + got["num_accepted_tokens"] / n, 4) if n else None
+    got["per_position"] = [round(x / n, 4) for x in got["per_pos"]] \
+        if n and got["per_pos"] else None
     return got
 
 
@@ -121,8 +126,7 @@ def main(argv=None) -> dict:
                                       a.dtype, a.draft, k, a.gpu_memory_utilization)
         n = c["num_drafts"]
         per_k[str(k)] = {
-            "vllm_al": round(1 + c["num_accepted_tokens"] / n, 4) if n else None,
-            "vllm_per_position": [round(x / n, 4) for x in c["per_pos"]] if n else None,
+            "vllm_al": c["mean_acceptance_length"], "vllm_per_position": c["per_position"],
             "vllm_drafts": n, "vllm_seconds": round(seconds, 2),
             "vllm_speedup": round(base_s / seconds, 3),
             "same_outputs_as_no_speculation": sum(t == r for t, r in zip(tokens, reference)),
