@@ -155,14 +155,7 @@ def summarize(cfg, measured: Measured, num_prompts: int,
     report.ci95 = {str(k): bootstrap_ci(measured.per_prompt[report.primary, k], k)
                    for k in cfg.k if (report.primary, k) in measured.per_prompt}
     for k, rows in measured.replayed.items():
-        drafts = sum(d for d, _ in rows)
-        accepted = [sum(a[i] for _, a in rows) for i in range(k)]
-        report.replayed[str(k)] = {
-            "drafts": drafts,
-            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 4) if drafts else None,
-            "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
-                                        for a in accepted],
-            "ci95": bootstrap_ci(rows, k)}
+        report.replayed[str(k)] = {**pooled(rows, k), "ci95": bootstrap_ci(rows, k)}
     if prompt_ids is not None:
         report.by_source = by_source(measured, prompt_ids)
     report.workers = cfg.workers
@@ -170,6 +163,17 @@ def summarize(cfg, measured: Measured, num_prompts: int,
     report.settings = f"chain drafts, batch size {cfg.batch_size}" + (
         f", {cfg.draft_sampling} drafts (vLLM draft_sample_method)" if cfg.temperature else "")
     return report
+
+
+def pooled(rows: list[tuple[int, list[int]]], k: int) -> dict:
+    """Drafts, mean acceptance length (1 + accepted / drafts) and per-position rates of
+    per-prompt (drafts, accepted per position) rows taken together."""
+    drafts = sum(d for d, _ in rows)
+    accepted = [sum(a[i] for _, a in rows) for i in range(k)]
+    return {"drafts": drafts,
+            "mean_acceptance_length": round(1 + sum(accepted) / drafts, 4) if drafts else None,
+            "per_position_acceptance": [round(a / drafts, 4) if drafts else 0.0
+                                        for a in accepted]}
 
 
 def source_of(prompt_id: str) -> str:
@@ -191,9 +195,8 @@ def by_source(measured: Measured, prompt_ids: list[str]) -> dict[str, dict]:
         for (name, k), per_prompt in measured.per_prompt.items():
             if name == "target":
                 continue
-            drafts = sum(per_prompt[i][0] for i in rows)
-            accepted = sum(sum(per_prompt[i][1]) for i in rows)
-            als[f"{name} k={k}"] = round(1 + accepted / drafts, 4) if drafts else None
+            als[f"{name} k={k}"] = pooled([per_prompt[i] for i in rows],
+                                          k)["mean_acceptance_length"]
         out[src] = {"prompts": len(rows), "mean_acceptance_length": als}
     return out
 
