@@ -24,8 +24,11 @@ def test_ttt_benchmark_smoke(tmp_path):
     assert {(r["mask"], r["lm_head"], r["precision"]) for r in rows} == {
         (m, h, p) for m in ("ones", "60") for h in ("frozen", "trained") for p in ("bf16", "fp8")}
     assert all(r["tok_s"] > 0 and r["rows"][0] == 64 for r in rows)
-    # the host's share of an iteration (on CPU the host does the work: close to all of it)
-    assert all(0 < r["host_ms"] <= 3 * r["ms"] for r in rows)
+    # the host's share of an iteration (on CPU the host does the work: close to all of it).
+    # host_ms is the best of a few single iterations against ms/iter over many: on a busy
+    # 2-core CI machine one stall can take a 10 ms iteration's single timing several times
+    # over, so the bound leaves 200 ms for it (a host time in seconds still fails)
+    assert all(0 < r["host_ms"] <= 3 * r["ms"] + 200 for r in rows)
     dense = [r for r in rows if "dense_loss" in r]  # frozen bf16 only, same loss as eyas
     assert len(dense) == 2 and all(abs(r["dense_loss"] - r["loss"]) < 1e-3 for r in dense)
     packed = tmp_path / "packed.json"
