@@ -170,3 +170,91 @@ def fit_draft():
     greedy continuations `refs` of `prompts` (60 TTT steps, a few seconds): one that is right
     often, at later chain positions too, so acceptance counting has something to count."""
     return _fit_draft
+
+
+# llama.cpp's names for a Llama decoder layer's tensors (its convert_hf_to_gguf.py)
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _rope_permute(w, heads: int):
+    # llama.cpp stores q/k rows interleaved for its RoPE; transformers' GGUF loader undoes this
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama (the tiny tokenizer and chat template) written as a GGUF file the
+    way llama.cpp writes one: its tensor names, rope-permuted q/k, matrices quantized to Q8_0
+    (so loading it de-quantizes), a byte-level BPE ("gpt2") vocabulary with merges."""
+    import json
+
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from eyas.target.tiny import tiny_config
+
+    c = tiny_config("llama", num_layers=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(c)
+    tok = tiny_tokenizer()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if i in tok.all_special_ids else 1 for _, i in vocab])  # 3: control
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_chat_template(tok.chat_template)
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    for i in range(c.num_hidden_layers):
+        names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{g}.weight"
+                      for hf, g in GGUF_LAYER_NAMES.items()})
+    for key, tensor in model.state_dict().items():
+        a = tensor.float().numpy()
+        if key.endswith(("q_proj.weight", "k_proj.weight")):
+            a = _rope_permute(a, c.num_attention_heads if "q_proj" in key
+                              else c.num_key_value_heads)
+        if a.ndim == 1:  # norms stay float32, as llama.cpp keeps them
+            w.add_tensor(names[key], a)
+            continue
+        q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(names[key], q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """Factory: `tiny_gguf(seed)` -> a tiny Q8_0 Llama GGUF file (same tokenizer and shapes for
+    every seed, other weights), written once per seed."""
+    cache: dict[int, Path] = {}
+
+    def make(seed: int = 0) -> Path:
+        if seed not in cache:
+            cache[seed] = write_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{seed}") / "tiny.gguf",
+                                          seed)
+        return cache[seed]
+
+    return make

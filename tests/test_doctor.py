@@ -85,6 +85,23 @@ def test_without_vllm_says_what_was_not_checked(model_dir, capsys):
     assert report["ok"] and "vLLM side not checked" in capsys.readouterr().out
 
 
+def test_a_gguf_target_is_pointed_at_eyas_convert(tiny_gguf, model_dir, tmp_path, capsys):
+    """Not a problem (it works), a note: the GGUF is de-quantized at every load; its converted
+    folder says where it came from; a plain folder has no note."""
+    from eyas.target.convert import convert_gguf
+
+    gguf = tiny_gguf(0)
+    report = doctor(DoctorConfig(target=str(gguf)))
+    assert report["ok"] and len(report["notes"]) == 1
+    assert "de-quantized at every load" in report["notes"][0]
+    assert f"eyas convert --target {gguf} --out FOLDER" in report["notes"][0]
+    assert f"note             {report['notes'][0]}" in capsys.readouterr().out
+    folder = convert_gguf(gguf, tmp_path / "hf")
+    (note,) = doctor(DoctorConfig(target=str(folder)))["notes"]
+    assert note.startswith(f"converted from {gguf.resolve()} by `eyas convert`")
+    assert doctor(DoctorConfig(target=str(model_dir("llama"))))["notes"] == []
+
+
 def test_cli_json(model_dir, capsys):
     rc = main(["doctor", str(model_dir("qwen2_5_vl")), "--json"])
     assert rc == 0

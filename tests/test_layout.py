@@ -11,7 +11,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "src" / "eyas"
 
 STEPS = {"prepare", "regenerate", "capture", "vocab", "train", "export", "evaluate", "doctor",
-         "pipeline", "demo"}
+         "convert", "pipeline", "demo"}
 BASE = {"config", "errors"}  # used by every layer; they import no other eyas module
 # modules that may call steps: the CLI (by name, from its table), `eyas run` (chains the steps)
 # and the demo (it is `eyas run` on a built-in tiny target)

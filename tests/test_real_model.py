@@ -1,9 +1,10 @@
 """The real target of the test bed: SmolLM2-135M-Instruct as a Q4_1 GGUF (Llama, 30 layers,
 hidden 576, tied embeddings, ChatML) through doctor, prepare and capture on the CPU, passed as
-`--target file.gguf`; and the GGUF loader's errors, fingerprint and dtype rule.
+`--target file.gguf`; its `eyas convert` folder; and the GGUF loader's errors, fingerprint and
+dtype rule.
 
-The model loads twice (capture's own load and the reference below) and its tokenizer a few
-times; everything else is two short chats.
+The model loads three times (capture's own load, the reference below, `eyas convert`'s) and
+its converted folder once; its tokenizer a few times; everything else is two short chats.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from eyas.cli import main
 from eyas.errors import EyasError
 from eyas.store.manifest import (check_same_target, gguf_fingerprint, read_manifest, target_record,
                                  tokenizer_fingerprint)
+from eyas.target.convert import convert_gguf
 from eyas.target.models import _load_dtype, load_config, load_target, load_tokenizer, submodule
 from eyas.prepare import PrepareConfig, prepare
 from eyas.target.tiny import build_tiny_model
@@ -203,6 +205,32 @@ def test_capture_refuses_a_folder_prepared_from_another_gguf(smollm2_gguf, prepa
         capture(CaptureConfig(target=str(smollm2_gguf), data=str(other),
                               out=str(tmp_path / "cap"), model_dtype="fp32"))
     assert not (tmp_path / "cap").exists()
+
+
+# ------------------------------------------------------------------ eyas convert
+
+def test_the_converted_folder_is_the_gguf_exactly(smollm2_gguf, target, tokenizer, prepared,
+                                                  tmp_path):
+    """`eyas convert` (float32): the folder's logits on a chat equal the GGUF-loaded model's bit
+    for bit, its tokenizer renders the chat as the GGUF's does, and it is the GGUF's target
+    for the prepared folder made with the GGUF."""
+    model, _ = target
+    out = convert_gguf(smollm2_gguf, tmp_path / "smol-hf")
+    converted = load_tokenizer(out)
+    for chat in CHATS:
+        assert (converted.apply_chat_template(chat, tokenize=False)
+                == tokenizer.apply_chat_template(chat, tokenize=False))
+    ids = tokenizer.apply_chat_template(CHATS[1], return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    folder_model, info = load_target(out, dtype="float32")
+    assert info.num_layers == 30 and info.tied_embeddings
+    with torch.inference_mode():
+        assert torch.equal(folder_model(ids).logits, model(ids).logits)
+    record = target_record(str(out), config=folder_model.config, tokenizer=converted)
+    assert record["tokenizer_hash"] == tokenizer_fingerprint(tokenizer)
+    assert record["gguf_fingerprint"] == gguf_fingerprint(smollm2_gguf)
+    check_same_target(read_manifest(prepared, step="prepare")["target"], record, "prepared")
+    shutil.rmtree(out)  # 540 MB
 
 
 # ------------------------------------------------------------------ errors, fingerprint, dtype

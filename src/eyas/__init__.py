@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "prepare": "eyas.prepare", "PrepareConfig": "eyas.prepare",
     "doctor": "eyas.doctor", "DoctorConfig": "eyas.doctor",
+    "convert": "eyas.convert", "ConvertConfig": "eyas.convert",
     "capture": "eyas.capture", "CaptureConfig": "eyas.capture",
     "vocab": "eyas.vocab", "VocabConfig": "eyas.vocab",
     "train": "eyas.train", "TrainConfig": "eyas.train",

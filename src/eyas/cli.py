@@ -36,6 +36,8 @@ COMMANDS = {
              "measure acceptance length with speculative decoding"),
     "doctor": ("eyas.doctor", "doctor", "DoctorConfig",
                "will this model work, and what must change"),
+    "convert": ("eyas.convert", "convert", "ConvertConfig",
+                "de-quantize a .gguf target once into a Hugging Face folder"),
     "run": ("eyas.pipeline", "run", "RunConfig",
             "run the whole pipeline from one YAML, resuming"),
     "demo": ("eyas.demo", "demo", "DemoConfig",

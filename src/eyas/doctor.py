@@ -25,8 +25,8 @@ from eyas.config import (ConfigError, option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.draft.formats import SERVED_SINCE
-from eyas.store.manifest import LAYER_ID_CONVENTION, versions
-from eyas.target.models import (ModelInfo, build_meta_model, inspect_model, load_config,
+from eyas.store.manifest import LAYER_ID_CONVENTION, converted_from, versions
+from eyas.target.models import (ModelInfo, build_meta_model, inspect_model, is_gguf, load_config,
                                 load_tokenizer, submodule, validate_aux_layer_ids)
 
 # Every member name vLLM's SupportsEagle3 protocol has had (vLLM renamed the default-layer
@@ -86,6 +86,7 @@ def doctor(cfg: DoctorConfig) -> dict:
         "draft_attention": band_kernels.describe(info.num_attention_heads, info.head_dim),
     }
     report["problems"] = _problems(report, info)
+    report["notes"] = _notes(str(cfg.target))
     report["ok"] = not report["problems"]
     report["vllm_checked"] = report["vllm"]["importable"]
     _emit(json.dumps(report, indent=2, default=str) if cfg.json else render_text(report))
@@ -325,6 +326,19 @@ def _problems(report: dict, info: ModelInfo) -> list[str]:
     return out
 
 
+def _notes(target: str) -> list[str]:
+    """Advice that is not a problem: how a GGUF target's load time goes away."""
+    if is_gguf(target):
+        return [f"a .gguf target is parsed and de-quantized at every load, in every step; "
+                f"`eyas convert --target {target} --out FOLDER` does it once, then pass "
+                f"--target FOLDER (artifacts made with the GGUF are accepted with its folder)"]
+    source = converted_from(Path(target).expanduser())
+    if source is not None:
+        return [f"converted from {source['name_or_path']} by `eyas convert` (gguf_fingerprint "
+                f"{source['gguf_fingerprint']}): artifacts made with that GGUF are accepted"]
+    return []
+
+
 def _plugin_line(vl: dict) -> str:
     plugin = vl.get("plugin") or {}
     if plugin.get("status") == "planned":
@@ -398,6 +412,7 @@ def render_text(r: dict) -> str:
                      r["vllm"]["importable"] else "ok for capture/train/export; vLLM side "
                      "not checked")),
         *[("  problem", p) for p in r["problems"]],
+        *[("note", n) for n in r["notes"]],
     ]
     width = max(len(k) for k, _ in lines) + 2
     return "\n".join(f"{k:<{width}}{v}" for k, v in lines)

@@ -99,7 +99,8 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
                   tokenizer=None) -> dict[str, Any]:
     """Identify a target: name, revision/commit if known, and fingerprints that let
     later steps detect a different model or tokenizer behind the same name (for a .gguf
-    file: its name, size and `gguf_fingerprint`)."""
+    file: its name, size and `gguf_fingerprint`; for a folder `eyas convert` wrote, those of
+    the GGUF it came from, plus `converted_from`: the two are one target)."""
     rec: dict[str, Any] = {"name_or_path": str(name_or_path), "revision": revision}
     commit = getattr(config, "_commit_hash", None) if config is not None else None
     rec["commit"] = commit
@@ -108,6 +109,9 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
         rec["gguf_file"] = path.name
         rec["gguf_bytes"] = path.stat().st_size
         rec["gguf_fingerprint"] = gguf_fingerprint(path)
+    elif (source := converted_from(path)) is not None:
+        rec.update({k: source[k] for k in ("gguf_file", "gguf_bytes", "gguf_fingerprint")})
+        rec["converted_from"] = source["name_or_path"]
     if config is not None:
         text = getattr(config, "get_text_config", lambda: config)()
         rec["model_type"] = getattr(config, "model_type", None)
@@ -117,6 +121,16 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     if tokenizer is not None:
         rec["tokenizer_hash"] = tokenizer_fingerprint(tokenizer)
     return rec
+
+
+def converted_from(folder: Path) -> dict[str, Any] | None:
+    """The target record of the GGUF file a folder was converted from (`eyas convert`'s
+    manifest), or None for any other path."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    body = json.loads(manifest.read_text())
+    return body["target"] if body.get("step") == "convert" else None
 
 
 def gguf_fingerprint(path: str | Path) -> str:

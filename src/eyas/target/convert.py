@@ -1,0 +1,106 @@
+"""De-quantize a GGUF target once into a Hugging Face folder (`eyas convert`).
+
+A `.gguf` target costs its load at every run of every step: transformers parses the file's
+metadata in pure Python (config, tokenizer, weights: the vocabulary is walked each time) and
+de-quantizes every tensor. For SmolLM2-135M Q4_1 that was 34 s of a 4-prompt CPU eval against
+8 s for the same weights in a folder (docs/benchmarks.md). `convert_gguf` pays it once and
+writes what `save_pretrained` writes for any checkpoint: `model.safetensors` (the de-quantized
+weights in `dtype`), `config.json` (no quantization config), `generation_config.json`, the
+tokenizer files with the GGUF's chat template, and an `eyas.json` naming the GGUF (path, size,
+`gguf_fingerprint`). `target_record` copies that identity into every manifest made with the
+folder, so artifacts made from the GGUF and from its folder belong to one target, and a folder
+converted from another GGUF is refused as that GGUF would be.
+
+The folder is written beside `out` under a temporary name and renamed into place when complete:
+a killed run leaves no `out` that looks finished (the next run clears the leftover), and an
+existing `out` is kept unless it is this same conversion (then nothing is done).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from eyas.errors import EyasError
+from eyas.store.manifest import MANIFEST, gguf_fingerprint, target_record, write_manifest
+from eyas.target.models import is_gguf, load_target, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+# float32 holds every de-quantized GGUF value exactly (llama.cpp's blocks are fp16 scales
+# times small ints); bfloat16 / float16 round them but halve the folder.
+CONVERT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def convert_gguf(gguf: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
+    """Write the Hugging Face folder `out` holding the GGUF file `gguf` de-quantized to `dtype`
+    (one of CONVERT_DTYPES) and return its path. Does nothing if `out` already holds this
+    conversion; refuses any other existing, non-empty `out`."""
+    if dtype not in CONVERT_DTYPES:
+        raise EyasError(f"dtype {dtype!r}: use one of {CONVERT_DTYPES}")
+    gguf, out = Path(gguf).expanduser(), Path(out).expanduser().absolute()
+    if not is_gguf(gguf):
+        raise EyasError(f"{gguf} is not a .gguf file: only a GGUF target needs converting (a "
+                        f"Hugging Face folder or hub name loads as it is)")
+    if not gguf.is_file():
+        raise EyasError(f"GGUF file {gguf} does not exist; pass the path of a local .gguf file")
+    gguf = gguf.resolve()
+    if _already_converted(out, gguf, dtype):
+        return out
+    start = time.perf_counter()
+    tmp = out.with_name(out.name + ".tmp-convert")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftover
+    tmp.mkdir(parents=True)
+    try:
+        _write(gguf, tmp, out, dtype)
+        os.replace(tmp, out)  # atomic; replaces only a missing or empty folder
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in out.iterdir())
+    log.info("wrote %s (%s, %.2f GB) from %s in %.1f s", out, dtype, size / 1e9, gguf,
+             time.perf_counter() - start)
+    return out
+
+
+def _write(gguf: Path, folder: Path, out: Path, dtype: str) -> None:
+    """The model, tokenizer and manifest of `gguf`, saved into the (empty) `folder` that will
+    become `out`."""
+    tokenizer = load_tokenizer(gguf)
+    model, _ = load_target(gguf, dtype=dtype, device="cpu")
+    # The weights are plain tensors now; transformers versions that keep GgufConfig's
+    # quantizer on the model would refuse to save it, or write its quantization_config.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)  # safetensors, config.json, generation_config.json
+    tokenizer.save_pretrained(folder)  # tokenizer files and the chat template
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
+    write_manifest(folder, "convert", {"target": str(gguf), "out": str(out), "dtype": dtype},
+                   target=target_record(str(gguf), config=model.config, tokenizer=tokenizer),
+                   dtype=dtype, files=files)
+
+
+def _already_converted(out: Path, gguf: Path, dtype: str) -> bool:
+    """True if `out` holds this conversion; False if it is missing or empty; EyasError else."""
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise EyasError(f"{out} exists and is a file; choose a new --out folder")
+    if not any(out.iterdir()):
+        return False
+    body = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
+    if body.get("step") != "convert":
+        raise EyasError(f"{out} exists and is not an `eyas convert` folder; choose a new or "
+                        f"empty --out (eyas convert never overwrites a folder)")
+    had = body["target"]
+    if had["gguf_fingerprint"] == gguf_fingerprint(gguf) and body["dtype"] == dtype:
+        log.info("%s already holds %s de-quantized to %s; nothing to do", out, gguf.name, dtype)
+        return True
+    raise EyasError(f"{out} already holds another conversion: {had['name_or_path']} "
+                    f"(gguf_fingerprint {had['gguf_fingerprint']}) in {body['dtype']}, not "
+                    f"{gguf} in {dtype}; choose another --out, or delete {out} to convert again")
