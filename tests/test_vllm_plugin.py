@@ -620,6 +620,33 @@ def test_a_patched_wrapper_config_gets_the_image_token_name_vllm_reads():
     assert not hasattr(text().config, "image_token_index")
 
 
+def test_a_bare_decoder_under_a_patched_wrapper_gets_the_model_view_vllm_reads():
+    """vLLM 0.32's drafter set-up shares the target's embedding from
+    `get_language_model().model.embed_tokens`; under Idefics3 / SmolVLM the language model is
+    the bare decoder (no `.model`: "Target model does not have 'model' attribute", seen in a
+    real vLLM 0.32 on CPU). A patched wrapper's decoder gets a `.model` that reads the
+    decoder's own members, live, and adds no submodule, parameter or state-dict entry; a
+    language model that has a `.model` keeps it."""
+    cls = fresh(WrapperDecoderDirect)
+    patch(cls)
+    wrapper = cls()
+    lm = wrapper.get_language_model()
+    assert lm.model.embed_tokens is lm.embed_tokens and lm.model.layers is lm.layers
+    replaced = nn.Embedding(V, H)
+    lm.embed_tokens = replaced
+    assert lm.model.embed_tokens is replaced  # read when asked, not copied at init
+    assert "model" not in dict(lm.named_children())
+    assert not any(k.startswith("model.") for k in wrapper.state_dict())
+    wrapper.to(torch.float64)  # module recursion does not loop through the view
+    causal = fresh(WrapperCausalLM)
+    patch(causal)
+    inner = causal().language_model
+    assert isinstance(inner.model, nn.Module) and inner.model is inner.__dict__["_modules"]["model"]
+    text = fresh(TextAuxLM)
+    patch(text)
+    assert not isinstance(getattr(text(), "model", None), vllm_plugin.InnerModelView)
+
+
 @pytest.mark.vllm
 def test_vllm_draft_classes_are_never_patched():
     """Patching a draft's has_own_lm_head / has_own_embed_tokens would make vLLM swap its own

@@ -18,7 +18,9 @@ or the decoder that runs the layer loop) and both getter names
 later), and wraps `forward` so that with aux layers set it returns `(hidden_states, aux_list)`.
 A wrapper's `__init__` is wrapped too: its config gets `image_token_index` from
 `image_token_id` / `media_placeholder_token_id` when it has none, because vLLM's drafter
-set-up reads that name for multimodal targets it does not list. Draft classes (vLLM's
+set-up reads that name for multimodal targets it does not list; and a language model that is
+the bare decoder (no `.model`, as Idefics3 / SmolVLM's `text_model`) gets a `.model` view of
+itself, because that set-up shares the target's embedding from `language_model.model`. Draft classes (vLLM's
 speculative-decoding architectures) are never patched.
 
 `register()` is the `vllm.general_plugins` entry point (pyproject). vLLM calls it in every
@@ -235,9 +237,25 @@ def _wrap_forward(forward):
 _IMAGE_TOKEN_SPELLINGS = ("image_token_id", "media_placeholder_token_id")
 
 
+class InnerModelView:
+    """What vLLM's drafter set-up reads as `language_model.model` (0.32:
+    `_maybe_share_embeddings` takes `get_language_model().model.embed_tokens`), for a wrapper
+    whose language model is the bare decoder itself (Idefics3 / SmolVLM: `model.text_model`,
+    a `LlamaModel` holding `embed_tokens`, with no `.model`; vLLM then fails with "Target model
+    does not have 'model' attribute"). Every attribute is the decoder's own, read when asked;
+    not an nn.Module, so the decoder gains no submodule, parameter or state-dict entry."""
+
+    def __init__(self, decoder):
+        self._decoder = decoder
+
+    def __getattr__(self, name):
+        return getattr(self._decoder, name)
+
+
 def _wrap_init(init):
     """__init__ that gives the model's config `image_token_index` from another spelling of
-    the image token when it has none (a wrapper is a multimodal model: see above)."""
+    the image token when it has none (a wrapper is a multimodal model: see above), and a bare
+    decoder under the wrapper the `.model` vLLM's drafter looks for (InnerModelView)."""
 
     @functools.wraps(init)
     def eagle3_init(self, *args, **kwargs):
@@ -248,6 +266,13 @@ def _wrap_init(init):
                 if getattr(config, name, None) is not None:
                     config.image_token_index = getattr(config, name)
                     break
+        try:
+            lm = language_model(self)
+        except Exception:  # noqa: BLE001  (a wrapper whose language model is not built yet)
+            return
+        if lm is not self and getattr(lm, "model", None) is None \
+                and hasattr(lm, "embed_tokens") and hasattr(lm, "layers"):
+            lm.model = InnerModelView(lm)  # a plain attribute: nn.Module stores it as is
 
     return eagle3_init
 
