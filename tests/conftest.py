@@ -172,6 +172,52 @@ def fit_draft():
     return _fit_draft
 
 
+def _fit_dflash(model, prompts, refs, taps, *, mask_token_id: int):
+    """A 2-layer DFlash draft (blocks of 4) over the target's taps, fitted for 60 steps to the
+    target's greedy tokens on its continuations `refs` of `prompts` (eyas.evaluate.Prompt)."""
+    from eyas.draft.dflash import DFlashConfig, DFlashDraft
+    from eyas.draft.dflash_objective import dflash_forward, sample_blocks
+    from eyas.target.taps import AuxTaps
+
+    cfg = DFlashConfig.from_target(model.config, aux_layer_ids=taps,
+                                   mask_token_id=mask_token_id, block_size=4,
+                                   num_hidden_layers=2)
+    torch.manual_seed(0)
+    draft = DFlashDraft(cfg)
+    draft.set_target(model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())
+    layers, norm = model.model.layers, model.model.norm
+    hooks = AuxTaps(layers, norm, taps, len(layers), final=False)
+    batches = []
+    for p, ref in zip(prompts, refs):
+        seq = torch.cat([p.ids, torch.tensor(ref)])[None]
+        with torch.no_grad(), hooks.attached():
+            top1 = model(seq).logits.argmax(-1)
+        n = seq.shape[1]
+        batches.append({"input_ids": seq, "target_top1": top1,
+                        "aux_hidden": hooks.collect("cpu")[0].flatten(1)[None],
+                        "loss_mask": (torch.arange(n) >= len(p.ids) - 1).long()[None],
+                        "position_ids": torch.arange(n)[None],
+                        "doc_ids": torch.zeros(1, n, dtype=torch.long)})
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
+    for step in range(60):
+        batch = batches[step % len(batches)]
+        blocks = sample_blocks(batch, block=4, num_anchors=64, mask_token_id=mask_token_id,
+                               gamma=7.0, labels="target",
+                               generator=torch.Generator().manual_seed(step))
+        out = dflash_forward(draft, batch, blocks)
+        opt.zero_grad()
+        (out.loss_sum / out.weight_sum).backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="session")
+def fit_dflash():
+    """`fit_dflash(model, prompts, refs, taps, mask_token_id=...)` -> a DFlash draft fitted to
+    the target's greedy continuations, right at some block positions and wrong at others."""
+    return _fit_dflash
+
+
 # llama.cpp's names for a Llama decoder layer's tensors (its convert_hf_to_gguf.py)
 GGUF_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

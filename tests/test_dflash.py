@@ -667,18 +667,15 @@ def test_eval_measures_a_dflash_export_losslessly(dflash_inputs, dflash_run, tmp
 
 
 @pytest.fixture(scope="module")
-def fitted(llama_dir):
+def fitted(llama_dir, fit_dflash):
     """A tiny random Llama target (8 layers), six prompts, its greedy continuations (long
     enough for every k) and a DFlash draft fitted to them (labels: the target's own greedy
     tokens), so that eval has acceptance to count, right at some positions and wrong at
     others (about 0.45 / 0.11 / 0.11 at k = 3)."""
     from transformers import AutoModelForCausalLM
 
-    from eyas.draft.dflash import DFlashConfig, DFlashDraft
-    from eyas.draft.dflash_objective import dflash_forward, sample_blocks
     from eyas.evaluate import Prompt
     from eyas.serve.speculate import Sampling, TargetRunner, generate_plain
-    from eyas.target.taps import AuxTaps
 
     model = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
     layers, norm = model.model.layers, model.model.norm
@@ -687,33 +684,8 @@ def fitted(llama_dir):
                for i, n in enumerate(torch.randint(6, 14, (6,), generator=g))]
     runner = TargetRunner(model, layers, norm)
     refs = [generate_plain(runner, p.ids, 24, frozenset(), Sampling()).tokens for p in prompts]
-    cfg = DFlashConfig.from_target(model.config, aux_layer_ids=TAPS, mask_token_id=2047,
-                                   block_size=4, num_hidden_layers=2)
-    torch.manual_seed(0)
-    draft = DFlashDraft(cfg)
-    draft.set_target(model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())
-    taps = AuxTaps(layers, norm, TAPS, 8, final=False)
-    batches = []
-    for p, ref in zip(prompts, refs):
-        seq = torch.cat([p.ids, torch.tensor(ref)])[None]
-        with torch.no_grad(), taps.attached():
-            top1 = model(seq).logits.argmax(-1)
-        n = seq.shape[1]
-        batches.append({"input_ids": seq, "target_top1": top1,
-                        "aux_hidden": taps.collect("cpu")[0].flatten(1)[None],
-                        "loss_mask": (torch.arange(n) >= len(p.ids) - 1).long()[None],
-                        "position_ids": torch.arange(n)[None],
-                        "doc_ids": torch.zeros(1, n, dtype=torch.long)})
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-2)
-    for step in range(60):
-        batch = batches[step % len(batches)]
-        blocks = sample_blocks(batch, block=4, num_anchors=64, mask_token_id=2047, gamma=7.0,
-                               labels="target", generator=torch.Generator().manual_seed(step))
-        out = dflash_forward(draft, batch, blocks)
-        opt.zero_grad()
-        (out.loss_sum / out.weight_sum).backward()
-        opt.step()
-    return model, prompts, refs, draft.eval()
+    draft = fit_dflash(model, prompts, refs, TAPS, mask_token_id=2047)
+    return model, prompts, refs, draft
 
 
 def replayed_acceptance(model, draft, prompt, ref, k: int, max_new: int) -> list[int]:

