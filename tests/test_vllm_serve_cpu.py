@@ -45,9 +45,9 @@ def vllm():
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    """The tiny random Llama at hidden 128: head dim 32, the smallest vLLM's CPU attention
-    runs (the suite's hidden-64 Llama has head dim 16: "Unsupported CPU attention
-    configuration: head_dim=16")."""
+    """The tiny random Llama at hidden 128: head dim 32, which vLLM's CPU attention runs (the
+    suite's hidden-64 Llama has head dim 16: "Unsupported CPU attention configuration:
+    head_dim=16")."""
     from transformers import LlamaForCausalLM
 
     from eyas.target.tiny import save_tiny_tokenizer, tiny_config
