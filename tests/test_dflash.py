@@ -796,10 +796,11 @@ def test_batched_dflash_drafter_gives_the_batch_one_distributions(fitted):
             torch.testing.assert_close(g.probs, want.probs, atol=1e-6, rtol=1e-5)
 
 
-def test_dflash_ddp_two_ranks_equal_one_process_with_accumulation(dflash_inputs, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_dflash_two_ranks_equal_one_process_with_accumulation(parallel, dflash_inputs, tmp_path):
     """torchrun with 2 ranks (gloo, CPU) x accumulation 1 makes the updates of one process x
-    accumulation 2: the same micro-batches draw the same blocks (seeded by their global index)
-    and the loss is normalised by the whole step's weight."""
+    accumulation 2, under DDP and under FSDP2: the same micro-batches draw the same blocks
+    (seeded by their global index) and the loss is normalised by the whole step's weight."""
     from safetensors.torch import load_file
     from test_train_dist import _torchrun
 
@@ -808,12 +809,42 @@ def test_dflash_ddp_two_ranks_equal_one_process_with_accumulation(dflash_inputs,
 
     kw = dict(max_steps=2, eval_every=100, save_every=2, num_workers=0)
     train(_dflash_train_cfg(dflash_inputs, tmp_path / "one", grad_accum=2, **kw))
-    _torchrun(tmp_path, _dflash_train_cfg(dflash_inputs, tmp_path / "ddp", **kw))
+    _torchrun(tmp_path, _dflash_train_cfg(dflash_inputs, tmp_path / "two", parallel=parallel,
+                                          **kw))
     a = load_file(str(checkpoint.step_dir(tmp_path / "one", 2) / "draft.safetensors"))
-    b = load_file(str(checkpoint.step_dir(tmp_path / "ddp", 2) / "draft.safetensors"))
+    b = load_file(str(checkpoint.step_dir(tmp_path / "two", 2) / "draft.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:  # FSDP2 reduce-scatters in another order than DDP's all-reduce
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_dflash_fsdp_resume_on_two_ranks_ends_where_one_process_does(dflash_inputs, tmp_path):
+    """A one-process run's step-2 checkpoint, resumed on 2 FSDP2 ranks (the same global batch),
+    reaches the uninterrupted run's step-4 weights: the sharded resume restores the draft,
+    AdamW's moments, the schedule and the data position."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from test_train_dist import _torchrun
+
+    from eyas.store import checkpoint
+    from eyas.train import train
+
+    kw = dict(max_steps=4, eval_every=100, save_every=2, num_workers=0)
+    train(_dflash_train_cfg(dflash_inputs, tmp_path / "one", grad_accum=2, **kw))
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "one", part)
+    checkpoint.clear_after(part, 2)  # as if killed after step 2's checkpoint
+    _torchrun(tmp_path, _dflash_train_cfg(dflash_inputs, part, parallel="fsdp", **kw,
+                                          resume=str(checkpoint.step_dir(part, 2))))
+    a = load_file(str(checkpoint.step_dir(tmp_path / "one", 4) / "draft.safetensors"))
+    b = load_file(str(checkpoint.step_dir(part, 4) / "draft.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    steps = [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_a_micro_batch_without_blocks_still_reaches_every_parameter():
