@@ -145,7 +145,7 @@ def test_eagle3_training_refuses_a_five_tap_capture_with_the_fix(dflash_inputs, 
 
 
 def tiny_dflash_cfg(**kw):
-    from eyas.draft.dflash import DFlashConfig
+    from eyas.dflash.model import DFlashConfig
 
     base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, intermediate_size=96, rms_norm_eps=1e-6,
@@ -157,7 +157,7 @@ def tiny_dflash_cfg(**kw):
 def make_dflash(cfg=None, seed=0):
     """A draft with random weights everywhere (norm weights too, so a swapped or missing
     norm shows) and random target embedding / lm_head."""
-    from eyas.draft.dflash import DFlashDraft
+    from eyas.dflash.model import DFlashDraft
 
     cfg = cfg or tiny_dflash_cfg()
     torch.manual_seed(seed)
@@ -289,7 +289,7 @@ def packed_batch(seed=0, rows=2, width=24, hidden=64, taps=3):
 
 
 def test_blocks_follow_specforge_rules():
-    from eyas.draft.dflash_objective import sample_blocks
+    from eyas.dflash.objective import sample_blocks
 
     batch = packed_batch()
     kw = dict(block=4, mask_token_id=299, gamma=7.0, labels="data")
@@ -327,7 +327,7 @@ def test_blocks_follow_specforge_rules():
 def test_packed_training_blocks_equal_serving_one_block_at_a_time():
     """Every block of a packed micro-batch (all in one forward) equals that block drafted the
     way serving does: its own document's tokens before the anchor as the whole context."""
-    from eyas.draft.dflash_objective import sample_blocks
+    from eyas.dflash.objective import sample_blocks
 
     draft = make_dflash()
     batch = packed_batch()
@@ -350,7 +350,7 @@ def test_packed_training_blocks_equal_serving_one_block_at_a_time():
 
 
 def test_chunked_cross_entropy_equals_autograd():
-    from eyas.draft.dflash_objective import ChunkedCE
+    from eyas.dflash.objective import ChunkedCE
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 16, generator=g, requires_grad=True)
@@ -368,7 +368,7 @@ def test_chunked_cross_entropy_equals_autograd():
 def test_forward_counts_accepted_chains():
     """The accepted chain of a block stops at its first slot whose argmax is not the target's
     greedy token; the draft is made to hit slots 1-2 of block 0 and miss slot 1 of block 1."""
-    from eyas.draft.dflash_objective import Blocks, dflash_forward
+    from eyas.dflash.objective import Blocks, dflash_forward
 
     draft = make_dflash()
     batch = packed_batch()
@@ -511,7 +511,7 @@ def test_dflash_config_errors_name_the_flag(kw, match):
 
 
 def test_mask_token_resolution_order(tiny_tok):
-    from eyas.draft.dflash_train import resolve_mask_token_id
+    from eyas.dflash.train import resolve_mask_token_id
 
     assert resolve_mask_token_id(tiny_tok, 4096, 17) == 17  # given
     assert resolve_mask_token_id(tiny_tok, 4096) == len(tiny_tok)  # first unused row
@@ -571,8 +571,9 @@ def test_export_writes_the_folder_vllms_dflash_loader_reads(dflash_run, dflash_i
 def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):
     from safetensors.torch import load_file
 
-    from eyas.draft.dflash import DFlashDraft
-    from eyas.draft.formats import dflash_checkpoint_config, find_checkpoint
+    from eyas.dflash.model import DFlashDraft
+    from eyas.dflash.formats import dflash_checkpoint_config
+    from eyas.draft.formats import find_checkpoint
     from eyas.export import ExportConfig, export
 
     out = export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "d"), dtype="fp32"))
@@ -605,8 +606,9 @@ def test_drafter_proposes_what_the_training_forward_predicts(dflash_inputs, dfla
     the training forward over the whole prefix (the packed path) draft the same tokens."""
     from transformers import AutoModelForCausalLM
 
-    from eyas.draft.dflash import DFlashDraft
-    from eyas.draft.formats import dflash_checkpoint_config, find_checkpoint
+    from eyas.dflash.model import DFlashDraft
+    from eyas.dflash.formats import dflash_checkpoint_config
+    from eyas.draft.formats import find_checkpoint
     from eyas.serve.dflash_drafter import DFlashDrafter
     from eyas.serve.speculate import Sampling
     from eyas.target.taps import AuxTaps
@@ -850,7 +852,7 @@ def test_dflash_fsdp_resume_on_two_ranks_ends_where_one_process_does(dflash_inpu
 def test_a_micro_batch_without_blocks_still_reaches_every_parameter():
     """A micro-batch with no anchor (no supervised token inside a document) must give every
     trainable parameter a gradient, zero, as DDP and FSDP2 need the same set on every rank."""
-    from eyas.draft.dflash_objective import Blocks, dflash_forward
+    from eyas.dflash.objective import Blocks, dflash_forward
 
     draft = make_dflash()
     t = 12

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from eyas.draft.config import DFlashConfig
-from eyas.draft.dflash import DFlashDraft
+from eyas.dflash.config import DFlashConfig
+from eyas.dflash.model import DFlashDraft
 from eyas.export import ExportConfig, export
 from eyas.store import checkpoint
 from eyas.store.manifest import write_manifest

@@ -22,7 +22,8 @@ LAYERS = {
     "store": set(),
     "target": {"store"},
     "draft": {"kernels", "store", "target"},
-    "serve": {"kernels", "store", "target", "draft"},
+    "dflash": {"kernels", "store", "target", "draft"},  # a second draft family, on draft's set-up
+    "serve": {"kernels", "store", "target", "draft", "dflash"},
 }
 DATA = {"assets"}  # package data (the tiny targets' files), not part of the graph
 

@@ -28,7 +28,7 @@ from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, tar
                                  write_manifest)
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
-from eyas.draft.dflash import DFlashDraft
+from eyas.dflash.model import DFlashDraft
 from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
@@ -409,8 +409,8 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
     embedding's device and dtype. A DFlash draft reads the target's `lm_head` too. Returns
     (draft, manifest of the export or run folder, or None)."""
     from eyas.draft.eagle3 import Eagle3Draft
-    from eyas.draft.formats import (dflash_checkpoint_config, find_checkpoint, is_dflash_folder,
-                                    load_checkpoint)
+    from eyas.dflash.formats import dflash_checkpoint_config, is_dflash_folder
+    from eyas.draft.formats import find_checkpoint, load_checkpoint
 
     folder = Path(folder)
     if is_dflash_folder(folder):

@@ -46,7 +46,8 @@ from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # no
 from eyas.serve.export_readme import render_readme
 from eyas.store.manifest import MANIFEST, file_sha256, read_manifest, write_manifest
 from eyas.draft.formats import (internal_state_dict, read_vllm_folder, find_checkpoint,
-                                load_checkpoint, dflash_checkpoint_config)
+                                load_checkpoint)
+from eyas.dflash.formats import dflash_checkpoint_config
 from eyas.serve.dflash_export import dflash_config_json, dflash_readme, dflash_tensors
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from eyas.store import checkpoint
 from eyas.draft import data
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          trust_remote_code_option)
-from eyas.draft.dflash_objective import LABELS as DFLASH_LABELS
+from eyas.dflash.objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
 from eyas.draft.train_setup import (Env, TTTModule, all_sum, autocast, build_draft,
@@ -346,12 +346,12 @@ def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Train an EAGLE-3 draft (or with --draft dflash a DFlash one, eyas.draft.dflash_train)
+    """Train an EAGLE-3 draft (or with --draft dflash a DFlash one, eyas.dflash.train)
     into `cfg.out` (see docs/train.md). Returns the run summary:
     steps, best {step, chain_acceptance_length, chain_by_k, sim_acceptance_length}, and the
     last train and eval metrics."""
     if cfg.draft == "dflash":  # its own loop, on the same setup pieces (docs/dflash.md)
-        from eyas.draft.dflash_train import train_dflash
+        from eyas.dflash.train import train_dflash
 
         return train_dflash(cfg)
     # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume

@@ -11,8 +11,9 @@ import json
 
 import torch
 
-from eyas.draft.config import DFlashConfig
-from eyas.draft.formats import DTYPES, from_dflash_config, to_dflash_config
+from eyas.dflash.config import DFlashConfig
+from eyas.dflash.formats import from_dflash_config, to_dflash_config
+from eyas.draft.formats import DTYPES
 from eyas.errors import EyasError
 
 

@@ -3,7 +3,7 @@
 The same setup as EAGLE-3's (`eyas.draft.train_setup`: processes, the data plan over the same
 capture shards, AdamW + warmup/cosine, DDP/FSDP2, checkpoints with exact resume, keep-last-N +
 best), then per optimizer step: load `grad_accum` micro-batches -> draw each one's blocks
-(eyas.draft.dflash_objective.sample_blocks, seeded by the global micro-batch index, so a
+(eyas.dflash.objective.sample_blocks, seeded by the global micro-batch index, so a
 resumed run draws the same blocks, and N ranks x accumulation A the same as one process x N*A)
 -> one block-parallel forward each -> cross-entropy on slots 1..B-1 -> backward -> clip ->
 step -> log -> eval -> checkpoint.
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from eyas.draft import data
-from eyas.draft.config import DFlashConfig
-from eyas.draft.dflash import DFlashDraft
-from eyas.draft.dflash_objective import dflash_forward, sample_blocks
+from eyas.dflash.config import DFlashConfig
+from eyas.dflash.model import DFlashDraft
+from eyas.dflash.objective import dflash_forward, sample_blocks
 from eyas.draft.train_setup import (all_sum, autocast, check_gradients, compute_dtype,
                                     grad_sync, init_env, peak_gib, plan_data, resume, save_step,
                                     warmup_cosine, wrap)

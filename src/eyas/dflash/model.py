@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eyas.draft.config import DFlashConfig
+from eyas.dflash.config import DFlashConfig
 from eyas.draft.eagle3 import RMSNorm, rope_inv_freq
 from eyas.errors import EyasError
 from eyas.kernels.attention import block_attention
@@ -160,7 +160,7 @@ class DFlashDraft(nn.Module):
     @classmethod
     def from_pretrained(cls, folder, embed_tokens, lm_head, dtype=None) -> DFlashDraft:
         """An exported DFlash folder (`eyas export`, vLLM's format) with the target's pieces."""
-        from eyas.draft.formats import read_dflash_folder
+        from eyas.dflash.formats import read_dflash_folder
 
         cfg, state = read_dflash_folder(folder)
         draft = cls(cfg)

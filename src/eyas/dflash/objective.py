@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.draft.dflash import DFlashDraft
+from eyas.dflash.model import DFlashDraft
 
 LABELS = ("data", "target")
 

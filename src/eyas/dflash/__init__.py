@@ -1,0 +1,1 @@
+"""DFlash: the block-parallel draft family (model, objective, training loop); docs/dflash.md."""
