@@ -4,27 +4,38 @@
 # /tmp/w/realdata (benchmarks/real_data.py output), /tmp/w/site (the carried wheels) and
 # /tmp/w/repo (a copy of this checkout); writes /tmp/w/results, one file per stage as it ends.
 # STAGES picks and orders the stages (most wanted first, so that a lease that ends early still
-# leaves the first ones; default: pipeline dflash regen dflash5 recipe; also eval32, eval1).
-# REAL_ARGS overrides real_model.py's settings, RECIPE_VARIANTS the ablation's variants.
+# leaves the first ones; default: pipeline dflash eval32 regen dflash5 recipe; also eval1).
+# Before them the GGUF is converted once (`eyas convert`, float32) and every stage reads the
+# folder: no GGUF parse per load (docs/benchmarks.md, issue 22); the GGUF is the fallback.
+# REAL_ARGS overrides real_model.py's settings, REGEN_ARGS and EVAL_ARGS the regenerate and
+# eval benchmarks', RECIPE_VARIANTS the ablation's variants.
 set -u
-W=/tmp/w
+W=${W:-/tmp/w}  # W=another/folder for a dry run elsewhere
 R=$W/results
 mkdir -p "$R"
 export PYTHONPATH=$W/site:$W/repo/src PYTHONUNBUFFERED=1
 cd "$W/repo" || exit 1
 stage() { echo "$(date +%T) $*" >> "$R/stages.txt"; }
+T=$W/smol-hf
+stage "convert the GGUF to $T"
+python3 -m eyas convert --target $W/smol.gguf --out $T > "$R/convert.out" 2>&1
+rc=$?
+stage "convert rc $rc"
+[ $rc = 0 ] || T=$W/smol.gguf
 REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
     --eval-fraction 0.07 --epochs 20 --batch-tokens 16384 --indist-prompts 200 \
     --heldout-prompts 200 --eval-tokens 96 --k 3,6 --eval-batch 64}
 # the ablation trains with the pipeline's settings and is measured on its held-out prompts,
 # so the pipeline's own draft (eyas train's defaults: EAGLE 3.1) is its eagle3.1 row
+REGEN_ARGS=${REGEN_ARGS:---rows 512 --new-tokens 256 --batch-size 256}
+EVAL_ARGS=${EVAL_ARGS:---prompts 30 --new-tokens 96 --k 3,6}  # issue 22's sweep
 arg() { echo "$REAL_ARGS" | tr -s ' ' '\n' | grep -A1 -- "^$1\$" | tail -1; }
 
-for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
+for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
   case $s in
   pipeline)
     stage "pipeline: regenerate, prepare, capture, vocab, train, export, eval x2"
-    python3 benchmarks/real_model.py --target $W/smol.gguf --data $W/realdata --work $W/run \
+    python3 benchmarks/real_model.py --target $T --data $W/realdata --work $W/run \
         --out "$R/real-smollm2.json" $REAL_ARGS > "$R/real_model.out" 2>&1
     stage "pipeline rc $?"
     grep -v "it/s\]" $W/run/log.txt > "$R/real_model_log.txt"
@@ -40,9 +51,8 @@ for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
   eval32|eval1)
     sizes=$([ $s = eval32 ] && echo 32 || echo 32,1)
     stage "eval benchmark: batch sizes $sizes"
-    timeout 540 python3 benchmarks/eval.py --target $W/smol.gguf --draft $W/run/draft \
-        --data $W/realdata/heldout.jsonl --prompts 30 --new-tokens 96 --k 3,6 \
-        --batch-sizes $sizes --json "$R/eval-batched-h200-$s.json" > "$R/eval_bench_$s.out" 2>&1
+    timeout 540 python3 benchmarks/eval.py --target $T --draft $W/run/draft \
+        --data $W/realdata/heldout.jsonl $EVAL_ARGS --batch-sizes $sizes --json "$R/eval-batched-h200-$s.json" > "$R/eval_bench_$s.out" 2>&1
     stage "eval benchmark $s rc $?" ;;
   dflash|dflash5)
     # issue 25: a DFlash draft on the pipeline's own 3-tap capture (docs/dflash.md, "Reusing
@@ -54,7 +64,7 @@ for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
     if [ $s = dflash5 ]; then
       CAP=$D/captured
       stage "$s: capture 5 taps"
-      python3 -m eyas capture --target $W/smol.gguf --data $W/run/prepared --out $CAP \
+      python3 -m eyas capture --target $T --data $W/run/prepared --out $CAP \
           --split all --model-dtype fp32 --dflash-taps 5 > "$R/${s}_capture.out" 2>&1
       stage "$s capture rc $?"
     fi
@@ -67,7 +77,7 @@ for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
     cp $D/run/metrics.jsonl "$R/$s-metrics.jsonl" 2>/dev/null
     python3 -m eyas export --checkpoint $D/run --out $D/draft > "$R/${s}_export.out" 2>&1
     stage "$s export rc $?"
-    ev="--target $W/smol.gguf --draft $D/draft --k 3,6,15 --max-new-tokens $(arg --eval-tokens) \
+    ev="--target $T --draft $D/draft --k 3,6,15 --max-new-tokens $(arg --eval-tokens) \
         --dtype float32 --batch-size $(arg --eval-batch) --no-ngram"
     timeout 600 python3 -m eyas eval $ev --data $W/realdata/heldout.jsonl \
         --num-prompts $(arg --heldout-prompts) --out $D/eval-heldout > "$R/${s}_eval.out" 2>&1
@@ -81,7 +91,7 @@ for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
     cp $D/draft/config.json "$R/$s-draft-config.json" 2>/dev/null ;;
   recipe)
     stage "recipe ablation"
-    python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $W/smol.gguf \
+    python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \
         --variants ${RECIPE_VARIANTS:-eagle3.1-lk,eagle3.1-ttt3,eagle3} --baseline eagle3.1 \
         --splits heldout --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) \
         --k $(arg --k) --heldout-prompts $(arg --heldout-prompts) \
@@ -91,13 +101,13 @@ for s in ${STAGES:-pipeline dflash regen dflash5 recipe}; do
     cp $W/run/recipe-log.txt "$R/recipe-log.txt" 2>/dev/null ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"
-    timeout 420 python3 benchmarks/regenerate.py --target $W/smol.gguf \
-        --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
+    timeout 420 python3 benchmarks/regenerate.py --target $T \
+        --data $W/realdata/heldout.jsonl $REGEN_ARGS \
         --modes generate,padded,lookup --dtype float32 --json "$R/regenerate-h200.json" \
         > "$R/regen_bench.out" 2>&1
     stage "regenerate benchmark rc $?"
-    timeout 240 python3 benchmarks/regenerate.py --target $W/smol.gguf \
-        --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
+    timeout 240 python3 benchmarks/regenerate.py --target $T \
+        --data $W/realdata/heldout.jsonl $REGEN_ARGS \
         --modes continuous --dtype float32 --json "$R/regenerate-cb-h200.json" \
         > "$R/regen_cb_bench.out" 2>&1
     stage "regenerate continuous rc $?" ;;

@@ -510,6 +510,18 @@ def test_dflash_config_errors_name_the_flag(kw, match):
         TrainConfig(data="d", out="o", draft="dflash", **kw)
 
 
+@pytest.mark.parametrize("kw", [dict(block_size=8), dict(num_anchors=64),
+                                dict(loss_decay_gamma=0.0), dict(dflash_layers=2),
+                                dict(mask_token_id=3), dict(dflash_labels="target")])
+def test_an_eagle3_run_refuses_a_dflash_option_instead_of_ignoring_it(kw):
+    from eyas.train import TrainConfig
+
+    flag = "--" + next(iter(kw)).replace("_", "-")
+    with pytest.raises(ConfigError, match=f"{flag} is a DFlash option.*add --draft dflash"):
+        TrainConfig(data="d", out="o", **kw)
+    TrainConfig(data="d", out="o", draft="dflash", **kw)  # the same option, with its family
+
+
 def test_mask_token_resolution_order(tiny_tok):
     from eyas.dflash.train import resolve_mask_token_id
 

@@ -202,7 +202,7 @@ class TrainConfig:
              f"device such as cuda:1 or cpu, got {self.target_device_map!r}"),
             (len(self.aux_layer_ids) in (0, 3) or self.draft == "dflash",
              f"--aux-layer-ids needs 3 ids (e.g. 2,16,29), got {self.aux_layer_ids}"),
-            *(_dflash_checks(self) if self.draft == "dflash" else []),
+            *(_dflash_checks(self) if self.draft == "dflash" else _eagle3_checks(self)),
             (not (self.online and self.eval_data),
              "--eval-data names a capture folder; with --online the eval split of the prepared "
              "folder (or --eval-fraction) is used instead"),
@@ -245,6 +245,18 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         *[(getattr(cfg, name) == _default(name), f"--{name.replace('_', '-')}: {why}")
           for name in ("ttt_steps", "step_weight", "lm_head", "lk_kl_scale", "lk_kl_decay")],
     ]
+
+
+# the options only a DFlash draft has (an EAGLE-3 run would silently ignore them)
+DFLASH_ONLY = ("block_size", "num_anchors", "loss_decay_gamma", "dflash_layers", "mask_token_id",
+               "dflash_labels")
+
+
+def _eagle3_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
+    """An EAGLE-3 run given a DFlash option: refused, naming the flag, not ignored."""
+    return [(getattr(cfg, name) == _default(name),
+             f"--{name.replace('_', '-')} is a DFlash option; EAGLE-3 drafts do not have it: "
+             f"add --draft dflash or drop it") for name in DFLASH_ONLY]
 
 
 def _default(name: str):
