@@ -86,7 +86,8 @@ def eyas_mode(args, mode: str, data: Path, tokenizer, reference: list[str]) -> d
 
     step._load_generator = timed_load
     with tempfile.TemporaryDirectory() as tmp:
-        how = (dict(backend="vllm") if mode == "vllm"  # vLLM batches and places itself
+        how = (dict(backend="vllm", gpu_memory_utilization=args.gpu_memory_utilization)
+               if mode == "vllm"  # vLLM batches and places itself
                else dict(batching=mode, device=args.device))
         cfg = RegenerateConfig(target=args.target, data=str(data), out=tmp,
                                max_new_tokens=args.new_tokens, batch_size=args.batch_size,
@@ -124,6 +125,8 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default="generate,padded,lookup,continuous")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the vllm mode's share of the GPU's memory")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

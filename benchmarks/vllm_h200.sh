@@ -3,8 +3,9 @@
 # waits for the vLLM bundle's parts in /tmp/vparts (carried one per call: .carry/vllm's
 # vllm-bundle-slim.tar.part-00..02 and SHA256SUMS; the call that copies the last one then
 # touches /tmp/vparts/ready, so no part is read half-copied), checks, joins and installs them into
-# /tmp/vsite, then serves an eyas draft with a real vLLM (benchmarks/vllm_serve.py) and, if
-# present, runs the plugin check (benchmarks/vllm_plugin_serve.py). Expects what
+# /tmp/vsite, then serves an eyas draft with a real vLLM (benchmarks/vllm_serve.py),
+# times `eyas regenerate --backend vllm` against transformers (benchmarks/regenerate.py) and,
+# if present, runs the plugin check (benchmarks/vllm_plugin_serve.py). Expects what
 # real_model_h200.sh expects (/tmp/w/smol.gguf, /tmp/w/realdata, /tmp/w/site, /tmp/w/repo)
 # plus VLLM_DRAFT (an exported draft folder) and VLLM_REPORT (the `eyas eval` report.json of
 # that draft on the same prompts). Writes /tmp/w/vresults, one file per stage as it ends.
@@ -50,6 +51,14 @@ attempt vllm_serve python3 benchmarks/vllm_serve.py --target $W/smol.gguf --draf
     --data $W/realdata/heldout.jsonl --num-prompts 200 --max-new-tokens 96 --k 3,6 \
     --eyas-report "$REPORT" --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
     --json "$R/vllm-serve-h200.json"
+# issue 22: regeneration through vLLM's engine in the process (eyas regenerate --backend vllm)
+# against transformers in the same process; needs real_model_h200.sh's converted folder
+if [ -d $W/smol-hf ]; then
+  attempt vllm_regen python3 benchmarks/regenerate.py --target $W/smol-hf \
+      --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
+      --modes generate,padded,vllm --dtype float32 \
+      --gpu-memory-utilization ${VLLM_MEMORY:-0.25} --json "$R/regenerate-vllm-h200.json"
+fi
 if [ -f benchmarks/vllm_plugin_serve.py ]; then
   attempt vllm_plugin python3 benchmarks/vllm_plugin_serve.py --json "$R/vllm-plugin-h200.json"
 fi
