@@ -1,4 +1,4 @@
-"""Speed of `eyas regenerate` (transformers backend) against plain `model.generate` batches.
+"""Speed of `eyas regenerate` (transformers and vllm backends) against `model.generate` batches.
 
     python benchmarks/regenerate.py --target SmolLM2-135M-Instruct.Q4_1.gguf \
         --data realdata/train.jsonl --rows 1024 --new-tokens 256 --batch-size 256 \

@@ -14,7 +14,7 @@
 # VLLM_MEMORY (0.25) of the GPU, so that real_model_h200.sh can run beside it (its speeds are
 # then shared-GPU speeds: the acceptance counts are what this run is for).
 set -u
-W=/tmp/w
+W=${W:-/tmp/w}
 R=$W/vresults
 mkdir -p "$R"
 stage() { echo "$(date +%T) $*" >> "$R/stages.txt"; }
@@ -53,11 +53,18 @@ attempt vllm_serve python3 benchmarks/vllm_serve.py --target $W/smol.gguf --draf
     --json "$R/vllm-serve-h200.json"
 # issue 22: regeneration through vLLM's engine in the process (eyas regenerate --backend vllm)
 # against transformers in the same process; needs real_model_h200.sh's converted folder
+# (the transformers modes once, outside `attempt`, whose retries are for vLLM's start-up)
 if [ -d $W/smol-hf ]; then
-  attempt vllm_regen python3 benchmarks/regenerate.py --target $W/smol-hf \
-      --data $W/realdata/heldout.jsonl --rows 512 --new-tokens 256 --batch-size 256 \
-      --modes generate,padded,vllm --dtype float32 \
-      --gpu-memory-utilization ${VLLM_MEMORY:-0.25} --json "$R/regenerate-vllm-h200.json"
+  REGEN="python3 benchmarks/regenerate.py --target $W/smol-hf --data $W/realdata/heldout.jsonl
+      --rows 512 --new-tokens 256 --batch-size 256 --dtype float32"
+  stage "regenerate: generate, padded"
+  timeout 600 $REGEN --modes generate,padded --json "$R/regenerate-hf-h200.json" \
+      > "$R/regen_hf.out" 2>&1
+  stage "regenerate generate,padded rc $?"
+  attempt vllm_regen $REGEN --modes vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
+      --json "$R/regenerate-vllm-h200.json"
+else
+  stage "no $W/smol-hf (real_model_h200.sh converts it): regenerate benchmark skipped"
 fi
 if [ -f benchmarks/vllm_plugin_serve.py ]; then
   attempt vllm_plugin python3 benchmarks/vllm_plugin_serve.py --json "$R/vllm-plugin-h200.json"

@@ -175,7 +175,8 @@ def fit_draft():
 def _fit_dflash(model, prompts, refs, taps, *, mask_token_id: int):
     """A 2-layer DFlash draft (blocks of 4) over the target's taps, fitted for 60 steps to the
     target's greedy tokens on its continuations `refs` of `prompts` (eyas.evaluate.Prompt)."""
-    from eyas.dflash.model import DFlashConfig, DFlashDraft
+    from eyas.dflash.config import DFlashConfig
+    from eyas.dflash.model import DFlashDraft
     from eyas.dflash.objective import dflash_forward, sample_blocks
     from eyas.target.taps import AuxTaps
 

@@ -145,7 +145,7 @@ def test_eagle3_training_refuses_a_five_tap_capture_with_the_fix(dflash_inputs, 
 
 
 def tiny_dflash_cfg(**kw):
-    from eyas.dflash.model import DFlashConfig
+    from eyas.dflash.config import DFlashConfig
 
     base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, intermediate_size=96, rms_norm_eps=1e-6,
@@ -849,8 +849,12 @@ def test_dflash_fsdp_resume_on_two_ranks_ends_where_one_process_does(dflash_inpu
     part = tmp_path / "part"
     shutil.copytree(tmp_path / "one", part)
     checkpoint.clear_after(part, 2)  # as if killed after step 2's checkpoint
+    step2 = checkpoint.step_dir(part, 2) / "draft.safetensors"
+    kept, written = _records_to(part, 2), step2.stat().st_mtime_ns
     _torchrun(tmp_path, _dflash_train_cfg(dflash_inputs, part, parallel="fsdp", **kw,
                                           resume=str(checkpoint.step_dir(part, 2))))
+    # it resumed, not started over: steps 1-2 were neither logged nor saved again
+    assert _records_to(part, 2) == kept and step2.stat().st_mtime_ns == written
     a = load_file(str(checkpoint.step_dir(tmp_path / "one", 4) / "draft.safetensors"))
     b = load_file(str(checkpoint.step_dir(part, 4) / "draft.safetensors"))
     assert a.keys() == b.keys()
@@ -859,6 +863,12 @@ def test_dflash_fsdp_resume_on_two_ranks_ends_where_one_process_does(dflash_inpu
     steps = [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]
     assert steps == [1, 2, 3, 4]
+
+
+def _records_to(run, step: int) -> list[str]:
+    """metrics.jsonl's lines of steps <= `step`, as written."""
+    return [ln for ln in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(ln)["step"] <= step]
 
 
 def test_a_micro_batch_without_blocks_still_reaches_every_parameter():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -10,6 +11,7 @@ import yaml
 
 from eyas.config import ConfigError
 from eyas.demo import DemoConfig, demo
+from eyas.evaluate import EvalConfig
 from eyas.pipeline import RunConfig, plan, run
 
 
@@ -61,6 +63,27 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     pipeline = str(out / "pipeline.yaml")
     plans = run(RunConfig(pipeline=pipeline, dry_run=True))
     assert [p.action for p in plans] == ["skip"] * len(plans), [(p.step, p.reason) for p in plans]
+
+    # a manifest from before an option existed (no key for it) is up to date while the option
+    # keeps its default, and not once it is set
+    manifest = out / "work" / "eval" / "eyas.json"
+    record = json.loads(manifest.read_text())
+    defaults = {f.name: json.loads(json.dumps(f.default)) for f in dataclasses.fields(EvalConfig)
+                if f.default is not dataclasses.MISSING}
+    gained = next(k for k, v in record["config"].items()
+                  if k in defaults and v == defaults[k] and isinstance(v, int)
+                  and not isinstance(v, bool))
+    record["config"].pop(gained)
+    manifest.write_text(json.dumps(record))
+    plans = run(RunConfig(pipeline=pipeline, dry_run=True))
+    assert [p.action for p in plans] == ["skip"] * len(plans), [(p.step, p.reason) for p in plans]
+    spec = yaml.safe_load(open(pipeline))
+    spec["eval"][gained] = defaults[gained] + 1
+    open(pipeline, "w").write(yaml.safe_dump(spec))
+    plans = plan(RunConfig(pipeline=pipeline))
+    assert [p.step for p in plans if p.action == "run"] == ["eval"] and gained in plans[-1].reason
+    spec["eval"].pop(gained)
+    open(pipeline, "w").write(yaml.safe_dump(spec))
 
     # changing the eval section re-runs eval only; changing vocab re-runs vocab and after
     spec = yaml.safe_load(open(pipeline))

@@ -532,16 +532,14 @@ def test_vllm_backend_refuses_a_gguf_transformers_options_and_a_missing_vllm(set
     """What `--backend vllm` says before any engine starts (its runs: test_regenerate_vllm)."""
     import importlib.util
 
-    from eyas.serve.vllm_generate import VLLMGenerator
-
     model_dir, data = setup[:2]
     base = dict(target=str(model_dir), data=(str(data),), out=str(tmp_path / "out"),
                 backend="vllm")
     for bad in (dict(batching="lookup"), dict(device="cpu")):
         with pytest.raises(ConfigError, match="transformers-backend options"):
             RegenerateConfig(**base, **bad)
-    with pytest.raises(EyasError, match="eyas convert --target .*model.gguf --out FOLDER"):
-        VLLMGenerator(str(tmp_path / "model.gguf"))
+    with pytest.raises(ConfigError, match="eyas convert --target .*model.gguf --out FOLDER"):
+        RegenerateConfig(**{**base, "target": str(tmp_path / "model.gguf")})
     if importlib.util.find_spec("vllm") is None:  # this suite's venv: no vLLM
         with pytest.raises(EyasError, match="needs vLLM in this environment.*pip install vllm"):
             regenerate(RegenerateConfig(**base))

@@ -45,7 +45,9 @@ def setup(tmp_path_factory):
     LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(model_dir)
     save_tiny_tokenizer(model_dir)
     (model_dir / "chat_template.jinja").write_text(TEMPLATE)
-    rows = _rows()
+    # and one prompt longer than the engine's --max-model-len (LIMIT), which the transformers
+    # backend answers
+    rows = _rows() + [{"id": "too-long", "messages": [{"role": "user", "content": "fox " * 300}]}]
     stop = _pick_late_stop_token(load_generator(model_dir, device="cpu"))
     config = json.loads((model_dir / "generation_config.json").read_text())
     config["eos_token_id"] = [config["eos_token_id"], stop]
@@ -74,29 +76,45 @@ def _cfg(setup, out, **kw) -> RegenerateConfig:
                             max_new_tokens=MAX_NEW, dtype="float32", batch_size=4, **kw)
 
 
+LIMIT = 256  # the vllm runs' --max-model-len: every other row's prompt and answer fit in it
+
+
 def _by_id(folder) -> dict:
     return {r["id"]: r for r in map(json.loads, (folder / OUTPUT).read_text().splitlines())}
 
 
-def test_vllm_backend_answers_as_the_transformers_backend_and_resumes(setup, tmp_path):
+def test_vllm_backend_answers_as_the_transformers_backend_and_resumes(setup, tmp_path,
+                                                                      monkeypatch):
+    import eyas.regenerate as step
+
     _, _, rows = setup
     hf = regenerate(_cfg(setup, tmp_path / "hf", device="cpu"))
-    # half the rows first (--limit), then all: the second run answers only the rest
-    first = regenerate(_cfg(setup, tmp_path / "vllm", backend="vllm", limit=6))
-    second = regenerate(_cfg(setup, tmp_path / "vllm", backend="vllm"))
+    vllm = dict(backend="vllm", max_model_len=LIMIT)
+    # the first 6 rows (--limit), then all: the second run answers only the rest
+    first = regenerate(_cfg(setup, tmp_path / "vllm", limit=6, **vllm))
+    second = regenerate(_cfg(setup, tmp_path / "vllm", **vllm))
     assert first["input"] == 6 and second["skipped"] == 6
     assert second["input"] == len(rows)
     for stats in (hf, second):
         assert stats["ok"] + stats["failed"] + stats["skipped"] == stats["input"]
-    assert second["ok_total"] == hf["ok"] and second["failed_total"] == hf["failed"]
+    # the prompt over --max-model-len is the one row rejected here and answered there
+    assert second["ok_total"] == hf["ok"] - 1 and second["failed_total"] == hf["failed"] + 1
     assert 0 < hf["truncated"] < hf["ok"]  # some answers stopped, others hit the limit
     want, got = _by_id(tmp_path / "hf"), _by_id(tmp_path / "vllm")
-    assert sorted(got) == sorted(want)
-    for sid in want:  # the same answers (greedy, float32), truncation marks included
+    assert sorted(got) == sorted(set(want) - {"too-long"})
+    for sid in got:  # the same answers (greedy, float32), truncation marks included
         assert got[sid]["messages"] == want[sid]["messages"], sid
         assert got[sid]["truncated"] == want[sid]["truncated"], sid
     rejects = [json.loads(x) for x in (tmp_path / "vllm" / REJECTS).read_text().splitlines()]
-    assert len(rejects) == second["failed_total"] == hf["failed"] >= INPUT_REJECTS
+    assert len(rejects) == second["failed_total"] >= INPUT_REJECTS + 1
+    long = [r for r in rejects if r["sample_id"] == "too-long"]
+    assert len(long) == 1 and long[0]["kind"] == "server"
+    assert f"max_model_len {LIMIT}; raise --max-model-len" in long[0]["reason"]
+
     # a finished run resumes without starting an engine: nothing is left to answer
-    again = regenerate(_cfg(setup, tmp_path / "vllm", backend="vllm"))
+    def no_engine(cfg):
+        raise AssertionError("the engine started with nothing left to answer")
+
+    monkeypatch.setattr(step, "_load_generator", no_engine)
+    again = regenerate(_cfg(setup, tmp_path / "vllm", **vllm))
     assert again["ok"] == 0 and again["skipped"] == len(rows)

@@ -51,6 +51,12 @@ def _weights(run, step):
     return load_file(str(checkpoint.step_dir(run, step) / "draft.safetensors"))
 
 
+def _records_to(run, step: int) -> list[str]:
+    """metrics.jsonl's lines of steps <= `step`, as written."""
+    return [ln for ln in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(ln)["step"] <= step]
+
+
 def _train_records(run):
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["kind"] == "train"]
@@ -85,8 +91,13 @@ def test_fsdp_resume_from_a_checkpoint_matches_the_uninterrupted_run(run_inputs,
                                                                      one_process, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(one_process, out)  # a 1-process run's step 2 ...
+    checkpoint.clear_after(out, 2)
+    step2 = checkpoint.step_dir(out, 2) / "draft.safetensors"
+    kept, written = _records_to(out, 2), step2.stat().st_mtime_ns
     _torchrun(tmp_path, _cfg(run_inputs, out, parallel="fsdp", grad_accum=1,
                              resume=str(checkpoint.step_dir(out, 2))))
+    # it resumed, not started over: steps 1-2 were neither logged nor saved again
+    assert _records_to(out, 2) == kept and step2.stat().st_mtime_ns == written
     # ... continued on 2 FSDP ranks (same global batch): the same weights at step 4
     w1, w2 = _weights(one_process, 4), _weights(out, 4)
     for k in w1:

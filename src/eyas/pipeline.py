@@ -110,6 +110,10 @@ def _normalise(cfg) -> dict:
     return json.loads(json.dumps(to_dict(cfg), default=str))
 
 
+def _normalise_value(value):
+    return json.loads(json.dumps(value, default=str))
+
+
 def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     path = out / MANIFEST
     if upstream_ran:
@@ -119,9 +123,15 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     manifest = json.loads(path.read_text())
     if manifest.get("complete") is False:
         return False, "the previous run was interrupted: the step resumes"
-    if manifest.get("config") != _normalise(cfg):
-        old, new = manifest.get("config") or {}, _normalise(cfg)
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    old, new = manifest.get("config") or {}, _normalise(cfg)
+    # an option the step gained since (no key in the manifest) is a change only if set now
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)
+                if f.default is not dataclasses.MISSING}
+    gained = {k: v for k, v in new.items()
+              if k not in old and k in defaults and v == _normalise_value(defaults[k])}
+    changed = sorted(k for k in set(old) | set(new)
+                     if k not in gained and old.get(k) != new.get(k))
+    if changed:
         return False, f"config changed ({', '.join(changed)})"
     return True, "up to date"
 

@@ -77,8 +77,9 @@ class RegenerateConfig:
         None, "system message for conversations without one (use the one you serve with)")
     seed: int = option(0, "random seed (matters only when sampling)")
     limit: int | None = option(None, "only the first N input rows; raise it later to continue")
-    batch_size: int = option(16, "conversations per generate call (transformers); rows per "
-                             "fsync of the outputs")
+    batch_size: int = option(16, "conversations per generate call (transformers padded and "
+                             "lookup; continuous and vllm take --batch-size x 8 per call and "
+                             "schedule them themselves); rows per fsync of the outputs")
     batching: str = option("padded", "transformers backend: padded = left-padded batches "
                            "of --batch-size (length-sorted); continuous = transformers' "
                            "continuous batching (--batch-size x 8 prompts per call, a paged "
@@ -86,8 +87,9 @@ class RegenerateConfig:
                            "yet: docs/regenerate.md); lookup = padded batches decoded with "
                            "prompt-lookup speculation, each row accepting its own drafts "
                            "(same answers at temperature 0; top_p 1 only)", choices=BATCHING)
-    dtype: str = option("auto", "transformers and vllm backends: weight dtype (auto = the "
-                        "checkpoint's; float32 on CPU)",
+    dtype: str = option("auto", "weight dtype; transformers backend: auto = the checkpoint's "
+                        "(float32 on CPU); vllm backend: auto = vLLM's choice (a float32 "
+                        "checkpoint runs in bfloat16 on a GPU: pass float32 to keep it)",
                         choices=("auto", "bfloat16", "float16", "float32"))
     device: str = option("auto", "transformers backend: auto (all GPUs through device_map, "
                          "else CPU), cpu, cuda or cuda:N")
@@ -134,6 +136,10 @@ class RegenerateConfig:
             raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
                               f"and max_model_len >= 0 (got {self.tensor_parallel_size}, "
                               f"{self.gpu_memory_utilization}, {self.max_model_len})")
+        if self.backend == "vllm" and self.target.endswith(".gguf"):
+            raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
+                              f"GGUF {self.target}: run `eyas convert --target {self.target} --out "
+                              f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
         if self.backend == "vllm" and (self.batching != "padded" or self.device != "auto"):
             raise ConfigError("--batching and --device are transformers-backend options: the vllm "
                               "backend's engine batches by itself and runs where its build does "
@@ -359,20 +365,24 @@ def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> No
 
     torch.manual_seed(cfg.seed)
     gen = None  # loaded at the first window: a finished run resumes without loading it
-    while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
-        gen = gen or _load_generator(cfg)
-        # Conversations of similar length share a batch, so left padding wastes little;
-        # continuous batching and vLLM take the whole window in one call and schedule it.
-        window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
-        step = len(window) if gen.batching in ("continuous", "engine") else cfg.batch_size
-        for start in range(0, len(window), step):
-            batch = window[start:start + step]
-            for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
-                if isinstance(result, Rejected):
-                    output.reject(job.file, job.row, job.sample_id, result)
-                else:
-                    output.ok(job, result)
-            output.sync()
+    try:
+        while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
+            gen = gen or _load_generator(cfg)
+            # Conversations of similar length share a batch, so left padding wastes little;
+            # continuous batching and vLLM take the whole window in one call and schedule it.
+            window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
+            step = len(window) if gen.batching in ("continuous", "engine") else cfg.batch_size
+            for start in range(0, len(window), step):
+                batch = window[start:start + step]
+                for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
+                    if isinstance(result, Rejected):
+                        output.reject(job.file, job.row, job.sample_id, result)
+                    else:
+                        output.ok(job, result)
+                output.sync()
+    finally:
+        if cfg.backend == "vllm" and gen is not None:
+            gen.close()  # its GPU memory back before the next step of `eyas run`
 
 
 def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:

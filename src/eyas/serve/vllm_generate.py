@@ -10,6 +10,7 @@ differently (docs/regenerate.md).
 
 from __future__ import annotations
 
+import gc
 import logging
 
 from eyas.errors import EyasError
@@ -30,10 +31,6 @@ class VLLMGenerator:
 
     def __init__(self, target: str, *, revision: str | None = None, dtype: str = "auto",
                  trust_remote_code: bool = False, seed: int = 0, **engine):
-        if str(target).endswith(".gguf"):
-            raise EyasError(f"--backend vllm takes a Hugging Face folder or hub name, not the GGUF "
-                            f"{target}: run `eyas convert --target {target} --out FOLDER` and "
-                            f"pass the folder (artifacts of the GGUF accept it)")
         try:
             import vllm
         except ImportError as err:
@@ -71,18 +68,32 @@ class VLLMGenerator:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0) -> list[Generation]:
-        """One Generation per prompt, in order: the whole list goes to vLLM in one call."""
+        """One Generation per prompt, in order: every prompt that fits goes to vLLM in one call.
+
+        A prompt of max_model_len tokens or more gets an error Generation (its row is rejected,
+        and --retry-rejects retries it): vLLM would refuse the whole call for it."""
+        limit = self.llm.model_config.max_model_len
+        fits = [i for i, p in enumerate(prompts) if len(p) < limit]
         params = self._params(**self.defaults, max_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
                               stop_token_ids=sorted(self.stop_ids), detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                 use_tqdm=False)
-        results = []
-        for out in outs:
+        outs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits], params,
+                                 use_tqdm=False) if fits else []
+        results = [Generation("", f"error: a prompt of {len(p)} tokens does not fit the vLLM "
+                                  f"engine's max_model_len {limit}; raise --max-model-len (up "
+                                  f"to the target's context) and resume with --retry-rejects")
+                   for p in prompts]
+        for i, out in zip(fits, outs):
             done = out.outputs[0]
             if done.finish_reason in ("stop", "length"):  # token_ids keep the id it stopped at
-                results.append(cut_at_stop(list(done.token_ids), self.stop_ids, self.tokenizer))
+                results[i] = cut_at_stop(list(done.token_ids), self.stop_ids, self.tokenizer)
             else:
-                results.append(Generation("", f"error: vLLM finished with "
-                                              f"{done.finish_reason!r}"))
+                results[i] = Generation("", f"error: vLLM finished with {done.finish_reason!r}")
         return results
+
+    def close(self) -> None:
+        """Stop the engine now, its processes and its GPU memory with it, rather than at garbage
+        collection: `eyas run` goes on to capture and train on the same GPU."""
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
