@@ -839,7 +839,7 @@ def test_dflash_fsdp_resume_on_two_ranks_ends_where_one_process_does(dflash_inpu
     import shutil
 
     from safetensors.torch import load_file
-    from test_train_dist import _torchrun
+    from test_train_dist import _records_to, _torchrun
 
     from eyas.store import checkpoint
     from eyas.train import train
@@ -863,12 +863,6 @@ def test_dflash_fsdp_resume_on_two_ranks_ends_where_one_process_does(dflash_inpu
     steps = [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]
     assert steps == [1, 2, 3, 4]
-
-
-def _records_to(run, step: int) -> list[str]:
-    """metrics.jsonl's lines of steps <= `step`, as written."""
-    return [ln for ln in (run / "metrics.jsonl").read_text().splitlines()
-            if json.loads(ln)["step"] <= step]
 
 
 def test_a_micro_batch_without_blocks_still_reaches_every_parameter():
