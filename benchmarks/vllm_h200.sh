@@ -53,16 +53,17 @@ attempt vllm_serve python3 benchmarks/vllm_serve.py --target $W/smol.gguf --draf
     --json "$R/vllm-serve-h200.json"
 # issue 22: regeneration through vLLM's engine in the process (eyas regenerate --backend vllm)
 # against transformers in the same process; needs real_model_h200.sh's converted folder
-# (the transformers modes once, outside `attempt`, whose retries are for vLLM's start-up)
+# (padded once, outside `attempt`, whose retries are for vLLM's start-up; the baseline,
+# generate, beside vllm, so that its answers are compared with vLLM's)
 if [ -d $W/smol-hf ]; then
   REGEN="python3 benchmarks/regenerate.py --target $W/smol-hf --data $W/realdata/heldout.jsonl
       --rows 512 --new-tokens 256 --batch-size 256 --dtype float32"
-  stage "regenerate: generate, padded"
-  timeout 600 $REGEN --modes generate,padded --json "$R/regenerate-hf-h200.json" \
+  stage "regenerate: padded"
+  timeout 600 $REGEN --modes padded --json "$R/regenerate-hf-h200.json" \
       > "$R/regen_hf.out" 2>&1
-  stage "regenerate generate,padded rc $?"
-  attempt vllm_regen $REGEN --modes vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
-      --json "$R/regenerate-vllm-h200.json"
+  stage "regenerate padded rc $?"
+  attempt vllm_regen $REGEN --modes generate,vllm \
+      --gpu-memory-utilization ${VLLM_MEMORY:-0.25} --json "$R/regenerate-vllm-h200.json"
 else
   stage "no $W/smol-hf (real_model_h200.sh converts it): regenerate benchmark skipped"
 fi
