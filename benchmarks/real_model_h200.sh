@@ -58,7 +58,10 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # issue 25: a DFlash draft on the pipeline's own 3-tap capture (docs/dflash.md, "Reusing
     # an EAGLE-3 capture"; dflash5: a capture of DFlash's own 5-tap layout first), the same
     # epochs and batch as its EAGLE-3 draft, SpecForge's DFlash lr / warmup / clip, an unused
-    # special token as the mask (SmolLM2 has none); measured on the pipeline's eval prompts
+    # special token as the mask (SmolLM2 has none); measured on the pipeline's eval prompts.
+    # Same epochs is more GPU time than EAGLE-3's if DFlash trains slower (on the CPU it ran at
+    # half the tokens/s): its metrics.jsonl evals every 200 steps with elapsed_s, which gives
+    # its simulated acceptance at EAGLE-3's training time too
     D=$W/run/$s
     CAP=$W/run/captured
     if [ $s = dflash5 ]; then
