@@ -18,9 +18,6 @@ from eyas.serve.openai_server import Generation, cut_at_stop, render_prompt, sto
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-
-
 class VLLMGenerator:
     """`render` and `generate` as `LocalGenerator` has them, on a `vllm.LLM` made at once.
 
@@ -59,7 +56,7 @@ class VLLMGenerator:
                          if given.get(k) is not None}
         self._params = vllm.SamplingParams
         log.info("starting vLLM %s on %s (%s)", vllm.__version__, target, engine or "defaults")
-        self.llm = vllm.LLM(model=str(target), revision=revision, dtype=DTYPES[dtype],
+        self.llm = vllm.LLM(model=str(target), revision=revision, dtype=dtype,
                             trust_remote_code=trust_remote_code, seed=seed, **engine)
 
     def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
