@@ -702,11 +702,14 @@ def fitted(llama_dir, fit_dflash):
     return model, prompts, refs, draft
 
 
-def replayed_acceptance(model, draft, prompt, ref, k: int, max_new: int) -> list[int]:
+def replayed_acceptance(model, draft, prompt, ref, k: int, max_new: int,
+                        to_the_end: bool = False) -> list[int]:
     """[drafts, accepted at positions 1..k] of greedy chain drafting replayed on the target's
     own continuation `ref`: each step drafts from the teacher-forced prefix with one block and
     accepts its leading drafts equal to `ref`, then one token more (what the loop must count,
-    independent of its KV caches and verification)."""
+    independent of its KV caches and verification). Rounds run while fewer than `max_new`
+    tokens are out, each counting k drafts (eval's loop); `to_the_end`: while `ref` has tokens
+    left, counting only the drafts inside it (the replay's rounds, eyas.draft.loss's)."""
     from eyas.target.taps import AuxTaps
 
     seq = torch.cat([prompt, torch.tensor(ref)])
@@ -715,20 +718,59 @@ def replayed_acceptance(model, draft, prompt, ref, k: int, max_new: int) -> list
         model(seq[None])
     aux = taps.collect("cpu")[0].flatten(1)
     counts, t, p = [0] * (k + 1), 1, len(prompt)
-    while t < max_new:
+    while (m := min(k, len(ref) - t)) > 0 if to_the_end else t < max_new:
         s = p + t  # sequence so far: prompt + t tokens; the last one is the block's bonus
         with torch.no_grad():
             kv = draft.context_kv(draft.context(aux[:s - 1]), torch.arange(s - 1))
             ids = torch.tensor([int(seq[s - 1])] + [draft.cfg.mask_token_id] * k)
             h = draft(ids, torch.arange(s - 1, s + k), kv, torch.zeros(k + 1, dtype=torch.long),
                       torch.full((k + 1,), s - 2), block=k + 1)
-        drafts = draft.logits(h[1:]).argmax(-1).tolist()
-        accepted = next((i for i, d in enumerate(drafts) if d != ref[t + i]), k)
+        drafts = draft.logits(h[1:]).argmax(-1).tolist()[:m if to_the_end else k]
+        accepted = next((i for i, d in enumerate(drafts) if d != ref[t + i]), len(drafts))
         counts[0] += 1
         for i in range(accepted):
             counts[1 + i] += 1
         t += accepted + 1
     return counts
+
+
+def test_the_replay_on_the_training_forward_counts_what_one_block_at_a_time_counts(fitted):
+    """eyas.dflash.replay (every anchor's block in one forward, each seeing its context band,
+    as training runs them) against drafting one block at a time from the teacher-forced
+    prefix, as serving does: the same rounds, the same counts, for every k."""
+    from eyas.dflash.replay import replay_dflash
+
+    model, prompts, refs, draft = fitted
+    for prompt, ref in zip(prompts, refs):
+        got = replay_dflash(model, model.model.layers, model.model.norm, draft, prompt.ids,
+                            ref, (1, 3, 5))
+        for k, (drafts, accepted) in got.items():
+            want = replayed_acceptance(model, draft, prompt.ids, ref, k, 0, to_the_end=True)
+            assert [drafts, *accepted] == want, (prompt.id, k)
+    assert sum(sum(a) for _, a in got.values()) > 0  # the fitted draft is accepted somewhere
+    # and the blocks themselves: the logits of one forward over several anchors equal each
+    # block drafted alone from its prefix (a block that saw one context key more or less
+    # would differ here even where its argmax does not)
+    from eyas.dflash.replay import block_logits
+    from eyas.target.taps import AuxTaps
+
+    prompt, ref = prompts[0], refs[0]
+    seq = torch.cat([prompt.ids, torch.tensor(ref)])
+    taps = AuxTaps(model.model.layers, model.model.norm, draft.cfg.aux_layer_ids, 8, final=False)
+    with torch.no_grad(), taps.attached():
+        model(seq[None])
+    aux = taps.collect("cpu")[0].flatten(1)
+    p, k = len(prompt.ids), 3
+    anchors = torch.tensor([p, p + 4, p + 9])
+    with torch.no_grad():
+        kv_all = draft.context_kv(draft.context(aux), torch.arange(len(seq)))
+        together = block_logits(draft, kv_all, seq, anchors, k)
+        for got_a, a in zip(together, anchors.tolist()):
+            kv = draft.context_kv(draft.context(aux[:a]), torch.arange(a))
+            ids = torch.tensor([int(seq[a])] + [draft.cfg.mask_token_id] * k)
+            h = draft(ids, torch.arange(a, a + k + 1), kv, torch.zeros(k + 1, dtype=torch.long),
+                      torch.full((k + 1,), a - 1), block=k + 1)
+            torch.testing.assert_close(got_a, draft.logits(h[1:]), rtol=1e-4, atol=1e-4)
 
 
 def test_eval_counts_dflash_acceptance_as_replayed_and_stays_lossless(fitted, tmp_path):
@@ -748,6 +790,17 @@ def test_eval_counts_dflash_acceptance_as_replayed_and_stays_lossless(fitted, tm
         assert measured.mean_acceptance_length == pytest.approx(1 + sum(want), abs=1e-4)
     rates = report.per_position_acceptance["3"]
     assert report.mean_acceptance_length["3"] > 1.3 and 0 < rates[1] < rates[0] < 1
+    # with --replay the report has DFlash's replayed column too (rounds over each output)
+    from dataclasses import replace
+
+    from eyas.evaluate import measure
+
+    raw = measure(model, model.model.layers, model.model.norm, draft, prompts,
+                  replace(cfg, replay=True))
+    for k in (1, 3):
+        rows = [replayed_acceptance(model, draft, p.ids, out, k, 0, to_the_end=True)
+                for p, out in zip(prompts, raw.outputs["target", 0])]
+        assert [(r[0], r[1:]) for r in rows] == [tuple(c) for c in raw.replayed[k]]
 
 
 def test_batched_dflash_equals_batch_one(fitted):

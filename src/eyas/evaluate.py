@@ -243,20 +243,19 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
                 m["margin"] = _logit_margin(runner, prompts, reference, m)
     finally:
         runner.close()
-    if dflash and cfg.replay and cfg.temperature == 0:
-        log.info("eval: no replay column for a DFlash draft (the replay is EAGLE-3's TTT "
-                 "forward); the measured numbers stand alone")
-    if draft is not None and not dflash and cfg.replay and cfg.temperature == 0:
+    if draft is not None and cfg.replay and cfg.temperature == 0:
         try:
             out.replayed = _replay_all(model, layers, final_norm, draft, prompts, reference,
-                                       cfg.k)
+                                       cfg.k, dflash)
         except (RuntimeError, ValueError) as err:  # a diagnostic: the measurement stands
-            log.warning("replay on training's TTT forward failed, reported without it: %s",
-                        err)
+            log.warning("replay on training's forward failed, reported without it: %s", err)
     return out
 
 
-def _replay_all(model, layers, final_norm, draft, prompts, reference, ks) -> dict:
+def _replay_all(model, layers, final_norm, draft, prompts, reference, ks, dflash: bool) -> dict:
+    """Per k, the replayed counts of every prompt: EAGLE-3 on training's TTT forward
+    (eyas.draft.replay), DFlash on its block forward (eyas.dflash.replay)."""
+    from eyas.dflash.replay import replay_dflash
     from eyas.draft.replay import replay
 
     head = model.get_output_embeddings().weight
@@ -264,9 +263,11 @@ def _replay_all(model, layers, final_norm, draft, prompts, reference, ks) -> dic
     for prompt, tokens in zip(prompts, reference):
         if len(tokens) < 2:  # nothing drafted after the target's first token
             continue
-        for k, counts in replay(model, layers, final_norm, head, draft, prompt.ids, tokens,
-                                tuple(ks)).items():
-            per_k[k].append(counts)
+        counts = (replay_dflash(model, layers, final_norm, draft, prompt.ids, tokens, tuple(ks))
+                  if dflash else
+                  replay(model, layers, final_norm, head, draft, prompt.ids, tokens, tuple(ks)))
+        for k, c in counts.items():
+            per_k[k].append(c)
     return per_k
 
 
