@@ -87,7 +87,8 @@ class EvalConfig:
                           "and decoding its share (at --batch-size); results are the same "
                           "as with one")
     replay: bool = option(True, "at temperature 0, also replay chain decoding on training's "
-                          "TTT forward over the same continuations (eyas.draft.replay): the "
+                          "forward over the same continuations (EAGLE-3's TTT forward, "
+                          "eyas.draft.replay; DFlash's block forward, eyas.dflash.replay): the "
                           "acceptance training would simulate, beside the measured one")
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()

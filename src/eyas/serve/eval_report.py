@@ -60,8 +60,9 @@ class EvalReport:
     # str(k) -> 95 % intervals of the primary method's mean acceptance length and
     # per-position rates, from a bootstrap over prompts (rounds of one prompt are correlated)
     ci95: dict[str, dict] = field(default_factory=dict)
-    # str(k) -> chain decoding replayed on training's TTT forward over the same greedy
-    # continuations (eyas.draft.replay; EAGLE-3 at temperature 0): acceptance length, per-position
+    # str(k) -> chain decoding replayed on training's forward over the same greedy
+    # continuations (at temperature 0; EAGLE-3's TTT forward, eyas.draft.replay, or DFlash's
+    # block forward, eyas.dflash.replay): acceptance length, per-position
     # rates, drafts and their 95 % intervals. It equals the measured numbers when the draft
     # is served as it was trained.
     replayed: dict[str, dict] = field(default_factory=dict)
@@ -111,7 +112,7 @@ class Measured:
     outputs: dict  # (method, k) -> new tokens per prompt, in `index` order
     seconds: dict  # (method, k) -> seconds summed over these prompts
     per_prompt: dict  # (method, k) -> [(drafts, accepted per position)] per prompt
-    replayed: dict  # k -> [(drafts, accepted per position)] per prompt (EAGLE-3, T=0)
+    replayed: dict  # k -> [(drafts, accepted per position)] per prompt (T=0)
     mismatches: list[dict]
     device: str = "cpu"
     dtype: str = "float32"
@@ -305,7 +306,8 @@ def markdown(report: EvalReport) -> str:
                      f"{_fmt(r.draft_acceptance_rate)} | {per_pos} | {r.tokens_per_s:.1f} | "
                      f"x{r.speedup:.2f} |")
     if report.replayed:
-        lines += ["", "Measured against replayed on training's TTT forward over the same "
+        forward = "block forward" if report.primary == "dflash" else "TTT forward"
+        lines += ["", f"Measured against replayed on training's {forward} over the same "
                   "continuations (95 % intervals, bootstrap over prompts):", "",
                   "| k | measured AL | replayed AL | measured by position | replayed by "
                   "position |", "|---|---|---|---|---|"]
