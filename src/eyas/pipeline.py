@@ -106,12 +106,10 @@ def _enabled(spec: dict, step: str) -> bool:
     return True
 
 
-def _normalise(cfg) -> dict:
-    return json.loads(json.dumps(to_dict(cfg), default=str))
-
-
-def _normalise_value(value):
-    return json.loads(json.dumps(value, default=str))
+def _normalise(value):
+    """`value` (a step config, or one option's value) as its manifest stores it: JSON."""
+    return json.loads(json.dumps(to_dict(value) if dataclasses.is_dataclass(value) else value,
+                                 default=str))
 
 
 def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
@@ -127,8 +125,8 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     # an option the step gained since (no key in the manifest) is a change only if set now
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)
                 if f.default is not dataclasses.MISSING}
-    gained = {k: v for k, v in new.items()
-              if k not in old and k in defaults and v == _normalise_value(defaults[k])}
+    gained = {k for k, v in new.items()
+              if k not in old and k in defaults and v == _normalise(defaults[k])}
     changed = sorted(k for k in set(old) | set(new)
                      if k not in gained and old.get(k) != new.get(k))
     if changed:

@@ -242,8 +242,8 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (not cfg.compile, "--compile is not built (or tested) for DFlash yet; drop it"),
         (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
                                     "(it reads the target's embedding and lm_head); leave it 0"),
-        *[(getattr(cfg, name) == _default(name), f"--{name.replace('_', '-')}: {why}")
-          for name in ("ttt_steps", "step_weight", "lm_head", "lk_kl_scale", "lk_kl_decay")],
+        *_left_at_default(cfg, ("ttt_steps", "step_weight", "lm_head", "lk_kl_scale",
+                                "lk_kl_decay"), "{flag}: " + why),
     ]
 
 
@@ -254,9 +254,14 @@ DFLASH_ONLY = ("block_size", "num_anchors", "loss_decay_gamma", "dflash_layers",
 
 def _eagle3_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
     """An EAGLE-3 run given a DFlash option: refused, naming the flag, not ignored."""
+    return _left_at_default(cfg, DFLASH_ONLY, "{flag} is a DFlash option; EAGLE-3 drafts do not "
+                                              "have it: add --draft dflash or drop it")
+
+
+def _left_at_default(cfg: TrainConfig, names, message: str) -> list[tuple[bool, str]]:
+    """One check per option of `names`: it keeps its default, else `message` (its {flag})."""
     return [(getattr(cfg, name) == _default(name),
-             f"--{name.replace('_', '-')} is a DFlash option; EAGLE-3 drafts do not have it: "
-             f"add --draft dflash or drop it") for name in DFLASH_ONLY]
+             message.format(flag="--" + name.replace("_", "-"))) for name in names]
 
 
 def _default(name: str):

@@ -70,16 +70,17 @@ class VLLMGenerator:
         A prompt of max_model_len tokens or more gets an error Generation (its row is rejected,
         and --retry-rejects retries it): vLLM would refuse the whole call for it."""
         limit = self.llm.model_config.max_model_len
-        fits = [i for i, p in enumerate(prompts) if len(p) < limit]
+        results = [None if len(p) < limit else
+                   Generation("", f"error: a prompt of {len(p)} tokens does not fit the vLLM "
+                                  f"engine's max_model_len {limit}; raise --max-model-len (up "
+                                  f"to the target's context) and resume with --retry-rejects")
+                   for p in prompts]
+        fits = [i for i, r in enumerate(results) if r is None]
         params = self._params(**self.defaults, max_tokens=max_new_tokens,
                               temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
                               stop_token_ids=sorted(self.stop_ids), detokenize=False)
         outs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits], params,
                                  use_tqdm=False) if fits else []
-        results = [Generation("", f"error: a prompt of {len(p)} tokens does not fit the vLLM "
-                                  f"engine's max_model_len {limit}; raise --max-model-len (up "
-                                  f"to the target's context) and resume with --retry-rejects")
-                   for p in prompts]
         for i, out in zip(fits, outs):
             done = out.outputs[0]
             if done.finish_reason in ("stop", "length"):  # token_ids keep the id it stopped at
