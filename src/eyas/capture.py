@@ -27,7 +27,8 @@ import torch
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.store.manifest import check_same_target, read_manifest, target_record, write_manifest
+from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
+                                 write_manifest)
 from eyas.store import shards
 from eyas.target.capture_forward import forward_batches
 from eyas.store.shard_writer import PartWriter
@@ -117,6 +118,7 @@ def capture(cfg: CaptureConfig) -> dict:
     """Capture `cfg.split` of the prepared folder into `cfg.out`; returns the summary stats."""
     from eyas.target.models import load_target, load_tokenizer
 
+    check_out(cfg.out, "capture", own=shards.FILES, unfinished=shards.FILES)  # before loading
     prepared = read_manifest(cfg.data, step="prepare")
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
@@ -159,7 +161,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
         default_aux_layer_ids(info.num_layers))
     validate_aux_layer_ids(aux_ids, info.num_layers, count=None)
     shard, num_shards = cfg.shard_index()
-    out = Path(cfg.out)
+    out = check_out(cfg.out, "capture", own=shards.FILES, unfinished=shards.FILES)
     out.mkdir(parents=True, exist_ok=True)
     settings = _settings(cfg, target, inputs, aux_ids, info.hidden_size)
     rows = list(range(shard, len(dataset), num_shards))
@@ -167,6 +169,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
         with _locked(out / ".capture.lock"):
             state = shards.start_shard(out, shard, num_shards, settings, len(rows),
                                        overwrite=cfg.overwrite)
+        shards.drop_damaged(out, state)  # sha256 and headers: a damaged part is captured again
         done = shards.done_rows(out, state)
         todo = [r for r in rows if r not in done]
         if todo:

@@ -8,6 +8,7 @@ with a message that says what to do.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -89,6 +90,60 @@ def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None)
                         f"and pass its --out folder.")
     body["path"] = str(folder)
     return body
+
+
+def inside(folder: str | Path, name: str, what: str) -> Path:
+    """`folder / name` for a `name` read from a file inside `folder` (a manifest, an index, a
+    checkpoint pointer): a plain relative name that stays inside the folder, never an absolute
+    path, a `..` or a symlink out of it. `what` names the file the name came from."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or \
+            ".." in Path(name).parts or "\x00" in name:
+        raise EyasError(f"{what} in {folder} names {name!r}, which is not a plain name inside "
+                        f"that folder (absolute paths and '..' are refused); the file was edited "
+                        f"or written by something other than eyas: re-run the step that wrote "
+                        f"{folder}.")
+    path = folder / name
+    if path.exists() and not path.resolve().is_relative_to(folder.resolve()):
+        raise EyasError(f"{what} in {folder} names {name!r}, a link to "
+                        f"{path.resolve()} outside that folder; eyas reads only files inside "
+                        f"its folders: re-run the step that wrote {folder}.")
+    return path
+
+
+def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
+              unfinished: tuple[str, ...] = ()) -> Path:
+    """The one --out policy of every step: write only into a folder that is missing, empty or
+    holds nothing but this step's own files. `own` are glob patterns of the names the step
+    writes (top level) in a folder whose manifest says `step`; `unfinished` those an interrupted
+    run leaves before its manifest exists (capture's shard files, say). Refuses a file, another
+    step's folder, and any entry no pattern covers, naming them; returns the folder."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).")
+    entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if not entries:
+        return folder
+    allowed = (MANIFEST, MANIFEST + ".tmp", *unfinished)
+    if MANIFEST in entries:
+        try:
+            found = json.loads((folder / MANIFEST).read_text()).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            found = "an unknown step (its eyas.json is unreadable)"
+        if found != step:
+            raise EyasError(f"--out {folder} holds the output of `eyas {found}`, not of `eyas "
+                            f"{step}`; choose another --out (eyas never writes into another "
+                            f"step's folder).")
+        allowed += own
+    foreign = [n for n in entries if not any(fnmatch.fnmatchcase(n, p) for p in allowed)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        kind = ("an earlier `eyas " + step + "` output plus files it did not write"
+                if MANIFEST in entries else "files eyas did not write")
+        raise EyasError(f"--out {folder} holds {kind} ({shown}); eyas {step} writes only into "
+                        f"an empty folder or its own earlier output, so nothing of yours is "
+                        f"overwritten or deleted. Move those away, or choose another --out.")
+    return folder
 
 
 # Bytes hashed at each end of a GGUF target (see gguf_fingerprint).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -24,12 +25,17 @@ import torch
 from safetensors import safe_open
 
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, read_manifest
+from eyas.store.integrity import check_parts, refuse_damaged
+from eyas.store.manifest import MANIFEST, inside, read_manifest
 
 FORMAT = "eyas-capture-v1"
 INDEX = "index.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 TOKEN_KEYS = ("aux_hidden", "final_hidden", "target_top1", "input_ids", "loss_mask")
+# Every name a capture writes at the top of its folder (eyas.store.manifest.check_out)
+FILES = ("shard-*-of-*.*", "set-aside-*-of-*.jsonl*", INDEX, INDEX + ".tmp", ".capture.lock",
+         ".shard-*-of-*.lock", ".verified.json*")
+log = logging.getLogger(__name__)
 _PART_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.part-(\d{5})\.safetensors$")
 
 
@@ -128,8 +134,20 @@ def read_state(folder: Path, shard: int, num_shards: int) -> dict[str, Any] | No
 
 
 def all_states(folder: Path) -> list[dict[str, Any]]:
-    """Every shard state file in `folder` (any shard count), sorted by shard."""
-    states = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("shard-*-of-*.json"))]
+    """Every shard state file in `folder` (any shard count), sorted by shard; a file of that
+    name that capture did not write is refused by name."""
+    states = []
+    for path in sorted(Path(folder).glob("shard-*-of-*.json")):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            state = None
+        if not isinstance(state, dict) or state.get("format") != FORMAT or \
+                path.name != state_name(state.get("shard", -1), state.get("num_shards", -1)):
+            raise EyasError(f"{path} is not a shard state written by `eyas capture` (no "
+                            f"{FORMAT!r} format, or another shard's name); move it out of "
+                            f"{folder} or capture into another --out.")
+        states.append(state)
     return sorted(states, key=lambda s: (s["num_shards"], s["shard"]))
 
 
@@ -211,6 +229,18 @@ def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows:
     state["complete"] = False
     write_json_atomic(folder / state_name(shard, num_shards), state)
     return state
+
+
+def drop_damaged(folder: Path, state: dict) -> None:
+    """Capture's resume: remove this shard's parts that fail `check_parts` (sha256, header,
+    size) from disk and from `state`, so their samples are captured again."""
+    bad = check_parts(folder, state["parts"])
+    for e, why in bad:
+        log.warning("%s: %s; deleting it, its %d samples are captured again", e["file"], why,
+                    e["samples"])
+        (Path(folder) / e["file"]).unlink(missing_ok=True)
+    names = {e["file"] for e, _ in bad}
+    state["parts"] = [e for e in state["parts"] if e["file"] not in names]
 
 
 def done_rows(folder: Path, state: dict) -> set[int]:
@@ -328,7 +358,7 @@ def verify(folder: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     hidden, num_aux = manifest["hidden_size"], len(manifest["aux_layer_ids"])
     seen: list[torch.Tensor] = []
     for e in index["files"]:
-        path = folder / e["file"]
+        path = inside(folder, e["file"], INDEX)
         if not path.is_file():
             problems.append(f"{e['file']} is missing")
             continue
@@ -393,8 +423,10 @@ def _check_rows(rows: torch.Tensor, expected: int | None) -> list[str]:
 # reading for training
 
 
-def open_capture(folder: str | Path) -> CaptureSet:
-    """Open a finished capture folder for reading (no checksums; call `.verify()` for those)."""
+def open_capture(folder: str | Path, *, checksums: bool = True) -> CaptureSet:
+    """Open a finished capture folder for reading, refusing damaged parts (`check_parts`:
+    size, header and shapes always; sha256 once per file version if `checksums`; under
+    torch.distributed each rank hashes its share). `.verify()` also checks every row."""
     folder = Path(folder)
     manifest = read_manifest(folder, step="capture")
     if not (folder / INDEX).is_file():
@@ -406,6 +438,11 @@ def open_capture(folder: str | Path) -> CaptureSet:
         raise EyasError(f"capture {folder} is incomplete: shards {missing} of "
                         f"{index['num_shards']} are not finished; run `eyas capture ... --shard "
                         f"I/{index['num_shards']}` for each (it resumes where it stopped).")
+    dist = torch.distributed
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and \
+        dist.is_initialized() else (0, 1)
+    refuse_damaged(folder, check_parts(folder, index["files"], checksums=checksums, rank=rank,
+                                       world_size=world))
     return CaptureSet(folder, manifest, index)
 
 
