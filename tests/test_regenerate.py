@@ -11,6 +11,7 @@ or batching.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eyas.cli import main
 from eyas.config import ConfigError
 from eyas.target.corpus import synthetic_chats
 from eyas.errors import EyasError
@@ -357,9 +359,11 @@ def test_server_backend_matches_transformers_despite_faults(setup, local_run, tm
 
 def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
     gen = load_generator(setup[0], device="cpu")
-    with ChatServer(gen, "tiny", fail_every=1) as down:
-        stats = regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
-                                server_url=(down.url,), retries=1, retry_backoff=0.01))
+    with ChatServer(gen, "tiny", fail_every=1) as down, \
+            pytest.raises(EyasError, match="no conversation was regenerated"):
+        regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
+                        server_url=(down.url,), retries=1, retry_backoff=0.01))
+    stats = json.loads((tmp_path / "eyas.json").read_text())["stats"]
     rejects = _read(tmp_path / REJECTS)
     server = [r for r in rejects if r["kind"] == "server"]
     usable = len(setup[2]) - INPUT_REJECTS
@@ -367,7 +371,8 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
     assert all("after 2 attempts" in r["reason"] and "HTTP 500" in r["reason"] for r in server)
     assert down.stats["requests"] == 2 * usable  # every request was retried once
 
-    with ChatServer(gen, "tiny", max_prompt_tokens=3) as small:
+    with ChatServer(gen, "tiny", max_prompt_tokens=3) as small, \
+            pytest.raises(EyasError, match="no conversation was regenerated"):
         short = tmp_path / "short"
         regenerate(_cfg(setup, short, backend="openai", served_model_name="tiny",
                         server_url=(small.url,)))
@@ -380,6 +385,32 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
                                 server_url=(up.url,), retry_rejects=True))
     assert again["skipped"] == INPUT_REJECTS and again["ok"] + again["failed"] == usable
     _check_outputs(setup, tmp_path)
+
+
+def test_nothing_regenerated_fails_and_the_summary_counts_what_is_on_disk(setup, tmp_path,
+                                                                          capsys, caplog):
+    # Issue 34: a server that answered every request with HTTP 500 left an empty
+    # conversations.jsonl behind exit 0, and a re-run logged "(rejects: none)" beside the
+    # rejects.jsonl of the first run.
+    caplog.set_level(logging.INFO, logger="eyas")
+    gen = load_generator(setup[0], device="cpu")
+    with ChatServer(gen, "tiny", fail_every=1) as down:
+        args = ["regenerate", "--backend", "openai", "--server-url", down.url,
+                "--served-model-name", "tiny", "--target", str(setup[0]),
+                "--data", str(setup[1]), "--out", str(tmp_path), "--max-new-tokens",
+                str(MAX_NEW), "--retries", "0"]
+        assert main(args) != 0
+        err = capsys.readouterr().err
+        assert "no conversation was regenerated" in err and "--retry-rejects" in err
+        caplog.clear()
+        assert main(args) != 0  # the re-run: every row done before, none of them ok
+    rows, usable = len(setup[2]), len(setup[2]) - INPUT_REJECTS
+    assert len(_read(tmp_path / REJECTS)) == rows and _read(tmp_path / OUTPUT) == []
+    assert (f"0 conversations in {OUTPUT}, {rows} rejects in {REJECTS} "
+            f"(input {INPUT_REJECTS}, server {usable})") in caplog.text
+    stats = json.loads((tmp_path / "eyas.json").read_text())["stats"]
+    assert stats["skipped"] == rows and stats["failed_by_kind"] == {}
+    assert stats["failed_by_kind_total"] == {"input": INPUT_REJECTS, "server": usable}
 
 
 def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_path):

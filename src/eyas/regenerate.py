@@ -38,8 +38,9 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.store.manifest import chat_template_fingerprint, target_record, write_manifest
 from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
                                       RequestFailed, load_generator)
+from eyas.errors import EyasError
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
-                                          sort_by_input)
+                                          reject_kinds, sort_by_input)
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     for name in (OUTPUT, REJECTS):
         sort_by_input(out / name, order)
     totals = Counter(prior.values())  # "truncated" rows are ok rows too
+    on_disk = reject_kinds(out)  # this run's rejects and every earlier run's
     stats = {"input": counts["input"], "ok": counts["ok"], "failed": counts["failed"],
              "skipped": counts["skipped"],
              "ok_total": totals["ok"] + totals["truncated"] + counts["ok"],
@@ -217,12 +219,22 @@ def regenerate(cfg: RegenerateConfig) -> dict:
              "truncated": counts["truncated"],
              "truncated_total": totals["truncated"] + counts["truncated"],
              "cut_short": counts["cut_short"],
-             "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")}}
+             "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")},
+             "failed_by_kind_total": dict(on_disk)}
     write_manifest(out, "regenerate", cfg, target=target, complete=True, stats=stats, **extras)
     log.info("regenerate: %d input rows = %d ok (%d of them truncated) + %d failed + %d done "
-             "before; %d conversations in %s (rejects: %s)", stats["input"], stats["ok"],
-             stats["truncated"], stats["failed"], stats["skipped"], stats["ok_total"],
-             out / OUTPUT, stats["failed_by_kind"] or "none")
+             "before; in %s: %d conversations in %s, %d rejects in %s (%s)", stats["input"],
+             stats["ok"], stats["truncated"], stats["failed"], stats["skipped"], out,
+             stats["ok_total"], OUTPUT, sum(on_disk.values()), REJECTS,
+             ", ".join(f"{k} {n}" for k, n in sorted(on_disk.items())) or "none")
+    if stats["ok_total"] == 0 and stats["input"] > 0:
+        # An empty conversations.jsonl is not a result: say so before prepare finds it empty.
+        raise EyasError(
+            f"no conversation was regenerated: all {stats['input']} input rows failed "
+            f"({', '.join(f'{k} {n}' for k, n in sorted(on_disk.items()))}); the reason of "
+            f"each is in {out / REJECTS}. Fix the cause (kind server: is the server up and "
+            f"serving {cfg.served_model_name or cfg.target}?), then run the same command with "
+            f"--retry-rejects to retry the server errors")
     return stats
 
 

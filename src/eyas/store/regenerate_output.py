@@ -135,6 +135,11 @@ def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
     return done
 
 
+def reject_kinds(out: Path) -> Counter:
+    """Rows in `out`'s rejects.jsonl per kind: what is on disk, from every run."""
+    return Counter(rec["kind"] for _, _, rec in _records(out / REJECTS))
+
+
 def _cut_torn_tail(path: Path) -> None:
     """Cut a last line without its newline: the process was killed while writing it."""
     size = path.stat().st_size if path.is_file() else 0
