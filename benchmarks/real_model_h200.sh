@@ -4,7 +4,8 @@
 # /tmp/w/realdata (benchmarks/real_data.py output), /tmp/w/site (the carried wheels) and
 # /tmp/w/repo (a copy of this checkout); writes /tmp/w/results, one file per stage as it ends.
 # STAGES picks and orders the stages (most wanted first, so that a lease that ends early still
-# leaves the first ones; default: pipeline dflash eval32 regen dflash5 recipe; also eval1).
+# leaves the first ones; default: pipeline dflash eval32 regen dflash5 recipe; also eval1, and
+# ablation: the pipeline with ABLATION_VARIANTS trained beside it, issue 31).
 # Before them the GGUF is converted once (`eyas convert`, float32) and every stage reads the
 # folder: no GGUF parse per load (docs/benchmarks.md, issue 22); the GGUF is the fallback.
 # REAL_ARGS overrides real_model.py's settings, REGEN_ARGS and EVAL_ARGS the regenerate and
@@ -92,6 +93,44 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       cp $D/eval-$e/report.json "$R/$s-eval-$e-report.json" 2>/dev/null
     done
     cp $D/draft/config.json "$R/$s-draft-config.json" 2>/dev/null ;;
+  ablation)
+    # issue 31: the pipeline (its own draft is the eagle3.1 row, with n-gram beside it) and,
+    # as soon as its vocab is written, every ABLATION_VARIANTS variant side by side on the
+    # same capture (a 135M target leaves most of the GPU idle); the regenerated
+    # conversations come back gzipped, for later leases to carry instead of regenerating
+    stage "ablation: pipeline, then the variants beside its training"
+    python3 benchmarks/real_model.py --target $T --data $W/realdata --work $W/run \
+        --out "$R/real-smollm2.json" $REAL_ARGS > "$R/real_model.out" 2>&1 &
+    pipe=$!
+    until [ -f $W/run/vocab/eyas.json ] || ! kill -0 $pipe 2>/dev/null; do sleep 5; done
+    gzip -c $W/run/regenerated/conversations.jsonl > "$R/conversations.jsonl.gz" 2>/dev/null
+    cp $W/run/regenerated/eyas.json "$R/regen-eyas.json" 2>/dev/null
+    stage "ablation: vocab written, variants start"
+    abl() {  # the variants (again: every finished step is skipped, only the records are read)
+      python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \
+          --variants ${ABLATION_VARIANTS:?name the variants} "$@" \
+          --parallel ${ABLATION_PARALLEL:-16} --splits indist,heldout \
+          --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) --k $(arg --k) \
+          --indist-prompts $(arg --indist-prompts) --heldout-prompts $(arg --heldout-prompts) \
+          --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \
+          --out "$R/ablation.json"
+    }
+    abl > "$R/ablation.out" 2>&1
+    stage "ablation variants rc $?"
+    wait $pipe
+    stage "ablation pipeline rc $?"
+    abl --baseline eagle3.1 >> "$R/ablation.out" 2>&1  # the pipeline's draft as the first row
+    stage "ablation table rc $?"
+    grep -v "it/s\]" $W/run/log.txt > "$R/real_model_log.txt"
+    for e in indist heldout; do
+      cp $W/run/eval-$e/report.json "$R/eval-$e-report.json" 2>/dev/null
+    done
+    cp $W/run/run/metrics.jsonl "$R/metrics.jsonl" 2>/dev/null
+    for v in $W/run/recipe-*; do
+      n=$(basename $v | tr '+' '_')
+      cp $v/run/metrics.jsonl "$R/$n-metrics.jsonl" 2>/dev/null
+      cp $v/log.txt "$R/$n-log.txt" 2>/dev/null
+    done ;;
   recipe)
     stage "recipe ablation"
     python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,6 +40,27 @@ VARIANTS = {  # name -> eyas train flags on top of the shared ones
     "eagle3-ttt3": [*PLAIN, "--ttt-steps", "3"],
     "eagle3.1-ttt3": [*NORMS, "--ttt-steps", "3"],
 }
+# issue 31: speculators 0.9.0's EAGLE 3.1 recipe, as eyas train flags (its defaults: Muon on
+# the hidden matrices + AdamW elsewhere at lr 1e-3, AdamW weight decay 0.01, 3 TTT steps of
+# equal weight, the target's lm_head rows frozen, norm_before_residual, 1 % warmup then a
+# linear decay, clip 1.0, loss positions where the token a step reads is an assistant token
+# and no filter on the target's top-1 being in the draft vocab). Its sliding window of 2,048
+# is not among them: no sample here is longer than 2,048 tokens, so it changes nothing.
+SPECULATORS = {
+    "muon": ["--optimizer", "muon", "--lr", "1e-3", "--weight-decay", "0.01"],
+    "ttt3eq": ["--ttt-steps", "3", "--step-weight", "1"],
+    "frozen-head": ["--freeze-lm-head"],
+    "nbr": ["--norm-before-residual"],
+    "linear": ["--lr-decay", "linear", "--warmup-ratio", "0.01"],
+    "clip1": ["--grad-clip", "1"],
+    "positions": ["--loss-mask-at", "input", "--no-vocab-filter"],
+}
+VARIANTS.update({f"eagle3.1+{k}": [*NORMS, *v] for k, v in SPECULATORS.items()})
+VARIANTS.update({
+    "eagle3.1+lr1e-4": [*NORMS, "--lr", "1e-4"],  # eyas train's own default lr
+    "eagle3.1+lr1e-3": [*NORMS, "--lr", "1e-3"],  # speculators' lr without Muon
+    "eagle3.1+speculators": [*NORMS, *(f for v in SPECULATORS.values() for f in v)],
+})
 
 
 def _train_speed(run_dir: Path) -> float | None:
@@ -82,6 +105,10 @@ def main(argv=None) -> dict:
                         "the same prompts")
     p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=False,
                    help="also measure n-gram in each variant's eval (the same for all)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="variants run at once, each train -> export -> evals in its own "
+                        "processes (a small target leaves most of a GPU idle: side by side "
+                        "they share it); each variant logs to its own recipe-NAME/log.txt")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     work, data = Path(a.work), Path(a.data)
@@ -91,34 +118,53 @@ def main(argv=None) -> dict:
     if a.baseline:  # the work folder's own draft, trained and measured by real_model.py
         results[a.baseline] = _record(a.baseline, work / "run", work, splits, None)
         Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
-    for name in a.variants.split(","):
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}: use some of {sorted(VARIANTS)}")
+    written = threading.Lock()  # variants finish in their own threads
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}: use some of {sorted(VARIANTS)}")
+
+    def one(name: str) -> None:
         base = work / f"recipe-{name}"
+        base.mkdir(parents=True, exist_ok=True)
+        vlog = log if a.parallel == 1 else base / "log.txt"
         t0 = time.perf_counter()
         run("train", "--data", work / "captured", "--vocab", work / "vocab", "--out",
             base / "run", "--epochs", a.epochs, "--batch-tokens", a.batch_tokens, "--lr", a.lr,
-            "--eval-every", 200, "--save-every", 200, *VARIANTS[name], log=log,
+            "--eval-every", 200, "--save-every", 200, *VARIANTS[name], log=vlog,
             out=base / "run")
         train_s = time.perf_counter() - t0
-        run("export", "--checkpoint", base / "run", "--out", base / "draft", log=log,
+        run("export", "--checkpoint", base / "run", "--out", base / "draft", log=vlog,
             out=base / "draft")
-        ev = ["--target", a.target, "--draft", base / "draft", "--k", a.k, "--max-new-tokens",
-              a.eval_tokens, "--dtype", "float32", "--batch-size", a.eval_batch,
-              "--ngram" if a.ngram else "--no-ngram"]
-        if "indist" in splits:
-            run("eval", *ev, "--data", work / "prepared", "--split", "eval", "--num-prompts",
-                a.indist_prompts, "--out", base / "eval-indist", log=log,
-                out=base / "eval-indist")
-        if "heldout" in splits:
-            run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts",
-                a.heldout_prompts, "--out", base / "eval-heldout", log=log,
-                out=base / "eval-heldout")
-        results[name] = _record(name, base / "run", base, splits, train_s)
-        Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
+        _evals(a, base, splits, vlog)
+        record = _record(name, base / "run", base, splits, train_s)
+        with written:
+            results[name] = record
+            Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
+
+    with ThreadPoolExecutor(max(1, a.parallel)) as pool:
+        failed = [(n, f.exception()) for n, f in [(n, pool.submit(one, n)) for n in names]
+                  if f.exception() is not None]
+    for name, err in failed:
+        print(f"variant {name} failed: {err}", flush=True)
     result = _result(a, results)
     print(markdown(result))
     return result
+
+
+def _evals(a, base: Path, splits: list, log: Path) -> None:
+    """`eyas eval` of base/draft on each split (in-distribution: the prepared eval split;
+    held-out: heldout.jsonl)."""
+    work, data = Path(a.work), Path(a.data)
+    ev = ["--target", a.target, "--draft", base / "draft", "--k", a.k, "--max-new-tokens",
+          a.eval_tokens, "--dtype", "float32", "--batch-size", a.eval_batch,
+          "--ngram" if a.ngram else "--no-ngram"]
+    if "indist" in splits:
+        run("eval", *ev, "--data", work / "prepared", "--split", "eval", "--num-prompts",
+            a.indist_prompts, "--out", base / "eval-indist", log=log, out=base / "eval-indist")
+    if "heldout" in splits:
+        run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts,
+            "--out", base / "eval-heldout", log=log, out=base / "eval-heldout")
 
 
 def _record(name: str, run_dir: Path, base: Path, splits: list, train_s) -> dict:

@@ -158,6 +158,51 @@ def test_warmup_then_cosine_to_floor():
     assert all(f(s) >= f(s + 1) for s in range(10, 99))
 
 
+def test_warmup_then_linear_decay_to_floor():
+    f = warmup_cosine(100, 0.1, 0.0, "linear")
+    assert f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+    assert f(40) - f(41) == pytest.approx(f(80) - f(81))  # a straight line, not a cosine
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tmp_path):
+    from test_ttt import make_draft, tiny_cfg
+    from eyas.draft.train_setup import build_optimizers
+
+    draft = make_draft(tiny_cfg(norm_before_fc=True))
+    name = {id(p): n for n, p in draft.named_parameters()}
+    cfg = TrainConfig(data="x", out=str(tmp_path), optimizer="muon", lr=1e-3, muon_lr=2e-2)
+    muon, adamw = build_optimizers(cfg, draft)
+    in_muon = {name[id(p)] for g in muon.param_groups for p in g["params"]}
+    in_adamw = {name[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert isinstance(muon, torch.optim.Muon) and muon.param_groups[0]["lr"] == 2e-2
+    assert adamw.param_groups[0]["lr"] == 1e-3
+    assert "fc.weight" in in_muon and "lm_head.weight" in in_adamw
+    assert all(n.endswith("proj.weight") for n in in_muon - {"fc.weight"})
+    assert all("norm" in n for n in in_adamw - {"lm_head.weight"})
+    assert in_muon | in_adamw == {n for n, p in draft.named_parameters() if p.requires_grad}
+    assert len(build_optimizers(TrainConfig(data="x", out=str(tmp_path)), draft)) == 1
+
+
+def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path):
+    """Muon + AdamW, a linear decay and speculators' loss positions resume bit for bit
+    (two optimizers and two schedules in one checkpoint)."""
+    kw = dict(max_steps=6, save_every=2, eval_every=3, lm_head="target", grad_accum=2,
+              optimizer="muon", lr_decay="linear", loss_mask_at="input", vocab_filter=False,
+              ttt_steps=3, step_weight=1.0, norm_before_residual=True, lr=1e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _resume_after_sigkill(run_inputs, tmp_path, kw)
+    finally:
+        torch.set_num_threads(threads)
+    state = torch.load(checkpoint.step_dir(tmp_path / "whole", 6) / "trainer_state.pt",
+                       weights_only=True)
+    assert len(state["scheduler"]["schedules"]) == 2
+    lrs = [r["lr"] for r in _records(tmp_path / "whole", "train")]
+    assert lrs[-1] < lrs[1]
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 

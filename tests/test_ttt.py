@@ -60,11 +60,14 @@ def packed_batch(cfg: DraftConfig, docs: list[list[int]], t: int, seed=0) -> TTT
 
 # ---------------------------------------------------------------- the dense reference
 
-def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None):
+def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None, mask_at="predicted",
+                  vocab_filter=True):
     """Unpruned TTT with every step's keys concatenated and an explicit (N, N*(j+1)) mask.
     Shift convention: step j at position t reads token t+1+j, RoPE position pos+j and
     predicts token t+2+j against the teacher at t+1+j. hits: a (steps, N) bool tensor to
-    mark the loss positions whose top-1 is right."""
+    mark the loss positions whose top-1 is right. A position counts where the token it
+    predicts (mask_at "predicted") or reads ("input") is in the loss mask and, with
+    vocab_filter, the teacher's top-1 is in the draft vocab."""
     b, t = batch.input_ids.shape
     n = b * t
     ids, pos = batch.input_ids.reshape(-1), batch.position_ids.reshape(-1)
@@ -96,8 +99,9 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None):
         out = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
         h = draft.finish(out, res)
         logits = draft.lm_head(draft.norm(h))  # (N, Vd) materialised
-        rows = [i for i in range(n) if i + 2 + j <= last[i] and doc[i] >= 0 and lmask[i + 2 + j]
-                and t2d[top1[i + 1 + j]]]
+        shift = 2 + j if mask_at == "predicted" else 1 + j
+        rows = [i for i in range(n) if i + shift <= last[i] and doc[i] >= 0
+                and lmask[i + shift] and (t2d[top1[i + 1 + j]] or not vocab_filter)]
         if rows:
             r = torch.tensor(rows)
             ce = -(probs[r + 1 + j] * F.log_softmax(logits[r], -1)).sum(-1)
@@ -146,6 +150,32 @@ def test_ttt_matches_dense_reference(docs, t, steps, variant):
     torch.testing.assert_close(out.step_loss, ref_means, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.step_acc, ref_acc)
     assert set(got_grads) == set(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("docs,t,steps", CASES)
+@pytest.mark.parametrize("positions", [{"mask_at": "input"}, {"vocab_filter": False},
+                                       {"mask_at": "input", "vocab_filter": False}])
+def test_other_loss_positions_match_dense_reference(docs, t, steps, positions):
+    """speculators' choice of loss positions (the token a step reads is in the loss mask; a
+    top-1 outside the draft vocab kept, and never right) against the dense reference, and
+    that it differs from eyas's on these batches."""
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, docs, t, seed=len(docs) + t)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    ref_loss, ref_means, ref_acc, ref_counts = reference_ttt(draft, batch, lm_head, steps,
+                                                             **positions)
+    ref_grads = grads(draft, ref_loss)
+    out = ttt_forward(draft, batch, lm_head, steps=steps, vocab_chunk=7, **positions)
+    got_grads = grads(draft, out.loss)
+    assert out.step_count.tolist() == ref_counts
+    assert ttt_positions(batch, draft.t2d, steps, **positions).sum(1).tolist() == ref_counts
+    assert ref_counts != reference_ttt(draft, batch, lm_head, steps)[3]
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_acc, ref_acc)
     for name in ref_grads:
         torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")

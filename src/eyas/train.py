@@ -37,10 +37,11 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.dflash.objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import write_manifest
-from eyas.draft.train_setup import (Env, TTTModule, all_sum, autocast, build_draft,
-                                    check_gradients, compute_dtype, grad_sync, init_env,
-                                    peak_gib, plan_data, resume, save_step, warmup_cosine, wrap)
-from eyas.draft.ttt import TTTBatch, ttt_plan, ttt_positions
+from eyas.draft.train_setup import (Env, Schedules, TTTModule, all_sum, autocast,
+                                    build_draft, build_optimizers, check_gradients,
+                                    compute_dtype, grad_sync, init_env, peak_gib, plan_data,
+                                    resume, save_step, warmup_cosine, wrap)
+from eyas.draft.ttt import LOSS_MASK_AT, TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
 log = logging.getLogger(__name__)
@@ -86,11 +87,28 @@ class TrainConfig:
     lr: float = option(1e-4, "peak learning rate (SpecForge; EAGLE used 5e-5)")
     betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas (SpecForge; EAGLE used 0.9,0.95)")
     weight_decay: float = option(0.0, "AdamW weight decay")
+    optimizer: str = option("adamw", "adamw over every trained parameter, or muon: Muon "
+                                     "(torch.optim.Muon, update RMS matched to AdamW's) over the "
+                                     "2-D hidden matrices (fc, attention, MLP) and AdamW over "
+                                     "the rest (speculators' default)", choices=("adamw", "muon"))
+    muon_lr: float = option(0.0, "--optimizer muon: peak lr of the Muon group; 0 = --lr")
+    muon_momentum: float = option(0.95, "--optimizer muon: Muon's momentum")
+    muon_weight_decay: float = option(0.1, "--optimizer muon: Muon's weight decay")
     warmup_ratio: float = option(0.015, "linear warmup as a share of all steps")
-    min_lr_ratio: float = option(0.0, "cosine floor as a share of --lr")
+    lr_decay: str = option("cosine", "after warmup, decay the lr along a cosine or a straight "
+                                     "line (speculators') to --min-lr-ratio",
+                           choices=("cosine", "linear"))
+    min_lr_ratio: float = option(0.0, "lr floor at the last step, as a share of --lr")
     grad_clip: float = option(0.5, "clip the global gradient norm to this (0 = off)")
     ttt_steps: int = option(7, "training-time-test steps (chained draft passes)")
     step_weight: float = option(0.8, "loss weight of TTT step j is step_weight**j")
+    loss_mask_at: str = option("predicted", "which token's loss mask puts a TTT step's "
+                                             "position in the loss: the token it predicts "
+                                             "(eyas) or the token it reads (speculators); "
+                                             "docs/train.md", choices=LOSS_MASK_AT)
+    vocab_filter: bool = option(True, "leave out of the loss the positions whose target "
+                                      "top-1 is outside the draft vocab (EAGLE-3's rule; "
+                                      "speculators keeps them)")
     loss: str = option("kl", "per-position objective of each TTT step: kl = soft cross-entropy "
                        "against the target (EAGLE-3's); lk-alpha = -log of the expected "
                        "acceptance rate; lk-lambda = KL and 1 - acceptance mixed by an "
@@ -173,6 +191,10 @@ class TrainConfig:
             (self.max_steps >= 0 and self.epochs >= 0, "--epochs and --max-steps must be >= 0"),
             (self.max_steps > 0 or self.epochs > 0, "give --epochs > 0 or --max-steps > 0"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.muon_lr >= 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0,
+             f"--muon-lr must be >= 0 (0 = --lr), --muon-momentum in [0, 1), "
+             f"--muon-weight-decay >= 0; got {self.muon_lr}, {self.muon_momentum}, "
+             f"{self.muon_weight_decay}"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
              f"--betas needs two values in [0, 1), e.g. 0.9,0.999; got {self.betas}"),
             (0 <= self.warmup_ratio < 1,
@@ -243,7 +265,8 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
                                     "(it reads the target's embedding and lm_head); leave it 0"),
         *_left_at_default(cfg, ("ttt_steps", "step_weight", "lm_head", "lk_kl_scale",
-                                "lk_kl_decay"), "{flag}: " + why),
+                                "lk_kl_decay", "loss_mask_at", "vocab_filter"),
+                          "{flag}: " + why),
     ]
 
 
@@ -380,14 +403,15 @@ def train(cfg: TrainConfig) -> dict:
     teacher = inputs.lm_head[draft.t2d.to(inputs.lm_head.device)]  # (Vd, Ht) frozen
     teacher = teacher.to(env.device, dtype)  # from the target's (maybe other) GPU to the draft's
     objective = Objective(cfg.loss, cfg.lk_kl_scale, cfg.lk_kl_decay)
-    model = wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8, objective), cfg, env)
+    positions = {"mask_at": cfg.loss_mask_at, "vocab_filter": cfg.vocab_filter}
+    model = wrap(TTTModule(draft, teacher, cfg.ttt_steps, env.fp8, objective, **positions),
+                 cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, steps, row = plan.total_steps, cfg.ttt_steps, plan.packing.row_tokens
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
+    optimizer = build_optimizers(cfg, model)  # a list: AdamW, or Muon + AdamW
+    scheduler = Schedules(optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio,
+                                                   cfg.lr_decay))
     start, best = 0, {"step": None, "sim_acceptance_length": None}
     record = dcfg.to_dict()  # the run's draft_config.json
     state = resume(cfg, env, model, optimizer, scheduler, plan, record)
@@ -438,10 +462,11 @@ def train(cfg: TrainConfig) -> dict:
         # batch is on the GPU already and its plan syncs as before); not under --compile,
         # whose graphs would be specialised on each plan's row counts
         plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
-                                                    device=env.device, static=cfg.cuda_graph)
+                                                    device=env.device, static=cfg.cuda_graph,
+                                                    **positions)
                  for mb in micro]
         micro = [_on(mb, env) for mb in micro]
-        counted = [ttt_positions(b, draft.t2d, steps) if p is None else p.valid
+        counted = [ttt_positions(b, draft.t2d, steps, **positions) if p is None else p.valid
                    for b, p in zip(micro, plans)]
         denom = all_sum(sum(c.sum(1) for c in counted).float())
         # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
@@ -460,11 +485,12 @@ def train(cfg: TrainConfig) -> dict:
             window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
         if step == start + 1:
             check_gradients(model, cfg, graphed)
-        # 3. Clip the global gradient norm, step AdamW and the schedule.
+        # 3. Clip the global gradient norm, step the optimizer(s) and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-        optimizer.step()
+        for opt in optimizer:
+            opt.step()
+            opt.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
         scheduler.step()
-        optimizer.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
         # 4. Log (window sums over all ranks).
         if step % cfg.log_every == 0 or step == total:
             stats, now = all_sum(window).tolist(), time.perf_counter()

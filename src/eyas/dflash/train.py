@@ -27,9 +27,9 @@ from eyas.draft import data
 from eyas.dflash.config import DFlashConfig
 from eyas.dflash.model import DFlashDraft
 from eyas.dflash.objective import dflash_forward, sample_blocks
-from eyas.draft.train_setup import (all_sum, autocast, check_gradients, compute_dtype,
-                                    grad_sync, init_env, peak_gib, plan_data, resume, save_step,
-                                    warmup_cosine, wrap)
+from eyas.draft.train_setup import (Schedules, all_sum, autocast, build_optimizers,
+                                    check_gradients, compute_dtype, grad_sync, init_env,
+                                    peak_gib, plan_data, resume, save_step, warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import write_manifest
@@ -170,10 +170,9 @@ def train_dflash(cfg: TrainConfig) -> dict:
     plan = plan_data(cfg, inputs, env)
     total, row, b = plan.total_steps, plan.packing.row_tokens, dcfg.block_size
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio))
+    optimizer = build_optimizers(cfg, model)  # a list: AdamW, or Muon + AdamW
+    scheduler = Schedules(optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio,
+                                                   cfg.lr_decay))
     start, best = 0, {"step": None, "acceptance_length": None}
     config_record = {"draft": "dflash", **dcfg.to_dict()}  # the run's draft_config.json
     state = resume(cfg, env, model, optimizer, scheduler, plan, config_record)
@@ -228,11 +227,12 @@ def train_dflash(cfg: TrainConfig) -> dict:
             window[-1] += (mb["doc_ids"] >= 0).sum().item()
         if step == start + 1:
             check_gradients(model, cfg)
-        # 3. Clip, step AdamW and the schedule.
+        # 3. Clip, step the optimizer(s) and the schedule.
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-        optimizer.step()
+        for opt in optimizer:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         # 4. Log (window sums over all ranks).
         if step % cfg.log_every == 0 or step == total:
             stats, now = all_sum(window).tolist(), time.perf_counter()

@@ -149,19 +149,24 @@ class TTTModule(torch.nn.Module):
     micro-batch (TTT runs the draft layer `ttt_steps` times inside it)."""
 
     def __init__(self, draft, teacher: torch.Tensor, steps: int, fp8: bool = False,
-                 objective: Objective = Objective()):
+                 objective: Objective = Objective(), mask_at: str = "predicted",
+                 vocab_filter: bool = True):
         super().__init__()
         self.draft = draft
         self.teacher = teacher  # (Vd, Ht) frozen; a plain attribute: never synced or sharded
         self.steps = steps
         self.fp8 = fp8
         self.objective = objective
+        self.positions = {"mask_at": mask_at, "vocab_filter": vocab_filter}
 
     def forward(self, batch, plan=None, record_hits: bool = False):
-        # fp8 for training only: eval (no grad) measures the model as it is served, in bf16
-        fp8 = self.fp8 and torch.is_grad_enabled()
-        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps, fp8=fp8,
-                           plan=plan, record_hits=record_hits, objective=self.objective)
+        # fp8 and the chosen loss positions for training only: eval (no grad) measures the
+        # model as it is served, in bf16, on the same positions for every recipe
+        training = torch.is_grad_enabled()
+        positions = self.positions if training else {}
+        return ttt_forward(self.draft, batch, self.teacher, steps=self.steps,
+                           fp8=self.fp8 and training, plan=plan, record_hits=record_hits,
+                           objective=self.objective, **positions)
 
 
 def wrap(module: torch.nn.Module, cfg: TrainConfig, env: Env) -> torch.nn.Module:
@@ -195,16 +200,73 @@ def grad_sync(model: torch.nn.Module, sync: bool):
 
 # ----------------------------------------------------------------- shared by both loops
 
-def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float):
-    """LR multiplier at step s: linear warmup over warmup_ratio * total, cosine to min_ratio."""
+def warmup_cosine(total_steps: int, warmup_ratio: float, min_ratio: float,
+                  decay: str = "cosine"):
+    """LR multiplier at step s: linear warmup over warmup_ratio * total, then a cosine (or,
+    with decay="linear", a straight line) down to min_ratio at the last step."""
     warmup = max(1, round(total_steps * warmup_ratio)) if warmup_ratio > 0 else 0
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        left = 1 - progress if decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return min_ratio + (1 - min_ratio) * left
     return factor
+
+
+# 2-D weights that stay on AdamW under --optimizer muon: the vocabulary matrices (Muon's
+# orthogonalised update is for hidden-to-hidden maps; speculators and Muon's authors keep
+# embeddings and output heads on AdamW)
+_ADAMW_ONLY = ("lm_head", "embed_tokens")
+
+
+def build_optimizers(cfg: TrainConfig, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """AdamW over every trainable parameter (--optimizer adamw), or Muon over the 2-D hidden
+    weight matrices (fc, attention, MLP) and AdamW over the rest (--optimizer muon: norms,
+    a trained lm_head). Stepped together; eyas.store.checkpoint saves them as one state."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adamw = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], **adamw)]
+    matrix = [p.ndim == 2 and min(p.shape) > 1 and not any(k in n for k in _ADAMW_ONLY)
+              for n, p in named]
+    rest = [p for (_, p), m in zip(named, matrix) if not m]
+    muon = torch.optim.Muon([p for (_, p), m in zip(named, matrix) if m],
+                            lr=cfg.muon_lr or cfg.lr, momentum=cfg.muon_momentum,
+                            weight_decay=cfg.muon_weight_decay, adjust_lr_fn="match_rms_adamw")
+    return [muon, torch.optim.AdamW(rest, **adamw)] if rest else [muon]
+
+
+class Schedules:
+    """One LambdaLR per optimizer (each warms up and decays its own peak lr), stepped, saved
+    and restored as one; a single optimizer's state is its scheduler's own (older
+    checkpoints load)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], factor):
+        self.each = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
+
+    def step(self) -> None:
+        for s in self.each:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        """The last lr of every param group (the first is the main group's: Muon's or AdamW's)."""
+        return [lr for s in self.each for lr in s.get_last_lr()]
+
+    def state_dict(self) -> dict:
+        if len(self.each) == 1:
+            return self.each[0].state_dict()
+        return {"schedules": [s.state_dict() for s in self.each]}
+
+    def load_state_dict(self, state: dict) -> None:
+        states = state.get("schedules", [state])
+        if len(states) != len(self.each):
+            raise EyasError(f"the checkpoint holds {len(states)} optimizer schedule(s), this "
+                            f"run has {len(self.each)}: resume with the checkpoint's "
+                            f"--optimizer or start over with --resume never")
+        for s, st in zip(self.each, states):
+            s.load_state_dict(st)
 
 
 def all_sum(t: torch.Tensor) -> torch.Tensor:

@@ -75,10 +75,23 @@ def _segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return start, end
 
 
-def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int) -> torch.Tensor:
+# Which token's loss mask decides whether step j at position n carries a loss: "predicted"
+# (eyas's default): the token n+2+j the step predicts is an assistant token; "input"
+# (speculators'): the token n+1+j the step reads (and at whose position the teacher stands)
+# is one. They differ by one position per assistant span: "input" drops the prediction of a
+# span's first token and adds the prediction after its last one.
+LOSS_MASK_AT = ("predicted", "input")
+
+
+def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int, mask_at: str = "predicted",
+                  vocab_filter: bool = True) -> torch.Tensor:
     """(S, N) bool: does position n carry a loss at step j? Step j at n predicts token
-    n+2+j from the teacher at n+1+j; it counts when that token is an assistant token of
-    the same document and the target's top-1 there is in the draft vocab."""
+    n+2+j from the teacher at n+1+j; it counts when the token `mask_at` names (LOSS_MASK_AT)
+    is an assistant token of the same document and, with `vocab_filter`, the target's top-1
+    at the teacher is in the draft vocab (without it, the loss still targets the teacher's
+    distribution renormalised over the draft vocab, and such a position is never right)."""
+    if mask_at not in LOSS_MASK_AT:
+        raise ValueError(f"mask_at must be one of {LOSS_MASK_AT}, got {mask_at!r}")
     top1 = batch.target_top1.reshape(-1).long()
     mask = batch.loss_mask.reshape(-1).bool()
     doc = batch.doc_ids.reshape(-1)
@@ -89,8 +102,11 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int) -> torch.Tenso
     rows = []
     for j in range(steps):
         pred, teach = n + 2 + j, n + 1 + j
-        rows.append((pred <= end) & (doc >= 0) & mask[pred.clamp(max=last)]
-                    & in_vocab[teach.clamp(max=last)])
+        at = pred if mask_at == "predicted" else teach
+        row = (at <= end) & (doc >= 0) & mask[at.clamp(max=last)]
+        if vocab_filter:
+            row &= in_vocab[teach.clamp(max=last)]
+        rows.append(row)
     return torch.stack(rows)
 
 
@@ -124,7 +140,8 @@ class TTTPlan:
 
 
 def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = True,
-             device: torch.device | str | None = None, static: bool = False) -> TTTPlan:
+             device: torch.device | str | None = None, static: bool = False,
+             mask_at: str = "predicted", vocab_filter: bool = True) -> TTTPlan:
     """The plan of ttt_forward on `batch` (which positions each step computes and where its
     loss is), for `ttt_forward(..., plan=)`. Made where the batch lives and its index tensors
     sent to `device`: made on the CPU before the batch moves to the GPU, it costs the GPU no
@@ -149,7 +166,8 @@ def ttt_plan(batch: TTTBatch, t2d: torch.Tensor, steps: int = 7, prune: bool = T
     if threads > 1:
         torch.set_num_threads(1)
     try:
-        plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static)
+        plan = _plan(batch, t2d.to(batch.target_top1.device), steps, prune, static, mask_at,
+                     vocab_filter)
     finally:
         if threads > 1:
             torch.set_num_threads(threads)
@@ -176,14 +194,14 @@ def _ends(mask: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool,
-          static: bool = False) -> TTTPlan:
+          static: bool = False, mask_at: str = "predicted", vocab_filter: bool = True) -> TTTPlan:
     """What each step computes: all positions at step 0 (its keys serve every later step),
     then (with `prune`) those that still carry a loss at this or a later step, or the span
     from the first to the last of them when they nearly fill it (RUN_FILL; extra positions
     change nothing but the work: a position's chain reads only its own earlier steps). The
     row counts fix every shape, so they reach the host together, here, with the facts that
     pick the attention kernel and the indexing, rather than through a sync at every step."""
-    valid = ttt_positions(batch, t2d, steps)  # (S, N)
+    valid = ttt_positions(batch, t2d, steps, mask_at, vocab_filter)  # (S, N)
     keep = valid.flip(0).cummax(0).values.flip(0) if prune and not static else \
         torch.ones_like(valid)
     keep[0] = True
@@ -212,7 +230,8 @@ def _plan(batch: TTTBatch, t2d: torch.Tensor, steps: int, prune: bool,
 def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tensor, *,
                 steps: int = 7, step_weight: float = 0.8, vocab_chunk: int = 4096,
                 prune: bool = True, fp8: bool = False, plan: TTTPlan | None = None,
-                record_hits: bool = False, objective: Objective = Objective()) -> TTTOutput:
+                record_hits: bool = False, objective: Objective = Objective(),
+                mask_at: str = "predicted", vocab_filter: bool = True) -> TTTOutput:
     """Training-time test: `steps` chained draft passes over a packed batch, one loss.
 
     target_lm_head: (V, Ht) or its draft-vocab rows (Vd, Ht). vocab_chunk: rows per chunk of
@@ -222,7 +241,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     lm_head) in fp8 with per-tensor scales (eyas.kernels.fp8); the teacher stays as it is. plan:
     from ttt_plan (same batch, t2d, steps and prune), made here when not given. record_hits:
     also return which (step, position) pairs the draft got right (TTTOutput.hits), for
-    eyas.draft.loss.chain_acceptance (eval only).
+    eyas.draft.loss.chain_acceptance (eval only). mask_at, vocab_filter: which positions
+    carry a loss when the plan is made here (ttt_positions).
     """
     dev = batch.input_ids.device
     # 1. Flatten the packed rows into one token stream of N positions.
@@ -232,7 +252,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     n_all = ids.shape[0]
     seg_start, seg_end = _segments(batch.doc_ids)
     # 2. Which (step, position) pairs carry a loss, and which positions each step computes.
-    plan = ttt_plan(batch, draft.t2d, steps, prune) if plan is None else \
+    plan = ttt_plan(batch, draft.t2d, steps, prune, mask_at=mask_at,
+                    vocab_filter=vocab_filter) if plan is None else \
         _checked(plan, steps, n_all, dev)
     cols, rank = plan.cols, plan.rank
     # 3. Teacher logits over the draft vocab, once for all positions (no grad), and their
@@ -240,7 +261,8 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     teacher = _teacher_logits(draft, batch.final_hidden.reshape(n_all, -1), target_lm_head)
     teacher_lse = row_logsumexp(teacher)  # (N,)
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
-    top1_draft = draft_id[top1]  # (N,) the target's top-1 as a draft id (where in the vocab)
+    # (N,) the target's top-1 as a draft id; -1 (never right) where it is outside the vocab
+    top1_draft = torch.where(draft.t2d[top1], draft_id[top1], -1)
     weights = draft.layer_weights(dev.type, fp8=fp8, split=True)  # once for all steps
     head, head_fp8 = _head(draft, weights.qkv.dtype, fp8)
     sums, correct, rows_per_step = [], [], []
