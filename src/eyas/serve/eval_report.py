@@ -1,9 +1,10 @@
 """The `eyas eval` report: what it holds (`EvalReport`, one `MethodResult` per method and k),
 how it is made from the raw counts (`Measured`, merged across processes by `merge`, turned
-into a report with 95 % intervals by `summarize`) and how it is written: report.json,
-report.md and two plots, al_vs_k.png and acceptance_by_position.png (docs/eval.md).
-`mismatch_message` explains a failed lossless check. `cfg` below is an
-eyas.evaluate.EvalConfig.
+into a report with 95 % intervals by `summarize`, one table per prompt set by `by_set`) and
+how it is written: report.json, report.md and two plots, al_vs_k.png and
+acceptance_by_position.png (docs/eval.md). `rounding_tie` tells a divergence the dtype's
+rounding explains from a wrong token; `mismatch_message` explains a failed lossless check.
+`cfg` below is an eyas.evaluate.EvalConfig.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from eyas.serve.speculate import SpecStats
 
@@ -53,8 +57,10 @@ class EvalReport:
     dtype: str
     mean_acceptance_length: dict[str, float]  # str(k) -> AL of `primary`
     per_position_acceptance: dict[str, list[float]]  # str(k) -> rates of `primary`
-    lossless: bool | None  # None = not checked (temperature > 0 or --no-check-lossless)
-    mismatches: list[dict]
+    # None = not checked (temperature > 0 or --no-check-lossless); true = every output equals
+    # the target's greedy output, but for the divergences listed under `ties`
+    lossless: bool | None
+    mismatches: list[dict]  # divergences beyond the dtype's rounding: each fails the check
     results: list[MethodResult] = field(default_factory=list)
     settings: str = "chain drafts, batch size 1"
     # str(k) -> 95 % intervals of the primary method's mean acceptance length and
@@ -71,6 +77,13 @@ class EvalReport:
     # source (a prompt id without its last "/" part, e.g. bigbench/known_unknowns) ->
     # {"prompts": n, "mean_acceptance_length": {"METHOD k=K": AL}}; only with several sources
     by_source: dict[str, dict] = field(default_factory=dict)
+    # divergences at a tie of the target's two logits within the dtype's rounding
+    # (`rounding_tie`): counted and listed, not failures
+    ties: list[dict] = field(default_factory=list)
+    # prompt set (or one turn of it: mt-bench/turn-2) -> {"prompts": n, "results": every
+    # method and k on those prompts alone, with its own speed}; only with --bench
+    by_set: dict[str, dict] = field(default_factory=dict)
+    bench: dict[str, dict] = field(default_factory=dict)  # set -> package, sha256, license, ...
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -94,13 +107,16 @@ def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, sec
         mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
         draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
         per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance])
-    if spec:
-        log.info("%s k=%d: mean acceptance length %.3f, per position %s, %.1f tokens/s (x%.2f)",
-                 method, k, result.mean_acceptance_length, result.per_position_acceptance,
-                 tps, result.speedup)
-    else:
-        log.info("no speculation: %.1f tokens/s", tps)
     return result
+
+
+def _results(measured: Measured) -> list[MethodResult]:
+    """Every method and k of `measured`, plain decoding first, speed against it."""
+    st, sec = measured.stats, measured.seconds
+    base = _result("target", 0, measured.outputs["target", 0], st["target", 0],
+                   sec["target", 0], None)
+    return [base] + [_result(name, k, measured.outputs[name, k], st[name, k], sec[name, k],
+                             base.tokens_per_s) for name, k in st if name != "target"]
 
 
 @dataclass
@@ -116,6 +132,7 @@ class Measured:
     mismatches: list[dict]
     device: str = "cpu"
     dtype: str = "float32"
+    prompt_ids: list[str] = field(default_factory=list)  # in `index` order
 
 
 def merge(parts: list[Measured]) -> Measured:
@@ -128,6 +145,8 @@ def merge(parts: list[Measured]) -> Measured:
                      outputs={}, seconds=dict.fromkeys(first.seconds, 0.0), per_prompt={},
                      replayed={}, mismatches=[m for p in parts for m in p.mismatches],
                      device=first.device, dtype=first.dtype)
+    ids = [i for p in parts for i in p.prompt_ids]
+    whole.prompt_ids = [ids[i] for i in order] if len(ids) == len(concat) else []
     for key in first.stats:
         for p in parts:
             whole.stats[key].merge(p.stats[key])
@@ -141,17 +160,45 @@ def merge(parts: list[Measured]) -> Measured:
     return whole
 
 
+def concat(parts: list[Measured]) -> Measured:
+    """One Measured of several prompt groups (each measured on its own), the groups' prompts
+    one after the other."""
+    offset, shifted = 0, []
+    for p in parts:
+        shifted.append(dataclasses.replace(p, index=list(range(offset, offset + len(p.index)))))
+        offset += len(p.index)
+    return merge(shifted)
+
+
+def by_set(sets: dict[str, Measured]) -> dict[str, dict]:
+    """Per prompt group, its prompt count and every method and k on it alone (its own speed);
+    a set asked in several turns (mt-bench/turn-1, mt-bench/turn-2) also as a whole, before
+    its turns."""
+    def row(m: Measured) -> dict:
+        return {"prompts": len(m.index), "results": [dataclasses.asdict(r) for r in _results(m)]}
+
+    out = {}
+    for name in dict.fromkeys(g.rsplit("/turn-", 1)[0] for g in sets):
+        groups = [g for g in sets if g.rsplit("/turn-", 1)[0] == name]
+        if groups != [name]:
+            out[name] = row(concat([sets[g] for g in groups]))
+        out.update((g, row(sets[g])) for g in groups)
+    return out
+
+
 def summarize(cfg, measured: Measured, num_prompts: int,
               prompt_ids: list[str] | None = None) -> EvalReport:
     """The report of measured results: per method and k, speed against plain decoding,
     95 % intervals, the replayed acceptance and (given the prompts' ids) acceptance by
     source."""
-    st, sec = measured.stats, measured.seconds
-    reference = measured.outputs["target", 0]
-    base = _result("target", 0, reference, st["target", 0], sec["target", 0], None)
-    results = [base] + [_result(name, k, measured.outputs[name, k], st[name, k],
-                                sec[name, k], base.tokens_per_s)
-                        for name, k in st if name != "target"]
+    results = _results(measured)
+    for r in results:
+        if r.method == "target":
+            log.info("no speculation: %.1f tokens/s", r.tokens_per_s)
+        else:
+            log.info("%s k=%d: mean acceptance length %.3f, per position %s, %.1f tokens/s "
+                     "(x%.2f)", r.method, r.k, r.mean_acceptance_length,
+                     r.per_position_acceptance, r.tokens_per_s, r.speedup)
     report = _report(cfg, results, measured.mismatches, num_prompts, measured)
     report.ci95 = {str(k): bootstrap_ci(measured.per_prompt[report.primary, k], k)
                    for k in cfg.k if (report.primary, k) in measured.per_prompt}
@@ -230,6 +277,10 @@ def _report(cfg, results, mismatches, num_prompts: int,
     primary = next((m for m in ("eagle3", "dflash") if any(r.method == m for r in results)),
                    "ngram")
     mine = [r for r in results if r.method == primary]
+    for m in mismatches:
+        m["tie"] = rounding_tie(m.get("margin"), m.get("logit"), measured.dtype)
+    ties = [m for m in mismatches if m["tie"]]
+    mismatches = [m for m in mismatches if not m["tie"]]
     return EvalReport(
         target=cfg.target, draft=cfg.draft, primary=primary, temperature=cfg.temperature,
         k=list(cfg.k), num_prompts=num_prompts, max_new_tokens=cfg.max_new_tokens,
@@ -237,7 +288,29 @@ def _report(cfg, results, mismatches, num_prompts: int,
         mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
         per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
         lossless=(not mismatches) if cfg.lossless_check else None,
-        mismatches=mismatches, results=results)
+        mismatches=mismatches, results=results, ties=ties)
+
+
+TIE_ULPS = 2
+
+
+def rounding_tie(margin: float | None, logit: float | None, dtype: str) -> bool:
+    """Whether a divergence is a tie of the target's two best logits within the dtype's
+    rounding: |margin| <= TIE_ULPS ulps of the greedy token's logit in `dtype`.
+
+    Why two: the logits leave the lm_head rounded to the dtype's grid. Where the exact
+    logits of the two tokens are equal, or closer than that grid, the plain and the k+1-token
+    forward may round each of them one step differently (their sums run in other orders), so
+    the gap between the two moves by up to 2 ulps and the argmax can flip. A margin of 0 is
+    an exact tie (the two forwards break it differently). The ulp is the dtype's spacing at
+    the logit's magnitude: eps * 2^floor(log2 |logit|) (eps 2^-23 in float32, 2^-7 in
+    bfloat16, 2^-10 in float16). Larger differences are not rounding of the output alone and
+    fail the check."""
+    if margin is None or logit is None:
+        return False
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    ulp = eps * 2.0 ** math.floor(math.log2(abs(logit))) if logit else 0.0
+    return abs(margin) <= TIE_ULPS * ulp
 
 
 # ---------------------------------------------------------------- writing it
@@ -257,8 +330,12 @@ def mismatch_message(report: EvalReport) -> str:
     else:
         advice = ("Re-run with --dtype float32 to tell them apart (a difference in float32 "
                   "with a clear margin is a bug: please report it).")
+    ties = (f" ({len(report.ties)} more divergence(s) at a tie within {TIE_ULPS} ulps of "
+            f"{report.dtype} rounding are listed in the report and do not fail it)"
+            if report.ties else "")
     return (f"lossless check failed: speculative decoding differs from the target's greedy "
-            f"output in {len(report.mismatches)} generation(s): {shown}{more}. The report is "
+            f"output in {len(report.mismatches)} generation(s) by more than {report.dtype} "
+            f"rounding of the logits: {shown}{more}{ties}. The report is "
             f"written regardless. In {report.dtype} this can be rounding rather than a bug: "
             f"verification scores k+1 tokens in one forward, plain decoding one at a time, and "
             f"a near-tie of the top two logits (margin near 0) can flip. {advice} Pass "
@@ -285,9 +362,11 @@ def _fmt(x, digits: int = 2) -> str:
 
 
 def markdown(report: EvalReport) -> str:
+    ties = (f"; {len(report.ties)} divergence(s) at a tie within {report.dtype} rounding, "
+            f"listed below" if report.ties else "")
     lossless = {True: "yes (every output equals the target's greedy output)",
                 False: f"NO ({len(report.mismatches)} differing generations)",
-                None: "not checked"}[report.lossless]
+                None: "not checked"}[report.lossless] + ties
     lines = [
         f"# eyas eval: {report.target}", "",
         f"- draft: {report.draft or 'none (n-gram only)'}",
@@ -328,7 +407,33 @@ def markdown(report: EvalReport) -> str:
             als = row["mean_acceptance_length"]
             lines.append(f"| {src} | {row['prompts']} | "
                          + " | ".join(_fmt(als.get(c)) for c in cols) + " |")
+    lines += _set_tables(report) + _tie_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _set_tables(report: EvalReport) -> list[str]:
+    """One table per prompt set (and per turn): every method and k on its prompts alone."""
+    lines = []
+    for name, row in report.by_set.items():
+        src = report.bench.get(name.rsplit("/turn-", 1)[0])
+        origin = f"; {src['package']} {src['version']}" if src else ""
+        lines += ["", f"### {name} ({row['prompts']} prompts{origin})", "",
+                  "| method | k | mean acceptance length | tokens/s | speedup |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['method']} | {r['k'] or '-'} | {_fmt(r['mean_acceptance_length'])} | "
+                  f"{r['tokens_per_s']:.1f} | x{r['speedup']:.2f} |" for r in row["results"]]
+    return lines
+
+
+def _tie_lines(report: EvalReport) -> list[str]:
+    if not report.ties:
+        return []
+    lines = ["", f"Ties (target logit margin within {TIE_ULPS} ulps of the logit in "
+             f"{report.dtype}: rounding, not a failure):", "",
+             "| prompt | method | k | new token | greedy | speculative | margin |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    return lines + [f"| {m['prompt_id']} | {m['method']} | {m['k']} | {m['position']} | "
+                    f"{m['expected']} | {m['got']} | {m['margin']:.3g} |" for m in report.ties]
 
 
 def _interval(ci) -> str:

@@ -1,0 +1,168 @@
+"""Prompts for measuring a draft: chat rows from files, an `eyas prepare` folder or the
+standard prompt sets (eyas.store.benchsets), rendered with the chat template the draft was
+trained with (docs/eval.md, "Prompts").
+
+A prompt is the conversation before its last assistant turn (the whole conversation when it
+does not end with one), rendered with `add_generation_prompt` exactly as `eyas prepare`
+renders training data. A prompt with a `follow_up` (MT-bench's second turn) is asked again
+after the target's own answer: `next_turn` builds that prompt from the answer's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.store.benchsets import bench_rows
+from eyas.store.manifest import MANIFEST, read_manifest
+from eyas.target import chat
+from eyas.target.masking import render_prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """Questions asked after the target's own answer, and how to render them."""
+
+    messages: tuple[dict, ...]  # the conversation the answer replies to
+    questions: tuple[str, ...]  # the next user turns, one per answer
+    template: str  # the chat template text the first turn was rendered with
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prompt:
+    id: str
+    ids: torch.Tensor  # (n,) int64 on the CPU: the rendered chat prompt
+    group: str = ""  # the prompt set (and turn) it is reported with; "" = --data prompts
+    follow_up: FollowUp | None = None
+
+
+def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
+    """Set the chat template (and variables) the draft was trained with on the tokenizer:
+    `cfg.chat_template`, else the prepared folder's, else the tokenizer's own; return the
+    variables."""
+    trained = (prepared or {}).get("config") or {}
+    template = cfg.chat_template or trained.get("chat_template")
+    if template:
+        path = Path(template)
+        if not path.is_file():
+            raise EyasError(f"chat template file {path} does not exist; pass the template the "
+                            f"target is served with as --chat-template FILE.jinja")
+        tokenizer.chat_template = path.read_text()
+    if not tokenizer.chat_template:
+        raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
+                        f"target is served with as --chat-template FILE.jinja")
+    return chat.parse_template_kwargs(cfg.chat_template_kwargs
+                                      or tuple(trained.get("chat_template_kwargs") or ()))
+
+
+def _prepared_conversations(folder: Path, split: str):
+    import datasets
+
+    dd = datasets.load_from_disk(str(folder / "dataset"))
+    if split not in dd:
+        raise EyasError(f"{folder} has no '{split}' split (it has {sorted(dd)}); pass --split "
+                        f"{next(iter(dd))} or re-run `eyas prepare` with --eval-fraction > 0")
+    for sid, text in zip(dd[split]["sample_id"], dd[split]["messages_json"]):
+        yield sid, json.loads(text)
+
+
+def _file_conversations(data: str):
+    """(sample id, messages) of every usable row; bad rows are logged with file and row.
+    Prompt-only rows (no assistant turn, e.g. MT-bench questions) are fine."""
+    for file, row, item in chat.read_rows(data):
+        try:
+            if isinstance(item, chat.ChatFormatError):
+                raise item
+            messages = chat.normalize(item, need_assistant=False)
+        except chat.ChatFormatError as err:
+            log.warning("%s row %d skipped: %s", file, row, err)
+            continue
+        yield chat.sample_id(item, file, row), messages
+
+
+def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "") -> list[Prompt]:
+    """The first `limit` renderable rows of (id, messages[, next questions]) as Prompts."""
+    prompts = []
+    for sid, messages, *more in rows:
+        if len(prompts) == limit:
+            break
+        if messages[-1]["role"] == "assistant":  # the prompt is what comes before it
+            messages = messages[:max(i for i, m in enumerate(messages)
+                                     if m["role"] == "assistant")]
+        try:
+            ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": ""}],
+                                template_kwargs=template_kwargs)
+        except chat.ChatFormatError as err:
+            log.warning("prompt %s skipped: %s", sid, err)
+            continue
+        questions = tuple(more[0]) if more else ()
+        follow = FollowUp(tuple(messages), questions, tokenizer.chat_template,
+                          template_kwargs) if questions else None
+        prompts.append(Prompt(str(sid), torch.tensor(ids, dtype=torch.long), group, follow))
+    return prompts
+
+
+def next_turn(prompt: Prompt, answer: list[int], tokenizer) -> Prompt:
+    """The prompt asking `prompt.follow_up`'s next question after `answer` (the target's own
+    reply to `prompt`, token ids), rendered as the first turn was. Its id and group name the
+    turn: `mt-bench/turn-2/81` for `mt-bench/turn-1/81`."""
+    f = prompt.follow_up
+    text = tokenizer.decode(answer, skip_special_tokens=True)
+    messages = (*f.messages, {"role": "assistant", "content": text},
+                {"role": "user", "content": f.questions[0]})
+    turn = sum(m["role"] == "user" for m in messages)
+    tokenizer.chat_template = f.template
+    ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": ""}],
+                        template_kwargs=f.template_kwargs)
+    rest = FollowUp(messages, f.questions[1:], f.template, f.template_kwargs)
+    base = prompt.group.rsplit("/turn-", 1)[0]
+    return Prompt(f"{base}/turn-{turn}/{prompt.id.rsplit('/', 1)[-1]}",
+                  torch.tensor(ids, dtype=torch.long), f"{base}/turn-{turn}",
+                  rest if rest.questions else None)
+
+
+def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs: dict,
+                  cache: Path | None = None) -> list[Prompt]:
+    """The first `limit` prompts of each named standard set (eyas.store.benchsets). Sets
+    with next turns (MT-bench) are grouped as turn 1 (`mt-bench/turn-1`)."""
+    prompts = []
+    for name in names:
+        rows = bench_rows(name, cache)
+        turns = any(r.get("next_turns") for r in rows)
+        group = f"{name}/turn-1" if turns else name
+        listed = [(f"{group}/{r['id'].rsplit('/', 1)[-1]}", r["messages"],
+                   r.get("next_turns") or ()) for r in rows]
+        prompts += render(tokenizer, listed, limit, template_kwargs, group)
+    return prompts
+
+
+def load_prompts(cfg, tokenizer) -> tuple[list[Prompt], dict | None]:
+    """The first `cfg.num_prompts` prompts of `cfg.data` and of each of `cfg.bench`'s sets,
+    rendered with the training chat template (`chat_template`), and the prepared folder's
+    manifest if `cfg.data` is one. `cfg`: an eyas.evaluate.EvalConfig."""
+    path = Path(cfg.data) if cfg.data else None
+    prepared = (read_manifest(path, step="prepare")
+                if path is not None and (path / MANIFEST).is_file() else None)
+    template_kwargs = chat_template(cfg, tokenizer, prepared)
+    prompts = []
+    if path is not None:
+        rows = (_prepared_conversations(path, cfg.split) if prepared
+                else _file_conversations(cfg.data))
+        prompts = render(tokenizer, rows, cfg.num_prompts, template_kwargs,
+                         "data" if cfg.bench else "")
+        if not prompts:
+            raise EyasError(f"no usable prompt in {cfg.data}; check --data (and --split for a "
+                            f"prepared folder)")
+        if len(prompts) < cfg.num_prompts:
+            log.info("using all %d prompts of %s (fewer than --num-prompts %d)", len(prompts),
+                     cfg.data, cfg.num_prompts)
+    return prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts, template_kwargs), \
+        prepared
