@@ -231,3 +231,38 @@ def test_missing_paths_are_user_errors(tmp_path):
         rows_of(tmp_path / "empty")
     with pytest.raises(EyasError, match="unknown chat format"):
         rows_of(tmp_path, "alpaca")
+
+
+def test_tool_calls_surrogates_and_byte_order_marks(tmp_path):
+    # Issue 34: an OpenAI tool call (content null) was "turn 1 has no content"; a lone
+    # surrogate passed as text and ended prepare's run in pyarrow; a BOM made a row a reject.
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "lookup", "arguments": "{\"q\": \"x\"}"}}
+    got = chat.normalize({"messages": [
+        {"role": "user", "content": "Find x."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "name": "lookup", "content": "found"},
+        {"role": "assistant", "content": "Found it."}]})
+    assert got[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert got[2] == {"role": "tool", "content": "found", "tool_call_id": "c1", "name": "lookup"}
+    assert chat.strip_reasoning(got)[1]["tool_calls"] == [call]
+    with pytest.raises(ChatFormatError, match="not a list of OpenAI tool calls"):
+        chat.normalize({"messages": [{"role": "user", "content": "x"}, {
+            "role": "assistant", "content": None, "tool_calls": [{"name": "lookup"}]}]})
+    with pytest.raises(ChatFormatError, match="no content \\(and no tool_calls\\)"):
+        chat.normalize({"messages": [{"role": "user", "content": "x"},
+                                     {"role": "assistant", "content": None}]})
+    row = {"messages": [{"role": "user", "content": "\ud800 lone"},
+                        {"role": "assistant", "content": "ok"}]}
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + (json.dumps(MESSAGE_ROW) + "\n\n"
+                                                          + json.dumps(row) + "\n").encode())
+    (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([MESSAGE_ROW]).encode())
+    rows = list(chat.read_rows([tmp_path / "a.jsonl", tmp_path / "b.json"]))
+    assert [r.row for r in rows] == [1, 3, 0]
+    assert rows[0].data == rows[2].data == MESSAGE_ROW
+    assert "lone UTF-16 surrogate" in str(rows[1].data)
+    with_blank = list(chat.read_rows([tmp_path / "a.jsonl"], blank_lines=True))
+    assert isinstance(with_blank[1].data, chat.BlankLine) and with_blank[1].row == 2
+
+
+MESSAGE_ROW = {"id": "m", "messages": MESSAGES}

@@ -400,7 +400,9 @@ def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
                           "truncated_answers": 0, "rejected": 0,
                           "tokens": sum(train["num_tokens"]),
                           "masked_tokens": sum(map(sum, train["loss_mask"])),
-                          "train": 2, "eval": 0}
+                          "train": 2, "eval": 0, "blank_lines": 0, "rows": 2,
+                          "duplicate_ids": 0}
+    assert m["max_position_embeddings"] == 4096  # the tiny llama's: 300 is below it
     assert len(m["chat_template_hash"]) == 16 and m["vocab_size"] == 2048
     assert m["data_files"][0]["path"] == str(tmp_path / "data" / "b.json")
     counts = load_file(str(tmp_path / "out" / "token_counts.safetensors"))["counts"]
@@ -561,6 +563,125 @@ def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(EyasError, match="no rows in .*empty"):
         run_prepare(tok_dir, [tmp_path / "empty.jsonl"], tmp_path / "out2")
+
+
+# ---------------------------------------------------------------- nothing lost (issue 34)
+
+def test_every_input_line_is_accounted_for(tok_dir, tmp_path, tok, caplog):
+    # A lone surrogate (valid JSON, not Unicode) ended the whole run in pyarrow; blank lines
+    # and too-long rows were in no list; a BOM made a row a reject; duplicate ids, a .txt and
+    # a regenerate folder's own eyas.json and rejects.jsonl went unmentioned or were rejected.
+    caplog.set_level(logging.INFO, logger="eyas")
+    short = {"messages": chat.normalize(json.loads((make_data(tmp_path / "x") / "b.json")
+                                                   .read_text())[0])}
+    limit = len(tokenize_conversation(tok, short["messages"])[0]) + 2
+    root = tmp_path / "data"
+    root.mkdir()
+    lines = ["\ufeff" + json.dumps({"id": "bom", **short}),  # 1: kept (BOM dropped)
+             "",  # 2: blank
+             json.dumps({"id": "twin", **short}),  # 3: kept
+             json.dumps({"id": "twin", **short}),  # 4: kept, a duplicate id
+             json.dumps({"id": "odd", "messages": [{"role": "user", "content": "\ud800 lone"},
+                                                  {"role": "assistant", "content": "ok"}]}),
+             "   ",  # 6: blank
+             json.dumps({"id": "long", "messages": PLAIN}),  # 7: too long
+             "{oops"]  # 8: invalid JSON
+    assert "\\ud800" in lines[4]  # the escape, as JSON writers put it in a file
+    (root / "a.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (root / "notes.txt").write_text("not chat data")
+    regen = root / "regen"
+    regen.mkdir()
+    (regen / "eyas.json").write_text(json.dumps({"step": "regenerate", "config": {}}))
+    (regen / "conversations.jsonl").write_text(json.dumps({"id": "r-1", **short}) + "\n")
+    (regen / "rejects.jsonl").write_text(json.dumps(
+        {"file": "f", "row": 1, "sample_id": "s", "reason": "HTTP 500", "kind": "server"}) + "\n")
+
+    s = run_prepare(tok_dir, [root], tmp_path / "out", max_length=limit)
+    assert (s.rows, s.kept, s.dropped_too_long, s.rejected, s.blank_lines) == (9, 4, 1, 2, 2)
+    assert s.kept + s.dropped_too_long + s.rejected + s.blank_lines == s.rows
+    assert s.duplicate_ids == 1 and "repeat an earlier row's id ('twin' x2)" in caplog.text
+    listed = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    a = str(root / "a.jsonl")
+    assert [(r["file"], r["row"], r["kind"]) for r in listed] == [
+        (a, 2, "blank"), (a, 5, "malformed"), (a, 6, "blank"), (a, 7, "too_long"),
+        (a, 8, "malformed")]
+    assert "lone UTF-16 surrogate" in listed[1]["reason"]
+    assert f"> max_length {limit}" in listed[3]["reason"] and listed[3]["sample_id"] == "long"
+    train = datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"]
+    assert train["sample_id"] == ["bom", "twin", "twin", "r-1"]
+    assert "notes.txt" in caplog.text and str(regen / "eyas.json") in caplog.text
+    stats = read_manifest(tmp_path / "out", "prepare")["stats"]
+    assert (stats["rows"], stats["blank_lines"], stats["duplicate_ids"]) == (9, 2, 1)
+
+
+def test_the_targets_position_limit_caps_max_length(tok_dir, tmp_path, tok, caplog):
+    # The default --max-length 2048 with a target of max_position_embeddings 512 kept rows
+    # that capture then ran past the target's positions.
+    import transformers
+
+    caplog.set_level(logging.INFO, logger="eyas")
+    root = make_data(tmp_path / "data")
+    long_len = len(tokenize_conversation(tok, PLAIN)[0])
+    short_len = len(tokenize_conversation(tok, chat.normalize(
+        json.loads((root / "b.json").read_text())[0]))[0])
+    limit = (short_len + long_len) // 2  # the PLAIN rows (1 jsonl + 2 ds) are past it
+    target = tmp_path / "target"
+    save_tiny_tokenizer(target)
+    transformers.LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=2,
+                             max_position_embeddings=limit).save_pretrained(target)
+    drop = run_prepare(target, [root], tmp_path / "drop")  # --max-length 2048, the default
+    assert (drop.kept, drop.dropped_too_long, drop.max_length) == (5, 3, limit)
+    assert f"max_position_embeddings {limit}: prepare applies {limit}" in caplog.text
+    m = read_manifest(tmp_path / "drop", "prepare")
+    assert (m["max_length"], m["max_position_embeddings"]) == (limit, limit)
+    assert m["config"]["max_length"] == 2048
+    cut = run_prepare(target, [root], tmp_path / "cut", length_policy="truncate")
+    assert (cut.kept, cut.truncated) == (8, 3)
+    train = datasets.load_from_disk(str(tmp_path / "cut" / "dataset"))["train"]
+    assert max(train["num_tokens"]) == limit
+    assert run_prepare(target, [root], tmp_path / "lower", max_length=limit - 1).max_length \
+        == limit - 1  # a smaller --max-length still applies
+
+
+# Qwen2.5-style ChatML with tool calls: the calls are written after the content.
+CHATML_TOOLS = CHATML.replace(
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}",
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
+    "{%- for c in m.tool_calls or [] %}{{- '<tool_call>\\n{\"name\": \"' + c.function.name"
+    " + '\", \"arguments\": ' + c.function.arguments + '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}")
+TOOL_ROW = {"id": "tool-call", "messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny."}]}
+
+
+def test_tool_calls_are_supervised_as_the_template_renders_them(tok, tmp_path, tok_dir):
+    # An OpenAI tool call (content null + tool_calls) was rejected as "turn 1 has no content".
+    tok.chat_template = CHATML_TOOLS
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    check(tok, chat.normalize(TOOL_ROW), [
+        (chatml("system", "You are a helpful assistant.") + chatml("user", "Weather in Paris?")
+         + "<|im_start|>assistant\n", False), (call + "<|im_end|>", True),
+        ("\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+         "<|im_start|>assistant\n", False), ("It is sunny.<|im_end|>", True), ("\n", False)])
+    (tmp_path / "t.jsonl").write_text(json.dumps(TOOL_ROW) + "\n")
+    (tmp_path / "tools.jinja").write_text(CHATML_TOOLS)
+    s = run_prepare(tok_dir, [tmp_path / "t.jsonl"], tmp_path / "out",
+                    chat_template=str(tmp_path / "tools.jinja"))
+    assert (s.kept, s.rejected) == (1, 0)
+    # A template without tool-call support would drop the call: a reason naming it instead.
+    (tmp_path / "plain.jinja").write_text(CHATML)
+    with pytest.raises(EyasError, match="no usable"):
+        run_prepare(tok_dir, [tmp_path / "t.jsonl"], tmp_path / "plain",
+                    chat_template=str(tmp_path / "plain.jinja"))
+    reject = json.loads((tmp_path / "plain" / "rejects.jsonl").read_text())
+    assert "assistant turn 1 is a tool call (get_weather) that the chat template does not " \
+           "render" in reject["reason"]
 
 
 # ---------------------------------------------------------------- config and CLI

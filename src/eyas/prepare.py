@@ -12,6 +12,7 @@ train/eval and writes the prepared folder. See docs/prepare.md.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -101,6 +102,10 @@ class PrepareSummary:
     train: int
     eval: int
     out: str
+    blank_lines: int = 0  # empty lines of JSON Lines inputs (listed in rejects.jsonl too)
+    rows: int = 0  # every input row and blank line: kept + dropped_too_long + rejected + blank
+    duplicate_ids: int = 0  # kept rows whose sample id an earlier kept row has
+    max_length: int = 0  # the limit applied: --max-length, or the target's, if smaller
 
 
 # ---------------------------------------------------------------- the step
@@ -177,10 +182,11 @@ def _truncated(data: dict) -> bool:
 
 def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip: bool):
     """Dataset rows: the normalised conversation as JSON and its `truncated` mark, or the
-    reason it is unusable. (`chat.read_conversations` with the raw row's mark kept.)"""
-    for file, row, data in chat.read_rows(paths, fmt):
+    reason it is unusable, or a blank line (so that every line is accounted for).
+    (`chat.read_conversations` with the raw row's mark kept.)"""
+    for file, row, data in chat.read_rows(paths, fmt, blank_lines=True):
         rec = {"file": file, "row": row, "sample_id": f"{file}:{row}", "messages_json": "",
-               "truncated": False, "error": ""}
+               "truncated": False, "error": "", "blank": isinstance(data, chat.BlankLine)}
         try:
             if isinstance(data, ChatFormatError):
                 raise data
@@ -202,7 +208,7 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
              truncate: bool) -> dict:
     """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected."""
     out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
-           "status": "rejected", "reason": rec["error"]}
+           "status": "blank" if rec["blank"] else "rejected", "reason": rec["error"]}
     if rec["error"]:
         return out
     try:
@@ -235,20 +241,20 @@ def _features():
         "file": datasets.Value("string"), "row": datasets.Value("int64"),
         "sample_id": datasets.Value("string"), "messages_json": datasets.Value("string"),
         "truncated": datasets.Value("bool"), "error": datasets.Value("string"),
-        "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
+        "blank": datasets.Value("bool"), "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
         "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
         "status": datasets.Value("string"), "reason": datasets.Value("string"),
     })
 
 
-def _tokenized(cfg: PrepareConfig, tok, work: Path):
+def _tokenized(cfg: PrepareConfig, tok, work: Path, max_length: int):
     """All input rows as one dataset with ids, masks and a status per row."""
     import datasets
 
     features = _features()
     read_features = datasets.Features({k: features[k] for k in
                                        ("file", "row", "sample_id", "messages_json",
-                                        "truncated", "error")})
+                                        "truncated", "error", "blank")})
     if next(chat.read_rows(cfg.data, cfg.format), None) is None:  # datasets' own error is cryptic
         raise EyasError(f"no rows in {list(cfg.data)}: the input files are empty (an `eyas "
                         f"regenerate` whose rows were all rejected writes an empty "
@@ -259,12 +265,13 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path):
                     "system_prompt": cfg.system_prompt, "strip": cfg.reasoning == "strip"})
     template_kwargs = parse_template_kwargs(cfg.chat_template_kwargs)
     fingerprint = hashlib.sha256(json.dumps(
-        [to_dict(cfg), tokenizer_fingerprint(tok), chat_template_fingerprint(tok), rows._fingerprint],
+        [to_dict(cfg), max_length, tokenizer_fingerprint(tok), chat_template_fingerprint(tok),
+         rows._fingerprint],
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     return rows.map(
         _process, features=features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
         desc="tokenizing", new_fingerprint=fingerprint,
-        fn_kwargs={"tokenizer": tok, "max_length": cfg.max_length,
+        fn_kwargs={"tokenizer": tok, "max_length": max_length,
                    "truncate": cfg.length_policy == "truncate",
                    "mask_kwargs": {"last_turn_only": cfg.last_turn_only,
                                    "template_kwargs": template_kwargs}})
@@ -292,11 +299,41 @@ def _token_counts(train, vocab_size: int) -> np.ndarray:
     return counts
 
 
+# status of a row that is not kept -> its `kind` in rejects.jsonl
+SET_ASIDE = {"rejected": "malformed", "too_long": "too_long", "blank": "blank"}
+
+
 def _write_rejects(path: Path, ds, status: np.ndarray) -> None:
-    rows = ds.select(np.flatnonzero(status == "rejected").tolist())
+    """Every input row not kept, in input order: {"file", "row", "reason", "sample_id", "kind"}."""
+    rows = ds.select(np.flatnonzero(np.isin(status, list(SET_ASIDE))).tolist())
     with open(path, "w", encoding="utf-8") as f:
-        for rec in rows.select_columns(["file", "row", "reason", "sample_id"]):
+        for rec in rows.select_columns(["file", "row", "reason", "sample_id", "status"]):
+            rec["kind"] = SET_ASIDE[rec.pop("status")]
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def _max_length(cfg: PrepareConfig, text_config) -> int:
+    """--max-length, or the target's max_position_embeddings if smaller: capture and training
+    must not run the target past the positions it was trained on."""
+    limit = getattr(text_config, "max_position_embeddings", None)  # absent in a few configs
+    if isinstance(limit, int) and 1 < limit < cfg.max_length:
+        log.warning("--max-length %d is more than the target's max_position_embeddings %d: "
+                    "prepare applies %d (longer rows: --length-policy %s)", cfg.max_length,
+                    limit, limit, cfg.length_policy)
+        return limit
+    return cfg.max_length
+
+
+def _duplicate_ids(sample_ids: list[str]) -> int:
+    """Rows whose id an earlier row has; logged, since capture sets samples aside by id."""
+    counts = collections.Counter(sample_ids)
+    repeated = {k: n for k, n in counts.items() if n > 1}
+    if repeated:
+        log.warning("%d kept rows repeat an earlier row's id (%s): all are kept; ids should "
+                    "be unique, since later steps name samples by id",
+                    sum(repeated.values()) - len(repeated),
+                    ", ".join(f"{k!r} x{n}" for k, n in list(repeated.items())[:5]))
+    return sum(repeated.values()) - len(repeated)
 
 
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
@@ -308,26 +345,30 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     text_config = config.get_text_config() if config is not None else None
     # Count over the model's (possibly padded) vocabulary, which the draft's t2d spans.
     vocab_size = max(len(tok), getattr(text_config, "vocab_size", 0) or 0)
+    max_length = _max_length(cfg, text_config)
     _claim_out(out, cfg)
     try:
-        summary = _write_dataset(cfg, tok, out, vocab_size)
+        summary = _write_dataset(cfg, tok, out, vocab_size, max_length)
     finally:
         shutil.rmtree(out / ".work", ignore_errors=True)
-    stats = {k: v for k, v in asdict(summary).items() if k != "out"}
+    stats = {k: v for k, v in asdict(summary).items() if k not in ("out", "max_length")}
     write_manifest(out, "prepare", cfg,
                    target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok),
                    stats=stats, chat_template_hash=chat_template_fingerprint(tok),
-                   max_length=cfg.max_length, vocab_size=vocab_size, data_files=data_record)
+                   max_length=max_length,
+                   max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
+                   vocab_size=vocab_size, data_files=data_record)
     _log_summary(summary, out)
     return summary
 
 
-def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int) -> PrepareSummary:
+def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int,
+                   max_length: int) -> PrepareSummary:
     """Tokenize, then write rejects.jsonl, dataset/ and token_counts.safetensors."""
     import datasets
     from safetensors.numpy import save_file
 
-    ds = _tokenized(cfg, tok, out / ".work")
+    ds = _tokenized(cfg, tok, out / ".work", max_length)
     status = np.asarray(ds["status"], dtype=object)
     _write_rejects(out / "rejects.jsonl", ds, status)
     kept = np.flatnonzero((status == "ok") | (status == "truncated"))
@@ -335,7 +376,8 @@ def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int) -> Prepa
         raise EyasError(f"no usable conversations in {list(cfg.data)}: {len(status)} rows, "
                         f"{int((status == 'rejected').sum())} rejected (reasons in "
                         f"{out / 'rejects.jsonl'}), {int((status == 'too_long').sum())} longer "
-                        f"than --max-length {cfg.max_length}")
+                        f"than max_length {max_length}, {int((status == 'blank').sum())} "
+                        f"blank lines")
     train_rows, eval_rows = _split(kept, cfg.eval_fraction, cfg.seed)
     columns = ["input_ids", "loss_mask", "sample_id", "num_tokens", "messages_json"]
     splits = datasets.DatasetDict({
@@ -354,15 +396,20 @@ def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int) -> Prepa
         truncated=int((status == "truncated").sum()),
         truncated_answers=int(cut_answer.sum()), rejected=int((status == "rejected").sum()),
         tokens=int(num_tokens.sum()), masked_tokens=int(num_masked.sum()),
-        train=len(train_rows), eval=len(eval_rows), out=str(out))
+        train=len(train_rows), eval=len(eval_rows), out=str(out),
+        blank_lines=int((status == "blank").sum()), rows=len(status),
+        duplicate_ids=_duplicate_ids(ds.select(kept.tolist())["sample_id"]),
+        max_length=max_length)
 
 
 def _log_summary(s: PrepareSummary, out: Path) -> None:
-    log.info("prepare: kept %d conversations (train %d, eval %d; %d truncated to max_length; "
-             "%d end in a truncated answer, its end-of-turn not supervised), dropped %d too "
-             "long, rejected %d; %d tokens, %d supervised -> %s", s.kept, s.train, s.eval,
-             s.truncated, s.truncated_answers, s.dropped_too_long, s.rejected, s.tokens,
+    log.info("prepare: %d input rows = kept %d conversations (train %d, eval %d; %d truncated "
+             "to max_length %d; %d end in a truncated answer, its end-of-turn not supervised) "
+             "+ dropped %d too long + rejected %d + %d blank lines; %d tokens, %d supervised "
+             "-> %s", s.rows, s.kept, s.train, s.eval, s.truncated, s.max_length,
+             s.truncated_answers, s.dropped_too_long, s.rejected, s.blank_lines, s.tokens,
              s.masked_tokens, out)
-    if s.rejected:
-        log.warning("%d malformed rows set aside: reasons and row numbers in %s", s.rejected,
-                    out / "rejects.jsonl")
+    if s.rejected or s.dropped_too_long or s.blank_lines:
+        log.warning("%d rows set aside (%d malformed, %d too long, %d blank lines): file, row "
+                    "and reason of each in %s", s.rejected + s.dropped_too_long + s.blank_lines,
+                    s.rejected, s.dropped_too_long, s.blank_lines, out / "rejects.jsonl")

@@ -16,11 +16,15 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from eyas.errors import EyasError
+from eyas.store.manifest import MANIFEST
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "sharegpt", "messages")
 # Column that holds the turns, per format; the first one a row has is used.
@@ -41,6 +45,10 @@ class ChatFormatError(ValueError):
     """A row that cannot be used; the message is the reason written to rejects.jsonl."""
 
 
+class BlankLine(ChatFormatError):
+    """An empty line of a JSON Lines file (`read_rows(..., blank_lines=True)`)."""
+
+
 class RawRow(NamedTuple):
     """One input row: where it came from and its content (a dict, or why it is unreadable).
 
@@ -55,11 +63,14 @@ class RawRow(NamedTuple):
 
 # ---------------------------------------------------------------- finding and reading files
 
-def resolve_paths(paths: str | Path | tuple | list) -> list[Path]:
+def resolve_paths(paths: str | Path | tuple | list,
+                  skipped: list[Path] | None = None) -> list[Path]:
     """Expand files, folders and globs into the ordered list of sources to read.
 
     A `datasets` folder (written by `save_to_disk`) is one source; any other folder stands
-    for the supported files inside it (recursively, sorted).
+    for the supported files inside it (recursively, sorted). Files a folder holds that are
+    not read (other suffixes; eyas's own manifest, and a regenerate folder's rejects) are
+    appended to `skipped`, when given, so that the caller can say so.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -76,7 +87,7 @@ def resolve_paths(paths: str | Path | tuple | list) -> list[Path]:
         if not path.exists():
             raise EyasError(f"data path {path} does not exist; check --data")
         if path.is_dir() and not _is_datasets_folder(path):
-            found = _sources_in(path)
+            found = _sources_in(path, skipped if skipped is not None else [])
             if not found:
                 raise EyasError(f"folder {path} holds no {'/'.join(FILE_SUFFIXES)} files and is "
                                 f"not a datasets folder (save_to_disk); check --data")
@@ -95,29 +106,50 @@ def source_fingerprints(paths) -> list[dict]:
     """What `paths` hold now, for manifests: sha256 per file, fingerprints per datasets folder."""
     from eyas.store.manifest import file_sha256
 
-    out = []
-    for path in resolve_paths(paths):
+    out, skipped = [], []
+    for path in resolve_paths(paths, skipped):
         if path.is_dir():
             states = sorted(path.rglob("state.json"))
             prints = [json.loads(s.read_text()).get("_fingerprint") for s in states]
             out.append({"path": str(path), "fingerprints": prints})
         else:
             out.append({"path": str(path), "sha256": file_sha256(path)})
+    if skipped:
+        log.warning("not read as chat data (%d file(s) in --data folders: other suffixes than "
+                    "%s, or eyas's own manifest / rejects): %s", len(skipped),
+                    "/".join(FILE_SUFFIXES), ", ".join(map(str, skipped[:10]))
+                    + (", ..." if len(skipped) > 10 else ""))
     return out
 
 
-def _sources_in(folder: Path) -> list[Path]:
+def _sources_in(folder: Path, skipped: list[Path]) -> list[Path]:
     """Data files and datasets folders under `folder`, sorted; a datasets folder's own
-    files (state.json, ...) are not data."""
+    files (state.json, ...) are not data, nor are eyas's own files; the files passed over
+    are appended to `skipped`."""
     out = []
+    own = _eyas_own_files(folder)
     for path in sorted(folder.iterdir()):
         if _is_datasets_folder(path):
             out.append(path)
         elif path.is_dir():
-            out.extend(_sources_in(path))
-        elif _is_source(path):
+            out.extend(_sources_in(path, skipped))
+        elif _is_source(path) and path.name not in own:
             out.append(path)
+        else:
+            skipped.append(path)
     return out
+
+
+def _eyas_own_files(folder: Path) -> tuple[str, ...]:
+    """Files of an eyas output folder that are not chat data: its manifest, and in a
+    regenerate folder the rejects (its conversations.jsonl is the data)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return ()
+    if not isinstance(manifest, dict) or "step" not in manifest:
+        return ()  # a user's own eyas.json
+    return (MANIFEST, "rejects.jsonl") if manifest["step"] == "regenerate" else (MANIFEST,)
 
 
 def _is_datasets_folder(path: Path) -> bool:
@@ -129,11 +161,13 @@ def _is_source(path: Path) -> bool:
     return _is_datasets_folder(path) or (path.is_file() and path.name.endswith(FILE_SUFFIXES))
 
 
-def read_rows(paths, fmt: str = "auto") -> Iterator[RawRow]:
+def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False) -> Iterator[RawRow]:
     """Yield every row of every source in order; unreadable rows come as `ChatFormatError`.
 
     `fmt` is accepted for symmetry with `normalize` (rows are read the same way in every
-    format); it is checked here so a typo fails before any file is read.
+    format); it is checked here so a typo fails before any file is read. Blank lines of JSON
+    Lines files are not rows; with `blank_lines` they come as `BlankLine` errors, so that a
+    caller can account for every line.
     """
     if fmt not in FORMATS:
         raise EyasError(f"unknown chat format {fmt!r}; use one of {FORMATS}")
@@ -143,9 +177,10 @@ def read_rows(paths, fmt: str = "auto") -> Iterator[RawRow]:
         elif path.name.endswith(".parquet"):
             yield from _guarded(path, _read_parquet(path), first=0)
         elif path.name.endswith((".json", ".json.gz")):
-            yield from _guarded(path, _read_json(path), first=0)
+            yield from _guarded(path, _read_json(path, blank_lines), first=0)
         else:
-            yield from _guarded(path, _read_jsonl(path, _binary_lines(path)), first=1)
+            yield from _guarded(path, _read_jsonl(path, _binary_lines(path), blank_lines),
+                                first=1)
 
 
 def _guarded(path: Path, rows: Iterator[RawRow], first: int) -> Iterator[RawRow]:
@@ -168,20 +203,50 @@ def _binary_lines(path: Path) -> Iterator[bytes]:
 
 
 def _check_dict(file: str, row: int, value: Any) -> RawRow:
-    if isinstance(value, dict):
-        return RawRow(file, row, value)
-    return RawRow(file, row, ChatFormatError(
-        f"row is a JSON {type(value).__name__}, not an object"))
+    if not isinstance(value, dict):
+        return RawRow(file, row, ChatFormatError(
+            f"row is a JSON {type(value).__name__}, not an object"))
+    bad = _lone_surrogate(value)
+    if bad is not None:
+        # Valid JSON ("\ud800" escapes) but not Unicode text: no encoder (pyarrow, the
+        # tokenizer, a server) takes it, and one such string would end the whole run there.
+        return RawRow(file, row, ChatFormatError(
+            f"text holds a lone UTF-16 surrogate {bad!r} (an escape such as \\ud800 without "
+            f"its pair), which is not valid Unicode; fix or remove that text"))
+    return RawRow(file, row, value)
 
 
-def _read_jsonl(path: Path, lines: Iterable[bytes | str]) -> Iterator[RawRow]:
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string in `value` (nested lists / dicts, keys too) that is not encodable as
+    UTF-8, cut to 40 characters, or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item[:40]
+    return None
+
+
+def _read_jsonl(path: Path, lines: Iterable[bytes | str],
+                blank_lines: bool = False) -> Iterator[RawRow]:
     for number, line in enumerate(lines, start=1):
         try:
-            text = line.decode("utf-8") if isinstance(line, bytes) else line
+            # utf-8-sig: a byte-order mark (Windows tools write one) is not part of the row.
+            text = line.decode("utf-8-sig") if isinstance(line, bytes) else line.lstrip("\ufeff")
         except UnicodeDecodeError as err:
             yield RawRow(str(path), number, ChatFormatError(f"line is not UTF-8 text: {err}"))
             continue
         if not text.strip():
+            if blank_lines:
+                yield RawRow(str(path), number, BlankLine("blank line"))
             continue  # blank lines are not rows
         try:
             value = json.loads(text)
@@ -191,13 +256,13 @@ def _read_jsonl(path: Path, lines: Iterable[bytes | str]) -> Iterator[RawRow]:
         yield _check_dict(str(path), number, value)
 
 
-def _read_json(path: Path) -> Iterator[RawRow]:
-    text = b"".join(_binary_lines(path)).decode("utf-8")  # not UTF-8: ValueError, guarded
+def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
+    text = b"".join(_binary_lines(path)).decode("utf-8-sig")  # not UTF-8: ValueError, guarded
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         # `Dataset.to_json` and many tools write JSON Lines into *.json files.
-        yield from _read_jsonl(path, text.splitlines())
+        yield from _read_jsonl(path, text.splitlines(), blank_lines)
         return
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
@@ -252,7 +317,7 @@ def detect_format(row: dict) -> str:
 
 
 def normalize(row: dict, fmt: str = "auto", *,
-              need_assistant: bool = True) -> list[dict[str, str]]:
+              need_assistant: bool = True) -> list[dict]:
     """The row's turns as `[{"role": ..., "content": str}]` (OpenAI roles).
 
     Raises `ChatFormatError` for an empty conversation, a turn without role or content, an
@@ -260,6 +325,8 @@ def normalize(row: dict, fmt: str = "auto", *,
     assistant turns), a conversation without an assistant turn. `need_assistant=False`
     accepts prompts, such as a lone user turn, for callers that generate the answer.
     A turn's `reasoning_content` (or `reasoning`) is kept, inline as `<think>...</think>`.
+    An assistant turn's OpenAI `tool_calls` are kept (its null content becomes ""), and a
+    tool turn's `tool_call_id` / `name`: the chat template renders them.
     """
     if not isinstance(row, dict):
         raise ChatFormatError(f"row is a {type(row).__name__}, not an object")
@@ -292,11 +359,36 @@ def _normalize_turn(i: int, turn: Any) -> dict[str, str]:
     if role is None:
         raise ChatFormatError(f"turn {i} has unknown role {raw_role!r} "
                               f"(known: {', '.join(sorted(ROLES))})")
-    content = _text(i, _first_present(turn, ("content", "value")))
+    raw_content = _first_present(turn, ("content", "value"))
+    tool_calls = turn.get("tool_calls") if role == "assistant" else None
+    if tool_calls is not None:
+        _check_tool_calls(i, tool_calls)
+        if raw_content is None:
+            raw_content = ""  # an OpenAI tool call has content null: the calls are the turn
+    content = _text(i, raw_content)
     reasoning = _first_present(turn, ("reasoning_content", "reasoning"))
     if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
         content = f"{THINK_OPEN}\n{reasoning.strip()}\n{THINK_CLOSE}\n\n{content.lstrip()}"
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls  # rendered by the chat template, which knows them
+    if role == "tool":
+        # Templates name the call a result answers by these (OpenAI and HF spellings).
+        message.update({k: turn[k] for k in ("tool_call_id", "name")
+                        if isinstance(turn.get(k), str)})
+    return message
+
+
+def _check_tool_calls(i: int, calls: Any) -> None:
+    """OpenAI `tool_calls`: a non-empty list of {"function": {"name": str, "arguments"}}."""
+    ok = isinstance(calls, list) and calls and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)
+    if not ok:
+        raise ChatFormatError(f"turn {i} has tool_calls that are not a list of OpenAI tool "
+                              f"calls ({{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                              f"\"arguments\": ...}}}})")
 
 
 def _first_present(turn: dict, keys: tuple[str, ...]):
@@ -308,7 +400,7 @@ def _text(i: int, content: Any) -> str:
     if isinstance(content, str):
         return content
     if content is None:
-        raise ChatFormatError(f"turn {i} has no content")
+        raise ChatFormatError(f"turn {i} has no content (and no tool_calls)")
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
@@ -372,7 +464,7 @@ def strip_reasoning(messages: list[dict[str, str]]) -> list[dict[str, str]]:
             text = _THINK_BLOCK.sub("", m["content"])
             if THINK_CLOSE in text:
                 text = text.split(THINK_CLOSE)[-1]
-            m = {"role": "assistant", "content": text.lstrip()}
+            m = {**m, "content": text.lstrip()}
         out.append(m)
     return out
 

@@ -140,9 +140,22 @@ def assistant_spans(tokenizer, messages: list[dict], *, chat_template: str | Non
             end = start + _end_of_turn(full[start:len(upto)], specials)[0]
         else:
             end = _end_in_context(i, upto[_common_prefix(prompt, upto):], full, start, specials)
+        _check_tool_calls_rendered(i, message, full[start:end])
         spans.append((start, end))
         prev_end = end
     return full, spans
+
+
+def _check_tool_calls_rendered(i: int, message: dict, generated: str) -> None:
+    """A tool call is supervised as the template renders it; a template without tool-call
+    support renders an empty turn, which would teach the draft nothing of the call."""
+    names = [call["function"]["name"] for call in message.get("tool_calls") or ()]
+    missing = [name for name in names if name not in generated]
+    if missing:
+        raise ChatFormatError(f"assistant turn {i} is a tool call ({', '.join(names)}) that the "
+                              f"chat template does not render ({missing[0]!r} is not in the "
+                              f"turn's text): use the template that serves tool calls "
+                              f"(--chat-template) or leave tool-call rows out")
 
 
 def _char_mask(text: str, spans: list[tuple[int, int]]) -> np.ndarray:
