@@ -310,7 +310,7 @@ def test_out_folder_is_replaced_only_when_it_is_an_export(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(EyasError, match="not an `eyas export` folder"):
+    with pytest.raises(EyasError, match="files eyas did not write.*notes.txt"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(other)))
     assert (other / "notes.txt").read_text() == "mine"
     out = tmp_path / "draft"
@@ -318,6 +318,42 @@ def test_out_folder_is_replaced_only_when_it_is_an_export(tmp_path):
     export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out), format="sglang"))
     assert read_manifest(out)["format"] == "sglang"
     assert not list(tmp_path.glob("*.tmp-export"))
+
+
+def test_re_export_never_deletes_what_the_user_put_in_the_folder(tmp_path):
+    """Issue 34: an earlier export into which the user put files is refused, not replaced."""
+    make_run(tmp_path / "run", draft_config())
+    out = tmp_path / "draft"
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    (out / "notes").mkdir()
+    (out / "notes" / "serving.md").write_text("mine")
+    with pytest.raises(EyasError, match="plus files it did not write.*notes"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    assert (out / "notes" / "serving.md").read_text() == "mine"
+    (out / "notes" / "serving.md").unlink()
+    (out / "notes").rmdir()
+    (out / "README.md").write_text("my own README")
+    with pytest.raises(EyasError, match="README.md changed since eyas wrote it"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    assert (out / "README.md").read_text() == "my own README"
+
+
+def test_checkpoint_pointers_stay_inside_the_run(tmp_path):
+    """Issue 34: best/last name a step folder beside them, never ../ or an absolute path."""
+    make_run(tmp_path / "run", draft_config(), steps=(5, 10), best=5)
+    ckpt = tmp_path / "run" / "checkpoints"
+    elsewhere = tmp_path / "outside"
+    elsewhere.mkdir()
+    for f in (ckpt / "step-00000005").iterdir():
+        (elsewhere / f.name).write_bytes(f.read_bytes())
+    for text in ("../../outside", str(elsewhere)):
+        (ckpt / "best").write_text(text + "\n")
+        with pytest.raises(EyasError, match="not a plain name inside"):
+            export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+        (ckpt / "last").write_text(text + "\n")
+        with pytest.raises(EyasError, match="not a step-NNNNNNNN folder.*Delete"):
+            checkpoint.resolve_resume(tmp_path / "run", "auto")
+    assert not (tmp_path / "d").exists()
 
 
 def test_speculators_needs_a_verifier_name(tmp_path):

@@ -143,3 +143,20 @@ def test_capture_refuses_a_foreign_folder_and_a_foreign_shard_state(llama_dir, p
     (fake / "shard-00000-of-00001.json").write_text('{"hello": 1}')
     with pytest.raises(EyasError, match="not a shard state written by `eyas capture`"):
         capture(_cfg(llama_dir, prepared, fake))
+
+
+def test_convert_refuses_a_foreign_folder_before_reading_the_gguf(tmp_path):
+    from eyas.convert import ConvertConfig, convert
+
+    gguf = tmp_path / "none.gguf"  # never read: the refusal comes first
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(EyasError, match="files eyas did not write.*notes.txt"):
+        convert(ConvertConfig(target=str(gguf), out=str(mine)))
+    done = tmp_path / "done"
+    write_manifest(done, "convert", {}, files={"model.safetensors": 1})
+    (done / "model.safetensors").write_text("x")
+    (done / "extra").mkdir()
+    with pytest.raises(EyasError, match="plus files it did not write.*extra"):
+        convert(ConvertConfig(target=str(gguf), out=str(done)))

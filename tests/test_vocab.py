@@ -117,3 +117,20 @@ def test_config_from_flags_and_validation():
         VocabConfig(data=(), out="o")
     with pytest.raises(ConfigError):
         VocabConfig(data=("p",), out="o", draft_vocab_size=0)
+
+
+def test_out_policy_keeps_a_users_vocab_file_and_reruns_its_own(tmp_path):
+    """Issue 34: a folder holding a user's vocab.safetensors (no eyas.json) is refused, kept."""
+    a = fake_prepared(tmp_path / "a", [0, 4, 1, 0, 2, 0, 0, 6])
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "vocab.safetensors").write_bytes(b"mine")
+    with pytest.raises(EyasError, match="files eyas did not write.*vocab.safetensors"):
+        vocab(VocabConfig(data=(str(a),), out=str(user), draft_vocab_size=3))
+    assert (user / "vocab.safetensors").read_bytes() == b"mine"
+    out = tmp_path / "v"
+    vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=3))
+    vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=2))  # its own: re-run
+    assert load_vocab(out)[0].numel() == 2
+    with pytest.raises(EyasError, match="output of `eyas prepare`"):
+        vocab(VocabConfig(data=(str(a),), out=str(a), draft_vocab_size=3))

@@ -8,10 +8,12 @@ parse and de-quantization at each load; artifacts made with either belong to the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import ConfigError, option, out_option, required
+from eyas.store.manifest import MANIFEST, check_out
 from eyas.target.convert import CONVERT_DTYPES, convert_gguf
 from eyas.target.models import is_gguf
 
@@ -38,4 +40,13 @@ class ConvertConfig:
 def convert(cfg: ConvertConfig) -> Path:
     """Write the folder `cfg.out` from the GGUF file `cfg.target` and return its path (nothing
     is done if it already holds this conversion)."""
+    check_out(cfg.out, "convert", own=_written(Path(cfg.out)))
     return convert_gguf(cfg.target, cfg.out, dtype=cfg.dtype)
+
+
+def _written(out: Path) -> tuple[str, ...]:
+    """The files an earlier conversion in `out` wrote (its manifest's `files`), if any."""
+    try:
+        return tuple(json.loads((out / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()

@@ -44,7 +44,8 @@ from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
 from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
                                 sglang_layer_ids)
 from eyas.serve.export_readme import render_readme
-from eyas.store.manifest import MANIFEST, file_sha256, read_manifest, write_manifest
+from eyas.store.manifest import (MANIFEST, check_out, file_sha256, inside, read_manifest,
+                                 write_manifest)
 from eyas.draft.formats import (internal_state_dict, read_vllm_folder, find_checkpoint,
                                 load_checkpoint)
 from eyas.dflash.formats import dflash_checkpoint_config
@@ -59,6 +60,8 @@ LAYOUTS = ("midlayer", "layers.0")
 # names its first layer layers.0.
 NATIVE_LAYOUT = {"vllm": "midlayer", "speculators": "layers.0", "sglang": "midlayer"}
 WEIGHTS_FILE = "model.safetensors"
+# Every name an export writes; a re-export replaces a folder holding only these
+FILES = (WEIGHTS_FILE, "config.json", "README.md")
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ def export(cfg: ExportConfig) -> Path:
                    format=cfg.format, layout=cfg.resolved_layout, dtype=cfg.dtype,
                    checkpoint=str(step), aux_layer_ids=list(dcfg.aux_layer_ids),
                    draft_config=dcfg.to_dict(),
-                   files={f: file_sha256(tmp / f) for f in (WEIGHTS_FILE, "config.json")})
+                   files={f: file_sha256(tmp / f) for f in FILES})
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -306,7 +309,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
     write_manifest(tmp, "export", cfg, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),
-                   files={f: file_sha256(tmp / f) for f in (WEIGHTS_FILE, "config.json")})
+                   files={f: file_sha256(tmp / f) for f in FILES})
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -333,12 +336,18 @@ def _architectures(target_name: str | None) -> list[str]:
 
 
 def _fresh_dir(out: Path) -> Path:
-    """A temp folder beside `out`; refuses to replace a folder that is not an earlier export."""
-    if out.exists() and any(out.iterdir()):
-        prior = json.loads((out / MANIFEST).read_text()).get("step") if (out / MANIFEST).is_file() else None
-        if prior != "export":
-            raise EyasError(f"{out} exists and is not an `eyas export` folder; choose an empty "
-                            f"or new --out (eyas only replaces its own exports)")
+    """A temp folder beside `out`. `out` is replaced later, so it must be missing, empty or an
+    earlier export holding only the files eyas wrote there, unedited (check_out, and the
+    sha256 each file had when it was written); anything else is refused by name."""
+    check_out(out, "export", own=FILES)
+    if (out / MANIFEST).is_file():
+        recorded = json.loads((out / MANIFEST).read_text()).get("files") or {}
+        edited = [f for f, digest in recorded.items()
+                  if (out / f).is_file() and file_sha256(inside(out, f, MANIFEST)) != digest]
+        if edited:
+            raise EyasError(f"{out} is an earlier export, but {', '.join(edited)} changed since "
+                            f"eyas wrote it (yours now); re-exporting would replace it. Move it "
+                            f"away, or choose another --out.")
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.errors import EyasError
-from eyas.store.manifest import check_same_target, read_manifest, write_manifest
+from eyas.store.manifest import check_out, check_same_target, read_manifest, write_manifest
 from eyas.store.vocab import VOCAB_FILE, check_vocab, load_vocab
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:
 
 def vocab(cfg: VocabConfig) -> dict:
     """Write `vocab.safetensors` (d2t, t2d) and the manifest into cfg.out; return the manifest."""
+    out = check_out(cfg.out, "vocab", own=(VOCAB_FILE,))
     counts, manifests = _read_counts(cfg.data)
     seen = int(counts.sum())
     if seen == 0:
@@ -101,7 +102,6 @@ def vocab(cfg: VocabConfig) -> dict:
                  "whole target vocabulary", counts.numel(), size)
         size = counts.numel()
     d2t, t2d, coverage = build_vocab(counts, size)
-    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / VOCAB_FILE))
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of %d assistant tokens "

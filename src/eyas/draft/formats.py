@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from eyas.draft.config import DraftConfig, draft_rope_scaling
 from eyas.errors import EyasError
+from eyas.store.manifest import inside
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -253,7 +254,7 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
             hint = " (no eval ran, so no best was chosen)" if which == "best" else ""
             raise EyasError(f"{path} has no checkpoints/{which}{hint}; use --which last or "
                             f"--which step-N")
-        step = ckpt / pointer.read_text().strip()
+        step = inside(ckpt, pointer.read_text().strip(), f"checkpoints/{which}")
     else:
         step = ckpt / f"step-{int(which.split('-')[1]):08d}"
     if not (step / "draft.safetensors").is_file():

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict)
 
 from eyas.errors import EyasError
+from eyas.store.manifest import inside
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,13 @@ def read_pointer(run_dir: str | Path, name: str) -> Path | None:
     ptr = Path(run_dir) / "checkpoints" / name
     if not ptr.is_file():
         return None
-    target = ptr.parent / ptr.read_text().strip()
+    text = ptr.read_text().strip()
+    if not STEP_DIR.match(text):
+        raise EyasError(f"{ptr} names {text!r}, not a step-NNNNNNNN folder beside it (eyas "
+                        f"writes only such names there; the file was edited). Delete {ptr} "
+                        f"(`last`: training then resumes from nothing, or pass --resume "
+                        f"{ptr.parent}/step-NNNNNNNN; `best`: export with --which step-N).")
+    target = inside(ptr.parent, text, f"checkpoints/{name}")
     return target if (target / "trainer_state.pt").is_file() else None
 
 
@@ -201,7 +208,7 @@ def clear_after(run_dir: str | Path, step: int) -> None:
             shutil.rmtree(p)
     for name in ("last", "best"):
         ptr = ckpt / name
-        if ptr.is_file() and not (ckpt / ptr.read_text().strip()).is_dir():
+        if ptr.is_file() and read_pointer(run_dir, name) is None:
             ptr.unlink()
 
 
