@@ -68,6 +68,30 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_broken_configs_and_a_fake_gguf_are_one_line_errors(tmp_path, capsys):
+    # Issue 34: malformed YAML and a !!python tag (refused by safe_load, never run) ended in
+    # raw tracebacks; a text file named x.gguf must be a clear error too.
+    marker = tmp_path / "ran"
+    cases = {"syntax.yaml": ("target: [oops\n", "not valid YAML at line 2, column 1"),
+             "tag.yaml": (f"target: !!python/object/apply:os.system ['touch {marker}']\n",
+                          "eyas reads plain YAML only (no !!python tags)"),
+             "tab.yaml": ("out: x\n\tdata: y\n", "cannot start any token"),
+             "latin1.yaml": (b"target: caf\xe9\n", "is not UTF-8 text")}
+    for name, (text, want) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        for argv in (["prepare", "--config", str(path)], ["run", str(path)]):
+            assert cli.main(argv) == 2
+            err = capsys.readouterr().err
+            assert want in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert not marker.exists()
+    fake = tmp_path / "x.gguf"
+    fake.write_text("not a model, just text\n")
+    assert cli.main(["doctor", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a GGUF file" in err and "Traceback" not in err
+
+
 
 def _build_draft(cfg):
     """eyas.draft.train_setup.build_draft on a tiny target: only what it reads of eyas.draft.data.Inputs."""

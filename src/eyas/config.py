@@ -112,7 +112,19 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        # safe_load never runs a tag; a `!!python/...` one is refused here, like a syntax error.
+        mark = getattr(err, "problem_mark", None)  # absent on some YAMLErrors
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        hint = ("; eyas reads plain YAML only (no !!python tags)" if "!!python" in str(err)
+                or "tag:yaml.org,2002:python" in str(err) else "")
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}{hint}"
+                          ) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({err})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of key: value")
     return data
