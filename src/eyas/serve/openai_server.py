@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import hmac
 import http.client
 import itertools
 import json
@@ -38,6 +39,10 @@ from eyas.errors import EyasError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256  # when a request names no max_tokens
+MAX_TOKENS_LIMIT = 8192  # the most new tokens one request may ask for (--max-tokens-limit)
+MAX_BODY_BYTES = 8 << 20  # larger request bodies get HTTP 413 unread (--max-body-mb)
+SOCKET_TIMEOUT_S = 60.0  # a client silent this long mid-request loses its connection
+API_KEY_ENV = "EYAS_API_KEY"  # the key `python -m eyas.serve.openai_server` requires, if set
 # HTTP statuses worth retrying (overload, timeouts, server faults); other 4xx are final.
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -248,7 +253,9 @@ def load_generator(model: str | Path, *, dtype: str = "auto", device: str | None
 
 
 def _error(status: int, message: str) -> tuple[int, dict]:
-    kinds = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+    kinds = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             411: "LengthRequiredError", 413: "RequestTooLargeError",
+             500: "InternalServerError"}
     return status, {"error": {"message": message, "type": kinds[status], "code": status}}
 
 
@@ -260,13 +267,23 @@ class ChatServer:
     `slow_requests` wait `slow_seconds` first; prompts over `max_prompt_tokens` get HTTP 400.
     `stats` counts requests, injected failures and slow answers, completions and the most
     requests in flight at once.
+
+    Limits: with `api_key`, every route but /health needs `Authorization: Bearer KEY` (HTTP
+    401); bodies over `max_body_bytes` get HTTP 413 unread; `max_tokens` must be 1 to
+    `max_tokens_limit` (HTTP 400, which clients do not retry); a connection silent for
+    `timeout` seconds is closed, so a client announcing a body it never sends holds no thread.
     """
 
     def __init__(self, generator: LocalGenerator, name: str, *, host: str = "127.0.0.1",
                  port: int = 0, max_prompt_tokens: int | None = None, fail_first: int = 0,
                  fail_every: int = 0, slow_requests: tuple[int, ...] = (),
-                 slow_seconds: float = 0.0):
+                 slow_seconds: float = 0.0, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, max_tokens_limit: int = MAX_TOKENS_LIMIT,
+                 timeout: float = SOCKET_TIMEOUT_S):
         self.generator, self.name = generator, name
+        self.api_key = api_key or None
+        self.max_body_bytes, self.max_tokens_limit = max_body_bytes, max_tokens_limit
+        self.timeout = timeout
         self.max_prompt_tokens = max_prompt_tokens
         self.fail_first, self.fail_every = fail_first, fail_every
         self.slow_requests, self.slow_seconds = frozenset(slow_requests), slow_seconds
@@ -333,10 +350,17 @@ class ChatServer:
             if not isinstance(messages, list) or not all(
                     isinstance(m, dict) and "role" in m for m in messages):
                 raise ValueError("'messages' must be a list of {role, content} objects")
-            max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens")
-                             or DEFAULT_MAX_TOKENS)
+            max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+                               if body.get(k) is not None), DEFAULT_MAX_TOKENS)
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or \
+                    not 1 <= max_tokens <= self.max_tokens_limit:
+                raise ValueError(f"max_tokens must be an integer from 1 to "
+                                 f"{self.max_tokens_limit}, got {max_tokens!r}")
             temperature = float(body.get("temperature", 1.0))
             top_p = float(body.get("top_p", 1.0))
+            if not (0.0 <= temperature <= 100.0 and 0.0 < top_p <= 1.0):
+                raise ValueError(f"temperature must be in [0, 100] and top_p in (0, 1], got "
+                                 f"{temperature} and {top_p}")
             seed = None if body.get("seed") is None else int(body["seed"])
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             return _error(400, f"bad request: {err}")
@@ -375,20 +399,54 @@ class ChatServer:
 class _Handler(BaseHTTPRequestHandler):
     server_version = "eyas-chat-server"
 
+    def setup(self):
+        self.timeout = self.server.chat.timeout  # applied to the socket by StreamRequestHandler
+        super().setup()
+
     def do_GET(self):  # noqa: N802 (the http.server spelling)
-        if self.path.rstrip("/") == "/v1/models":
-            self._send(200, self.server.chat.models())
-        elif self.path.rstrip("/") == "/health":
+        if self.path.rstrip("/") == "/health":
             self._send(200, {})
+        elif not self._authorized():
+            return
+        elif self.path.rstrip("/") == "/v1/models":
+            self._send(200, self.server.chat.models())
         else:
             self._send(*_error(404, f"no route {self.path}"))
 
     def do_POST(self):  # noqa: N802
+        if not self._authorized():
+            return
         if self.path.rstrip("/") != "/v1/chat/completions":
             self._send(*_error(404, f"no route {self.path}"))
             return
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        limit = self.server.chat.max_body_bytes
+        try:
+            length = int(self.headers["Content-Length"])
+        except (TypeError, ValueError):
+            self.close_connection = True
+            self._send(*_error(411, "a JSON body with a Content-Length header is required"))
+            return
+        if not 0 <= length <= limit:
+            self.close_connection = True  # the body is never read
+            self._send(*_error(413, f"the request body is {length} bytes; this server takes "
+                                    f"at most {limit}"))
+            return
+        try:
+            raw = self.rfile.read(length)
+        except OSError:  # the socket timeout: a client that announced more than it sent
+            self.close_connection = True
+            return
         self._send(*self.server.chat.chat(raw))
+
+    def _authorized(self) -> bool:
+        """True without an API key or with the right one; else answers HTTP 401."""
+        key = self.server.chat.api_key
+        given = self.headers.get("Authorization") or ""
+        if key is None or hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return True
+        self._send(*_error(401, "a valid API key is required: send the header "
+                                "'Authorization: Bearer KEY'"))
+        return False
 
     def _send(self, status: int, body: dict) -> None:
         data = json.dumps(body, ensure_ascii=False).encode()
@@ -518,8 +576,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if "
                                                        "available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
+                             f"eyas regenerate sends $OPENAI_API_KEY)")
+    parser.add_argument("--max-tokens-limit", type=int, default=MAX_TOKENS_LIMIT,
+                        help="the most new tokens one request may ask for")
+    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                        help="larger request bodies are refused (HTTP 413)")
+    parser.add_argument("--timeout", type=float, default=SOCKET_TIMEOUT_S,
+                        help="seconds a connection may stay silent mid-request")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who reaches this port can run "
+                    "the model; pass --api-key (or set $%s)", args.host, API_KEY_ENV)
     if args.device is None:
         import torch
 
@@ -527,7 +597,9 @@ def main(argv: list[str] | None = None) -> None:
     generator = load_generator(args.model, dtype=args.dtype, device=args.device,
                                trust_remote_code=args.trust_remote_code)
     server = ChatServer(generator, args.served_model_name or args.model, host=args.host,
-                        port=args.port)
+                        port=args.port, api_key=args.api_key,
+                        max_body_bytes=int(args.max_body_mb * 2**20),
+                        max_tokens_limit=args.max_tokens_limit, timeout=args.timeout)
     log.info("serving %s at %s/v1 (Ctrl-C stops)", server.name, server.url)
     try:
         server.httpd.serve_forever()
