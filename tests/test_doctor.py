@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
 import types
 from typing import ClassVar, Literal, Protocol, runtime_checkable
@@ -251,3 +252,69 @@ def test_real_vllm(model_dir, name):
         assert set(e3["members"]) >= {"set_aux_hidden_state_layers", "supports_eagle3"}
         assert e3["supports_eagle3"] == (e3["missing"] == [])
         assert (vl["plugin"]["status"] == "not needed") == e3["supports_eagle3"]
+
+
+# A vLLM that imports but breaks further in, as real installs do (issue 34: a missing PIL gave a
+# full traceback before the report). Its logger is set up as vLLM's is, and its registry logs a
+# model module that fails to import with logger.exception, as vLLM's _try_load_model_cls does.
+FAKE_VLLM = {
+    "vllm/__init__.py": (
+        "import logging, sys\n__version__ = '0.0.broken'\n"
+        "_root = logging.getLogger('vllm')\n_root.addHandler(logging.StreamHandler(sys.stderr))\n"
+        "_root.setLevel(logging.DEBUG)\n_root.propagate = False\n"
+        "from vllm.model_executor.models.registry import ModelRegistry\n"),
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/models/__init__.py": "",
+    "vllm/model_executor/models/registry.py": (
+        "import importlib, logging\nlogger = logging.getLogger(__name__)\n"
+        "class _Registry:\n"
+        "    def get_supported_archs(self):\n        return ['LlamaForCausalLM']\n"
+        "    def _try_load_model_cls(self, arch):\n"
+        "        try:\n"
+        "            return importlib.import_module('vllm.model_executor.models.llama').Model\n"
+        "        except Exception:\n"
+        "            logger.exception('Error in loading model architecture %r', arch)\n"
+        "            return None\n"
+        "ModelRegistry = _Registry()\n"),
+    "vllm/multimodal.py": "from PIL import ImageOps_not_in_this_install\n",
+}
+BROKEN_MODEL = "import vllm.multimodal\nclass Model: pass\n"  # the model module needs PIL
+BROKEN_INTERFACES = "import vllm.multimodal\n"  # the class loads; its interfaces need PIL
+
+
+@pytest.mark.parametrize("broken", ["model module", "interfaces"])
+def test_a_broken_vllm_is_one_line_not_a_traceback(model_dir, tmp_path, monkeypatch, capsys,
+                                                   broken):
+    files = dict(FAKE_VLLM)
+    if broken == "model module":
+        files["vllm/model_executor/models/llama.py"] = BROKEN_MODEL
+    else:
+        files["vllm/model_executor/models/llama.py"] = "class Model: pass\n"
+        files["vllm/model_executor/models/interfaces.py"] = BROKEN_INTERFACES
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    target = str(model_dir("llama"))
+    capsys.readouterr()  # building the tiny model writes a progress bar
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.handlers[:], vllm_logger.propagate, vllm_logger.level
+    try:
+        report = doctor(DoctorConfig(target=target))
+    finally:
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[name]
+        vllm_logger.handlers, vllm_logger.propagate = saved[:2]
+        vllm_logger.setLevel(saved[2])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err == ""
+    section = out.split("\nvllm ")[1].split("\nverdict")[0]  # the vLLM section of the report
+    vllm_lines = [line for line in section.splitlines() if "ImageOps_not_in_this_install" in line]
+    assert len(vllm_lines) == 1 and "0.0.broken" in out
+    if broken == "model module":
+        assert "could not load its class (ImportError: cannot import name" in vllm_lines[0]
+        assert report["vllm_checked"]
+    else:
+        assert len(section.splitlines()) == 1 and "imports but fails further in" in section
+        assert not report["vllm_checked"] and report["ok"]
+        assert "vLLM side not checked" in out

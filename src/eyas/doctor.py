@@ -11,10 +11,13 @@ eagle3, and whether the eyas vLLM plugin would patch it. `--json` prints the sam
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import json
+import logging
+import logging.handlers
 import sys
 import typing
 from dataclasses import asdict, dataclass
@@ -88,7 +91,7 @@ def doctor(cfg: DoctorConfig) -> dict:
     report["problems"] = _problems(report, info)
     report["notes"] = _notes(str(cfg.target))
     report["ok"] = not report["problems"]
-    report["vllm_checked"] = report["vllm"]["importable"]
+    report["vllm_checked"] = report["vllm"]["importable"] and "broken" not in report["vllm"]
     _emit(json.dumps(report, indent=2, default=str) if cfg.json else render_text(report))
     return report
 
@@ -174,15 +177,43 @@ def vllm_report(architectures: list[str], text_model_type: str) -> dict:
                      f"{'is' if allowed_by(text_model_type, OLD_ALLOW_LIST) else 'is not'})"),
         }
     out: dict = {"importable": True, "version": getattr(vllm, "__version__", "unknown")}
-    cls, out["model_class"] = _vllm_model_class(arch)
-    out["model_type"] = eagle3_model_type_check(text_model_type)
-    if cls is not None:
-        from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
+    try:
+        with _vllm_logs_held() as held:
+            cls, out["model_class"] = _vllm_model_class(arch)
+            out["model_type"] = eagle3_model_type_check(text_model_type)
+            if cls is not None:
+                from vllm.model_executor.models.interfaces import (SupportsEagle3,
+                                                                   supports_eagle3)
 
-        out["eagle3"] = eagle3_interface(cls, SupportsEagle3, supports_eagle3)
-        out["plugin"] = ({"status": "not needed"} if out["eagle3"]["supports_eagle3"]
-                         else plugin_plan(cls))
+                out["eagle3"] = eagle3_interface(cls, SupportsEagle3, supports_eagle3)
+                out["plugin"] = ({"status": "not needed"} if out["eagle3"]["supports_eagle3"]
+                                 else plugin_plan(cls))
+    except Exception as err:  # a vLLM that imports but breaks further in (e.g. no PIL)
+        return {"importable": True, "version": out["version"],
+                "broken": f"{type(err).__name__}: {err}"}
+    if cls is None and _logged_error(held.buffer):
+        out["model_class"] += f" ({_logged_error(held.buffer)})"
     return out
+
+
+@contextlib.contextmanager
+def _vllm_logs_held():
+    """Hold what vLLM logs meanwhile: it logs a model module that fails to import with its
+    whole traceback (`logger.exception`), which the report says in one line instead."""
+    logger = logging.getLogger("vllm")
+    held = logging.handlers.BufferingHandler(capacity=10_000)
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [held], False
+    try:
+        yield held
+    finally:
+        logger.handlers, logger.propagate = saved
+
+
+def _logged_error(records: list[logging.LogRecord]) -> str | None:
+    """The last exception vLLM logged, as `Type: message`, or None."""
+    errors = [r.exc_info[1] for r in records if r.exc_info and r.exc_info[1] is not None]
+    return f"{type(errors[-1]).__name__}: {errors[-1]}" if errors else None
 
 
 def _vllm_model_class(arch: str):
@@ -262,8 +293,8 @@ def eagle3_model_type_check(text_model_type: str) -> dict:
     """Whether the installed vLLM accepts `text_model_type` as an eagle3 target."""
     for module in ALLOW_LIST_MODULES:
         try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
+            spec = importlib.util.find_spec(module)  # imports the parent package
+        except Exception:  # ImportError, or a broken vLLM failing at its import
             continue
         if spec is None or not (spec.origin or "").endswith(".py"):
             continue
@@ -313,7 +344,7 @@ def _problems(report: dict, info: ModelInfo) -> list[str]:
     if report["draft_attention"].startswith("error: "):
         out.append(f"draft attention: {report['draft_attention'][len('error: '):]}")
     vl = report["vllm"]
-    if vl["importable"]:
+    if vl["importable"] and "broken" not in vl:
         if "eagle3" not in vl:
             out.append(f"vLLM: {vl['model_class']}")
         elif not vl["eagle3"]["supports_eagle3"]:
@@ -351,6 +382,10 @@ def _vllm_lines(vl: dict) -> list[tuple[str, str]]:
         return [("vllm", f"not importable ({vl['error']})"),
                 ("  not checked", "; ".join(vl["not_checked"])),
                 ("  hint", vl["hint"])]
+    if "broken" in vl:
+        return [("vllm", f"{vl['version']} imports but fails further in ({vl['broken']}): "
+                         f"vLLM side not checked; repair that environment or run `eyas doctor` "
+                         f"where the model is served")]
     lines = [("vllm", vl["version"]), ("  model class", vl["model_class"])]
     if "eagle3" in vl:
         e3 = vl["eagle3"]
@@ -409,7 +444,7 @@ def render_text(r: dict) -> str:
                             "FlexAttention]"),
         *_vllm_lines(r["vllm"]),
         ("verdict", (f"{len(r['problems'])} problem(s)" if not r["ok"] else "ok" if
-                     r["vllm"]["importable"] else "ok for capture/train/export; vLLM side "
+                     r["vllm_checked"] else "ok for capture/train/export; vLLM side "
                      "not checked")),
         *[("  problem", p) for p in r["problems"]],
         *[("note", n) for n in r["notes"]],
