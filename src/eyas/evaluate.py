@@ -1,13 +1,15 @@
 """`eyas eval`: speculative decoding with the draft; acceptance length and speed report.
 
 For each prompt the target decodes plainly (the "no speculation" baseline, and at T=0 the
-greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 (or DFlash:
-eyas.serve.dflash_drafter) draft for every k. Numbers use vLLM's definitions (reference §7): mean acceptance length
-`1 + accepted / drafts`, per-position acceptance `accepted at i / drafts`, batch 1, chain drafts.
-The loop itself is `eyas.serve.speculate`; this module loads things and runs it, and
-`eyas.serve.eval_report` writes `report.json`, `report.md` and two plots (docs/eval.md).
+greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 (or
+DFlash: eyas.serve.dflash_drafter) draft for every k. Numbers use vLLM's definitions
+(reference §7): mean acceptance length `1 + accepted / drafts`, per-position acceptance
+`accepted at i / drafts`, chain drafts. Prompts come from eyas.target.prompts (files, prepared
+folders, the standard sets of eyas.store.benchsets), each set measured on its own, MT-bench's
+second turn after the target's own answer. The loop itself is `eyas.serve.speculate` (and
+`eyas.serve.batched`); `eyas.serve.eval_report` writes `report.json`, `report.md` and two
+plots (docs/eval.md).
 """
-
 from __future__ import annotations
 
 import json
@@ -443,9 +445,10 @@ def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig) -> list
 
 def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
                  stop_ids: frozenset[int], tokenizer,
-                 index: list[int] | None = None) -> dict[str, Measured]:
+                 index: list[int] | None = None
+                 ) -> dict[str, tuple[list[Prompt], Measured]]:
     """`measure` on each group of prompts on its own (so each set has its own speed), in
-    order. After a group whose prompts ask a next question (MT-bench), that turn is measured
+    order: group -> (its prompts, Measured). After a group whose prompts ask a next question (MT-bench), that turn is measured
     as its own group, its prompts built from the target's own answers (its plain decoding,
     the greedy reference at T=0), as FastChat asks MT-bench's second turn."""
     from eyas.target.models import text_config
@@ -461,8 +464,8 @@ def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: E
     out = {}
     while pending:
         group, ps, idx = pending.pop(0)
-        out[group] = measure(model, layers, final_norm, draft, ps, cfg, stop_ids, idx)
-        answers = out[group].outputs["target", 0]
+        out[group] = ps, measure(model, layers, final_norm, draft, ps, cfg, stop_ids, idx)
+        answers = out[group][1].outputs["target", 0]
         asked = [(next_turn(p, a, tokenizer), j) for p, j, a in zip(ps, idx, answers)
                  if p.follow_up is not None]
         fit = [(p, j) for p, j in asked if len(p.ids) <= room]
@@ -495,7 +498,7 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
                         _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)
-    return sets, record, draft_manifest
+    return {g: m for g, (_, m) in sets.items()}, record, draft_manifest
 
 
 def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None):
