@@ -685,3 +685,14 @@ def test_vllm_serves_the_export_losslessly(tmp_path, llama_dir, fmt):
                 "method": "eagle3", "model": str(out), "num_speculative_tokens": 3}})
     llm = vllm.LLM(**spec, max_model_len=256, gpu_memory_utilization=0.3, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_vllm_readme_warns_against_speculators_convert_of_an_eagle31_draft(tmp_path):
+    """Issue 34: `speculators convert` (0.9.0) drops input_norm.weight; export says what to use."""
+    make_run(tmp_path / "run", draft_config(norm_before_fc=True))
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "v")))
+    readme = (out / "README.md").read_text()
+    assert "`speculators convert` (0.9.0)" in readme and "--format speculators" in readme
+    make_run(tmp_path / "plain", draft_config())
+    out = export(ExportConfig(checkpoint=str(tmp_path / "plain"), out=str(tmp_path / "p")))
+    assert "speculators convert" not in (out / "README.md").read_text()

@@ -58,6 +58,11 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
     if cfg.format == "vllm":
         lines.append("- for SGLang, export again with `--format sglang`: SGLang reads these ids "
                      "one layer later")
+        if dcfg.norm_before_fc:
+            lines.append("- for a speculators folder, export again with `--format "
+                         "speculators`: `speculators convert` (0.9.0) of this folder drops "
+                         "`input_norm.weight` (\"Unexpected keys in checkpoint\"), so the "
+                         "converted draft is not the one trained")
     if cfg.format == "sglang":
         lines.append(f"- SGLang reads `eagle_config` ids {sglang_layer_ids(ids)}: it adds 1 and "
                      f"captures that layer's input, i.e. the same residual streams")
