@@ -1,0 +1,120 @@
+"""benchmarks/peers/speculators_train.py end to end on a tiny target (CPU): eyas prepare ->
+capture -> vocab, speculators' own trainer on that capture for a few steps, the vLLM-layout
+folder it writes read back by `eyas eval`, and that folder computing the same logits as
+speculators' own checkpoint (so the key mapping and the EAGLE 3.1 flags are right).
+
+Needs `speculators==0.9.0` importable (e.g. `pip install --target DIR` its wheels without
+torch/transformers, then PYTHONPATH=DIR); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
+                       reason="speculators is not importable (pip install --target DIR "
+                              "speculators==0.9.0 hs-connectors ... and set PYTHONPATH=DIR)"),
+]
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "speculators_train.py"
+
+
+def _run(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def peer_run(llama_dir, tmp_path_factory):
+    from eyas.target.corpus import synthetic_chats
+
+    work = tmp_path_factory.mktemp("peers")
+    chats = work / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps(r) for r in synthetic_chats(24, seed=0)) + "\n")
+    eyas = ["-m", "eyas"]
+    _run([*eyas, "prepare", "--target", str(llama_dir), "--data", str(chats), "--out",
+          "prepared"], work)
+    _run([*eyas, "capture", "--target", str(llama_dir), "--data", "prepared", "--out",
+          "captured"], work)
+    _run([*eyas, "vocab", "--data", "prepared", "--out", "vocab", "--draft-vocab-size", "128"],
+         work)
+    _run([str(SCRIPT), "--capture", "captured", "--vocab", "vocab", "--target", str(llama_dir),
+          "--out", "peer", "--epochs", "2", "--batch-tokens", "512", "--device", "cpu",
+          "--num-workers", "0"], work)
+    return work
+
+
+def test_peer_json_records_speculators_recipe_and_split(peer_run):
+    peer = json.loads((peer_run / "peer" / "peer.json").read_text())
+    assert peer["speculators_version"] == "0.9.0"
+    recipe = peer["recipe"]
+    assert recipe["optimizer"] == "muon" and recipe["lr"] == 1e-3
+    assert recipe["ttt_steps"] == 3 and recipe["ttt_step_loss_decay"] == 1.0
+    assert recipe["scheduler_type"] == "linear" and recipe["loss_implementation"] == "eager"
+    assert recipe["norm_before_fc"] and recipe["norm_output"] and recipe["norm_before_residual"]
+    assert peer["steps"] > 0 and Path(peer["train_log"]).is_file()
+    # eyas's split: 23 captured train samples, one held out (eyas train's --eval-fraction)
+    assert (peer["train_samples"], peer["eval_samples"]) == (22, 1)
+    assert peer["final_norm_inversion_max_rel_error"] < 1e-2
+    config = json.loads((peer_run / "peer" / "draft" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["norm_before_fc"] and config["norm_output"] and config["norm_before_residual"]
+    assert "target_hidden_size" not in config
+    captured = json.loads((peer_run / "captured" / "eyas.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == captured["aux_layer_ids"]
+
+
+def test_vllm_folder_computes_speculators_logits(peer_run, llama_dir):
+    """Step 0 on the same inputs: eyas's reader of the written folder against speculators'
+    own model loaded from its checkpoint (input_norm included, flags as trained)."""
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from transformers import AutoModelForCausalLM
+
+    from eyas.draft.eagle3 import Eagle3Draft
+
+    peer = json.loads((peer_run / "peer" / "peer.json").read_text())
+    ckpt = Path(peer["checkpoint"])
+    assert "input_norm.weight" in load_file(str(peer_run / "peer" / "draft" /
+                                                 "model.safetensors"))
+    config = Eagle3SpeculatorConfig.from_pretrained(ckpt)
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    theirs = Eagle3DraftModel.from_pretrained(ckpt, config=config).float().eval()
+    target = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    ours = Eagle3Draft.from_pretrained(peer_run / "peer" / "draft",
+                                       embed_tokens=target.model.embed_tokens).float().eval()
+
+    torch.manual_seed(0)
+    t, h = 12, target.config.hidden_size
+    aux = torch.randn(1, t, 3 * h)
+    ids = torch.randint(0, target.config.vocab_size, (1, t))
+    pos = torch.arange(1, t + 1)[None]
+    seen = []
+    hook = theirs.lm_head.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        theirs(hidden_states=aux, input_ids=ids, document_ids=torch.zeros(1, t, dtype=torch.long),
+               position_ids=pos, ttt_steps=1)
+        mine = ours(ids, aux, pos).logits
+    hook.remove()
+    torch.testing.assert_close(mine, seen[0], rtol=2e-3, atol=2e-3)
+
+
+def test_eyas_eval_reads_the_peer_draft(peer_run, llama_dir):
+    _run(["-m", "eyas", "eval", "--target", str(llama_dir), "--draft", "peer/draft",
+          "--data", "prepared", "--out", "report", "--max-new-tokens", "16"], peer_run)
+    report = json.loads((peer_run / "report" / "eyas.json").read_text())
+    text = json.dumps(report)
+    assert "mean_acceptance_length" in text and report.get("lossless", True) is True
