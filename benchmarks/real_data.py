@@ -150,16 +150,39 @@ def ensure_archives(cache: Path, offline: bool = False) -> dict[str, Path]:
         if not path.is_file():
             if offline:
                 raise SystemExit(f"{path} is missing (--offline: not downloading)")
-            binary = ["--no-binary", ":all:"] if filename.endswith(".tar.gz") else [
-                "--only-binary", ":all:"]
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *binary,
-                   "--dest", str(cache), f"{name}=={version}"]
-            print("fetching:", " ".join(cmd), file=sys.stderr)
-            subprocess.run(cmd, check=True)
+            if filename.endswith(".tar.gz"):
+                _fetch_sdist(name, filename, path)
+            else:
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary",
+                       ":all:", "--dest", str(cache), f"{name}=={version}"]
+                print("fetching:", " ".join(cmd), file=sys.stderr)
+                subprocess.run(cmd, check=True)
             if not path.is_file():
                 raise SystemExit(f"pip download did not write {path}")
         paths[family] = path
     return paths
+
+
+def _fetch_sdist(name: str, filename: str, path: Path) -> None:
+    """The sdist `filename` from the package index's simple page (PEP 503), checked against
+    the sha256 the index gives. Not `pip download --no-binary`: pip builds an sdist's
+    metadata to download it, and bigbench's (a direct-URL dependency) fails that on pip >= 23."""
+    import re
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    page = urllib.request.urlopen(f"{index}/{name}/", timeout=60).read().decode()
+    found = re.search(r'href="([^"]*/' + re.escape(filename) + r'#sha256=([0-9a-f]{64}))"', page)
+    if not found:
+        raise SystemExit(f"{filename} is not on {index}/{name}/")
+    print(f"fetching: {filename} from {index}", file=sys.stderr)
+    tmp = path.with_name(path.name + ".part")
+    with urllib.request.urlopen(found.group(1), timeout=600) as r, open(tmp, "wb") as f:
+        shutil.copyfileobj(r, f, 1 << 20)
+    if file_sha256(tmp) != found.group(2):
+        tmp.unlink()
+        raise SystemExit(f"{filename}: sha256 differs from the index's {found.group(2)}")
+    os.replace(tmp, path)
 
 
 def file_sha256(path: Path) -> str:
