@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -56,6 +58,10 @@ SPECULATORS = {
     "positions": ["--loss-mask-at", "input", "--no-vocab-filter"],
 }
 VARIANTS.update({f"eagle3.1+{k}": [*NORMS, *v] for k, v in SPECULATORS.items()})
+# peer trainers run on the same capture and vocab (benchmarks/peers/), with their own
+# recipe; name -> script. Their wheels may live outside this environment: $PEER_SITE is put
+# first on their PYTHONPATH
+PEERS = {"peer-speculators": "peers/speculators_train.py"}
 VARIANTS.update({
     "eagle3.1+lr1e-4": [*NORMS, "--lr", "1e-4"],  # eyas train's own default lr
     "eagle3.1+lr1e-3": [*NORMS, "--lr", "1e-3"],  # speculators' lr without Muon
@@ -120,7 +126,7 @@ def main(argv=None) -> dict:
         Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
     written = threading.Lock()  # variants finish in their own threads
     names = a.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = [n for n in names if n not in VARIANTS and n not in PEERS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}: use some of {sorted(VARIANTS)}")
 
@@ -129,15 +135,20 @@ def main(argv=None) -> dict:
         base.mkdir(parents=True, exist_ok=True)
         vlog = log if a.parallel == 1 else base / "log.txt"
         t0 = time.perf_counter()
-        run("train", "--data", work / "captured", "--vocab", work / "vocab", "--out",
-            base / "run", "--epochs", a.epochs, "--batch-tokens", a.batch_tokens, "--lr", a.lr,
-            "--eval-every", 200, "--save-every", 200, *VARIANTS[name], log=vlog,
-            out=base / "run")
+        if name in PEERS:
+            _peer(name, a, base, vlog)
+        else:
+            run("train", "--data", work / "captured", "--vocab", work / "vocab", "--out",
+                base / "run", "--epochs", a.epochs, "--batch-tokens", a.batch_tokens, "--lr",
+                a.lr, "--eval-every", 200, "--save-every", 200, *VARIANTS[name], log=vlog,
+                out=base / "run")
         train_s = time.perf_counter() - t0
-        run("export", "--checkpoint", base / "run", "--out", base / "draft", log=vlog,
-            out=base / "draft")
+        if name not in PEERS:
+            run("export", "--checkpoint", base / "run", "--out", base / "draft", log=vlog,
+                out=base / "draft")
         _evals(a, base, splits, vlog)
-        record = _record(name, base / "run", base, splits, train_s)
+        record = _peer_record(name, base, splits, train_s) if name in PEERS else \
+            _record(name, base / "run", base, splits, train_s)
         with written:
             results[name] = record
             Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
@@ -150,6 +161,42 @@ def main(argv=None) -> dict:
     result = _result(a, results)
     print(markdown(result))
     return result
+
+
+def _peer(name: str, a, base: Path, log: Path) -> None:
+    """A peer's trainer on the work folder's capture and vocab, for the same epochs and tokens
+    per step; it writes base/draft (vLLM layout) and base/peer.json. Skipped when done."""
+    if (base / "peer.json").is_file():
+        print(f"{name}: done before, skipped", flush=True)
+        return
+    work = Path(a.work)
+    cmd = [sys.executable, str(Path(__file__).parent / PEERS[name]), "--capture",
+           str(work / "captured"), "--vocab", str(work / "vocab"), "--target", a.target,
+           "--out", str(base), "--epochs", str(a.epochs), "--batch-tokens",
+           str(a.batch_tokens), "--device", "cuda" if _has_cuda() else "cpu"]
+    env = dict(os.environ)
+    if env.get("PEER_SITE"):
+        env["PYTHONPATH"] = os.pathsep.join([env["PEER_SITE"], env.get("PYTHONPATH", "")])
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if done.returncode:
+        raise SystemExit(f"{name} failed (rc {done.returncode}); see {log}")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _peer_record(name: str, base: Path, splits: list, train_s) -> dict:
+    peer = json.loads((base / "peer.json").read_text())
+    return {"peer": peer, "train_s": train_s and round(train_s, 1),
+            "train_tokens_per_s": None, "best_step": None, "training_replayed_al": None,
+            **{split: _measured(json.loads((base / f"eval-{split}/report.json").read_text()))
+               for split in splits}}
 
 
 def _evals(a, base: Path, splits: list, log: Path) -> None:
