@@ -109,6 +109,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     abl() {  # the variants (again: every finished step is skipped, only the records are read)
       python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \
           --variants ${ABLATION_VARIANTS:?name the variants} "$@" \
+          ${ABLATION_INDIST:+--indist-for $ABLATION_INDIST} \
           --parallel ${ABLATION_PARALLEL:-16} --splits indist,heldout \
           --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) --k $(arg --k) \
           --indist-prompts $(arg --indist-prompts) --heldout-prompts $(arg --heldout-prompts) \

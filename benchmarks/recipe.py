@@ -104,6 +104,10 @@ def main(argv=None) -> dict:
     p.add_argument("--splits", default="indist,heldout",
                    help="which evals to run per variant: indist (the prepared eval split), "
                         "heldout (heldout.jsonl), or both")
+    p.add_argument("--indist-for", default=None, metavar="VARIANTS",
+                   help="measure the in-distribution split only for these variants (comma "
+                        "list; the others: held-out only, with training's replayed AL as their "
+                        "in-distribution figure); default: every variant gets --splits")
     p.add_argument("--baseline", default=None, metavar="VARIANT",
                    help="take this variant (e.g. eagle3) from the work folder's own run/ and "
                         "eval-*/ instead of training it again: real_model.py trained it with "
@@ -131,6 +135,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown variant(s) {unknown}: use some of {sorted(VARIANTS)}")
 
     def one(name: str) -> None:
+        mine = splits if a.indist_for is None or name in a.indist_for.split(",") else \
+            [x for x in splits if x != "indist"]
         base = work / f"recipe-{name}"
         base.mkdir(parents=True, exist_ok=True)
         vlog = log if a.parallel == 1 else base / "log.txt"
@@ -146,9 +152,9 @@ def main(argv=None) -> dict:
         if name not in PEERS:
             run("export", "--checkpoint", base / "run", "--out", base / "draft", log=vlog,
                 out=base / "draft")
-        _evals(a, base, splits, vlog)
-        record = _peer_record(name, base, splits, train_s) if name in PEERS else \
-            _record(name, base / "run", base, splits, train_s)
+        _evals(a, base, mine, vlog)
+        record = _peer_record(name, base, mine, train_s) if name in PEERS else \
+            _record(name, base / "run", base, mine, train_s)
         with written:
             results[name] = record
             Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
