@@ -160,3 +160,17 @@ def test_convert_refuses_a_foreign_folder_before_reading_the_gguf(tmp_path):
     (done / "extra").mkdir()
     with pytest.raises(EyasError, match="plus files it did not write.*extra"):
         convert(ConvertConfig(target=str(gguf), out=str(done)))
+
+
+def test_a_recorded_chat_template_must_match_its_hash(tmp_path):
+    from types import SimpleNamespace
+
+    from eyas.store.manifest import chat_template_fingerprint, check_template_hash
+
+    tok = SimpleNamespace(chat_template="{{ messages }}")
+    manifest = {"path": "prepared", "chat_template_hash": chat_template_fingerprint(tok)}
+    check_template_hash(tok, manifest, "t.jinja")
+    check_template_hash(tok, {"path": "old"}, "t.jinja")  # older manifests record no hash
+    tok.chat_template = "{{ messages }} changed"
+    with pytest.raises(EyasError, match="t.jinja .* is not the one prepared was prepared with"):
+        check_template_hash(tok, manifest, "t.jinja")

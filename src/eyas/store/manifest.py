@@ -218,6 +218,19 @@ def chat_template_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
+    """Refuse a chat template (set on `tokenizer`, read from `source`) that is not the one the
+    folder of `manifest` recorded in `chat_template_hash` (a template file named in a manifest
+    is outside its folder and may have changed since)."""
+    want = manifest.get("chat_template_hash")
+    got = chat_template_fingerprint(tokenizer)
+    if want is not None and got != want:
+        raise EyasError(f"the chat template {source} (hash {got}) is not the one "
+                        f"{manifest.get('path')} was prepared with (chat_template_hash {want}); "
+                        f"pass the template the data was prepared with as --chat-template "
+                        f"FILE.jinja, or prepare the data again with this one.")
+
+
 def check_same_target(found: dict | None, expected: dict | None, what: str) -> None:
     """Refuse an artifact made for another target (different name or tokenizer/shape)."""
     if not found or not expected:
