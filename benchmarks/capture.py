@@ -36,8 +36,8 @@ import torch
 import transformers
 
 from eyas.capture import CaptureConfig, capture_loaded
-from eyas.target.capture_forward import iter_captured_batches
-from eyas.target.models import inspect_model, submodule
+from eyas.targets.capture_forward import iter_captured_batches
+from eyas.targets.models import inspect_model, submodule
 from eyas.store.shard_writer import PartWriter
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

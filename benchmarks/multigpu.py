@@ -193,7 +193,7 @@ def bench_train(root: Path, args) -> dict:
 def make_big_target(folder: Path, shape: dict, layers: int) -> Path:
     """A random bf16 Llama with `shape` but `layers` layers, initialised on a GPU when there
     is one (CPU init of ~10B parameters takes minutes), saved like a hub checkpoint."""
-    from eyas.target.tiny import save_tiny_tokenizer
+    from eyas.targets.tiny import save_tiny_tokenizer
 
     config = transformers.LlamaConfig(**{**shape, "num_hidden_layers": layers})
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -212,7 +212,7 @@ def make_prepared(folder: Path, target_dir: Path, vocab: int, samples: int,
     import datasets
 
     from eyas.store.manifest import target_record, write_manifest
-    from eyas.target.models import load_tokenizer
+    from eyas.targets.models import load_tokenizer
 
     rng = np.random.default_rng(0)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from eyas.target.corpus import synthetic_chats
+from eyas.targets.corpus import synthetic_chats
 from eyas.demo import SIZES, pretrain_target
 
 PRECISIONS = ("bf16", "fp8")

@@ -33,7 +33,7 @@ import transformers
 
 from eyas.regenerate import RegenerateConfig, regenerate
 from eyas.serve.openai_server import load_generator
-from eyas.target import chat
+from eyas.targets import chat
 
 
 def _prompts(data: str, rows: int) -> list[list[dict]]:
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         data = Path(tmp) / "prompts.jsonl"
         data.write_text("".join(json.dumps({"id": f"p{i}", "messages": m}) + "\n"
                                 for i, m in enumerate(prompts)))
-        from eyas.target.models import load_tokenizer
+        from eyas.targets.models import load_tokenizer
 
         results, reference = [], [None] * len(prompts)
         if "generate" in modes:

@@ -54,9 +54,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_atte
 
 def make_target(folder: Path, shape: dict) -> tuple[Path, dict]:
     """config.json + tokenizer + embed/lm_head-only safetensors; returns (folder, record)."""
-    from eyas.target.tiny import save_tiny_tokenizer
+    from eyas.targets.tiny import save_tiny_tokenizer
 
-    from eyas.target.models import load_tokenizer
+    from eyas.targets.models import load_tokenizer
 
     config = transformers.LlamaConfig(**shape)
     config.save_pretrained(folder)

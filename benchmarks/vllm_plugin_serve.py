@@ -88,7 +88,7 @@ def build_target(arch: str, out: Path) -> Path:
     import torch
     import transformers as tf
 
-    from eyas.target.tiny import TINY_VOCAB, save_tiny_tokenizer
+    from eyas.targets.tiny import TINY_VOCAB, save_tiny_tokenizer
 
     if (out / "model.safetensors").is_file():
         return out
@@ -131,7 +131,7 @@ def build_draft(target: Path, work: Path, chats: int, steps: int) -> Path:
     import yaml
 
     from eyas.pipeline import RunConfig, run
-    from eyas.target.corpus import synthetic_chats
+    from eyas.targets.corpus import synthetic_chats
 
     work.mkdir(parents=True, exist_ok=True)
     data = work / "chats.jsonl"
@@ -164,7 +164,7 @@ def comparison_sample(run_dir: Path, max_tokens: int) -> dict:
 
 def eval_prompts(target: Path, run_dir: Path, n: int) -> list[list[int]]:
     from eyas.evaluate import EvalConfig, load_prompts
-    from eyas.target.models import load_tokenizer
+    from eyas.targets.models import load_tokenizer
 
     cfg = EvalConfig(target=str(target), data=str(run_dir / "prepared"), out="(none)",
                      num_prompts=n)
@@ -395,7 +395,7 @@ def compare(target: Path, draft_dir: Path, sample: dict, first: dict, k: int) ->
 
     from eyas.draft.eagle3 import Eagle3Draft
     from eyas.serve.speculate import Eagle3Drafter, Sampling
-    from eyas.target.models import load_target, submodule
+    from eyas.targets.models import load_target, submodule
 
     ids = torch.tensor(sample["ids"])
     t = ids.numel()

@@ -37,7 +37,7 @@ def hf_folder(target: str, out: Path, dtype: str) -> str:
     (`eyas convert`; float32 keeps the logits of eyas's float32 eval bit for bit)."""
     if not target.endswith(".gguf"):
         return target
-    from eyas.target.convert import convert_gguf
+    from eyas.targets.convert import convert_gguf
 
     return str(convert_gguf(target, out, dtype=dtype))
 
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
 
     from eyas.evaluate import EvalConfig, load_prompts
-    from eyas.target.models import load_tokenizer
+    from eyas.targets.models import load_tokenizer
 
     ks = [int(k) for k in a.k.split(",")]
     cfg = EvalConfig(target=a.target, data=a.data, out="(none)", split=a.split,

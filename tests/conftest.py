@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.target.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
+from eyas.targets.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,7 +60,7 @@ def llama_dir(tiny_model_dir):
 def kimi_like_dir(tmp_path_factory):
     """Folder with a tiny Kimi-K2.5-like remote-code wrapper (load with trust_remote_code=True):
     DeepSeek-V3 text decoder at `language_model.model`, a fake vision tower, the tiny tokenizer."""
-    from eyas.target.kimi_like import build_kimi_like
+    from eyas.targets.kimi_like import build_kimi_like
 
     return build_kimi_like(tmp_path_factory.mktemp("kimi-like"))
 
@@ -178,7 +178,7 @@ def _fit_dflash(model, prompts, refs, taps, *, mask_token_id: int):
     from eyas.dflash.config import DFlashConfig
     from eyas.dflash.model import DFlashDraft
     from eyas.dflash.objective import dflash_forward, sample_blocks
-    from eyas.target.taps import AuxTaps
+    from eyas.targets.taps import AuxTaps
 
     cfg = DFlashConfig.from_target(model.config, aux_layer_ids=taps,
                                    mask_token_id=mask_token_id, block_size=4,
@@ -243,7 +243,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from eyas.target.tiny import tiny_config
+    from eyas.targets.tiny import tiny_config
 
     c = tiny_config("llama", num_layers=2)
     torch.manual_seed(seed)

@@ -13,7 +13,7 @@ from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarg
                                 generate_batch)
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, TargetRunner,
                                   generate_plain, generate_speculative)
-from eyas.target.models import inspect_model, load_target, submodule
+from eyas.targets.models import inspect_model, load_target, submodule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NO_STOP = frozenset()

@@ -18,12 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from eyas.store import shard_writer, shards
 from eyas.capture import CaptureConfig, capture
-from eyas.target.capture_forward import capture_samples, iter_captured_batches
-from eyas.target.capture_forward import batch_inputs, plan_batches
+from eyas.targets.capture_forward import capture_samples, iter_captured_batches
+from eyas.targets.capture_forward import batch_inputs, plan_batches
 from eyas.config import ConfigError
 from eyas.errors import EyasError
 from eyas.store.manifest import read_manifest, target_record, write_manifest
-from eyas.target.models import load_target, load_tokenizer, submodule
+from eyas.targets.models import load_target, load_tokenizer, submodule
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -71,7 +71,7 @@ def llama_prepared(llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kimi_dir(tmp_path_factory):
-    from eyas.target.kimi_like import build_kimi_like
+    from eyas.targets.kimi_like import build_kimi_like
 
     return build_kimi_like(tmp_path_factory.mktemp("kimi"))
 
@@ -80,7 +80,7 @@ def kimi_dir(tmp_path_factory):
 def deepseek_dir(tmp_path_factory):
     """Tiny DeepSeek-V3 with num_key_value_heads == num_attention_heads, as MLA requires
     (HF's MLA attention gives keys all heads; fewer kv heads breaks any padding-masked forward)."""
-    from eyas.target.tiny import save_tiny_tokenizer, tiny_config
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
 
     config = tiny_config("deepseek_v3")
     config.num_key_value_heads = config.num_attention_heads
@@ -339,7 +339,7 @@ def test_nonfinite_samples_are_set_aside_and_reported(llama_dir, tmp_path):
 
 def test_capture_of_a_real_prepare_output(llama_dir, tmp_path):
     """The folder `eyas prepare` writes (its column types, its manifest) captures as is."""
-    from eyas.target.corpus import synthetic_chats
+    from eyas.targets.corpus import synthetic_chats
     from eyas.prepare import PrepareConfig, prepare
 
     chats = tmp_path / "chats.jsonl"

@@ -1,4 +1,4 @@
-"""Reading chat files in every supported container and row format (eyas.target.chat)."""
+"""Reading chat files in every supported container and row format (eyas.targets.chat)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyas.target import chat
-from eyas.target.chat import ChatFormatError
+from eyas.targets import chat
+from eyas.targets.chat import ChatFormatError
 from eyas.errors import EyasError
 
 MESSAGES = [

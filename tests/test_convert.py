@@ -21,10 +21,10 @@ from eyas.evaluate import EvalConfig, evaluate
 from eyas.prepare import PrepareConfig, prepare
 from eyas.store.manifest import (check_same_target, gguf_fingerprint, read_manifest,
                                  target_record, tokenizer_fingerprint)
-from eyas.target import convert as convert_module
-from eyas.target.convert import convert_gguf
-from eyas.target.corpus import synthetic_chats
-from eyas.target.models import load_config, load_target, load_tokenizer
+from eyas.targets import convert as convert_module
+from eyas.targets.convert import convert_gguf
+from eyas.targets.corpus import synthetic_chats
+from eyas.targets.models import load_config, load_target, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

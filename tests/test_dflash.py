@@ -10,7 +10,7 @@ import torch
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.target.models import dflash_aux_layer_ids, validate_aux_layer_ids
+from eyas.targets.models import dflash_aux_layer_ids, validate_aux_layer_ids
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -24,7 +24,7 @@ def dflash_inputs(tmp_path_factory):
 
     from eyas.capture import CaptureConfig, capture
     from eyas.prepare import PrepareConfig, prepare
-    from eyas.target.corpus import synthetic_chats
+    from eyas.targets.corpus import synthetic_chats
 
     root = tmp_path_factory.mktemp("dflash-inputs")
     model = copy_target(root / "target")
@@ -623,7 +623,7 @@ def test_drafter_proposes_what_the_training_forward_predicts(dflash_inputs, dfla
     from eyas.draft.formats import find_checkpoint
     from eyas.serve.dflash_drafter import DFlashDrafter
     from eyas.serve.speculate import Sampling
-    from eyas.target.taps import AuxTaps
+    from eyas.targets.taps import AuxTaps
     from safetensors.torch import load_file
 
     model = AutoModelForCausalLM.from_pretrained(dflash_inputs["target"], dtype=torch.float32)
@@ -710,7 +710,7 @@ def replayed_acceptance(model, draft, prompt, ref, k: int, max_new: int,
     independent of its KV caches and verification). Rounds run while fewer than `max_new`
     tokens are out, each counting k drafts (eval's loop); `to_the_end`: while `ref` has tokens
     left, counting only the drafts inside it (the replay's rounds, eyas.draft.loss's)."""
-    from eyas.target.taps import AuxTaps
+    from eyas.targets.taps import AuxTaps
 
     seq = torch.cat([prompt, torch.tensor(ref)])
     taps = AuxTaps(model.model.layers, model.model.norm, draft.cfg.aux_layer_ids, 8, final=False)
@@ -752,7 +752,7 @@ def test_the_replay_on_the_training_forward_counts_what_one_block_at_a_time_coun
     # block drafted alone from its prefix (a block that saw one context key more or less
     # would differ here even where its argmax does not)
     from eyas.dflash.replay import block_logits
-    from eyas.target.taps import AuxTaps
+    from eyas.targets.taps import AuxTaps
 
     prompt, ref = prompts[0], refs[0]
     seq = torch.cat([prompt.ids, torch.tensor(ref)])
@@ -833,7 +833,7 @@ def test_batched_dflash_drafter_gives_the_batch_one_distributions(fitted):
     not only their argmax."""
     from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
     from eyas.serve.speculate import Sampling
-    from eyas.target.taps import AuxTaps
+    from eyas.targets.taps import AuxTaps
 
     model, prompts, refs, draft = fitted
     taps = AuxTaps(model.model.layers, model.model.norm, draft.cfg.aux_layer_ids, 8, final=False)

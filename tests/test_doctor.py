@@ -20,7 +20,7 @@ from eyas.doctor import (DoctorConfig, allow_list_in_source, allowed_by,
                          capture_bytes_per_token, doctor, eagle3_interface, plugin_plan,
                          protocol_members)
 from eyas.errors import EyasError
-from eyas.target.models import inspect_model, load_config, load_tokenizer
+from eyas.targets.models import inspect_model, load_config, load_tokenizer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -89,7 +89,7 @@ def test_without_vllm_says_what_was_not_checked(model_dir, capsys):
 def test_a_gguf_target_is_pointed_at_eyas_convert(tiny_gguf, model_dir, tmp_path, capsys):
     """Not a problem (it works), a note: the GGUF is de-quantized at every load; its converted
     folder says where it came from; a plain folder has no note."""
-    from eyas.target.convert import convert_gguf
+    from eyas.targets.convert import convert_gguf
 
     gguf = tiny_gguf(0)
     report = doctor(DoctorConfig(target=str(gguf)))

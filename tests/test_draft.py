@@ -343,7 +343,7 @@ def test_from_target_hf_config_and_rope_normalisation():
 
 
 def test_from_target_model_info(llama_dir):
-    from eyas.target.models import inspect_model, load_config
+    from eyas.targets.models import inspect_model, load_config
 
     info = inspect_model(load_config(str(llama_dir)))
     cfg = DraftConfig.from_target(info, draft_vocab_size=min(32000, info.vocab_size),

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from eyas.serve import batched, speculate
 from eyas.cli import parse_config
 from eyas.config import ConfigError
-from eyas.target.corpus import synthetic_chats
+from eyas.targets.corpus import synthetic_chats
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
@@ -23,8 +23,8 @@ from eyas.evaluate import EvalConfig, evaluate, load_draft
 from eyas.export import export_state_dict
 from eyas.draft.formats import to_vllm_config
 from eyas.store.manifest import read_manifest
-from eyas.target.models import load_target, submodule
-from eyas.target.tiny import TINY_VOCAB
+from eyas.targets.models import load_target, submodule
+from eyas.targets.tiny import TINY_VOCAB
 
 SMALL = dict(num_prompts=3, max_new_tokens=10, dtype="float32", device="cpu")
 
@@ -276,9 +276,9 @@ def test_mt_bench_second_turn_follows_the_targets_own_answer(llama_dir, target, 
     """Turn 2 is asked after the target's own greedy answer to turn 1, rendered with the
     same template, and measured as its own group."""
     from eyas.evaluate import _stop_ids, measure_sets
-    from eyas.target.masking import render_prompt
-    from eyas.target.models import load_tokenizer
-    from eyas.target.prompts import render
+    from eyas.targets.masking import render_prompt
+    from eyas.targets.models import load_tokenizer
+    from eyas.targets.prompts import render
 
     model, info = target
     tok = load_tokenizer(str(llama_dir))

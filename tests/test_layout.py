@@ -20,10 +20,10 @@ DRIVERS = {"__main__": {"cli"}, "cli": STEPS, "pipeline": STEPS, "demo": {"pipel
 LAYERS = {
     "kernels": set(),
     "store": set(),
-    "target": {"store"},
-    "draft": {"kernels", "store", "target"},
-    "dflash": {"kernels", "store", "target", "draft"},  # a second draft family, on draft's set-up
-    "serve": {"kernels", "store", "target", "draft", "dflash"},
+    "targets": {"store"},
+    "draft": {"kernels", "store", "targets"},
+    "dflash": {"kernels", "store", "targets", "draft"},  # a second draft family, on draft's set-up
+    "serve": {"kernels", "store", "targets", "draft", "dflash"},
 }
 DATA = {"assets"}  # package data (the tiny targets' files), not part of the graph
 

@@ -1,4 +1,4 @@
-"""eyas.target.models: structural discovery on real transformers models, the aux-id convention checked
+"""eyas.targets.models: structural discovery on real transformers models, the aux-id convention checked
 against a real forward of every fixture, config-only inspection, and clear load errors."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from torch import nn
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.target.models import (build_meta_model, default_aux_layer_ids, inspect_model, load_config,
+from eyas.targets.models import (build_meta_model, default_aux_layer_ids, inspect_model, load_config,
                                 load_target, load_tokenizer, submodule, text_config,
                                 validate_aux_layer_ids)
-from eyas.target.tiny import TINY_ARCHS, tiny_config
+from eyas.targets.tiny import TINY_ARCHS, tiny_config
 
 FIXTURES = (*TINY_ARCHS, "kimi_like")
 # fixture -> (text model path, lm_head path, is_wrapper, is_moe, is_mla, text model_type)
@@ -265,7 +265,7 @@ def test_kimi_like_loads_like_kimi_and_round_trips(kimi_like_dir):
 
 def test_full_size_kimi_k25_from_config_alone(tmp_path):
     # 61 layers, 384 experts, ~1T parameters: built on the meta device in seconds, no weights.
-    from eyas.target.kimi_like import kimi_k25_text_config, write_kimi_like_config
+    from eyas.targets.kimi_like import kimi_k25_text_config, write_kimi_like_config
 
     quant = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     path = write_kimi_like_config(tmp_path / "kimi-k25", kimi_k25_text_config(),

@@ -39,7 +39,7 @@ def _run(args, cwd):
 
 @pytest.fixture(scope="module")
 def peer_run(llama_dir, tmp_path_factory):
-    from eyas.target.corpus import synthetic_chats
+    from eyas.targets.corpus import synthetic_chats
 
     work = tmp_path_factory.mktemp("peers")
     chats = work / "chats.jsonl"

@@ -14,16 +14,16 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from eyas.target import chat
-from eyas.target.chat import ChatFormatError
+from eyas.targets import chat
+from eyas.targets.chat import ChatFormatError
 from eyas.cli import build_parser, main, parse_config
 from eyas.config import ConfigError
 from eyas.errors import EyasError
 from eyas.store.manifest import read_manifest, tokenizer_fingerprint
-from eyas.target.masking import (_char_mask, _tokens_by_segments, _tokens_with_mask, assistant_spans,
+from eyas.targets.masking import (_char_mask, _tokens_by_segments, _tokens_with_mask, assistant_spans,
                                  render_prompt, tokenize_conversation)
 from eyas.prepare import PrepareConfig, prepare
-from eyas.target.tiny import save_tiny_tokenizer
+from eyas.targets.tiny import save_tiny_tokenizer
 
 # ChatML as Qwen2.5 writes it: a default system turn, tool results inside a user turn.
 CHATML = (
@@ -422,7 +422,7 @@ def test_tokenizer_override(llama_dir, tok_dir, tmp_path, tok):
 
 
 def test_remote_code_target_only_when_asked(tmp_path):
-    from eyas.target.kimi_like import kimi_like_text_config, write_kimi_like_config
+    from eyas.targets.kimi_like import kimi_like_text_config, write_kimi_like_config
 
     target = write_kimi_like_config(tmp_path / "kimi", kimi_like_text_config())
     save_tiny_tokenizer(target)

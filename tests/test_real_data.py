@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.target.chat import normalize, read_rows
+from eyas.targets.chat import normalize, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,15 +19,15 @@ import torch
 
 from eyas.store import shards
 from eyas.capture import CaptureConfig, capture
-from eyas.target.capture_forward import batch_inputs, plan_batches
+from eyas.targets.capture_forward import batch_inputs, plan_batches
 from eyas.cli import main
 from eyas.errors import EyasError
 from eyas.store.manifest import (check_same_target, gguf_fingerprint, read_manifest, target_record,
                                  tokenizer_fingerprint)
-from eyas.target.convert import convert_gguf
-from eyas.target.models import _load_dtype, load_config, load_target, load_tokenizer, submodule
+from eyas.targets.convert import convert_gguf
+from eyas.targets.models import _load_dtype, load_config, load_target, load_tokenizer, submodule
 from eyas.prepare import PrepareConfig, prepare
-from eyas.target.tiny import build_tiny_model
+from eyas.targets.tiny import build_tiny_model
 
 CHATS = [
     [{"role": "user", "content": "What is 2 plus 2?"},

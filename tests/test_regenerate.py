@@ -26,14 +26,14 @@ import torch
 
 from eyas.cli import main
 from eyas.config import ConfigError
-from eyas.target.corpus import synthetic_chats
+from eyas.targets.corpus import synthetic_chats
 from eyas.errors import EyasError
 from eyas.serve.openai_server import ChatServer, load_generator
 from eyas.regenerate import RegenerateConfig, regenerate
 from eyas.store.regenerate_output import KILL_ENV, OUTPUT, REJECTS
 
 MAX_NEW = 10
-# The Llama-3 template of eyas.target.tiny plus Qwen3's switch: thinking off = an empty think block.
+# The Llama-3 template of eyas.targets.tiny plus Qwen3's switch: thinking off = an empty think block.
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"

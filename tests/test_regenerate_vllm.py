@@ -37,7 +37,7 @@ def setup(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
     from transformers import LlamaForCausalLM
 
-    from eyas.target.tiny import save_tiny_tokenizer, tiny_config
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
 
     root = tmp_path_factory.mktemp("regen-vllm")
     model_dir = root / "model"

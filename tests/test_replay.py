@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eyas.draft.loss import chain_acceptance
-from eyas.target.models import inspect_model
+from eyas.targets.models import inspect_model
 from eyas.draft.replay import replay
 from eyas.serve.speculate import (Eagle3Drafter, Sampling, TargetRunner, generate_plain,
                                   generate_speculative)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.target.models import inspect_model
+from eyas.targets.models import inspect_model
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Proposal, Sampling, TargetRunner,
                                   generate_plain, generate_speculative, verify)
 
@@ -387,7 +387,7 @@ def test_chi_square_catches_a_wrong_residual(monkeypatch):
 def test_runner_on_wrapper_and_moe_targets(tiny_model_dir, arch, prompt):
     """A multimodal wrapper (decoder below `model.language_model`, M-RoPE) and an MoE target:
     aux capture through models.py's paths, KV-cache rollback, lossless n-gram decoding."""
-    from eyas.target.models import load_target, submodule
+    from eyas.targets.models import load_target, submodule
 
     model, info = load_target(tiny_model_dir(arch), dtype="float32")
     runner = TargetRunner(model, submodule(model, info.layers_path),

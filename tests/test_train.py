@@ -33,7 +33,7 @@ def copy_target(out: Path) -> Path:
     embedding and its blocks are damped, so the target mostly predicts a token of the recent
     context with a peaked distribution. A purely random tiny target predicts near-uniform
     noise, which no draft can learn in a few steps."""
-    from eyas.target.tiny import build_tiny_model
+    from eyas.targets.tiny import build_tiny_model
 
     build_tiny_model("llama", out)
     path = out / "model.safetensors"
@@ -51,7 +51,7 @@ def copy_target(out: Path) -> Path:
 def run_inputs(tmp_path_factory):
     """The real pipeline on the tiny target: 80 synthetic chats, captured with --split all."""
     from eyas.capture import CaptureConfig, capture
-    from eyas.target.corpus import synthetic_chats
+    from eyas.targets.corpus import synthetic_chats
     from eyas.prepare import PrepareConfig, prepare
     from eyas.vocab import VocabConfig, vocab
 
@@ -487,15 +487,15 @@ def test_online_with_target_device_map_equals_online(run_inputs, tmp_path, monke
     """The target placed by transformers/accelerate ("auto": on a CPU box all on cpu; "cpu":
     one device) trains exactly like the target moved to the draft's device. Spreading over
     several GPUs needs GPUs: not this test."""
-    import eyas.target.models
+    import eyas.targets.models
 
-    real, calls = eyas.target.models.load_target, []
+    real, calls = eyas.targets.models.load_target, []
 
     def load_target(*args, **kwargs):  # the real loader; records what train asked of it
         calls.append({k: kwargs.get(k) for k in ("device_map", "device")})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(eyas.target.models, "load_target", load_target)
+    monkeypatch.setattr(eyas.targets.models, "load_target", load_target)
     kw = dict(max_steps=1, lm_head="target", online=True, data=run_inputs["prepared"],
               target=run_inputs["target"], device="cpu")
     plain = train(_cfg(run_inputs, tmp_path / "plain", **kw))

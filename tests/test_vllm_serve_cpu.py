@@ -25,7 +25,7 @@ from eyas.serve.speculate import (Eagle3Drafter, Sampling, TargetRunner, generat
                                   generate_speculative)
 from eyas.store import checkpoint
 from eyas.store.manifest import write_manifest
-from eyas.target.models import inspect_model
+from eyas.targets.models import inspect_model
 
 pytestmark = pytest.mark.vllm
 NEW_TOKENS = 24
@@ -50,7 +50,7 @@ def llama_dir(tmp_path_factory):
     head_dim=16")."""
     from transformers import LlamaForCausalLM
 
-    from eyas.target.tiny import save_tiny_tokenizer, tiny_config
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
 
     out = tmp_path_factory.mktemp("tiny-llama-128")
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ _EXPORTS = {
     "run": "eyas.pipeline", "RunConfig": "eyas.pipeline",
     "demo": "eyas.demo", "DemoConfig": "eyas.demo",
     "Eagle3Draft": "eyas.draft.eagle3", "DraftConfig": "eyas.draft.eagle3",
-    "inspect_model": "eyas.target.models", "ModelInfo": "eyas.target.models",
+    "inspect_model": "eyas.targets.models", "ModelInfo": "eyas.targets.models",
 }
 
 

@@ -3,7 +3,7 @@
 Per token: the residual stream entering the aux decoder layers (vLLM ids, default
 (2, L//2, L-3); id L is the last layer's output before the final norm), the final hidden state
 after the final norm, and the target's top-1 next-token id. The target is the transformers
-model itself (`eyas.target.models.load_target`); hooks on its decoder layers and final norm keep only
+model itself (`eyas.targets.models.load_target`); hooks on its decoder layers and final norm keep only
 those tensors, and top-1 comes from the lm_head run over chunks of tokens so that (N, V)
 logits never exist at once. Samples are packed by length into `batch_tokens`-token batches,
 either flattened with position resets (when the attention honours them: checked, not assumed)
@@ -30,10 +30,10 @@ from eyas.errors import EyasError
 from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
                                  write_manifest)
 from eyas.store import shards
-from eyas.target.capture_forward import forward_batches
+from eyas.targets.capture_forward import forward_batches
 from eyas.store.shard_writer import PartWriter
 from eyas.store.prepared import load_split
-from eyas.target.capture_forward import iter_captured_batches, capture_samples
+from eyas.targets.capture_forward import iter_captured_batches, capture_samples
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class CaptureConfig:
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1 (or unset), got {self.limit}")
         if self.aux_layer_ids:
-            from eyas.target.models import validate_aux_layer_ids
+            from eyas.targets.models import validate_aux_layer_ids
 
             validate_aux_layer_ids(self.aux_layer_ids, None, count=None)
         if self.dflash_taps < 0 or (self.dflash_taps and self.aux_layer_ids):
@@ -116,7 +116,7 @@ class CaptureConfig:
 
 def capture(cfg: CaptureConfig) -> dict:
     """Capture `cfg.split` of the prepared folder into `cfg.out`; returns the summary stats."""
-    from eyas.target.models import load_target, load_tokenizer
+    from eyas.targets.models import load_target, load_tokenizer
 
     check_out(cfg.out, "capture", own=shards.FILES, unfinished=shards.FILES)  # before loading
     prepared = read_manifest(cfg.data, step="prepare")
@@ -153,7 +153,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
                    inputs: list[dict] = (), split_rows: dict | None = None) -> dict:
     """Capture with an already loaded target (what `capture` does after loading; benchmarks
     call it directly). Resumes this shard's previous run; returns summary stats."""
-    from eyas.target.models import (default_aux_layer_ids, dflash_aux_layer_ids,
+    from eyas.targets.models import (default_aux_layer_ids, dflash_aux_layer_ids,
                                     validate_aux_layer_ids)
 
     aux_ids = tuple(cfg.aux_layer_ids) or (
@@ -263,7 +263,7 @@ def _job_stats(tokens: int, seconds: float, loop_s: float, stage_s: float, write
 
 def _device_of(model, info) -> torch.device:
     """Where the final norm runs, i.e. where captured tensors are gathered."""
-    from eyas.target.models import submodule
+    from eyas.targets.models import submodule
 
     param = next(submodule(model, info.norm_path).parameters(), None)
     return param.device if param is not None else next(model.parameters()).device

@@ -3,7 +3,7 @@
 Every step then takes `--target FOLDER` instead of `--target model.gguf` and skips the GGUF's
 parse and de-quantization at each load; artifacts made with either belong to the same target
 (the folder's `eyas.json` carries the GGUF's fingerprint). The work is
-`eyas.target.convert.convert_gguf`.
+`eyas.targets.convert.convert_gguf`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.store.manifest import MANIFEST, check_out
-from eyas.target.convert import CONVERT_DTYPES, convert_gguf
-from eyas.target.models import is_gguf
+from eyas.targets.convert import CONVERT_DTYPES, convert_gguf
+from eyas.targets.models import is_gguf
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`eyas demo`: the real pipeline end to end on CPU, with no downloads.
 
-1. Write a synthetic chat corpus (eyas.target.corpus) and train a small Llama target on it for a
+1. Write a synthetic chat corpus (eyas.targets.corpus) and train a small Llama target on it for a
    few minutes, so the target has real structure for a draft to learn.
 2. Write a pipeline YAML for that target and run it with `eyas run`:
    prepare -> capture -> vocab -> train -> export -> eval.
@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from eyas.config import option
-from eyas.target.corpus import synthetic_chats
+from eyas.targets.corpus import synthetic_chats
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
     """Train a small Llama on the corpus (next-token loss on whole chats) and save it."""
     import transformers as tf
 
-    from eyas.target.tiny import tiny_config, tiny_tokenizer
+    from eyas.targets.tiny import tiny_config, tiny_tokenizer
 
     if (out / "config.json").is_file():
         log.info("target already trained at %s", out)

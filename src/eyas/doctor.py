@@ -29,7 +29,7 @@ from eyas.config import (ConfigError, option, required, revision_option,
 from eyas.errors import EyasError
 from eyas.draft.formats import SERVED_SINCE
 from eyas.store.manifest import LAYER_ID_CONVENTION, converted_from, versions
-from eyas.target.models import (ModelInfo, build_meta_model, inspect_model, is_gguf, load_config,
+from eyas.targets.models import (ModelInfo, build_meta_model, inspect_model, is_gguf, load_config,
                                 load_tokenizer, submodule, validate_aux_layer_ids)
 
 # Every member name vLLM's SupportsEagle3 protocol has had (vLLM renamed the default-layer

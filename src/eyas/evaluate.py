@@ -4,7 +4,7 @@ For each prompt the target decodes plainly (the "no speculation" baseline, and a
 greedy reference), then speculatively with the n-gram drafter and with the EAGLE-3 (or
 DFlash: eyas.serve.dflash_drafter) draft for every k. Numbers use vLLM's definitions
 (reference §7): mean acceptance length `1 + accepted / drafts`, per-position acceptance
-`accepted at i / drafts`, chain drafts. Prompts come from eyas.target.prompts (files, prepared
+`accepted at i / drafts`, chain drafts. Prompts come from eyas.targets.prompts (files, prepared
 folders, the standard sets of eyas.store.benchsets), each set measured on its own, MT-bench's
 second turn after the target's own answer. The loop itself is `eyas.serve.speculate` (and
 `eyas.serve.batched`); `eyas.serve.eval_report` writes `report.json`, `report.md` and two
@@ -36,7 +36,7 @@ from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
 # Prompt and load_prompts: also used as eyas.evaluate.* by benchmarks and tests
-from eyas.target.prompts import Prompt, load_prompts, next_turn  # noqa: F401
+from eyas.targets.prompts import Prompt, load_prompts, next_turn  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def _logit_margin(runner, prompts, reference, mismatch: dict) -> dict:
 # ---------------------------------------------------------------- target and draft
 
 def _load_target(cfg: EvalConfig):
-    from eyas.target.models import load_target
+    from eyas.targets.models import load_target
 
     return load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
                        dtype=cfg.dtype, device=cfg.device)
@@ -388,7 +388,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     """Load target, draft and prompts, measure, write the report folder; return the report.
     Raises LosslessError (after writing the report) if the lossless check finds a difference
     larger than the dtype's rounding."""
-    from eyas.target.models import load_config, load_tokenizer, text_config
+    from eyas.targets.models import load_config, load_tokenizer, text_config
 
     out = _claim_out(Path(cfg.out))
     torch.manual_seed(cfg.seed)
@@ -451,7 +451,7 @@ def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: E
     order: group -> (its prompts, Measured). After a group whose prompts ask a next question (MT-bench), that turn is measured
     as its own group, its prompts built from the target's own answers (its plain decoding,
     the greedy reference at T=0), as FastChat asks MT-bench's second turn."""
-    from eyas.target.models import text_config
+    from eyas.targets.models import text_config
 
     index = list(range(len(prompts))) if index is None else index
     room = _room(int(text_config(model.config).max_position_embeddings), cfg)
@@ -481,7 +481,7 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
                   index: list[int] | None = None, tokenizer=None):
     """Load target and draft in this process and measure `prompts` (`measure_sets`); (group
     -> Measured, the target's manifest record, the draft's manifest or None)."""
-    from eyas.target.models import load_tokenizer, submodule
+    from eyas.targets.models import load_tokenizer, submodule
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,

@@ -1,7 +1,7 @@
 """`eyas prepare`: chat data -> token ids + a loss mask over what the target generates.
 
-Rows are read and normalised by `eyas.target.chat`; each conversation is rendered with the target
-tokenizer's own chat template and masked by `eyas.target.masking` (assistant content and its
+Rows are read and normalised by `eyas.targets.chat`; each conversation is rendered with the target
+tokenizer's own chat template and masked by `eyas.targets.masking` (assistant content and its
 end-of-turn token, found from the template itself, so any template works without per-model
 code). A row marked `"truncated": true` (`eyas regenerate` kept an answer cut at its
 max_new_tokens as the last message) keeps that answer's text in the mask but not the
@@ -22,16 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from eyas.target import chat
-from eyas.target.chat import ChatFormatError
+from eyas.targets import chat
+from eyas.targets.chat import ChatFormatError
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, target_record,
                                  tokenizer_fingerprint, write_manifest)
-from eyas.target.masking import tokenize_conversation
-from eyas.target.masking import render_prompt  # noqa: F401  (documented as eyas.prepare.render_prompt)
-from eyas.target.chat import parse_template_kwargs
+from eyas.targets.masking import tokenize_conversation
+from eyas.targets.masking import render_prompt  # noqa: F401  (documented as eyas.prepare.render_prompt)
+from eyas.targets.chat import parse_template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class PrepareSummary:
 
 def load_tokenizer(cfg: PrepareConfig):
     """The target's tokenizer (never its weights), with --chat-template applied."""
-    from eyas.target.models import load_tokenizer as load
+    from eyas.targets.models import load_tokenizer as load
 
     name = cfg.tokenizer or cfg.target
     tok = load(name, revision=None if cfg.tokenizer else cfg.revision,
@@ -130,8 +130,8 @@ def load_tokenizer(cfg: PrepareConfig):
 
 def _target_config(cfg: PrepareConfig):
     """The target's config (for the manifest and vocab size), or None if unavailable (a
-    run with --tokenizer only). Through eyas.target.models.load_config, so a .gguf target works."""
-    from eyas.target.models import load_config
+    run with --tokenizer only). Through eyas.targets.models.load_config, so a .gguf target works."""
+    from eyas.targets.models import load_config
 
     try:
         return load_config(cfg.target, revision=cfg.revision,

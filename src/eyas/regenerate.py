@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from eyas.target.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
+from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
                               sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
@@ -240,7 +240,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
 
 def _target(cfg: RegenerateConfig):
     """The target's tokenizer and manifest record (config only; weights load later if needed)."""
-    from eyas.target.models import load_config, load_tokenizer
+    from eyas.targets.models import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)

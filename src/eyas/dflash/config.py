@@ -72,7 +72,7 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, target, *, aux_layer_ids, mask_token_id: int, **overrides):
-        """Decoder layers shaped like the target's (an `eyas.target.models.ModelInfo` or an HF
+        """Decoder layers shaped like the target's (an `eyas.targets.models.ModelInfo` or an HF
         text config), one per tap unless `num_hidden_layers` is given, RoPE as the target's
         (the block sits at the target's absolute positions)."""
         values = dict(layer_shape(target), num_hidden_layers=len(tuple(aux_layer_ids)),

@@ -16,7 +16,7 @@ import torch
 
 from eyas.dflash.model import DFlashDraft
 from eyas.draft.loss import chain_acceptance
-from eyas.target.taps import AuxTaps
+from eyas.targets.taps import AuxTaps
 
 ANCHORS_PER_CHUNK = 256  # blocks through the lm_head at once: (chunk * k, V) logits
 

@@ -64,7 +64,7 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, given: int = -1) -> int:
 def build_dflash(cfg: TrainConfig, inputs: data.Inputs, env) -> tuple[DFlashDraft, DFlashConfig]:
     """The draft (fp32 master weights, on the device, HF's normal(0, 0.02) init) with the
     target's embedding and lm_head in the compute dtype."""
-    from eyas.target.models import load_tokenizer
+    from eyas.targets.models import load_tokenizer
 
     if cfg.vocab is None and inputs.d2t is not None:  # open_inputs never sets it without --vocab
         raise EyasError("internal: a DFlash run got a draft vocabulary")

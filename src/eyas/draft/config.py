@@ -54,7 +54,7 @@ def _rope_of(target) -> tuple[float, dict | None]:
 
 def layer_shape(target) -> dict:
     """The target's decoder-layer shape as draft config fields (hidden and MLP sizes, heads,
-    norm eps, RoPE, positions, vocab), from an `eyas.target.models.ModelInfo` or an HF (text)
+    norm eps, RoPE, positions, vocab), from an `eyas.targets.models.ModelInfo` or an HF (text)
     config: what both draft families copy from the target."""
     if hasattr(target, "get_text_config"):
         target = target.get_text_config()
@@ -133,7 +133,7 @@ class DraftConfig:
     @classmethod
     def from_target(cls, target, *, draft_vocab_size: int, aux_layer_ids, **overrides):
         """A draft shaped like the target's text decoder layer. `target` is an
-        `eyas.target.models.ModelInfo` or a (text) HF config; `overrides` set any field."""
+        `eyas.targets.models.ModelInfo` or a (text) HF config; `overrides` set any field."""
         shape = layer_shape(target)
         values = dict(shape, target_hidden_size=shape["hidden_size"],
                       draft_vocab_size=int(draft_vocab_size), aux_layer_ids=tuple(aux_layer_ids))

@@ -55,7 +55,7 @@ class OnlineSource:
     """Samples of a prepared split, captured on the fly by the target inside the training job.
 
     `fetch` runs the target over the requested samples (one micro-batch) through
-    `eyas.target.capture_forward.capture_samples`, the code `eyas capture` runs, so online and offline
+    `eyas.targets.capture_forward.capture_samples`, the code `eyas capture` runs, so online and offline
     training see the same tensors for the same data. They come back on the device of the
     target's final norm (with --target-device-map maybe not the draft's GPU); train moves
     each collated micro-batch to the draft's device.
@@ -67,7 +67,7 @@ class OnlineSource:
         self.lengths = np.asarray(dataset["num_tokens"], dtype=np.int64)
 
     def fetch(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
-        from eyas.target.capture_forward import capture_samples
+        from eyas.targets.capture_forward import capture_samples
 
         rows = self.dataset.select(ids)
         # bf16 like a capture folder stores them: online and offline see the same numbers
@@ -108,7 +108,7 @@ class Inputs:
     train_ids: np.ndarray
     eval: OfflineSource | OnlineSource | None
     eval_ids: np.ndarray
-    info: object  # eyas.target.models.ModelInfo
+    info: object  # eyas.targets.models.ModelInfo
     target: dict  # target_record of the target
     manifests: list[dict]  # the manifests this run consumed
     aux_layer_ids: tuple[int, ...]
@@ -134,7 +134,7 @@ def open_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inp
 
 
 def _offline_inputs(cfg: TrainConfig) -> Inputs:
-    from eyas.target.models import load_tokenizer
+    from eyas.targets.models import load_tokenizer
 
     src = OfflineSource(cfg.data)
     man = src.manifest
@@ -167,7 +167,7 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
 
 def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inputs:
     from eyas.store.prepared import load_split
-    from eyas.target.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
+    from eyas.targets.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
 
     dmap = cfg.target_device_map
     prepared = read_manifest(cfg.data, step="prepare")
@@ -184,7 +184,7 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
     if cfg.draft == "dflash":  # any number of taps; default: DFlash's layout, one per layer
-        from eyas.target.models import dflash_aux_layer_ids
+        from eyas.targets.models import dflash_aux_layer_ids
 
         aux = validate_aux_layer_ids(cfg.aux_layer_ids or dflash_aux_layer_ids(
             info.num_layers, cfg.dflash_layers or 5), info.num_layers, count=None)
@@ -445,7 +445,7 @@ def target_head_weights(name: str, *, revision: str | None = None,
     never loads the whole target."""
     from safetensors import safe_open
 
-    from eyas.target.models import inspect_model, is_gguf, load_config, text_config
+    from eyas.targets.models import inspect_model, is_gguf, load_config, text_config
 
     config = load_config(name, revision=revision, trust_remote_code=trust_remote_code)
     info = inspect_model(config, trust_remote_code=trust_remote_code)
@@ -483,7 +483,7 @@ def _gguf_head_weights(name: str, info, config) -> tuple[torch.Tensor, torch.Ten
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from eyas.target.models import text_config
+    from eyas.targets.models import text_config
 
     tensors = {t.name: t for t in GGUFReader(name).tensors
                if t.name in (GGUF_EMBED, GGUF_HEAD)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from eyas.draft.loss import chain_acceptance
-from eyas.target.taps import AuxTaps
+from eyas.targets.taps import AuxTaps
 from eyas.draft.ttt import TTTBatch, ttt_forward
 
 

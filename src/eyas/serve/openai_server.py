@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from eyas.target.chat import THINK_CLOSE, THINK_OPEN
+from eyas.targets.chat import THINK_CLOSE, THINK_OPEN
 from eyas.errors import EyasError
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class LocalGenerator:
 
         from eyas.serve.batched import BatchNgramDrafter, BatchTarget, generate_batch
         from eyas.serve.speculate import Sampling
-        from eyas.target.models import inspect_model, submodule
+        from eyas.targets.models import inspect_model, submodule
 
         if self._batch_target is None:
             info = inspect_model(self.model)
@@ -243,8 +243,8 @@ def load_generator(model: str | Path, *, dtype: str = "auto", device: str | None
                    device_map: str | None = None, revision: str | None = None,
                    trust_remote_code: bool = False, batching: str = "padded",
                    concurrency: int = 64) -> LocalGenerator:
-    """A LocalGenerator for a hub name or folder, loaded through `eyas.target.models`."""
-    from eyas.target.models import load_target, load_tokenizer
+    """A LocalGenerator for a hub name or folder, loaded through `eyas.targets.models`."""
+    from eyas.targets.models import load_target, load_tokenizer
 
     target, _ = load_target(model, revision=revision, dtype=dtype, device=device,
                             device_map=device_map, trust_remote_code=trust_remote_code)

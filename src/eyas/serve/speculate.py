@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from eyas.errors import EyasError
-from eyas.target.taps import AuxTaps
+from eyas.targets.taps import AuxTaps
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, sampling: Sampling) -> tupl
 # ---------------------------------------------------------------- the target
 
 class TargetRunner:
-    """A transformers causal LM with its KV cache; aux states through eyas.target.taps.AuxTaps
+    """A transformers causal LM with its KV cache; aux states through eyas.targets.taps.AuxTaps
     (the same hooks and layer-id convention as `eyas capture`)."""
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, final_norm: nn.Module,

@@ -36,14 +36,14 @@ class VLLMGenerator:
                             f"--backend openai with a running server") from None
         from transformers import GenerationConfig
 
-        from eyas.target.models import load_tokenizer
+        from eyas.targets.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(target, revision=revision,
                                         trust_remote_code=trust_remote_code)
         try:
             gen_config = GenerationConfig.from_pretrained(target, revision=revision)
         except OSError:  # no generation_config.json: the model config's eos, as transformers
-            from eyas.target.models import load_config
+            from eyas.targets.models import load_config
 
             gen_config = GenerationConfig.from_model_config(
                 load_config(target, revision=revision, trust_remote_code=trust_remote_code))

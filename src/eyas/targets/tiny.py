@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.target.corpus import synthetic_chats
+from eyas.targets.corpus import synthetic_chats
 
 TINY_VOCAB = 2048
 SPECIAL_TOKENS = (

@@ -20,8 +20,8 @@ import torch
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
 from eyas.store.manifest import MANIFEST, read_manifest
-from eyas.target import chat
-from eyas.target.masking import render_prompt
+from eyas.targets import chat
+from eyas.targets.masking import render_prompt
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import re
 
 import numpy as np
 
-from eyas.target import chat
-from eyas.target.chat import ChatFormatError
+from eyas.targets import chat
+from eyas.targets.chat import ChatFormatError
 
 EMPTY_THINK = re.compile(re.escape(chat.THINK_OPEN) + r"\s*" + re.escape(chat.THINK_CLOSE)
                          + r"\s*")

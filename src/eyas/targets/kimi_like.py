@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.target.tiny import TINY_VOCAB, save_tiny_tokenizer
+from eyas.targets.tiny import TINY_VOCAB, save_tiny_tokenizer
 
 ASSETS = Path(__file__).parent.parent / "assets" / "kimi_like"
 ARCHITECTURE = "KimiK25ForConditionalGeneration"

@@ -1,5 +1,5 @@
 """The target forward of `eyas capture`: hooks that keep the aux and final hidden states of
-real tokens (eyas.target.taps.AuxTaps), top-1 over lm_head chunks, batch planning and packing (flat rows with
+real tokens (eyas.targets.taps.AuxTaps), top-1 over lm_head chunks, batch planning and packing (flat rows with
 position resets, or right-padded rows), and the self-check that flat packing really isolates
 samples. `forward_batches` yields device tensors per batch; eyas.capture stores them or hands
 them to online training.
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from eyas.errors import EyasError
-from eyas.target.taps import AuxTaps
+from eyas.targets.taps import AuxTaps
 from eyas.store import shards
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def plan_batches(lengths, rows, batch_tokens: int, flat: bool, sort_by_length: b
 
 def forward_batches(model, info, dataset, rows, aux_layer_ids, batch_tokens, packing, sort_by_length):
     """Yield (device outputs, host meta) per batch of `dataset` rows (all rows if None)."""
-    from eyas.target.models import submodule
+    from eyas.targets.models import submodule
 
     # (decoder loop module, lm_head, input device, vocab size): what `_forward` needs
     parts = (submodule(model, info.text_model_path), submodule(model, info.lm_head_path),

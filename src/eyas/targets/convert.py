@@ -27,7 +27,7 @@ from pathlib import Path
 
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST, gguf_fingerprint, target_record, write_manifest
-from eyas.target.models import is_gguf, load_target, load_tokenizer
+from eyas.targets.models import is_gguf, load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
 
