@@ -102,7 +102,9 @@ def main(argv=None) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=16384)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=None,
+                   help="eyas train --lr (default: eyas train's own, 1e-3 since issue 31; the "
+                        "runs recorded before 2026-12-02 used 3e-4)")
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--indist-prompts", type=int, default=300)
     p.add_argument("--heldout-prompts", type=int, default=200)
@@ -142,7 +144,8 @@ def main(argv=None) -> None:
                      out=work / "vocab")
     t["train"] = run("train", "--data", work / "captured", "--vocab", work / "vocab",
                      "--out", work / "run", "--epochs", a.epochs, "--batch-tokens",
-                     a.batch_tokens, "--lr", a.lr, "--eval-every", 200, "--save-every", 200,
+                     a.batch_tokens, *(["--lr", a.lr] if a.lr else []), "--eval-every", 200,
+                     "--save-every", 200,
                      log=log, out=work / "run")
     t["export"] = run("export", "--checkpoint", work / "run", "--out", work / "draft", log=log,
                       out=work / "draft")

@@ -118,3 +118,40 @@ def test_eyas_eval_reads_the_peer_draft(peer_run, llama_dir):
     report = json.loads((peer_run / "report" / "eyas.json").read_text())
     text = json.dumps(report)
     assert "mean_acceptance_length" in text and report.get("lossless", True) is True
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_parallel_data_conversion_equals_serial(peer_run, llama_dir, tmp_path):
+    """--jobs only changes who writes which file: the data folder is byte for byte the one the
+    serial loop writes, hs_{i} and dataset row i hold sample ids[i] (train samples first)."""
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    spec = importlib.util.spec_from_file_location("speculators_train", SCRIPT)
+    st = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(st)
+    src, train_ids, eval_ids = st.eyas_split(peer_run / "captured", None, None)
+    ids = torch.cat([torch.as_tensor(train_ids), torch.as_tensor(eval_ids)]).numpy()
+    norm_w = st.verifier_norm_weight(str(llama_dir))
+    eps = float(AutoConfig.from_pretrained(llama_dir).rms_norm_eps)
+    errors = [st.write_speculators_data(src, ids, norm_w, eps, tmp_path / f"jobs{j}", jobs=j)
+              for j in (1, 3)]
+    assert errors[0] == errors[1] < 1e-2
+    serial = _files(tmp_path / "jobs1")
+    assert len([n for n in serial if n.startswith("hidden_states/")]) == len(ids)
+    assert _files(tmp_path / "jobs3") == serial
+    # the script's own run (default --jobs) wrote the same folder
+    assert _files(peer_run / "peer" / "speculators-data") == serial
+    rows = load_from_disk(str(tmp_path / "jobs1"))
+    for i in (0, len(ids) - 1):
+        sample = src.capture.sample(int(ids[i]))
+        hs = load_file(str(tmp_path / "jobs1" / "hidden_states" / f"hs_{i}.safetensors"))
+        assert torch.equal(hs["token_ids"], sample["input_ids"].long())
+        assert torch.equal(hs["hidden_states"][:, :3], sample["aux_hidden"])
+        assert rows[i]["input_ids"].tolist() == sample["input_ids"].tolist()
+        assert rows[i]["loss_mask"].tolist() == sample["loss_mask"].tolist()

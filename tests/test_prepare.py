@@ -540,7 +540,7 @@ def test_out_folder_rules(tok_dir, tmp_path):
     data = [root / "b.json"]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
-    with pytest.raises(EyasError, match="not empty"):
+    with pytest.raises(EyasError, match="did not write \\(thesis.tex\\)"):
         run_prepare(tok_dir, data, tmp_path / "mine")
     (tmp_path / "cap").mkdir()
     (tmp_path / "cap" / "eyas.json").write_text(json.dumps({"step": "capture"}))

@@ -358,13 +358,14 @@ def test_server_backend_matches_transformers_despite_faults(setup, local_run, tm
 
 
 def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
+    out = tmp_path / "out"  # --out holds only regenerate's files (one --out policy)
     gen = load_generator(setup[0], device="cpu")
     with ChatServer(gen, "tiny", fail_every=1) as down, \
             pytest.raises(EyasError, match="no conversation was regenerated"):
-        regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
+        regenerate(_cfg(setup, out, backend="openai", served_model_name="tiny",
                         server_url=(down.url,), retries=1, retry_backoff=0.01))
-    stats = json.loads((tmp_path / "eyas.json").read_text())["stats"]
-    rejects = _read(tmp_path / REJECTS)
+    stats = json.loads((out / "eyas.json").read_text())["stats"]
+    rejects = _read(out / REJECTS)
     server = [r for r in rejects if r["kind"] == "server"]
     usable = len(setup[2]) - INPUT_REJECTS
     assert len(server) == stats["failed_by_kind"]["server"] == usable
@@ -381,10 +382,10 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
                if r["kind"] == "server")
 
     with ChatServer(gen, "tiny") as up:
-        again = regenerate(_cfg(setup, tmp_path, backend="openai", served_model_name="tiny",
+        again = regenerate(_cfg(setup, out, backend="openai", served_model_name="tiny",
                                 server_url=(up.url,), retry_rejects=True))
     assert again["skipped"] == INPUT_REJECTS and again["ok"] + again["failed"] == usable
-    _check_outputs(setup, tmp_path)
+    _check_outputs(setup, out)
 
 
 def test_nothing_regenerated_fails_and_the_summary_counts_what_is_on_disk(setup, tmp_path,

@@ -27,7 +27,7 @@ from eyas.targets.chat import ChatFormatError
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, target_record,
+from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out, target_record,
                                  tokenizer_fingerprint, write_manifest)
 from eyas.targets.masking import tokenize_conversation
 from eyas.targets.masking import render_prompt  # noqa: F401  (documented as eyas.prepare.render_prompt)
@@ -143,26 +143,16 @@ def _target_config(cfg: PrepareConfig):
 
 
 def _claim_out(out: Path, cfg: PrepareConfig) -> None:
-    """Make `out` ready: refuse another step's (or unknown) files, replace a prepare output."""
-    if out.exists() and not out.is_dir():
-        raise EyasError(f"--out {out} is a file; give a folder")
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    """Make `out` ready: refuse another step's (or a user's) files (store.manifest.check_out,
+    every step's one --out policy), replace an earlier prepare output."""
+    check_out(out, "prepare", own=PAYLOAD, unfinished=PAYLOAD)
     if (out / MANIFEST).is_file():
-        try:
-            old = json.loads((out / MANIFEST).read_text())
-        except json.JSONDecodeError:
-            old = {"step": "an unknown step (unreadable eyas.json)"}
-        if old.get("step") != "prepare":
-            raise EyasError(f"{out} holds the output of `eyas {old.get('step')}`; "
-                            f"choose another --out for prepare")
+        old = json.loads((out / MANIFEST).read_text())
         changed = sorted(k for k, v in to_dict(cfg).items()
                          if (old.get("config") or {}).get(k) != v and k != "num_proc")
         if changed:
             log.warning("replacing the prepare output in %s (config changed: %s)", out,
                         ", ".join(changed))
-    elif any(name not in PAYLOAD for name in entries):
-        raise EyasError(f"{out} is not empty and holds no eyas output ({', '.join(entries[:5])}"
-                        f"); choose an empty or new --out")
     for name in (MANIFEST, *PAYLOAD):  # the manifest first: a half-replaced folder has none
         path = out / name
         if path.is_dir():

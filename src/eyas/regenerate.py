@@ -35,7 +35,8 @@ from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError
                               sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
-from eyas.store.manifest import chat_template_fingerprint, target_record, write_manifest
+from eyas.store.manifest import (chat_template_fingerprint, check_out, target_record,
+                                 write_manifest)
 from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
                                       RequestFailed, load_generator)
 from eyas.errors import EyasError
@@ -187,7 +188,9 @@ class Rejected(Exception):
 
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Regenerate the assistant turns of `cfg.data` into `cfg.out`; returns the run's stats."""
-    out = Path(cfg.out)
+    # --out: new, empty or this step's own (a killed run's files come before its manifest)
+    mine = (OUTPUT, REJECTS, "*.tmp")
+    out = check_out(cfg.out, "regenerate", own=mine, unfinished=mine)
     tokenizer, target = _target(cfg)
     sources = source_fingerprints(cfg.data)  # also fails early on a missing path
     check_resume(cfg, out, sources)

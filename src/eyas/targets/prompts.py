@@ -19,7 +19,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
-from eyas.store.manifest import MANIFEST, read_manifest
+from eyas.store.manifest import MANIFEST, check_template_hash, read_manifest
 from eyas.targets import chat
 from eyas.targets.masking import render_prompt
 
@@ -56,6 +56,8 @@ def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
             raise EyasError(f"chat template file {path} does not exist; pass the template the "
                             f"target is served with as --chat-template FILE.jinja")
         tokenizer.chat_template = path.read_text()
+        if not cfg.chat_template:  # a file the prepared folder names: it must be that one
+            check_template_hash(tokenizer, prepared or {}, str(path))
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
                         f"target is served with as --chat-template FILE.jinja")
