@@ -69,6 +69,7 @@ def test_peer_json_records_speculators_recipe_and_split(peer_run):
     # eyas's split: 23 captured train samples, one held out (eyas train's --eval-fraction)
     assert (peer["train_samples"], peer["eval_samples"]) == (22, 1)
     assert peer["final_norm_inversion_max_rel_error"] < 1e-2
+    assert peer["wall_s"]["convert_data"] >= 0 and peer["convert_jobs"] >= 1
     config = json.loads((peer_run / "peer" / "draft" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["norm_before_fc"] and config["norm_output"] and config["norm_before_residual"]
@@ -134,6 +135,7 @@ def test_parallel_data_conversion_equals_serial(peer_run, llama_dir, tmp_path):
 
     spec = importlib.util.spec_from_file_location("speculators_train", SCRIPT)
     st = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = st  # its dataclass looks its module up while the file executes
     spec.loader.exec_module(st)
     src, train_ids, eval_ids = st.eyas_split(peer_run / "captured", None, None)
     ids = torch.cat([torch.as_tensor(train_ids), torch.as_tensor(eval_ids)]).numpy()

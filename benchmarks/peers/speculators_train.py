@@ -16,6 +16,7 @@ Three conversions happen at the edges, nothing else:
    and seq_len, plus hidden_states/hs_{i}.safetensors holding `hidden_states` (T, 4, H) and
    `token_ids` (T,)). The eyas train samples come first and the eval samples last, and
    `--train-data-ratio` is set so speculators' contiguous split falls exactly between them.
+   `--jobs` processes write the files (the folder is the same for any number).
 2. eyas stores the final hidden state AFTER the target's final norm; speculators applies the
    target's final norm itself (verifier_norm) before its frozen lm_head. We hand it
    `final / norm.weight`, which that norm maps back onto `final` (RMSNorm is scale invariant
@@ -76,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0 = all epochs)")
     p.add_argument("--num-workers", type=int, default=4, help="speculators dataloader workers")
+    p.add_argument("--jobs", type=int, default=min(16, len(os.sched_getaffinity(0))),
+                   help="processes converting the capture into speculators' data folder "
+                        "(default: min(16, CPUs)); the folder is the same for any value")
     p.add_argument("--eval-fraction", type=float, default=None,
                    help="held-out share when the capture has no eval split (default: eyas "
                         "train's --eval-fraction default)")
@@ -115,32 +119,88 @@ def verifier_norm_weight(target: str) -> torch.Tensor:
 
 
 def write_speculators_data(src, ids: np.ndarray, norm_w: torch.Tensor, eps: float,
-                           data: Path) -> float:
-    """speculators' offline data folder for samples `ids` in that order; returns the largest
-    relative error of verifier_norm(stored) against eyas's final hidden state."""
+                           data: Path, jobs: int = 1) -> float:
+    """speculators' offline data folder for samples `ids` in that order (hs_{i}.safetensors and
+    dataset row i hold sample ids[i]); returns the largest relative error of
+    verifier_norm(stored) against eyas's final hidden state, over every token of every sample.
+
+    `jobs` forked processes (one torch thread each) write runs of consecutive samples in
+    capture-file order, so each reads its stretch of a shard front to back; the folder is the
+    same for any `jobs`."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     from datasets import Dataset
 
     hs_dir = data / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
-    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    by_file = np.argsort(ids, kind="stable")     # output positions, in sample (= file) order
+    runs = np.array_split(by_file, min(len(ids), max(1, jobs) * 8)) if len(ids) else []
+    work = _Conversion(src.capture, ids, norm_w, eps, hs_dir)
+    if jobs <= 1:
+        threads = torch.get_num_threads()
+        _init_worker(work)
+        try:
+            done = [_convert_run(run) for run in runs]
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_init_worker, initargs=(work,)) as pool:
+            done = list(pool.map(_convert_run, runs))
+    tokens, masks = [None] * len(ids), [None] * len(ids)
     worst = 0.0
-    for i, sid in enumerate(ids):
-        s = src.capture.sample(int(sid))
+    for run, (run_tokens, run_masks, run_worst) in zip(runs, done):
+        for pos, t, m in zip(run, run_tokens, run_masks):
+            tokens[pos], masks[pos] = t, m
+        worst = max(worst, run_worst)
+    rows = {"input_ids": [t.tolist() for t in tokens], "loss_mask": [m.tolist() for m in masks],
+            "seq_len": [int(t.size) for t in tokens]}
+    ds = Dataset.from_dict(rows).with_format("torch")
+    ds.save_to_disk(str(data))
+    return worst
+
+
+@dataclasses.dataclass(frozen=True)
+class _Conversion:
+    capture: object          # eyas.store.shards.CaptureSet (mmaps reopened in each process)
+    ids: np.ndarray          # output position i -> capture sample number
+    norm_w: torch.Tensor     # (H,) the target's final-norm weight
+    eps: float
+    hs_dir: Path
+
+
+_WORK: _Conversion | None = None  # this process's conversion, set by _init_worker
+
+
+def _init_worker(work: _Conversion) -> None:
+    # per-sample tensors are small (T x H): intra-op threads only add a barrier per op, which
+    # made the conversion 5-20x slower on a busy 2-core host (37-172 vs 9-11 ms per 1k tokens)
+    torch.set_num_threads(1)
+    global _WORK
+    _WORK = work
+
+
+def _convert_run(positions: np.ndarray) -> tuple[list, list, float]:
+    """Write hs_{i}.safetensors for each output position i in `positions`; returns their
+    input_ids and loss_mask (int64 arrays) and the largest relative norm-inversion error."""
+    w = _WORK
+    norm_w, eps = w.norm_w, w.eps
+    tokens, masks, worst = [], [], 0.0
+    for i in positions:
+        s = w.capture.sample(int(w.ids[i]))
         final = s["final_hidden"].float()                                     # (T, H) post-norm
         pre = final / norm_w                                                  # (T, H)
         back = pre * torch.rsqrt(pre.pow(2).mean(-1, keepdim=True) + eps) * norm_w
         worst = max(worst, float(((back - final).norm(dim=-1) /
                                   final.norm(dim=-1).clamp_min(1e-6)).max()))
         hidden = torch.cat([s["aux_hidden"], pre.to(torch.bfloat16)[:, None]], dim=1)  # (T, 4, H)
-        tokens = s["input_ids"].long()
-        save_file({"hidden_states": hidden.contiguous(), "token_ids": tokens},
-                  str(hs_dir / f"hs_{i}.safetensors"))
-        rows["input_ids"].append(tokens.tolist())
-        rows["loss_mask"].append(s["loss_mask"].long().tolist())
-        rows["seq_len"].append(int(tokens.numel()))
-    ds = Dataset.from_dict(rows).with_format("torch")
-    ds.save_to_disk(str(data))
-    return worst
+        ids_i = s["input_ids"].long()
+        save_file({"hidden_states": hidden.contiguous(), "token_ids": ids_i},
+                  str(w.hs_dir / f"hs_{i}.safetensors"))
+        tokens.append(ids_i.numpy())
+        masks.append(s["loss_mask"].long().numpy())
+    return tokens, masks, worst
 
 
 # ------------------------------------------------------------------------------ 2. train
@@ -253,13 +313,16 @@ def main(argv=None) -> Path:
     aux = [int(i) for i in src.manifest["aux_layer_ids"]]
     eps = float(AutoConfig.from_pretrained(args.target).rms_norm_eps)
 
+    norm_w = verifier_norm_weight(args.target)
     t0 = time.time()
     data = out / "speculators-data"
     ids = np.concatenate([train_ids, eval_ids])
-    norm_err = write_speculators_data(src, ids, verifier_norm_weight(args.target), eps, data)
+    norm_err = write_speculators_data(src, ids, norm_w, eps, data, jobs=args.jobs)
     # speculators splits rows [0, int(N * ratio)) / the rest: land exactly on len(train_ids)
     ratio = (len(train_ids) + 0.5) / len(ids)
     t1 = time.time()
+    log.info("converted %d samples (%d tokens) in %.1f s with %d job(s)", len(ids),
+             int(src.lengths[ids].sum()), t1 - t0, args.jobs)
     log_path, cmd = run_speculators(args, data, out, d2t, t2d, aux, ratio)
     t2 = time.time()
     ckpt = last_checkpoint(out / "checkpoints")
@@ -282,12 +345,14 @@ def main(argv=None) -> Path:
         "aux_layer_ids": aux, "draft_vocab_size": int(d2t.numel()),
         "epochs": args.epochs, "batch_tokens": args.batch_tokens, "max_steps": args.max_steps,
         "recipe": resolved, "steps": steps,
-        "final_norm_inversion_max_rel_error": norm_err,
+        "final_norm_inversion_max_rel_error": norm_err,  # over every token of every sample
+        "convert_jobs": args.jobs, "convert_tokens": int(src.lengths[ids].sum()),
         "checkpoint": str(ckpt), "run_yaml": str(run_yaml) if run_yaml.is_file() else None,
         "draft": str(out / "draft"),
         "draft_config": {k: config.get(k) for k in ("norm_before_residual", "norm_before_fc",
                                                     "fc_norm", "norm_output",
                                                     "eagle_aux_hidden_state_layer_ids")},
+        # convert_data: the capture -> speculators data folder step alone (hs files + dataset)
         "wall_s": {"convert_data": round(t1 - t0, 1), "train": round(t2 - t1, 1),
                    "total": round(time.time() - t0, 1)},
         "train_log": str(log_path),
