@@ -78,6 +78,14 @@ class CaptureConfig:
                                     "cache, fsyncs and hashes on its own threads); each holds "
                                     "about --file-mb of pinned host memory")
     limit: int | None = option(None, "capture only the first N samples of the split (trials)")
+    backend: str = option("transformers", "transformers: run the target here; vllm: a vLLM "
+                          "engine in this process (vllm.LLM with its hidden-state extraction; "
+                          "needs vLLM >= 0.18; docs/capture.md)", choices=("transformers", "vllm"))
+    tensor_parallel_size: int = option(1, "vllm backend: GPUs the engine shards the target over")
+    gpu_memory_utilization: float = option(0.9, "vllm backend: share of each GPU's memory the "
+                                                "engine may take (weights + KV cache)")
+    max_model_len: int = option(0, "vllm backend: longest row in tokens (rows that do not fit "
+                                   "are set aside); 0 = the target's max_position_embeddings")
     overwrite: bool = option(False, "delete a capture in --out that was made with other settings "
                                     "(otherwise that is an error)")
 
@@ -98,6 +106,20 @@ class CaptureConfig:
             raise ConfigError(f"--dflash-taps {self.dflash_taps}: give a count >= 1 and no "
                               f"--aux-layer-ids (those name the layers themselves), or 0")
         self.shard_index()  # validates the I/N spelling
+        if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1 \
+                or self.max_model_len < 0:
+            raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
+                              f"and max_model_len >= 0 (got {self.tensor_parallel_size}, "
+                              f"{self.gpu_memory_utilization}, {self.max_model_len})")
+        if self.backend == "vllm" and self.target.endswith(".gguf"):
+            raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
+                              f"GGUF {self.target}: run `eyas convert --target {self.target} --out "
+                              f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
+        if self.backend == "vllm" and (self.device or self.device_map or self.attn_implementation
+                                       or self.packing != "auto"):
+            raise ConfigError("--device, --device-map, --attn-implementation and --packing are "
+                              "transformers-backend options: the vllm backend's engine batches "
+                              "and places the target by itself (--tensor-parallel-size); drop them")
 
     def shard_index(self) -> tuple[int, int]:
         """(I, N) from `shard`."""
@@ -127,6 +149,8 @@ def capture(cfg: CaptureConfig) -> dict:
     check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
                                                             tokenizer=tokenizer), what)
     dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
+    if cfg.backend == "vllm":
+        return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)
     model, info = load_target(cfg.target, revision=cfg.revision,
                               trust_remote_code=cfg.trust_remote_code,
                               dtype=MODEL_DTYPES[cfg.model_dtype], device_map=cfg.device_map,
@@ -137,6 +161,40 @@ def capture(cfg: CaptureConfig) -> dict:
     check_same_target(prepared.get("target"), target, what)
     return capture_loaded(cfg, model, info, dataset, target=target, inputs=[prepared],
                           split_rows=split_rows)
+
+
+def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_rows) -> dict:
+    """`capture` through a vLLM engine (eyas.serve.vllm_capture): the same shards, resume and
+    manifest; what vLLM's files fail is set aside with its reason."""
+    from eyas.serve.vllm_capture import VLLMCapture
+    from eyas.targets.models import inspect_model, load_config, validate_aux_layer_ids
+
+    config = load_config(cfg.target, revision=cfg.revision,
+                         trust_remote_code=cfg.trust_remote_code)
+    target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
+    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
+    engine = dict(tensor_parallel_size=cfg.tensor_parallel_size,
+                  gpu_memory_utilization=cfg.gpu_memory_utilization)
+    if cfg.max_model_len:
+        engine["max_model_len"] = cfg.max_model_len
+    info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
+    aux_ids = validate_aux_layer_ids(_aux_ids(cfg, info), info.num_layers, count=None)
+    states = VLLMCapture.start(cfg.target, aux_ids, revision=cfg.revision,
+                               trust_remote_code=cfg.trust_remote_code,
+                               dtype=MODEL_DTYPES[cfg.model_dtype], **engine)
+    try:
+        return capture_loaded(cfg, states, states.info, dataset, target=target,
+                              inputs=[prepared], split_rows=split_rows)
+    finally:
+        states.close()
+
+
+def _aux_ids(cfg: CaptureConfig, info) -> tuple[int, ...]:
+    from eyas.targets.models import default_aux_layer_ids, dflash_aux_layer_ids
+
+    return tuple(cfg.aux_layer_ids) or (
+        dflash_aux_layer_ids(info.num_layers, cfg.dflash_taps) if cfg.dflash_taps else
+        default_aux_layer_ids(info.num_layers))
 
 
 def _default_device(cfg: CaptureConfig) -> str | None:
@@ -152,13 +210,11 @@ def _default_device(cfg: CaptureConfig) -> str | None:
 def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | None,
                    inputs: list[dict] = (), split_rows: dict | None = None) -> dict:
     """Capture with an already loaded target (what `capture` does after loading; benchmarks
-    call it directly). Resumes this shard's previous run; returns summary stats."""
-    from eyas.targets.models import (default_aux_layer_ids, dflash_aux_layer_ids,
-                                    validate_aux_layer_ids)
+    call it directly; with --backend vllm `model` is the VLLMCapture). Resumes this shard's
+    previous run; returns summary stats."""
+    from eyas.targets.models import validate_aux_layer_ids
 
-    aux_ids = tuple(cfg.aux_layer_ids) or (
-        dflash_aux_layer_ids(info.num_layers, cfg.dflash_taps) if cfg.dflash_taps else
-        default_aux_layer_ids(info.num_layers))
+    aux_ids = _aux_ids(cfg, info)
     validate_aux_layer_ids(aux_ids, info.num_layers, count=None)
     shard, num_shards = cfg.shard_index()
     out = check_out(cfg.out, "capture", own=shards.FILES, unfinished=shards.FILES)
@@ -185,7 +241,8 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
         write_manifest(out, "capture", cfg, target=target, inputs=inputs,
                        aux_layer_ids=list(aux_ids), hidden_size=info.hidden_size,
                        dtype=cfg.dtype, split=cfg.split, split_rows=split_rows or {},
-                       shards=index["shards"], complete=index["complete"], stats=stats)
+                       shards=index["shards"], complete=index["complete"], stats=stats,
+                       **({"engine": model.manifest} if cfg.backend == "vllm" else {}))
     log.info("capture %s: %d samples, %d tokens, %.1f GiB, %.0f bytes/token, %d set aside "
              "(NaN/Inf); shards complete: %s", out, stats["samples"], stats["tokens"],
              stats["bytes"] / 2**30, stats["bytes_per_token"], stats["nonfinite"],
@@ -206,7 +263,8 @@ def _settings(cfg, target, inputs, aux_ids, hidden_size) -> dict:
 def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
     from tqdm.auto import tqdm
 
-    device = _device_of(model, info)
+    # the vllm backend hands over CPU tensors: nothing to stage
+    device = torch.device("cpu") if cfg.backend == "vllm" else _device_of(model, info)
     stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
     writer = PartWriter(out, state, int(cfg.file_mb * 2**20),
                         {"aux_layer_ids": ",".join(map(str, aux_ids)), "dtype": cfg.dtype},
@@ -218,8 +276,15 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
     start = last_log = time.perf_counter()
     tokens, loop_s, stage_s = 0, None, 0.0
     try:
-        for out_dev, host in forward_batches(model, info, dataset, todo, aux_ids,
-                                             cfg.batch_tokens, cfg.packing, True):
+        if cfg.backend == "vllm":
+            from eyas.serve.vllm_capture import set_aside
+
+            source = model.batches(dataset, todo, cfg.batch_tokens,
+                                   lambda *row: set_aside(out, state, *row))
+        else:
+            source = forward_batches(model, info, dataset, todo, aux_ids, cfg.batch_tokens,
+                                     cfg.packing, True)
+        for out_dev, host in source:
             t0 = time.perf_counter()
             stored, event = _to_host(_to_storage(out_dev, cfg.dtype), stream)
             stage_s += time.perf_counter() - t0  # mostly pinned-memory allocation, if any
