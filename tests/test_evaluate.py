@@ -392,4 +392,6 @@ def test_a_tie_is_listed_not_failed_and_a_real_divergence_exits_3(twin_dir, chat
     assert main(argv) == 3
     saved = json.loads((tmp_path / "r" / "report.json").read_text())
     assert saved["lossless"] is False and len(saved["mismatches"]) == 3 and not saved["ties"]
+    # not a finished step: `eyas run` measures it again (and fails again) instead of skipping
+    assert json.loads((tmp_path / "r" / "eyas.json").read_text())["complete"] is False
     assert main(argv[:7] + ["--k", "0"]) == 2  # a usage error keeps its code

@@ -201,6 +201,10 @@ def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path):
     assert len(state["scheduler"]["schedules"]) == 2
     lrs = [r["lr"] for r in _records(tmp_path / "whole", "train")]
     assert lrs[-1] < lrs[1]
+    # the same run folder resumed with another optimizer: refused with the fix, no traceback
+    more = {**kw, "optimizer": "adamw", "max_steps": 8}
+    with pytest.raises(EyasError, match="--optimizer adamw.*another optimizer.*--resume never"):
+        train(_cfg(run_inputs, tmp_path / "whole", **more))
 
 
 # ----------------------------------------------------------------------------- checkpoints

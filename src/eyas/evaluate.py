@@ -414,10 +414,12 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
         report.by_set = by_set(sets)
         report.bench = {name: provenance(name) for name in cfg.bench}
     write_report(out, report)
+    # a failed lossless check leaves the step unfinished, so `eyas run` runs it again (and
+    # fails again) instead of taking the report as done
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None],
-                   primary=report.primary, lossless=report.lossless,
-                   mean_acceptance_length=report.mean_acceptance_length)
+                   complete=report.lossless is not False, primary=report.primary,
+                   lossless=report.lossless, mean_acceptance_length=report.mean_acceptance_length)
     if report.lossless is False:
         raise LosslessError(mismatch_message(report))
     return report

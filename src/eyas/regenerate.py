@@ -224,13 +224,15 @@ def regenerate(cfg: RegenerateConfig) -> dict:
              "cut_short": counts["cut_short"],
              "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")},
              "failed_by_kind_total": dict(on_disk)}
-    write_manifest(out, "regenerate", cfg, target=target, complete=True, stats=stats, **extras)
+    nothing = stats["ok_total"] == 0 and stats["input"] > 0  # not a result: `eyas run` retries
+    write_manifest(out, "regenerate", cfg, target=target, complete=not nothing, stats=stats,
+                   **extras)
     log.info("regenerate: %d input rows = %d ok (%d of them truncated) + %d failed + %d done "
              "before; in %s: %d conversations in %s, %d rejects in %s (%s)", stats["input"],
              stats["ok"], stats["truncated"], stats["failed"], stats["skipped"], out,
              stats["ok_total"], OUTPUT, sum(on_disk.values()), REJECTS,
              ", ".join(f"{k} {n}" for k, n in sorted(on_disk.items())) or "none")
-    if stats["ok_total"] == 0 and stats["input"] > 0:
+    if nothing:
         # An empty conversations.jsonl is not a result: say so before prepare finds it empty.
         raise EyasError(
             f"no conversation was regenerated: all {stats['input']} input rows failed "

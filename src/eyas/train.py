@@ -200,6 +200,9 @@ class TrainConfig:
             (self.max_steps >= 0 and self.epochs >= 0, "--epochs and --max-steps must be >= 0"),
             (self.max_steps > 0 or self.epochs > 0, "give --epochs > 0 or --max-steps > 0"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.optimizer != "muon" or hasattr(torch.optim, "Muon"),
+             f"--optimizer muon needs torch >= 2.9 (torch.optim.Muon); this is torch "
+             f"{torch.__version__}: upgrade torch or use --optimizer adamw"),
             (self.muon_lr >= 0 and 0 <= self.muon_momentum < 1 and self.muon_weight_decay >= 0,
              f"--muon-lr must be >= 0 (0 = --lr), --muon-momentum in [0, 1), "
              f"--muon-weight-decay >= 0; got {self.muon_lr}, {self.muon_momentum}, "

@@ -90,6 +90,9 @@ def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:
 
 def vocab(cfg: VocabConfig) -> dict:
     """Write `vocab.safetensors` (d2t, t2d) and the manifest into cfg.out; return the manifest."""
+    # not unfinished=(VOCAB_FILE,): a vocab.safetensors without a manifest may be a user's own
+    # (issue 34); a run killed in the instant between the file and its manifest is refused
+    # like one, and the message says to move the file away
     out = check_out(cfg.out, "vocab", own=(VOCAB_FILE,))
     counts, manifests = _read_counts(cfg.data)
     seen = int(counts.sum())

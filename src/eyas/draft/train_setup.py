@@ -366,7 +366,13 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
     if path is None:
         return None
     check_same_draft(path, record)
-    state = checkpoint.load(path, model, optimizer, scheduler)
+    try:
+        state = checkpoint.load(path, model, optimizer, scheduler)
+    except KeyError as err:  # torch's optimizer-state loader names only the missing key
+        raise EyasError(f"the optimizer state in {path} does not fit this run's --optimizer "
+                        f"{cfg.optimizer} (missing {err}): it was saved by another optimizer. "
+                        f"Resume with the --optimizer the run started with, or start over "
+                        f"with --resume never.") from err
     if state["plan"] != plan.fingerprint:
         raise EyasError(f"{path} was trained with other data or batching (samples, "
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "

@@ -355,7 +355,8 @@ class ChatServer:
             if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or \
                     not 1 <= max_tokens <= self.max_tokens_limit:
                 raise ValueError(f"max_tokens must be an integer from 1 to "
-                                 f"{self.max_tokens_limit}, got {max_tokens!r}")
+                                 f"{self.max_tokens_limit}, got {max_tokens!r} (ask for fewer, "
+                                 f"or start the server with a larger --max-tokens-limit)")
             temperature = float(body.get("temperature", 1.0))
             top_p = float(body.get("top_p", 1.0))
             if not (0.0 <= temperature <= 100.0 and 0.0 < top_p <= 1.0):

@@ -52,14 +52,20 @@ def _read_verified(folder: Path) -> dict:
 
 
 def _remember(folder: Path, done: dict[str, dict]) -> None:
-    """Add `done` to `.verified.json` (best effort: a read-only capture is hashed every time)."""
+    """Add `done` to `.verified.json` (best effort: a read-only capture is hashed every time).
+    Read, merge and replace under an exclusive lock: torchrun's ranks and parallel `--shard
+    i/N` capture jobs each add their own parts to the same file."""
+    import fcntl
+
     if not done:
         return
-    body = {**_read_verified(folder), **done}
     tmp = folder / f"{VERIFIED}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(body, indent=0) + "\n")
-        os.replace(tmp, folder / VERIFIED)
+        with open(folder / f"{VERIFIED}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            body = {**_read_verified(folder), **done}
+            tmp.write_text(json.dumps(body, indent=0) + "\n")
+            os.replace(tmp, folder / VERIFIED)
     except OSError as err:
         log.info("cannot record verified parts in %s (%s): they are hashed again next time",
                  folder, err)

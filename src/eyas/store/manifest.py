@@ -128,7 +128,7 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
     if MANIFEST in entries:
         try:
             found = json.loads((folder / MANIFEST).read_text()).get("step")
-        except (json.JSONDecodeError, AttributeError):
+        except (OSError, ValueError, AttributeError):  # not JSON, not UTF-8, a folder
             found = "an unknown step (its eyas.json is unreadable)"
         if found != step:
             raise EyasError(f"--out {folder} holds the output of `eyas {found}`, not of `eyas "

@@ -441,8 +441,12 @@ def open_capture(folder: str | Path, *, checksums: bool = True) -> CaptureSet:
     dist = torch.distributed
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and \
         dist.is_initialized() else (0, 1)
-    refuse_damaged(folder, check_parts(folder, index["files"], checksums=checksums, rank=rank,
-                                       world_size=world))
+    bad = check_parts(folder, index["files"], checksums=checksums, rank=rank, world_size=world)
+    if world > 1:  # a part only one rank hashed fails every rank, with the same message
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = list({e["file"]: (e, why) for part in everyone for e, why in part}.values())
+    refuse_damaged(folder, bad)
     return CaptureSet(folder, manifest, index)
 
 
