@@ -19,8 +19,10 @@ from safetensors.torch import load_file
 
 from eyas import cli
 from eyas.targets.corpus import synthetic_chats
+from eyas.errors import EyasError
 from eyas.targets.quantized import (FP8_QUANTIZATION_CONFIG, build_tiny_fp8_deepseek,
-                                    fp8_block_dequantize, fp8_block_quantize)
+                                    dequantize_fp8_checkpoint, fp8_block_dequantize,
+                                    fp8_block_quantize)
 
 # compressed-tensors is not an eyas dependency: vLLM pins its own version of it, so the test
 # extra leaves it out and this test installs the pinned wheel (pure Python, with loguru) into a
@@ -108,6 +110,33 @@ def test_transformers_dequantizes_partial_fp8_blocks(shape):
     q, scale_inv = fp8_block_quantize(w)
     got = Fp8Dequantize(None)._dequantize_one(q, scale_inv, torch.float32)
     torch.testing.assert_close(got, fp8_block_dequantize(q, scale_inv))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU may keep FP8 weights: no refusal")
+def test_partial_fp8_blocks_are_refused_on_cpu_and_load_once_dequantized(tmp_path):
+    """Where transformers would read a partial block wrongly, eyas refuses with the fix; the
+    checkpoint de-quantized once by `dequantize_fp8_checkpoint` then loads, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.targets.models import load_target
+
+    src = build_tiny_fp8_deepseek(tmp_path / "fp8", num_layers=2, intermediate_size=192)
+    gate = "model.layers.0.mlp.gate_proj."
+    st = load_file(src / "model.safetensors")
+    assert st[gate + "weight_scale_inv"].shape == (2, 1)  # rows 0-127, then 128-191
+    ref = fp8_block_dequantize(st[gate + "weight"], st[gate + "weight_scale_inv"])
+    # transformers alone loads it without a word, with rows 96-127 scaled by the second block
+    plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert not torch.allclose(plain.model.layers[0].mlp.gate_proj.weight, ref)
+    # gate/up [192, 64] and down [64, 192] of the dense layer
+    with pytest.raises(EyasError, match=r"partial 128 x 128 block \(3 here, e\.g\. model\.layers"
+                       r"\.0\.mlp\.\w+_proj\.weight.*dequantize_fp8_checkpoint"):
+        load_target(src)
+    out = dequantize_fp8_checkpoint(src, tmp_path / "bf16")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model, _ = load_target(out, dtype="float32")
+    torch.testing.assert_close(model.model.layers[0].mlp.gate_proj.weight,
+                               ref.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
 def test_int4_experts_are_compressed_tensors_packed_and_decompressed_at_load(int4_dir):

@@ -35,6 +35,7 @@ from torch import nn
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
+from eyas.targets.quantized import check_fp8_blocks
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +355,7 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
                         f"layers with it): pip install accelerate, or pip install "
                         f"'eyas[multigpu]'")
     config = load_config(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    check_fp8_blocks(name_or_path, config)  # transformers mis-reads partial FP8 blocks on a CPU
     name, where = _locate(name_or_path)
     if where and hasattr(transformers, "GgufConfig"):
         # With the `kernels` package installed, recent transformers keep a GGUF's weights in

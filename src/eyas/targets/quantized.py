@@ -14,15 +14,24 @@ transformers exactly as a user loads the real one:
   `PackedQuantizationCompressor` (`weight_packed` int32, `weight_scale` bf16, `weight_shape`),
   and Kimi-K2.5's `quantization_config` (`quant_method: compressed-tensors`, pack-quantized,
   attention, shared experts, the dense MLP and lm_head ignored). Needs `compressed-tensors`.
+
+`check_fp8_blocks` is what `load_target` asks before transformers loads an FP8 block checkpoint:
+where transformers de-quantizes it at load (no GPU with FP8 matmuls), it reads a weight whose
+dims are not multiples of the block with the wrong blocks, so eyas refuses and names
+`dequantize_fp8_checkpoint`, which writes a bf16 copy once.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+from eyas.errors import EyasError
 
 FP8_BLOCK = (128, 128)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -66,6 +75,94 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block=FP8_BLO
     return q.float() * full[:q.shape[0], :q.shape[1]]
 
 
+def _fp8_dequantized_at_load(quantization_config: dict) -> bool:
+    # transformers' FineGrainedFP8 quantizer keeps FP8 weights only on an XPU or a CUDA GPU of
+    # compute capability >= 8.9; elsewhere (and when asked) it de-quantizes them at load.
+    if quantization_config.get("dequantize"):
+        return True
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_capability() < (8, 9)
+    return not (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def _tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    shapes = {}  # headers only: no tensor data is read
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+def check_fp8_blocks(name_or_path, config) -> None:
+    """Refuse a local FP8 block checkpoint that transformers would de-quantize wrongly here.
+
+    transformers (5.24) de-quantizes FP8 weights at load without an FP8 GPU, taking each block's
+    size from the weight's shape divided by its `weight_scale_inv` grid; for a dim larger than
+    the block and not a multiple of it (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, scales
+    [5, 56]) that raises "not divisible by scale grid" or, where it divides, silently uses
+    wrong blocks. Only local folders are checked (a hub name's files are not read here)."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    folder = Path(str(name_or_path))
+    if (not isinstance(qc, dict) or qc.get("quant_method") != "fp8"
+            or not qc.get("weight_block_size") or not folder.is_dir()
+            or not _fp8_dequantized_at_load(qc)):
+        return
+    b0, b1 = qc["weight_block_size"]
+    shapes = _tensor_shapes(folder)
+    partial = []  # (weight name, its shape, its scale grid)
+    for scale, grid in shapes.items():
+        weight = scale.removesuffix("_scale_inv")
+        if scale.endswith(".weight_scale_inv") and len(grid) == 2 and weight in shapes:
+            rows, cols = shapes[weight][-2:]
+            # one block over a whole dim (a dim up to the block size) is read right
+            if (rows > b0 and rows % b0) or (cols > b1 and cols % b1):
+                partial.append((weight, shapes[weight], grid))
+    if partial:
+        name, shape, grid = partial[0]
+        raise EyasError(
+            f"{folder}: transformers cannot load this FP8 checkpoint on this machine. Without a "
+            f"GPU of compute capability >= 8.9 it de-quantizes the weights at load, and it "
+            f"mis-reads a weight with a partial {b0} x {b1} block "
+            f"({len(partial)} here, e.g. {name} {list(shape)} with weight_scale_inv "
+            f"{list(grid)}). Run this step on an FP8 GPU (H100/H200), or de-quantize the "
+            f"checkpoint to bf16 once: python -c \"from eyas.targets.quantized import "
+            f"dequantize_fp8_checkpoint; dequantize_fp8_checkpoint('{folder}', 'OUT')\" and "
+            f"pass OUT as the target")
+
+
+def dequantize_fp8_checkpoint(src: str | Path, out: str | Path,
+                              dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `src` (an FP8 block checkpoint folder) to `out` with every weight de-quantized to
+    `dtype` (block by block, partial blocks included), the scales dropped and config.json
+    without `quantization_config`; the other files (tokenizer, remote code) are copied."""
+    src, out = Path(src), Path(out)
+    if out.exists():
+        raise EyasError(f"{out} exists; pass a new folder")
+    config = json.loads((src / "config.json").read_text())
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    out.mkdir(parents=True)
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out / path.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        meta = json.loads(index.read_text())
+        meta["weight_map"] = {k: v for k, v in meta["weight_map"].items()
+                              if not k.endswith("_scale_inv")}
+        index.write_text(json.dumps(meta, indent=2) + "\n")
+    for path in sorted(src.glob("*.safetensors")):
+        state = load_file(path)
+        for name in [n for n in state if n.endswith(".weight_scale_inv")]:
+            weight = name.removesuffix("_scale_inv")
+            if weight not in state:  # DeepSeek-V3 keeps each weight beside its scales
+                raise EyasError(f"{path}: {name} without {weight} in the same file")
+            state[weight] = fp8_block_dequantize(state[weight], state.pop(name), block).to(dtype)
+        save_file(state, out / path.name, metadata={"format": "pt"})
+    return out
+
+
 def _is_fp8_linear(name: str, tensor: torch.Tensor) -> bool:
     # DeepSeek-V3 quantizes every Linear inside the decoder layers; the router (`mlp.gate`),
     # norms, embedding and lm_head stay bf16.
@@ -89,12 +186,23 @@ def _set_quantization_config(folder: Path, quantization_config: dict) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_tiny_fp8_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int = 4) -> Path:
-    """A random tiny DeepSeek-V3 MoE saved in DeepSeek-V3's FP8 block-quantized format."""
-    from eyas.targets.tiny import build_tiny_model
+def build_tiny_fp8_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int = 4,
+                            intermediate_size: int | None = None) -> Path:
+    """A random tiny DeepSeek-V3 MoE (`num_layers` decoder layers, the first dense) saved in
+    DeepSeek-V3's FP8 block-quantized format. An `intermediate_size` above 128 and not a
+    multiple of it gives the dense MLP a partial block, as kv_a_proj_with_mqa has in V3."""
+    from transformers import AutoModelForCausalLM
 
-    out_dir = build_tiny_model("deepseek_v3", out_dir, seed, num_layers=num_layers,
-                               dtype=torch.bfloat16)
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
+
+    config = tiny_config("deepseek_v3", num_layers=num_layers + 1)  # it takes one off
+    if intermediate_size is not None:
+        config.intermediate_size = intermediate_size
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    out_dir = Path(out_dir)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    save_tiny_tokenizer(out_dir)
 
     def convert(name, tensor):
         if not _is_fp8_linear(name, tensor):
