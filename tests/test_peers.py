@@ -157,3 +157,90 @@ def test_parallel_data_conversion_equals_serial(peer_run, llama_dir, tmp_path):
         assert torch.equal(hs["hidden_states"][:, :3], sample["aux_hidden"])
         assert rows[i]["input_ids"].tolist() == sample["input_ids"].tolist()
         assert rows[i]["loss_mask"].tolist() == sample["loss_mask"].tolist()
+
+
+SPECFORGE_SCRIPT = SCRIPT.with_name("specforge_train.py")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("specforge") is None,
+                    reason="specforge is not importable (pip install --no-deps --target DIR "
+                           "specforge==0.2.0 and set PYTHONPATH=DIR)")
+def test_specforge_peer_trains_exports_and_matches_its_draft(peer_run, llama_dir):
+    """benchmarks/peers/specforge_train.py on the same capture: SpecForge's own trainer runs
+    (its defaults), its feature files hold eyas's post-norm final state and the aux states
+    low to high, the layer ids are SpecForge's (vLLM's - 1, as its own default for this target
+    gives), and the vLLM folder computes SpecForge's own step-0 logits and is read by eyas eval."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from eyas.draft.eagle3 import Eagle3Draft
+    from specforge.algorithms.model_providers import resolve_eagle_capture_layers
+    from specforge.export.checkpoint_io import resolve_training_state
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    _run([str(SPECFORGE_SCRIPT), "--capture", "captured", "--vocab", "vocab", "--target",
+          str(llama_dir), "--out", "peer-specforge", "--epochs", "2", "--batch-tokens", "512",
+          "--device", "cpu", "--num-workers", "0"], peer_run)
+    out = peer_run / "peer-specforge"
+    peer = json.loads((out / "peer.json").read_text())
+    assert peer["specforge_version"] == "0.2.0" and peer["steps"] > 0
+    recipe = peer["recipe"]
+    assert (recipe["learning_rate"], recipe["warmup_ratio"], recipe["max_grad_norm"],
+            recipe["ttt_length"], recipe["lr_scheduler"]) == (1e-4, 0.015, 0.5, 7, "cosine")
+    assert (peer["train_samples"], peer["eval_samples"]) == (22, 1)
+
+    # layer ids: the capture's (vLLM) ids minus one, equal to SpecForge's own default
+    captured = json.loads((peer_run / "captured" / "eyas.json").read_text())
+    aux = captured["aux_layer_ids"]
+    spec = json.loads((out / "draft_config.json").read_text())
+    assert peer["specforge_aux_layer_ids"] == [k - 1 for k in aux]
+    assert resolve_eagle_capture_layers(
+        _SpecForgeRun(), {}, LlamaConfig(**json.loads((llama_dir / "config.json").read_text()))
+    ) == [k - 1 for k in aux]
+    config = json.loads((out / "draft" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == aux and "norm_output" not in config
+
+    # feature file 0 = eyas's first train sample: post-norm final state, aux low -> high
+    spec_train = importlib.util.spec_from_file_location("specforge_train", SPECFORGE_SCRIPT)
+    sf = importlib.util.module_from_spec(spec_train)
+    spec_train.loader.exec_module(sf)
+    src, train_ids, _ = sf._eyas_split(peer_run / "captured", None, None)
+    sample = src.capture.sample(int(train_ids[0]))
+    feat = torch.load(out / "specforge-data" / "data_00000000.ckpt")
+    assert torch.equal(feat["hidden_state"][0], sample["final_hidden"])
+    assert torch.equal(feat["aux_hidden_state"][0].unflatten(-1, (3, -1)), sample["aux_hidden"])
+    assert torch.equal(feat["input_ids"], sample["input_ids"].long())
+
+    # step 0 on the same inputs: SpecForge's model from its checkpoint against eyas's reader
+    theirs = LlamaForCausalLMEagle3(LlamaConfig(**spec), attention_backend="sdpa")
+    missing, unexpected = theirs.load_state_dict(
+        resolve_training_state(peer["checkpoint"])["draft_state_dict"], strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
+    theirs = theirs.float().eval()
+    target = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    theirs.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight)
+    ours = Eagle3Draft.from_pretrained(out / "draft",
+                                       embed_tokens=target.model.embed_tokens).float().eval()
+    torch.manual_seed(0)
+    t, h = 12, target.config.hidden_size
+    aux_in = torch.randn(1, t, 3 * h)
+    ids = torch.randint(0, target.config.vocab_size, (1, t))
+    pos = torch.arange(t)[None]
+    with torch.no_grad():
+        g = theirs.project_hidden_states(aux_in)
+        mask = theirs.prepare_decoder_attention_mask(torch.ones(1, t, dtype=torch.bool), g,
+                                                     1, t, 0)
+        ref = theirs.compute_logits(theirs.backbone(theirs.embed_input_ids(ids), g, [[], []],
+                                                    mask, pos))
+        mine = ours(ids, aux_in, pos).logits
+    torch.testing.assert_close(mine, ref, rtol=2e-3, atol=2e-3)
+
+    _run(["-m", "eyas", "eval", "--target", str(llama_dir), "--draft", "peer-specforge/draft",
+          "--data", "prepared", "--out", "report-specforge", "--max-new-tokens", "16"], peer_run)
+    assert "mean_acceptance_length" in (peer_run / "report-specforge" / "eyas.json").read_text()
+
+
+class _SpecForgeRun:
+    """The one field of SpecForge's run config its capture-layer default reads (none set)."""
+
+    class model:
+        aux_hidden_state_layer_ids = None
