@@ -108,6 +108,11 @@ def main(argv=None) -> None:
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--indist-prompts", type=int, default=300)
     p.add_argument("--heldout-prompts", type=int, default=200)
+    p.add_argument("--bench", default=None, metavar="SETS",
+                   help="also measure the draft on these standard prompt sets (eyas eval "
+                        "--bench, e.g. mt-bench,gsm8k,humaneval; archives from "
+                        "$EYAS_BENCH_CACHE), --bench-prompts each, after the other evals")
+    p.add_argument("--bench-prompts", type=int, default=80)
     p.add_argument("--k", default="3,6")
     p.add_argument("--workers", type=int, default=1, help="eyas eval --workers")
     p.add_argument("--eval-batch", type=int, default=64, help="eyas eval --batch-size")
@@ -159,6 +164,9 @@ def main(argv=None) -> None:
     t["eval_heldout"] = run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts",
                             a.heldout_prompts, "--out", work / "eval-heldout", log=log,
                             out=work / "eval-heldout")
+    if a.bench:  # its report has one table per set (report.json: by_set)
+        t["eval_bench"] = run("eval", *ev, "--bench", a.bench, "--num-prompts", a.bench_prompts,
+                              "--out", work / "eval-bench", log=log, out=work / "eval-bench")
 
     regen_manifest = conversations.parent / "eyas.json"
     regen = json.loads(regen_manifest.read_text()) if regen_manifest.is_file() else {}
@@ -193,6 +201,12 @@ def main(argv=None) -> None:
         "heldout": {**_split_summary(heldout, ks), "simulated_source": "replayed"},
         "data_sources": sources,
     }
+    if a.bench:  # per set (and MT-bench turn): AL per method and k, beside n-gram
+        report = json.loads((work / "eval-bench/report.json").read_text())
+        result["bench"] = {name: {f"{r['method']}_k{r['k']}": r["mean_acceptance_length"]
+                                  for r in v["results"] if r["method"] != "target"}
+                           | {"prompts": v["prompts"]}
+                           for name, v in (report.get("by_set") or {}).items()}
     held = result["heldout"]
     held["simulated_al"], held["simulated_per_position"] = (held["replayed_al"],
                                                             held["replayed_per_position"])
