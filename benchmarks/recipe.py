@@ -61,7 +61,8 @@ VARIANTS.update({f"eagle3.1+{k}": [*NORMS, *v] for k, v in SPECULATORS.items()})
 # peer trainers run on the same capture and vocab (benchmarks/peers/), with their own
 # recipe; name -> script. Their wheels may live outside this environment: $PEER_SITE is put
 # first on their PYTHONPATH
-PEERS = {"peer-speculators": "peers/speculators_train.py"}
+PEERS = {"peer-speculators": "peers/speculators_train.py",
+         "peer-specforge": "peers/specforge_train.py"}
 VARIANTS.update({
     "eagle3.1+lr1e-4": [*NORMS, "--lr", "1e-4"],  # SpecForge's lr, eyas's default before issue 31
     "eagle3.1+lr3e-4": [*NORMS, "--lr", "3e-4"],  # the benchmarks' lr before issue 31
