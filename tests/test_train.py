@@ -184,7 +184,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tmp_path):
     assert len(build_optimizers(TrainConfig(data="x", out=str(tmp_path)), draft)) == 1
 
 
-def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path):
+def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path, caplog):
     """Muon + AdamW, a linear decay and speculators' loss positions resume bit for bit
     (two optimizers and two schedules in one checkpoint)."""
     kw = dict(max_steps=6, save_every=2, eval_every=3, lm_head="target", grad_accum=2,
@@ -205,6 +205,10 @@ def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path):
     more = {**kw, "optimizer": "adamw", "max_steps": 8}
     with pytest.raises(EyasError, match="--optimizer adamw.*another optimizer.*--resume never"):
         train(_cfg(run_inputs, tmp_path / "whole", **more))
+    assert "--lr-decay linear -> cosine" not in caplog.text
+    with pytest.raises(EyasError, match="another optimizer"):  # warned first, then refused
+        train(_cfg(run_inputs, tmp_path / "whole", **{**more, "lr_decay": "cosine"}))
+    assert "--lr-decay linear -> cosine" in caplog.text and "--optimizer" not in caplog.text
 
 
 # ----------------------------------------------------------------------------- checkpoints

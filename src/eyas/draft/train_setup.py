@@ -9,6 +9,7 @@ between DDP and FSDP2.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -366,6 +367,8 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
     if path is None:
         return None
     check_same_draft(path, record)
+    if env.main:
+        _warn_recipe_changes(cfg)
     try:
         state = checkpoint.load(path, model, optimizer, scheduler)
     except KeyError as err:  # torch's optimizer-state loader names only the missing key
@@ -378,6 +381,27 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
                         f"--grad-accum); resume with the same settings or use --resume never.")
     return state
+
+
+# what a resumed run may change, but then trains the rest of the run another way
+_RECIPE = ("lr", "muon_lr", "betas", "weight_decay", "lr_decay", "warmup_ratio", "min_lr_ratio",
+           "grad_clip", "ttt_steps", "step_weight", "loss", "loss_mask_at", "vocab_filter",
+           "freeze_lm_head")
+
+
+def _warn_recipe_changes(cfg: TrainConfig) -> None:
+    """Say which recipe options differ from the run this one continues (its eyas.json): the
+    steps before the checkpoint were trained the old way."""
+    try:
+        old = json.loads((Path(cfg.out) / "eyas.json").read_text()).get("config") or {}
+    except (OSError, ValueError):
+        return
+    new = dataclasses.asdict(cfg)
+    changed = [f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in _RECIPE
+               if k in old and json.loads(json.dumps(new[k])) != old[k]]
+    if changed:
+        log.warning("resuming %s with another recipe than it was started with (%s): the steps "
+                    "before the checkpoint were trained the old way", cfg.out, "; ".join(changed))
 
 
 def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: TrainConfig,
