@@ -29,6 +29,7 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.errors import EyasError
 from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
                                  write_manifest)
+from eyas.serve.vllm_generate import check_engine_options
 from eyas.store import shards
 from eyas.targets.capture_forward import forward_batches
 from eyas.store.shard_writer import PartWriter
@@ -106,15 +107,7 @@ class CaptureConfig:
             raise ConfigError(f"--dflash-taps {self.dflash_taps}: give a count >= 1 and no "
                               f"--aux-layer-ids (those name the layers themselves), or 0")
         self.shard_index()  # validates the I/N spelling
-        if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1 \
-                or self.max_model_len < 0:
-            raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
-                              f"and max_model_len >= 0 (got {self.tensor_parallel_size}, "
-                              f"{self.gpu_memory_utilization}, {self.max_model_len})")
-        if self.backend == "vllm" and self.target.endswith(".gguf"):
-            raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
-                              f"GGUF {self.target}: run `eyas convert --target {self.target} --out "
-                              f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
+        check_engine_options(self)
         if self.backend == "vllm" and (self.device or self.device_map or self.attn_implementation
                                        or self.packing != "auto"):
             raise ConfigError("--device, --device-map, --attn-implementation and --packing are "

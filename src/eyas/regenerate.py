@@ -37,6 +37,7 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
                          target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, target_record,
                                  write_manifest)
+from eyas.serve.vllm_generate import check_engine_options
 from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
                                       RequestFailed, load_generator)
 from eyas.errors import EyasError
@@ -133,15 +134,7 @@ class RegenerateConfig:
         if self.backend == "openai" and not self.server_url:
             raise ConfigError("backend openai needs --server-url, e.g. http://localhost:8000 "
                               "(start a server with `vllm serve MODEL`)")
-        if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1 \
-                or self.max_model_len < 0:
-            raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
-                              f"and max_model_len >= 0 (got {self.tensor_parallel_size}, "
-                              f"{self.gpu_memory_utilization}, {self.max_model_len})")
-        if self.backend == "vllm" and self.target.endswith(".gguf"):
-            raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
-                              f"GGUF {self.target}: run `eyas convert --target {self.target} --out "
-                              f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
+        check_engine_options(self)
         if self.backend == "vllm" and (self.batching != "padded" or self.device != "auto"):
             raise ConfigError("--batching and --device are transformers-backend options: the vllm "
                               "backend's engine batches by itself and runs where its build does "

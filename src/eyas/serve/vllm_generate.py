@@ -13,10 +13,26 @@ from __future__ import annotations
 import gc
 import logging
 
+from eyas.config import ConfigError
 from eyas.errors import EyasError
 from eyas.serve.openai_server import Generation, cut_at_stop, render_prompt, stop_token_ids
 
 log = logging.getLogger(__name__)
+
+
+def check_engine_options(cfg) -> None:
+    """The vLLM engine options `eyas regenerate` and `eyas capture` share (`cfg` has
+    backend, target, tensor_parallel_size, gpu_memory_utilization, max_model_len): in range,
+    and with --backend vllm a Hugging Face folder rather than a GGUF."""
+    if cfg.tensor_parallel_size < 1 or not 0 < cfg.gpu_memory_utilization <= 1 \
+            or cfg.max_model_len < 0:
+        raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
+                          f"and max_model_len >= 0 (got {cfg.tensor_parallel_size}, "
+                          f"{cfg.gpu_memory_utilization}, {cfg.max_model_len})")
+    if cfg.backend == "vllm" and cfg.target.endswith(".gguf"):
+        raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
+                          f"GGUF {cfg.target}: run `eyas convert --target {cfg.target} --out "
+                          f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
 
 class VLLMGenerator:
     """`render` and `generate` as `LocalGenerator` has them, on a `vllm.LLM` made at once.
