@@ -1,0 +1,424 @@
+"""Served speed (issue 33): vLLM serves the target three ways in one run, no speculation,
+n-gram (prompt lookup) and the eyas draft (EAGLE-3), and the output tokens per second of each
+are set side by side per prompt set, temperature and batch size.
+
+    python benchmarks/served_speed.py --target /tmp/w/qwen-hf --draft /tmp/w/run/draft \
+        --bench mt-bench,humaneval --data heldout.jsonl --num-prompts 80 --batch1-prompts 20 \
+        --k 3,5,1,7,2,4,6 --ngram-k 4 --batches 1,8,32,64 --temperatures 0,1 \
+        --max-new-tokens 256 --eyas-report eval-t0/report.json --eyas-report eval-t1/report.json \
+        --max-minutes 25 --json benchmarks/results/served-qwen-coder.json
+
+What runs. One `vllm.LLM` engine per way: "none", "ngram" at each --ngram-k (vLLM's
+`method: "ngram"`, prompt_lookup_min/max as `eyas eval`'s n-gram drafter), "eagle3" at each
+--k. vLLM cannot change `speculative_config` on a live engine, so each way costs one engine
+start (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test
+target); everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
+order, --k in the order given, so the first --k values are the ones a short lease measures.
+Each engine is warmed up (every batch shape and temperature, a few tokens) before any timing,
+and its prefix cache is emptied before each measurement (every measurement prefills its
+prompts).
+
+Batch B is a closed loop of B clients, as `vllm bench serve --max-concurrency B`: B requests
+in flight, a new one added as soon as one finishes, until the set's prompts run out (the
+last B - 1 finish at a lower concurrency); the engine's max_num_seqs is the largest batch.
+Timing per request from this process: time to first token, and time per output token
+(TPOT: first token to last over the tokens after the first, as vLLM's benchmark defines
+it). Output tokens/s = all output tokens of a measurement over its wall time. Acceptance as
+vLLM counts it: its spec-decode counters (read as benchmarks/vllm_serve.py reads them),
+taken before and after each measurement; beside it `eyas eval`'s acceptance on the same
+prompts from each --eyas-report (matched by temperature and prompt set).
+
+Prompts: eyas eval's own (eyas.evaluate.load_prompts: the target's chat template with
+`add_generation_prompt`, as `eyas regenerate --backend vllm` renders a user turn), handed to
+vLLM as token ids; MT-bench's first turn only (its second follows the target's own answer).
+Sampling is plain (temperature, top_p 1; the target's generation_config penalties are not
+applied, as in eyas eval), stopping at the target's end-of-turn ids. At T=0 every
+speculative output is compared with the same batch's output without speculation.
+
+--max-minutes stops cleanly: no engine is started that the time left cannot hold (judged by
+the longest engine so far), no measurement begins after the budget; the JSON (written after
+every measurement) and the markdown table say what ran and what did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_NO_USAGE_STATS", "1"),
+                   ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+    os.environ.setdefault(key, value)  # before vLLM is imported (its engine process reads them)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_serve import counters, hf_folder  # noqa: E402  (read as vllm_serve.py reads them)
+
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Way:
+    """One engine: how vLLM serves the target ("none", "ngram" or "eagle3") and its k."""
+
+    name: str
+    k: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name == "none" else f"{self.name} k={self.k}"
+
+    def speculative_config(self, draft: str, lookup: tuple[int, int]) -> dict | None:
+        if self.name == "none":
+            return None
+        if self.name == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": self.k,
+                    "prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": self.k}
+
+
+def percentiles(xs: list[float]) -> dict:
+    """Mean, p50 and p90 in milliseconds (None without values)."""
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None}
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+    return {"mean": round(1e3 * statistics.fmean(xs), 3), "p50": round(1e3 * q[4], 3),
+            "p90": round(1e3 * q[8], 3)}
+
+
+def drive(engine, prompts: list[list[int]], params, batch: int, tag: str) -> list[dict]:
+    """Generate `prompts` with at most `batch` requests in flight (a closed loop of `batch`
+    clients); per prompt, in order: its tokens and its add / first-token / finish times."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.DELTA  # each step returns only the new tokens
+    done = [{"tokens": [], "added": None, "first": None, "finished": None} for _ in prompts]
+    queue, in_flight = list(range(len(prompts))), 0
+    while queue or in_flight:
+        while queue and in_flight < batch:
+            i = queue.pop(0)
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompts[i]}, params)
+            done[i]["added"], in_flight = time.perf_counter(), in_flight + 1
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            r = done[int(out.request_id.rsplit("-", 1)[1])]
+            new = list(out.outputs[0].token_ids)
+            if new and r["first"] is None:
+                r["first"] = now
+            r["tokens"] += new
+            if out.finished:
+                r["finished"], in_flight = now, in_flight - 1
+    return done
+
+
+def spec_delta(before: dict, after: dict) -> dict | None:
+    """vLLM's spec-decode counts between two `counters` readings: drafts, draft tokens,
+    accepted tokens, mean acceptance length and per-position rates."""
+    n = after["num_drafts"] - before["num_drafts"]
+    if not n:  # e.g. n-gram on sampled text that never repeats its suffix
+        return {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                "acceptance_length": None, "per_position": None}
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    per_pos = [a - b for a, b in zip(after["per_pos"] or [], before["per_pos"]
+                                     or [0] * len(after["per_pos"] or []))]
+    return {"drafts": n, "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
+            "accepted_tokens": accepted, "acceptance_length": round(1 + accepted / n, 4),
+            "per_position": [round(x / n, 4) for x in per_pos]}
+
+
+def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float) -> dict | None:
+    """`eyas eval`'s acceptance for `way` on prompt set `group` at `temperature` from the
+    reports given: its per-set result (--bench reports), else its overall one when the report
+    measured one set; the 95 % interval where the report has one (its primary method)."""
+    for rep in reports:
+        if abs(rep["temperature"] - temperature) > 1e-6:
+            continue
+        per_set = rep.get("by_set") or {}
+        if group in per_set:
+            results, n = per_set[group]["results"], per_set[group]["prompts"]
+        elif not per_set:
+            results, n = rep["results"], rep["num_prompts"]
+        else:
+            continue
+        hit = next((r for r in results if r["method"] == way.name and r["k"] == way.k), None)
+        if hit is None:
+            continue
+        ci = (rep.get("ci95") or {}).get(str(way.k), {}).get("mean_acceptance_length") \
+            if way.name == rep.get("primary") and not per_set else None
+        return {"acceptance_length": hit["mean_acceptance_length"], "ci95": ci,
+                "per_position": hit["per_position_acceptance"], "drafts": hit["drafts"],
+                "prompts": n, "device": rep.get("device"), "dtype": rep.get("dtype")}
+    return None
+
+
+def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, a,
+            stop_ids, reference: dict, reports: list[dict]) -> dict:
+    """One (way, prompt set, temperature, batch) measurement: speed, vLLM's acceptance, the
+    lossless check at T=0 and eyas eval's acceptance beside it."""
+    from vllm import SamplingParams
+
+    ids = [p.ids.tolist() for p in prompts]
+    params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=a.max_new_tokens,
+                            ignore_eos=a.ignore_eos, stop_token_ids=sorted(stop_ids),
+                            detokenize=False)
+    llm.reset_prefix_cache()
+    before = counters(llm) if way.name != "none" else None
+    t0 = time.perf_counter()
+    done = drive(llm.llm_engine, ids, params, batch, f"{way.label}-{group}-{temperature}-{batch}")
+    seconds = time.perf_counter() - t0
+    tokens = [r["tokens"] for r in done]
+    n_out = sum(len(t) for t in tokens)
+    tpot = [(r["finished"] - r["first"]) / (len(r["tokens"]) - 1) for r in done
+            if len(r["tokens"]) > 1]
+    row = {"way": way.name, "k": way.k, "set": group, "temperature": temperature,
+           "batch": batch, "prompts": len(ids), "output_tokens": n_out,
+           "seconds": round(seconds, 3), "output_tokens_per_s": round(n_out / seconds, 2),
+           "tpot_ms": percentiles(tpot),
+           "ttft_ms": percentiles([r["first"] - r["added"] for r in done if r["first"]]),
+           "vllm": spec_delta(before, counters(llm)) if before else None,
+           "same_outputs_as_no_speculation": None,
+           "eyas_eval": eyas_eval_al(reports, way, group, temperature)
+           if way.name != "none" else None}
+    if temperature == 0:
+        key = (group, batch)
+        if way.name == "none":
+            reference[key] = tokens
+        elif key in reference:
+            row["same_outputs_as_no_speculation"] = sum(
+                t == r for t, r in zip(tokens, reference[key]))
+    return row
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """Per (set, temperature, batch): the fastest n-gram and eagle3 k, their tokens/s and
+    the eagle3's speedup over no speculation and over the fastest n-gram."""
+    out = []
+    for key in dict.fromkeys((r["set"], r["temperature"], r["batch"]) for r in rows):
+        same = [r for r in rows if (r["set"], r["temperature"], r["batch"]) == key]
+
+        def best(name):
+            got = [r for r in same if r["way"] == name]
+            return max(got, key=lambda r: r["output_tokens_per_s"]) if got else None
+
+        none, ngram, eagle = best("none"), best("ngram"), best("eagle3")
+        tps = {n: r and r["output_tokens_per_s"] for n, r in
+               (("none", none), ("ngram", ngram), ("eagle3", eagle))}
+        out.append({
+            "set": key[0], "temperature": key[1], "batch": key[2],
+            "none_tokens_per_s": tps["none"],
+            "ngram_best_k": ngram and ngram["k"], "ngram_tokens_per_s": tps["ngram"],
+            "eagle3_best_k": eagle and eagle["k"], "eagle3_tokens_per_s": tps["eagle3"],
+            "eagle3_over_none": round(tps["eagle3"] / tps["none"], 3)
+            if eagle and none else None,
+            "eagle3_over_ngram": round(tps["eagle3"] / tps["ngram"], 3)
+            if eagle and ngram else None,
+            "ngram_over_none": round(tps["ngram"] / tps["none"], 3) if ngram and none else None,
+            "eagle3_vllm_al": eagle and eagle["vllm"] and eagle["vllm"]["acceptance_length"],
+            "eagle3_eyas_eval_al": eagle and eagle["eyas_eval"]
+            and eagle["eyas_eval"]["acceptance_length"],
+            "eagle3_eyas_eval_ci95": eagle and eagle["eyas_eval"] and eagle["eyas_eval"]["ci95"],
+            "tpot_p50_ms_none": none and none["tpot_ms"]["p50"],
+            "tpot_p50_ms_eagle3": eagle and eagle["tpot_ms"]["p50"]})
+    return out
+
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(result: dict) -> str:
+    """The summary (best k per way, speedups) and every measured configuration, with the
+    command that made them."""
+    lines = [f"`{result['command']}`", "",
+             f"{result['device']}, vLLM {result['vllm_version']}, {result['dtype']}, "
+             f"{result['max_new_tokens']} new tokens"
+             + (f"; stopped early: {result['stopped_early']}" if result["stopped_early"]
+                else ""), "",
+             "| set | T | batch | none tok/s | n-gram tok/s (k) | eyas tok/s (k) | x none | "
+             "x n-gram | AL vLLM | AL eyas eval [95 %] | TPOT p50 ms none / eyas |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result["summary"]:
+        ci = s["eagle3_eyas_eval_ci95"]
+        lines.append(
+            f"| {s['set']} | {s['temperature']:g} | {s['batch']} | {_f(s['none_tokens_per_s'], 1)} "
+            f"| {_f(s['ngram_tokens_per_s'], 1)} ({_f(s['ngram_best_k'])}) "
+            f"| {_f(s['eagle3_tokens_per_s'], 1)} ({_f(s['eagle3_best_k'])}) "
+            f"| {_f(s['eagle3_over_none'])} | {_f(s['eagle3_over_ngram'])} "
+            f"| {_f(s['eagle3_vllm_al'], 3)} | {_f(s['eagle3_eyas_eval_al'], 3)}"
+            + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            + f" | {_f(s['tpot_p50_ms_none'])} / {_f(s['tpot_p50_ms_eagle3'])} |")
+    lines += ["", "| way | set | T | batch | prompts | tok/s | TPOT mean / p50 / p90 ms | "
+                  "AL vLLM | AL eyas eval | same outputs (T=0) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        t = r["tpot_ms"]
+        same = r["same_outputs_as_no_speculation"]
+        same = "-" if same is None else f"{same} / {r['prompts']}"
+        lines.append(
+            f"| {Way(r['way'], r['k']).label} | {r['set']} | {r['temperature']:g} | {r['batch']} "
+            f"| {r['prompts']} | {r['output_tokens_per_s']:.1f} "
+            f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p90'])} "
+            f"| {_f(r['vllm'] and r['vllm']['acceptance_length'], 3)} "
+            f"| {_f(r['eyas_eval'] and r['eyas_eval']['acceptance_length'], 3)} "
+            f"| {same} |")
+    if result["not_run"]:
+        lines += ["", "Not run (budget): " + ", ".join(result["not_run"])]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="a Hugging Face folder (a .gguf is converted)")
+    p.add_argument("--draft", default=None, help="an `eyas export` folder; none: no eagle3 ways")
+    p.add_argument("--data", default=None, help="a JSONL of held-out prompts (as eyas eval --data)")
+    p.add_argument("--bench", default="", help="standard sets, e.g. mt-bench,humaneval "
+                   "(eyas.store.benchsets; archives in $EYAS_BENCH_CACHE)")
+    p.add_argument("--num-prompts", type=int, default=80, help="the first N of each set")
+    p.add_argument("--batch1-prompts", type=int, default=20,
+                   help="at batch 1 only the first N of each set (its time grows with N)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="every answer max-new-tokens long")
+    p.add_argument("--k", default="1,2,3,4,5,6,7", help="eagle3 k values, in the order run")
+    p.add_argument("--ngram-k", default="4", help="n-gram k values ('' for none)")
+    p.add_argument("--ngram-min", type=int, default=2, help="vLLM's prompt_lookup_min")
+    p.add_argument("--ngram-max", type=int, default=4, help="vLLM's prompt_lookup_max")
+    p.add_argument("--batches", default="1,8,32,64", help="concurrencies")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--eyas-report", action="append", default=[],
+                   help="an `eyas eval` report.json on the same prompts (once per temperature)")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (always so on the CPU; not how vLLM serves on a GPU)")
+    p.add_argument("--hf-dir", default="/tmp/vllm-target", help="where a .gguf is converted")
+    p.add_argument("--max-minutes", type=float, default=0, help="budget; 0 = no limit")
+    p.add_argument("--json", required=True, help="the result; the table goes beside it (.md)")
+    return p.parse_args(argv)
+
+
+def load_sets(a) -> dict[str, list]:
+    """Prompt set name -> its prompts, rendered as `eyas eval` renders them."""
+    from eyas.evaluate import EvalConfig, load_prompts
+    from eyas.targets.models import load_tokenizer
+
+    cfg = EvalConfig(target=a.target, data=a.data, out="(none)", num_prompts=a.num_prompts,
+                     max_new_tokens=a.max_new_tokens, k=(1,),
+                     bench=tuple(b for b in a.bench.split(",") if b))
+    prompts, _ = load_prompts(cfg, load_tokenizer(a.target))
+    sets: dict[str, list] = {}
+    for p in prompts:
+        sets.setdefault(p.group or "data", []).append(p)
+    return sets
+
+
+def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: dict,
+              state: dict) -> dict:
+    """Start one engine for `way`, warm it up, measure every (set, temperature, batch) the
+    budget allows, stop it; returns its record (start, warm-up and total seconds)."""
+    import vllm
+
+    from eyas.serve.vllm_generate import VLLMGenerator
+
+    batches = result["batches"]
+    spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max))
+    t0 = time.perf_counter()
+    gen = VLLMGenerator(result["target_dir"], dtype=a.dtype, seed=0, **engine,
+                        speculative_config=spec)
+    started = time.perf_counter() - t0
+    warm = [p.ids.tolist() for ps in sets.values() for p in ps][:max(batches)]
+    for t in result["temperatures"]:  # every sampling path at the largest batch, untimed
+        drive(gen.llm.llm_engine, warm, vllm.SamplingParams(
+            temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True), max(batches), f"warm{t}")
+    record = {"way": way.label, "speculative_config": spec, "start_s": round(started, 1),
+              "warmup_s": round(time.perf_counter() - t0 - started, 1), "measurements": 0}
+    result["engines"].append(record)
+    for group, prompts in sets.items():
+        for t in result["temperatures"]:
+            for b in batches:
+                key = (group, t, b)
+                # begin only what the budget holds, judged by the same measurement before
+                if time.perf_counter() + state["last_seconds"].get(key, 0) > deadline:
+                    result["stopped_early"] = f"--max-minutes {a.max_minutes} in {way.label}"
+                    result["not_run"].append(f"{way.label} {group} T={t:g} batch {b}")
+                    continue
+                row = measure(gen.llm, way, group, prompts[:a.batch1_prompts] if b == 1
+                              else prompts, t, b, a, gen.stop_ids, state["reference"],
+                              state["reports"])
+                state["last_seconds"][key] = row["seconds"]
+                result["rows"].append(row)
+                record["measurements"] += 1
+                state["write"]()
+    gen.close()
+    record["total_s"] = round(time.perf_counter() - t0, 1)
+    return record
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    started = time.perf_counter()
+    deadline = started + 60 * a.max_minutes if a.max_minutes else float("inf")
+    batches = [int(b) for b in a.batches.split(",")]
+    temps = [float(t) for t in a.temperatures.split(",")]
+    ways = [Way("none")] + [Way("ngram", int(k)) for k in a.ngram_k.split(",") if k] + \
+        ([Way("eagle3", int(k)) for k in a.k.split(",") if k] if a.draft else [])
+    sets = load_sets(a)
+    reports = [json.loads(Path(r).read_text()) for r in a.eyas_report]
+    target_dir = hf_folder(a.target, Path(a.hf_dir), a.dtype)
+
+    import torch
+    import vllm
+
+    engine = {"max_num_seqs": max(batches), "gpu_memory_utilization": a.gpu_memory_utilization,
+              "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
+              "disable_log_stats": False}
+    result = {
+        "benchmark": "served-speed", "issue": 33, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                        time.gmtime()),
+        "command": "python benchmarks/served_speed.py " + " ".join(argv),
+        "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "target": a.target, "target_dir": target_dir, "draft": a.draft, "dtype": a.dtype,
+        "engine": engine,
+        "sets": {name: len(ps) for name, ps in sets.items()}, "batch1_prompts": a.batch1_prompts,
+        "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos, "batches": batches,
+        "temperatures": temps, "ways": [w.label for w in ways],
+        "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
+        "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": []}
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write():
+        result["summary"] = speedups(result["rows"])
+        result["elapsed_s"] = round(time.perf_counter() - started, 1)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(result))
+
+    state = {"reference": {}, "last_seconds": {}, "reports": reports, "write": write}
+    longest_engine = 0.0
+    for n, way in enumerate(ways):
+        if time.perf_counter() + longest_engine > deadline:
+            result["stopped_early"] = f"--max-minutes {a.max_minutes} before {way.label}"
+            result["not_run"] += [w.label for w in ways[n:]]
+            break
+        record = serve_one(way, a, sets, engine, deadline, result, state)
+        longest_engine = max(longest_engine, record["total_s"])
+        write()
+        if result["stopped_early"]:
+            result["not_run"] += [w.label for w in ways[n + 1:]]
+            break
+    write()
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in another process
+    main()

