@@ -9,7 +9,8 @@
 # Before them the GGUF is converted once (`eyas convert`, float32) and every stage reads the
 # folder: no GGUF parse per load (docs/benchmarks.md, issue 22); the GGUF is the fallback.
 # REAL_ARGS overrides real_model.py's settings, REGEN_ARGS and EVAL_ARGS the regenerate and
-# eval benchmarks', RECIPE_VARIANTS the ablation's variants.
+# eval benchmarks', RECIPE_VARIANTS the ablation's variants. Stage scale: the scaling curve of
+# issue 31 (benchmarks/scale.py; SCALE_REGEN, SCALE_ARGS; docs/benchmarks.md, "The scaling curve").
 set -u
 W=${W:-/tmp/w}  # W=another/folder for a dry run elsewhere
 R=$W/results
@@ -142,6 +143,17 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --out "$R/recipe-h200.json" > "$R/recipe.out" 2>&1
     stage "recipe rc $?"
     cp $W/run/recipe-log.txt "$R/recipe-log.txt" 2>/dev/null ;;
+  scale)
+    # issue 31 item 4: regenerate the next SCALE_REGEN prompts of the curve order (vLLM from
+    # /tmp/vsite) into $W/corpus, then every size whose prefix has arrived and that the carried
+    # $W/scale-smollm2.json lacks; the JSON, table, plots and the new part land in $R as they end
+    stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
+    cp $W/scale-smollm2.json "$R/scale-smollm2.json" 2>/dev/null
+    PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
+        --data $W/realdata --corpus-dir $W/corpus --work $W/scale --out "$R/scale-smollm2.json" \
+        --regenerate ${SCALE_REGEN:-0} ${SCALE_ARGS:-} > "$R/scale.out" 2>&1
+    stage "scale rc $?"
+    cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"
     timeout 420 python3 benchmarks/regenerate.py --target $T \

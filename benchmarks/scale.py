@@ -1,0 +1,416 @@
+"""The scaling curve of issue 31 (item 4): eyas train's default recipe on nested subsets of
+one regenerated corpus, each draft measured by `eyas eval` beside n-gram; resumable across
+leases that each start bare.
+
+    python benchmarks/scale.py --target smol-hf --data realdata --corpus 'corpus/*.jsonl*' \
+        --work /tmp/w/scale --out results/scale-smollm2.json --sizes 3000,6000,12000,25000,50000
+
+The corpus arrives in parts: `conversations*.jsonl` or `.jsonl.gz` files written by
+`eyas regenerate` (`--regenerate N` below writes the next part). Its order is the curve
+order: a seeded shuffle of the ids of `--data`/train.jsonl (that file is sorted by source,
+so a prefix of it would be a few BIG-bench tasks). Size N trains on the first N ids of the
+curve order, and runs only once all of them have arrived: the subsets are nested, and one
+never changes as the corpus grows. Rows whose id is not in train.jsonl are not used.
+
+Per size, in its own folder: prepare -> capture -> vocab -> train (eyas train's defaults,
+`--train-args` on top) -> export, then one `eyas eval` per prompt set group, at k = `--k`:
+  indist     --data/indist.jsonl (and indist_chat.jsonl when present): train's sources
+  heldout    --data/heldout.jsonl: whole sources training never sees
+  bench      --bench mt-bench,gsm8k,humaneval, greedy
+  bench-t1   --bench mt-bench --temperature 1 (exact rejection sampling)
+n-gram is measured once per prompt set (with the first draft that meets it: it does not
+depend on the draft) and stored at the top of the JSON.
+
+Resume: the result JSON is the state. Each finished step (training, each eval) is written
+into it at once, with what it was run on (the subset's fingerprint, the recipe, the eval's
+settings, the draft's id); a later call given the same --out skips every record that still
+matches and runs the rest. Sizes run smallest first. A size whose draft is gone (a new lease)
+but whose evals are not all done is trained again, and its old evals dropped, unless its
+exported draft was carried back into WORK/size-N/draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import hashlib
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from real_model import _device, run  # noqa: E402  (the same CLI runner)
+
+SET_NAMES = ("indist", "indist-chat", "heldout", "mt-bench", "gsm8k", "humaneval",
+             "mt-bench-t1")
+
+
+# -- the corpus -------------------------------------------------------------------------------
+
+def _open(path: Path):
+    return gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
+
+
+def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
+    """id -> JSON line over every part (files in name order; the first row of an id wins),
+    and per file its name, rows and sha256."""
+    paths = sorted({Path(p) for pat in patterns for p in glob.glob(pat)},
+                   key=lambda p: p.name)
+    rows, files = {}, []
+    for path in paths:
+        n = 0
+        with _open(path) as f:
+            for line in f:
+                if line.strip():
+                    rows.setdefault(json.loads(line)["id"], line.rstrip("\n"))
+                    n += 1
+        files.append({"file": path.name, "rows": n,
+                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+    return rows, files
+
+
+def curve_order(prompts: Path, seed: int) -> list[str]:
+    """The ids of the training prompts in a seeded shuffle: size N is the first N."""
+    ids = sorted(json.loads(line)["id"] for line in prompts.open() if line.strip())
+    random.Random(seed).shuffle(ids)
+    return ids
+
+
+def available(order: list[str], corpus: dict[str, str]) -> int:
+    """How many ids of the curve order have arrived without a gap."""
+    n = 0
+    while n < len(order) and order[n] in corpus:
+        n += 1
+    return n
+
+
+def subset(order: list[str], corpus: dict[str, str], n: int) -> tuple[list[str], str]:
+    """The first n conversations of the curve order and their fingerprint."""
+    lines = [corpus[i] for i in order[:n]]
+    return lines, hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def next_prompts(order: list[str], corpus: dict[str, str], prompts: Path, n: int) -> list[str]:
+    """The JSON lines of the next n prompts of the curve order not yet in the corpus."""
+    want = [i for i in order if i not in corpus][:n]
+    rank = {i: r for r, i in enumerate(want)}
+    lines = {}
+    for line in prompts.open():
+        if line.strip() and (row_id := json.loads(line)["id"]) in rank:
+            lines[row_id] = line.rstrip("\n")
+    return [lines[i] for i in want]
+
+
+def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dict]) -> Path:
+    """`eyas regenerate` on the next --regenerate prompts; the answers become a new part
+    conversations-pNN-ROWS.jsonl.gz beside the others (parts sort in arrival order)."""
+    prompts = Path(a.data) / "train.jsonl"
+    todo = next_prompts(order, corpus, prompts, a.regenerate)
+    index = sum(1 for f in files if f["file"].startswith("conversations-p")) + 1
+    part = Path(a.corpus_dir) / f"conversations-p{index:02d}-{len(todo)}.jsonl.gz"
+    work = Path(a.work) / f"regen-p{index:02d}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "prompts.jsonl").write_text("".join(line + "\n" for line in todo))
+    start = time.perf_counter()
+    run("regenerate", "--target", a.target, "--data", work / "prompts.jsonl",
+        "--out", work / "out", *a.regen_args.split(), log=work / "log.txt", out=work / "out")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    with (work / "out/conversations.jsonl").open("rb") as src, gzip.open(part, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copy(work / "out/eyas.json", part.with_name(part.name.replace(".jsonl.gz",
+                                                                         "-eyas.json")))
+    print(f"regenerated {len(todo)} prompts in {time.perf_counter() - start:.0f} s -> {part}",
+          flush=True)
+    return part
+
+
+# -- one size ---------------------------------------------------------------------------------
+
+def eval_plan(a) -> dict[str, tuple[list, list[str]]]:
+    """eval name -> (eyas eval arguments, the prompt sets it reports)."""
+    data = Path(a.data)
+    plan = {"indist": (["--data", data / "indist.jsonl"], ["indist"])}
+    if (data / "indist_chat.jsonl").is_file():
+        plan["indist-chat"] = (["--data", data / "indist_chat.jsonl"], ["indist-chat"])
+    plan["heldout"] = (["--data", data / "heldout.jsonl"], ["heldout"])
+    if a.bench:
+        plan["bench"] = (["--bench", a.bench], a.bench.split(","))
+    if a.t1_bench:
+        plan["bench-t1"] = (["--bench", a.t1_bench, "--temperature", "1"],
+                            [f"{s}-t1" for s in a.t1_bench.split(",")])
+    return plan
+
+
+def eval_settings(a) -> str:
+    return (f"k={a.k} prompts={a.prompts} bench_prompts={a.bench_prompts} "
+            f"tokens={a.eval_tokens} dtype={a.dtype}")
+
+
+def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
+    """prepare -> capture -> vocab -> train -> export on the first n conversations."""
+    folder.mkdir(parents=True, exist_ok=True)
+    conv = folder / "conversations.jsonl"
+    conv.write_text("".join(line + "\n" for line in lines))
+    log = folder / "log.txt"
+    common = ["--target", a.target]
+    model_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[a.dtype]
+    s = {"prepare": run("prepare", *common, "--data", conv, "--out", folder / "prepared",
+                        log=log, out=folder / "prepared")}
+    if not a.online:
+        s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
+                           folder / "captured", "--split", "all", "--model-dtype",
+                           model_dtype, log=log, out=folder / "captured")
+    s["vocab"] = run("vocab", "--data", folder / "prepared", "--out", folder / "vocab",
+                     log=log, out=folder / "vocab")
+    data = ["--data", folder / "prepared", "--online", *common] if a.online else \
+        ["--data", folder / "captured"]
+    s["train"] = run("train", *data, "--vocab", folder / "vocab", "--out", folder / "run",
+                     *a.train_args.split(), log=log, out=folder / "run")
+    s["export"] = run("export", "--checkpoint", folder / "run", "--out", folder / "draft",
+                      log=log, out=folder / "draft")
+    prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
+    manifest = json.loads((folder / "run/eyas.json").read_text())
+    records = [json.loads(x) for x in (folder / "run/metrics.jsonl").read_text().splitlines()
+               if x.strip()]
+    trained = [r for r in records if r.get("kind") == "train"]
+    speeds = [r["tokens_per_s"] for r in trained[1:] if r.get("tokens_per_s")]
+    epochs = manifest["config"].get("epochs")
+    if not s["train"] and trained:  # finished before this call: training's own clock
+        s["train"] = max(r.get("elapsed_s", 0.0) for r in trained)
+    return {"tokens": prep["tokens"], "assistant_tokens": prep.get("masked_tokens"),
+            "prepared": {k: prep.get(k) for k in ("kept", "train", "eval", "truncated_answers")},
+            "epochs": epochs, "steps": manifest.get("steps"),
+            "train_tokens": round(prep["tokens"] * prep["train"] / max(prep["kept"], 1)
+                                  * (epochs or 0)),
+            "train_tokens_per_s": round(sum(speeds) / len(speeds)) if speeds else None,
+            "best": manifest.get("best"), "seconds": {k: round(v, 1) for k, v in s.items()},
+            "gpu_minutes": round((s["train"] + s.get("capture", 0.0)) / 60, 2),
+            "draft_id": json.loads((folder / "draft/eyas.json").read_text()).get("id")}
+
+
+def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
+    """prompt set -> {"eagle3": {k: AL}, "ngram": {k: AL}, "prompts": n} from one report."""
+    by_set = report.get("by_set") or {}
+    out = {}
+    for name in sets:
+        src = by_set.get(name.removesuffix("-t1") if t1 else name) if by_set else report
+        if src is None:
+            continue
+        entry = {"prompts": src.get("prompts", report.get("num_prompts"))}
+        for r in src["results"]:
+            if r["method"] != "target":
+                entry.setdefault(r["method"], {})[str(r["k"])] = r["mean_acceptance_length"]
+        out[name] = entry
+    return out
+
+
+def eval_size(a, name: str, args: list, sets: list[str], folder: Path, state: dict,
+              size: dict) -> None:
+    """One `eyas eval` of the size's draft; n-gram only where the JSON has none yet."""
+    ngram = any(s not in state["ngram"] for s in sets)
+    out = folder / f"eval-{name}"
+    shutil.rmtree(out, ignore_errors=True)  # an eval of another draft or an interrupted one
+    count = a.bench_prompts if "--bench" in args else a.prompts
+    took = run("eval", "--target", a.target, "--draft", folder / "draft", "--k", a.k,
+               "--max-new-tokens", a.eval_tokens, "--dtype", a.dtype, "--device", a.device,
+               "--batch-size", a.eval_batch, "--num-prompts", count,
+               "--ngram" if ngram else "--no-ngram", *args, "--out", out,
+               log=folder / "log.txt", out=out)
+    report = json.loads((out / "report.json").read_text())
+    measured = per_set(report, sets, "--temperature" in args)
+    for s, entry in measured.items():
+        if "ngram" in entry and s not in state["ngram"]:
+            state["ngram"][s] = {"al": entry["ngram"], "prompts": entry["prompts"],
+                                 "settings": eval_settings(a)}
+    size["evals"][name] = {"draft_id": size["train"]["draft_id"],
+                           "settings": eval_settings(a), "seconds": round(took, 1),
+                           "lossless": report.get("lossless"),
+                           "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"]}
+                                    for s, e in measured.items()}}
+
+
+def run_size(a, n: int, lines: list[str], fingerprint: str, state: dict, save) -> None:
+    """Train size n if its record is missing or stale, then every eval it lacks."""
+    key, folder = str(n), Path(a.work) / f"size-{n}"
+    size = state["sizes"].get(key)
+    if size and (size.get("subset") != fingerprint or size.get("train_args") != a.train_args):
+        print(f"size {n}: recorded on another subset or recipe, run again", flush=True)
+        size = None
+    plan = eval_plan(a)
+    missing = [e for e in plan if not _eval_done(a, size, e)]
+    if size and not missing:
+        print(f"size {n}: done before, skipped", flush=True)
+        return
+    draft_here = (folder / "draft/eyas.json").is_file()
+    if size is None or not draft_here or size["train"]["draft_id"] != \
+            json.loads((folder / "draft/eyas.json").read_text()).get("id"):
+        if size and not draft_here:
+            print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
+        marker = folder / "subset.txt"  # steps of another subset or recipe: not resumed
+        if folder.exists() and (not marker.is_file() or
+                                marker.read_text() != f"{fingerprint} {a.train_args}"):
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{fingerprint} {a.train_args}")
+        size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
+                "train": train_size(a, n, lines, folder), "evals": {}}
+        state["sizes"][key] = size
+        save()
+        missing = list(plan)
+    for name in missing:
+        eval_size(a, name, *plan[name], folder, state, size)
+        save()
+
+
+def _eval_done(a, size: dict | None, name: str) -> bool:
+    e = (size or {}).get("evals", {}).get(name)
+    return bool(e) and e["draft_id"] == size["train"]["draft_id"] and \
+        e["settings"] == eval_settings(a)
+
+
+# -- the table and the plot ------------------------------------------------------------------
+
+def rows(state: dict) -> list[dict]:
+    """One row per size with its AL per prompt set and k, sizes ascending."""
+    out = []
+    for key in sorted(state["sizes"], key=int):
+        size = state["sizes"][key]
+        als = {}
+        for e in size["evals"].values():
+            for s, v in e["sets"].items():
+                als[s] = v["eagle3"] or {}
+        out.append({"conversations": int(key), "train": size["train"], "al": als})
+    return out
+
+
+def markdown(state: dict) -> str:
+    ks = state["k"].split(",")
+    sets = [s for s in SET_NAMES if any(s in r["al"] for r in rows(state))]
+    head = "| conversations | tokens | train tokens | GPU min |" + "".join(
+        f" {s} k={k} |" for s in sets for k in ks)
+    lines = [head, "|" + "---:|" * (4 + len(sets) * len(ks))]
+    for r in rows(state):
+        t = r["train"]
+        cells = [f"{r['al'].get(s, {}).get(k, float('nan')):.3f}" if k in r["al"].get(s, {})
+                 else "-" for s in sets for k in ks]
+        lines.append(f"| {r['conversations']:,} | {t['tokens']:,} | {t['train_tokens']:,} | "
+                     f"{t['gpu_minutes']} | " + " | ".join(cells) + " |")
+    ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s in sets for k in ks]
+    lines.append("| n-gram | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
+                                                   for x in ngram) + " |")
+    return "\n".join(lines)
+
+
+def plot(state: dict, path: Path, k: str) -> None:
+    """AL at k against conversations (log x), one line per prompt set, n-gram dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    table = rows(state)
+    for i, s in enumerate(x for x in SET_NAMES if any(x in r["al"] for r in table)):
+        pts = [(r["conversations"], r["al"][s][k]) for r in table if k in r["al"].get(s, {})]
+        color = f"C{i}"
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=color, label=s)
+        ng = state["ngram"].get(s, {}).get("al", {}).get(k)
+        if ng is not None and table:
+            ax.axhline(ng, color=color, linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("training conversations (regenerated by the target)")
+    ax.set_ylabel(f"mean acceptance length, k = {k}")
+    ax.set_title(f"{Path(state['target']).name}: eyas train defaults; dashed = n-gram")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="the target (folder, .gguf or hub name)")
+    p.add_argument("--data", required=True,
+                   help="benchmarks/real_data.py output (train.jsonl gives the curve order; "
+                        "indist*.jsonl and heldout.jsonl the eval prompts)")
+    p.add_argument("--corpus", default="",
+                   help="comma list of globs of the regenerated parts (conversations*.jsonl, "
+                        ".jsonl.gz); default: --corpus-dir/conversations*.jsonl*")
+    p.add_argument("--corpus-dir", default="corpus", help="where --regenerate writes parts")
+    p.add_argument("--regenerate", type=int, default=0, metavar="N",
+                   help="first regenerate the next N prompts of the curve order into a new part")
+    p.add_argument("--regen-args", default="--backend vllm --max-new-tokens 256 "
+                   "--batch-size 256 --dtype float32",
+                   help="eyas regenerate flags for --regenerate")
+    p.add_argument("--sizes", default="3000,6000,12000,25000,50000")
+    p.add_argument("--seed", type=int, default=0, help="seed of the curve order")
+    p.add_argument("--work", required=True, help="folder for every step's output")
+    p.add_argument("--out", required=True, help="result JSON (read first: the resume state); "
+                                                "the table and plot are written beside it")
+    p.add_argument("--train-args", default="",
+                   help="eyas train flags on top of its defaults (default: none, the recipe)")
+    p.add_argument("--online", action="store_true",
+                   help="train --online on the prepared folder (no capture shards on disk)")
+    p.add_argument("--k", default="3,6")
+    p.add_argument("--prompts", type=int, default=200, help="in-distribution / held-out prompts")
+    p.add_argument("--bench", default="mt-bench,gsm8k,humaneval")
+    p.add_argument("--t1-bench", default="mt-bench", help="sets measured at temperature 1")
+    p.add_argument("--bench-prompts", type=int, default=80)
+    p.add_argument("--eval-tokens", type=int, default=96)
+    p.add_argument("--eval-batch", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+
+    out = Path(a.out)
+    patterns = a.corpus.split(",") if a.corpus else [f"{a.corpus_dir}/conversations*.jsonl*"]
+    order = curve_order(Path(a.data) / "train.jsonl", a.seed)
+    corpus, files = read_corpus(patterns)
+    if a.regenerate:
+        regenerate_part(a, order, corpus, files)
+        corpus, files = read_corpus(patterns)
+    state = json.loads(out.read_text()) if out.is_file() else {}
+    state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state}
+    if state["ngram"] and next(iter(state["ngram"].values()))["settings"] != eval_settings(a):
+        state["ngram"] = {}  # measured at other eval settings
+    have = available(order, corpus)
+    state.update({"target": a.target, "k": a.k, "seed": a.seed, "recipe": a.train_args or
+                  "eyas train defaults", "eval": eval_settings(a), "corpus_files": files,
+                  "corpus_rows": len(corpus), "curve_prefix_available": have,
+                  "command": " ".join(["python", "benchmarks/scale.py",
+                                       *(argv if argv is not None else sys.argv[1:])]),
+                  "date": time.strftime("%Y-%m-%d"), "device": _device()})
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(out)  # a lease taken back mid-write leaves the previous JSON
+        out.with_suffix(".md").write_text(markdown(state) + "\n")
+        for k in a.k.split(","):
+            plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)
+
+    save()
+    for n in sorted(int(x) for x in a.sizes.split(",")):
+        if n > have:
+            print(f"size {n}: waiting for data ({have} of the curve order regenerated)",
+                  flush=True)
+            continue
+        lines, fingerprint = subset(order, corpus, n)
+        run_size(a, n, lines, fingerprint, state, save)
+    save()
+    print(markdown(state))
+    return state
+
+
+if __name__ == "__main__":
+    main()

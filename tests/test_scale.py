@@ -1,0 +1,101 @@
+"""benchmarks/scale.py: the nested curve order over a corpus that arrives in parts, and the
+resume across leases (only the sizes and evals the JSON lacks run again). The eyas steps are
+stubbed: the CPU dry run with SmolLM2 is in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+import scale  # noqa: E402
+
+
+def _row(i: int) -> str:
+    return json.dumps({"id": f"src/{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                                      {"role": "assistant", "content": "a"}]})
+
+
+def _data(tmp_path: Path, n: int) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(_row(i) + "\n" for i in range(n)))
+    for name in ("indist.jsonl", "heldout.jsonl"):
+        (data / name).write_text(_row(999) + "\n")
+    return data
+
+
+def test_sizes_are_nested_prefixes_of_a_seeded_order_over_parts(tmp_path):
+    data = _data(tmp_path, 40)
+    order = scale.curve_order(data / "train.jsonl", 0)
+    assert sorted(order) == sorted(f"src/{i}" for i in range(40)) and order != sorted(order)
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    first = [json.loads(_row(int(i.split("/")[1]))) for i in order[:10]]
+    with gzip.open(corpus_dir / "conversations-p01-10.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in first)
+    rows, files = scale.read_corpus([f"{corpus_dir}/conversations*.jsonl*"])
+    assert scale.available(order, rows) == 10 and files[0]["rows"] == 10
+    small, fp_small = scale.subset(order, rows, 5)
+    # a later part (plain jsonl, with a duplicate of an earlier id) leaves size 5 unchanged
+    later = [_row(int(i.split("/")[1])) for i in order[9:25]]
+    (corpus_dir / "conversations-p02-16.jsonl").write_text("\n".join(later) + "\n")
+    rows, files = scale.read_corpus([f"{corpus_dir}/conversations*.jsonl*"])
+    assert scale.available(order, rows) == 25 and len(rows) == 25
+    assert scale.subset(order, rows, 5) == (small, fp_small)
+    assert scale.subset(order, rows, 20)[0][:5] == small
+    nxt = scale.next_prompts(order, rows, data / "train.jsonl", 3)
+    assert [json.loads(x)["id"] for x in nxt] == order[25:28]
+
+
+def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
+    data = _data(tmp_path, 12)
+    order = scale.curve_order(data / "train.jsonl", 0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "conversations-p01.jsonl").write_text(
+        "".join(_row(int(i.split("/")[1])) + "\n" for i in order))
+    trained, evals = [], []
+
+    def fake_train(a, n, lines, folder):
+        trained.append(n)
+        (folder / "draft").mkdir(parents=True, exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}-{len(trained)}"}))
+        return {"tokens": 10 * n, "train_tokens": 100 * n, "gpu_minutes": 0.1,
+                "draft_id": f"d{n}-{len(trained)}"}
+
+    def fake_run(step, *args, log, out):
+        evals.append(out.name)
+        out.mkdir(parents=True)
+        sets = ["mt-bench", "gsm8k"] if "--bench" in args else []
+        res = [{"method": m, "k": k, "mean_acceptance_length": 1.5}
+               for m in ("eagle3", "ngram") for k in (3, 6)]
+        report = {"num_prompts": 2, "lossless": True, "results": res,
+                  "by_set": {s: {"prompts": 2, "results": res} for s in sets}}
+        (out / "report.json").write_text(json.dumps(report))
+        return 1.0
+
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "run", fake_run)
+    out = tmp_path / "res/scale.json"
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(tmp_path / "work"), "--out", str(out), "--sizes", "4,8,16",
+            "--bench", "mt-bench,gsm8k", "--t1-bench", "mt-bench"]
+    state = scale.main(argv)
+    assert trained == [4, 8] and "16" not in state["sizes"]  # 12 conversations: 16 waits
+    assert len(evals) == 8 and set(state["ngram"]) == {"indist", "heldout", "mt-bench",
+                                                       "gsm8k", "mt-bench-t1"}
+    assert out.with_suffix(".md").is_file() and (out.parent / "scale-k3.png").is_file()
+    # a new lease: the work folder is gone, size 4's record deleted, one eval of size 8 lost
+    import shutil
+    shutil.rmtree(tmp_path / "work")
+    saved = json.loads(out.read_text())
+    del saved["sizes"]["4"]
+    out.write_text(json.dumps(saved))
+    trained.clear(), evals.clear()
+    state = scale.main(argv)
+    assert trained == [4] and len(evals) == 4  # size 8: every eval done, its draft not needed
+    assert state["sizes"]["8"] == saved["sizes"]["8"]
+    assert "8 | 80 | 800" in scale.markdown(state).replace(",", "")
