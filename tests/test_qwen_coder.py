@@ -23,14 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.capture import CaptureConfig
 from eyas.cli import main
 from eyas.export import validate_folder
-from eyas.store import shards
 from eyas.store.manifest import gguf_fingerprint, read_manifest
-from eyas.targets.capture_forward import batch_inputs, plan_batches
 from eyas.targets.convert import convert_gguf
-from eyas.targets.models import load_target, load_tokenizer, submodule
+from eyas.targets.models import load_target, load_tokenizer
+from test_real_model import assert_capture_is_the_forward
 from split_gguf import SPLIT_GGUFS, ChecksumError, FetchError, fetch_split_gguf
 
 AUX = [2, 12, 21]  # vLLM's default (2, L//2, L-3) for L = 24
@@ -226,32 +224,7 @@ def test_capture_on_the_converted_folder_equals_the_targets_own_forward(
     assert all(p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     assert attn.o_proj.bias is None  # qwen2: biases on q, k, v only
     rows = datasets.load_from_disk(str(prepared / "dataset"))["train"]
-    (batch,) = plan_batches(rows["num_tokens"], range(len(rows)), CaptureConfig.batch_tokens,
-                            flat=False)
-    inputs, host = batch_inputs([(rows[r]["input_ids"], rows[r]["loss_mask"]) for r in batch],
-                                flat=False)
-    assert inputs["attention_mask"] is not None  # the chats differ in length: padding is tested
-    with torch.inference_mode():
-        out = submodule(model, info.text_model_path)(
-            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-            output_hidden_states=True, use_cache=False)
-        flat = [h.reshape(-1, info.hidden_size)[inputs["gather"]] for h in out.hidden_states]
-        final = out.last_hidden_state.reshape(-1, info.hidden_size)[inputs["gather"]]
-        top1 = model.lm_head(final).argmax(-1)
-    offsets = host["sample_offsets"].tolist()
-    cs = shards.open_capture(captured)
-    got = {int(cs.sample_index[i]): cs.sample(i, dtype=torch.float32)
-           for i in range(cs.num_samples)}
-    assert sorted(got) == list(range(len(rows)))
-    for j, row in enumerate(batch):
-        s, e = offsets[j], offsets[j + 1]
-        sample = got[row]
-        for a, k in enumerate(AUX):
-            want = flat[k][s:e].bfloat16().float()
-            assert torch.equal(sample["aux_hidden"][:, a], want), (row, k)
-        assert torch.equal(sample["final_hidden"], final[s:e].bfloat16().float()), row
-        assert torch.equal(sample["target_top1"], top1[s:e].int()), row
-        assert sample["input_ids"].tolist() == rows[row]["input_ids"]
+    assert_capture_is_the_forward(captured, model, info, rows, AUX)
     # untied: top-1 came from the GGUF's output.weight, not from the embedding
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 

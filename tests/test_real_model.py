@@ -149,7 +149,17 @@ def test_capture_equals_the_targets_own_forward(captured, prepared, target, smol
     manifest = read_manifest(captured, step="capture")
     assert manifest["aux_layer_ids"] == [2, 15, 27] and manifest["complete"] is True
     assert manifest["target"]["gguf_fingerprint"] == gguf_fingerprint(smollm2_gguf)
-    rows = _train_rows(prepared)
+    got = assert_capture_is_the_forward(captured, model, info, _train_rows(prepared),
+                                        (2, 15, 27))
+    # the taps are not a copy of one another: three distinct residual streams
+    assert not torch.equal(got[0]["aux_hidden"][:, 0], got[0]["aux_hidden"][:, 2])
+
+
+def assert_capture_is_the_forward(captured, model, info, rows, aux) -> dict:
+    """Every captured sample of `rows` (one padded fp32 batch, as capture ran it) equals the
+    target's own forward: output_hidden_states[k] at the aux ids and the final (normed) state,
+    rounded to capture's bf16 storage, the lm_head's argmax, the ids and the loss mask. Returns
+    the samples by row."""
     (batch,) = plan_batches(rows["num_tokens"], range(len(rows)), CaptureConfig.batch_tokens,
                             flat=False)
     inputs, host = batch_inputs([(rows[r]["input_ids"], rows[r]["loss_mask"]) for r in batch],
@@ -170,15 +180,14 @@ def test_capture_equals_the_targets_own_forward(captured, prepared, target, smol
     for j, row in enumerate(batch):
         s, e = offsets[j], offsets[j + 1]
         sample = got[row]
-        for a, k in enumerate((2, 15, 27)):
+        for a, k in enumerate(aux):
             want = flat[k][s:e].bfloat16().float()
             assert torch.equal(sample["aux_hidden"][:, a], want), (row, k)
         assert torch.equal(sample["final_hidden"], final[s:e].bfloat16().float()), row
         assert torch.equal(sample["target_top1"], top1[s:e].int()), row
         assert sample["input_ids"].tolist() == rows[row]["input_ids"]
         assert sample["loss_mask"].tolist() == rows[row]["loss_mask"]
-    # the taps are not a copy of one another: three distinct residual streams
-    assert not torch.equal(got[0]["aux_hidden"][:, 0], got[0]["aux_hidden"][:, 2])
+    return got
 
 
 def test_offline_training_reads_embedding_and_head_from_the_gguf(smollm2_gguf, target):
