@@ -203,7 +203,7 @@ def test_specforge_peer_trains_exports_and_matches_its_draft(peer_run, llama_dir
     spec_train = importlib.util.spec_from_file_location("specforge_train", SPECFORGE_SCRIPT)
     sf = importlib.util.module_from_spec(spec_train)
     spec_train.loader.exec_module(sf)
-    src, train_ids, _ = sf._eyas_split(peer_run / "captured", None, None)
+    src, train_ids, _ = sf.eyas_split(peer_run / "captured", None, None)
     sample = src.capture.sample(int(train_ids[0]))
     feat = torch.load(out / "specforge-data" / "data_00000000.ckpt")
     assert torch.equal(feat["hidden_state"][0], sample["final_hidden"])

@@ -61,6 +61,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO / "src"))
 
+sys.path.insert(0, str(Path(__file__).parent))
+from speculators_train import eyas_split  # noqa: E402  (the split `eyas train` makes)
+
 log = logging.getLogger("specforge_train")
 
 # SpecForge's entry point, as its console script `specforge` runs it (a --target install has no
@@ -95,16 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None,
                    help="eyas's split seed (default: eyas train's); SpecForge keeps its own seed")
     return p.parse_args(argv)
-
-
-def _eyas_split(capture: Path, eval_fraction, seed):
-    """speculators_train.eyas_split: the split `eyas train` makes of this capture."""
-    spec = importlib.util.spec_from_file_location(
-        "speculators_train", Path(__file__).with_name("speculators_train.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module.eyas_split(capture, eval_fraction, seed)
 
 
 # ------------------------------------------------------------------------------ 1. inputs
@@ -324,7 +317,7 @@ def main(argv=None) -> Path:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     d2t, t2d, _ = load_vocab(args.vocab)
-    src, train_ids, eval_ids = _eyas_split(Path(args.capture), args.eval_fraction, args.seed)
+    src, train_ids, eval_ids = eyas_split(Path(args.capture), args.eval_fraction, args.seed)
     aux = [int(i) for i in src.manifest["aux_layer_ids"]]
     lengths = src.lengths[train_ids]
     # whole samples per step: the accumulation that lands closest to --batch-tokens
