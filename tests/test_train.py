@@ -190,12 +190,7 @@ def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path, 
     kw = dict(max_steps=6, save_every=2, eval_every=3, lm_head="target", grad_accum=2,
               optimizer="muon", lr_decay="linear", loss_mask_at="input", vocab_filter=False,
               ttt_steps=3, step_weight=1.0, norm_before_residual=True, lr=1e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _resume_after_sigkill(run_inputs, tmp_path, kw)
-    finally:
-        torch.set_num_threads(threads)
+    _resume_after_sigkill(run_inputs, tmp_path, kw)
     state = torch.load(checkpoint.step_dir(tmp_path / "whole", 6) / "trainer_state.pt",
                        weights_only=True)
     assert len(state["scheduler"]["schedules"]) == 2
@@ -347,16 +342,20 @@ train(TrainConfig(**json.loads(sys.argv[1])))
 
 def test_resume_after_sigkill_continues_exactly(run_inputs, tmp_path):
     kw = dict(max_steps=6, save_every=2, eval_every=3, lm_head="target", grad_accum=2)
+    _resume_after_sigkill(run_inputs, tmp_path, kw)
+
+
+def _resume_after_sigkill(run_inputs, tmp_path, kw):
     # float sums depend on the thread count: all three runs use one thread, like the child
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _resume_after_sigkill(run_inputs, tmp_path, kw)
+        _three_runs(run_inputs, tmp_path, kw)
     finally:
         torch.set_num_threads(threads)
 
 
-def _resume_after_sigkill(run_inputs, tmp_path, kw):
+def _three_runs(run_inputs, tmp_path, kw):
     whole = tmp_path / "whole"
     train(_cfg(run_inputs, whole, **kw, num_workers=1))
     killed = tmp_path / "killed"
