@@ -10,19 +10,29 @@
 # folder: no GGUF parse per load (docs/benchmarks.md, issue 22); the GGUF is the fallback.
 # REAL_ARGS overrides real_model.py's settings, REGEN_ARGS and EVAL_ARGS the regenerate and
 # eval benchmarks', RECIPE_VARIANTS the ablation's variants. Stage scale: the scaling curve of
-# issue 31 (benchmarks/scale.py; SCALE_REGEN, SCALE_ARGS; docs/benchmarks.md, "The scaling curve").
+# issue 31 (benchmarks/scale.py; SCALE_REGEN, SCALE_REGEN_ARGS, SCALE_ARGS, SCALE_DATA;
+# docs/benchmarks.md, "The scaling curve"). Stage vcapture: capture through vLLM against transformers (issue 32,
+# benchmarks/capture_backends.py), on the pipeline's prepared rows and a random 8B target.
+# Stages that start vLLM read it from VSITE (/tmp/vsite). Several instances may run at once
+# with different STAGES (the GGUF is converted once; each stage writes its own files in $R).
 set -u
 W=${W:-/tmp/w}  # W=another/folder for a dry run elsewhere
 R=$W/results
 mkdir -p "$R"
 export PYTHONPATH=$W/site:$W/repo/src PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
+       TRANSFORMERS_OFFLINE=1
 cd "$W/repo" || exit 1
 stage() { echo "$(date +%T) $*" >> "$R/stages.txt"; }
 T=$W/smol-hf
-stage "convert the GGUF to $T"
-python3 -m eyas convert --target $W/smol.gguf --out $T > "$R/convert.out" 2>&1
-rc=$?
-stage "convert rc $rc"
+if [ -f $T/eyas.json ]; then  # another instance of this script converted it
+  rc=0
+else
+  stage "convert the GGUF to $T"
+  python3 -m eyas convert --target $W/smol.gguf --out $T > "$R/convert.out" 2>&1
+  rc=$?
+  stage "convert rc $rc"
+fi
 [ $rc = 0 ] || T=$W/smol.gguf
 REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
     --eval-fraction 0.07 --epochs 20 --batch-tokens 16384 --indist-prompts 200 \
@@ -150,10 +160,35 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
     cp $W/scale-smollm2.json "$R/scale-smollm2.json" 2>/dev/null
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
-        --data $W/realdata --corpus-dir $W/corpus --work $W/scale --out "$R/scale-smollm2.json" \
-        --regenerate ${SCALE_REGEN:-0} ${SCALE_ARGS:-} > "$R/scale.out" 2>&1
+        --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale --out "$R/scale-smollm2.json" \
+        --regenerate ${SCALE_REGEN:-0} ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} \
+        ${SCALE_ARGS:-} > "$R/scale.out" 2>&1
     stage "scale rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
+  vcapture)
+    # issue 32: `eyas capture --backend vllm` against `--backend transformers` on the rows the
+    # pipeline (or ablation) prepared, float32 (exactness and speed), then on a random
+    # Llama-3.1-8B-shaped target in bf16 (speed; 400 of the same conversations), then the
+    # vllm-marked capture tests on the GPU
+    until [ -f $W/run/prepared/eyas.json ]; do sleep 5; done
+    VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
+    stage "vcapture: SmolLM2, float32"
+    PYTHONPATH=$VP timeout 900 python3 benchmarks/capture_backends.py --target $T \
+        --prepared $W/run/prepared --work $W/cb-smol --model-dtype fp32 \
+        --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
+        --json "$R/capture-backends-smollm2.json" > "$R/cb_smol.out" 2>&1
+    stage "vcapture SmolLM2 rc $?"
+    stage "vcapture: random Llama-3.1-8B shape, bf16"
+    PYTHONPATH=$VP timeout 900 python3 benchmarks/capture_backends.py --llama8b \
+        --data ${CB_DATA:-$W/conversations-2000.jsonl} --tokenizer $T --work $W/cb-8b \
+        --model-dtype bf16 --limit ${CB_8B_ROWS:-400} \
+        --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
+        --json "$R/capture-backends-llama8b.json" > "$R/cb_8b.out" 2>&1
+    stage "vcapture 8B rc $?"
+    rm -rf $W/cb-8b/llama8b
+    PYTHONPATH=$VP timeout 600 python3 -m pytest -q -m vllm -p no:cacheprovider \
+        tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
+    stage "vcapture tests rc $?" ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"
     timeout 420 python3 benchmarks/regenerate.py --target $T \

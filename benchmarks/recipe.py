@@ -67,6 +67,7 @@ VARIANTS.update({
     "eagle3.1+lr1e-4": [*NORMS, "--lr", "1e-4"],  # SpecForge's lr, eyas's default before issue 31
     "eagle3.1+lr3e-4": [*NORMS, "--lr", "3e-4"],  # the benchmarks' lr before issue 31
     "eagle3.1+lr1e-3": [*NORMS, "--lr", "1e-3"],  # speculators' lr without Muon
+    "eagle3.1+lr2e-3": [*NORMS, "--lr", "2e-3"],  # is 1e-3 (the default since) the optimum?
     "eagle3.1+speculators": [*NORMS, *(f for v in SPECULATORS.values() for f in v)],
 })
 

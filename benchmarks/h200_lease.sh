@@ -1,0 +1,98 @@
+#!/bin/bash
+# One lent H200, call by call (docs/benchmarks.md, "A lease, call by call"). Each call of the
+# device tool runs `bash benchmarks/h200_lease.sh STEP` in its copy of this tree, carrying what
+# that step reads (at most 64 MiB a call with the tree); everything lasting goes to /tmp, which
+# survives between calls while the machine is held. Steps:
+#   a          carry .carry/a + .whl: the GGUF's first part, realdata.tgz, scale.tgz (the
+#              --scale train.jsonl), the wheels (installed into $W/site); copies this tree's
+#              src, benchmarks, tests and pyproject.toml to $W/repo (later calls replace the
+#              tree, never $W/repo)
+#   b          carry .carry/b + .whl-peers: the second part (joined, sha256 checked), the peers'
+#              wheels ($W/peersite, without the duplicates of .whl), the bench archives
+#              ($EYAS_BENCH_CACHE = $W/bench); the ablation's 2,000 conversations, gunzipped
+#              into $W and copied as the seed of the scale corpus ($W/corpus)
+#   vpart      carry .carry/vllm (one or more parts of the vLLM bundle, benchmarks/vllm_bundle.sh,
+#              and SHA256SUMS): copied into /tmp/vparts; once every part of SHA256SUMS is there,
+#              checked, joined and installed into /tmp/vsite (/tmp/vsite/.ready when done)
+#   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
+#              output in $W/results/NAME.out, pid in $W/NAME.pid
+#   poll S     wait up to S seconds while any started job runs, then pack $W/results into
+#              $OUT/results.tgz and the scale corpus parts, finished or growing, into $OUT
+#              (split at 15 MB: join with cat); prints the stages
+set -u
+W=${W:-/tmp/w}
+R=$W/results
+mkdir -p "$R"
+step=${1:?"name a step: a, b, vpart, start, poll"}
+shift
+case $step in
+a)
+  mkdir -p $W/site $W/repo /tmp/gguf
+  cp .carry/a/gguf.part-aa /tmp/gguf/ || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $W/site \
+      .whl/*.whl || exit 1
+  cp -r src benchmarks tests pyproject.toml $W/repo/
+  tar xzf .carry/a/realdata.tgz -C $W && tar xzf .carry/a/scale.tgz -C $W || exit 1
+  cp $W/realdata/heldout.jsonl $W/realdata/indist.jsonl $W/scale-realdata/
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  ls $W ;;
+b)
+  cp .carry/b/gguf.part-ab /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
+  echo "b179c952  $(sha256sum $W/smol.gguf)" | cut -c1-80
+  rm -f /tmp/gguf/gguf.part-a?
+  skip="datasets-|dill-|multiprocess-"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target $W/peersite $(ls .whl-peers/*.whl | grep -Ev "$skip") || exit 1
+  mkdir -p $W/bench && cp .carry/b/bench/* $W/bench/
+  gunzip -c $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
+      > $W/conversations-2000.jsonl
+  wc -l $W/conversations-2000.jsonl
+  mkdir -p $W/corpus  # the scale corpus's seed (docs/benchmarks.md, "The scaling curve")
+  cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
+      $W/corpus/conversations-seed-2000.jsonl.gz ;;
+vpart)
+  mkdir -p /tmp/vparts && cp .carry/vllm/* /tmp/vparts/ || exit 1
+  cd /tmp/vparts || exit 1
+  for f in $(awk '{print $2}' SHA256SUMS); do
+    [ -f "$f" ] || { echo "have $(ls | tr '\n' ' '), waiting for $f"; exit 0; }
+  done
+  sha256sum -c SHA256SUMS || exit 1
+  cat vllm-bundle-slim.tar.part-* | tar x && rm -f vllm-bundle-slim.tar.part-*
+  bash vllm-bundle-slim/install.sh /tmp/vsite > $R/vllm-install.txt 2>&1 || {
+      tail $R/vllm-install.txt; exit 1; }
+  touch /tmp/vsite/.ready && echo "vLLM installed in /tmp/vsite" ;;
+start)
+  name=${1:?"start NAME CMD..."}
+  shift
+  cd $W/repo || exit 1
+  setsid nohup "$@" > "$R/$name.out" 2>&1 < /dev/null &
+  echo $! > "$W/$name.pid"
+  echo "started $name: pid $(cat $W/$name.pid)" ;;
+poll)
+  end=$((SECONDS + ${1:-500}))
+  running() {
+    for p in $W/*.pid; do [ -f "$p" ] && kill -0 "$(cat "$p")" 2>/dev/null && return 0; done
+    return 1
+  }
+  while running && [ $SECONDS -lt $end ]; do sleep 10; done
+  for p in $W/*.pid; do
+    kill -0 "$(cat "$p")" 2>/dev/null && s=running || s=ended
+    echo "$(basename "$p" .pid): $s"
+  done
+  # the scale corpus: finished parts, else the part being regenerated (append-only and
+  # fsynced: what a machine taken back would lose), as their own files (at most 8 files of
+  # 16 MiB come back), outside results.tgz
+  parts=$(ls $W/corpus/conversations-p*.jsonl.gz 2>/dev/null)
+  for c in $W/scale/regen-p*/out/conversations.jsonl; do
+    n=$(basename "$(dirname "$(dirname "$c")")")
+    [ -f "$c" ] && ! ls $W/corpus/conversations-${n#regen-}-*.jsonl.gz > /dev/null 2>&1 &&
+      gzip -c "$c" > "$W/partial-$n.jsonl.gz" && parts="$parts $W/partial-$n.jsonl.gz"
+  done
+  for f in $parts; do split -b 15000000 -d "$f" "$OUT/$(basename "$f")."; done
+  tar czf "$OUT/results.tgz" --exclude='conversations*.jsonl.gz' -C $W results 2>/dev/null
+  ls -la "$OUT"
+  tail -n 25 $R/stages.txt 2>/dev/null
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+*)
+  echo "unknown step $step"; exit 2 ;;
+esac
