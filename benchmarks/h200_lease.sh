@@ -11,8 +11,9 @@
 #              wheels ($W/peersite, without the duplicates of .whl), the bench archives
 #              ($EYAS_BENCH_CACHE = $W/bench); the ablation's 2,000 conversations, gunzipped
 #              into $W and copied as the seed of the scale corpus ($W/corpus)
-#   vpart      carry .carry/vllm (one or more parts of the vLLM bundle, benchmarks/vllm_bundle.sh,
-#              and SHA256SUMS): copied into /tmp/vparts; once every part of SHA256SUMS is there,
+#   vpart DIR  carry DIR (.carry/v0, v1, v2: one part of the vLLM bundle of
+#              benchmarks/vllm_bundle.sh each, with its SHA256SUMS; a part is 60 MB, so nothing
+#              else fits beside it): copied into /tmp/vparts; once every part of SHA256SUMS is there,
 #              checked, joined and installed into /tmp/vsite (/tmp/vsite/.ready when done)
 #   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
@@ -38,7 +39,8 @@ a)
   ls $W ;;
 b)
   cp .carry/b/gguf.part-ab /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
-  echo "b179c952  $(sha256sum $W/smol.gguf)" | cut -c1-80
+  sha256sum $W/smol.gguf | grep ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ||
+    { echo "the joined GGUF's sha256 differs"; exit 1; }
   rm -f /tmp/gguf/gguf.part-a?
   skip="datasets-|dill-|multiprocess-"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -51,7 +53,7 @@ b)
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       $W/corpus/conversations-seed-2000.jsonl.gz ;;
 vpart)
-  mkdir -p /tmp/vparts && cp .carry/vllm/* /tmp/vparts/ || exit 1
+  mkdir -p /tmp/vparts && cp "${1:?vpart DIR}"/* /tmp/vparts/ || exit 1
   cd /tmp/vparts || exit 1
   for f in $(awk '{print $2}' SHA256SUMS); do
     [ -f "$f" ] || { echo "have $(ls | tr '\n' ' '), waiting for $f"; exit 0; }
