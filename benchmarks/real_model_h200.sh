@@ -169,7 +169,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # issue 32: `eyas capture --backend vllm` against `--backend transformers` on the rows the
     # pipeline (or ablation) prepared, float32 (exactness and speed), then on a random
     # Llama-3.1-8B-shaped target in bf16 (speed; 400 of the same conversations), then the
-    # vllm-marked capture tests on the GPU
+    # vllm-marked capture tests on the GPU (CB_8B_ROWS=0: no 8B)
     until [ -f $W/run/prepared/eyas.json ]; do sleep 5; done
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
     stage "vcapture: SmolLM2, float32"
@@ -178,6 +178,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
         --json "$R/capture-backends-smollm2.json" > "$R/cb_smol.out" 2>&1
     stage "vcapture SmolLM2 rc $?"
+    [ "${CB_8B_ROWS:-400}" = 0 ] || {
     stage "vcapture: random Llama-3.1-8B shape, bf16"
     PYTHONPATH=$VP timeout 900 python3 benchmarks/capture_backends.py --llama8b \
         --data ${CB_DATA:-$W/conversations-2000.jsonl} --tokenizer $T --work $W/cb-8b \
@@ -185,7 +186,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
         --json "$R/capture-backends-llama8b.json" > "$R/cb_8b.out" 2>&1
     stage "vcapture 8B rc $?"
-    rm -rf $W/cb-8b/llama8b
+    rm -rf $W/cb-8b/llama8b; }
     PYTHONPATH=$VP timeout 600 python3 -m pytest -q -m vllm -p no:cacheprovider \
         tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
     stage "vcapture tests rc $?" ;;

@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0 = all epochs)")
     p.add_argument("--num-workers", type=int, default=4, help="speculators dataloader workers")
-    p.add_argument("--jobs", type=int, default=min(16, len(os.sched_getaffinity(0))),
+    p.add_argument("--jobs", type=int, default=min(6, len(os.sched_getaffinity(0))),
                    help="processes converting the capture into speculators' data folder "
                         "(default: min(16, CPUs)); the folder is the same for any value")
     p.add_argument("--eval-fraction", type=float, default=None,
