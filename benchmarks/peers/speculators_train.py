@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=4, help="speculators dataloader workers")
     p.add_argument("--jobs", type=int, default=min(6, len(os.sched_getaffinity(0))),
                    help="processes converting the capture into speculators' data folder "
-                        "(default: min(16, CPUs)); the folder is the same for any value")
+                        "(default: min(6, CPUs)); the folder is the same for any value")
     p.add_argument("--eval-fraction", type=float, default=None,
                    help="held-out share when the capture has no eval split (default: eyas "
                         "train's --eval-fraction default)")
