@@ -209,6 +209,10 @@ def test_specforge_peer_trains_exports_and_matches_its_draft(peer_run, llama_dir
     assert torch.equal(feat["hidden_state"][0], sample["final_hidden"])
     assert torch.equal(feat["aux_hidden_state"][0].unflatten(-1, (3, -1)), sample["aux_hidden"])
     assert torch.equal(feat["input_ids"], sample["input_ids"].long())
+    # only the sample's bytes: torch.save writes a view's whole storage, and safetensors >= 0.8
+    # slices are views of their part file (the H200 lease's disk filled so, 2026-12-02)
+    data_bytes = sum(t.numel() * t.element_size() for t in feat.values())
+    assert (out / "specforge-data" / "data_00000000.ckpt").stat().st_size < data_bytes + 4096
 
     # step 0 on the same inputs: SpecForge's model from its checkpoint against eyas's reader
     theirs = LlamaForCausalLMEagle3(LlamaConfig(**spec), attention_backend="sdpa")

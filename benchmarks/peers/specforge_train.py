@@ -112,13 +112,15 @@ def write_features(src, ids: np.ndarray, data: Path) -> int:
     tokens = 0
     try:
         for i, sid in enumerate(ids):
+            # clones: safetensors >= 0.8 slices are views of the whole part file's storage,
+            # and torch.save writes a view's whole storage (a 1 GB part per sample file)
             s = src.capture.sample(int(sid))
             aux = s["aux_hidden"]                                   # (T, 3, H) low -> high
             t = aux.shape[0]
-            torch.save({"input_ids": s["input_ids"].long(),         # (T,)
-                        "loss_mask": s["loss_mask"].long(),         # (T,)
-                        "hidden_state": s["final_hidden"][None].contiguous(),    # (1, T, H)
-                        "aux_hidden_state": aux.reshape(1, t, -1).contiguous()},  # (1, T, 3H)
+            torch.save({"input_ids": s["input_ids"].long().clone(),         # (T,)
+                        "loss_mask": s["loss_mask"].long().clone(),         # (T,)
+                        "hidden_state": s["final_hidden"][None].clone(),    # (1, T, H)
+                        "aux_hidden_state": aux.reshape(1, t, -1).clone()},  # (1, T, 3H)
                        data / f"data_{i:08d}.ckpt")
             tokens += t
     finally:
