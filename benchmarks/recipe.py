@@ -28,11 +28,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from real_model import _best_eval, run  # noqa: E402  (the same CLI runner and records)
 
-# eyas train's defaults are EAGLE 3.1's norms (norm_before_fc + norm_output) since this
-# ablation measured them best; each variant spells its norms out so that names keep meaning
-PLAIN = ["--no-norm-before-fc", "--no-norm-output"]
-NORMS = ["--norm-before-fc", "--norm-output"]
+from eyas.train import PREVIOUS_RECIPE  # noqa: E402
+
+
+def _flags(recipe: dict) -> list[str]:
+    """eyas train flags that set each option of `recipe`."""
+    out = []
+    for name, value in recipe.items():
+        flag = "--" + name.replace("_", "-")
+        out += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else \
+            [flag, str(value)]
+    return out
+
+
+# Each variant spells out the recipe it changes, so that names keep meaning when eyas train's
+# defaults move: the variants below change the recipe eyas trained with before issue 31's
+# second lease (AdamW, cosine, clip 0.5, 7 TTT steps of 0.8^j, trained lm_head; the lr is
+# the runner's --lr). eyas train's defaults were EAGLE 3.1's norms (norm_before_fc +
+# norm_output) since this ablation measured them best, and are speculators' recipe since issue
+# 31 (the variant eagle3.1+speculators; `default` runs whatever the defaults are now).
+PREVIOUS = _flags(PREVIOUS_RECIPE)
+PLAIN = [*PREVIOUS, "--no-norm-before-fc", "--no-norm-output"]
+NORMS = [*PREVIOUS, "--norm-before-fc", "--norm-output"]
 VARIANTS = {  # name -> eyas train flags on top of the shared ones
+    "default": [],
     "eagle3": PLAIN,
     "eagle3.1": NORMS,
     "eagle3.1-fc": ["--fc-norm", "--norm-output"],  # the paper's per-aux fc norm (SGLang too)

@@ -262,7 +262,8 @@ def test_missing_vllm_names_the_install(llama_dir, monkeypatch):
 def test_vllm_versions():
     assert vllm_capture.check_vllm_version("0.32.0") is None
     assert vllm_capture.check_vllm_version("0.32.0+cpu") is None
-    assert "this is vLLM 0.24.0" in vllm_capture.check_vllm_version("0.24.0")
+    assert vllm_capture.check_vllm_version("0.24.0") is None
+    assert "this is vLLM 0.26.1" in vllm_capture.check_vllm_version("0.26.1")
     with pytest.raises(EyasError, match="needs vLLM >= 0.18"):
         vllm_capture.check_vllm_version("0.17.1")
 
@@ -332,7 +333,11 @@ def test_real_vllm_capture_equals_the_transformers_capture(tmp_path_factory, cap
     for row, g in mine.items():
         assert torch.equal(g["target_top1"], want[row]["target_top1"]), row
         for key in ("aux_hidden", "final_hidden"):
-            torch.testing.assert_close(g[key], want[row][key], rtol=8e-3, atol=1e-5)
+            # both captures store bf16: fp32 states a hair apart can round to neighbouring
+            # bf16 values, up to 1.5 ulps of the smaller one where they straddle a power of
+            # two. vLLM 0.24 on an H200 (2026-12-02): every top-1 equal, 328 of 13,824 aux
+            # elements one rounding apart, the largest 1.8e-4 = 2^-13 + 2^-14 at 0.0157
+            torch.testing.assert_close(g[key], want[row][key], rtol=2**-6, atol=1e-6)
 
 
 class _Event:

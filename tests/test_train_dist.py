@@ -30,9 +30,12 @@ train(TrainConfig(**json.loads(sys.argv[1])))
 
 
 def _cfg(inputs, out, **kw) -> TrainConfig:
+    # AdamW unless a test says otherwise: the equivalences below are exact to 1e-5 under it,
+    # while Muon's Newton-Schulz runs in bf16 and magnifies the last-bit differences of another
+    # reduction order (its own test, test_fsdp_with_muon_resumes_where_one_process_goes)
     base = dict(data=inputs["captured"], vocab=inputs["vocab"], out=str(out), batch_tokens=256,
                 max_steps=4, lr=1e-2, lm_head="scratch", num_workers=0, log_every=1,
-                eval_every=2, save_every=2, seed=0)
+                eval_every=2, save_every=2, seed=0, optimizer="adamw")
     return TrainConfig(**{**base, **kw})
 
 
@@ -103,3 +106,26 @@ def test_fsdp_resume_from_a_checkpoint_matches_the_uninterrupted_run(run_inputs,
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5)
     assert [r["step"] for r in _train_records(out)] == [1, 2, 3, 4]
+
+
+def test_fsdp_with_muon_resumes_where_one_process_goes(run_inputs, tmp_path):  # noqa: F811
+    """The default optimizer (Muon on the hidden matrices) under FSDP2, resumed from a
+    1-process checkpoint: its orthogonalised update is of the whole matrix, not of a rank's
+    shard (DTensor ops are global), and its momentum comes back with the checkpoint. Within
+    Muon's bf16 Newton-Schulz rounding: far below what two steps move the weights (a shard's
+    own update, or a lost momentum, would be of that size)."""
+    one = tmp_path / "one"
+    train(_cfg(run_inputs, one, grad_accum=2, optimizer="muon"))
+    out = tmp_path / "run"
+    shutil.copytree(one, out)
+    checkpoint.clear_after(out, 2)
+    _torchrun(tmp_path, _cfg(run_inputs, out, parallel="fsdp", grad_accum=1, optimizer="muon",
+                             resume=str(checkpoint.step_dir(out, 2))))
+    w2, w4, got = _weights(one, 2), _weights(one, 4), _weights(out, 4)
+    offs = {}
+    for k in w4:
+        moved = (w4[k].float() - w2[k].float()).abs().max()
+        offs[k] = (float((got[k].float() - w4[k].float()).abs().max()), float(moved))
+        if w4[k].is_floating_point() and moved > 0:  # d2t / t2d are fixed
+            assert offs[k][0] < 0.1 * moved, (k, offs[k])
+    assert sum(moved > 0 for _, moved in offs.values()) >= 5, offs

@@ -51,6 +51,24 @@ log = logging.getLogger(__name__)
 # 3e-4 by +6.6 % / +9.4 % replayed AL (k = 3 / 6) on SmolLM2; SpecForge's DFlash recipe uses 6e-4
 EAGLE3_LR, DFLASH_LR = 1e-3, 6e-4
 
+# What an unset option of the recipe becomes: for EAGLE-3, speculators 0.9.0's EAGLE 3.1 recipe,
+# which eyas trained as well as speculators' own trainer did on the same data (SmolLM2, 2,000
+# regenerated conversations, `eyas eval`: 1.979 / 1.981 in distribution at k = 3), ahead of
+# AdamW alone (1.902; held-out 1.435 / 1.394): docs/train.md, "What the defaults were chosen by".
+# For DFlash (and where torch has no Muon: the optimizer only), the settings before it.
+EAGLE3_RECIPE = {"optimizer": "muon", "weight_decay": 0.01, "warmup_ratio": 0.01,
+                 "lr_decay": "linear", "grad_clip": 1.0, "ttt_steps": 3, "step_weight": 1.0,
+                 "loss_mask_at": "input", "vocab_filter": False, "freeze_lm_head": True,
+                 "norm_before_residual": True}
+PREVIOUS_RECIPE = {"optimizer": "adamw", "weight_decay": 0.0, "warmup_ratio": 0.015,
+                   "lr_decay": "cosine", "grad_clip": 0.5, "ttt_steps": 7, "step_weight": 0.8,
+                   "loss_mask_at": "predicted", "vocab_filter": True, "freeze_lm_head": False,
+                   "norm_before_residual": False}
+# of those, the ones a DFlash draft does not have (--draft dflash given another value: refused)
+EAGLE3_ONLY = ("ttt_steps", "step_weight", "loss_mask_at", "vocab_filter", "freeze_lm_head",
+               "norm_before_residual")
+RECIPE_NOTE = "unset: speculators' recipe for EAGLE-3 ({}), {} for dflash (docs/train.md)"
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -93,29 +111,37 @@ class TrainConfig:
                                     "best on a real target, docs/train.md, issue 31; "
                                     "speculators' default), 6e-4 for dflash (SpecForge's)")
     betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas (SpecForge; EAGLE used 0.9,0.95)")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    optimizer: str = option("adamw", "adamw over every trained parameter, or muon: Muon "
-                                     "(torch.optim.Muon, update RMS matched to AdamW's) over the "
-                                     "2-D hidden matrices (fc, attention, MLP) and AdamW over "
-                                     "the rest (speculators' default)", choices=("adamw", "muon"))
+    weight_decay: float | None = option(None, "AdamW weight decay; " +
+                                        RECIPE_NOTE.format(0.01, 0.0))
+    optimizer: str | None = option(
+        None, "adamw over every trained parameter, or muon: Muon (torch.optim.Muon, torch >= "
+              "2.9, update RMS matched to AdamW's) over the 2-D hidden matrices (fc, attention, "
+              "MLP) and AdamW over the rest; " + RECIPE_NOTE.format(
+                  "muon; adamw on a torch without Muon", "adamw"), choices=("adamw", "muon"))
     muon_lr: float = option(0.0, "--optimizer muon: peak lr of the Muon group; 0 = --lr")
     muon_momentum: float = option(0.95, "--optimizer muon: Muon's momentum")
     muon_weight_decay: float = option(0.1, "--optimizer muon: Muon's weight decay")
-    warmup_ratio: float = option(0.015, "linear warmup as a share of all steps")
-    lr_decay: str = option("cosine", "after warmup, decay the lr along a cosine or a straight "
-                                     "line (speculators') to --min-lr-ratio",
-                           choices=("cosine", "linear"))
+    warmup_ratio: float | None = option(None, "linear warmup as a share of all steps; " +
+                                        RECIPE_NOTE.format(0.01, 0.015))
+    lr_decay: str | None = option(None, "after warmup, decay the lr along a cosine or a "
+                                        "straight line to --min-lr-ratio; " +
+                                  RECIPE_NOTE.format("linear", "cosine"),
+                                  choices=("cosine", "linear"))
     min_lr_ratio: float = option(0.0, "lr floor at the last step, as a share of --lr")
-    grad_clip: float = option(0.5, "clip the global gradient norm to this (0 = off)")
-    ttt_steps: int = option(7, "training-time-test steps (chained draft passes)")
-    step_weight: float = option(0.8, "loss weight of TTT step j is step_weight**j")
-    loss_mask_at: str = option("predicted", "which token's loss mask puts a TTT step's "
-                                             "position in the loss: the token it predicts "
-                                             "(eyas) or the token it reads (speculators); "
-                                             "docs/train.md", choices=LOSS_MASK_AT)
-    vocab_filter: bool = option(True, "leave out of the loss the positions whose target "
-                                      "top-1 is outside the draft vocab (EAGLE-3's rule; "
-                                      "speculators keeps them)")
+    grad_clip: float | None = option(None, "clip the global gradient norm to this (0 = off); " +
+                                     RECIPE_NOTE.format(1.0, 0.5))
+    ttt_steps: int | None = option(None, "training-time-test steps (chained draft passes); "
+                                         "unset: 3 (speculators'; EAGLE-3's paper used 7)")
+    step_weight: float | None = option(None, "loss weight of TTT step j is step_weight**j; "
+                                             "unset: 1 (speculators'; 0.8 before)")
+    loss_mask_at: str | None = option(None, "which token's loss mask puts a TTT step's "
+                                            "position in the loss: the token it predicts or the "
+                                            "token it reads; unset: input (speculators'; "
+                                            "predicted before); docs/train.md",
+                                      choices=LOSS_MASK_AT)
+    vocab_filter: bool | None = option(None, "leave out of the loss the positions whose target "
+                                             "top-1 is outside the draft vocab (EAGLE-3's rule); "
+                                             "unset: off (speculators keeps them)")
     loss: str = option("kl", "per-position objective of each TTT step: kl = soft cross-entropy "
                        "against the target (EAGLE-3's); lk-alpha = -log of the expected "
                        "acceptance rate; lk-lambda = KL and 1 - acceptance mixed by an "
@@ -126,12 +152,16 @@ class TrainConfig:
     lk_kl_decay: float = option(1.0, "lk-lambda: see --lk-kl-scale")
     lm_head: str = option("target", "initialise the draft lm_head from the target's rows of "
                                     "the draft vocab, or randomly", choices=("target", "scratch"))
-    freeze_lm_head: bool = option(False, "keep the lm_head fixed (needs --lm-head target)")
+    freeze_lm_head: bool | None = option(None, "keep the lm_head fixed at the target's rows; "
+                                               "unset: on with --lm-head target (speculators'), "
+                                               "off with scratch")
     draft_hidden_size: int = option(0, "draft hidden size; 0 = the target's")
     draft_intermediate_size: int = option(0, "draft MLP size; 0 = the target's")
     draft_num_attention_heads: int = option(0, "draft attention heads; 0 = the target's")
     draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
-    norm_before_residual: bool = option(False, "residual = hidden_norm(g) instead of g")
+    norm_before_residual: bool | None = option(None, "residual = hidden_norm(g) instead of g; "
+                                                     "unset: on (speculators'; served by vLLM "
+                                                     ">= 0.19)")
     norm_before_fc: bool | None = option(
         None, "EAGLE 3.1 (speculators' default): one RMSNorm over the 3 concatenated aux states "
               "before fc; served by vLLM >= 0.19 (both formats), not by SGLang; not with "
@@ -191,6 +221,16 @@ class TrainConfig:
             object.__setattr__(self, "norm_output", eagle3)
         if self.lr is None:
             object.__setattr__(self, "lr", EAGLE3_LR if eagle3 else DFLASH_LR)
+        for name, value in (EAGLE3_RECIPE if eagle3 else PREVIOUS_RECIPE).items():
+            if getattr(self, name) is None:
+                if name == "optimizer" and value == "muon" and not hasattr(torch.optim, "Muon"):
+                    log.warning("torch %s has no torch.optim.Muon (torch >= 2.9): the draft "
+                                "trains with AdamW alone (--optimizer adamw), not the default "
+                                "recipe's Muon", torch.__version__)
+                    value = "adamw"
+                elif name == "freeze_lm_head" and self.lm_head == "scratch":
+                    value = False
+                object.__setattr__(self, name, value)
         checks = [
             (self.batch_tokens > 0, f"--batch-tokens must be > 0, got {self.batch_tokens}"),
             (self.row_tokens >= 0 and self.batch_tokens % (self.row_tokens or 1) == 0,
@@ -276,9 +316,9 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (not cfg.compile, "--compile is not built (or tested) for DFlash yet; drop it"),
         (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
                                     "(it reads the target's embedding and lm_head); leave it 0"),
-        *_left_at_default(cfg, ("ttt_steps", "step_weight", "lm_head", "lk_kl_scale",
-                                "lk_kl_decay", "loss_mask_at", "vocab_filter"),
-                          "{flag}: " + why),
+        *_left_at_default(cfg, ("lm_head", "lk_kl_scale", "lk_kl_decay"), "{flag}: " + why),
+        *[(getattr(cfg, name) == PREVIOUS_RECIPE[name], f"--{name.replace('_', '-')}: {why}")
+          for name in EAGLE3_ONLY if name not in ("freeze_lm_head", "norm_before_residual")],
     ]
 
 

