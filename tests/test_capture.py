@@ -355,6 +355,15 @@ def test_capture_of_a_real_prepare_output(llama_dir, tmp_path):
     row = int(s["sample_index"])
     assert row < len(ds["train"]) and s["input_ids"].tolist() == list(ds["train"][row]["input_ids"])
     assert s["loss_mask"].tolist() == list(ds["train"][row]["loss_mask"])
+    # each tensor owns just its sample's bytes (safetensors >= 0.8 slices view the whole part:
+    # torch.save of one would write the part); copy=False is the view, for training's collate
+    for key, t in s.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
+        saved = tmp_path / f"{key}.pt"
+        torch.save(t, saved)
+        assert saved.stat().st_size < t.numel() * t.element_size() + 2048, key
+    view = cs.sample(0, copy=False)
+    assert all(torch.equal(view[k], s[k]) for k in s)
 
 
 def test_refuses_prepared_folder_from_another_tokenizer(llama_dir, tmp_path):

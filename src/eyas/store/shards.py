@@ -503,7 +503,12 @@ class CaptureSet:
         lo, hi = self.split_rows[split]
         return ((self.sample_index >= lo) & (self.sample_index < hi)).nonzero().flatten()
 
-    def sample(self, i: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    def sample(self, i: int, dtype: torch.dtype = torch.bfloat16, *,
+               copy: bool = True) -> dict[str, torch.Tensor]:
+        """Sample i's tensors. safetensors >= 0.8 slices are views of the whole part file's
+        mapped storage, and torch.save or a multiprocessing queue would carry all of it (a
+        1 GB part per sample): so each tensor is its own copy unless `copy=False` (for a
+        caller that copies them anyway, as training's collate does)."""
         f = self._handle(int(self._file_of[i]))
         s, e = int(self._start[i]), int(self._end[i])
         out = {k: f.get_slice(k)[s:e] for k in TOKEN_KEYS}
@@ -512,6 +517,9 @@ class CaptureSet:
         else:
             out["aux_hidden"] = out["aux_hidden"].to(dtype)
         out["final_hidden"] = out["final_hidden"].to(dtype)
+        if copy:
+            out = {k: v.clone() if v.untyped_storage().nbytes() > v.numel() * v.element_size()
+                   else v for k, v in out.items()}
         out["sample_index"] = self.sample_index[i].clone()
         return out
 
