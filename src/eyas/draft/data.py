@@ -443,22 +443,18 @@ def target_head_weights(name: str, *, revision: str | None = None,
     tensors from its safetensors files: the module paths come from building the model on the
     meta device, the file holding each tensor from the safetensors index. Offline training
     never loads the whole target."""
-    from safetensors import safe_open
-
     from eyas.targets.models import inspect_model, is_gguf, load_config, text_config
+    from eyas.targets.weights import TargetWeights
 
     config = load_config(name, revision=revision, trust_remote_code=trust_remote_code)
     info = inspect_model(config, trust_remote_code=trust_remote_code)
     if is_gguf(name):
         return (*_gguf_head_weights(name, info, config), info, config)
-    where, fetch = _weight_map(name, revision)
+    weights = TargetWeights(name, revision)
 
     def read(module_path: str) -> torch.Tensor | None:
-        key = _match_key(where, f"{module_path}.weight")
-        if key is None:
-            return None
-        with safe_open(fetch(where[key]), framework="pt") as f:
-            return f.get_tensor(key)
+        key = weights.key(f"{module_path}.weight")
+        return None if key is None else weights.read(key)
 
     embed = read(info.embed_path)
     if embed is None:
@@ -506,51 +502,3 @@ def _gguf_head_weights(name: str, info, config) -> tuple[torch.Tensor, torch.Ten
                             f"train with --online.")
         head = embed  # tied: llama.cpp stores the matrix once
     return embed, head
-
-
-INDEX = "model.safetensors.index.json"
-
-
-def _weight_map(name: str, revision: str | None):
-    """(tensor name -> file name, fetch(file name) -> local path) for a folder or hub repo."""
-    from safetensors import safe_open
-
-    folder = Path(name).expanduser()
-    if folder.is_dir():
-        def fetch(file: str) -> str:
-            return str(folder / file)
-        if (folder / INDEX).is_file():
-            return json.loads((folder / INDEX).read_text())["weight_map"], fetch
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    else:
-        from huggingface_hub import hf_hub_download, list_repo_files
-
-        def fetch(file: str) -> str:
-            return hf_hub_download(name, file, revision=revision)
-        listed = list_repo_files(name, revision=revision)
-        if INDEX in listed:
-            return json.loads(Path(fetch(INDEX)).read_text())["weight_map"], fetch
-        files = sorted(f for f in listed if f.endswith(".safetensors") and "/" not in f)
-    if not files:
-        raise EyasError(f"{name} has no safetensors weights; convert them (save_pretrained with "
-                        f"safe_serialization) or train with --online.")
-    out = {}
-    for file in files:
-        with safe_open(fetch(file), framework="pt") as f:
-            out.update({k: file for k in f.keys()})
-    return out, fetch
-
-
-def _match_key(where: dict[str, str], name: str) -> str | None:
-    """The checkpoint key of module weight `name`: itself, or else the unique key ending in
-    its longest matching suffix (checkpoints of wrappers often drop or rename the prefix,
-    e.g. Qwen2.5-VL stores model.language_model.embed_tokens as model.embed_tokens)."""
-    if name in where:
-        return name
-    parts = name.split(".")
-    for n in range(len(parts) - 1, 1, -1):
-        suffix = ".".join(parts[-n:])
-        hits = [k for k in where if k == suffix or k.endswith("." + suffix)]
-        if len(hits) == 1:
-            return hits[0]
-    return None

@@ -138,9 +138,9 @@ def load_head(target: str, *, revision: str | None, trust_remote_code: bool,
               dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
     """(final norm, lm_head, ModelInfo): the target's own modules (built from its config on the
     meta device) with only their weights read from the checkpoint's safetensors files."""
-    from eyas.draft.data import _match_key, _weight_map
     from eyas.targets.models import (build_meta_model, inspect_model, load_config, submodule,
                                      text_config)
+    from eyas.targets.weights import TargetWeights
 
     config = load_config(target, revision=revision, trust_remote_code=trust_remote_code)
     info = inspect_model(config, trust_remote_code=trust_remote_code)
@@ -148,28 +148,21 @@ def load_head(target: str, *, revision: str | None, trust_remote_code: bool,
     if info.lm_head_path is None:
         raise EyasError(f"{target} has no lm_head (a bare base model): capture needs the "
                         f"target's top-1; give the causal-LM checkpoint")
-    where, fetch = _weight_map(target, revision)
+    weights = TargetWeights(target, revision)
     norm, head = submodule(model, info.norm_path), submodule(model, info.lm_head_path)
     tied = info.tied_embeddings or getattr(text_config(config), "tie_word_embeddings", False)
     for module, path in ((norm, info.norm_path), (head, info.lm_head_path)):
         module.to_empty(device=device)
         for name, param in module.named_parameters():
-            key = _match_key(where, f"{path}.{name}")
+            key = weights.key(f"{path}.{name}")
             if key is None and module is head and tied:
-                key = _match_key(where, f"{info.embed_path}.{name}")  # stored once, as embed
+                key = weights.key(f"{info.embed_path}.{name}")  # stored once, as embed
             if key is None:
                 raise EyasError(f"cannot find {path}.{name} in the safetensors files of {target}, "
                                 f"which --backend vllm needs for the final hidden state and "
                                 f"top-1; use --backend transformers")
-            param.data = _read(fetch(where[key]), key).to(device, dtype)
+            param.data = weights.read(key).to(device, dtype)
     return norm.eval(), head.eval(), info
-
-
-def _read(file: str, key: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as f:
-        return f.get_tensor(key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,12 +282,12 @@ class VLLMCapture:
                 reject) -> Iterator[tuple[dict, dict]]:
         """(outputs, host meta) per window of rows, as `forward_batches` yields them; rows whose
         file failed a check go to `reject(sample_index, sample_id, reason)` instead."""
-        from eyas.targets.capture_forward import _check_rows, batch_inputs, plan_batches
+        from eyas.targets.capture_forward import batch_inputs, check_rows, plan_batches
 
         lengths = [int(n) for n in dataset["num_tokens"]]
         for window in plan_batches(lengths, rows, batch_tokens, flat=True):
             data = dataset[window]
-            _check_rows(window, data, lengths)
+            check_rows(window, data, lengths)
             results = self.capture([list(ids) for ids in data["input_ids"]])
             keep = []
             for j, (r, result) in enumerate(zip(window, results)):

@@ -114,7 +114,7 @@ def forward_batches(model, info, dataset, rows, aux_layer_ids, batch_tokens, pac
         flat = _resolve_packing(packing, info, parts, taps)
     for batch in plan_batches(lengths, rows, batch_tokens, flat, sort_by_length):
         data = dataset[batch]
-        _check_rows(batch, data, lengths)
+        check_rows(batch, data, lengths)
         inputs, host = batch_inputs(list(zip(data["input_ids"], data["loss_mask"])), flat)
         with torch.inference_mode():
             out = _forward(parts, taps, inputs)
@@ -123,7 +123,8 @@ def forward_batches(model, info, dataset, rows, aux_layer_ids, batch_tokens, pac
         yield out, host
 
 
-def _check_rows(batch, data, lengths):
+def check_rows(batch, data, lengths):
+    """A prepared window's rows as capture needs them, or an error naming the bad row."""
     for r, ids, mask in zip(batch, data["input_ids"], data["loss_mask"]):
         if len(ids) != lengths[r] or len(mask) != len(ids) or not ids:
             raise EyasError(f"prepared row {r} is malformed (num_tokens {lengths[r]}, "
