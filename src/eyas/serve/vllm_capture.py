@@ -169,6 +169,9 @@ def load_head(target: str, *, revision: str | None, trust_remote_code: bool,
 # the engine
 
 
+UNREAD = "vLLM's file"  # how the reason for an unreadable file begins
+
+
 class VLLMCapture:
     """vLLM's hidden-state files turned into what the transformers capture stores: `batches`
     yields what `forward_batches` yields, from the files of `llm`, a `vllm.LLM` started by
@@ -240,6 +243,7 @@ class VLLMCapture:
                          f"{self.max_model_len}: raise --max-model-len (up to the target's "
                          f"context) and capture again" for p in prompts]
         fits = [i for i, r in enumerate(results) if r is None]
+        self.reached = len(fits)  # prompts that went to the engine
         outs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits],
                                  self.params,
                                  use_tqdm=False) if fits else []
@@ -256,7 +260,7 @@ class VLLMCapture:
             try:
                 tensors = read_file(path)
             except (OSError, ValueError, RuntimeError) as err:
-                return f"vLLM's file {path} cannot be read: {err}"
+                return f"{UNREAD} {path} cannot be read: {err}"
             reason = check_file(tensors, ids, self.layer_ids, self.info.hidden_size)
             if reason:
                 return reason
@@ -289,6 +293,13 @@ class VLLMCapture:
             data = dataset[window]
             check_rows(window, data, lengths)
             results = self.capture([list(ids) for ids in data["input_ids"]])
+            unread = [r for r in results if isinstance(r, str) and r.startswith(UNREAD)]
+            if unread and len(unread) == self.reached:
+                # no file for any request: the engine failed (its log says why), which would
+                # otherwise set every row aside as a bad file
+                raise EyasError(f"vLLM wrote no hidden-state file for any of the {self.reached} "
+                                f"rows of this batch ({unread[0]}); its engine log above says "
+                                f"why. Nothing of this batch was stored; a rerun resumes here")
             keep = []
             for j, (r, result) in enumerate(zip(window, results)):
                 if isinstance(result, str):
