@@ -15,6 +15,10 @@
 #              benchmarks/vllm_bundle.sh each, with its SHA256SUMS; a part is 60 MB, so nothing
 #              else fits beside it): copied into /tmp/vparts; once every part of SHA256SUMS is there,
 #              checked, joined and installed into /tmp/vsite (/tmp/vsite/.ready when done)
+#   gpart DIR  carry DIR (one part of a file split by `split -b 60000000`, with SHA256SUMS of the
+#              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q8 of the Qwen GGUF):
+#              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
+#              and the whole checked
 #   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
 #   poll S     wait up to S seconds while any started job runs, then pack $W/results into
@@ -63,6 +67,18 @@ vpart)
   bash vllm-bundle-slim/install.sh /tmp/vsite > $R/vllm-install.txt 2>&1 || {
       tail $R/vllm-install.txt; exit 1; }
   touch /tmp/vsite/.ready && echo "vLLM installed in /tmp/vsite" ;;
+gpart)
+  mkdir -p /tmp/gparts && cp "${1:?gpart DIR}"/* /tmp/gparts/ || exit 1
+  cd /tmp/gparts || exit 1
+  for f in $(awk '{print $2}' SHA256SUMS); do
+    [ -f "$f" ] || { echo "have $(ls | wc -l) files, waiting for $f"; exit 0; }
+  done
+  sha256sum -c SHA256SUMS || exit 1
+  whole=$(ls *.sha256 | head -1)
+  name=${whole%.sha256}
+  cat $(awk '{print $2}' SHA256SUMS) > $W/$name && rm -f $(awk '{print $2}' SHA256SUMS)
+  (cd $W && sha256sum -c /tmp/gparts/$whole) || exit 1
+  echo "joined $W/$name" ;;
 start)
   name=${1:?"start NAME CMD..."}
   shift

@@ -96,6 +96,9 @@ def main(argv=None) -> None:
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-batch", type=int, default=256)
     p.add_argument("--regen-batching", default="padded", help="eyas regenerate --batching")
+    p.add_argument("--regen-args", default="",
+                   help="more eyas regenerate flags, e.g. '--backend vllm "
+                        "--gpu-memory-utilization 0.4' (the target must then be a folder)")
     p.add_argument("--conversations", default=None,
                    help="train on this conversations.jsonl (an earlier, possibly partial "
                         "`eyas regenerate` output) instead of regenerating")
@@ -138,7 +141,8 @@ def main(argv=None) -> None:
                           "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
                           "--batch-size", a.regen_batch, "--batching", a.regen_batching,
                           "--dtype", a.dtype,
-                          "--device", a.device, log=log, out=work / "regenerated")
+                          "--device", a.device, *a.regen_args.split(), log=log,
+                          out=work / "regenerated")
     t["prepare"] = run("prepare", *common, "--data", conversations,
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")
