@@ -154,11 +154,14 @@ def to_sglang_config(cfg: DraftConfig, dtype: str = "bf16",
     those are refused rather than served wrong; fc_norm and norm_output it runs (SERVED_SINCE)."""
     unsupported = [k for k in ("norm_before_residual", "norm_before_fc") if getattr(cfg, k)]
     if unsupported:
+        flags = {"norm_before_residual": "--no-norm-before-residual",
+                 "norm_before_fc": "--fc-norm (the EAGLE 3.1 fc norm SGLang runs) or "
+                                   "--no-norm-before-fc"}
         raise EyasError(f"SGLang's llama_eagle3 does not implement {unsupported}: it would run a "
                         f"different model than the one trained. Serve it with vLLM "
-                        f"(--format vllm), or train without {unsupported} for SGLang"
-                        + (" (--fc-norm is the EAGLE 3.1 fc norm SGLang runs)"
-                           if cfg.norm_before_fc else ""))
+                        f"(--format vllm), or train for SGLang with "
+                        + " and ".join(flags[k] for k in unsupported)
+                        + " (eyas train's default recipe turns both on)")
     out = to_vllm_config(cfg, dtype)
     out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids":
                            sglang_layer_ids(cfg.aux_layer_ids, num_target_layers),
