@@ -65,6 +65,25 @@ def test_a_flipped_aux_hidden_byte_is_refused_by_train_and_redone_by_capture(
     assert shards.open_capture(captured).num_samples == 14
 
 
+def test_capture_remembers_its_own_parts_so_its_resume_hashes_nothing(
+        llama_dir, prepared, captured, caplog):
+    """The writer hashed each part from the bytes it wrote: recorded as verified at write time,
+    so a resume (here of a finished capture) reads no part back to hash it."""
+    verified = json.loads((captured / ".verified.json").read_text())
+    files = json.loads((captured / shards.INDEX).read_text())["files"]
+    assert len(files) > 1
+    assert {e["file"]: e["sha256"] for e in files} == \
+        {name: v["sha256"] for name, v in verified.items()}
+    with caplog.at_level(logging.INFO):
+        capture(_cfg(llama_dir, prepared, captured))
+    assert "checked sha256" not in caplog.text
+    victim = _first_part(captured)  # a part changed since is hashed again, and redone
+    _flip_in(victim, "aux_hidden")
+    with caplog.at_level(logging.INFO):
+        capture(_cfg(llama_dir, prepared, captured))
+    assert "checked sha256 of 1 capture part" in caplog.text and "captured again" in caplog.text
+
+
 def test_a_corrupt_header_names_the_file_not_a_safetensors_traceback(captured):
     victim = _first_part(captured)
     raw = bytearray(victim.read_bytes())

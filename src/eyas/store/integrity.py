@@ -65,6 +65,14 @@ def _remember(folder: Path, done: dict[str, dict]) -> None:
                  folder, err)
 
 
+def remember_written(folder: str | Path, name: str, sha256: str) -> None:
+    """Record part `name`, just written and fsynced by this process with digest `sha256`
+    (hashed from the bytes it wrote), as verified at its present stamp: capture's resume then
+    hashes only the parts it did not write itself, or that changed since."""
+    folder = Path(folder)
+    _remember(folder, {name: {"stamp": _stamp(folder / name), "sha256": sha256}})
+
+
 def _structure(path: Path, entry: dict) -> str | None:
     """What is wrong with a part's header (unreadable, other shapes or dtypes), or None."""
     from safetensors import SafetensorError, safe_open

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
+from eyas.store.integrity import remember_written
 from eyas.store.shards import (FORMAT, ST_DTYPES, drop_samples, merged_offsets, part_entry, part_name,
                                report_name, state_name, write_json_atomic)
 
@@ -272,6 +273,7 @@ class PartWriter:
     def _commit(self, name: str, entry: dict) -> None:
         """Rename a written part into place and record it in the shard state (holding `cond`)."""
         os.replace(self.folder / (name + ".tmp"), self.folder / name)
+        remember_written(self.folder, name, entry["sha256"])  # its resume need not re-hash it
         self.files_written += 1
         self.bytes_written += entry["bytes"]
         if self.kill_after and self.files_written >= self.kill_after:
