@@ -28,8 +28,17 @@ set -u
 W=${W:-/tmp/w}
 R=$W/results
 mkdir -p "$R"
-step=${1:?"name a step: a, b, vpart, start, poll"}
+step=${1:?"name a step: a, b, vpart, gpart, start, poll"}
 shift
+collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
+  # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
+  mkdir -p "$2" && cp "$1"/* "$2"/ || exit 1
+  cd "$2" || exit 1
+  for f in $(awk '{print $2}' SHA256SUMS); do
+    [ -f "$f" ] || { echo "have $(ls | wc -l) files, waiting for $f"; return 1; }
+  done
+  sha256sum -c SHA256SUMS || exit 1
+}
 case $step in
 a)
   mkdir -p $W/site $W/repo /tmp/gguf
@@ -57,23 +66,13 @@ b)
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       $W/corpus/conversations-seed-2000.jsonl.gz ;;
 vpart)
-  mkdir -p /tmp/vparts && cp "${1:?vpart DIR}"/* /tmp/vparts/ || exit 1
-  cd /tmp/vparts || exit 1
-  for f in $(awk '{print $2}' SHA256SUMS); do
-    [ -f "$f" ] || { echo "have $(ls | tr '\n' ' '), waiting for $f"; exit 0; }
-  done
-  sha256sum -c SHA256SUMS || exit 1
+  collect "${1:?vpart DIR}" /tmp/vparts || exit 0
   cat vllm-bundle-slim.tar.part-* | tar x && rm -f vllm-bundle-slim.tar.part-*
   bash vllm-bundle-slim/install.sh /tmp/vsite > $R/vllm-install.txt 2>&1 || {
       tail $R/vllm-install.txt; exit 1; }
   touch /tmp/vsite/.ready && echo "vLLM installed in /tmp/vsite" ;;
 gpart)
-  mkdir -p /tmp/gparts && cp "${1:?gpart DIR}"/* /tmp/gparts/ || exit 1
-  cd /tmp/gparts || exit 1
-  for f in $(awk '{print $2}' SHA256SUMS); do
-    [ -f "$f" ] || { echo "have $(ls | wc -l) files, waiting for $f"; exit 0; }
-  done
-  sha256sum -c SHA256SUMS || exit 1
+  collect "${1:?gpart DIR}" /tmp/gparts || exit 0
   whole=$(ls *.sha256 | head -1)
   name=${whole%.sha256}
   cat $(awk '{print $2}' SHA256SUMS) > $W/$name && rm -f $(awk '{print $2}' SHA256SUMS)
