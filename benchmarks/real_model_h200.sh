@@ -22,6 +22,7 @@ W=${W:-/tmp/w}  # W=another/folder for a dry run elsewhere
 R=$W/results
 mkdir -p "$R"
 export PYTHONPATH=$W/site:$W/repo/src PYTHONUNBUFFERED=1
+export EYAS_BENCH_CACHE=${EYAS_BENCH_CACHE:-$W/bench}  # the bench archives h200_lease.sh b copies
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
        TRANSFORMERS_OFFLINE=1
 cd "$W/repo" || exit 1
@@ -40,7 +41,7 @@ REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
     --eval-fraction 0.07 --epochs 20 --batch-tokens 16384 --indist-prompts 200 \
     --heldout-prompts 200 --eval-tokens 96 --k 3,6 --eval-batch 64}
 # the ablation trains with the pipeline's settings and is measured on its held-out prompts,
-# so the pipeline's own draft (eyas train's defaults: EAGLE 3.1) is its eagle3.1 row
+# so the pipeline's own draft (eyas train's defaults) is its `default` row
 REGEN_ARGS=${REGEN_ARGS:---rows 512 --new-tokens 256 --batch-size 256}
 EVAL_ARGS=${EVAL_ARGS:---prompts 30 --new-tokens 96 --k 3,6}  # issue 22's sweep
 arg() { echo "$REAL_ARGS" | tr -s ' ' '\n' | grep -A1 -- "^$1\$" | tail -1; }
@@ -133,7 +134,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     stage "ablation variants rc $?"
     wait $pipe
     stage "ablation pipeline rc $?"
-    abl --baseline eagle3.1 >> "$R/ablation.out" 2>&1  # the pipeline's draft as the first row
+    abl --baseline default >> "$R/ablation.out" 2>&1  # the pipeline's draft as the first row
     stage "ablation table rc $?"
     grep -v "it/s\]" $W/run/log.txt > "$R/real_model_log.txt"
     for e in indist heldout; do
@@ -148,7 +149,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
   recipe)
     stage "recipe ablation"
     python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \
-        --variants ${RECIPE_VARIANTS:-eagle3.1-lk,eagle3.1-ttt3,eagle3} --baseline eagle3.1 \
+        --variants ${RECIPE_VARIANTS:-eagle3.1-lk,eagle3.1-ttt3,eagle3} --baseline default \
         --splits heldout --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) \
         --k $(arg --k) --heldout-prompts $(arg --heldout-prompts) \
         --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \
@@ -172,11 +173,21 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # pipeline (or ablation) prepared, float32 (exactness and speed), then on a random
     # Llama-3.1-8B-shaped target in bf16 (speed; 400 of the same conversations), then the
     # vllm-marked capture tests on the GPU (CB_8B_ROWS=0: no 8B)
-    until [ -f $W/run/prepared/eyas.json ]; do sleep 5; done
+    # the pipeline's prepared rows when an instance beside this one makes them (it waits for
+    # them), else its own from CB_DATA's conversations
+    P=$W/run/prepared
+    if [ -d $W/run ]; then
+      until [ -f $P/eyas.json ]; do sleep 5; done
+    else
+      P=$W/cb-prepared
+      [ -f $P/eyas.json ] || python3 -m eyas prepare --target $T \
+          --data ${CB_DATA:-$W/conversations-2000.jsonl} --out $P > "$R/cb_prepare.out" 2>&1
+      stage "vcapture: prepare rc $?"
+    fi
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
     stage "vcapture: SmolLM2, float32"
     PYTHONPATH=$VP timeout 900 python3 benchmarks/capture_backends.py --target $T \
-        --prepared $W/run/prepared --work $W/cb-smol --model-dtype fp32 \
+        --prepared $P --work $W/cb-smol --model-dtype fp32 \
         --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
         --json "$R/capture-backends-smollm2.json" > "$R/cb_smol.out" 2>&1
     stage "vcapture SmolLM2 rc $?"
@@ -203,7 +214,9 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     if [ ! -f $Q/eyas.json ]; then
       python3 -m eyas convert --target ${QWEN_GGUF:-$W/qwen.gguf} --out $Q \
           > "$R/qwen_convert.out" 2>&1
-      stage "served: convert rc $?"
+      rc=$?
+      stage "served: convert rc $rc"
+      [ $rc = 0 ] || continue
     fi
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, eval"
     PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data $W/realdata \

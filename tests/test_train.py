@@ -7,6 +7,7 @@ training equals offline, and mismatched inputs are refused with the fix in the m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -186,6 +187,32 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tmp_path):
                                 draft)) == 1
 
 
+def test_unset_recipe_options_take_the_recipe_of_the_draft_family(monkeypatch, caplog):
+    """EAGLE-3: speculators' recipe; DFlash: the previous settings, and an EAGLE-3-only option
+    given to it with another value is refused; --lm-head scratch is not frozen; a torch without
+    Muon trains with AdamW alone, warned."""
+    from eyas.config import ConfigError
+    from eyas.train import EAGLE3_RECIPE, PREVIOUS_RECIPE
+
+    def recipe(cfg):
+        return {k: getattr(cfg, k) for k in EAGLE3_RECIPE}
+
+    assert recipe(TrainConfig(data="x", out="y")) == EAGLE3_RECIPE
+    assert recipe(TrainConfig(data="x", out="y", draft="dflash")) == PREVIOUS_RECIPE
+    assert TrainConfig(data="x", out="y", lm_head="scratch").freeze_lm_head is False
+    assert TrainConfig(data="x", out="y", grad_clip=0.5).grad_clip == 0.5  # given wins
+    for flag, value in (("ttt_steps", 3), ("vocab_filter", False), ("loss_mask_at", "input"),
+                        ("norm_before_residual", True), ("freeze_lm_head", True)):
+        with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')}"):
+            TrainConfig(data="x", out="y", draft="dflash", **{flag: value})
+    monkeypatch.delattr(torch.optim, "Muon")
+    with caplog.at_level(logging.WARNING):
+        assert TrainConfig(data="x", out="y").optimizer == "adamw"
+    assert "no torch.optim.Muon" in caplog.text
+    with pytest.raises(ConfigError, match="needs torch >= 2.9"):
+        TrainConfig(data="x", out="y", optimizer="muon")
+
+
 def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path, caplog):
     """Muon + AdamW, a linear decay and speculators' loss positions resume bit for bit
     (two optimizers and two schedules in one checkpoint)."""
@@ -200,10 +227,11 @@ def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path, 
     assert lrs[-1] < lrs[1]
     # the same run folder resumed with another optimizer: refused with the fix, no traceback
     more = {**kw, "optimizer": "adamw", "max_steps": 8}
-    with pytest.raises(EyasError, match="--optimizer adamw.*another optimizer.*--resume never"):
+    with pytest.raises(EyasError, match="--optimizer adamw.*saved by another.*started with "
+                                        r"\(--optimizer muon --freeze-lm-head\).*--resume never"):
         train(_cfg(run_inputs, tmp_path / "whole", **more))
     assert "--lr-decay linear -> cosine" not in caplog.text
-    with pytest.raises(EyasError, match="another optimizer"):  # warned first, then refused
+    with pytest.raises(EyasError, match="saved by another"):  # warned first, then refused
         train(_cfg(run_inputs, tmp_path / "whole", **{**more, "lr_decay": "cosine"}))
     assert "--lr-decay linear -> cosine" in caplog.text and "--optimizer" not in caplog.text
 
@@ -672,6 +700,28 @@ def test_resume_of_a_draft_with_other_norms_names_the_flags(run_inputs, tmp_path
         train(_cfg(run_inputs, tmp_path, max_steps=3))
     train(_cfg(run_inputs, tmp_path, max_steps=3, **plain))  # as the message says
     assert checkpoint.read_pointer(tmp_path, "last").name == "step-00000003"
+
+
+def test_a_run_started_under_the_previous_defaults_resumes_with_its_own_recipe(
+        run_inputs, tmp_path, caplog):
+    """eyas's defaults changed (issue 31: speculators' recipe); a run started before, resumed
+    with no recipe flags, keeps the recipe it started with (its eyas.json) instead of being
+    refused or changed halfway; a flag given on resume still wins."""
+    from eyas.train import PREVIOUS_RECIPE
+
+    old = dict(PREVIOUS_RECIPE, lm_head="target", save_every=2)
+    train(_cfg(run_inputs, tmp_path, max_steps=2, **old))
+    with caplog.at_level(logging.INFO):
+        train(_cfg(run_inputs, tmp_path, max_steps=4, lm_head="target", save_every=2))
+    assert "with the recipe it was started with" in caplog.text
+    rows = _records(tmp_path, "train")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(len(r["acc"]) == 7 for r in rows)
+    config = json.loads((tmp_path / "eyas.json").read_text())["config"]
+    assert {k: config[k] for k in PREVIOUS_RECIPE} == PREVIOUS_RECIPE
+    # a recipe flag given on resume wins (and is warned about)
+    train(_cfg(run_inputs, tmp_path, max_steps=5, lm_head="target", save_every=2,
+               grad_clip=1.0))
+    assert "--grad-clip 0.5 -> 1.0" in caplog.text
 
 
 def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):

@@ -21,6 +21,8 @@ target found the learning rate to be what made speculators' drafts better than e
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -221,6 +223,9 @@ class TrainConfig:
             object.__setattr__(self, "norm_output", eagle3)
         if self.lr is None:
             object.__setattr__(self, "lr", EAGLE3_LR if eagle3 else DFLASH_LR)
+        # the recipe options this config left unset (a resumed run keeps its own: train())
+        object.__setattr__(self, "_unset", frozenset(
+            k for k in EAGLE3_RECIPE if getattr(self, k) is None))
         for name, value in (EAGLE3_RECIPE if eagle3 else PREVIOUS_RECIPE).items():
             if getattr(self, name) is None:
                 if name == "optimizer" and value == "muon" and not hasattr(torch.optim, "Muon"):
@@ -441,6 +446,32 @@ def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
 RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "tensorboard")
 
 
+def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
+    """A resumed run keeps its own recipe: each recipe option left unset here takes the value
+    the run was started with (its eyas.json; a run from before an option existed trained with
+    the previous recipe's value), so that a change of eyas's defaults never changes a run
+    halfway. Options given here win (the change is warned about at resume)."""
+    unset = getattr(cfg, "_unset", frozenset())
+    if cfg.resume == "never" or not unset:
+        return cfg
+    try:
+        if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
+            return cfg
+        old = json.loads((Path(cfg.out) / "eyas.json").read_text()).get("config") or {}
+    except (OSError, ValueError):
+        return cfg
+    if not old:
+        return cfg
+    keep = {k: old.get(k, PREVIOUS_RECIPE[k]) for k in sorted(unset)}
+    keep = {k: v for k, v in keep.items() if v != getattr(cfg, k)}
+    if not keep:
+        return cfg
+    log.info("resuming %s with the recipe it was started with for the options not given here "
+             "(%s); give them to change them", cfg.out,
+             ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in keep.items()))
+    return dataclasses.replace(cfg, **keep)
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train an EAGLE-3 draft (or with --draft dflash a DFlash one, eyas.dflash.train)
     into `cfg.out` (see docs/train.md). Returns the run summary:
@@ -449,6 +480,7 @@ def train(cfg: TrainConfig) -> dict:
     # --out: empty, new, or an earlier run of this step (resumed); never a user's files. A
     # killed run can leave its files before its manifest, so they count as its own then too
     check_out(cfg.out, "train", own=RUN_FILES, unfinished=RUN_FILES)
+    cfg = keep_run_recipe(cfg)
     if cfg.draft == "dflash":  # its own loop, on the same setup pieces (docs/dflash.md)
         from eyas.dflash.train import train_dflash
 

@@ -371,16 +371,34 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
         _warn_recipe_changes(cfg)
     try:
         state = checkpoint.load(path, model, optimizer, scheduler)
-    except KeyError as err:  # torch's optimizer-state loader names only the missing key
-        raise EyasError(f"the optimizer state in {path} does not fit this run's --optimizer "
-                        f"{cfg.optimizer} (missing {err}): it was saved by another optimizer. "
-                        f"Resume with the --optimizer the run started with, or start over "
-                        f"with --resume never.") from err
+    except (KeyError, RuntimeError, ValueError) as err:  # torch names only the missing state
+        started = _started_with(cfg)
+        raise EyasError(f"the optimizer state in {path} does not fit this run's trained "
+                        f"parameters and optimizer (--optimizer {cfg.optimizer}, "
+                        f"{'--freeze-lm-head' if cfg.freeze_lm_head else '--no-freeze-lm-head'}"
+                        f"; {err}): it was saved by another. Resume with the settings the run "
+                        f"started with"
+                        + (f" ({started})" if started else "")
+                        + ", or start over with --resume never.") from err
     if state["plan"] != plan.fingerprint:
         raise EyasError(f"{path} was trained with other data or batching (samples, "
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
                         f"--grad-accum); resume with the same settings or use --resume never.")
     return state
+
+
+def _started_with(cfg: TrainConfig) -> str:
+    """The optimizer and lm_head flags of the run this one continues (its eyas.json), or ''."""
+    try:
+        old = json.loads((Path(cfg.out) / "eyas.json").read_text()).get("config") or {}
+    except (OSError, ValueError):
+        return ""
+    flags = []
+    if "optimizer" in old:
+        flags.append(f"--optimizer {old['optimizer']}")
+    if "freeze_lm_head" in old:
+        flags.append("--freeze-lm-head" if old["freeze_lm_head"] else "--no-freeze-lm-head")
+    return " ".join(flags)
 
 
 # what a resumed run may change, but then trains the rest of the run another way

@@ -169,7 +169,9 @@ def load_head(target: str, *, revision: str | None, trust_remote_code: bool,
 # the engine
 
 
-UNREAD = "vLLM's file"  # how the reason for an unreadable file begins
+NO_FILE = "vLLM wrote no file"  # how the reason for a request without a file begins
+MISSING_RUN = 8  # requests in a row without a file (one-row batches): the engine failed
+TOO_LONG = "too long for vLLM:"  # a row that never reached the engine
 
 
 class VLLMCapture:
@@ -186,6 +188,7 @@ class VLLMCapture:
         self.norm, self.lm_head, self.info = head
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.layer_ids = vllm_layer_ids(self.aux_layer_ids, self.info.num_layers)
+        self.reached = 0  # prompts of the last batch that went to the engine
 
     @classmethod
     def start(cls, target: str, aux_layer_ids: tuple[int, ...], *, revision: str | None,
@@ -239,7 +242,7 @@ class VLLMCapture:
         """Per prompt, in order: {aux_hidden (T, A, H), final_hidden (T, H), target_top1 (T,)}
         in the model dtype (top-1 int32), or the reason its file was not used."""
         results: list = [None if len(p) < self.max_model_len else
-                         f"{len(p)} tokens do not fit the vLLM engine's max_model_len "
+                         f"{TOO_LONG} {len(p)} tokens do not fit the vLLM engine's max_model_len "
                          f"{self.max_model_len}: raise --max-model-len (up to the target's "
                          f"context) and capture again" for p in prompts]
         fits = [i for i, r in enumerate(results) if r is None]
@@ -254,13 +257,15 @@ class VLLMCapture:
     def _from_file(self, out, ids: list[int]) -> dict[str, torch.Tensor] | str:
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         if path is None:
-            return (f"vLLM returned no hidden_states_path (kv_transfer_params "
+            return (f"{NO_FILE}: it returned no hidden_states_path (kv_transfer_params "
                     f"{out.kv_transfer_params})")
         try:
             try:
                 tensors = read_file(path)
+            except FileNotFoundError as err:
+                return f"{NO_FILE}: {path} is not there ({err})"
             except (OSError, ValueError, RuntimeError) as err:
-                return f"{UNREAD} {path} cannot be read: {err}"
+                return f"vLLM's file {path} cannot be read: {err}"
             reason = check_file(tensors, ids, self.layer_ids, self.info.hidden_size)
             if reason:
                 return reason
@@ -289,25 +294,36 @@ class VLLMCapture:
         from eyas.targets.capture_forward import batch_inputs, check_rows, plan_batches
 
         lengths = [int(n) for n in dataset["num_tokens"]]
+        # Requests without a file wait here: set aside as bad rows once a later request gets its
+        # file (they were alone), dropped unstored when the engine turns out to have failed (no
+        # file for any of several requests: its log says why), so a rerun captures them
+        pending: list[tuple[int, str, str]] = []
+        missed = 0  # requests without a file in a row, across batches
         for window in plan_batches(lengths, rows, batch_tokens, flat=True):
             data = dataset[window]
             check_rows(window, data, lengths)
             results = self.capture([list(ids) for ids in data["input_ids"]])
-            unread = [r for r in results if isinstance(r, str) and r.startswith(UNREAD)]
-            if unread and len(unread) == self.reached:
-                # no file for any request: the engine failed (its log says why), which would
-                # otherwise set every row aside as a bad file
-                raise EyasError(f"vLLM wrote no hidden-state file for any of the {self.reached} "
-                                f"rows of this batch ({unread[0]}); its engine log above says "
-                                f"why. Nothing of this batch was stored; a rerun resumes here")
-            keep = []
+            keep, bad = [], []
             for j, (r, result) in enumerate(zip(window, results)):
+                sample_id = str(data["sample_id"][j])
+                if isinstance(result, str) and result.startswith(NO_FILE):
+                    pending.append((r, sample_id, result))
+                    missed += 1
+                    continue
+                if not (isinstance(result, str) and result.startswith(TOO_LONG)):
+                    bad += pending  # a file came after them: they were alone
+                    pending, missed = [], 0
                 if isinstance(result, str):
-                    log.warning("sample %s (row %d) set aside: %s", data["sample_id"][j], r,
-                                result)
-                    reject(r, str(data["sample_id"][j]), result)
+                    bad.append((r, sample_id, result))
                 else:
                     keep.append(j)
+            if missed >= MISSING_RUN or (self.reached >= 2 and missed >= self.reached):
+                raise EyasError(f"vLLM wrote no hidden-state file for {missed} requests in a "
+                                f"row ({pending[-1][2]}); its engine log above says why. They "
+                                f"were not stored or set aside: a rerun resumes there")
+            for r, sample_id, reason in bad:
+                log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
+                reject(r, sample_id, reason)
             if not keep:
                 continue
             _, host = batch_inputs([(data["input_ids"][j], data["loss_mask"][j]) for j in keep],
@@ -318,6 +334,9 @@ class VLLMCapture:
             host["sample_index"] = torch.tensor([window[j] for j in keep], dtype=torch.int64)
             host["sample_ids"] = [str(data["sample_id"][j]) for j in keep]
             yield out, host
+        for r, sample_id, reason in pending:  # the last requests, fewer than MISSING_RUN
+            log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
+            reject(r, sample_id, reason)
 
     def close(self) -> None:
         """Stop the engine (its processes and GPU memory) and delete the file store."""
