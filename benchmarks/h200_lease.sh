@@ -19,6 +19,8 @@
 #              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q8 of the Qwen GGUF):
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
+#   corpus DIR carry DIR (.carry/scale: regenerated corpus parts, conversations-p*.jsonl.gz):
+#              copied into $W/corpus, where stage scale reads them
 #   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
 #   poll S     wait up to S seconds while any started job runs, then pack $W/results into
@@ -28,7 +30,7 @@ set -u
 W=${W:-/tmp/w}
 R=$W/results
 mkdir -p "$R"
-step=${1:?"name a step: a, b, vpart, gpart, start, poll"}
+step=${1:?"name a step: a, b, vpart, gpart, corpus, start, poll"}
 shift
 collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
   # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
@@ -78,6 +80,9 @@ gpart)
   cat $(awk '{print $2}' SHA256SUMS) > $W/$name && rm -f $(awk '{print $2}' SHA256SUMS)
   (cd $W && sha256sum -c /tmp/gparts/$whole) || exit 1
   echo "joined $W/$name" ;;
+corpus)
+  mkdir -p $W/corpus && cp "${1:?corpus DIR}"/conversations-p*.jsonl.gz $W/corpus/ || exit 1
+  ls -la $W/corpus ;;
 start)
   name=${1:?"start NAME CMD..."}
   shift
