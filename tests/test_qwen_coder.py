@@ -28,7 +28,7 @@ from eyas.export import validate_folder
 from eyas.store.manifest import gguf_fingerprint, read_manifest
 from eyas.targets.convert import convert_gguf
 from eyas.targets.models import load_target, load_tokenizer
-from test_real_model import assert_capture_is_the_forward
+from test_real_model import _runs, assert_capture_is_the_forward
 from split_gguf import SPLIT_GGUFS, ChecksumError, FetchError, fetch_split_gguf
 
 AUX = [2, 12, 21]  # vLLM's default (2, L//2, L-3) for L = 24
@@ -100,17 +100,6 @@ def vocab_dir(prepared, work):
     assert main(["vocab", "--data", str(prepared), "--out", str(work / "vocab"),
                  "--draft-vocab-size", str(DRAFT_VOCAB)]) == 0
     return work / "vocab"
-
-
-def _runs(ids, mask):
-    """The maximal runs of loss-masked tokens, as token lists."""
-    runs, cur = [], []
-    for token, m in zip(ids, mask):
-        if m:
-            cur.append(token)
-        elif cur:
-            runs, cur = runs + [cur], []
-    return runs + [cur] if cur else runs
 
 
 # ------------------------------------------------------------------ the split-GGUF helper
