@@ -53,7 +53,6 @@ import numpy as np
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[2]
 try:
@@ -62,7 +61,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO / "src"))
 
 sys.path.insert(0, str(Path(__file__).parent))
-from speculators_train import eyas_split  # noqa: E402  (the split `eyas train` makes)
+from speculators_train import eyas_split, write_vllm_folder  # noqa: E402  (shared)
 
 log = logging.getLogger("specforge_train")
 
@@ -280,8 +279,7 @@ def to_vllm_folder(state: dict, spec_config: dict, aux: list[int], d2t: torch.Te
                    t2d: torch.Tensor, dest: Path) -> dict:
     """SpecForge draft weights (its names) + its draft config -> vLLM-layout EAGLE-3 folder;
     returns the config written."""
-    from eyas.draft.formats import from_vllm_config, sglang_layer_ids, to_vllm_config
-    from eyas.export import export_state_dict, validate_folder
+    from eyas.draft.formats import from_vllm_config, sglang_layer_ids
 
     spec_ids = spec_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     if list(spec_ids) != sglang_layer_ids(aux):
@@ -293,17 +291,7 @@ def to_vllm_folder(state: dict, spec_config: dict, aux: list[int], d2t: torch.Te
     # vLLM's convention: the capture's own ids; its norm_output (normed recurrence) is off
     cfg = from_vllm_config({**layer, "eagle_aux_hidden_state_layer_ids": list(aux)})
     tensors = {n: t for n, t in state.items() if not n.startswith("embed_tokens.")}
-    if not torch.equal(tensors["d2t"].long().cpu(), d2t.long()):
-        raise SystemExit("the checkpoint's d2t is not the eyas vocab's")
-    tensors["d2t"], tensors["t2d"] = d2t.long(), t2d.bool()
-    dest.mkdir(parents=True, exist_ok=True)
-    config = to_vllm_config(cfg, dtype="bf16")
-    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = export_state_dict({n: t.detach().cpu() for n, t in tensors.items()},
-                                layout="midlayer", dtype="bf16")
-    save_file(tensors, str(dest / "model.safetensors"))
-    validate_folder(dest)
-    return config
+    return write_vllm_folder(dest, cfg, tensors, d2t, t2d, source="the SpecForge checkpoint")
 
 
 # ------------------------------------------------------------------------------ main

@@ -263,8 +263,7 @@ def last_checkpoint(checkpoints: Path) -> Path:
 
 def to_vllm_folder(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, dest: Path) -> dict:
     """speculators checkpoint -> vLLM-layout EAGLE-3 folder; returns the config written."""
-    from eyas.draft.formats import from_speculators_config, to_vllm_config
-    from eyas.export import validate_folder
+    from eyas.draft.formats import from_speculators_config
 
     spec = json.loads((ckpt / "config.json").read_text())
     if spec.get("target_hidden_size") is None:  # speculators writes null for "= hidden_size"
@@ -278,17 +277,30 @@ def to_vllm_folder(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, dest: Path)
         tensors.pop(name)
     if spec.get("norm_before_fc") and "input_norm.weight" not in tensors:
         raise SystemExit(f"{ckpt}: norm_before_fc is on but input_norm.weight is missing")
-    if not torch.equal(tensors.get("d2t", d2t).long(), d2t.long()):
-        raise SystemExit(f"{ckpt}: its d2t is not the eyas vocab's")
-    tensors["d2t"], tensors["t2d"] = d2t.long(), t2d.bool()
+    tensors.setdefault("d2t", d2t)  # a checkpoint without d2t takes eyas's
     # vLLM's convention for the aux ids is speculators' too: the ids go through unchanged
-    cfg = from_speculators_config(spec)
+    return write_vllm_folder(dest, from_speculators_config(spec), tensors, d2t, t2d,
+                             source=str(ckpt))
+
+
+def write_vllm_folder(dest: Path, cfg, tensors: dict, d2t: torch.Tensor, t2d: torch.Tensor, *,
+                      source: str) -> dict:
+    """A peer's draft weights (`tensors`: its names, which vLLM reads, and its d2t, which must
+    be the eyas vocab's; `source` names them in the error) with eyas's config for DraftConfig
+    `cfg` as a vLLM folder: bf16 weights, eyas's d2t/t2d, checked by eyas's own export
+    validator. The peer runners (this one and specforge_train.py) share it. Returns the config
+    written."""
+    from eyas.draft.formats import to_vllm_config
+    from eyas.export import export_state_dict, validate_folder
+
+    if not torch.equal(tensors["d2t"].long().cpu(), d2t.long()):
+        raise SystemExit(f"{source}: its d2t is not the eyas vocab's")
+    tensors = {**tensors, "d2t": d2t.long(), "t2d": t2d.bool()}
     config = to_vllm_config(cfg, dtype="bf16")
-    float_dtype = torch.bfloat16
-    tensors = {n: (t.to(float_dtype) if t.is_floating_point() else t).contiguous()
-               for n, t in tensors.items()}
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = export_state_dict({n: t.detach().cpu() for n, t in tensors.items()},
+                                layout="midlayer", dtype="bf16")  # no renames: bf16, contiguous
     save_file(tensors, str(dest / "model.safetensors"))
     validate_folder(dest)
     return config
