@@ -44,7 +44,6 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO / "src"))
 
 sys.path.insert(0, str(Path(__file__).parent))
-from speculators_train import eyas_split, write_vllm_folder  # noqa: E402  (shared)
+from speculators_train import eyas_split, run_logged, write_vllm_folder  # noqa: E402
 
 log = logging.getLogger("specforge_train")
 
@@ -249,17 +248,7 @@ def run_specforge(args, out: Path) -> tuple[Path, list[str]]:
     env = dict(os.environ)
     if args.device == "cpu":
         env.update(CUDA_VISIBLE_DEVICES="", SPECFORGE_DEVICE="cpu")
-    log_path = out / "train.log"
-    log.info("running %s", " ".join(cmd))
-    with open(log_path, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out)
-    if proc.returncode:
-        tail = log_path.read_text().splitlines()[-30:]
-        raise SystemExit(f"specforge train failed (exit {proc.returncode}); "
-                         f"{log_path} ends:\n" + "\n".join(tail))
-    return log_path, cmd
+    return run_logged(cmd, env, out, "specforge"), cmd
 
 
 def last_checkpoint(checkpoints: Path) -> Path:

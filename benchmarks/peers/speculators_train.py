@@ -237,6 +237,12 @@ def run_speculators(args, data: Path, out: Path, d2t: torch.Tensor, t2d: torch.T
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    return run_logged(cmd, env, out, "speculators"), cmd
+
+
+def run_logged(cmd: list[str], env: dict, out: Path, peer: str) -> Path:
+    """A peer trainer's CLI in `out`, its output in OUT/train.log (returned); a failure ends
+    this script with the log's last lines. The peer runners share it."""
     log_path = out / "train.log"
     log.info("running %s", " ".join(cmd))
     with open(log_path, "w") as f:
@@ -245,9 +251,9 @@ def run_speculators(args, data: Path, out: Path, d2t: torch.Tensor, t2d: torch.T
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out)
     if proc.returncode:
         tail = log_path.read_text().splitlines()[-30:]
-        raise SystemExit(f"speculators train failed (exit {proc.returncode}); "
+        raise SystemExit(f"{peer} train failed (exit {proc.returncode}); "
                          f"{log_path} ends:\n" + "\n".join(tail))
-    return log_path, cmd
+    return log_path
 
 
 def last_checkpoint(checkpoints: Path) -> Path:
