@@ -22,7 +22,6 @@ target found the learning rate to be what made speculators' drafts better than e
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from eyas.store.manifest import check_out, write_manifest
 from eyas.draft.train_setup import (Env, Schedules, TTTModule, all_sum, autocast,
                                     build_draft, build_optimizers, check_gradients,
                                     compute_dtype, grad_sync, init_env, peak_gib, plan_data,
-                                    resume, save_step, warmup_cosine, wrap)
+                                    resume, save_step, started_config, warmup_cosine, wrap)
 from eyas.draft.ttt import LOSS_MASK_AT, TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
@@ -66,9 +65,9 @@ PREVIOUS_RECIPE = {"optimizer": "adamw", "weight_decay": 0.0, "warmup_ratio": 0.
                    "lr_decay": "cosine", "grad_clip": 0.5, "ttt_steps": 7, "step_weight": 0.8,
                    "loss_mask_at": "predicted", "vocab_filter": True, "freeze_lm_head": False,
                    "norm_before_residual": False}
-# of those, the ones a DFlash draft does not have (--draft dflash given another value: refused)
-EAGLE3_ONLY = ("ttt_steps", "step_weight", "loss_mask_at", "vocab_filter", "freeze_lm_head",
-               "norm_before_residual")
+# of those, the TTT options a DFlash draft does not have (--draft dflash given another value:
+# refused; freeze_lm_head and norm_before_residual have refusals of their own)
+EAGLE3_ONLY = ("ttt_steps", "step_weight", "loss_mask_at", "vocab_filter")
 RECIPE_NOTE = "unset: speculators' recipe for EAGLE-3 ({}), {} for dflash (docs/train.md)"
 
 
@@ -323,7 +322,7 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
                                     "(it reads the target's embedding and lm_head); leave it 0"),
         *_left_at_default(cfg, ("lm_head", "lk_kl_scale", "lk_kl_decay"), "{flag}: " + why),
         *[(getattr(cfg, name) == PREVIOUS_RECIPE[name], f"--{name.replace('_', '-')}: {why}")
-          for name in EAGLE3_ONLY if name not in ("freeze_lm_head", "norm_before_residual")],
+          for name in EAGLE3_ONLY],
     ]
 
 
@@ -454,12 +453,9 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
     unset = getattr(cfg, "_unset", frozenset())
     if cfg.resume == "never" or not unset:
         return cfg
-    try:
-        if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
-            return cfg
-        old = json.loads((Path(cfg.out) / "eyas.json").read_text()).get("config") or {}
-    except (OSError, ValueError):
+    if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
         return cfg
+    old = started_config(cfg.out)
     if not old:
         return cfg
     keep = {k: old.get(k, PREVIOUS_RECIPE[k]) for k in sorted(unset)}

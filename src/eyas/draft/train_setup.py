@@ -387,12 +387,17 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
     return state
 
 
-def _started_with(cfg: TrainConfig) -> str:
-    """The optimizer and lm_head flags of the run this one continues (its eyas.json), or ''."""
+def started_config(out: str | Path) -> dict:
+    """The train config the run in `out` was started with (its eyas.json), or {} for none."""
     try:
-        old = json.loads((Path(cfg.out) / "eyas.json").read_text()).get("config") or {}
+        return json.loads((Path(out) / "eyas.json").read_text()).get("config") or {}
     except (OSError, ValueError):
-        return ""
+        return {}
+
+
+def _started_with(cfg: TrainConfig) -> str:
+    """The optimizer and lm_head flags of the run this one continues, or ''."""
+    old = started_config(cfg.out)
     flags = []
     if "optimizer" in old:
         flags.append(f"--optimizer {old['optimizer']}")
@@ -410,10 +415,7 @@ _RECIPE = ("lr", "muon_lr", "betas", "weight_decay", "lr_decay", "warmup_ratio",
 def _warn_recipe_changes(cfg: TrainConfig) -> None:
     """Say which recipe options differ from the run this one continues (its eyas.json): the
     steps before the checkpoint were trained the old way."""
-    try:
-        old = json.loads((Path(cfg.out) / "eyas.json").read_text()).get("config") or {}
-    except (OSError, ValueError):
-        return
+    old = started_config(cfg.out)
     new = dataclasses.asdict(cfg)
     changed = [f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in _RECIPE
                if k in old and json.loads(json.dumps(new[k])) != old[k]]

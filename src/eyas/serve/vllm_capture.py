@@ -188,7 +188,6 @@ class VLLMCapture:
         self.norm, self.lm_head, self.info = head
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.layer_ids = vllm_layer_ids(self.aux_layer_ids, self.info.num_layers)
-        self.reached = 0  # prompts of the last batch that went to the engine
 
     @classmethod
     def start(cls, target: str, aux_layer_ids: tuple[int, ...], *, revision: str | None,
@@ -246,7 +245,6 @@ class VLLMCapture:
                          f"{self.max_model_len}: raise --max-model-len (up to the target's "
                          f"context) and capture again" for p in prompts]
         fits = [i for i, r in enumerate(results) if r is None]
-        self.reached = len(fits)  # prompts that went to the engine
         outs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits],
                                  self.params,
                                  use_tqdm=False) if fits else []
@@ -299,10 +297,17 @@ class VLLMCapture:
         # file for any of several requests: its log says why), so a rerun captures them
         pending: list[tuple[int, str, str]] = []
         missed = 0  # requests without a file in a row, across batches
+
+        def set_aside(bad_rows: list[tuple[int, str, str]]) -> None:
+            for r, sample_id, reason in bad_rows:
+                log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
+                reject(r, sample_id, reason)
+
         for window in plan_batches(lengths, rows, batch_tokens, flat=True):
             data = dataset[window]
             check_rows(window, data, lengths)
             results = self.capture([list(ids) for ids in data["input_ids"]])
+            reached = sum(not (isinstance(x, str) and x.startswith(TOO_LONG)) for x in results)
             keep, bad = [], []
             for j, (r, result) in enumerate(zip(window, results)):
                 sample_id = str(data["sample_id"][j])
@@ -317,13 +322,11 @@ class VLLMCapture:
                     bad.append((r, sample_id, result))
                 else:
                     keep.append(j)
-            if missed >= MISSING_RUN or (self.reached >= 2 and missed >= self.reached):
+            if missed >= MISSING_RUN or (reached >= 2 and missed >= reached):
                 raise EyasError(f"vLLM wrote no hidden-state file for {missed} requests in a "
                                 f"row ({pending[-1][2]}); its engine log above says why. They "
                                 f"were not stored or set aside: a rerun resumes there")
-            for r, sample_id, reason in bad:
-                log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
-                reject(r, sample_id, reason)
+            set_aside(bad)
             if not keep:
                 continue
             _, host = batch_inputs([(data["input_ids"][j], data["loss_mask"][j]) for j in keep],
@@ -334,9 +337,7 @@ class VLLMCapture:
             host["sample_index"] = torch.tensor([window[j] for j in keep], dtype=torch.int64)
             host["sample_ids"] = [str(data["sample_id"][j]) for j in keep]
             yield out, host
-        for r, sample_id, reason in pending:  # the last requests, fewer than MISSING_RUN
-            log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
-            reject(r, sample_id, reason)
+        set_aside(pending)  # the last requests without a file, fewer than MISSING_RUN
 
     def close(self) -> None:
         """Stop the engine (its processes and GPU memory) and delete the file store."""
