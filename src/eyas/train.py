@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from eyas.kernels import band_kernels
 from eyas.store import checkpoint
@@ -40,8 +39,9 @@ from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_a
 from eyas.store.manifest import check_out, write_manifest
 from eyas.draft.train_setup import (Env, Schedules, TTTModule, all_sum, autocast,
                                     build_draft, build_optimizers, check_gradients,
-                                    compute_dtype, grad_sync, init_env, peak_gib, plan_data,
-                                    resume, save_step, started_config, warmup_cosine, wrap)
+                                    compute_dtype, finish_env, grad_sync, init_env, peak_gib,
+                                    plan_data, resume, save_step, started_config,
+                                    warmup_cosine, wrap)
 from eyas.draft.ttt import LOSS_MASK_AT, TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
@@ -619,6 +619,5 @@ def train(cfg: TrainConfig) -> dict:
                        steps=total, draft_config=record)
         log.info("done: best step %s (replayed chain AL %s at k=%d) in %s", best["step"],
                  best.get("chain_acceptance_length"), steps, run_dir / "checkpoints")
-    if dist.is_initialized():
-        dist.barrier()
+    finish_env(env)
     return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

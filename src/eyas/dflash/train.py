@@ -28,8 +28,9 @@ from eyas.dflash.config import DFlashConfig
 from eyas.dflash.model import DFlashDraft
 from eyas.dflash.objective import dflash_forward, sample_blocks
 from eyas.draft.train_setup import (Schedules, all_sum, autocast, build_optimizers,
-                                    check_gradients, compute_dtype, grad_sync, init_env,
-                                    peak_gib, plan_data, resume, save_step, warmup_cosine, wrap)
+                                    check_gradients, compute_dtype, finish_env, grad_sync,
+                                    init_env, peak_gib, plan_data, resume, save_step,
+                                    warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import write_manifest
@@ -276,6 +277,5 @@ def train_dflash(cfg: TrainConfig) -> dict:
                        best=best, steps=total, draft_config=config_record)
         log.info("done: best step %s (acceptance length %s at k=%d) in %s", best["step"],
                  best.get("acceptance_length"), b - 1, run_dir / "checkpoints")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    finish_env(env)
     return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

@@ -42,6 +42,7 @@ class Env:
     device: torch.device
     autocast: bool  # bf16 autocast (CUDA + --precision bf16 or fp8)
     fp8: bool = False  # the draft's matmuls in fp8 (--precision fp8)
+    joined: bool = False  # init_env joined the process group (finish_env leaves it)
 
     @property
     def main(self) -> bool:
@@ -73,13 +74,26 @@ def init_env(cfg: TrainConfig) -> Env:
     device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    joined = world > 1 and not dist.is_initialized()
+    if joined:
         dist.init_process_group("nccl" if kind == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if cfg.precision == "fp8":
         check_fp8(device)
     return Env(rank, world, device, kind == "cuda" and cfg.precision in ("bf16", "fp8"),
-               cfg.precision == "fp8")
+               cfg.precision == "fp8", joined)
+
+
+def finish_env(env: Env) -> None:
+    """The end of a run: every rank waits for the others (rank 0 writes the last files), then
+    leaves the process group that init_env joined. A process that exits still in a gloo group
+    can abort in the group's destructor (`terminate called without an active exception`,
+    seen once under torchrun on the 2-core CI machine), and torchrun then reports the
+    finished run as failed."""
+    if dist.is_initialized():
+        dist.barrier()
+        if env.joined:
+            dist.destroy_process_group()
 
 
 def check_fp8(device: torch.device) -> None:
