@@ -11,7 +11,8 @@
 # REAL_ARGS overrides real_model.py's settings, REGEN_ARGS and EVAL_ARGS the regenerate and
 # eval benchmarks', RECIPE_VARIANTS the ablation's variants. Stage scale: the scaling curve of
 # issue 31 (benchmarks/scale.py; SCALE_REGEN, SCALE_REGEN_ARGS, SCALE_ARGS, SCALE_DATA;
-# docs/benchmarks.md, "The scaling curve"). Stage vcapture: capture through vLLM against transformers (issue 32,
+# docs/benchmarks.md, "The scaling curve"); stage scale-regen regenerates only, beside a scale
+# instance started with SCALE_WAIT_REGEN=1. Stage vcapture: capture through vLLM against transformers (issue 32,
 # benchmarks/capture_backends.py), on the pipeline's prepared rows and a random 8B target.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES). Stages that start vLLM read it from VSITE
@@ -162,11 +163,32 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # $W/scale-smollm2.json lacks; the JSON, table, plots and the new part land in $R as they end
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
     cp $W/scale-smollm2.json "$R/scale-smollm2.json" 2>/dev/null
+    if [ -n "${SCALE_WAIT_REGEN:-}" ]; then
+      # a scale-regen instance started first: its vLLM engine profiles GPU memory at start and
+      # refuses to run if neighbours change theirs meanwhile, so wait for its first answers
+      for _ in $(seq 60); do
+        ls $W/scale/regen-p*/out/conversations.jsonl 2>/dev/null | xargs -r cat 2>/dev/null |
+          head -c 1 | grep -q . && break
+        sleep 5
+      done
+      stage "scale: the regeneration is answering (or 300 s passed)"
+    fi
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
         --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale --out "$R/scale-smollm2.json" \
         --regenerate ${SCALE_REGEN:-0} ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} \
         ${SCALE_ARGS:-} > "$R/scale.out" 2>&1
     stage "scale rc $?"
+    cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
+  scale-regen)
+    # issue 31 item 3: only regenerate the next SCALE_REGEN prompts of the curve order, beside
+    # a `scale` instance (started with SCALE_WAIT_REGEN=1) that trains the sizes already here;
+    # the JSON is left to that instance. Poll brings back the part, or what it has so far
+    stage "scale-regen: ${SCALE_REGEN:-0} prompts"
+    PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
+        --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale \
+        --out "$R/scale-regen-unused.json" --sizes '' --regenerate ${SCALE_REGEN:-0} \
+        ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} > "$R/scale-regen.out" 2>&1
+    stage "scale-regen rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
   vcapture)
     # issue 32: `eyas capture --backend vllm` against `--backend transformers` on the rows the

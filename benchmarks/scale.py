@@ -21,6 +21,13 @@ Per size, in its own folder: prepare -> capture -> vocab -> train (eyas train's 
 n-gram is measured once per prompt set (with the first draft that meets it: it does not
 depend on the draft) and stored at the top of the JSON.
 
+At once (`--jobs N`, `--eval-jobs M`): a 135M target leaves one GPU mostly idle, so N sizes
+train side by side and each runs M of its evals side by side (every step is its own process;
+the JSON is changed and written under one lock, and n-gram is measured by the first eval of a
+prompt set that starts). A size that fails is reported at the end; the others go on.
+`--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
+regeneration can run beside the sizes' process.
+
 Resume: the result JSON is the state. Each finished step (training, each eval) is written
 into it at once, with what it was run on (the subset's fingerprint, the recipe, the eval's
 settings, the draft's id); a later call given the same --out skips every record that still
@@ -39,7 +46,9 @@ import json
 import random
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -150,6 +159,28 @@ def eval_settings(a) -> str:
             f"tokens={a.eval_tokens} dtype={a.dtype}")
 
 
+class Book:
+    """The result JSON that sizes and evals running at once share: every change to it and
+    every write of it under one lock, and the prompt sets whose n-gram an eval has taken on."""
+
+    def __init__(self, state: dict, write):
+        self.state, self._write = state, write
+        self.lock = threading.Lock()
+        self.ngram_taken: set[str] = set()
+
+    def save(self) -> None:
+        with self.lock:
+            self._write()
+
+    def take_ngram(self, sets: list[str]) -> bool:
+        """True for the first eval of prompt sets that have no n-gram record yet."""
+        with self.lock:
+            todo = [s for s in sets if s not in self.state["ngram"]
+                    and s not in self.ngram_taken]
+            self.ngram_taken.update(todo)
+            return bool(todo)
+
+
 def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     """prepare -> capture -> vocab -> train -> export on the first n conversations."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -208,10 +239,11 @@ def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
     return out
 
 
-def eval_size(a, name: str, args: list, sets: list[str], folder: Path, state: dict,
+def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Book,
               size: dict) -> None:
-    """One `eyas eval` of the size's draft; n-gram only where the JSON has none yet."""
-    ngram = any(s not in state["ngram"] for s in sets)
+    """One `eyas eval` of the size's draft, recorded (and the JSON written) when it ends;
+    n-gram only where the JSON has none yet and no other eval is measuring it."""
+    ngram = book.take_ngram(sets)
     out = folder / f"eval-{name}"
     shutil.rmtree(out, ignore_errors=True)  # an eval of another draft or an interrupted one
     count = a.bench_prompts if "--bench" in args else a.prompts
@@ -222,21 +254,25 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, state: di
                log=folder / "log.txt", out=out)
     report = json.loads((out / "report.json").read_text())
     measured = per_set(report, sets, "--temperature" in args)
-    for s, entry in measured.items():
-        if "ngram" in entry and s not in state["ngram"]:
-            state["ngram"][s] = {"al": entry["ngram"], "prompts": entry["prompts"],
-                                 "settings": eval_settings(a)}
-    size["evals"][name] = {"draft_id": size["train"]["draft_id"],
-                           "settings": eval_settings(a), "seconds": round(took, 1),
-                           "lossless": report.get("lossless"),
-                           "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"]}
-                                    for s, e in measured.items()}}
+    with book.lock:
+        for s, entry in measured.items():
+            if "ngram" in entry and s not in book.state["ngram"]:
+                book.state["ngram"][s] = {"al": entry["ngram"], "prompts": entry["prompts"],
+                                          "settings": eval_settings(a)}
+        size["evals"][name] = {"draft_id": size["train"]["draft_id"],
+                               "settings": eval_settings(a), "seconds": round(took, 1),
+                               "lossless": report.get("lossless"),
+                               "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"]}
+                                        for s, e in measured.items()}}
+        book._write()
+    print(f"size {size['conversations']}: eval {name} done", flush=True)
 
 
-def run_size(a, n: int, lines: list[str], fingerprint: str, state: dict, save) -> None:
-    """Train size n if its record is missing or stale, then every eval it lacks."""
+def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
+    """Train size n if its record is missing or stale, then every eval it lacks
+    (--eval-jobs of them at once)."""
     key, folder = str(n), Path(a.work) / f"size-{n}"
-    size = state["sizes"].get(key)
+    size = book.state["sizes"].get(key)
     if size and (size.get("subset") != fingerprint or size.get("train_args") != a.train_args):
         print(f"size {n}: recorded on another subset or recipe, run again", flush=True)
         size = None
@@ -258,12 +294,15 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, state: dict, save) -
         marker.write_text(f"{fingerprint} {a.train_args}")
         size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
                 "train": train_size(a, n, lines, folder), "evals": {}}
-        state["sizes"][key] = size
-        save()
+        with book.lock:
+            book.state["sizes"][key] = size
+            book._write()
+        print(f"size {n}: trained", flush=True)
         missing = list(plan)
-    for name in missing:
-        eval_size(a, name, *plan[name], folder, state, size)
-        save()
+    with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
+        for done in [pool.submit(eval_size, a, name, *plan[name], folder, book, size)
+                     for name in missing]:
+            done.result()  # the first failure, once every eval has ended
 
 
 def _eval_done(a, size: dict | None, name: str) -> bool:
@@ -351,13 +390,16 @@ def main(argv=None) -> dict:
     p.add_argument("--regen-args", default="--backend vllm --max-new-tokens 256 "
                    "--batch-size 256 --dtype float32",
                    help="eyas regenerate flags for --regenerate")
-    p.add_argument("--sizes", default="3000,6000,12000,25000,50000")
+    p.add_argument("--sizes", default="3000,6000,12000,25000,50000",
+                   help="comma list; '' = only --regenerate (the JSON is not touched)")
     p.add_argument("--seed", type=int, default=0, help="seed of the curve order")
     p.add_argument("--work", required=True, help="folder for every step's output")
     p.add_argument("--out", required=True, help="result JSON (read first: the resume state); "
                                                 "the table and plot are written beside it")
     p.add_argument("--train-args", default="",
                    help="eyas train flags on top of its defaults (default: none, the recipe)")
+    p.add_argument("--jobs", type=int, default=1, help="sizes trained and measured at once")
+    p.add_argument("--eval-jobs", type=int, default=1, help="evals of a size run at once")
     p.add_argument("--online", action="store_true",
                    help="train --online on the prepared folder (no capture shards on disk)")
     p.add_argument("--k", default="3,6")
@@ -378,6 +420,11 @@ def main(argv=None) -> dict:
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
         corpus, files = read_corpus(patterns)
+    sizes = sorted(int(x) for x in a.sizes.split(",") if x.strip())
+    if not sizes:
+        print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
+              flush=True)
+        return {}
     state = json.loads(out.read_text()) if out.is_file() else {}
     state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state}
     if state["ngram"] and next(iter(state["ngram"].values()))["settings"] != eval_settings(a):
@@ -390,7 +437,7 @@ def main(argv=None) -> dict:
                                        *(argv if argv is not None else sys.argv[1:])]),
                   "date": time.strftime("%Y-%m-%d"), "device": _device()})
 
-    def save() -> None:
+    def write() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
@@ -399,16 +446,24 @@ def main(argv=None) -> dict:
         for k in a.k.split(","):
             plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)
 
-    save()
-    for n in sorted(int(x) for x in a.sizes.split(",")):
-        if n > have:
-            print(f"size {n}: waiting for data ({have} of the curve order regenerated)",
-                  flush=True)
-            continue
-        lines, fingerprint = subset(order, corpus, n)
-        run_size(a, n, lines, fingerprint, state, save)
-    save()
+    book = Book(state, write)
+    book.save()
+    for n in (n for n in sizes if n > have):
+        print(f"size {n}: waiting for data ({have} of the curve order regenerated)", flush=True)
+    with ThreadPoolExecutor(max(a.jobs, 1)) as pool:  # smallest first
+        running = {n: pool.submit(run_size, a, n, *subset(order, corpus, n), book)
+                   for n in sizes if n <= have}
+    failed = {}
+    for n, done in running.items():
+        try:
+            done.result()
+        except (Exception, SystemExit) as e:  # run() ends a failed step with SystemExit
+            failed[n] = e
+    book.save()
     print(markdown(state))
+    if failed:
+        raise SystemExit("sizes that failed: " + "; ".join(f"{n}: {e}"
+                                                           for n, e in failed.items()))
     return state
 
 

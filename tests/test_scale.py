@@ -7,7 +7,10 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+import threading
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import scale  # noqa: E402
@@ -99,3 +102,73 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     assert trained == [4] and len(evals) == 4  # size 8: every eval done, its draft not needed
     assert state["sizes"]["8"] == saved["sizes"]["8"]
     assert "8 | 80 | 800" in scale.markdown(state).replace(",", "")
+
+
+def test_sizes_and_evals_at_once_share_one_json_and_measure_ngram_once(tmp_path, monkeypatch):
+    """--jobs 3 --eval-jobs 2: sizes 4 and 6 and their two evals each run side by side (the
+    stubbed eval waits until all four are running), every record lands in the one JSON, each
+    prompt set's n-gram is measured by one eval only, and size 8, which fails, leaves the
+    others' results, then ends the call with its error."""
+    data = _data(tmp_path, 12)
+    order = scale.curve_order(data / "train.jsonl", 0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "conversations-p01.jsonl").write_text(
+        "".join(_row(int(i.split("/")[1])) + "\n" for i in order))
+    at_once = threading.Barrier(4, timeout=60)
+    ngram_runs, lock = [], threading.Lock()
+
+    def fake_train(a, n, lines, folder):
+        if n == 8:
+            raise SystemExit("eyas train failed (rc 1); see log")
+        (folder / "draft").mkdir(parents=True, exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}"}))
+        return {"tokens": 10 * n, "train_tokens": 100 * n, "gpu_minutes": 0.1,
+                "draft_id": f"d{n}"}
+
+    def fake_run(step, *args, log, out):
+        at_once.wait()  # four evals running together, or BrokenBarrierError
+        with lock:
+            if "--ngram" in args:
+                ngram_runs.append(out.name)
+        out.mkdir(parents=True)
+        res = [{"method": m, "k": k, "mean_acceptance_length": 1.5}
+               for m in ("eagle3", "ngram") for k in (3, 6)]
+        (out / "report.json").write_text(json.dumps({"num_prompts": 2, "results": res}))
+        return 1.0
+
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "run", fake_run)
+    out = tmp_path / "res/scale.json"
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(tmp_path / "work"), "--out", str(out), "--sizes", "4,6,8", "--bench", "",
+            "--t1-bench", "", "--jobs", "3", "--eval-jobs", "2"]
+    with pytest.raises(SystemExit, match="8: eyas train failed"):
+        scale.main(argv)
+    saved = json.loads(out.read_text())
+    assert sorted(saved["sizes"]) == ["4", "6"]
+    assert all(set(saved["sizes"][n]["evals"]) == {"indist", "heldout"} for n in ("4", "6"))
+    assert sorted(ngram_runs) == ["eval-heldout", "eval-indist"]
+    assert set(saved["ngram"]) == {"indist", "heldout"}
+
+
+def test_no_sizes_only_regenerates_and_leaves_the_json_alone(tmp_path, monkeypatch):
+    data = _data(tmp_path, 6)
+    calls = []
+
+    def fake_run(step, *args, log, out):
+        calls.append(step)
+        out.mkdir(parents=True)
+        prompts = Path(args[args.index("--data") + 1]).read_text()
+        (out / "conversations.jsonl").write_text(prompts)
+        (out / "eyas.json").write_text("{}")
+        return 1.0
+
+    monkeypatch.setattr(scale, "run", fake_run)
+    out = tmp_path / "res/scale.json"
+    state = scale.main(["--target", "t", "--data", str(data), "--corpus-dir",
+                        str(tmp_path / "corpus"), "--work", str(tmp_path / "work"), "--out",
+                        str(out), "--sizes", "", "--regenerate", "4"])
+    assert state == {} and calls == ["regenerate"] and not out.exists()
+    assert sorted(f.name for f in (tmp_path / "corpus").iterdir()) == [
+        "conversations-p01-4-eyas.json", "conversations-p01-4.jsonl.gz"]
