@@ -135,16 +135,23 @@ def _pick_stop_token(gen, rows) -> int:
 
 
 def _reference(gen, messages, last_only: bool = False, max_new: int = MAX_NEW,
-               drop_truncated: bool = False) -> dict | str:
+               drop_truncated: bool = False, max_length: int = 0) -> dict | str:
     """Regenerate every assistant turn (tool calls kept), or the last, one prompt at a time; a
-    conversation ending with a user turn gets a new final answer, and a truncated answer ends
-    the conversation. {"messages", "truncated"}, or the reject kind."""
+    conversation ending with a user turn gets a new final answer, a truncated answer ends the
+    conversation, and so does a prompt of max_length tokens (after the last answer before it;
+    rejected if none). {"messages", "truncated"}, or the reject kind."""
     messages = [dict(m) for m in messages]
     if messages[-1]["role"] == "user":
         messages.append({"role": "assistant", "content": ""})
     redo = [i for i, m in enumerate(messages) if m["role"] == "assistant"
             and not (i + 1 < len(messages) and messages[i + 1]["role"] == "tool")]
+    done = []
     for i in redo[-1:] if last_only else redo:
+        if max_length and _prompt_ids(gen.tokenizer, messages[:i]).shape[1] >= max_length:
+            if not done:
+                return "length"
+            return {"messages": messages[:done[-1] + 1], "truncated": False, "at_length": True}
+        done.append(i)
         new = _greedy(gen, messages[:i], sorted(gen.stop_ids), max_new)
         end = next((k for k, t in enumerate(new) if t in gen.stop_ids), None)
         text = gen.tokenizer.decode(new[:end], skip_special_tokens=True)
@@ -290,6 +297,36 @@ def test_drop_truncated_rejects_them(setup, tmp_path):
     assert stats["failed_by_kind"]["length"] == _kinds(setup[3])["truncated"] >= 1
     reasons = [r["reason"] for r in _read(tmp_path / REJECTS) if r["kind"] == "length"]
     assert all("max_new_tokens=10" in r and "--drop-truncated" in r for r in reasons)
+
+
+def test_max_length_ends_a_conversation_before_a_prompt_that_long(setup, local_run, tmp_path):
+    """--max-length L: before each turn, a prompt of L tokens or more ends the conversation
+    after the last answer (counted in cut_at_length, marked on the row); with none before it
+    the row is rejected (kind length). The same through a server, which renders its own
+    prompts: eyas counts them with the target's tokenizer."""
+    gen = load_generator(setup[0], device="cpu")
+    rows = {r["id"]: _messages(r) for r in setup[2][:-INPUT_REJECTS]}
+    # prompt lengths of every turn: the median cuts some rows, rejects others, spares others
+    lengths = sorted(_prompt_ids(gen.tokenizer, m[:i]).shape[1] for m in rows.values()
+                     for i, x in enumerate(m) if x["role"] == "assistant")
+    limit = lengths[len(lengths) // 2]
+    expected = {sid: _reference(gen, m, max_length=limit) for sid, m in rows.items()}
+    at_length = {sid for sid, v in expected.items() if isinstance(v, dict) and v.pop(
+        "at_length", False)}
+    kinds = Counter(v if isinstance(v, str) else "kept" for v in expected.values())
+    assert len(at_length) >= 1 and kinds["length"] >= 1 and kinds["kept"] > len(at_length)
+    stats = regenerate(_cfg(setup, tmp_path / "local", max_length=limit))
+    _check_outputs(setup, tmp_path / "local", expected)
+    assert stats["cut_at_length"] == len(at_length)
+    assert {r["id"] for r in _read(tmp_path / "local" / OUTPUT)
+            if r.get("cut_at_length")} == at_length
+    reasons = [r["reason"] for r in _read(tmp_path / "local" / REJECTS) if r["kind"] == "length"]
+    assert reasons and all(f"at least --max-length {limit}" in r for r in reasons)
+    with ChatServer(gen, "tiny") as server:
+        regenerate(_cfg(setup, tmp_path / "server", max_length=limit, backend="openai",
+                        served_model_name="tiny", server_url=(server.url,)))
+    assert _read(tmp_path / "server" / OUTPUT) == _read(tmp_path / "local" / OUTPUT)
+    assert _read(tmp_path / "server" / REJECTS) == _read(tmp_path / "local" / REJECTS)
 
 
 def test_accept_keeps_a_cut_answer_as_the_target_wrote_it():
@@ -449,6 +486,8 @@ def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
         regenerate(replace(_cfg(setup, out), max_new_tokens=MAX_NEW + 1))
     with pytest.raises(EyasError, match="different drop_truncated"):
         regenerate(replace(_cfg(setup, out), drop_truncated=True))
+    with pytest.raises(EyasError, match=r"different max_length \(it ran with 2048\)"):
+        regenerate(replace(_cfg(setup, out), max_length=0))
     data = tmp_path / "chats.jsonl"
     data.write_text(setup[1].read_text() + json.dumps(synthetic_chats(1)[0]) + "\n")
     with pytest.raises(EyasError, match="different data"):

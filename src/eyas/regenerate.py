@@ -7,7 +7,9 @@ reads conversations in any format `eyas prepare` reads and regenerates every ass
 the last one, keeping system, user and tool turns. A conversation that ends with a user or tool
 turn (a prompt-only row is the usual case) gets its final answer generated as a new turn. An
 answer cut at `max_new_tokens` is kept, marked `"truncated": true`, and ends its conversation
-(unless `drop_truncated`). The result, `out/conversations.jsonl` (OpenAI `messages` form, with
+(unless `drop_truncated`). A conversation also ends before a turn whose prompt already has
+`max_length` tokens (prepare's default limit, past which prepare cuts rows anyway): a chat of a
+hundred turns is not answered turn by turn for text no step reads. The result, `out/conversations.jsonl` (OpenAI `messages` form, with
 each input row's id), is input for `eyas prepare`.
 
 Backends: `transformers` generates here in left-padded batches with a KV cache; `openai`
@@ -39,7 +41,7 @@ from eyas.store.manifest import (chat_template_fingerprint, check_out, target_re
                                  write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
 from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
-                                      RequestFailed, load_generator)
+                                      RequestFailed, load_generator, render_prompt)
 from eyas.errors import EyasError
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
                                           reject_kinds, sort_by_input)
@@ -71,6 +73,10 @@ class RegenerateConfig:
                                  "marked truncated, and ends its conversation")
     drop_truncated: bool = option(False, "reject conversations with an answer cut at "
                                   "max_new_tokens (rejects kind length) instead of keeping them")
+    max_length: int = option(2048, "end a conversation before a turn whose prompt (the "
+                             "conversation so far, in the chat template) has this many tokens: "
+                             "prepare's default --max-length, past which prepare cuts rows; "
+                             "the rows ended so are counted (cut_at_length). 0 = no limit")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
     reasoning: str = option("default", "thinking mode: on/off send chat_template_kwargs "
@@ -124,6 +130,8 @@ class RegenerateConfig:
         for name in ("max_new_tokens", "batch_size", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.max_length < 0:
+            raise ConfigError(f"max_length must be >= 0 (0 = no limit), got {self.max_length}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1 or unset (got {self.limit})")
         if self.retries < 0 or self.retry_backoff < 0 or self.timeout <= 0:
@@ -162,11 +170,13 @@ class Job:
 @dataclass
 class Regenerated:
     """A conversation in the target's words. `truncated`: its last message is an answer cut at
-    max_new_tokens; `cut_short`: turns after that answer were left out."""
+    max_new_tokens; `cut_short`: turns after that answer were left out; `at_length`: left out
+    because the next turn's prompt reached max_length."""
 
     messages: list[dict]
     truncated: bool = False
     cut_short: bool = False
+    at_length: bool = False
 
 
 class Rejected(Exception):
@@ -199,7 +209,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         if cfg.backend in ("transformers", "vllm"):
             _run_local(cfg, jobs, output)
         else:
-            _run_openai(cfg, jobs, output)
+            _run_openai(cfg, jobs, output, tokenizer)
     counts.update(output.counts)
     if counts["ok"] + counts["failed"] + counts["skipped"] != counts["input"]:
         raise RuntimeError(f"regenerate lost track of rows: {dict(counts)}")
@@ -214,7 +224,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
              "failed_total": totals["failed"] + counts["failed"],
              "truncated": counts["truncated"],
              "truncated_total": totals["truncated"] + counts["truncated"],
-             "cut_short": counts["cut_short"],
+             "cut_short": counts["cut_short"], "cut_at_length": counts["cut_at_length"],
              "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")},
              "failed_by_kind_total": dict(on_disk)}
     nothing = stats["ok_total"] == 0 and stats["input"] > 0  # not a result: `eyas run` retries
@@ -340,11 +350,31 @@ def _answer(messages: list[dict], turn: int, gen: Generation,
     return Regenerated(messages[:turn + 1], truncated=True, cut_short=turn + 1 < len(messages))
 
 
+def stop_at_length(messages: list[dict], job: Job, turn: int, prompt_tokens: int,
+              cfg: RegenerateConfig) -> Regenerated | None:
+    """The conversation ended before the turn at `messages[turn]` if its prompt has
+    cfg.max_length tokens or more: cut after the last answer generated before it (Rejected,
+    kind length, if there is none); None to go on."""
+    if not cfg.max_length or prompt_tokens < cfg.max_length:
+        return None
+    before = [t for t in job.turns if t < turn]
+    if not before:
+        raise Rejected(f"the prompt of the first answer to generate (message {turn}) has "
+                       f"{prompt_tokens} tokens, at least --max-length {cfg.max_length}: "
+                       f"prepare would cut the row before any answer; raise --max-length "
+                       f"(0 = no limit)", "length")
+    return Regenerated(messages[:before[-1] + 1], cut_short=True, at_length=True)
+
+
 def converse(job: Job, complete: Callable[[list[dict]], Generation],
-             cfg: RegenerateConfig) -> Regenerated:
-    """Regenerate the job's turns in order, each given the conversation so far."""
+             cfg: RegenerateConfig, count: Callable[[list[dict]], int]) -> Regenerated:
+    """Regenerate the job's turns in order, each given the conversation so far; `count`
+    gives a prompt's length in tokens (for max_length)."""
     messages = [dict(m) for m in job.messages]
     for turn in job.turns:
+        if cfg.max_length and (ended := stop_at_length(messages, job, turn,
+                                                       count(messages[:turn]), cfg)):
+            return ended
         ended = _answer(messages, turn, complete(messages[:turn]), cfg)
         if ended is not None:
             return ended
@@ -408,8 +438,18 @@ def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
         live = [k for k, job in enumerate(jobs) if r < len(job.turns) and ended[k] is None]
         if not live:
             break
-        prompts = [gen.render(convs[k][:jobs[k].turns[r]], kwargs) for k in live]
-        outs = gen.generate(prompts, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+        prompts = {k: gen.render(convs[k][:jobs[k].turns[r]], kwargs) for k in live}
+        for k in live:
+            try:
+                ended[k] = stop_at_length(convs[k], jobs[k], jobs[k].turns[r], len(prompts[k]),
+                                          cfg)
+            except Rejected as err:
+                ended[k] = err
+        live = [k for k in live if ended[k] is None]
+        if not live:
+            continue
+        outs = gen.generate([prompts[k] for k in live], cfg.max_new_tokens, cfg.temperature,
+                            cfg.top_p)
         for k, out in zip(live, outs):
             try:
                 ended[k] = _answer(convs[k], jobs[k].turns[r], out, cfg)
@@ -420,7 +460,7 @@ def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
 
 # ---------------------------------------------------------------- openai backend
 
-def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
+def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, tokenizer) -> None:
     params = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
               "top_p": cfg.top_p}
     if TEMPLATE_KWARGS[cfg.reasoning]:
@@ -434,6 +474,9 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> N
             return client.complete(messages)
         except RequestFailed as err:
             raise Rejected(str(err), "server") from None
+
+    def count(messages: list[dict]) -> int:  # as the server renders it, with this tokenizer
+        return len(render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning]))
 
     pending: dict[Future, Job] = {}
 
@@ -449,7 +492,7 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> N
     pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="eyas-regenerate")
     try:
         for job in jobs:
-            pending[pool.submit(converse, job, complete, cfg)] = job
+            pending[pool.submit(converse, job, complete, cfg, count)] = job
             # A bounded queue keeps memory flat and the outputs close to the input position.
             while len(pending) >= 2 * cfg.concurrency:
                 collect()

@@ -33,9 +33,10 @@ OUTPUT, REJECTS = "conversations.jsonl", "rejects.jsonl"
 KILL_ENV = "EYAS_REGENERATE_KILL_AFTER"
 # Settings that change what is generated: a resumed run must keep them.
 SAME_ON_RESUME = ("target", "revision", "data", "format", "turns", "max_new_tokens",
-                  "drop_truncated", "temperature", "top_p", "reasoning", "system_prompt", "seed")
+                  "drop_truncated", "max_length", "temperature", "top_p", "reasoning",
+                  "system_prompt", "seed")
 # Settings added later, as runs made before they existed behaved: such a run resumes with them.
-BEFORE_SETTING = {"drop_truncated": True}
+BEFORE_SETTING = {"drop_truncated": True, "max_length": 0}
 
 
 class Output:
@@ -52,9 +53,12 @@ class Output:
     def ok(self, job: Job, result: Regenerated) -> None:
         self.counts["truncated"] += result.truncated
         self.counts["cut_short"] += result.cut_short
-        self._write("ok", {"id": job.sample_id, "messages": result.messages,
-                           "truncated": result.truncated,
-                           "source": {"file": job.file, "row": job.row}})
+        self.counts["cut_at_length"] += result.at_length
+        record = {"id": job.sample_id, "messages": result.messages,
+                  "truncated": result.truncated, "source": {"file": job.file, "row": job.row}}
+        if result.at_length:  # the turns after these were left out (--max-length)
+            record["cut_at_length"] = True
+        self._write("ok", record)
 
     def reject(self, file: str, row: int, sid: str, err: Rejected) -> None:
         self.counts["failed_" + err.kind] += 1
