@@ -33,6 +33,20 @@ def test_keys_by_name_or_unique_suffix_across_sharded_files(tmp_path):
     assert w.key("model.embed_tokens.weight") is None
 
 
+def test_a_key_that_adds_a_prefix_to_the_whole_name(tmp_path):
+    """Kimi-K2.5 loaded by transformers' own class (no remote code) names its head lm_head,
+    while the checkpoint stores language_model.lm_head.weight: found, as long as it is the only
+    key ending so."""
+    head = torch.randn(10, 4)
+    save_file({"language_model.lm_head.weight": head,
+               "language_model.model.norm.weight": torch.ones(4),
+               "vision_tower.norm.weight": torch.ones(4)}, str(tmp_path / "a.safetensors"))
+    w = TargetWeights(str(tmp_path))
+    assert w.key("lm_head.weight") == "language_model.lm_head.weight"
+    assert torch.equal(w.read(w.key("lm_head.weight")), head)
+    assert w.key("norm.weight") is None  # two keys end so: no guess
+
+
 def test_a_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(EyasError, match="no safetensors weights"):

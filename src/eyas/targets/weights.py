@@ -24,12 +24,14 @@ class TargetWeights:
 
     def key(self, name: str) -> str | None:
         """The checkpoint key of module weight `name`: itself, or else the unique key ending in
-        its longest matching suffix (checkpoints of wrappers often drop or rename the prefix,
-        e.g. Qwen2.5-VL stores model.language_model.embed_tokens as model.embed_tokens)."""
+        its longest matching suffix of at least two parts (checkpoints of wrappers often add,
+        drop or rename the prefix: Qwen2.5-VL stores model.language_model.embed_tokens as
+        model.embed_tokens; Kimi-K2.5 stores the text model's lm_head.weight as
+        language_model.lm_head.weight)."""
         if name in self.where:
             return name
         parts = name.split(".")
-        for n in range(len(parts) - 1, 1, -1):
+        for n in range(len(parts), 1, -1):  # the whole name first: a key that only adds a prefix
             suffix = ".".join(parts[-n:])
             hits = [k for k in self.where if k == suffix or k.endswith("." + suffix)]
             if len(hits) == 1:
