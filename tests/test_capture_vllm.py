@@ -540,3 +540,77 @@ def test_vllm_cpu_capture_of_a_wrapper_through_the_plugin(cpu_engine_stubbed, tm
             assert torch.equal(g[key], want[row][key]), (row, key)
         for key in ("aux_hidden", "final_hidden"):
             torch.testing.assert_close(g[key], want[row][key], rtol=2**-6, atol=1e-6)
+
+
+# vLLM's CPU build (0.32) on a CPU without AMX: no FP8 block GEMM, no INT4 MoE
+CPU_NO_FP8 = "requires AMX tile support"
+CPU_NO_INT4_MOE = "No WNA16 MoE backend supports the deployment configuration"
+
+
+def _moe_vllm_cfg(model_dir, prepared, out, model_dtype="fp32") -> CaptureConfig:
+    return CaptureConfig(target=str(model_dir), data=str(prepared), out=str(out),
+                         model_dtype=model_dtype, backend="vllm", max_model_len=64,
+                         gpu_memory_utilization=0.2, batch_tokens=96, file_mb=0.02)
+
+
+def _same_capture(hf_dir, vllm_dir, hf: dict, got: dict) -> None:
+    assert got["samples"] == hf["samples"] and got["nonfinite"] == 0
+    shards.verify(vllm_dir)
+    want, mine = _by_row(hf_dir), _by_row(vllm_dir)
+    assert set(mine) == set(want)
+    for row, g in mine.items():
+        for key in ("input_ids", "loss_mask", "target_top1"):
+            assert torch.equal(g[key], want[row][key]), (row, key)
+        for key in ("aux_hidden", "final_hidden"):  # float32 forwards, stored in bf16
+            torch.testing.assert_close(g[key], want[row][key], rtol=2**-6, atol=1e-6)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_capture_of_a_deepseek_v3_moe(cpu_engine_stubbed, tmp_path_factory):
+    """MLA (vLLM's CPU MLA backend) and DeepSeek-V3's MoE (sigmoid router with its correction
+    bias, a shared expert; vLLM's CPU experts) through `--backend vllm` on the CPU build: the
+    shards equal the transformers capture's. The target has V3's router named in config.json
+    and MLA dims vLLM runs (`build_tiny_deepseek(vllm_mla=True)`): the test bed's smaller MLA is
+    refused by vLLM ("Head dimension 24 is not supported by MLA", on a GPU too)."""
+    from eyas.targets.quantized import build_tiny_deepseek
+
+    root = tmp_path_factory.mktemp("capture-vllm-deepseek")
+    model_dir = build_tiny_deepseek(root / "model", vllm_mla=True)
+    prepared = make_prepared(root / "prepared", model_dir, n_train=4, n_eval=2)
+    hf = capture(_cfg(model_dir, prepared, root / "hf"))
+    got = capture(_moe_vllm_cfg(model_dir, prepared, root / "vllm"))
+    _same_capture(root / "hf", root / "vllm", hf, got)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_capture_of_an_fp8_deepseek_v3(cpu_engine_stubbed, tmp_path_factory):
+    """DeepSeek-V3's FP8 blocks: vllm-cpu 0.32 runs them only on a CPU with AMX, and never in
+    float32. Where it cannot, the refusal is vLLM's, and the checkpoint de-quantized once to
+    float32 (`dequantize_fp8_checkpoint`; transformers de-quantizes to the load dtype on a CPU)
+    captures through vLLM equal to the transformers capture of the FP8 folder itself."""
+    from eyas.targets.quantized import build_tiny_deepseek, dequantize_fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("capture-vllm-fp8")
+    fp8 = build_tiny_deepseek(root / "fp8", quant="fp8", vllm_mla=True)
+    prepared = make_prepared(root / "prepared", fp8, n_train=4, n_eval=2)
+    hf = capture(_cfg(fp8, prepared, root / "hf"))
+    if not torch.cpu._is_amx_tile_supported():
+        with pytest.raises(ValueError, match=CPU_NO_FP8):
+            capture(_moe_vllm_cfg(fp8, prepared, root / "fp8-vllm", model_dtype="bf16"))
+    plain = dequantize_fp8_checkpoint(fp8, root / "plain", dtype=torch.float32)
+    got = capture(_moe_vllm_cfg(plain, prepared, root / "vllm"))
+    _same_capture(root / "hf", root / "vllm", hf, got)
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_has_no_int4_moe_for_deepseek_routing(cpu_engine_stubbed, tmp_path):
+    """Kimi-K2.5's INT4 experts (compressed-tensors WNA16) on a DeepSeek-V3 MoE: vllm-cpu 0.32
+    refuses them (its CPU INT4 MoE needs AMX or zentorch, and neither lists V3's routing). The
+    day this fails, vLLM runs them on the CPU: make it a capture-equals-transformers test."""
+    pytest.importorskip("compressed_tensors")
+    from eyas.targets.quantized import build_tiny_deepseek
+
+    model_dir = build_tiny_deepseek(tmp_path / "model", quant="int4", vllm_mla=True)
+    prepared = make_prepared(tmp_path / "prepared", model_dir, n_train=2, n_eval=1)
+    with pytest.raises(NotImplementedError, match=CPU_NO_INT4_MOE):
+        capture(_moe_vllm_cfg(model_dir, prepared, tmp_path / "vllm", model_dtype="bf16"))

@@ -3,8 +3,8 @@
 Two checkpoint formats, each written from a random bf16 model so that tests can load it with
 transformers exactly as a user loads the real one:
 
-- `build_tiny_fp8_deepseek(out_dir)`: a DeepSeek-V3-shaped MoE in DeepSeek-V3's published FP8
-  format: every decoder `Linear` weight (attention, dense MLP, shared and routed experts) stored
+- `build_tiny_fp8_deepseek(out_dir)` (`build_tiny_deepseek(out_dir, quant="fp8")`): a
+  DeepSeek-V3-shaped MoE in DeepSeek-V3's published FP8 format: every decoder `Linear` weight (attention, dense MLP, shared and routed experts) stored
   as `float8_e4m3fn` with a float32 `weight_scale_inv` per 128 x 128 block (weight = fp8 *
   scale_inv), the router, norms, embedding and lm_head in bf16, and `quantization_config`
   `{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
@@ -14,6 +14,9 @@ transformers exactly as a user loads the real one:
   `PackedQuantizationCompressor` (`weight_packed` int32, `weight_scale` bf16, `weight_shape`),
   and Kimi-K2.5's `quantization_config` (`quant_method: compressed-tensors`, pack-quantized,
   attention, shared experts, the dense MLP and lm_head ignored). Needs `compressed-tensors`.
+- `build_tiny_deepseek(out_dir)`: the DeepSeek-V3 MoE unquantized (float32), or with
+  `quant="int4"` its routed experts packed as Kimi-K2.5's are; `vllm_mla=True` gives it MLA
+  dims vLLM runs (tests/test_capture_vllm.py captures it through vLLM's CPU build).
 
 `check_fp8_blocks` is what `load_target` asks before transformers loads an FP8 block checkpoint:
 where transformers de-quantizes it at load (no GPU with FP8 matmuls), it reads a weight whose
@@ -38,6 +41,14 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # DeepSeek-V3's config.json, quantization_config as published.
 FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                            "weight_block_size": list(FP8_BLOCK)}
+# What DeepSeek-V3's config.json names and transformers' DeepseekV3Config leaves out (its
+# router is always this one): vLLM builds the router from them, and without them a softmax
+# router without e_score_correction_bias, which then fails to load.
+V3_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# MLA dims that vLLM runs: its MLA takes kv_lora_rank + qk_rope_head_dim of 320, 512 or 576
+# only (V3: 512 + 64); 384 + 128 = 512 keeps every FP8 weight in whole 128 x 128 blocks.
+VLLM_MLA = {"kv_lora_rank": 384, "qk_rope_head_dim": 128, "qk_nope_head_dim": 32,
+            "v_head_dim": 32}
 INT4_GROUP = 32
 # Kimi-K2.5's quantization_config: INT4 on every Linear that is not ignored, i.e. the routed
 # experts. The ignore list is the one Kimi-K2.6 publishes (quoted in vLLM's tests); a bare
@@ -186,33 +197,63 @@ def _set_quantization_config(folder: Path, quantization_config: dict) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build_tiny_fp8_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int = 4,
-                            intermediate_size: int | None = None) -> Path:
-    """A random tiny DeepSeek-V3 MoE (`num_layers` decoder layers, the first dense) saved in
-    DeepSeek-V3's FP8 block-quantized format. An `intermediate_size` above 128 and not a
-    multiple of it gives the dense MLP a partial block, as kv_a_proj_with_mqa has in V3."""
+def build_tiny_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int = 4,
+                        quant: str | None = None, vllm_mla: bool = False,
+                        intermediate_size: int | None = None) -> Path:
+    """A random tiny DeepSeek-V3 MoE (`num_layers` decoder layers, the first dense, then routed
+    and shared experts) with V3's router named in config.json (`V3_ROUTER`). `quant`: None
+    (float32), "fp8" (V3's block format, `FP8_QUANTIZATION_CONFIG`) or "int4" (the routed
+    experts pack-quantized as Kimi-K2.5 ships them; needs compressed-tensors). `vllm_mla`: MLA
+    dims that vLLM runs (`VLLM_MLA`) instead of the test bed's smaller ones. An
+    `intermediate_size` above 128 and not a multiple of it gives the dense MLP a partial FP8
+    block, as kv_a_proj_with_mqa has in V3."""
     from transformers import AutoModelForCausalLM
 
     from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
 
     config = tiny_config("deepseek_v3", num_layers=num_layers + 1)  # it takes one off
+    for key, value in {**V3_ROUTER, **(VLLM_MLA if vllm_mla else {})}.items():
+        setattr(config, key, value)
+    if vllm_mla:
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        config.head_dim = config.qk_rope_head_dim
     if intermediate_size is not None:
         config.intermediate_size = intermediate_size
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     out_dir = Path(out_dir)
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    model.to(torch.bfloat16 if quant else torch.float32).save_pretrained(out_dir)
     save_tiny_tokenizer(out_dir)
 
-    def convert(name, tensor):
+    def to_fp8(name, tensor):
         if not _is_fp8_linear(name, tensor):
             return {name: tensor}
         q, scale_inv = fp8_block_quantize(tensor)
         return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale_inv}
 
-    _rewrite_safetensors(out_dir, convert)
-    _set_quantization_config(out_dir, FP8_QUANTIZATION_CONFIG)
+    if quant == "fp8":
+        _rewrite_safetensors(out_dir, to_fp8)
+        _set_quantization_config(out_dir, FP8_QUANTIZATION_CONFIG)
+    elif quant == "int4":
+        _rewrite_safetensors(out_dir, _int4_experts)
+        _set_quantization_config(out_dir, KIMI_INT4_QUANTIZATION_CONFIG)
+    elif quant is not None:
+        raise ValueError(f"quant={quant!r}: use None, 'fp8' or 'int4'")
     return out_dir
+
+
+def build_tiny_fp8_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int = 4,
+                            intermediate_size: int | None = None) -> Path:
+    """`build_tiny_deepseek` in DeepSeek-V3's FP8 block format, at the test bed's dims."""
+    return build_tiny_deepseek(out_dir, seed, num_layers=num_layers, quant="fp8",
+                               intermediate_size=intermediate_size)
+
+
+def _int4_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    if ".mlp.experts." not in name or not name.endswith("_proj.weight"):
+        return {name: tensor}
+    prefix = name.removesuffix("weight")
+    return {prefix + k: v for k, v in int4_pack_expert(tensor).items()}
 
 
 def int4_pack_expert(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -248,13 +289,6 @@ def build_tiny_kimi_int4(out_dir: str | Path, seed: int = 0, *, num_layers: int 
     from eyas.targets.kimi_like import build_kimi_like
 
     out_dir = build_kimi_like(out_dir, seed, num_layers=num_layers, dtype=torch.bfloat16)
-
-    def convert(name, tensor):
-        if ".mlp.experts." not in name or not name.endswith("_proj.weight"):
-            return {name: tensor}
-        prefix = name.removesuffix("weight")
-        return {prefix + k: v for k, v in int4_pack_expert(tensor).items()}
-
-    _rewrite_safetensors(out_dir, convert)
+    _rewrite_safetensors(out_dir, _int4_experts)
     _set_quantization_config(out_dir, KIMI_INT4_QUANTIZATION_CONFIG)
     return out_dir
