@@ -165,13 +165,12 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     cp $W/scale-smollm2.json "$R/scale-smollm2.json" 2>/dev/null
     if [ -n "${SCALE_WAIT_REGEN:-}" ]; then
       # a scale-regen instance started first: its vLLM engine profiles GPU memory at start and
-      # refuses to run if neighbours change theirs meanwhile, so wait for its first answers
+      # refuses to run if neighbours change theirs meanwhile, so wait until it says it is ready
       for _ in $(seq 60); do
-        ls $W/scale/regen-p*/out/conversations.jsonl 2>/dev/null | xargs -r cat 2>/dev/null |
-          head -c 1 | grep -q . && break
+        cat $W/scale/regen-p*/log.txt 2>/dev/null | grep -q "vLLM engine ready" && break
         sleep 5
       done
-      stage "scale: the regeneration is answering (or 300 s passed)"
+      stage "scale: the regeneration's vLLM engine is ready (or 300 s passed)"
     fi
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
         --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale --out "$R/scale-smollm2.json" \

@@ -39,10 +39,12 @@ exported draft was carried back into WORK/size-N/draft.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import gzip
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -168,9 +170,16 @@ class Book:
         self.lock = threading.Lock()
         self.ngram_taken: set[str] = set()
 
-    def save(self) -> None:
+    @contextlib.contextmanager
+    def change(self):
+        """The state, changed under the lock; the JSON is written when the block ends."""
         with self.lock:
+            yield self.state
             self._write()
+
+    def save(self) -> None:
+        with self.change():
+            pass
 
     def take_ngram(self, sets: list[str]) -> bool:
         """True for the first eval of prompt sets that have no n-gram record yet."""
@@ -254,17 +263,16 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
                log=folder / "log.txt", out=out)
     report = json.loads((out / "report.json").read_text())
     measured = per_set(report, sets, "--temperature" in args)
-    with book.lock:
+    with book.change() as state:
         for s, entry in measured.items():
-            if "ngram" in entry and s not in book.state["ngram"]:
-                book.state["ngram"][s] = {"al": entry["ngram"], "prompts": entry["prompts"],
-                                          "settings": eval_settings(a)}
+            if "ngram" in entry and s not in state["ngram"]:
+                state["ngram"][s] = {"al": entry["ngram"], "prompts": entry["prompts"],
+                                     "settings": eval_settings(a)}
         size["evals"][name] = {"draft_id": size["train"]["draft_id"],
                                "settings": eval_settings(a), "seconds": round(took, 1),
                                "lossless": report.get("lossless"),
                                "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"]}
                                         for s, e in measured.items()}}
-        book._write()
     print(f"size {size['conversations']}: eval {name} done", flush=True)
 
 
@@ -294,9 +302,8 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
         marker.write_text(f"{fingerprint} {a.train_args}")
         size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
                 "train": train_size(a, n, lines, folder), "evals": {}}
-        with book.lock:
-            book.state["sizes"][key] = size
-            book._write()
+        with book.change() as state:
+            state["sizes"][key] = size
         print(f"size {n}: trained", flush=True)
         missing = list(plan)
     with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
@@ -446,10 +453,17 @@ def main(argv=None) -> dict:
         for k in a.k.split(","):
             plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)
 
+    at_once = max(a.jobs, 1) * max(a.eval_jobs, 1)
+    if at_once > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # each step is a process with torch's CPU thread pool; as many pools as cores would
+        # spin against each other (a CPU dry run of 3 + 3 evals on 2 cores took minutes per eval)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // at_once))
     book = Book(state, write)
     book.save()
+    gap = f", the first missing one being {order[have]}" if have < len(order) else ""
     for n in (n for n in sizes if n > have):
-        print(f"size {n}: waiting for data ({have} of the curve order regenerated)", flush=True)
+        print(f"size {n}: waiting for data (the first {have} rows of the curve order are "
+              f"regenerated{gap}; {sum(i in corpus for i in order[:n])} of its {n})", flush=True)
     with ThreadPoolExecutor(max(a.jobs, 1)) as pool:  # smallest first
         running = {n: pool.submit(run_size, a, n, *subset(order, corpus, n), book)
                    for n in sizes if n <= have}

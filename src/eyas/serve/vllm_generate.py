@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
@@ -72,8 +73,11 @@ class VLLMGenerator:
                          if given.get(k) is not None}
         self._params = vllm.SamplingParams
         log.info("starting vLLM %s on %s (%s)", vllm.__version__, target, engine or "defaults")
+        start = time.perf_counter()
         self.llm = vllm.LLM(model=str(target), revision=revision, dtype=dtype,
                             trust_remote_code=trust_remote_code, seed=seed, **engine)
+        # its memory profile is done: from here, other GPU processes may come and go
+        log.info("vLLM engine ready in %.0f s", time.perf_counter() - start)
 
     def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """Prompt ids for the assistant turn that follows `messages`."""
