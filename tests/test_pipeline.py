@@ -42,6 +42,13 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"lrr": 1}})))
     with pytest.raises(ConfigError, match="needs a top-level 'target'"):
         plan(RunConfig(pipeline=_write(tmp_path, {"data": "x", "work_dir": "w"})))
+    # regenerate stops conversations at the length prepare keeps, unless its section says
+    regen = {**spec, "regenerate": {"enabled": True}, "prepare": {"max_length": 512}}
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
+    assert by["regenerate"].max_length == 512 == by["prepare"].max_length
+    regen["regenerate"]["max_length"] = 0
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
+    assert by["regenerate"].max_length == 0
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]

@@ -74,9 +74,12 @@ def _step_config(step: str, spec: dict, work: Path):
     dflash = train.get("draft") == "dflash"  # no draft vocabulary; DFlash's taps by default
     taps = {} if not dflash or "aux_layer_ids" in (spec.get("capture") or {}) else \
         {"dflash_taps": int(train.get("dflash_layers") or 5)}
+    # regenerate answers no turn past the length prepare keeps (its own section may say else)
+    kept = (spec.get("prepare") or {}).get("max_length")
     wiring = {
         "prepare": {"data": prepared_from, "out": work / "prepared"},
-        "regenerate": {"data": spec.get("data"), "out": work / "regenerated"},
+        "regenerate": {"data": spec.get("data"), "out": work / "regenerated",
+                       **({"max_length": kept} if kept is not None else {})},
         # overwrite: a re-run after an upstream change replaces the old capture; an interrupted
         # capture with the same settings still resumes. split all: train holds out the eval rows.
         "capture": {"data": work / "prepared", "out": work / "captured", "overwrite": True,
