@@ -30,6 +30,17 @@ def _data(tmp_path: Path, n: int) -> Path:
     return data
 
 
+def _regenerated(tmp_path: Path, n: int) -> tuple[Path, Path]:
+    """The data of n prompts and a corpus folder with every one of them answered."""
+    data = _data(tmp_path, n)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "conversations-p01.jsonl").write_text(
+        "".join(_row(int(i.split("/")[1])) + "\n"
+                for i in scale.curve_order(data / "train.jsonl", 0)))
+    return data, corpus
+
+
 def test_sizes_are_nested_prefixes_of_a_seeded_order_over_parts(tmp_path):
     data = _data(tmp_path, 40)
     order = scale.curve_order(data / "train.jsonl", 0)
@@ -54,12 +65,7 @@ def test_sizes_are_nested_prefixes_of_a_seeded_order_over_parts(tmp_path):
 
 
 def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
-    data = _data(tmp_path, 12)
-    order = scale.curve_order(data / "train.jsonl", 0)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "conversations-p01.jsonl").write_text(
-        "".join(_row(int(i.split("/")[1])) + "\n" for i in order))
+    data, corpus = _regenerated(tmp_path, 12)
     trained, evals = [], []
 
     def fake_train(a, n, lines, folder):
@@ -109,12 +115,7 @@ def test_sizes_and_evals_at_once_share_one_json_and_measure_ngram_once(tmp_path,
     stubbed eval waits until all four are running), every record lands in the one JSON, each
     prompt set's n-gram is measured by one eval only, and size 8, which fails, leaves the
     others' results, then ends the call with its error."""
-    data = _data(tmp_path, 12)
-    order = scale.curve_order(data / "train.jsonl", 0)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "conversations-p01.jsonl").write_text(
-        "".join(_row(int(i.split("/")[1])) + "\n" for i in order))
+    data, corpus = _regenerated(tmp_path, 12)
     at_once = threading.Barrier(4, timeout=60)
     ngram_runs, lock = [], threading.Lock()
 
