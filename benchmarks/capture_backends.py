@@ -88,6 +88,8 @@ def capture(backend: str, a, prepared: Path, out: Path, log: Path) -> dict:
                 "--tensor-parallel-size", a.tensor_parallel_size]
         if a.max_model_len:
             cmd += ["--max-model-len", a.max_model_len]
+        if a.kv_cache_gib:
+            cmd += ["--kv-cache-gib", a.kv_cache_gib]
     wall = sh(cmd, log)
     manifest = json.loads((out / "eyas.json").read_text())
     stats = manifest["stats"]
@@ -175,6 +177,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--kv-cache-gib", type=float, default=0.0,
+                   help="vLLM's KV cache size (skips its memory profile: for a shared GPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--backends", default="transformers,vllm")
     p.add_argument("--json", required=True)
@@ -197,7 +201,8 @@ def main(argv=None) -> dict:
               "target": a.target, "llama8b_random": a.llama8b, "prepared": str(prepared),
               "settings": {k: getattr(a, k) for k in ("split", "limit", "model_dtype",
                                                       "batch_tokens", "gpu_memory_utilization",
-                                                      "tensor_parallel_size", "max_model_len")},
+                                                      "tensor_parallel_size", "max_model_len",
+                                                      "kv_cache_gib")},
               "command": " ".join(sys.argv), "backends": {}}
     try:
         import vllm

@@ -209,7 +209,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     stage "vcapture: SmolLM2, float32"
     PYTHONPATH=$VP timeout 900 python3 benchmarks/capture_backends.py --target $T \
         --prepared $P --work $W/cb-smol --model-dtype fp32 \
-        --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
+        --gpu-memory-utilization ${VLLM_MEMORY:-0.25} --kv-cache-gib ${VLLM_KV_GIB:-0} \
         --json "$R/capture-backends-smollm2.json" > "$R/cb_smol.out" 2>&1
     stage "vcapture SmolLM2 rc $?"
     [ "${CB_8B_ROWS:-400}" = 0 ] || {
@@ -217,7 +217,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     PYTHONPATH=$VP timeout 900 python3 benchmarks/capture_backends.py --llama8b \
         --data ${CB_DATA:-$W/conversations-2000.jsonl} --tokenizer $T --work $W/cb-8b \
         --model-dtype bf16 --limit ${CB_8B_ROWS:-400} \
-        --gpu-memory-utilization ${VLLM_MEMORY:-0.25} \
+        --gpu-memory-utilization ${VLLM_MEMORY:-0.25} --kv-cache-gib ${VLLM_KV_GIB:-0} \
         --json "$R/capture-backends-llama8b.json" > "$R/cb_8b.out" 2>&1
     stage "vcapture 8B rc $?"
     rm -rf $W/cb-8b/llama8b; }

@@ -46,6 +46,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
 import threading
@@ -128,7 +129,7 @@ def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dic
     (work / "prompts.jsonl").write_text("".join(line + "\n" for line in todo))
     start = time.perf_counter()
     run("regenerate", "--target", a.target, "--data", work / "prompts.jsonl",
-        "--out", work / "out", *a.regen_args.split(), log=work / "log.txt", out=work / "out")
+        "--out", work / "out", *shlex.split(a.regen_args), log=work / "log.txt", out=work / "out")
     part.parent.mkdir(parents=True, exist_ok=True)
     with (work / "out/conversations.jsonl").open("rb") as src, gzip.open(part, "wb") as dst:
         shutil.copyfileobj(src, dst)
@@ -209,7 +210,7 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     data = ["--data", folder / "prepared", "--online", *common] if a.online else \
         ["--data", folder / "captured"]
     s["train"] = run("train", *data, "--vocab", folder / "vocab", "--out", folder / "run",
-                     *a.train_args.split(), log=log, out=folder / "run")
+                     *shlex.split(a.train_args), log=log, out=folder / "run")
     s["export"] = run("export", "--checkpoint", folder / "run", "--out", folder / "draft",
                       log=log, out=folder / "draft")
     prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]

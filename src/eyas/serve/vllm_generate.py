@@ -23,17 +23,32 @@ log = logging.getLogger(__name__)
 
 def check_engine_options(cfg) -> None:
     """The vLLM engine options `eyas regenerate` and `eyas capture` share (`cfg` has
-    backend, target, tensor_parallel_size, gpu_memory_utilization, max_model_len): in range,
-    and with --backend vllm a Hugging Face folder rather than a GGUF."""
+    backend, target, tensor_parallel_size, gpu_memory_utilization, max_model_len,
+    kv_cache_gib): in range, and with --backend vllm a Hugging Face folder rather than a GGUF."""
     if cfg.tensor_parallel_size < 1 or not 0 < cfg.gpu_memory_utilization <= 1 \
-            or cfg.max_model_len < 0:
-        raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1 "
-                          f"and max_model_len >= 0 (got {cfg.tensor_parallel_size}, "
-                          f"{cfg.gpu_memory_utilization}, {cfg.max_model_len})")
+            or cfg.max_model_len < 0 or cfg.kv_cache_gib < 0:
+        raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1, "
+                          f"max_model_len >= 0 and kv_cache_gib >= 0 (got "
+                          f"{cfg.tensor_parallel_size}, {cfg.gpu_memory_utilization}, "
+                          f"{cfg.max_model_len}, {cfg.kv_cache_gib})")
     if cfg.backend == "vllm" and cfg.target.endswith(".gguf"):
         raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
                           f"GGUF {cfg.target}: run `eyas convert --target {cfg.target} --out "
                           f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
+
+def engine_options(cfg) -> dict:
+    """Those options as `vllm.LLM` keyword arguments (unset ones left to vLLM). A KV cache size
+    (kv_cache_memory_bytes, vLLM >= 0.11) skips the start-up memory profile: on a GPU that
+    other processes share, that profile fails when one of them frees memory meanwhile ("Error
+    in memory profiling. Initial free memory ..., current free memory ...")."""
+    engine = {"tensor_parallel_size": cfg.tensor_parallel_size,
+              "gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if cfg.max_model_len:
+        engine["max_model_len"] = cfg.max_model_len
+    if cfg.kv_cache_gib:
+        engine["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+    return engine
+
 
 class VLLMGenerator:
     """`render` and `generate` as `LocalGenerator` has them, on a `vllm.LLM` made at once.
