@@ -243,15 +243,20 @@ def test_transformers_backend_regenerates_like_plain_generate(setup, local_run):
     assert "unknown role 'robot'" in reasons["bad-role"]
 
 
-@pytest.mark.parametrize("batching", ["continuous", "lookup"])
-def test_other_batchings_give_the_same_answers(setup, local_run, tmp_path, batching):
+@pytest.mark.parametrize("batching, batch_size", [("continuous", 3), ("continuous", 1),
+                                                   ("lookup", 3)])
+def test_other_batchings_give_the_same_answers(setup, local_run, tmp_path, batching,
+                                               batch_size):
     """Padded batches (the default), transformers' continuous batching and prompt-lookup
     speculative batches all equal the plain generate reference row for row, so they equal
-    each other (T=0)."""
+    each other (T=0). Continuous batching keeps batch_size x 8 conversations in flight and
+    refills the pool as they end: at batch size 1 the pool (8) is smaller than the input, so
+    conversations join while others are mid-way."""
     assert json.loads((local_run[0] / "eyas.json").read_text())["config"]["batching"] == \
         "padded"
+    assert batch_size > 1 or len(setup[2]) > 8  # the pool is refilled
     out = tmp_path / batching
-    regenerate(_cfg(setup, out, batching=batching))
+    regenerate(_cfg(setup, out, batching=batching, batch_size=batch_size))
     _check_outputs(setup, out)
     assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
 
@@ -406,7 +411,8 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
     server = [r for r in rejects if r["kind"] == "server"]
     usable = len(setup[2]) - INPUT_REJECTS
     assert len(server) == stats["failed_by_kind"]["server"] == usable
-    assert all("after 2 attempts" in r["reason"] and "HTTP 500" in r["reason"] for r in server)
+    assert all("after 2 attempts" in r["reason"] and "HTTP 500" in r["reason"]
+               for r in server), [r["reason"] for r in server]
     assert down.stats["requests"] == 2 * usable  # every request was retried once
 
     with ChatServer(gen, "tiny", max_prompt_tokens=3) as small, \

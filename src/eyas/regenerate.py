@@ -401,29 +401,100 @@ def _load_generator(cfg: RegenerateConfig):
 
 
 def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
-    """The transformers and vllm backends: windows of --batch-size x 8 conversations."""
+    """The transformers and vllm backends. Engines that schedule a whole call themselves
+    (vLLM, transformers' continuous batching) keep --batch-size x 8 conversations in flight:
+    each call answers the next turn of every one of them, and a conversation that ends is
+    written and replaced by the next at once (`_run_rolling`). Padded and lookup batching take
+    windows of that many, sorted by length, in batches of --batch-size (`_run_windows`)."""
     import torch
 
     torch.manual_seed(cfg.seed)
-    gen = None  # loaded at the first window: a finished run resumes without loading it
+    first = next(jobs, None)
+    if first is None:
+        return  # a finished run resumes without loading the target
+    gen = _load_generator(cfg)
     try:
-        while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
-            gen = gen or _load_generator(cfg)
-            # Conversations of similar length share a batch, so left padding wastes little;
-            # continuous batching and vLLM take the whole window in one call and schedule it.
-            window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
-            step = len(window) if gen.batching in ("continuous", "engine") else cfg.batch_size
-            for start in range(0, len(window), step):
-                batch = window[start:start + step]
-                for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
-                    if isinstance(result, Rejected):
-                        output.reject(job.file, job.row, job.sample_id, result)
-                    else:
-                        output.ok(job, result)
-                output.sync()
+        run = _run_rolling if gen.batching in ("continuous", "engine") else _run_windows
+        run(gen, itertools.chain([first], jobs), cfg, output)
     finally:
-        if cfg.backend == "vllm" and gen is not None:
+        if cfg.backend == "vllm":
             gen.close()  # its GPU memory back before the next step of `eyas run`
+
+
+def _write(output: Output, job: Job, result: Regenerated | Rejected) -> None:
+    if isinstance(result, Rejected):
+        output.reject(job.file, job.row, job.sample_id, result)
+    else:
+        output.ok(job, result)
+
+
+def _run_windows(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output) -> None:
+    while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
+        # Conversations of similar length share a batch, so left padding wastes little.
+        window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
+        for start in range(0, len(window), cfg.batch_size):
+            batch = window[start:start + cfg.batch_size]
+            for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
+                _write(output, job, result)
+            output.sync()
+
+
+def _run_rolling(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output) -> None:
+    """A pool of conversations in flight, one generate call per round over the next turn of
+    each; whoever ends leaves the pool and a new conversation takes its place. (With whole
+    windows instead, a window's last rounds ran a handful of long chats on an idle engine.)"""
+    size, kwargs = cfg.batch_size * 8, TEMPLATE_KWARGS[cfg.reasoning]
+    live: list[Conversation] = []
+    more = True
+    while live or more:
+        if more:
+            new = [Conversation(job, cfg) for job in itertools.islice(jobs, size - len(live))]
+            more = len(new) == size - len(live)
+            live += new
+        asked = [(c, p) for c in live if (p := c.next_prompt(gen, kwargs)) is not None]
+        for c in live:
+            if c.result is not None:
+                _write(output, c.job, c.result)
+        live = [c for c, _ in asked]
+        if asked:
+            outs = gen.generate([p for _, p in asked], cfg.max_new_tokens, cfg.temperature,
+                                cfg.top_p)
+            for (c, _), out in zip(asked, outs):
+                c.take(out)
+        output.sync()
+
+
+class Conversation:
+    """One job regenerated turn by turn: `next_prompt` gives the prompt of its next turn, or
+    None once it has ended (`result`: the Regenerated conversation or the Rejected that
+    stopped it); `take` puts the generated answer in."""
+
+    def __init__(self, job: Job, cfg: RegenerateConfig):
+        self.job, self.cfg = job, cfg
+        self.messages = [dict(m) for m in job.messages]
+        self.done = 0  # turns answered
+        self.result: Regenerated | Rejected | None = None
+
+    def next_prompt(self, gen, kwargs: dict) -> list[int] | None:
+        if self.result is None and self.done == len(self.job.turns):
+            self.result = Regenerated(self.messages)
+        if self.result is not None:
+            return None
+        turn = self.job.turns[self.done]
+        prompt = gen.render(self.messages[:turn], kwargs)
+        try:
+            self.result = stop_at_length(self.messages, self.job, turn, len(prompt), self.cfg)
+        except Rejected as err:
+            self.result = err
+        return prompt if self.result is None else None
+
+    def take(self, out: Generation) -> None:
+        turn = self.job.turns[self.done]
+        self.done += 1
+        try:
+            self.result = _answer(self.messages, turn, out, self.cfg)
+        except Rejected as err:
+            self.result = err
 
 
 def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
@@ -432,31 +503,14 @@ def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
 
     Returns, per job, its Regenerated conversation or the Rejected that stopped it.
     """
-    convs = [[dict(m) for m in job.messages] for job in jobs]
-    ended: list[Regenerated | Rejected | None] = [None] * len(jobs)  # None: still going
+    convs = [Conversation(job, cfg) for job in jobs]
     kwargs = TEMPLATE_KWARGS[cfg.reasoning]
-    for r in range(max(len(job.turns) for job in jobs)):
-        live = [k for k, job in enumerate(jobs) if r < len(job.turns) and ended[k] is None]
-        if not live:
-            break
-        prompts = {k: gen.render(convs[k][:jobs[k].turns[r]], kwargs) for k in live}
-        for k in live:
-            try:
-                ended[k] = stop_at_length(convs[k], jobs[k], jobs[k].turns[r], len(prompts[k]),
-                                          cfg)
-            except Rejected as err:
-                ended[k] = err
-        live = [k for k in live if ended[k] is None]
-        if not live:
-            continue
-        outs = gen.generate([prompts[k] for k in live], cfg.max_new_tokens, cfg.temperature,
+    while asked := [(c, p) for c in convs if (p := c.next_prompt(gen, kwargs)) is not None]:
+        outs = gen.generate([p for _, p in asked], cfg.max_new_tokens, cfg.temperature,
                             cfg.top_p)
-        for k, out in zip(live, outs):
-            try:
-                ended[k] = _answer(convs[k], jobs[k].turns[r], out, cfg)
-            except Rejected as err:
-                ended[k] = err
-    return [Regenerated(conv) if end is None else end for end, conv in zip(ended, convs)]
+        for (c, _), out in zip(asked, outs):
+            c.take(out)
+    return [c.result for c in convs]
 
 
 # ---------------------------------------------------------------- openai backend

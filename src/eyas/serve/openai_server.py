@@ -259,6 +259,13 @@ def _error(status: int, message: str) -> tuple[int, dict]:
     return status, {"error": {"message": message, "type": kinds[status], "code": status}}
 
 
+class _Listener(ThreadingHTTPServer):
+    # socketserver's backlog of 5 overflows when a client opens its 64 connections at once
+    # on a loaded machine: the kernel then resets some, and the client counts a server error
+    # that the server never saw (a flaky regenerate test, seen beside a second test run)
+    request_queue_size = 256
+
+
 class ChatServer:
     """An OpenAI-compatible chat server on `host:port` (port 0 = a free one; see `.url`).
 
@@ -290,7 +297,7 @@ class ChatServer:
         self.stats: Counter = Counter()
         self._stats_lock = threading.Lock()
         self._in_flight = 0
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
+        self.httpd = _Listener((host, port), _Handler)
         self.httpd.daemon_threads = True
         self.httpd.chat = self
         self._thread: threading.Thread | None = None
