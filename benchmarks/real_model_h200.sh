@@ -29,6 +29,8 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB
 cd "$W/repo" || exit 1
 stage() { echo "$(date +%T) $*" >> "$R/stages.txt"; }
 T=$W/smol-hf
+exec 9> "$W/convert.lock"
+flock 9  # instances started together: one converts, the others wait for it
 if [ -f $T/eyas.json ]; then  # another instance of this script converted it
   rc=0
 else
@@ -37,6 +39,7 @@ else
   rc=$?
   stage "convert rc $rc"
 fi
+flock -u 9
 [ $rc = 0 ] || T=$W/smol.gguf
 REAL_ARGS=${REAL_ARGS:---max-train 3000 --regen-tokens 160 --regen-batch 1000 \
     --eval-fraction 0.07 --epochs 20 --batch-tokens 16384 --indist-prompts 200 \
