@@ -166,8 +166,26 @@ def test_head_is_the_targets_final_norm_and_lm_head(llama, llama_dir):
 
 
 def _cfg(llama_dir, prepared, out, **kw) -> CaptureConfig:
-    return CaptureConfig(target=str(llama_dir), data=str(prepared), out=str(out),
-                         model_dtype="fp32", batch_tokens=96, file_mb=0.02, **kw)
+    return CaptureConfig(**{"target": str(llama_dir), "data": str(prepared), "out": str(out),
+                            "model_dtype": "fp32", "batch_tokens": 96, "file_mb": 0.02, **kw})
+
+
+def _cpu_vllm_cfg(model_dir, prepared, out, **kw) -> CaptureConfig:
+    """`_cfg` through vLLM's CPU build: short rows, a fifth of the memory."""
+    return _cfg(model_dir, prepared, out, **{"backend": "vllm", "max_model_len": 64,
+                                             "gpu_memory_utilization": 0.2, **kw})
+
+
+def _same_rows(hf_dir, vllm_dir, *, rtol: float, atol: float) -> None:
+    """The two captures hold the same rows: ids, loss mask and top-1 equal, states within
+    rtol / atol (each caller says why its tolerance)."""
+    want, mine = _by_row(hf_dir), _by_row(vllm_dir)
+    assert set(mine) == set(want)
+    for row, g in mine.items():
+        for key in ("input_ids", "loss_mask", "target_top1"):
+            assert torch.equal(g[key], want[row][key]), (row, key)
+        for key in ("aux_hidden", "final_hidden"):
+            torch.testing.assert_close(g[key], want[row][key], rtol=rtol, atol=atol)
 
 
 def _stand_in(model, llama_dir, tmp_path, damage=None) -> VLLMCapture:
@@ -482,20 +500,12 @@ def test_vllm_cpu_capture_with_the_connectors_cuda_copy_stubbed(cpu_engine_stubb
 
     root = tmp_path_factory.mktemp("capture-vllm-stubbed")
     model_dir, prepared, hf = _tiny_target_captured(root, n_train=8)
-    got = capture(CaptureConfig(target=str(model_dir), data=str(prepared), out=str(root / "vllm"),
-                                model_dtype="fp32", backend="vllm", max_model_len=64,
-                                gpu_memory_utilization=0.2, batch_tokens=96, file_mb=0.02))
+    got = capture(_cpu_vllm_cfg(model_dir, prepared, root / "vllm"))
     assert got["samples"] == hf["samples"] == 8 and got["nonfinite"] == 0
     shards.verify(root / "vllm")
     assert read_manifest(root / "vllm", step="capture")["engine"]["vllm_version"] == \
         vllm.__version__
-    want, mine = _by_row(root / "hf"), _by_row(root / "vllm")
-    assert set(mine) == set(want)
-    for row, g in mine.items():
-        for key in ("input_ids", "loss_mask", "target_top1"):
-            assert torch.equal(g[key], want[row][key]), (row, key)
-        for key in ("aux_hidden", "final_hidden"):  # float32 forwards, stored in bf16
-            torch.testing.assert_close(g[key], want[row][key], rtol=8e-3, atol=1e-5)
+    _same_rows(root / "hf", root / "vllm", rtol=8e-3, atol=1e-5)  # fp32 forwards, bf16 stored
     # and before storage: float32 states, final hidden and top-1 of the transformers forward
     engine = VLLMCapture.start(str(model_dir), AUX, revision=None, trust_remote_code=False,
                                dtype="float32", max_model_len=64, gpu_memory_utilization=0.2)
@@ -553,13 +563,7 @@ def test_vllm_cpu_capture_of_a_wrapper_through_the_plugin(cpu_engine_stubbed, tm
         (off.stdout + off.stderr)[-3000:]
     got = capture(CaptureConfig(**settings, out=str(root / "vllm")))
     assert got["samples"] == hf["samples"] == 8 and got["nonfinite"] == 0
-    want, mine = _by_row(root / "hf"), _by_row(root / "vllm")
-    assert set(mine) == set(want)
-    for row, g in mine.items():
-        for key in ("input_ids", "loss_mask", "target_top1"):
-            assert torch.equal(g[key], want[row][key]), (row, key)
-        for key in ("aux_hidden", "final_hidden"):
-            torch.testing.assert_close(g[key], want[row][key], rtol=2**-6, atol=1e-6)
+    _same_rows(root / "hf", root / "vllm", rtol=2**-6, atol=1e-6)
 
 
 # vLLM's CPU build (0.32) on a CPU without AMX: no FP8 block GEMM, no INT4 MoE
@@ -567,22 +571,10 @@ CPU_NO_FP8 = "requires AMX tile support"
 CPU_NO_INT4_MOE = "No WNA16 MoE backend supports the deployment configuration"
 
 
-def _moe_vllm_cfg(model_dir, prepared, out, model_dtype="fp32") -> CaptureConfig:
-    return CaptureConfig(target=str(model_dir), data=str(prepared), out=str(out),
-                         model_dtype=model_dtype, backend="vllm", max_model_len=64,
-                         gpu_memory_utilization=0.2, batch_tokens=96, file_mb=0.02)
-
-
 def _same_capture(hf_dir, vllm_dir, hf: dict, got: dict) -> None:
     assert got["samples"] == hf["samples"] and got["nonfinite"] == 0
     shards.verify(vllm_dir)
-    want, mine = _by_row(hf_dir), _by_row(vllm_dir)
-    assert set(mine) == set(want)
-    for row, g in mine.items():
-        for key in ("input_ids", "loss_mask", "target_top1"):
-            assert torch.equal(g[key], want[row][key]), (row, key)
-        for key in ("aux_hidden", "final_hidden"):  # float32 forwards, stored in bf16
-            torch.testing.assert_close(g[key], want[row][key], rtol=2**-6, atol=1e-6)
+    _same_rows(hf_dir, vllm_dir, rtol=2**-6, atol=1e-6)  # fp32 forwards, stored in bf16
 
 
 @pytest.mark.vllm
@@ -598,7 +590,7 @@ def test_vllm_cpu_capture_of_a_deepseek_v3_moe(cpu_engine_stubbed, tmp_path_fact
     model_dir = build_tiny_deepseek(root / "model", vllm_mla=True)
     prepared = make_prepared(root / "prepared", model_dir, n_train=4, n_eval=2)
     hf = capture(_cfg(model_dir, prepared, root / "hf"))
-    got = capture(_moe_vllm_cfg(model_dir, prepared, root / "vllm"))
+    got = capture(_cpu_vllm_cfg(model_dir, prepared, root / "vllm"))
     _same_capture(root / "hf", root / "vllm", hf, got)
 
 
@@ -616,9 +608,9 @@ def test_vllm_cpu_capture_of_an_fp8_deepseek_v3(cpu_engine_stubbed, tmp_path_fac
     hf = capture(_cfg(fp8, prepared, root / "hf"))
     if not torch.cpu._is_amx_tile_supported():
         with pytest.raises(ValueError, match=CPU_NO_FP8):
-            capture(_moe_vllm_cfg(fp8, prepared, root / "fp8-vllm", model_dtype="bf16"))
+            capture(_cpu_vllm_cfg(fp8, prepared, root / "fp8-vllm", model_dtype="bf16"))
     plain = dequantize_fp8_checkpoint(fp8, root / "plain", dtype=torch.float32)
-    got = capture(_moe_vllm_cfg(plain, prepared, root / "vllm"))
+    got = capture(_cpu_vllm_cfg(plain, prepared, root / "vllm"))
     _same_capture(root / "hf", root / "vllm", hf, got)
 
 
@@ -633,4 +625,4 @@ def test_vllm_cpu_has_no_int4_moe_for_deepseek_routing(cpu_engine_stubbed, tmp_p
     model_dir = build_tiny_deepseek(tmp_path / "model", quant="int4", vllm_mla=True)
     prepared = make_prepared(tmp_path / "prepared", model_dir, n_train=2, n_eval=1)
     with pytest.raises(NotImplementedError, match=CPU_NO_INT4_MOE):
-        capture(_moe_vllm_cfg(model_dir, prepared, tmp_path / "vllm", model_dtype="bf16"))
+        capture(_cpu_vllm_cfg(model_dir, prepared, tmp_path / "vllm", model_dtype="bf16"))

@@ -9,8 +9,9 @@ turn (a prompt-only row is the usual case) gets its final answer generated as a 
 answer cut at `max_new_tokens` is kept, marked `"truncated": true`, and ends its conversation
 (unless `drop_truncated`). A conversation also ends before a turn whose prompt already has
 `max_length` tokens (prepare's default limit, past which prepare cuts rows anyway): a chat of a
-hundred turns is not answered turn by turn for text no step reads. The result, `out/conversations.jsonl` (OpenAI `messages` form, with
-each input row's id), is input for `eyas prepare`.
+hundred turns is not answered turn by turn for text no step reads. The result,
+`out/conversations.jsonl` (OpenAI `messages` form, with each input row's id), is input for
+`eyas prepare`.
 
 Backends: `transformers` generates here in left-padded batches with a KV cache; `openai`
 calls OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang) with many requests in
@@ -25,6 +26,7 @@ run was interrupted.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections import Counter
@@ -355,7 +357,7 @@ def _answer(messages: list[dict], turn: int, gen: Generation,
 
 
 def stop_at_length(messages: list[dict], job: Job, turn: int, prompt_tokens: int,
-              cfg: RegenerateConfig) -> Regenerated | None:
+                   cfg: RegenerateConfig) -> Regenerated | None:
     """The conversation ended before the turn at `messages[turn]` if its prompt has
     cfg.max_length tokens or more: cut after the last answer generated before it (Rejected,
     kind length, if there is none); None to go on."""
@@ -371,18 +373,15 @@ def stop_at_length(messages: list[dict], job: Job, turn: int, prompt_tokens: int
 
 
 def converse(job: Job, complete: Callable[[list[dict]], Generation],
-             cfg: RegenerateConfig, count: Callable[[list[dict]], int]) -> Regenerated:
-    """Regenerate the job's turns in order, each given the conversation so far; `count`
-    gives a prompt's length in tokens (for max_length)."""
-    messages = [dict(m) for m in job.messages]
-    for turn in job.turns:
-        if cfg.max_length and (ended := stop_at_length(messages, job, turn,
-                                                       count(messages[:turn]), cfg)):
-            return ended
-        ended = _answer(messages, turn, complete(messages[:turn]), cfg)
-        if ended is not None:
-            return ended
-    return Regenerated(messages)
+             cfg: RegenerateConfig, render: Callable[[list[dict]], list[int]]) -> Regenerated:
+    """Regenerate the job's turns in order, each given the conversation so far (`complete`
+    answers it; `render` gives its prompt ids, for max_length). Rejected if it failed."""
+    c = Conversation(job, cfg)
+    while c.next_prompt(render) is not None:
+        c.take(complete(c.messages[:job.turns[c.done]]))
+    if isinstance(c.result, Rejected):
+        raise c.result
+    return c.result
 
 
 # ---------------------------------------------------------------- transformers backend
@@ -443,7 +442,8 @@ def _run_rolling(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output
     """A pool of conversations in flight, one generate call per round over the next turn of
     each; whoever ends leaves the pool and a new conversation takes its place. (With whole
     windows instead, a window's last rounds ran a handful of long chats on an idle engine.)"""
-    size, kwargs = cfg.batch_size * 8, TEMPLATE_KWARGS[cfg.reasoning]
+    size = cfg.batch_size * 8
+    render = functools.partial(gen.render, template_kwargs=TEMPLATE_KWARGS[cfg.reasoning])
     live: list[Conversation] = []
     more = True
     while live or more:
@@ -451,7 +451,7 @@ def _run_rolling(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output
             new = [Conversation(job, cfg) for job in itertools.islice(jobs, size - len(live))]
             more = len(new) == size - len(live)
             live += new
-        asked = [(c, p) for c in live if (p := c.next_prompt(gen, kwargs)) is not None]
+        asked = [(c, p) for c in live if (p := c.next_prompt(render)) is not None]
         for c in live:
             if c.result is not None:
                 _write(output, c.job, c.result)
@@ -465,9 +465,9 @@ def _run_rolling(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output
 
 
 class Conversation:
-    """One job regenerated turn by turn: `next_prompt` gives the prompt of its next turn, or
-    None once it has ended (`result`: the Regenerated conversation or the Rejected that
-    stopped it); `take` puts the generated answer in."""
+    """One job regenerated turn by turn: `next_prompt` gives the prompt of its next turn
+    (`render`ed from the conversation so far), or None once it has ended (`result`: the
+    Regenerated conversation or the Rejected that stopped it); `take` puts the answer in."""
 
     def __init__(self, job: Job, cfg: RegenerateConfig):
         self.job, self.cfg = job, cfg
@@ -475,13 +475,13 @@ class Conversation:
         self.done = 0  # turns answered
         self.result: Regenerated | Rejected | None = None
 
-    def next_prompt(self, gen, kwargs: dict) -> list[int] | None:
+    def next_prompt(self, render: Callable[[list[dict]], list[int]]) -> list[int] | None:
         if self.result is None and self.done == len(self.job.turns):
             self.result = Regenerated(self.messages)
         if self.result is not None:
             return None
         turn = self.job.turns[self.done]
-        prompt = gen.render(self.messages[:turn], kwargs)
+        prompt = render(self.messages[:turn])
         try:
             self.result = stop_at_length(self.messages, self.job, turn, len(prompt), self.cfg)
         except Rejected as err:
@@ -504,8 +504,8 @@ def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
     Returns, per job, its Regenerated conversation or the Rejected that stopped it.
     """
     convs = [Conversation(job, cfg) for job in jobs]
-    kwargs = TEMPLATE_KWARGS[cfg.reasoning]
-    while asked := [(c, p) for c in convs if (p := c.next_prompt(gen, kwargs)) is not None]:
+    render = functools.partial(gen.render, template_kwargs=TEMPLATE_KWARGS[cfg.reasoning])
+    while asked := [(c, p) for c in convs if (p := c.next_prompt(render)) is not None]:
         outs = gen.generate([p for _, p in asked], cfg.max_new_tokens, cfg.temperature,
                             cfg.top_p)
         for (c, _), out in zip(asked, outs):
@@ -530,8 +530,8 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
         except RequestFailed as err:
             raise Rejected(str(err), "server") from None
 
-    def count(messages: list[dict]) -> int:  # as the server renders it, with this tokenizer
-        return len(render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning]))
+    def render(messages: list[dict]) -> list[int]:  # as the server renders it (max_length)
+        return render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning])
 
     pending: dict[Future, Job] = {}
 
@@ -547,7 +547,7 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
     pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="eyas-regenerate")
     try:
         for job in jobs:
-            pending[pool.submit(converse, job, complete, cfg, count)] = job
+            pending[pool.submit(converse, job, complete, cfg, render)] = job
             # A bounded queue keeps memory flat and the outputs close to the input position.
             while len(pending) >= 2 * cfg.concurrency:
                 collect()

@@ -36,6 +36,7 @@ def check_engine_options(cfg) -> None:
                           f"GGUF {cfg.target}: run `eyas convert --target {cfg.target} --out "
                           f"FOLDER` and pass the folder (artifacts of the GGUF accept it)")
 
+
 def engine_options(cfg) -> dict:
     """Those options as `vllm.LLM` keyword arguments (unset ones left to vLLM). A KV cache size
     (kv_cache_memory_bytes, vLLM >= 0.11) skips the start-up memory profile: on a GPU that

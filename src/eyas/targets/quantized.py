@@ -4,9 +4,10 @@ Two checkpoint formats, each written from a random bf16 model so that tests can 
 transformers exactly as a user loads the real one:
 
 - `build_tiny_fp8_deepseek(out_dir)` (`build_tiny_deepseek(out_dir, quant="fp8")`): a
-  DeepSeek-V3-shaped MoE in DeepSeek-V3's published FP8 format: every decoder `Linear` weight (attention, dense MLP, shared and routed experts) stored
-  as `float8_e4m3fn` with a float32 `weight_scale_inv` per 128 x 128 block (weight = fp8 *
-  scale_inv), the router, norms, embedding and lm_head in bf16, and `quantization_config`
+  DeepSeek-V3-shaped MoE in DeepSeek-V3's published FP8 format: every decoder `Linear` weight
+  (attention, dense MLP, shared and routed experts) stored as `float8_e4m3fn` with a float32
+  `weight_scale_inv` per 128 x 128 block (weight = fp8 * scale_inv), the router, norms,
+  embedding and lm_head in bf16, and `quantization_config`
   `{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
   "activation_scheme": "dynamic"}`.
 - `build_tiny_kimi_int4(out_dir)`: the Kimi-K2.5-like wrapper (`eyas.targets.kimi_like`) with
@@ -211,6 +212,10 @@ def build_tiny_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int =
 
     from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
 
+    formats = {"fp8": (_to_fp8, FP8_QUANTIZATION_CONFIG),
+               "int4": (_int4_experts, KIMI_INT4_QUANTIZATION_CONFIG)}
+    if quant is not None and quant not in formats:
+        raise ValueError(f"quant={quant!r}: use None, 'fp8' or 'int4'")
     config = tiny_config("deepseek_v3", num_layers=num_layers + 1)  # it takes one off
     for key, value in {**V3_ROUTER, **(VLLM_MLA if vllm_mla else {})}.items():
         setattr(config, key, value)
@@ -224,21 +229,10 @@ def build_tiny_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: int =
     out_dir = Path(out_dir)
     model.to(torch.bfloat16 if quant else torch.float32).save_pretrained(out_dir)
     save_tiny_tokenizer(out_dir)
-
-    def to_fp8(name, tensor):
-        if not _is_fp8_linear(name, tensor):
-            return {name: tensor}
-        q, scale_inv = fp8_block_quantize(tensor)
-        return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale_inv}
-
-    if quant == "fp8":
-        _rewrite_safetensors(out_dir, to_fp8)
-        _set_quantization_config(out_dir, FP8_QUANTIZATION_CONFIG)
-    elif quant == "int4":
-        _rewrite_safetensors(out_dir, _int4_experts)
-        _set_quantization_config(out_dir, KIMI_INT4_QUANTIZATION_CONFIG)
-    elif quant is not None:
-        raise ValueError(f"quant={quant!r}: use None, 'fp8' or 'int4'")
+    if quant is not None:
+        convert, quantization_config = formats[quant]
+        _rewrite_safetensors(out_dir, convert)
+        _set_quantization_config(out_dir, quantization_config)
     return out_dir
 
 
@@ -247,6 +241,13 @@ def build_tiny_fp8_deepseek(out_dir: str | Path, seed: int = 0, *, num_layers: i
     """`build_tiny_deepseek` in DeepSeek-V3's FP8 block format, at the test bed's dims."""
     return build_tiny_deepseek(out_dir, seed, num_layers=num_layers, quant="fp8",
                                intermediate_size=intermediate_size)
+
+
+def _to_fp8(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not _is_fp8_linear(name, tensor):
+        return {name: tensor}
+    q, scale_inv = fp8_block_quantize(tensor)
+    return {name: q, name.removesuffix("weight") + "weight_scale_inv": scale_inv}
 
 
 def _int4_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
