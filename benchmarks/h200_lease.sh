@@ -27,6 +27,8 @@
 #              copied into $W/corpus, where stage scale reads them
 #   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
+#   monitor    record GPU, memory and disk use every 10 s into $W/results/monitor.txt, in the
+#              background (pid in $W/monitor.pidm: poll does not wait for it)
 #   poll S     wait up to S seconds while any started job runs, then pack $W/results into
 #              $OUT/results.tgz and the scale corpus parts, finished or growing, into $OUT
 #              (split at 15 MB: join with cat); prints the stages
@@ -34,7 +36,7 @@ set -u
 W=${W:-/tmp/w}
 R=$W/results
 mkdir -p "$R"
-step=${1:?"name a step: a, b, c, vpart, gpart, corpus, start, poll"}
+step=${1:?"name a step: a, b, c, vpart, gpart, corpus, start, monitor, poll"}
 shift
 collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
   # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
@@ -101,6 +103,12 @@ start)
   setsid nohup "$@" > "$R/$name.out" 2>&1 < /dev/null &
   echo $! > "$W/$name.pid"
   echo "started $name: pid $(cat $W/$name.pid)" ;;
+monitor)
+  setsid nohup bash -c "while true; do echo \$(date +%T) \$(nvidia-smi \
+      --query-gpu=utilization.gpu,memory.used --format=csv,noheader) \
+      mem \$(free -g | awk '/Mem:/ {print \$3}') GiB, disk \$(df -h /tmp | awk 'NR==2 {print \$3}'); \
+      sleep 10; done" >> "$R/monitor.txt" 2>&1 < /dev/null &
+  echo $! > "$W/monitor.pidm" ;;
 poll)
   end=$((SECONDS + ${1:-500}))
   running() {

@@ -164,6 +164,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # issue 31 item 4: regenerate the next SCALE_REGEN prompts of the curve order (vLLM from
     # /tmp/vsite) into $W/corpus, then every size whose prefix has arrived and that the carried
     # $W/scale-smollm2.json lacks; the JSON, table, plots and the new part land in $R as they end
+    # (SCALE_NAME: another JSON and log, for an instance that runs beside this one)
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
     cp $W/scale-smollm2.json "$R/scale-smollm2.json" 2>/dev/null
     if [ -n "${SCALE_WAIT_REGEN:-}" ]; then
@@ -176,9 +177,10 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       stage "scale: the regeneration's vLLM engine is ready (or 300 s passed)"
     fi
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
-        --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale --out "$R/scale-smollm2.json" \
-        --regenerate ${SCALE_REGEN:-0} ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} \
-        ${SCALE_ARGS:-} > "$R/scale.out" 2>&1
+        --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale \
+        --out "$R/${SCALE_NAME:-scale-smollm2}.json" --regenerate ${SCALE_REGEN:-0} \
+        ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} ${SCALE_ARGS:-} \
+        > "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1
     stage "scale rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
   scale-regen)
@@ -189,7 +191,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} python3 benchmarks/scale.py --target $T \
         --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale \
         --out "$R/scale-regen-unused.json" --sizes '' --regenerate ${SCALE_REGEN:-0} \
-        ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} > "$R/scale-regen.out" 2>&1
+        ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} >> "$R/scale-regen.out" 2>&1
     stage "scale-regen rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
   vcapture)
