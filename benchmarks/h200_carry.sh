@@ -3,7 +3,10 @@
 # H200 (offline there). Each session's checkout starts without them (they are ignored by git),
 # so this is the first thing a session that plans a lease runs (docs/benchmarks.md, "A lease,
 # call by call"); ~10 minutes with a fresh pip cache.
-#   bash benchmarks/h200_carry.sh [vllm]     (vllm: also the vLLM bundle, .carry/v0..v3)
+#   bash benchmarks/h200_carry.sh [vllm] [qwen]
+#     vllm: also the vLLM bundle, .carry/v0..v3
+#     qwen: also Qwen2.5-Coder-0.5B-Instruct's GGUF (issue 33) in 45 MB parts, .carry/q0..q10
+#           (for h200_lease.sh gpart: each with the parts' SHA256SUMS and qwen.gguf.sha256)
 # writes:
 #   .whl            wheels the H200 image lacks: datasets, dill, multiprocess, gguf (Python 3.12)
 #   .carry/a        the SmolLM2 GGUF's first third (gguf.part-aa), realdata.tgz (realdata/ of
@@ -64,7 +67,7 @@ for name in benchsets.SETS:  # the 20 MB archive of alpaca and arena-hard travel
     shutil.copy(benchsets.archive(name), sys.argv[1].replace("/b/", "/c/") if big else sys.argv[1])
 EOF
 
-if [ "${1:-}" = vllm ]; then
+if [[ " $* " == *" vllm "* ]]; then
   bash benchmarks/vllm_bundle.sh .carry/vllm
   rm -rf .carry/v[0-9]
   i=0
@@ -73,8 +76,22 @@ if [ "${1:-}" = vllm ]; then
   done
 fi
 
+if [[ " $* " == *" qwen "* ]]; then
+  q=$("$PY" tests/split_gguf.py qwen2.5-coder-0.5b)  # fetched, joined and checked once
+  rm -rf .carry/q[0-9]* "$T/q" && mkdir -p "$T/q"
+  split -b 45000000 -d -a 2 "$q" "$T/q/qwen.gguf.part-"
+  (cd "$T/q" && sha256sum qwen.gguf.part-* > SHA256SUMS)
+  (cd "$(dirname "$q")" && sha256sum "$(basename "$q")" | sed 's/ .*/  qwen.gguf/') \
+      > "$T/q/qwen.gguf.sha256"
+  i=0
+  for part in "$T"/q/qwen.gguf.part-*; do
+    mkdir -p .carry/q$i && mv "$part" .carry/q$i/ && cp "$T"/q/SHA256SUMS "$T"/q/qwen.gguf.sha256 .carry/q$i/
+    i=$((i + 1))
+  done
+fi
+
 tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
-for d in .carry/a .carry/b .carry/c .carry/v[0-9]; do
+for d in .carry/a .carry/b .carry/c .carry/v[0-9] .carry/q[0-9]*; do
   [ -d "$d" ] || continue
   n=$(( tree + $(du -sb "$d" | cut -f1) ))
   [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too

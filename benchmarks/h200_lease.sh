@@ -72,7 +72,7 @@ b)
   mkdir -p $W/corpus  # the scale corpus's seed (docs/benchmarks.md, "The scaling curve")
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       $W/corpus/conversations-seed-2000.jsonl.gz
-  cp $W/repo/benchmarks/results/scale-corpus/conversations-p* $W/corpus/ 2>/dev/null
+  cp $W/repo/benchmarks/results/scale-corpus/* $W/corpus/ 2>/dev/null
   ls -la $W/corpus ;;
 c)
   cp .carry/c/gguf.part-ac /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1

@@ -182,7 +182,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} ${SCALE_ARGS:-} \
         > "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1
     stage "scale rc $?"
-    cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
+    cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json \
+        $W/corpus/rejects-p*.jsonl "$R/" 2>/dev/null ;;
   scale-regen)
     # issue 31 item 3: only regenerate the next SCALE_REGEN prompts of the curve order, beside
     # a `scale` instance (started with SCALE_WAIT_REGEN=1) that trains the sizes already here;
@@ -193,7 +194,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --out "$R/scale-regen-unused.json" --sizes '' --regenerate ${SCALE_REGEN:-0} \
         ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} >> "$R/scale-regen.out" 2>&1
     stage "scale-regen rc $?"
-    cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null ;;
+    cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json \
+        $W/corpus/rejects-p*.jsonl "$R/" 2>/dev/null ;;
   vcapture)
     # issue 32: `eyas capture --backend vllm` against `--backend transformers` on the rows the
     # pipeline (or ablation) prepared, float32 (exactness and speed), then on a random

@@ -92,6 +92,21 @@ def curve_order(prompts: Path, seed: int) -> list[str]:
     return ids
 
 
+def read_rejects(patterns: list[str]) -> set[str]:
+    """Ids that eyas regenerate refused (its rejects.jsonl, kept beside each part as
+    rejects-pNN-ROWS.jsonl): they never get an answer, so the curve order skips them (each
+    counted in the JSON) instead of every later size waiting for them."""
+    out = set()
+    for path in sorted({Path(p) for pat in patterns for p in glob.glob(pat)}):
+        for line in path.open():
+            if line.strip():
+                row = json.loads(line)
+                row_id = row.get("sample_id") or row.get("id")
+                if row_id is not None:
+                    out.add(str(row_id))
+    return out
+
+
 def available(order: list[str], corpus: dict[str, str]) -> int:
     """How many ids of the curve order have arrived without a gap."""
     n = 0
@@ -128,13 +143,24 @@ def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dic
     work.mkdir(parents=True, exist_ok=True)
     (work / "prompts.jsonl").write_text("".join(line + "\n" for line in todo))
     start = time.perf_counter()
-    run("regenerate", "--target", a.target, "--data", work / "prompts.jsonl",
-        "--out", work / "out", *shlex.split(a.regen_args), log=work / "log.txt", out=work / "out")
+    try:
+        run("regenerate", "--target", a.target, "--data", work / "prompts.jsonl", "--out",
+            work / "out", *shlex.split(a.regen_args), log=work / "log.txt", out=work / "out")
+    except SystemExit:  # eyas regenerate fails a run whose every row it rejected
+        refused = read_rejects([str(work / "out/rejects.jsonl")])
+        if not {json.loads(line)["id"] for line in todo} <= refused:
+            raise
+        print(f"every one of the {len(todo)} prompts was rejected (kept in the rejects file)",
+              flush=True)
     part.parent.mkdir(parents=True, exist_ok=True)
     with (work / "out/conversations.jsonl").open("rb") as src, gzip.open(part, "wb") as dst:
         shutil.copyfileobj(src, dst)
     shutil.copy(work / "out/eyas.json", part.with_name(part.name.replace(".jsonl.gz",
                                                                          "-eyas.json")))
+    if (work / "out/rejects.jsonl").is_file():
+        shutil.copy(work / "out/rejects.jsonl",
+                    part.with_name(part.name.replace("conversations-", "rejects-")
+                                   .replace(".jsonl.gz", ".jsonl")))
     print(f"regenerated {len(todo)} prompts in {time.perf_counter() - start:.0f} s -> {part}",
           flush=True)
     return part
@@ -423,11 +449,16 @@ def main(argv=None) -> dict:
 
     out = Path(a.out)
     patterns = a.corpus.split(",") if a.corpus else [f"{a.corpus_dir}/conversations*.jsonl*"]
-    order = curve_order(Path(a.data) / "train.jsonl", a.seed)
+    reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
+    full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
+    rejected = read_rejects(reject_globs)
+    order = [i for i in full_order if i not in rejected]
     corpus, files = read_corpus(patterns)
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
         corpus, files = read_corpus(patterns)
+        rejected = read_rejects(reject_globs)
+        order = [i for i in full_order if i not in rejected]
     sizes = sorted(int(x) for x in a.sizes.split(",") if x.strip())
     if not sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
@@ -441,6 +472,7 @@ def main(argv=None) -> dict:
     state.update({"target": a.target, "k": a.k, "seed": a.seed, "recipe": a.train_args or
                   "eyas train defaults", "eval": eval_settings(a), "corpus_files": files,
                   "corpus_rows": len(corpus), "curve_prefix_available": have,
+                  "rejected_by_regenerate": len(rejected & set(full_order)),
                   "command": " ".join(["python", "benchmarks/scale.py",
                                        *(argv if argv is not None else sys.argv[1:])]),
                   "date": time.strftime("%Y-%m-%d"), "device": _device()})

@@ -173,3 +173,80 @@ def test_no_sizes_only_regenerates_and_leaves_the_json_alone(tmp_path, monkeypat
     assert state == {} and calls == ["regenerate"] and not out.exists()
     assert sorted(f.name for f in (tmp_path / "corpus").iterdir()) == [
         "conversations-p01-4-eyas.json", "conversations-p01-4.jsonl.gz"]
+
+
+def test_rows_regenerate_rejects_are_skipped_by_the_curve_order_and_counted(tmp_path,
+                                                                            monkeypatch):
+    # the H200 run of session 16: two prompts longer than --max-length were rejected (kind
+    # length), and every size past the first of them waited for rows that never come
+    data = _data(tmp_path, 10)
+    order = scale.curve_order(data / "train.jsonl", 0)
+    refused = {order[2], order[5]}
+
+    def fake_run(step, *args, log, out):  # eyas regenerate's output files, in its formats
+        out.mkdir(parents=True)
+        rows = [json.loads(x) for x in
+                Path(args[args.index("--data") + 1]).read_text().splitlines()]
+        (out / "conversations.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows if r["id"] not in refused))
+        (out / "rejects.jsonl").write_text("".join(
+            json.dumps({"file": "prompts.jsonl", "row": n, "sample_id": r["id"],
+                        "reason": "too long", "kind": "length"}) + "\n"
+            for n, r in enumerate(rows) if r["id"] in refused))
+        (out / "eyas.json").write_text("{}")
+        return 1.0
+
+    trained = {}
+
+    def fake_train(a, n, lines, folder):
+        trained[n] = [json.loads(x)["id"] for x in lines]
+        (folder / "draft").mkdir(parents=True, exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}"}))
+        return {"tokens": n, "train_tokens": n, "gpu_minutes": 0.1, "draft_id": f"d{n}"}
+
+    monkeypatch.setattr(scale, "run", fake_run)
+    corpus = tmp_path / "corpus"
+    common = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+              str(tmp_path / "work"), "--out", str(tmp_path / "scale.json")]
+    scale.main([*common, "--sizes", "", "--regenerate", "10"])
+    assert sorted(f.name for f in corpus.iterdir()) == [
+        "conversations-p01-10-eyas.json", "conversations-p01-10.jsonl.gz",
+        "rejects-p01-10.jsonl"]
+    # a later lease: a bare work folder, the corpus and its rejects carried
+    import shutil
+    shutil.rmtree(tmp_path / "work")
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "run_size", lambda a, n, lines, fp, book: fake_train(
+        a, n, lines, tmp_path / f"s{n}"))
+    state = scale.main([*common, "--sizes", "4,8,9"])
+    kept = [i for i in order if i not in refused]
+    assert trained == {4: kept[:4], 8: kept[:8]}  # 9 would need a refused row: it waits
+    assert state["rejected_by_regenerate"] == 2 and state["curve_prefix_available"] == 8
+
+
+def test_a_part_whose_every_prompt_is_rejected_is_kept_not_a_failure(tmp_path, monkeypatch):
+    data = _data(tmp_path, 4)
+
+    def fake_run(step, *args, log, out):  # eyas regenerate exits 2 when no row succeeded
+        out.mkdir(parents=True)
+        rows = [json.loads(x) for x in
+                Path(args[args.index("--data") + 1]).read_text().splitlines()]
+        (out / "conversations.jsonl").write_text("")
+        (out / "rejects.jsonl").write_text("".join(
+            json.dumps({"sample_id": r["id"], "kind": "length"}) + "\n" for r in rows[:refuse]))
+        (out / "eyas.json").write_text("{}")
+        raise SystemExit("eyas regenerate failed (rc 2)")
+
+    monkeypatch.setattr(scale, "run", fake_run)
+    corpus = tmp_path / "corpus"
+    common = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+              str(tmp_path / "work"), "--out", str(tmp_path / "s.json"), "--sizes", ""]
+    refuse = 1  # one of two rejected, the other lost: a real failure, raised
+    with pytest.raises(SystemExit):
+        scale.main([*common, "--regenerate", "2"])
+    refuse = 3  # all three rejected: the part and its rejects are kept
+    import shutil
+    shutil.rmtree(tmp_path / "work")
+    scale.main([*common, "--regenerate", "3"])
+    assert (corpus / "rejects-p01-3.jsonl").is_file()
+    assert len(scale.read_rejects([str(corpus / "rejects-*.jsonl")])) == 3
