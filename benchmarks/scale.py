@@ -26,7 +26,10 @@ train side by side and each runs M of its evals side by side (every step is its 
 the JSON is changed and written under one lock, and n-gram is measured by the first eval of a
 prompt set that starts). A size that fails is reported at the end; the others go on.
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
-regeneration can run beside the sizes' process.
+regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
+the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
+size as soon as its rows are there, re-reading every 30 s for up to S seconds. Ids that
+`eyas regenerate` rejected (rejects-pNN-N.jsonl beside each part) leave the curve order.
 
 Resume: the result JSON is the state. Each finished step (training, each eval) is written
 into it at once, with what it was run on (the subset's fingerprint, the recipe, the eval's
@@ -76,10 +79,17 @@ def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
     for path in paths:
         n = 0
         with _open(path) as f:
-            for line in f:
-                if line.strip():
-                    rows.setdefault(json.loads(line)["id"], line.rstrip("\n"))
-                    n += 1
+            lines = f.read().split("\n")
+        for i, line in enumerate(lines):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if i == len(lines) - 1:  # a regeneration's file being written: next time
+                        break
+                    raise
+                rows.setdefault(row["id"], line)
+                n += 1
         files.append({"file": path.name, "rows": n,
                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
     return rows, files
@@ -434,6 +444,10 @@ def main(argv=None) -> dict:
                    help="eyas train flags on top of its defaults (default: none, the recipe)")
     p.add_argument("--jobs", type=int, default=1, help="sizes trained and measured at once")
     p.add_argument("--eval-jobs", type=int, default=1, help="evals of a size run at once")
+    p.add_argument("--wait", type=float, default=0, metavar="S",
+                   help="sizes whose rows have not arrived yet wait up to S seconds: the corpus "
+                        "(and a regeneration's output under --work, while it runs) is read "
+                        "again every 30 s, and each size starts once its rows are there")
     p.add_argument("--online", action="store_true",
                    help="train --online on the prepared folder (no capture shards on disk)")
     p.add_argument("--k", default="3,6")
@@ -449,16 +463,21 @@ def main(argv=None) -> dict:
 
     out = Path(a.out)
     patterns = a.corpus.split(",") if a.corpus else [f"{a.corpus_dir}/conversations*.jsonl*"]
+    if a.wait:  # rows a regeneration beside this process has written so far count too
+        patterns.append(f"{a.work}/regen-p*/out/conversations.jsonl")
     reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
     full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
-    rejected = read_rejects(reject_globs)
-    order = [i for i in full_order if i not in rejected]
-    corpus, files = read_corpus(patterns)
+
+    def arrived() -> tuple[list[str], dict[str, str], list[dict], set[str]]:
+        """The curve order without the ids regenerate rejected, the corpus and its files."""
+        rejected = read_rejects(reject_globs)
+        corpus, files = read_corpus(patterns)
+        return [i for i in full_order if i not in rejected], corpus, files, rejected
+
+    order, corpus, files, rejected = arrived()
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
-        corpus, files = read_corpus(patterns)
-        rejected = read_rejects(reject_globs)
-        order = [i for i in full_order if i not in rejected]
+        order, corpus, files, rejected = arrived()
     sizes = sorted(int(x) for x in a.sizes.split(",") if x.strip())
     if not sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
@@ -493,13 +512,28 @@ def main(argv=None) -> dict:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // at_once))
     book = Book(state, write)
     book.save()
-    gap = f", the first missing one being {order[have]}" if have < len(order) else ""
-    for n in (n for n in sizes if n > have):
-        print(f"size {n}: waiting for data (the first {have} rows of the curve order are "
-              f"regenerated{gap}; {sum(i in corpus for i in order[:n])} of its {n})", flush=True)
+    deadline = time.monotonic() + a.wait
+    running, pending = {}, list(sizes)
     with ThreadPoolExecutor(max(a.jobs, 1)) as pool:  # smallest first
-        running = {n: pool.submit(run_size, a, n, *subset(order, corpus, n), book)
-                   for n in sizes if n <= have}
+        while True:
+            for n in [n for n in pending if n <= have]:
+                running[n] = pool.submit(run_size, a, n, *subset(order, corpus, n), book)
+                pending.remove(n)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(30.0, max(deadline - time.monotonic(), 0.0)))
+            # the prefix up to `have` never changes: only ids not arrived can be rejected later
+            order, corpus, files, rejected = arrived()
+            have = available(order, corpus)
+            with book.change() as state:
+                state.update({"corpus_files": files, "corpus_rows": len(corpus),
+                              "curve_prefix_available": have,
+                              "rejected_by_regenerate": len(rejected & set(full_order))})
+        gap = f", the first missing one being {order[have]}" if have < len(order) else ""
+        for n in pending:
+            print(f"size {n}: waiting for data (the first {have} rows of the curve order are "
+                  f"regenerated{gap}; {sum(i in corpus for i in order[:n])} of its {n})",
+                  flush=True)
     failed = {}
     for n, done in running.items():
         try:

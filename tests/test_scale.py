@@ -8,6 +8,7 @@ import gzip
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,42 @@ def test_a_part_whose_every_prompt_is_rejected_is_kept_not_a_failure(tmp_path, m
     scale.main([*common, "--regenerate", "3"])
     assert (corpus / "rejects-p01-3.jsonl").is_file()
     assert len(scale.read_rejects([str(corpus / "rejects-*.jsonl")])) == 3
+
+
+def test_wait_starts_a_size_once_a_running_regeneration_has_written_its_rows(tmp_path,
+                                                                            monkeypatch):
+    data = _data(tmp_path, 10)
+    order = scale.curve_order(data / "train.jsonl", 0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "conversations-p01-4.jsonl").write_text(
+        "".join(_row(int(i.split("/")[1])) + "\n" for i in order[:4]))
+    growing = tmp_path / "work/regen-p02/out/conversations.jsonl"
+    growing.parent.mkdir(parents=True)
+    # a regeneration beside this process: rows 4..7 written, the next one half-way
+    growing.write_text("".join(_row(int(i.split("/")[1])) + "\n" for i in order[4:8])
+                       + _row(int(order[8].split("/")[1]))[:20])
+    started = {}
+
+    def fake_run_size(a, n, lines, fp, book):
+        started[n] = [json.loads(x)["id"] for x in lines]
+
+    monkeypatch.setattr(scale, "run_size", fake_run_size)
+    common = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+              str(tmp_path / "work"), "--out", str(tmp_path / "s.json"), "--sizes", "4,8,10"]
+    state = scale.main(common)  # without --wait only the parts count, and nothing waits
+    assert list(started) == [4] and state["curve_prefix_available"] == 4
+    started.clear()
+    state = scale.main([*common, "--wait", "1"])
+    assert started == {4: order[:4], 8: order[:8]}  # 10 is not there when the wait ends
+    assert state["curve_prefix_available"] == 8
+    started.clear()
+
+    def finish():  # the regeneration ends its half-written row and answers the last two
+        time.sleep(0.5)
+        growing.write_text("".join(_row(int(i.split("/")[1])) + "\n" for i in order[4:10]))
+
+    threading.Thread(target=finish).start()
+    state = scale.main([*common, "--wait", "3"])
+    assert started == {4: order[:4], 8: order[:8], 10: order}
+    assert state["curve_prefix_available"] == 10
