@@ -12,7 +12,7 @@
 #              without the duplicates of .whl), the bench archives ($EYAS_BENCH_CACHE =
 #              $W/bench); the ablation's 2,000 conversations, gunzipped into $W, and the scale
 #              corpus ($W/corpus): that seed and the parts committed in
-#              benchmarks/results/scale-corpus/
+#              benchmarks/results/scale-corpus/; the committed scale-smollm2.json into $W
 #   c          carry .carry/c: the last third (the GGUF joined into $W/smol.gguf, sha256
 #              checked), alpaca's and arena-hard's archive into $W/bench
 #   vpart DIR  carry DIR (.carry/v0 .. v3: one 45 MB part of the vLLM bundle of
@@ -73,6 +73,7 @@ b)
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       $W/corpus/conversations-seed-2000.jsonl.gz
   cp $W/repo/benchmarks/results/scale-corpus/* $W/corpus/ 2>/dev/null
+  cp $W/repo/benchmarks/results/scale-smollm2.json $W/ 2>/dev/null  # the curve so far
   ls -la $W/corpus ;;
 c)
   cp .carry/c/gguf.part-ac /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
