@@ -14,7 +14,9 @@
 #   .carry/b        the second third, scale.tgz (scale-realdata/ of real_data.py --scale: the
 #                   curve's train.jsonl and its eval prompts), bench/ (the archives of eyas eval
 #                   --bench's sets mt-bench, gsm8k and humaneval)
-#   .carry/c        the last third, bench/ (alpaca's and arena-hard's archive, 20 MB)
+#   .carry/c        the last third
+#   .carry/e        bench/: alpaca's and arena-hard's archive (20 MB), carried only when those
+#                   sets are measured (h200_lease.sh e)
 #   .carry/v0..v3   one part of benchmarks/vllm_bundle.sh's tar each, with SHA256SUMS
 # Thirds of 33 MB leave room for the corpus committed in benchmarks/results/scale-corpus/,
 # which travels in every call with the tree: each folder plus the tracked tree must stay under
@@ -26,8 +28,8 @@ PY=${PYTHON:-.venv/bin/python}
 DL=${DL:-/tmp/dl}
 CACHE=${EYAS_TEST_CACHE:-$HOME/.cache/eyas-test}
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-rm -rf .carry/a .carry/b .carry/c
-mkdir -p .whl .carry/a .carry/b/bench .carry/c/bench "$DL" "$CACHE"
+rm -rf .carry/a .carry/b .carry/c .carry/e
+mkdir -p .whl .carry/a .carry/b/bench .carry/c .carry/e/bench "$DL" "$CACHE"
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo /.carry/ >> .git/info/exclude
 
 # the wheels, for the H200's CPython 3.12 (pure Python but multiprocess, built per version)
@@ -62,9 +64,9 @@ tar czf .carry/b/scale.tgz -C "$T" scale-realdata
 "$PY" - .carry/b/bench <<'EOF'
 import shutil, sys
 from eyas.store import benchsets
-for name in benchsets.SETS:  # the 20 MB archive of alpaca and arena-hard travels in c
+for name in benchsets.SETS:  # the 20 MB archive of alpaca and arena-hard travels alone, in e
     big = name in ("alpaca", "arena-hard")
-    shutil.copy(benchsets.archive(name), sys.argv[1].replace("/b/", "/c/") if big else sys.argv[1])
+    shutil.copy(benchsets.archive(name), sys.argv[1].replace("/b/", "/e/") if big else sys.argv[1])
 EOF
 
 if [[ " $* " == *" vllm "* ]]; then
@@ -91,7 +93,7 @@ if [[ " $* " == *" qwen "* ]]; then
 fi
 
 tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
-for d in .carry/a .carry/b .carry/c .carry/v[0-9] .carry/q[0-9]*; do
+for d in .carry/a .carry/b .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]*; do
   [ -d "$d" ] || continue
   n=$(( tree + $(du -sb "$d" | cut -f1) ))
   [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too

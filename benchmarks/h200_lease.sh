@@ -14,13 +14,16 @@
 #              corpus ($W/corpus): that seed and the parts committed in
 #              benchmarks/results/scale-corpus/; the committed scale-smollm2.json into $W
 #   c          carry .carry/c: the last third (the GGUF joined into $W/smol.gguf, sha256
-#              checked), alpaca's and arena-hard's archive into $W/bench
+#              checked)
+#   e          carry .carry/e: alpaca's and arena-hard's archive into $W/bench (only when
+#              eyas eval --bench measures those sets)
 #   vpart DIR  carry DIR (.carry/v0 .. v3: one 45 MB part of the vLLM bundle of
 #              benchmarks/vllm_bundle.sh each, with its SHA256SUMS): copied into /tmp/vparts;
 #              once every part of SHA256SUMS is there, checked, joined and installed into
 #              /tmp/vsite (/tmp/vsite/.ready when done)
-#   gpart DIR  carry DIR (one part of a file split by `split -b 60000000`, with SHA256SUMS of the
-#              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q8 of the Qwen GGUF):
+#   gpart DIR  carry DIR (one part of a file split by `split -b 45000000`, with SHA256SUMS of the
+#              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q10 of the Qwen GGUF,
+#              made by h200_carry.sh qwen):
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
 #   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz):
@@ -36,7 +39,7 @@ set -u
 W=${W:-/tmp/w}
 R=$W/results
 mkdir -p "$R"
-step=${1:?"name a step: a, b, c, vpart, gpart, corpus, start, monitor, poll"}
+step=${1:?"name a step: a, b, c, e, vpart, gpart, corpus, start, monitor, poll"}
 shift
 collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
   # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
@@ -79,8 +82,9 @@ c)
   cp .carry/c/gguf.part-ac /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
   sha256sum $W/smol.gguf | grep ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ||
     { echo "the joined GGUF's sha256 differs"; exit 1; }
-  rm -f /tmp/gguf/gguf.part-a?
-  mkdir -p $W/bench && cp .carry/c/bench/* $W/bench/ ;;
+  rm -f /tmp/gguf/gguf.part-a? ;;
+e)
+  mkdir -p $W/bench && cp .carry/e/bench/* $W/bench/ ;;
 vpart)
   collect "${1:?vpart DIR}" /tmp/vparts || exit 0
   cat vllm-bundle-slim.tar.part-* | tar x && rm -f vllm-bundle-slim.tar.part-*
