@@ -26,14 +26,16 @@
 #              made by h200_carry.sh qwen):
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
-#   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz):
-#              copied into $W/corpus, where stage scale reads them
+#   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz,
+#              with their manifests and rejects-p*.jsonl): copied into $W/corpus, where stage
+#              scale reads them
 #   start NAME CMD...  run CMD from $W/repo in its own session (setsid), in the background,
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
 #   monitor    record GPU, memory and disk use every 10 s into $W/results/monitor.txt, in the
 #              background (pid in $W/monitor.pidm: poll does not wait for it)
 #   poll S     wait up to S seconds while any started job runs, then pack $W/results into
-#              $OUT/results.tgz and the scale corpus parts, finished or growing, into $OUT
+#              $OUT/results.tgz (with every part's rejects, the live one's as
+#              partial-rejects-regen-pNN.jsonl) and the scale corpus parts, finished or growing, into $OUT
 #              (split at 15 MB: join with cat); prints the stages
 set -u
 W=${W:-/tmp/w}
@@ -100,6 +102,7 @@ gpart)
   echo "joined $W/$name" ;;
 corpus)
   mkdir -p $W/corpus && cp "${1:?corpus DIR}"/conversations-p*.jsonl.gz $W/corpus/ || exit 1
+  cp "$1"/conversations-p*-eyas.json "$1"/rejects-p*.jsonl $W/corpus/ 2>/dev/null
   ls -la $W/corpus ;;
 start)
   name=${1:?"start NAME CMD..."}
@@ -135,6 +138,12 @@ poll)
       gzip -c "$c" > "$W/partial-$n.jsonl.gz" && parts="$parts $W/partial-$n.jsonl.gz"
   done
   for f in $parts; do split -b 15000000 -d "$f" "$OUT/$(basename "$f")."; done
+  # and the ids regenerate refused (the curve order skips them): finished parts' and the live
+  # regeneration's, in results.tgz (commit them beside the parts in scale-corpus/)
+  cp $W/corpus/rejects-p*.jsonl $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null
+  for r in $W/scale/regen-p*/out/rejects.jsonl; do
+    [ -f "$r" ] && cp "$r" "$R/partial-rejects-$(basename "$(dirname "$(dirname "$r")")").jsonl"
+  done
   tar czf "$OUT/results.tgz" --exclude='conversations*.jsonl.gz' -C $W results 2>/dev/null
   ls -la "$OUT"
   tail -n 25 $R/stages.txt 2>/dev/null

@@ -166,7 +166,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # $W/scale-smollm2.json lacks; the JSON, table, plots and the new part land in $R as they end
     # (SCALE_NAME: another JSON and log, for an instance that runs beside this one)
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
-    cp $W/scale-smollm2.json "$R/scale-smollm2.json" 2>/dev/null
+    # the carried state, unless an instance beside this one already works on that JSON
+    cp -n $W/${SCALE_NAME:-scale-smollm2}.json "$R/${SCALE_NAME:-scale-smollm2}.json" 2>/dev/null
     if [ -n "${SCALE_WAIT_REGEN:-}" ]; then
       # a scale-regen instance started first: its vLLM engine profiles GPU memory at start and
       # refuses to run if neighbours change theirs meanwhile, so wait until it says it is ready

@@ -60,14 +60,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from real_model import _device, run  # noqa: E402  (the same CLI runner)
 
+POLL_S = 30.0  # --wait: seconds between reads of the corpus
+
 SET_NAMES = ("indist", "indist-chat", "heldout", "mt-bench", "gsm8k", "humaneval",
              "mt-bench-t1")
 
 
 # -- the corpus -------------------------------------------------------------------------------
 
-def _open(path: Path):
-    return gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
+# files a regeneration beside this process is still writing (--wait): their last line may be
+# half-written, so only what ends in a newline counts; every other file must parse whole
+LIVE = "regen-p"
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's complete lines (a live regeneration output is cut after its last newline,
+    even inside a multi-byte character)."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if path.parent.parent.name.startswith(LIVE):
+        data = data[:data.rfind(b"\n") + 1]
+    return [line for line in data.decode("utf-8").split("\n") if line.strip()]
 
 
 def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
@@ -77,20 +89,10 @@ def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
                    key=lambda p: p.name)
     rows, files = {}, []
     for path in paths:
-        n = 0
-        with _open(path) as f:
-            lines = f.read().split("\n")
-        for i, line in enumerate(lines):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    if i == len(lines) - 1:  # a regeneration's file being written: next time
-                        break
-                    raise
-                rows.setdefault(row["id"], line)
-                n += 1
-        files.append({"file": path.name, "rows": n,
+        lines = _lines(path)
+        for line in lines:
+            rows.setdefault(json.loads(line)["id"], line)
+        files.append({"file": path.name, "rows": len(lines),
                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
     return rows, files
 
@@ -102,18 +104,22 @@ def curve_order(prompts: Path, seed: int) -> list[str]:
     return ids
 
 
+# reject kinds that the same prompt meets again on any run; server errors and out-of-memory are
+# retried (`--retry-rejects`), so their ids stay in the curve order
+FINAL_REJECTS = ("length", "input", "empty")
+
+
 def read_rejects(patterns: list[str]) -> set[str]:
-    """Ids that eyas regenerate refused (its rejects.jsonl, kept beside each part as
-    rejects-pNN-ROWS.jsonl): they never get an answer, so the curve order skips them (each
-    counted in the JSON) instead of every later size waiting for them."""
+    """Ids that eyas regenerate refused for good (its rejects.jsonl, kept beside each part as
+    rejects-pNN-ROWS.jsonl; kinds FINAL_REJECTS): they never get an answer, so the curve order
+    skips them (counted in the JSON) instead of every later size waiting for them."""
     out = set()
     for path in sorted({Path(p) for pat in patterns for p in glob.glob(pat)}):
-        for line in path.open():
-            if line.strip():
-                row = json.loads(line)
-                row_id = row.get("sample_id") or row.get("id")
-                if row_id is not None:
-                    out.add(str(row_id))
+        for line in _lines(path):
+            row = json.loads(line)
+            row_id = row.get("sample_id") or row.get("id")
+            if row_id is not None and row.get("kind") in FINAL_REJECTS:
+                out.add(str(row_id))
     return out
 
 
@@ -158,19 +164,25 @@ def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dic
             work / "out", *shlex.split(a.regen_args), log=work / "log.txt", out=work / "out")
     except SystemExit:  # eyas regenerate fails a run whose every row it rejected
         refused = read_rejects([str(work / "out/rejects.jsonl")])
-        if not {json.loads(line)["id"] for line in todo} <= refused:
+        if not todo or not {json.loads(line)["id"] for line in todo} <= refused:
             raise
-        print(f"every one of the {len(todo)} prompts was rejected (kept in the rejects file)",
-              flush=True)
+        print(f"every one of the {len(todo)} prompts was rejected for good (kept in the "
+              f"rejects file)", flush=True)
     part.parent.mkdir(parents=True, exist_ok=True)
-    with (work / "out/conversations.jsonl").open("rb") as src, gzip.open(part, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    shutil.copy(work / "out/eyas.json", part.with_name(part.name.replace(".jsonl.gz",
-                                                                         "-eyas.json")))
-    if (work / "out/rejects.jsonl").is_file():
-        shutil.copy(work / "out/rejects.jsonl",
-                    part.with_name(part.name.replace("conversations-", "rejects-")
-                                   .replace(".jsonl.gz", ".jsonl")))
+
+    def publish(src: Path, name: str, gz: bool = False) -> None:
+        """Copy into the corpus folder under a name no glob there matches, then rename: a
+        process reading the folder (--wait) never sees half a file."""
+        tmp = part.with_name(f".{name}.tmp")
+        with src.open("rb") as f, (gzip.open(tmp, "wb") if gz else tmp.open("wb")) as dst:
+            shutil.copyfileobj(f, dst)
+        os.replace(tmp, part.with_name(name))
+
+    if (work / "out/rejects.jsonl").is_file():  # first: the part's ids are then all accounted
+        publish(work / "out/rejects.jsonl",
+                part.name.replace("conversations-", "rejects-").replace(".jsonl.gz", ".jsonl"))
+    publish(work / "out/eyas.json", part.name.replace(".jsonl.gz", "-eyas.json"))
+    publish(work / "out/conversations.jsonl", part.name, gz=True)
     print(f"regenerated {len(todo)} prompts in {time.perf_counter() - start:.0f} s -> {part}",
           flush=True)
     return part
@@ -478,7 +490,7 @@ def main(argv=None) -> dict:
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
         order, corpus, files, rejected = arrived()
-    sizes = sorted(int(x) for x in a.sizes.split(",") if x.strip())
+    sizes = sorted({int(x) for x in a.sizes.split(",") if x.strip()})
     if not sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
               flush=True)
@@ -521,9 +533,13 @@ def main(argv=None) -> dict:
                 pending.remove(n)
             if not pending or time.monotonic() >= deadline:
                 break
-            time.sleep(min(30.0, max(deadline - time.monotonic(), 0.0)))
+            time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             # the prefix up to `have` never changes: only ids not arrived can be rejected later
-            order, corpus, files, rejected = arrived()
+            try:
+                order, corpus, files, rejected = arrived()
+            except (OSError, EOFError, ValueError) as err:  # a file replaced while read
+                print(f"reading the corpus again next time ({err})", flush=True)
+                continue
             have = available(order, corpus)
             with book.change() as state:
                 state.update({"corpus_files": files, "corpus_rows": len(corpus),

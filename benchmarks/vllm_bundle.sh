@@ -5,7 +5,7 @@
 # dependency wheels such an image lacks, in one tar split into four parts of at most 45 MB
 # (carried one per call; see docs/export.md, "A real vLLM, offline").
 #   bash benchmarks/vllm_bundle.sh [OUT]      (default .carry/vllm, ignored by git)
-# writes OUT/vllm-bundle-slim.tar.part-00..02 and OUT/SHA256SUMS. The tar holds
+# writes OUT/vllm-bundle-slim.tar.part-00..03 and OUT/SHA256SUMS. The tar holds
 # vllm-bundle-slim/ with the wheels and install.sh TARGET (pip --no-index --no-deps --target).
 # Slimming (the tar must stay <= 180 MB): dropped from the vLLM wheel are FlashAttention-2
 # (the H200 uses FA3, kept), the MoE ops (_moe_C_stable_libtorch: imported in a try at start-up,

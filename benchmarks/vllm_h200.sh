@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 24 on one lent H200, in the background (docs/export.md, "A real vLLM, offline"):
 # waits for the vLLM bundle's parts in /tmp/vparts (carried one per call: .carry/vllm's
-# vllm-bundle-slim.tar.part-00..02 and SHA256SUMS; the call that copies the last one then
+# vllm-bundle-slim.tar.part-00..03 and SHA256SUMS; the call that copies the last one then
 # touches /tmp/vparts/ready, so no part is read half-copied), checks, joins and installs them into
 # /tmp/vsite, then serves an eyas draft with a real vLLM (benchmarks/vllm_serve.py),
 # times `eyas regenerate --backend vllm` against transformers (benchmarks/regenerate.py) and,

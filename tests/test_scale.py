@@ -263,22 +263,27 @@ def test_wait_starts_a_size_once_a_running_regeneration_has_written_its_rows(tmp
         "".join(_row(int(i.split("/")[1])) + "\n" for i in order[:4]))
     growing = tmp_path / "work/regen-p02/out/conversations.jsonl"
     growing.parent.mkdir(parents=True)
-    # a regeneration beside this process: rows 4..7 written, the next one half-way
-    growing.write_text("".join(_row(int(i.split("/")[1])) + "\n" for i in order[4:8])
-                       + _row(int(order[8].split("/")[1]))[:20])
-    started = {}
+    # a regeneration beside this process: rows 4..7 written, the next one half-way, cut inside
+    # a multi-byte character
+    whole = json.dumps({"id": order[8], "messages": [{"role": "user", "content": "caf\u00e9"}]},
+                       ensure_ascii=False).encode()
+    half = whole[:whole.index("\u00e9".encode()) + 1]
+    growing.write_bytes("".join(_row(int(i.split("/")[1])) + "\n"
+                                for i in order[4:8]).encode() + half)
+    started = []
 
     def fake_run_size(a, n, lines, fp, book):
-        started[n] = [json.loads(x)["id"] for x in lines]
+        started.append((n, [json.loads(x)["id"] for x in lines]))
 
     monkeypatch.setattr(scale, "run_size", fake_run_size)
     common = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
               str(tmp_path / "work"), "--out", str(tmp_path / "s.json"), "--sizes", "4,8,10"]
     state = scale.main(common)  # without --wait only the parts count, and nothing waits
-    assert list(started) == [4] and state["curve_prefix_available"] == 4
+    assert started == [(4, order[:4])] and state["curve_prefix_available"] == 4
     started.clear()
-    state = scale.main([*common, "--wait", "1"])
-    assert started == {4: order[:4], 8: order[:8]}  # 10 is not there when the wait ends
+    monkeypatch.setattr(scale, "POLL_S", 0.1)
+    state = scale.main([*common, "--wait", "0.5"])
+    assert started == [(4, order[:4]), (8, order[:8])]  # 10 is not there when the wait ends
     assert state["curve_prefix_available"] == 8
     started.clear()
 
@@ -287,6 +292,20 @@ def test_wait_starts_a_size_once_a_running_regeneration_has_written_its_rows(tmp
         growing.write_text("".join(_row(int(i.split("/")[1])) + "\n" for i in order[4:10]))
 
     threading.Thread(target=finish).start()
-    state = scale.main([*common, "--wait", "3"])
-    assert started == {4: order[:4], 8: order[:8], 10: order}
+    begin = time.monotonic()
+    state = scale.main([*common, "--wait", "60"])
+    assert time.monotonic() - begin < 20  # started when the rows came, not at the deadline
+    assert started == [(4, order[:4]), (8, order[:8]), (10, order)]
     assert state["curve_prefix_available"] == 10
+
+
+def test_only_a_live_regeneration_may_end_in_a_broken_line_and_retried_rejects_stay(tmp_path):
+    part = tmp_path / "conversations-p01-2.jsonl"
+    part.write_text(_row(1) + "\n" + _row(2)[:10] + "\n" + _row(3) + "\n")
+    with pytest.raises(json.JSONDecodeError):  # a damaged part is an error, not skipped
+        scale.read_corpus([str(part)])
+    rejects = tmp_path / "rejects-p01-3.jsonl"
+    rejects.write_text("".join(json.dumps({"sample_id": f"src/{i}", "kind": k}) + "\n"
+                               for i, k in enumerate(["length", "server", "memory", "input",
+                                                      "empty"])))
+    assert scale.read_rejects([str(rejects)]) == {"src/0", "src/3", "src/4"}
