@@ -233,7 +233,11 @@ def test_speculators_recipe_resumes_after_sigkill_exactly(run_inputs, tmp_path, 
     assert "--lr-decay linear -> cosine" not in caplog.text
     with pytest.raises(EyasError, match="saved by another"):  # warned first, then refused
         train(_cfg(run_inputs, tmp_path / "whole", **{**more, "lr_decay": "cosine"}))
-    assert "--lr-decay linear -> cosine" in caplog.text and "--optimizer" not in caplog.text
+    assert "--lr-decay linear -> cosine" in caplog.text and "--optimizer muon ->" not in \
+        caplog.text
+    caplog.clear()
+    train(_cfg(run_inputs, tmp_path / "one", **{**kw, "max_steps": 1}))
+    assert "Muon on the CPU is slow" in caplog.text and "--optimizer adamw" in caplog.text
 
 
 # ----------------------------------------------------------------------------- checkpoints
