@@ -73,10 +73,11 @@ SET_NAMES = ("indist", "indist-chat", "heldout", "mt-bench", "gsm8k", "humaneval
 LIVE = "regen-p"
 
 
-def _lines(path: Path) -> list[str]:
+def _lines(path: Path, raw: bytes | None = None) -> list[str]:
     """The file's complete lines (a live regeneration output is cut after its last newline,
-    even inside a multi-byte character)."""
-    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    even inside a multi-byte character); `raw`: its bytes, if already read."""
+    raw = path.read_bytes() if raw is None else raw
+    data = gzip.decompress(raw) if path.suffix == ".gz" else raw
     if path.parent.parent.name.startswith(LIVE):
         data = data[:data.rfind(b"\n") + 1]
     return [line for line in data.decode("utf-8").split("\n") if line.strip()]
@@ -89,11 +90,12 @@ def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
                    key=lambda p: p.name)
     rows, files = {}, []
     for path in paths:
-        lines = _lines(path)
+        raw = path.read_bytes()
+        lines = _lines(path, raw)
         for line in lines:
             rows.setdefault(json.loads(line)["id"], line)
         files.append({"file": path.name, "rows": len(lines),
-                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest()})
+                      "sha256": hashlib.sha256(raw).hexdigest()})
     return rows, files
 
 
@@ -480,16 +482,22 @@ def main(argv=None) -> dict:
     reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
     full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
 
-    def arrived() -> tuple[list[str], dict[str, str], list[dict], set[str]]:
+    def arrived() -> tuple[list[str], dict[str, str], list[dict]]:
         """The curve order without the ids regenerate rejected, the corpus and its files."""
         rejected = read_rejects(reject_globs)
         corpus, files = read_corpus(patterns)
-        return [i for i in full_order if i not in rejected], corpus, files, rejected
+        return [i for i in full_order if i not in rejected], corpus, files
 
-    order, corpus, files, rejected = arrived()
+    def corpus_state() -> dict:
+        """What the JSON says of the corpus as read last."""
+        return {"corpus_files": files, "corpus_rows": len(corpus),
+                "curve_prefix_available": available(order, corpus),
+                "rejected_by_regenerate": len(full_order) - len(order)}
+
+    order, corpus, files = arrived()
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
-        order, corpus, files, rejected = arrived()
+        order, corpus, files = arrived()
     sizes = sorted({int(x) for x in a.sizes.split(",") if x.strip()})
     if not sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
@@ -499,14 +507,12 @@ def main(argv=None) -> dict:
     state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state}
     if state["ngram"] and next(iter(state["ngram"].values()))["settings"] != eval_settings(a):
         state["ngram"] = {}  # measured at other eval settings
-    have = available(order, corpus)
     state.update({"target": a.target, "k": a.k, "seed": a.seed, "recipe": a.train_args or
-                  "eyas train defaults", "eval": eval_settings(a), "corpus_files": files,
-                  "corpus_rows": len(corpus), "curve_prefix_available": have,
-                  "rejected_by_regenerate": len(rejected & set(full_order)),
+                  "eyas train defaults", "eval": eval_settings(a), **corpus_state(),
                   "command": " ".join(["python", "benchmarks/scale.py",
                                        *(argv if argv is not None else sys.argv[1:])]),
                   "date": time.strftime("%Y-%m-%d"), "device": _device()})
+    have = state["curve_prefix_available"]
 
     def write() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -536,15 +542,13 @@ def main(argv=None) -> dict:
             time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             # the prefix up to `have` never changes: only ids not arrived can be rejected later
             try:
-                order, corpus, files, rejected = arrived()
+                order, corpus, files = arrived()
             except (OSError, EOFError, ValueError) as err:  # a file replaced while read
                 print(f"reading the corpus again next time ({err})", flush=True)
                 continue
-            have = available(order, corpus)
             with book.change() as state:
-                state.update({"corpus_files": files, "corpus_rows": len(corpus),
-                              "curve_prefix_available": have,
-                              "rejected_by_regenerate": len(rejected & set(full_order))})
+                state.update(corpus_state())
+            have = state["curve_prefix_available"]
         gap = f", the first missing one being {order[have]}" if have < len(order) else ""
         for n in pending:
             print(f"size {n}: waiting for data (the first {have} rows of the curve order are "
