@@ -35,8 +35,9 @@
 #              background (pid in $W/monitor.pidm: poll does not wait for it)
 #   poll S     wait up to S seconds while any started job runs, then pack $W/results into
 #              $OUT/results.tgz (with every part's rejects, the live one's as
-#              partial-rejects-regen-pNN.jsonl) and the scale corpus parts, finished or growing, into $OUT
-#              (split at 15 MB: join with cat); prints the stages
+#              partial-rejects-regen-pNN.jsonl) and the scale corpus parts made here, finished
+#              or growing, into $OUT (split at 15 MB: join with cat; parts that were carried
+#              here are not sent back; POLL_CORPUS=0 poll: none); prints the stages
 set -u
 W=${W:-/tmp/w}
 R=$W/results
@@ -78,6 +79,7 @@ b)
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       $W/corpus/conversations-seed-2000.jsonl.gz
   cp $W/repo/benchmarks/results/scale-corpus/* $W/corpus/ 2>/dev/null
+  (cd $W/corpus && ls conversations-p*.jsonl.gz >> $W/corpus.carried 2>/dev/null)
   cp $W/repo/benchmarks/results/scale-smollm2.json $W/ 2>/dev/null  # the curve so far
   ls -la $W/corpus ;;
 c)
@@ -103,6 +105,7 @@ gpart)
 corpus)
   mkdir -p $W/corpus && cp "${1:?corpus DIR}"/conversations-p*.jsonl.gz $W/corpus/ || exit 1
   cp "$1"/conversations-p*-eyas.json "$1"/rejects-p*.jsonl $W/corpus/ 2>/dev/null
+  (cd "$1" && ls conversations-p*.jsonl.gz >> $W/corpus.carried)
   ls -la $W/corpus ;;
 start)
   name=${1:?"start NAME CMD..."}
@@ -131,12 +134,17 @@ poll)
   # the scale corpus: finished parts, else the part being regenerated (append-only and
   # fsynced: what a machine taken back would lose), as their own files (at most 8 files of
   # 16 MiB come back), outside results.tgz
-  parts=$(ls $W/corpus/conversations-p*.jsonl.gz 2>/dev/null)
+  # Parts that came here in a carry (b, corpus) are not sent back. POLL_CORPUS=0: none at
+  # all, only results.tgz (both machines lost in session 17 were lost right after a call that
+  # brought files back; a call that brings none back has never lost one)
+  parts=$(cd $W/corpus 2>/dev/null && ls conversations-p*.jsonl.gz 2>/dev/null |
+      grep -vxF -f <(cat $W/corpus.carried 2>/dev/null; echo /) | sed "s|^|$W/corpus/|")
   for c in $W/scale/regen-p*/out/conversations.jsonl; do
     n=$(basename "$(dirname "$(dirname "$c")")")
     [ -f "$c" ] && ! ls $W/corpus/conversations-${n#regen-}-*.jsonl.gz > /dev/null 2>&1 &&
       gzip -c "$c" > "$W/partial-$n.jsonl.gz" && parts="$parts $W/partial-$n.jsonl.gz"
   done
+  [ "${POLL_CORPUS:-1}" = 0 ] && parts=
   for f in $parts; do split -b 15000000 -d "$f" "$OUT/$(basename "$f")."; done
   # and the ids regenerate refused (the curve order skips them): finished parts' and the live
   # regeneration's, in results.tgz (commit them beside the parts in scale-corpus/)
