@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,8 +58,11 @@ def test_multigpu_benchmark_capture_smoke(tmp_path):
     assert [r["name"] for r in capture["runs"]] == ["single", "device-map-auto", "single-again"]
 
 
+@pytest.mark.slow
 def test_multigpu_benchmark_train_smoke(tmp_path):
     # two gloo ranks on CPU: the 2-GPU script's train part runs and its comparisons hold
+    # (slow: four torchrun launches; what it compares, DDP and FSDP2 against one process and
+    # resume, make test checks in tests/test_train_dist.py)
     out = tmp_path / "multigpu.json"
     _run("multigpu.py", "--smoke", "--parts", "train", "--out", str(out),
          "--work-dir", str(tmp_path))

@@ -636,7 +636,7 @@ def test_metrics_go_to_jsonl_and_tensorboard_and_resume_drops_lost_steps(tmp_pat
     assert [e.value for e in events.Scalars("train/acc_1")][-1] == pytest.approx(0.4)
 
 
-def test_compiled_training_matches_eager(run_inputs, tmp_path):
+def _compiled_training_matches_eager(run_inputs, tmp_path):
     """`--compile` (torch.compile of the TTT module, graph breaks at the host sync and the
     custom kernels) trains to the same losses as eager."""
     from torch._dynamo.utils import counters
@@ -653,6 +653,22 @@ def test_compiled_training_matches_eager(run_inputs, tmp_path):
     assert not any("_GradSum" in reason for reason in counters["graph_break"])
     assert len(losses[True]) == 3
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4)
+
+
+def test_compiled_training_matches_eager(run_inputs, tmp_path, monkeypatch):
+    """The same with the module compiled for torch's `aot_eager` backend: dynamo's graphs,
+    their breaks and AOT autograd exactly as `--compile` makes them, without inductor's CPU
+    code generation (a minute of C++ compiling on 2 cores; on a GPU inductor writes Triton,
+    which the CPU cannot run anyway). Inductor itself: the slow test below."""
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, **{"backend": "aot_eager", **kw}))
+    _compiled_training_matches_eager(run_inputs, tmp_path)
+
+
+@pytest.mark.slow
+def test_compiled_training_with_inductor_matches_eager(run_inputs, tmp_path):
+    _compiled_training_matches_eager(run_inputs, tmp_path)
 
 
 def test_cuda_graph_needs_one_cuda_process(run_inputs, tmp_path, monkeypatch):
