@@ -25,6 +25,9 @@ At once (`--jobs N`, `--eval-jobs M`): a 135M target leaves one GPU mostly idle,
 train side by side and each runs M of its evals side by side (every step is its own process;
 the JSON is changed and written under one lock, and n-gram is measured by the first eval of a
 prompt set that starts). A size that fails is reported at the end; the others go on.
+Disk: a size deletes its capture shards once its draft is exported (`--keep-captures`), and
+its capture waits until its estimated bytes are free beside the captures running at once
+(`--disk-wait S`), so sizes side by side take turns on a disk that holds one of them.
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
@@ -190,6 +193,55 @@ def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dic
     return part
 
 
+# -- disk ------------------------------------------------------------------------------------
+
+DISK_POLL_S = 30.0  # seconds between looks at the free disk while a capture waits for it
+_DISK = threading.Lock()
+_RESERVED: dict[int, int] = {}  # size -> bytes its running capture may still write
+
+
+def capture_bytes(target: str, tokens: int) -> int:
+    """What `eyas capture` (bf16, EAGLE-3's three aux states) writes for `tokens` tokens of
+    `target`, with 2 % and 1 GiB to spare."""
+    from eyas.doctor import capture_bytes_per_token
+    from eyas.targets.models import load_config, text_config
+
+    hidden = int(text_config(load_config(target)).hidden_size)
+    return int(tokens * capture_bytes_per_token(hidden)["bf16"] * 1.02) + 2**30
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+@contextlib.contextmanager
+def disk_for(n: int, folder: Path, need: int, wait: float):
+    """Hold the capture of size n until `folder`'s file system has `need` bytes free besides
+    what the captures running beside it have reserved (a trained size deletes its captures:
+    its neighbours wait for that), up to `wait` seconds; then a clear error, not a full disk."""
+    deadline, told = time.monotonic() + wait, False
+    while True:
+        with _DISK:
+            free = free_bytes(folder) - sum(_RESERVED.values())
+            if free >= need:
+                _RESERVED[n] = need
+                break
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"size {n}: its capture needs ~{need / 1e9:.1f} GB and "
+                             f"{max(free, 0) / 1e9:.1f} GB are free after {wait:.0f} s (--disk-wait)"
+                             f"; free disk under {folder}, run fewer --jobs, or --online")
+        if not told:
+            print(f"size {n}: capture waits for {need / 1e9:.1f} GB of disk "
+                  f"({max(free, 0) / 1e9:.1f} GB free beside the other captures)", flush=True)
+            told = True
+        time.sleep(DISK_POLL_S)
+    try:
+        yield
+    finally:  # the capture's files now count in the disk's own free space
+        with _DISK:
+            _RESERVED.pop(n, None)
+
+
 # -- one size ---------------------------------------------------------------------------------
 
 def eval_plan(a) -> dict[str, tuple[list, list[str]]]:
@@ -251,10 +303,14 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     model_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[a.dtype]
     s = {"prepare": run("prepare", *common, "--data", conv, "--out", folder / "prepared",
                         log=log, out=folder / "prepared")}
+    prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
     if not a.online:
-        s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
-                           folder / "captured", "--split", "all", "--model-dtype",
-                           model_dtype, log=log, out=folder / "captured")
+        captured = folder / "captured"
+        need = 0 if (captured / "eyas.json").is_file() else capture_bytes(a.target, prep["tokens"])
+        with disk_for(n, folder, need, a.disk_wait):
+            s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
+                               captured, "--split", "all", "--model-dtype",
+                               model_dtype, log=log, out=captured)
     s["vocab"] = run("vocab", "--data", folder / "prepared", "--out", folder / "vocab",
                      log=log, out=folder / "vocab")
     data = ["--data", folder / "prepared", "--online", *common] if a.online else \
@@ -263,7 +319,8 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
                      *shlex.split(a.train_args), log=log, out=folder / "run")
     s["export"] = run("export", "--checkpoint", folder / "run", "--out", folder / "draft",
                       log=log, out=folder / "draft")
-    prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
+    if not a.keep_captures and not a.online:  # the draft is made: free the disk for the next
+        shutil.rmtree(folder / "captured", ignore_errors=True)
     manifest = json.loads((folder / "run/eyas.json").read_text())
     records = [json.loads(x) for x in (folder / "run/metrics.jsonl").read_text().splitlines()
                if x.strip()]
@@ -464,6 +521,12 @@ def main(argv=None) -> dict:
                         "again every 30 s, and each size starts once its rows are there")
     p.add_argument("--online", action="store_true",
                    help="train --online on the prepared folder (no capture shards on disk)")
+    p.add_argument("--keep-captures", action="store_true",
+                   help="keep each size's capture shards (default: deleted once its draft is "
+                        "exported, so that the sizes after it find the disk free)")
+    p.add_argument("--disk-wait", type=float, default=3600, metavar="S",
+                   help="a capture waits up to S seconds for its disk (its estimated bytes "
+                        "free beside the captures running at once), then its size fails")
     p.add_argument("--k", default="3,6")
     p.add_argument("--prompts", type=int, default=200, help="in-distribution / held-out prompts")
     p.add_argument("--bench", default="mt-bench,gsm8k,humaneval")

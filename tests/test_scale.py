@@ -309,3 +309,82 @@ def test_only_a_live_regeneration_may_end_in_a_broken_line_and_retried_rejects_s
                                for i, k in enumerate(["length", "server", "memory", "input",
                                                       "empty"])))
     assert scale.read_rejects([str(rejects)]) == {"src/0", "src/3", "src/4"}
+
+
+def _fake_steps(work: Path, events: list, gate: dict):
+    """`run` for train_size's steps, writing what it reads back; a capture writes a file of
+    the size's token count in bytes, and a size's training waits for gate[n] when there is
+    one."""
+    def fake_run(step, *args, log, out):
+        n = int(out.parent.name.removeprefix("size-"))
+        events.append((step, n))
+        out.mkdir(parents=True, exist_ok=True)
+        if step == "prepare":
+            (out / "eyas.json").write_text(json.dumps(
+                {"stats": {"tokens": n, "kept": 1, "train": 1}}))
+        elif step == "capture":
+            (out / "shard.bin").write_bytes(b"x" * n)
+            (out / "eyas.json").write_text("{}")
+        elif step == "train":
+            if n in gate:
+                assert gate[n].wait(30)
+            (out / "eyas.json").write_text(json.dumps({"config": {"epochs": 1}, "steps": 1}))
+            (out / "metrics.jsonl").write_text("")
+        elif step == "export":
+            (out / "eyas.json").write_text(json.dumps({"id": f"d{n}"}))
+        return 1.0
+    return fake_run
+
+
+def test_a_capture_waits_for_the_disk_that_a_trained_size_frees(tmp_path, monkeypatch):
+    """Two sizes at once on a disk that holds one capture: the second capture waits until
+    the first size has exported its draft and deleted its shards, then runs; with too little
+    disk for good, the size fails with what it needs, before writing anything."""
+    import argparse
+
+    work, events, capacity = tmp_path / "work", [], 1500
+    gate = {1000: threading.Event()}
+
+    def used() -> int:
+        return sum(f.stat().st_size for f in work.rglob("*.bin"))
+
+    monkeypatch.setattr(scale, "run", _fake_steps(work, events, gate))
+    monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens: tokens)
+    monkeypatch.setattr(scale, "free_bytes", lambda folder: capacity - used())
+    monkeypatch.setattr(scale, "DISK_POLL_S", 0.02)
+    a = argparse.Namespace(target="t", dtype="float32", online=False, train_args="",
+                           disk_wait=30.0, keep_captures=False)
+    results = {}
+
+    def size(n):
+        results[n] = scale.train_size(a, n, ["{}"], work / f"size-{n}")
+
+    first = threading.Thread(target=size, args=(1000,))
+    first.start()
+    while ("train", 1000) not in events:  # its shards are written; its training is held
+        time.sleep(0.01)
+    second = threading.Thread(target=size, args=(900,))
+    second.start()
+    time.sleep(0.3)
+    assert ("capture", 900) not in events and used() == 1000  # 500 bytes free: it waits
+    gate[1000].set()
+    first.join(30), second.join(30)
+    assert events.index(("capture", 900)) > events.index(("export", 1000))
+    assert results[1000]["draft_id"] == "d1000" and results[900]["draft_id"] == "d900"
+    assert used() == 0 and not (work / "size-1000/captured").exists()
+
+    a.keep_captures, a.disk_wait = True, 0.1
+    scale.train_size(a, 700, ["{}"], work / "size-700")
+    assert (work / "size-700/captured/shard.bin").is_file()  # kept; 800 bytes now free
+    with pytest.raises(SystemExit, match=r"size 1200: its capture needs ~0.0 GB and 0.0 GB "
+                                         r"are free after 0 s"):
+        scale.train_size(a, 1200, ["{}"], work / "size-1200")
+    assert ("capture", 1200) not in events
+
+
+def test_the_disk_a_capture_needs_is_capture_s_own_bytes_per_token(llama_dir):
+    import transformers
+
+    hidden = transformers.AutoConfig.from_pretrained(llama_dir).hidden_size
+    per_token = 3 * hidden * 2 + hidden * 2 + 4 + 4 + 1  # aux, final, top-1, id, loss mask
+    assert scale.capture_bytes(str(llama_dir), 1000) == int(1000 * per_token * 1.02) + 2**30
