@@ -13,7 +13,8 @@
 # issue 31 (benchmarks/scale.py; SCALE_REGEN, SCALE_REGEN_ARGS, SCALE_ARGS, SCALE_DATA;
 # docs/benchmarks.md, "The scaling curve"); stage scale-regen regenerates only, beside a scale
 # instance started with SCALE_WAIT_REGEN=1. Stage vcapture: capture through vLLM against transformers (issue 32,
-# benchmarks/capture_backends.py), on the pipeline's prepared rows and a random 8B target.
+# benchmarks/capture_backends.py), on the pipeline's prepared rows and a random 8B target;
+# stage vtests: only its vllm-marked capture tests.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
@@ -232,6 +233,11 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     PYTHONPATH=$VP timeout 600 python3 -m pytest -q -m vllm -p no:cacheprovider \
         tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
     stage "vcapture tests rc $?" ;;
+  vtests)
+    # only the vllm-marked capture tests of vcapture, on the GPU (~75 s)
+    PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} timeout 600 python3 -m pytest -q -m vllm \
+        -p no:cacheprovider tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
+    stage "vtests rc $?" ;;
   served)
     # issue 33: the Qwen2.5-Coder target ($QWEN_GGUF, joined from its parts by h200_lease.sh
     # gpart), converted once; a draft by eyas train's default recipe on SERVED_TRAIN prompts
