@@ -200,14 +200,15 @@ _DISK = threading.Lock()
 _RESERVED: dict[int, int] = {}  # size -> bytes its running capture may still write
 
 
-def capture_bytes(target: str, tokens: int) -> int:
-    """What `eyas capture` (bf16, EAGLE-3's three aux states) writes for `tokens` tokens of
-    `target`, with 2 % and 1 GiB to spare."""
+def capture_bytes(target: str, tokens: int, dtype: str = "bf16") -> int:
+    """What `eyas capture --dtype DTYPE` (EAGLE-3's three aux states) writes for `tokens`
+    tokens of `target`, with 2 % and 1 GiB to spare."""
     from eyas.doctor import capture_bytes_per_token
     from eyas.targets.models import load_config, text_config
 
     hidden = int(text_config(load_config(target)).hidden_size)
-    return int(tokens * capture_bytes_per_token(hidden)["bf16"] * 1.02) + 2**30
+    per_token = capture_bytes_per_token(hidden)["fp8_aux" if dtype == "fp8" else "bf16"]
+    return int(tokens * per_token * 1.02) + 2**30
 
 
 def free_bytes(folder: Path) -> int:
@@ -306,11 +307,12 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
     if not a.online:
         captured = folder / "captured"
-        need = 0 if (captured / "eyas.json").is_file() else capture_bytes(a.target, prep["tokens"])
+        need = 0 if (captured / "eyas.json").is_file() else \
+            capture_bytes(a.target, prep["tokens"], a.capture_dtype)
         with disk_for(n, folder, need, a.disk_wait):
             s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
-                               captured, "--split", "all", "--model-dtype",
-                               model_dtype, log=log, out=captured)
+                               captured, "--split", "all", "--model-dtype", model_dtype,
+                               "--dtype", a.capture_dtype, log=log, out=captured)
     s["vocab"] = run("vocab", "--data", folder / "prepared", "--out", folder / "vocab",
                      log=log, out=folder / "vocab")
     data = ["--data", folder / "prepared", "--online", *common] if a.online else \
@@ -389,6 +391,9 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     (--eval-jobs of them at once)."""
     key, folder = str(n), Path(a.work) / f"size-{n}"
     size = book.state["sizes"].get(key)
+    # the capture's storage dtype is not the recipe (fp8 storage measured no change: docs/
+    # capture.md), so a record made with the other one stands; a half-made folder does not
+    recipe = a.train_args + ("" if a.capture_dtype == "bf16" else f" capture={a.capture_dtype}")
     if size and (size.get("subset") != fingerprint or size.get("train_args") != a.train_args):
         print(f"size {n}: recorded on another subset or recipe, run again", flush=True)
         size = None
@@ -404,11 +409,12 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
             print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
         marker = folder / "subset.txt"  # steps of another subset or recipe: not resumed
         if folder.exists() and (not marker.is_file() or
-                                marker.read_text() != f"{fingerprint} {a.train_args}"):
+                                marker.read_text() != f"{fingerprint} {recipe}"):
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{fingerprint} {a.train_args}")
+        marker.write_text(f"{fingerprint} {recipe}")
         size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
+                "capture_dtype": a.capture_dtype,
                 "train": train_size(a, n, lines, folder), "evals": {}}
         with book.change() as state:
             state["sizes"][key] = size
@@ -521,6 +527,10 @@ def main(argv=None) -> dict:
                         "again every 30 s, and each size starts once its rows are there")
     p.add_argument("--online", action="store_true",
                    help="train --online on the prepared folder (no capture shards on disk)")
+    p.add_argument("--capture-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="eyas capture --dtype: fp8 stores a token in 63 %% of the bytes, "
+                        "for a size that does not fit the disk in bf16 (recorded per size; "
+                        "sizes recorded with the other dtype stand)")
     p.add_argument("--keep-captures", action="store_true",
                    help="keep each size's capture shards (default: deleted once its draft is "
                         "exported, so that the sizes after it find the disk free)")

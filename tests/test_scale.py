@@ -109,6 +109,10 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     assert trained == [4] and len(evals) == 4  # size 8: every eval done, its draft not needed
     assert state["sizes"]["8"] == saved["sizes"]["8"]
     assert "8 | 80 | 800" in scale.markdown(state).replace(",", "")
+    # fp8 capture storage is not another recipe: the bf16 records stand
+    trained.clear(), evals.clear()
+    scale.main([*argv, "--capture-dtype", "fp8"])
+    assert trained == [] and evals == []
 
 
 def test_sizes_and_evals_at_once_share_one_json_and_measure_ngram_once(tmp_path, monkeypatch):
@@ -349,11 +353,11 @@ def test_a_capture_waits_for_the_disk_that_a_trained_size_frees(tmp_path, monkey
         return sum(f.stat().st_size for f in work.rglob("*.bin"))
 
     monkeypatch.setattr(scale, "run", _fake_steps(work, events, gate))
-    monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens: tokens)
+    monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens, dtype: tokens)
     monkeypatch.setattr(scale, "free_bytes", lambda folder: capacity - used())
     monkeypatch.setattr(scale, "DISK_POLL_S", 0.02)
     a = argparse.Namespace(target="t", dtype="float32", online=False, train_args="",
-                           disk_wait=30.0, keep_captures=False)
+                           disk_wait=30.0, keep_captures=False, capture_dtype="bf16")
     results = {}
 
     def size(n):
@@ -361,7 +365,9 @@ def test_a_capture_waits_for_the_disk_that_a_trained_size_frees(tmp_path, monkey
 
     first = threading.Thread(target=size, args=(1000,))
     first.start()
+    deadline = time.monotonic() + 30
     while ("train", 1000) not in events:  # its shards are written; its training is held
+        assert first.is_alive() and time.monotonic() < deadline
         time.sleep(0.01)
     second = threading.Thread(target=size, args=(900,))
     second.start()
@@ -388,3 +394,5 @@ def test_the_disk_a_capture_needs_is_capture_s_own_bytes_per_token(llama_dir):
     hidden = transformers.AutoConfig.from_pretrained(llama_dir).hidden_size
     per_token = 3 * hidden * 2 + hidden * 2 + 4 + 4 + 1  # aux, final, top-1, id, loss mask
     assert scale.capture_bytes(str(llama_dir), 1000) == int(1000 * per_token * 1.02) + 2**30
+    fp8 = per_token - 3 * hidden + 3 * 4  # one byte per aux value, a float32 scale per row
+    assert scale.capture_bytes(str(llama_dir), 1000, "fp8") == int(1000 * fp8 * 1.02) + 2**30
