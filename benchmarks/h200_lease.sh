@@ -79,7 +79,9 @@ b)
   cp $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
       $W/corpus/conversations-seed-2000.jsonl.gz
   cp $W/repo/benchmarks/results/scale-corpus/* $W/corpus/ 2>/dev/null
-  (cd $W/corpus && ls conversations-p*.jsonl.gz >> $W/corpus.carried 2>/dev/null)
+  # the committed parts (not the seed, nor parts made here) are not sent back by poll
+  (cd $W/repo/benchmarks/results/scale-corpus &&
+      ls conversations-p*.jsonl.gz >> $W/corpus.carried 2>/dev/null)
   cp $W/repo/benchmarks/results/scale-smollm2.json $W/ 2>/dev/null  # the curve so far
   ls -la $W/corpus ;;
 c)
@@ -139,12 +141,13 @@ poll)
   # brought files back; a call that brings none back has never lost one)
   parts=$(cd $W/corpus 2>/dev/null && ls conversations-p*.jsonl.gz 2>/dev/null |
       grep -vxF -f <(cat $W/corpus.carried 2>/dev/null; echo /) | sed "s|^|$W/corpus/|")
+  [ "${POLL_CORPUS:-1}" = 0 ] && parts=
   for c in $W/scale/regen-p*/out/conversations.jsonl; do
+    [ "${POLL_CORPUS:-1}" = 0 ] && break  # not even gzipped: a short call
     n=$(basename "$(dirname "$(dirname "$c")")")
     [ -f "$c" ] && ! ls $W/corpus/conversations-${n#regen-}-*.jsonl.gz > /dev/null 2>&1 &&
       gzip -c "$c" > "$W/partial-$n.jsonl.gz" && parts="$parts $W/partial-$n.jsonl.gz"
   done
-  [ "${POLL_CORPUS:-1}" = 0 ] && parts=
   for f in $parts; do split -b 15000000 -d "$f" "$OUT/$(basename "$f")."; done
   # and the ids regenerate refused (the curve order skips them): finished parts' and the live
   # regeneration's, in results.tgz (commit them beside the parts in scale-corpus/)

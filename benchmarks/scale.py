@@ -25,9 +25,12 @@ At once (`--jobs N`, `--eval-jobs M`): a 135M target leaves one GPU mostly idle,
 train side by side and each runs M of its evals side by side (every step is its own process;
 the JSON is changed and written under one lock, and n-gram is measured by the first eval of a
 prompt set that starts). A size that fails is reported at the end; the others go on.
-Disk: a size deletes its capture shards once its draft is exported (`--keep-captures`), and
-its capture waits until its estimated bytes are free beside the captures running at once
-(`--disk-wait S`), so sizes side by side take turns on a disk that holds one of them.
+Disk: a size deletes its capture shards once its draft is exported and recorded
+(`--keep-captures` keeps them), and its capture waits until what it has still to write (its
+estimated bytes, less what a killed run left) is free beside what the captures running at
+once have still to write (`--disk-wait S`), so sizes side by side take turns on a disk that
+holds one of them. A capture fails at once when no size beside it will free disk (every
+other size waits too, or keeps its captures: `--keep-captures`, or a training that failed).
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
@@ -197,7 +200,9 @@ def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dic
 
 DISK_POLL_S = 30.0  # seconds between looks at the free disk while a capture waits for it
 _DISK = threading.Lock()
-_RESERVED: dict[int, int] = {}  # size -> bytes its running capture may still write
+_CAPTURING: dict[int, tuple[Path, int]] = {}  # size -> its capture folder, its estimated bytes
+_FREEING: set[int] = set()  # sizes whose captures are deleted once their draft is recorded
+_WAITING: set[int] = set()  # sizes whose capture waits for the disk (they free none yet)
 
 
 def capture_bytes(target: str, tokens: int, dtype: str = "bf16") -> int:
@@ -215,22 +220,42 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
+def written(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) \
+        if folder.is_dir() else 0
+
+
 @contextlib.contextmanager
-def disk_for(n: int, folder: Path, need: int, wait: float):
-    """Hold the capture of size n until `folder`'s file system has `need` bytes free besides
-    what the captures running beside it have reserved (a trained size deletes its captures:
-    its neighbours wait for that), up to `wait` seconds; then a clear error, not a full disk."""
+def disk_for(n: int, captured: Path, estimate: int, wait: float):
+    """Hold the capture of size n into `captured` until its file system has free what the
+    capture has still to write (its estimate less what a killed run left there), besides
+    what the captures running beside it have still to write. A size that has exported its
+    draft deletes its captures: a capture waits up to `wait` seconds for that, and fails at
+    once, before writing, when no size beside it will free any disk."""
     deadline, told = time.monotonic() + wait, False
     while True:
         with _DISK:
-            free = free_bytes(folder) - sum(_RESERVED.values())
-            if free >= need:
-                _RESERVED[n] = need
+            _WAITING.discard(n)
+            need = max(0, estimate - written(captured))
+            if need == 0:  # written whole before (the manifest is what is missing)
                 break
-        if time.monotonic() >= deadline:
+            others = sum(max(0, e - written(c)) for m, (c, e) in _CAPTURING.items() if m != n)
+            free = free_bytes(captured.parent) - others
+            if free >= need:
+                _CAPTURING[n] = (captured, estimate)
+                break
+            hope = bool(_FREEING - _WAITING - {n})
+            _WAITING.add(n)
+        if not hope or time.monotonic() >= deadline:
+            with _DISK:
+                _WAITING.discard(n)
+            why = f"after {wait:.0f} s (--disk-wait)" if hope else \
+                "and no size beside it will free any"
             raise SystemExit(f"size {n}: its capture needs ~{need / 1e9:.1f} GB and "
-                             f"{max(free, 0) / 1e9:.1f} GB are free after {wait:.0f} s (--disk-wait)"
-                             f"; free disk under {folder}, run fewer --jobs, or --online")
+                             f"{max(free, 0) / 1e9:.1f} GB are free {why}; free disk under "
+                             f"{captured.parent}, run fewer --jobs, --capture-dtype fp8 or "
+                             f"--online")
         if not told:
             print(f"size {n}: capture waits for {need / 1e9:.1f} GB of disk "
                   f"({max(free, 0) / 1e9:.1f} GB free beside the other captures)", flush=True)
@@ -238,9 +263,9 @@ def disk_for(n: int, folder: Path, need: int, wait: float):
         time.sleep(DISK_POLL_S)
     try:
         yield
-    finally:  # the capture's files now count in the disk's own free space
+    finally:  # what it wrote now counts in the disk's own free space
         with _DISK:
-            _RESERVED.pop(n, None)
+            _CAPTURING.pop(n, None)
 
 
 # -- one size ---------------------------------------------------------------------------------
@@ -305,11 +330,11 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     s = {"prepare": run("prepare", *common, "--data", conv, "--out", folder / "prepared",
                         log=log, out=folder / "prepared")}
     prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
-    if not a.online:
-        captured = folder / "captured"
-        need = 0 if (captured / "eyas.json").is_file() else \
-            capture_bytes(a.target, prep["tokens"], a.capture_dtype)
-        with disk_for(n, folder, need, a.disk_wait):
+    captured = folder / "captured"
+    # a draft exported before a kill whose record was not written needs no captures again
+    if not a.online and not (_complete(folder / "run") and _complete(folder / "draft")):
+        estimate = capture_bytes(a.target, prep["tokens"], a.capture_dtype)
+        with disk_for(n, captured, 0 if _complete(captured) else estimate, a.disk_wait):
             s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
                                captured, "--split", "all", "--model-dtype", model_dtype,
                                "--dtype", a.capture_dtype, log=log, out=captured)
@@ -321,8 +346,6 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
                      *shlex.split(a.train_args), log=log, out=folder / "run")
     s["export"] = run("export", "--checkpoint", folder / "run", "--out", folder / "draft",
                       log=log, out=folder / "draft")
-    if not a.keep_captures and not a.online:  # the draft is made: free the disk for the next
-        shutil.rmtree(folder / "captured", ignore_errors=True)
     manifest = json.loads((folder / "run/eyas.json").read_text())
     records = [json.loads(x) for x in (folder / "run/metrics.jsonl").read_text().splitlines()
                if x.strip()]
@@ -340,6 +363,12 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
             "best": manifest.get("best"), "seconds": {k: round(v, 1) for k, v in s.items()},
             "gpu_minutes": round((s["train"] + s.get("capture", 0.0)) / 60, 2),
             "draft_id": json.loads((folder / "draft/eyas.json").read_text()).get("id")}
+
+
+def _complete(out: Path) -> bool:
+    """The step that writes `out` has ended there (run()'s own test for skipping it)."""
+    manifest = out / "eyas.json"
+    return manifest.is_file() and json.loads(manifest.read_text()).get("complete", True)
 
 
 def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
@@ -413,13 +442,25 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{fingerprint} {recipe}")
-        size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
-                "capture_dtype": a.capture_dtype,
-                "train": train_size(a, n, lines, folder), "evals": {}}
-        with book.change() as state:
-            state["sizes"][key] = size
-        print(f"size {n}: trained", flush=True)
+        freeing = not a.keep_captures and not a.online
+        with _DISK:
+            if freeing:  # captures beside it may wait for the disk this size frees
+                _FREEING.add(n)
+        try:
+            size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
+                    "capture_dtype": a.capture_dtype,
+                    "train": train_size(a, n, lines, folder), "evals": {}}
+            with book.change() as state:
+                state["sizes"][key] = size
+            print(f"size {n}: trained", flush=True)
+            if freeing:  # the draft is made and recorded: free the disk for the next
+                shutil.rmtree(folder / "captured", ignore_errors=True)
+        finally:  # a size whose training failed keeps its captures (to resume): none freed
+            with _DISK:
+                _FREEING.discard(n)
         missing = list(plan)
+    if not a.keep_captures:  # recorded before a kill that came before the deletion
+        shutil.rmtree(folder / "captured", ignore_errors=True)
     with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
         for done in [pool.submit(eval_size, a, name, *plan[name], folder, book, size)
                      for name in missing]:
@@ -536,7 +577,9 @@ def main(argv=None) -> dict:
                         "exported, so that the sizes after it find the disk free)")
     p.add_argument("--disk-wait", type=float, default=3600, metavar="S",
                    help="a capture waits up to S seconds for its disk (its estimated bytes "
-                        "free beside the captures running at once), then its size fails")
+                        "free beside what the captures running at once still write), then "
+                        "its size fails; at once when no size beside it will free disk (a "
+                        "size whose training failed keeps its captures, to resume)")
     p.add_argument("--k", default="3,6")
     p.add_argument("--prompts", type=int, default=200, help="in-distribution / held-out prompts")
     p.add_argument("--bench", default="mt-bench,gsm8k,humaneval")

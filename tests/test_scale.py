@@ -315,77 +315,154 @@ def test_only_a_live_regeneration_may_end_in_a_broken_line_and_retried_rejects_s
     assert scale.read_rejects([str(rejects)]) == {"src/0", "src/3", "src/4"}
 
 
-def _fake_steps(work: Path, events: list, gate: dict):
-    """`run` for train_size's steps, writing what it reads back; a capture writes a file of
-    the size's token count in bytes, and a size's training waits for gate[n] when there is
-    one."""
+def _fake_steps(work: Path, events: list, gates: dict, dtypes: list | None = None):
+    """`run` for a size's steps, writing what it reads back: a capture writes a file of the
+    size's token count in bytes (after gates["capture", n] is set, when there is one), a
+    training waits for gates["train", n] or fails on gates["train", n] = "fail"."""
     def fake_run(step, *args, log, out):
         n = int(out.parent.name.removeprefix("size-"))
         events.append((step, n))
+        gate = gates.get((step, n))
+        if gate == "fail":
+            raise SystemExit(f"eyas {step} failed (rc 1)")
+        if gate is not None:
+            assert gate.wait(30)
         out.mkdir(parents=True, exist_ok=True)
         if step == "prepare":
             (out / "eyas.json").write_text(json.dumps(
                 {"stats": {"tokens": n, "kept": 1, "train": 1}}))
         elif step == "capture":
+            if dtypes is not None:
+                dtypes.append(args[list(args).index("--dtype") + 1])
             (out / "shard.bin").write_bytes(b"x" * n)
             (out / "eyas.json").write_text("{}")
         elif step == "train":
-            if n in gate:
-                assert gate[n].wait(30)
             (out / "eyas.json").write_text(json.dumps({"config": {"epochs": 1}, "steps": 1}))
             (out / "metrics.jsonl").write_text("")
         elif step == "export":
             (out / "eyas.json").write_text(json.dumps({"id": f"d{n}"}))
+        elif step == "eval":
+            (out / "report.json").write_text(json.dumps({"num_prompts": 1, "results": []}))
         return 1.0
     return fake_run
 
 
-def test_a_capture_waits_for_the_disk_that_a_trained_size_frees(tmp_path, monkeypatch):
-    """Two sizes at once on a disk that holds one capture: the second capture waits until
-    the first size has exported its draft and deleted its shards, then runs; with too little
-    disk for good, the size fails with what it needs, before writing anything."""
+def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
+    """A fake disk of `capacity` bytes under WORK (its .bin files fill it), the stubbed
+    steps, and run_size's arguments and result book (two evals: indist, heldout)."""
     import argparse
 
-    work, events, capacity = tmp_path / "work", [], 1500
-    gate = {1000: threading.Event()}
+    work, events, dtypes = tmp_path / "work", [], []
+    data = _data(tmp_path, 1)
 
     def used() -> int:
         return sum(f.stat().st_size for f in work.rglob("*.bin"))
 
-    monkeypatch.setattr(scale, "run", _fake_steps(work, events, gate))
+    monkeypatch.setattr(scale, "run", _fake_steps(work, events, gates, dtypes))
     monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens, dtype: tokens)
     monkeypatch.setattr(scale, "free_bytes", lambda folder: capacity - used())
     monkeypatch.setattr(scale, "DISK_POLL_S", 0.02)
     a = argparse.Namespace(target="t", dtype="float32", online=False, train_args="",
-                           disk_wait=30.0, keep_captures=False, capture_dtype="bf16")
-    results = {}
+                           disk_wait=30.0, keep_captures=False, capture_dtype="bf16",
+                           work=str(work), data=str(data), bench="", t1_bench="", k="3",
+                           prompts=1, bench_prompts=1, eval_tokens=8, device="cpu",
+                           eval_batch=1, eval_jobs=1)
+    vars(a).update(kw)
+    book = scale.Book({"sizes": {}, "ngram": {}}, lambda: None)
+    return a, book, work, events, dtypes, used
 
-    def size(n):
-        results[n] = scale.train_size(a, n, ["{}"], work / f"size-{n}")
 
-    first = threading.Thread(target=size, args=(1000,))
-    first.start()
+def _start(a, book, n: int, results: dict) -> threading.Thread:
+    """run_size(n) in a thread; results[n] = its draft's id, or the SystemExit it ended on."""
+    def size():
+        try:
+            scale.run_size(a, n, ["{}"], "fp", book)
+            results[n] = book.state["sizes"][str(n)]["train"]["draft_id"]
+        except SystemExit as e:
+            results[n] = e
+    t = threading.Thread(target=size)
+    t.start()
+    return t
+
+
+def _until(cond, what: str) -> None:
     deadline = time.monotonic() + 30
-    while ("train", 1000) not in events:  # its shards are written; its training is held
-        assert first.is_alive() and time.monotonic() < deadline
+    while not cond():
+        assert time.monotonic() < deadline, what
         time.sleep(0.01)
-    second = threading.Thread(target=size, args=(900,))
-    second.start()
-    time.sleep(0.3)
-    assert ("capture", 900) not in events and used() == 1000  # 500 bytes free: it waits
-    gate[1000].set()
-    first.join(30), second.join(30)
-    assert events.index(("capture", 900)) > events.index(("export", 1000))
-    assert results[1000]["draft_id"] == "d1000" and results[900]["draft_id"] == "d900"
-    assert used() == 0 and not (work / "size-1000/captured").exists()
 
-    a.keep_captures, a.disk_wait = True, 0.1
-    scale.train_size(a, 700, ["{}"], work / "size-700")
-    assert (work / "size-700/captured/shard.bin").is_file()  # kept; 800 bytes now free
-    with pytest.raises(SystemExit, match=r"size 1200: its capture needs ~0.0 GB and 0.0 GB "
-                                         r"are free after 0 s"):
-        scale.train_size(a, 1200, ["{}"], work / "size-1200")
-    assert ("capture", 1200) not in events
+
+def test_a_capture_waits_for_the_disk_that_a_running_capture_reserved_and_a_size_frees(
+        tmp_path, monkeypatch):
+    """Two sizes at once on a disk that holds one capture: while the first capture has
+    written nothing yet, the second waits on the first's reservation alone; then on its
+    shards; it captures once the first size has recorded its draft and deleted them."""
+    gates = {("capture", 1000): threading.Event(), ("train", 1000): threading.Event()}
+    a, book, work, events, dtypes, used = _disk(tmp_path, monkeypatch, 1500, gates)
+    results = {}
+    first = _start(a, book, 1000, results)
+    _until(lambda: ("capture", 1000) in events, "the first capture starts")
+    second = _start(a, book, 900, results)
+    _until(lambda: ("prepare", 900) in events, "the second size prepares")
+    time.sleep(0.3)
+    assert ("capture", 900) not in events and used() == 0  # 1,500 free, 1,000 reserved
+    gates["capture", 1000].set()
+    _until(lambda: ("train", 1000) in events, "the first size trains")
+    time.sleep(0.3)
+    assert ("capture", 900) not in events and used() == 1000  # 500 free: it still waits
+    gates["train", 1000].set()
+    first.join(30), second.join(30)
+    assert results == {1000: "d1000", 900: "d900"}
+    assert events.index(("capture", 900)) > events.index(("export", 1000))
+    assert used() == 0 and not (work / "size-1000/captured").exists()
+    assert dtypes == ["bf16", "bf16"]  # capture is given --dtype
+
+
+def test_a_resumed_capture_counts_what_it_wrote_and_a_complete_one_needs_no_disk(
+        tmp_path, monkeypatch):
+    """A capture killed after 600 of its 1,000 bytes, alone on a disk with 900 free: it
+    needs only the 400 it has still to write (the full estimate against a disk that its own
+    shards fill would fail). A capture with nothing left to write takes no disk; a draft
+    exported before a kill that lost its record is not captured again."""
+    a, book, work, events, dtypes, used = _disk(tmp_path, monkeypatch, 1500, {},
+                                                capture_dtype="fp8")
+    captured = work / "size-1000/captured"
+    captured.mkdir(parents=True)
+    (captured / "part.bin").write_bytes(b"x" * 600)
+    (work / "size-1000/subset.txt").write_text("fp  capture=fp8")
+    results = {}
+    _start(a, book, 1000, results).join(30)
+    assert results == {1000: "d1000"} and dtypes == ["fp8"] and used() == 0
+    with scale.disk_for(5, work / "size-5/captured", 0, 0.0):
+        assert not scale._CAPTURING
+    # exported, then killed before its record was written (its captures deleted after)
+    book.state["sizes"].clear()
+    events.clear()
+    _start(a, book, 1000, results).join(30)
+    assert results == {1000: "d1000"} and ("capture", 1000) not in events
+
+
+def test_a_capture_that_no_size_will_free_disk_for_fails_at_once(tmp_path, monkeypatch):
+    """Beside a size whose training failed (its captures kept, to resume), or with
+    --keep-captures, waiting cannot help: the size fails at once with what it needs, not
+    after --disk-wait, and before writing anything."""
+    gates = {("train", 1000): "fail"}
+    a, book, work, events, dtypes, used = _disk(tmp_path, monkeypatch, 1500, gates,
+                                                disk_wait=600.0)
+    results = {}
+    _start(a, book, 1000, results).join(30)
+    assert isinstance(results[1000], SystemExit) and used() == 1000  # kept
+    begin = time.monotonic()
+    _start(a, book, 900, results).join(30)
+    assert time.monotonic() - begin < 5 and ("capture", 900) not in events
+    assert str(results[900]).startswith("size 900: its capture needs ~0.0 GB and 0.0 GB are "
+                                        "free and no size beside it will free any")
+    a.keep_captures = True
+    _start(a, book, 400, results).join(30)
+    assert results[400] == "d400" and used() == 1400  # kept
+    _start(a, book, 200, results).join(30)
+    assert "no size beside it will free any" in str(results[200])
+    assert ("capture", 200) not in events and time.monotonic() - begin < 10
 
 
 def test_the_disk_a_capture_needs_is_capture_s_own_bytes_per_token(llama_dir):
