@@ -388,17 +388,22 @@ def test_real_vllm_capture_equals_the_transformers_capture(tmp_path_factory, cap
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is 4
     root = tmp_path_factory.mktemp("capture-vllm")
     model_dir, prepared, hf = _tiny_target_captured(root, n_train=6)
+    # on a GPU, a KV cache of its own size: vLLM then skips its start-up memory profile, which
+    # fails when another process on the GPU frees memory meanwhile (the H200 lease of
+    # 2026-12-03 ran this test beside two trainings and their evals: "Engine core
+    # initialization failed"; alone 70 s later, it passed)
+    gpu = {"kv_cache_gib": 1.0} if torch.cuda.is_available() else {}
     try:
         got = capture(CaptureConfig(target=str(model_dir), data=str(prepared),
                                     out=str(root / "vllm"), model_dtype="fp32", backend="vllm",
-                                    max_model_len=64, gpu_memory_utilization=0.2))
+                                    max_model_len=64, gpu_memory_utilization=0.2, **gpu))
     except Exception as err:  # noqa: BLE001 - the engine's root cause is in its own log
         # the engine's processes log through vLLM's logger, to stdout or stderr depending on
         # where the output goes, and may do so after the client has raised
         printed = ""
         for _ in range(20):
-            out, err = capfd.readouterr()
-            printed += out + err
+            stdout, stderr = capfd.readouterr()
+            printed += stdout + stderr
             if CPU_CONNECTOR_ERROR in printed:
                 break
             time.sleep(0.5)
@@ -406,7 +411,10 @@ def test_real_vllm_capture_equals_the_transformers_capture(tmp_path_factory, cap
             line = next(x for x in printed.splitlines() if CPU_CONNECTOR_ERROR in x)
             pytest.xfail(f"vLLM's CPU build cannot write the connector's file: {line.strip()} "
                          f"(then {type(err).__name__})")
-        raise
+        # the log was read here, so pytest would not show it: the root cause goes with the error
+        tail = "\n".join(printed.splitlines()[-60:])
+        raise AssertionError(f"vLLM's capture failed; the engine's last log lines:\n{tail}") \
+            from err
     assert got["samples"] == hf["samples"] and got["nonfinite"] == 0
     want, mine = _by_row(root / "hf"), _by_row(root / "vllm")
     assert set(mine) == set(want)
