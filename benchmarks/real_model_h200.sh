@@ -14,7 +14,9 @@
 # docs/benchmarks.md, "The scaling curve"); stage scale-regen regenerates only, beside a scale
 # instance started with SCALE_WAIT_REGEN=1. Stage vcapture: capture through vLLM against transformers (issue 32,
 # benchmarks/capture_backends.py), on the pipeline's prepared rows and a random 8B target;
-# stage vtests: only its vllm-marked capture tests.
+# stage vtests: only its vllm-marked capture tests. Stage scale-served: trained == served at
+# the curve's size SERVE_SIZE (vLLM serves its draft once scale.py has exported it, beside the
+# size's in-distribution eval).
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
@@ -238,6 +240,21 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} timeout 600 python3 -m pytest -q -m vllm \
         -p no:cacheprovider tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
     stage "vtests rc $?" ;;
+  scale-served)
+    # issue 31: vLLM serves size SERVE_SIZE's draft on the in-distribution prompts its eval
+    # measures (200, 96 new tokens, float32, k = 3 and 6), its own counters beside that eval's
+    # report (and its interval and replay); started with the scale stage, it waits for the
+    # export, and its KV cache has a size of its own (vLLM's start-up memory profile fails
+    # beside the trainings and evals that take and free GPU memory)
+    D=$W/scale/size-${SERVE_SIZE:?name the size}
+    stage "scale-served: waiting for $D/draft"
+    for i in $(seq 360); do [ -f $D/draft/eyas.json ] && break; sleep 10; done
+    PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} timeout 1500 python3 benchmarks/vllm_serve.py \
+        --target $T --draft $D/draft --data ${SCALE_DATA:-$W/realdata}/indist.jsonl \
+        --num-prompts 200 --max-new-tokens 96 --k 3,6 --dtype float32 --kv-cache-gib 8 \
+        --eyas-report $D/eval-indist/report.json --wait-report 900 \
+        --json "$R/served-scale-$SERVE_SIZE.json" > "$R/served-scale-$SERVE_SIZE.out" 2>&1
+    stage "scale-served rc $?" ;;
   served)
     # issue 33: the Qwen2.5-Coder target ($QWEN_GGUF, joined from its parts by h200_lease.sh
     # gpart), converted once; a draft by eyas train's default recipe on SERVED_TRAIN prompts

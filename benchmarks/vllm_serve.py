@@ -63,13 +63,44 @@ def counters(llm) -> dict:
     return got
 
 
+def memory_options(share: float, kv_cache_gib: float) -> dict:
+    """vLLM's memory settings: its share of the GPU and, when kv_cache_gib > 0, a KV cache of
+    that size, which skips vLLM's start-up memory profile (it fails when a process beside it,
+    e.g. a training or an `eyas eval`, frees GPU memory meanwhile)."""
+    from types import SimpleNamespace
+
+    from eyas.serve.vllm_generate import engine_options
+
+    return engine_options(SimpleNamespace(tensor_parallel_size=1, gpu_memory_utilization=share,
+                                          max_model_len=0, kv_cache_gib=kv_cache_gib))
+
+
+def wait_for(path: str | None, seconds: float, poll: float = 10.0) -> dict | None:
+    """The JSON at `path`, waiting up to `seconds` for it to appear (an `eyas eval` running
+    beside this script writes it when it ends); None without a path or after the wait."""
+    if not path:
+        return None
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return json.loads(Path(path).read_text())
+        except (OSError, ValueError):  # not there yet, or still being written
+            pass
+        if time.monotonic() >= deadline:
+            print(f"{path} did not appear within {seconds:.0f} s: vLLM's numbers stand alone",
+                  flush=True)
+            return None
+        time.sleep(poll)
+
+
 def generate(target_dir: str, prompts, max_new_tokens: int, ignore_eos: bool, dtype: str,
-             draft=None, k: int = 0, memory: float = 0.4, method: str = "eagle3"):
+             draft=None, k: int = 0, memory: dict | None = None, method: str = "eagle3"):
     from vllm import LLM, SamplingParams
 
     spec = {"method": method, "model": draft, "num_speculative_tokens": k} if draft else None
     llm = LLM(model=target_dir, enforce_eager=True, disable_log_stats=False, seed=0,
-              gpu_memory_utilization=memory, speculative_config=spec, dtype=dtype)
+              speculative_config=spec, dtype=dtype,
+              **(memory or {"gpu_memory_utilization": 0.4}))
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p.ids.tolist()} for p in prompts], params)
@@ -98,6 +129,12 @@ def main(argv=None) -> dict:
                    help="target (and draft) dtype in vLLM; eyas eval's report should match")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                    help="vLLM's share of the GPU (lower it when another job shares the GPU)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.0,
+                   help="vLLM's KV cache in GiB (skips its start-up memory profile, which "
+                        "fails beside jobs that free GPU memory); 0 = sized by the share")
+    p.add_argument("--wait-report", type=float, default=0.0, metavar="S",
+                   help="wait up to S seconds for --eyas-report to appear (an eval running "
+                        "beside this script)")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
 
@@ -111,22 +148,30 @@ def main(argv=None) -> dict:
     target_dir = hf_folder(a.target, Path(a.hf_dir), a.dtype)
     import vllm
 
+    memory = memory_options(a.gpu_memory_utilization, a.kv_cache_gib)
     reference, base_s, _ = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
-                                    a.dtype, memory=a.gpu_memory_utilization)
-    eyas = json.loads(Path(a.eyas_report).read_text()) if a.eyas_report else None
-    mine = {r["k"]: r for r in (eyas or {}).get("results", []) if r["method"] == a.method}
+                                    a.dtype, memory=memory)
     per_k = {}
     for k in ks:
         tokens, seconds, c = generate(target_dir, prompts, a.max_new_tokens, a.ignore_eos,
-                                      a.dtype, a.draft, k, a.gpu_memory_utilization, a.method)
+                                      a.dtype, a.draft, k, memory, a.method)
         n = c["num_drafts"]
         per_k[str(k)] = {
             "vllm_al": c["mean_acceptance_length"], "vllm_per_position": c["per_position"],
             "vllm_drafts": n, "vllm_seconds": round(seconds, 2),
             "vllm_speedup": round(base_s / seconds, 3),
-            "same_outputs_as_no_speculation": sum(t == r for t, r in zip(tokens, reference)),
-            "eyas_eval_al": mine.get(k, {}).get("mean_acceptance_length"),
-            "eyas_eval_per_position": mine.get(k, {}).get("per_position_acceptance")}
+            "same_outputs_as_no_speculation": sum(t == r for t, r in zip(tokens, reference))}
+    eyas = wait_for(a.eyas_report, a.wait_report)
+    mine = {r["k"]: r for r in (eyas or {}).get("results", []) if r["method"] == a.method}
+    for k, row in per_k.items():
+        row["eyas_eval_al"] = mine.get(int(k), {}).get("mean_acceptance_length")
+        row["eyas_eval_per_position"] = mine.get(int(k), {}).get("per_position_acceptance")
+        # eyas eval's 95 % interval of its acceptance length (bootstrap over prompts), and its
+        # replay on training's forward: trained == served when vLLM's AL falls inside both
+        row["eyas_eval_ci95"] = ((eyas or {}).get("ci95", {}).get(k) or {}).get(
+            "mean_acceptance_length") if a.method == (eyas or {}).get("primary") else None
+        row["replayed_al"] = ((eyas or {}).get("replayed", {}).get(k) or {}).get(
+            "mean_acceptance_length")
     import platform
 
     import torch

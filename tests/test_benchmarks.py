@@ -73,3 +73,27 @@ def test_multigpu_benchmark_train_smoke(tmp_path):
         assert runs[name]["max_rel_loss_diff_vs_one"] < 1e-4
         assert runs[name]["weights_rel_diff_vs_one"] < 1e-4
     assert runs["two-ddp-resumed"]["weights_rel_diff_vs_uninterrupted"] < 1e-4
+
+
+def test_vllm_serve_memory_and_a_report_written_beside_it(tmp_path, monkeypatch):
+    """benchmarks/vllm_serve.py beside running jobs: a KV cache size given to vLLM (so that
+    its start-up memory profile is skipped), and the `eyas eval` report it sets beside vLLM's
+    counters read once that eval, running at the same time, has written it."""
+    import os
+    import threading
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the script sets vLLM's variables
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import vllm_serve
+
+    assert vllm_serve.memory_options(0.4, 0) == {"tensor_parallel_size": 1,
+                                                 "gpu_memory_utilization": 0.4}
+    assert vllm_serve.memory_options(0.2, 1.5)["kv_cache_memory_bytes"] == 3 * 2**29
+    report = tmp_path / "eval-indist/report.json"
+    assert vllm_serve.wait_for(None, 5) is None
+    assert vllm_serve.wait_for(str(report), 0.05, poll=0.01) is None  # never written
+    late = threading.Timer(0.2, lambda: (report.parent.mkdir(),
+                                         report.write_text(json.dumps({"primary": "eagle3"}))))
+    late.start()
+    assert vllm_serve.wait_for(str(report), 30, poll=0.02) == {"primary": "eagle3"}
+    late.join()
