@@ -31,6 +31,9 @@ estimated bytes, less what a killed run left) is free beside what the captures r
 once have still to write (`--disk-wait S`), so sizes side by side take turns on a disk that
 holds one of them. A capture fails at once when no size beside it will free disk (every
 other size waits too, or keeps its captures: `--keep-captures`, or a training that failed).
+`--exec-args` passes eyas train flags that change how it runs, not what it learns
+(`--cuda-graph`, `--compile`, `--num-workers N`, ...; anything else is refused): like
+`--capture-dtype`, they are recorded per size and sizes recorded without them stand.
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
@@ -343,7 +346,8 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     data = ["--data", folder / "prepared", "--online", *common] if a.online else \
         ["--data", folder / "captured"]
     s["train"] = run("train", *data, "--vocab", folder / "vocab", "--out", folder / "run",
-                     *shlex.split(a.train_args), log=log, out=folder / "run")
+                     *shlex.split(a.train_args), *shlex.split(a.exec_args), log=log,
+                     out=folder / "run")
     s["export"] = run("export", "--checkpoint", folder / "run", "--out", folder / "draft",
                       log=log, out=folder / "draft")
     manifest = json.loads((folder / "run/eyas.json").read_text())
@@ -448,7 +452,7 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
                 _FREEING.add(n)
         try:
             size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
-                    "capture_dtype": a.capture_dtype,
+                    "capture_dtype": a.capture_dtype, "exec_args": a.exec_args,
                     "train": train_size(a, n, lines, folder), "evals": {}}
             with book.change() as state:
                 state["sizes"][key] = size
@@ -471,6 +475,25 @@ def _eval_done(a, size: dict | None, name: str) -> bool:
     e = (size or {}).get("evals", {}).get(name)
     return bool(e) and e["draft_id"] == size["train"]["draft_id"] and \
         e["settings"] == eval_settings(a)
+
+
+# how eyas train runs, not what it learns (a CUDA graph replays eager's losses and gradients:
+# tests/test_ttt_graph.py; compiled training matches eager: tests/test_train.py), so a size
+# trained with or without them is the same point of the curve
+EXEC_FLAGS = ("--cuda-graph", "--no-cuda-graph", "--compile", "--no-compile", "--num-workers",
+              "--log-every", "--save-every", "--keep-last")
+
+
+def exec_flags(parser: argparse.ArgumentParser, args: str) -> None:
+    """Refuse in --exec-args a flag that may change what training learns."""
+    words = shlex.split(args)
+    for i, word in enumerate(words):
+        value = i > 0 and words[i - 1] in ("--num-workers", "--log-every", "--save-every",
+                                           "--keep-last")
+        if not value and word.split("=")[0] not in EXEC_FLAGS:
+            parser.error(f"--exec-args {word!r}: only flags that change how eyas train runs "
+                         f"({', '.join(EXEC_FLAGS)}); a change of what it learns belongs in "
+                         f"--train-args (a new recipe: every size is trained again)")
 
 
 # -- the table and the plot ------------------------------------------------------------------
@@ -572,6 +595,10 @@ def main(argv=None) -> dict:
                    help="eyas capture --dtype: fp8 stores a token in 63 %% of the bytes, "
                         "for a size that does not fit the disk in bf16 (recorded per size; "
                         "sizes recorded with the other dtype stand)")
+    p.add_argument("--exec-args", default="",
+                   help="eyas train flags that change how it runs, not what it learns ("
+                        + ", ".join(EXEC_FLAGS) + "): recorded per size; sizes recorded "
+                        "with others stand")
     p.add_argument("--keep-captures", action="store_true",
                    help="keep each size's capture shards (default: deleted once its draft is "
                         "exported, so that the sizes after it find the disk free)")
@@ -590,6 +617,7 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
+    exec_flags(p, a.exec_args)
 
     out = Path(a.out)
     patterns = a.corpus.split(",") if a.corpus else [f"{a.corpus_dir}/conversations*.jsonl*"]

@@ -109,9 +109,12 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     assert trained == [4] and len(evals) == 4  # size 8: every eval done, its draft not needed
     assert state["sizes"]["8"] == saved["sizes"]["8"]
     assert "8 | 80 | 800" in scale.markdown(state).replace(",", "")
-    # fp8 capture storage is not another recipe: the bf16 records stand
+    # fp8 capture storage and a CUDA graph are not another recipe: the records stand
     trained.clear(), evals.clear()
-    scale.main([*argv, "--capture-dtype", "fp8"])
+    scale.main([*argv, "--capture-dtype", "fp8", "--exec-args", "--cuda-graph --num-workers 2"])
+    assert trained == [] and evals == []
+    with pytest.raises(SystemExit):  # what training learns is the recipe, not --exec-args
+        scale.main([*argv, "--exec-args", "--cuda-graph --lr 1e-4"])
     assert trained == [] and evals == []
 
 
@@ -337,6 +340,8 @@ def _fake_steps(work: Path, events: list, gates: dict, dtypes: list | None = Non
             (out / "shard.bin").write_bytes(b"x" * n)
             (out / "eyas.json").write_text("{}")
         elif step == "train":
+            if dtypes is not None and "--cuda-graph" in args:
+                dtypes.append("--cuda-graph")
             (out / "eyas.json").write_text(json.dumps({"config": {"epochs": 1}, "steps": 1}))
             (out / "metrics.jsonl").write_text("")
         elif step == "export":
@@ -364,7 +369,7 @@ def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
     monkeypatch.setattr(scale, "DISK_POLL_S", 0.02)
     a = argparse.Namespace(target="t", dtype="float32", online=False, train_args="",
                            disk_wait=30.0, keep_captures=False, capture_dtype="bf16",
-                           work=str(work), data=str(data), bench="", t1_bench="", k="3",
+                           exec_args="", work=str(work), data=str(data), bench="", t1_bench="", k="3",
                            prompts=1, bench_prompts=1, eval_tokens=8, device="cpu",
                            eval_batch=1, eval_jobs=1)
     vars(a).update(kw)
@@ -425,14 +430,16 @@ def test_a_resumed_capture_counts_what_it_wrote_and_a_complete_one_needs_no_disk
     shards fill would fail). A capture with nothing left to write takes no disk; a draft
     exported before a kill that lost its record is not captured again."""
     a, book, work, events, dtypes, used = _disk(tmp_path, monkeypatch, 1500, {},
-                                                capture_dtype="fp8")
+                                                capture_dtype="fp8", exec_args="--cuda-graph")
     captured = work / "size-1000/captured"
     captured.mkdir(parents=True)
     (captured / "part.bin").write_bytes(b"x" * 600)
     (work / "size-1000/subset.txt").write_text("fp  capture=fp8")
     results = {}
     _start(a, book, 1000, results).join(30)
-    assert results == {1000: "d1000"} and dtypes == ["fp8"] and used() == 0
+    assert results == {1000: "d1000"} and used() == 0
+    assert dtypes == ["fp8", "--cuda-graph"]  # capture's --dtype; train's --exec-args
+    assert book.state["sizes"]["1000"]["exec_args"] == "--cuda-graph"
     with scale.disk_for(5, work / "size-5/captured", 0, 0.0):
         assert not scale._CAPTURING
     # exported, then killed before its record was written (its captures deleted after)
