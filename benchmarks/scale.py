@@ -391,6 +391,21 @@ def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
     return out
 
 
+def fidelity(report: dict) -> dict:
+    """Trained against served, over the eval's whole prompt list (every set it measures):
+    the draft's measured AL per k with its 95 % interval, and the same continuations replayed
+    on training's forward with theirs (absent at T > 0, where eyas eval replays nothing)."""
+    ci = report.get("ci95") or {}
+    replayed = report.get("replayed") or {}
+    if not replayed:
+        return {}
+    return {"fidelity": {k: {"measured": report.get("mean_acceptance_length", {}).get(k),
+                             "measured_ci95": (ci.get(k) or {}).get("mean_acceptance_length"),
+                             "replayed": r.get("mean_acceptance_length"),
+                             "replayed_ci95": (r.get("ci95") or {}).get("mean_acceptance_length")}
+                         for k, r in replayed.items()}}
+
+
 def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Book,
               size: dict) -> None:
     """One `eyas eval` of the size's draft, recorded (and the JSON written) when it ends;
@@ -415,7 +430,8 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
                                "settings": eval_settings(a), "seconds": round(took, 1),
                                "lossless": report.get("lossless"),
                                "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"]}
-                                        for s, e in measured.items()}}
+                                        for s, e in measured.items()},
+                               **fidelity(report)}
     print(f"size {size['conversations']}: eval {name} done", flush=True)
 
 
@@ -526,7 +542,21 @@ def markdown(state: dict) -> str:
     ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s in sets for k in ks]
     lines.append("| n-gram | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
                                                    for x in ngram) + " |")
+    served = [(int(n), e, k, f) for n, size in state["sizes"].items()
+              for e, rec in size["evals"].items() for k, f in rec.get("fidelity", {}).items()]
+    if served:  # trained == served: the measured AL and its replay on training's forward
+        lines += ["", "| conversations | eval | k | measured AL [95 %] | replayed on "
+                  "training's forward [95 %] |", "|---:|---|---:|---|---|"]
+        for n, e, k, f in sorted(served):
+            lines.append(f"| {n:,} | {e} | {k} | {_ci(f['measured'], f['measured_ci95'])} | "
+                         f"{_ci(f['replayed'], f['replayed_ci95'])} |")
     return "\n".join(lines)
+
+
+def _ci(value, interval) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
 
 
 def plot(state: dict, path: Path, k: str) -> None:

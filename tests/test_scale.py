@@ -84,6 +84,11 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
                for m in ("eagle3", "ngram") for k in (3, 6)]
         report = {"num_prompts": 2, "lossless": True, "results": res,
                   "by_set": {s: {"prompts": 2, "results": res} for s in sets}}
+        if "--temperature" not in args:  # eyas eval replays only at T = 0
+            report.update({"mean_acceptance_length": {"3": 1.5, "6": 1.5},
+                           "ci95": {"3": {"mean_acceptance_length": [1.4, 1.6]}},
+                           "replayed": {"3": {"mean_acceptance_length": 1.52, "ci95": {
+                               "mean_acceptance_length": [1.41, 1.63]}}}})
         (out / "report.json").write_text(json.dumps(report))
         return 1.0
 
@@ -98,6 +103,15 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     assert len(evals) == 8 and set(state["ngram"]) == {"indist", "heldout", "mt-bench",
                                                        "gsm8k", "mt-bench-t1"}
     assert out.with_suffix(".md").is_file() and (out.parent / "scale-k3.png").is_file()
+    # trained == served per eval: measured AL and its replay on training's forward, with
+    # their intervals (none at T = 1)
+    evals4 = state["sizes"]["4"]["evals"]
+    assert evals4["indist"]["fidelity"] == {"3": {"measured": 1.5, "measured_ci95": [1.4, 1.6],
+                                                  "replayed": 1.52,
+                                                  "replayed_ci95": [1.41, 1.63]}}
+    assert "fidelity" not in evals4["bench-t1"]
+    assert "| 4 | indist | 3 | 1.500 [1.400, 1.600] | 1.520 [1.410, 1.630] |" in \
+        out.with_suffix(".md").read_text()
     # a new lease: the work folder is gone, size 4's record deleted, one eval of size 8 lost
     import shutil
     shutil.rmtree(tmp_path / "work")
