@@ -224,9 +224,17 @@ def free_bytes(folder: Path) -> int:
 
 
 def written(folder: Path) -> int:
-    """Bytes of the files under `folder` (0 when it does not exist)."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) \
-        if folder.is_dir() else 0
+    """Bytes of the files under `folder` (0 when it does not exist). A running capture writes
+    each file under a temporary name and renames it: a file gone between the listing and its
+    size is skipped (it is counted under its new name next time)."""
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 @contextlib.contextmanager
@@ -334,8 +342,9 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
                         log=log, out=folder / "prepared")}
     prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
     captured = folder / "captured"
-    # a draft exported before a kill whose record was not written needs no captures again
-    if not a.online and not (_complete(folder / "run") and _complete(folder / "draft")):
+    # a training that ended before a kill whose record was not written needs no captures
+    # again (export reads only its checkpoint)
+    if not a.online and not _complete(folder / "run"):
         estimate = capture_bytes(a.target, prep["tokens"], a.capture_dtype)
         with disk_for(n, captured, 0 if _complete(captured) else estimate, a.disk_wait):
             s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
@@ -450,6 +459,8 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     missing = [e for e in plan if not _eval_done(a, size, e)]
     if size and not missing:
         print(f"size {n}: done before, skipped", flush=True)
+        if not a.keep_captures:  # kept by an earlier --keep-captures run
+            shutil.rmtree(folder / "captured", ignore_errors=True)
         return
     draft_here = (folder / "draft/eyas.json").is_file()
     if size is None or not draft_here or size["train"]["draft_id"] != \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 import threading
 import time
@@ -366,6 +367,16 @@ def _fake_steps(work: Path, events: list, gates: dict, dtypes: list | None = Non
     return fake_run
 
 
+@pytest.fixture(autouse=True)
+def _no_disk_state_between_tests():
+    """scale.py's disk bookkeeping is per process: a test starts and ends with none."""
+    for held in (scale._CAPTURING, scale._FREEING, scale._WAITING):
+        held.clear()
+    yield
+    for held in (scale._CAPTURING, scale._FREEING, scale._WAITING):
+        held.clear()
+
+
 def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
     """A fake disk of `capacity` bytes under WORK (its .bin files fill it), the stubbed
     steps, and run_size's arguments and result book (two evals: indist, heldout)."""
@@ -374,8 +385,15 @@ def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
     work, events, dtypes = tmp_path / "work", [], []
     data = _data(tmp_path, 1)
 
-    def used() -> int:
-        return sum(f.stat().st_size for f in work.rglob("*.bin"))
+    def used() -> int:  # the shards' bytes; a size deleting its shards may remove one meanwhile
+        total = 0
+        for root, _, names in os.walk(work):  # os.walk skips a folder that vanishes
+            for name in names:
+                try:
+                    total += os.stat(os.path.join(root, name)).st_size * name.endswith(".bin")
+                except FileNotFoundError:
+                    pass
+        return total
 
     monkeypatch.setattr(scale, "run", _fake_steps(work, events, gates, dtypes))
     monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens, dtype: tokens)
@@ -387,7 +405,13 @@ def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
                            prompts=1, bench_prompts=1, eval_tokens=8, device="cpu",
                            eval_batch=1, eval_jobs=1)
     vars(a).update(kw)
-    book = scale.Book({"sizes": {}, "ngram": {}}, lambda: None)
+
+    def write():  # whether a size's captures were still there when its record was written
+        for n in book.state["sizes"]:
+            book.captures_at_record.setdefault(n, (work / f"size-{n}/captured").is_dir())
+
+    book = scale.Book({"sizes": {}, "ngram": {}}, write)
+    book.captures_at_record = {}
     return a, book, work, events, dtypes, used
 
 
@@ -422,16 +446,16 @@ def test_a_capture_waits_for_the_disk_that_a_running_capture_reserved_and_a_size
     first = _start(a, book, 1000, results)
     _until(lambda: ("capture", 1000) in events, "the first capture starts")
     second = _start(a, book, 900, results)
-    _until(lambda: ("prepare", 900) in events, "the second size prepares")
-    time.sleep(0.3)
+    _until(lambda: 900 in scale._WAITING, "the second capture waits")
     assert ("capture", 900) not in events and used() == 0  # 1,500 free, 1,000 reserved
     gates["capture", 1000].set()
     _until(lambda: ("train", 1000) in events, "the first size trains")
-    time.sleep(0.3)
+    _until(lambda: 900 in scale._WAITING, "the second capture still waits")
     assert ("capture", 900) not in events and used() == 1000  # 500 free: it still waits
     gates["train", 1000].set()
     first.join(30), second.join(30)
     assert results == {1000: "d1000", 900: "d900"}
+    assert book.captures_at_record == {"1000": True, "900": True}  # deleted after the record
     assert events.index(("capture", 900)) > events.index(("export", 1000))
     assert used() == 0 and not (work / "size-1000/captured").exists()
     assert dtypes == ["bf16", "bf16"]  # capture is given --dtype
@@ -456,11 +480,30 @@ def test_a_resumed_capture_counts_what_it_wrote_and_a_complete_one_needs_no_disk
     assert book.state["sizes"]["1000"]["exec_args"] == "--cuda-graph"
     with scale.disk_for(5, work / "size-5/captured", 0, 0.0):
         assert not scale._CAPTURING
-    # exported, then killed before its record was written (its captures deleted after)
+    # trained, then killed before its record was written (its captures deleted after)
     book.state["sizes"].clear()
     events.clear()
     _start(a, book, 1000, results).join(30)
     assert results == {1000: "d1000"} and ("capture", 1000) not in events
+    # recorded, then killed before its captures were deleted (kept here): the next call
+    # deletes them and measures the evals it lacks, without training or capturing again
+    a.keep_captures = True
+    _start(a, book, 700, results).join(30)
+    assert results[700] == "d700" and used() == 700
+    a.keep_captures = False
+    del book.state["sizes"]["700"]["evals"]["heldout"]
+    events.clear()
+    _start(a, book, 700, results).join(30)
+    assert events == [("eval", 700)] and used() == 0
+    # a size done before whose captures an earlier --keep-captures run kept: deleted too
+    a.keep_captures = True
+    book.state["sizes"].clear()
+    _start(a, book, 600, results).join(30)
+    assert used() == 600
+    a.keep_captures = False
+    events.clear()
+    _start(a, book, 600, results).join(30)
+    assert events == [] and used() == 0
 
 
 def test_a_capture_that_no_size_will_free_disk_for_fails_at_once(tmp_path, monkeypatch):
@@ -484,6 +527,21 @@ def test_a_capture_that_no_size_will_free_disk_for_fails_at_once(tmp_path, monke
     _start(a, book, 200, results).join(30)
     assert "no size beside it will free any" in str(results[200])
     assert ("capture", 200) not in events and time.monotonic() - begin < 10
+
+
+def test_sizes_that_all_wait_for_the_disk_fail_at_once(tmp_path, monkeypatch):
+    """Two captures that each need more than the disk has, neither writing: each would wait
+    for the other to free disk, which it never will. Both fail at once, not after
+    --disk-wait."""
+    a, book, work, events, dtypes, used = _disk(tmp_path, monkeypatch, 500, {},
+                                                disk_wait=600.0)
+    results = {}
+    begin = time.monotonic()
+    threads = [_start(a, book, n, results) for n in (1000, 900)]
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - begin < 10 and not any(e[0] == "capture" for e in events)
+    assert all("no size beside it will free any" in str(results[n]) for n in (1000, 900))
 
 
 def test_the_disk_a_capture_needs_is_capture_s_own_bytes_per_token(llama_dir):
