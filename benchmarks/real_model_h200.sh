@@ -16,7 +16,8 @@
 # benchmarks/capture_backends.py), on the pipeline's prepared rows and a random 8B target;
 # stage vtests: only its vllm-marked capture tests. Stage scale-served: trained == served at
 # the curve's size SERVE_SIZE (vLLM serves its draft once scale.py has exported it, beside the
-# size's in-distribution eval).
+# size's in-distribution eval). Stage train-speed: eyas train eager and under --cuda-graph,
+# 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
@@ -255,6 +256,21 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --eyas-report $D/eval-indist/report.json --wait-report 900 \
         --json "$R/served-scale-$SERVE_SIZE.json" > "$R/served-scale-$SERVE_SIZE.out" 2>&1
     stage "scale-served rc $?" ;;
+  train-speed)
+    # how fast eyas train runs on this draft eagerly and under --cuda-graph (a change of
+    # execution, not of recipe): 400 steps each on size SPEED_SIZE's captures, one after the
+    # other, once that size's own training has started (so both share the GPU with it alike)
+    D=$W/scale/size-${SPEED_SIZE:?name the size}
+    stage "train-speed: waiting for $D's training"
+    for i in $(seq 360); do [ -f $D/run/metrics.jsonl ] && break; sleep 10; done
+    for mode in eager cuda-graph; do
+      flag=$([ $mode = cuda-graph ] && echo --cuda-graph)
+      timeout 600 python3 -m eyas train --data $D/captured --vocab $D/vocab \
+          --out $W/speed-$mode --max-steps 400 --eval-every 100000 $flag \
+          > "$R/train-speed-$mode.out" 2>&1
+      stage "train-speed $mode rc $?"
+      cp $W/speed-$mode/metrics.jsonl "$R/train-speed-$mode-metrics.jsonl" 2>/dev/null
+    done ;;
   served)
     # issue 33: the Qwen2.5-Coder target ($QWEN_GGUF, joined from its parts by h200_lease.sh
     # gpart), converted once; a draft by eyas train's default recipe on SERVED_TRAIN prompts
