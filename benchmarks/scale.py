@@ -52,12 +52,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import gzip
-import hashlib
 import json
 import os
-import random
 import shlex
 import shutil
 import sys
@@ -68,96 +65,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from real_model import _device, run  # noqa: E402  (the same CLI runner)
+from scale_corpus import (available, curve_order, next_prompts, read_corpus,  # noqa: E402
+                          read_rejects, subset)
+from scale_report import markdown, plot  # noqa: E402
 
 POLL_S = 30.0  # --wait: seconds between reads of the corpus
-
-SET_NAMES = ("indist", "indist-chat", "heldout", "mt-bench", "gsm8k", "humaneval",
-             "mt-bench-t1")
-
-
-# -- the corpus -------------------------------------------------------------------------------
-
-# files a regeneration beside this process is still writing (--wait): their last line may be
-# half-written, so only what ends in a newline counts; every other file must parse whole
-LIVE = "regen-p"
-
-
-def _lines(path: Path, raw: bytes | None = None) -> list[str]:
-    """The file's complete lines (a live regeneration output is cut after its last newline,
-    even inside a multi-byte character); `raw`: its bytes, if already read."""
-    raw = path.read_bytes() if raw is None else raw
-    data = gzip.decompress(raw) if path.suffix == ".gz" else raw
-    if path.parent.parent.name.startswith(LIVE):
-        data = data[:data.rfind(b"\n") + 1]
-    return [line for line in data.decode("utf-8").split("\n") if line.strip()]
-
-
-def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
-    """id -> JSON line over every part (files in name order; the first row of an id wins),
-    and per file its name, rows and sha256."""
-    paths = sorted({Path(p) for pat in patterns for p in glob.glob(pat)},
-                   key=lambda p: p.name)
-    rows, files = {}, []
-    for path in paths:
-        raw = path.read_bytes()
-        lines = _lines(path, raw)
-        for line in lines:
-            rows.setdefault(json.loads(line)["id"], line)
-        files.append({"file": path.name, "rows": len(lines),
-                      "sha256": hashlib.sha256(raw).hexdigest()})
-    return rows, files
-
-
-def curve_order(prompts: Path, seed: int) -> list[str]:
-    """The ids of the training prompts in a seeded shuffle: size N is the first N."""
-    ids = sorted(json.loads(line)["id"] for line in prompts.open() if line.strip())
-    random.Random(seed).shuffle(ids)
-    return ids
-
-
-# reject kinds that the same prompt meets again on any run; server errors and out-of-memory are
-# retried (`--retry-rejects`), so their ids stay in the curve order
-FINAL_REJECTS = ("length", "input", "empty")
-
-
-def read_rejects(patterns: list[str]) -> set[str]:
-    """Ids that eyas regenerate refused for good (its rejects.jsonl, kept beside each part as
-    rejects-pNN-ROWS.jsonl; kinds FINAL_REJECTS): they never get an answer, so the curve order
-    skips them (counted in the JSON) instead of every later size waiting for them."""
-    out = set()
-    for path in sorted({Path(p) for pat in patterns for p in glob.glob(pat)}):
-        for line in _lines(path):
-            row = json.loads(line)
-            row_id = row.get("sample_id") or row.get("id")
-            if row_id is not None and row.get("kind") in FINAL_REJECTS:
-                out.add(str(row_id))
-    return out
-
-
-def available(order: list[str], corpus: dict[str, str]) -> int:
-    """How many ids of the curve order have arrived without a gap."""
-    n = 0
-    while n < len(order) and order[n] in corpus:
-        n += 1
-    return n
-
-
-def subset(order: list[str], corpus: dict[str, str], n: int) -> tuple[list[str], str]:
-    """The first n conversations of the curve order and their fingerprint."""
-    lines = [corpus[i] for i in order[:n]]
-    return lines, hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
-
-
-def next_prompts(order: list[str], corpus: dict[str, str], prompts: Path, n: int) -> list[str]:
-    """The JSON lines of the next n prompts of the curve order not yet in the corpus."""
-    want = [i for i in order if i not in corpus][:n]
-    rank = {i: r for r, i in enumerate(want)}
-    lines = {}
-    for line in prompts.open():
-        if line.strip() and (row_id := json.loads(line)["id"]) in rank:
-            lines[row_id] = line.rstrip("\n")
-    return [lines[i] for i in want]
-
 
 def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dict]) -> Path:
     """`eyas regenerate` on the next --regenerate prompts; the answers become a new part
@@ -521,82 +433,6 @@ def exec_flags(parser: argparse.ArgumentParser, args: str) -> None:
             parser.error(f"--exec-args {word!r}: only flags that change how eyas train runs "
                          f"({', '.join(EXEC_FLAGS)}); a change of what it learns belongs in "
                          f"--train-args (a new recipe: every size is trained again)")
-
-
-# -- the table and the plot ------------------------------------------------------------------
-
-def rows(state: dict) -> list[dict]:
-    """One row per size with its AL per prompt set and k, sizes ascending."""
-    out = []
-    for key in sorted(state["sizes"], key=int):
-        size = state["sizes"][key]
-        als = {}
-        for e in size["evals"].values():
-            for s, v in e["sets"].items():
-                als[s] = v["eagle3"] or {}
-        out.append({"conversations": int(key), "train": size["train"], "al": als})
-    return out
-
-
-def markdown(state: dict) -> str:
-    ks = state["k"].split(",")
-    sets = [s for s in SET_NAMES if any(s in r["al"] for r in rows(state))]
-    head = "| conversations | tokens | train tokens | GPU min |" + "".join(
-        f" {s} k={k} |" for s in sets for k in ks)
-    lines = [head, "|" + "---:|" * (4 + len(sets) * len(ks))]
-    for r in rows(state):
-        t = r["train"]
-        cells = [f"{r['al'].get(s, {}).get(k, float('nan')):.3f}" if k in r["al"].get(s, {})
-                 else "-" for s in sets for k in ks]
-        lines.append(f"| {r['conversations']:,} | {t['tokens']:,} | {t['train_tokens']:,} | "
-                     f"{t['gpu_minutes']} | " + " | ".join(cells) + " |")
-    ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s in sets for k in ks]
-    lines.append("| n-gram | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
-                                                   for x in ngram) + " |")
-    served = [(int(n), e, k, f) for n, size in state["sizes"].items()
-              for e, rec in size["evals"].items() for k, f in rec.get("fidelity", {}).items()]
-    if served:  # trained == served: the measured AL and its replay on training's forward
-        lines += ["", "| conversations | eval | k | measured AL [95 %] | replayed on "
-                  "training's forward [95 %] |", "|---:|---|---:|---|---|"]
-        for n, e, k, f in sorted(served):
-            lines.append(f"| {n:,} | {e} | {k} | {_ci(f['measured'], f['measured_ci95'])} | "
-                         f"{_ci(f['replayed'], f['replayed_ci95'])} |")
-    return "\n".join(lines)
-
-
-def _ci(value, interval) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
-
-
-def plot(state: dict, path: Path, k: str) -> None:
-    """AL at k against conversations (log x), one line per prompt set, n-gram dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    table = rows(state)
-    for i, s in enumerate(x for x in SET_NAMES if any(x in r["al"] for r in table)):
-        pts = [(r["conversations"], r["al"][s][k]) for r in table if k in r["al"].get(s, {})]
-        color = f"C{i}"
-        if pts:
-            ax.plot(*zip(*pts), "o-", color=color, label=s)
-        ng = state["ngram"].get(s, {}).get("al", {}).get(k)
-        if ng is not None and table:
-            ax.axhline(ng, color=color, linestyle="--", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("training conversations (regenerated by the target)")
-    ax.set_ylabel(f"mean acceptance length, k = {k}")
-    ax.set_title(f"{Path(state['target']).name}: eyas train defaults; dashed = n-gram")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # -- main -------------------------------------------------------------------------------------
