@@ -246,13 +246,16 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # measures (200, 96 new tokens, float32, k = 3 and 6), its own counters beside that eval's
     # report (and its interval and replay); started with the scale stage, it waits for the
     # export, and its KV cache has a size of its own (vLLM's start-up memory profile fails
-    # beside the trainings and evals that take and free GPU memory)
+    # beside the trainings and evals that take and free GPU memory). vLLM 0.24 still asks
+    # that share of the GPU to be free at its start (utils.request_memory), even with a KV
+    # cache size: 0.15 (21 GB), as the size's seven evals took up to 80 of the 143 GB
     D=$W/scale/size-${SERVE_SIZE:?name the size}
     stage "scale-served: waiting for $D/draft"
     for i in $(seq 360); do [ -f $D/draft/eyas.json ] && break; sleep 10; done
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} timeout 1500 python3 benchmarks/vllm_serve.py \
         --target $T --draft $D/draft --data ${SCALE_DATA:-$W/realdata}/indist.jsonl \
         --num-prompts 200 --max-new-tokens 96 --k 3,6 --dtype float32 --kv-cache-gib 8 \
+        --gpu-memory-utilization 0.15 \
         --eyas-report $D/eval-indist/report.json --wait-report 900 \
         --json "$R/served-scale-$SERVE_SIZE.json" > "$R/served-scale-$SERVE_SIZE.out" 2>&1
     stage "scale-served rc $?" ;;
