@@ -90,8 +90,9 @@ class CaptureConfig:
                                    "are set aside); 0 = the target's max_position_embeddings")
     kv_cache_gib: float = option(0.0, "vllm backend: the engine's KV cache in GiB; set, vLLM "
                                  "skips its start-up memory profile (which fails when another "
-                                 "process on the GPU frees memory meanwhile) and "
-                                 "--gpu-memory-utilization; 0 = sized by that share")
+                                 "process on the GPU frees memory meanwhile); that share "
+                                 "must still be free at its start (vLLM 0.24); 0 = sized "
+                                 "by --gpu-memory-utilization")
     vllm_args: str = option("", "vllm backend: more vllm.LLM keyword arguments as a JSON object, "
                                 "e.g. '{\"limit_mm_per_prompt\": {\"image\": 0}}' to start a "
                                 "multimodal wrapper text-only (capture reads text), "

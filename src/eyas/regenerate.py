@@ -111,8 +111,9 @@ class RegenerateConfig:
                                    "target's max_position_embeddings")
     kv_cache_gib: float = option(0.0, "vllm backend: the engine's KV cache in GiB; set, vLLM "
                                  "skips its start-up memory profile (which fails when another "
-                                 "process on the GPU frees memory meanwhile) and "
-                                 "--gpu-memory-utilization; 0 = sized by that share")
+                                 "process on the GPU frees memory meanwhile); that share "
+                                 "must still be free at its start (vLLM 0.24); 0 = sized "
+                                 "by --gpu-memory-utilization")
     server_url: tuple[str, ...] = option((), "openai backend: server base URL(s), e.g. "
                                          "http://localhost:8000; several are used round-robin")
     served_model_name: str | None = option(None, "openai backend: the model name the server "
