@@ -29,13 +29,19 @@ import time
 from pathlib import Path
 
 
+def done_before(out: Path) -> bool:
+    """The step that writes `out` ended there: its manifest is written and not marked
+    incomplete (a killed step's is)."""
+    manifest = out / "eyas.json"
+    return manifest.is_file() and json.loads(manifest.read_text()).get("complete", True)
+
+
 def run(step: str, *args: str, log: Path, out: Path) -> float:
     """One `eyas STEP ...` in a subprocess, its output appended to `log`; seconds taken. A
     step whose `out` folder holds a complete manifest from an earlier call is skipped (0).
     An eval that fails its lossless check has still written its report: that is recorded
     (`lossless: false` with the mismatches and their margins), not an abort."""
-    manifest = out / "eyas.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("complete", True):
+    if done_before(out):
         print(f"{step}: done before, skipped", flush=True)
         return 0.0
     cmd = [sys.executable, "-m", "eyas", step, *map(str, args)]

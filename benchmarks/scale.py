@@ -64,7 +64,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_model import _device, run  # noqa: E402  (the same CLI runner)
+from real_model import _device, done_before, run  # noqa: E402  (the same CLI runner)
 from scale_corpus import (available, curve_order, next_prompts, read_corpus,  # noqa: E402
                           read_rejects, subset)
 from scale_report import markdown, plot  # noqa: E402
@@ -256,9 +256,9 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     captured = folder / "captured"
     # a training that ended before a kill whose record was not written needs no captures
     # again (export reads only its checkpoint)
-    if not a.online and not _complete(folder / "run"):
+    if not a.online and not done_before(folder / "run"):
         estimate = capture_bytes(a.target, prep["tokens"], a.capture_dtype)
-        with disk_for(n, captured, 0 if _complete(captured) else estimate, a.disk_wait):
+        with disk_for(n, captured, 0 if done_before(captured) else estimate, a.disk_wait):
             s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
                                captured, "--split", "all", "--model-dtype", model_dtype,
                                "--dtype", a.capture_dtype, log=log, out=captured)
@@ -288,12 +288,6 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
             "best": manifest.get("best"), "seconds": {k: round(v, 1) for k, v in s.items()},
             "gpu_minutes": round((s["train"] + s.get("capture", 0.0)) / 60, 2),
             "draft_id": json.loads((folder / "draft/eyas.json").read_text()).get("id")}
-
-
-def _complete(out: Path) -> bool:
-    """The step that writes `out` has ended there (run()'s own test for skipping it)."""
-    manifest = out / "eyas.json"
-    return manifest.is_file() and json.loads(manifest.read_text()).get("complete", True)
 
 
 def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
@@ -367,12 +361,14 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     if size and (size.get("subset") != fingerprint or size.get("train_args") != a.train_args):
         print(f"size {n}: recorded on another subset or recipe, run again", flush=True)
         size = None
+    # a recorded size needs no captures: those an earlier --keep-captures run kept, or a
+    # kill between the record and their deletion left, go now
+    if size and not a.keep_captures:
+        shutil.rmtree(folder / "captured", ignore_errors=True)
     plan = eval_plan(a)
     missing = [e for e in plan if not _eval_done(a, size, e)]
     if size and not missing:
         print(f"size {n}: done before, skipped", flush=True)
-        if not a.keep_captures:  # kept by an earlier --keep-captures run
-            shutil.rmtree(folder / "captured", ignore_errors=True)
         return
     draft_here = (folder / "draft/eyas.json").is_file()
     if size is None or not draft_here or size["train"]["draft_id"] != \
@@ -402,8 +398,6 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
             with _DISK:
                 _FREEING.discard(n)
         missing = list(plan)
-    if not a.keep_captures:  # recorded before a kill that came before the deletion
-        shutil.rmtree(folder / "captured", ignore_errors=True)
     with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
         for done in [pool.submit(eval_size, a, name, *plan[name], folder, book, size)
                      for name in missing]:
@@ -419,16 +413,15 @@ def _eval_done(a, size: dict | None, name: str) -> bool:
 # how eyas train runs, not what it learns (a CUDA graph replays eager's losses and gradients:
 # tests/test_ttt_graph.py; compiled training matches eager: tests/test_train.py), so a size
 # trained with or without them is the same point of the curve
-EXEC_FLAGS = ("--cuda-graph", "--no-cuda-graph", "--compile", "--no-compile", "--num-workers",
-              "--log-every", "--save-every", "--keep-last")
+EXEC_VALUED = ("--num-workers", "--log-every", "--save-every", "--keep-last")  # take a value
+EXEC_FLAGS = ("--cuda-graph", "--no-cuda-graph", "--compile", "--no-compile", *EXEC_VALUED)
 
 
 def exec_flags(parser: argparse.ArgumentParser, args: str) -> None:
     """Refuse in --exec-args a flag that may change what training learns."""
     words = shlex.split(args)
     for i, word in enumerate(words):
-        value = i > 0 and words[i - 1] in ("--num-workers", "--log-every", "--save-every",
-                                           "--keep-last")
+        value = i > 0 and words[i - 1] in EXEC_VALUED
         if not value and word.split("=")[0] not in EXEC_FLAGS:
             parser.error(f"--exec-args {word!r}: only flags that change how eyas train runs "
                          f"({', '.join(EXEC_FLAGS)}); a change of what it learns belongs in "
