@@ -168,6 +168,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # issue 31 item 4: regenerate the next SCALE_REGEN prompts of the curve order (vLLM from
     # /tmp/vsite) into $W/corpus, then every size whose prefix has arrived and that the carried
     # $W/scale-smollm2.json lacks; the JSON, table, plots and the new part land in $R as they end
+    # (SCALE_LEVERS: scale.py --levers, its sizes in SCALE_ARGS' --lever-sizes)
     # (SCALE_NAME: another JSON and log, for an instance that runs beside this one)
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
     # the carried state, unless an instance beside this one already works on that JSON
@@ -185,6 +186,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --data ${SCALE_DATA:-$W/realdata} --corpus-dir $W/corpus --work $W/scale \
         --out "$R/${SCALE_NAME:-scale-smollm2}.json" --regenerate ${SCALE_REGEN:-0} \
         ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} ${SCALE_ARGS:-} \
+        ${SCALE_LEVERS:+--levers "$SCALE_LEVERS"} \
         > "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1
     stage "scale rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json \

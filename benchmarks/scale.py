@@ -40,6 +40,12 @@ the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and
 size as soon as its rows are there, re-reading every 30 s for up to S seconds. Ids that
 `eyas regenerate` rejected (rejects-pNN-N.jsonl beside each part) leave the curve order.
 
+The levers (issue 31 item 5, `--levers 'NAME=FLAGS;...' --lever-sizes N`): variants of the
+recipe, each eyas train flags on top of --train-args (`NAME=` alone: the recipe itself, a
+control in the same call), trained side by side (`--lever-jobs`) at size N from one capture of
+its subset (WORK/levers-N) and measured by `--lever-evals`; the JSON's `levers` holds them, and
+the table compares each with the control and with the curve's own point at N.
+
 Resume: the result JSON is the state. Each finished step (training, each eval) is written
 into it at once, with what it was run on (the subset's fingerprint, the recipe, the eval's
 settings, the draft's id); a later call given the same --out skips every record that still
@@ -115,18 +121,22 @@ def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dic
 
 DISK_POLL_S = 30.0  # seconds between looks at the free disk while a capture waits for it
 _DISK = threading.Lock()
-_CAPTURING: dict[int, tuple[Path, int]] = {}  # size -> its capture folder, its estimated bytes
-_FREEING: set[int] = set()  # sizes whose captures are deleted once their draft is recorded
-_WAITING: set[int] = set()  # sizes whose capture waits for the disk (they free none yet)
+_IMPORTS = threading.Lock()
+# keyed by size (int), or 'N levers' for size N's shared lever capture
+_CAPTURING: dict[int | str, tuple[Path, int]] = {}  # key -> capture folder, estimated bytes
+_FREEING: set[int | str] = set()  # captures deleted once their drafts are recorded
+_WAITING: set[int | str] = set()  # captures that wait for the disk (they free none yet)
 
 
 def capture_bytes(target: str, tokens: int, dtype: str = "bf16") -> int:
     """What `eyas capture --dtype DTYPE` (EAGLE-3's three aux states) writes for `tokens`
     tokens of `target`, with 2 % and 1 GiB to spare."""
-    from eyas.doctor import capture_bytes_per_token
-    from eyas.targets.models import load_config, text_config
+    with _IMPORTS:  # transformers' lazy imports from two threads at once fail ("module
+        # 'transformers' has no attribute 'AutoConfig'", a size and its levers in a CPU run)
+        from eyas.doctor import capture_bytes_per_token
+        from eyas.targets.models import load_config, text_config
 
-    hidden = int(text_config(load_config(target)).hidden_size)
+        hidden = int(text_config(load_config(target)).hidden_size)
     per_token = capture_bytes_per_token(hidden)["fp8_aux" if dtype == "fp8" else "bf16"]
     return int(tokens * per_token * 1.02) + 2**30
 
@@ -150,7 +160,7 @@ def written(folder: Path) -> int:
 
 
 @contextlib.contextmanager
-def disk_for(n: int, captured: Path, estimate: int, wait: float):
+def disk_for(n: int | str, captured: Path, estimate: int, wait: float):
     """Hold the capture of size n into `captured` until its file system has free what the
     capture has still to write (its estimate less what a killed run left there), besides
     what the captures running beside it have still to write. A size that has exported its
@@ -244,6 +254,15 @@ class Book:
 
 def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     """prepare -> capture -> vocab -> train -> export on the first n conversations."""
+    # a training that ended before a kill whose record was not written needs no captures
+    # again (export reads only its checkpoint)
+    prep, seconds = prepare_capture(a, n, lines, folder, not done_before(folder / "run"))
+    return train_export(a, folder, folder, [], prep, seconds)
+
+
+def prepare_capture(a, key, lines: list[str], folder: Path, capture: bool) -> tuple[dict, dict]:
+    """prepare -> capture (when `capture`) -> vocab of `lines` in `folder`: the prepared
+    stats and each step's seconds."""
     folder.mkdir(parents=True, exist_ok=True)
     conv = folder / "conversations.jsonl"
     conv.write_text("".join(line + "\n" for line in lines))
@@ -254,20 +273,27 @@ def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
                         log=log, out=folder / "prepared")}
     prep = json.loads((folder / "prepared/eyas.json").read_text())["stats"]
     captured = folder / "captured"
-    # a training that ended before a kill whose record was not written needs no captures
-    # again (export reads only its checkpoint)
-    if not a.online and not done_before(folder / "run"):
+    if capture and not a.online:
         estimate = capture_bytes(a.target, prep["tokens"], a.capture_dtype)
-        with disk_for(n, captured, 0 if done_before(captured) else estimate, a.disk_wait):
+        with disk_for(key, captured, 0 if done_before(captured) else estimate, a.disk_wait):
             s["capture"] = run("capture", *common, "--data", folder / "prepared", "--out",
                                captured, "--split", "all", "--model-dtype", model_dtype,
                                "--dtype", a.capture_dtype, log=log, out=captured)
     s["vocab"] = run("vocab", "--data", folder / "prepared", "--out", folder / "vocab",
                      log=log, out=folder / "vocab")
-    data = ["--data", folder / "prepared", "--online", *common] if a.online else \
-        ["--data", folder / "captured"]
-    s["train"] = run("train", *data, "--vocab", folder / "vocab", "--out", folder / "run",
-                     *shlex.split(a.train_args), *shlex.split(a.exec_args), log=log,
+    return prep, s
+
+
+def train_export(a, data: Path, folder: Path, flags: list[str], prep: dict,
+                 seconds: dict) -> dict:
+    """train (eyas train's defaults, --train-args, then `flags`) -> export into `folder` from
+    the prepared, captured and vocab folders in `data`; the training's record."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log, s = folder / "log.txt", dict(seconds)
+    source = ["--data", data / "prepared", "--online", "--target", a.target] if a.online \
+        else ["--data", data / "captured"]
+    s["train"] = run("train", *source, "--vocab", data / "vocab", "--out", folder / "run",
+                     *shlex.split(a.train_args), *flags, *shlex.split(a.exec_args), log=log,
                      out=folder / "run")
     s["export"] = run("export", "--checkpoint", folder / "run", "--out", folder / "draft",
                       log=log, out=folder / "draft")
@@ -410,6 +436,113 @@ def _eval_done(a, size: dict | None, name: str) -> bool:
         e["settings"] == eval_settings(a)
 
 
+# -- the levers (issue 31, item 5) ----------------------------------------------------------
+
+def parse_levers(parser: argparse.ArgumentParser, text: str) -> dict[str, list[str]]:
+    """--levers 'NAME=FLAGS;NAME=FLAGS' -> name -> eyas train flags (`name=` with no flags is
+    the recipe itself: a control trained in the same call)."""
+    levers = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, sep, flags = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not name.replace("-", "").replace(".", "").isalnum():
+            parser.error(f"--levers {item!r}: write NAME=FLAGS (NAME of letters, digits, "
+                         f"'-' and '.'; FLAGS eyas train flags, empty for the recipe itself)")
+        if name in levers:
+            parser.error(f"--levers names {name!r} twice")
+        levers[name] = shlex.split(flags)
+    return levers
+
+
+def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
+    """Each --levers variant trained on size n's subset from one shared capture (WORK/levers-N:
+    prepared, captured, vocab, and a folder per variant), then measured by the evals of
+    --lever-evals, --eval-jobs at once; --lever-jobs variants train at once. The captures go
+    once every variant's training has ended (kept when one failed, for its resume). Records:
+    the JSON's levers[N][variants][NAME], redone when the subset, --train-args or the
+    variant's flags change; variants another call asked for stay."""
+    key, folder = f"{n} levers", Path(a.work) / f"levers-{n}"
+    plan = {e: p for e, p in eval_plan(a).items() if e in a.lever_evals}
+    with book.change() as state:
+        rec = state.setdefault("levers", {}).get(str(n))
+        if rec is None or rec["subset"] != fingerprint or rec["train_args"] != a.train_args:
+            rec = state["levers"][str(n)] = {"subset": fingerprint, "train_args": a.train_args,
+                                             "variants": {}}
+        for name, flags in a.levers.items():
+            if name in rec["variants"] and rec["variants"][name]["flags"] != flags:
+                del rec["variants"][name]  # the same name for another change: measured again
+
+    def missing(name: str) -> list[str]:
+        return [e for e in plan if not _eval_done(a, rec["variants"].get(name), e)]
+
+    def draft_here(name: str) -> bool:
+        made = folder / name / "draft/eyas.json"
+        return name in rec["variants"] and made.is_file() and \
+            json.loads(made.read_text()).get("id") == rec["variants"][name]["train"]["draft_id"]
+
+    todo = [name for name in a.levers if missing(name)]
+    if not todo:
+        print(f"size {n} levers: done before, skipped", flush=True)
+        return
+    marker = folder / "subset.txt"  # the shared steps of another subset or recipe: not resumed
+    recipe = f"{fingerprint} {a.train_args} capture={a.capture_dtype}"
+    if folder.exists() and (not marker.is_file() or marker.read_text() != recipe):
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(recipe)
+    to_train = [name for name in todo if not draft_here(name)]
+    for name in to_train:  # a variant's steps made with other flags are not resumed
+        mine, flags = folder / name, folder / name / "flags.txt"
+        if mine.exists() and (not flags.is_file() or
+                              flags.read_text() != shlex.join(a.levers[name])):
+            shutil.rmtree(mine)
+        mine.mkdir(parents=True, exist_ok=True)
+        flags.write_text(shlex.join(a.levers[name]))
+    prep, seconds, left = {}, {}, set(to_train)
+    freeing = bool(to_train) and not a.keep_captures and not a.online
+    with _DISK:
+        if freeing:
+            _FREEING.add(key)
+    try:
+        if to_train:
+            prep, seconds = prepare_capture(
+                a, key, lines, folder,
+                not all(done_before(folder / name / "run") for name in to_train))
+
+        def one(name: str) -> None:
+            if name in left:
+                try:
+                    train = train_export(a, folder, folder / name, a.levers[name], prep, seconds)
+                except BaseException:
+                    with _DISK:  # its captures stay, for its resume
+                        _FREEING.discard(key)
+                    raise
+                with book.change():
+                    rec["variants"][name] = {"conversations": n, "flags": a.levers[name],
+                                             "train": train, "evals": {}}
+                print(f"size {n} lever {name}: trained", flush=True)
+                with _DISK:
+                    left.discard(name)
+                    last = not left and key in _FREEING
+                if last:  # every variant's draft is made: the disk is free for the next
+                    shutil.rmtree(folder / "captured", ignore_errors=True)
+            variant = rec["variants"][name]
+            with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
+                for done in [pool.submit(eval_size, a, e, *plan[e], folder / name, book,
+                                         variant) for e in missing(name)]:
+                    done.result()
+
+        with ThreadPoolExecutor(max(a.lever_jobs, 1)) as pool:
+            futures = {name: pool.submit(one, name) for name in todo}
+        failed = {name: f.exception() for name, f in futures.items() if f.exception()}
+    finally:
+        with _DISK:
+            _FREEING.discard(key)
+    if failed:
+        raise SystemExit("levers that failed: " + "; ".join(f"{name}: {e}"
+                                                             for name, e in failed.items()))
+
+
 # how eyas train runs, not what it learns (a CUDA graph replays eager's losses and gradients:
 # tests/test_ttt_graph.py; compiled training matches eager: tests/test_train.py), so a size
 # trained with or without them is the same point of the curve
@@ -453,7 +586,7 @@ def main(argv=None) -> dict:
                                                 "the table and plot are written beside it")
     p.add_argument("--train-args", default="",
                    help="eyas train flags on top of its defaults (default: none, the recipe)")
-    p.add_argument("--jobs", type=int, default=1, help="sizes trained and measured at once")
+    p.add_argument("--jobs", type=int, default=1, help="sizes trained and measured at once (a size's --levers count as one)")
     p.add_argument("--eval-jobs", type=int, default=1, help="evals of a size run at once")
     p.add_argument("--wait", type=float, default=0, metavar="S",
                    help="sizes whose rows have not arrived yet wait up to S seconds: the corpus "
@@ -477,6 +610,16 @@ def main(argv=None) -> dict:
                         "free beside what the captures running at once still write), then "
                         "its size fails; at once when no size beside it will free disk (a "
                         "size whose training failed keeps its captures, to resume)")
+    p.add_argument("--levers", default="",
+                   help="issue 31 item 5: 'NAME=FLAGS;NAME=FLAGS', variants of the recipe (eyas "
+                        "train flags on top of --train-args; 'NAME=' is the recipe itself, a "
+                        "control) trained at each --lever-sizes size from one shared capture "
+                        "and measured by --lever-evals; recorded under the JSON's levers")
+    p.add_argument("--lever-sizes", default="", help="comma list of sizes for --levers")
+    p.add_argument("--lever-evals", default="indist,heldout,bench",
+                   help="which evals of the plan measure each lever (of indist, indist-chat, "
+                        "heldout, bench, bench-t1)")
+    p.add_argument("--lever-jobs", type=int, default=8, help="levers trained at once")
     p.add_argument("--k", default="3,6")
     p.add_argument("--prompts", type=int, default=200, help="in-distribution / held-out prompts")
     p.add_argument("--bench", default="mt-bench,gsm8k,humaneval")
@@ -488,6 +631,14 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
     exec_flags(p, a.exec_args)
+    a.levers = parse_levers(p, a.levers)
+    a.lever_evals = [e for e in a.lever_evals.split(",") if e]
+    lever_sizes = sorted({int(x) for x in a.lever_sizes.split(",") if x.strip()})
+    if bool(a.levers) != bool(lever_sizes):
+        p.error("--levers and --lever-sizes go together")
+    unknown = set(a.lever_evals) - {"indist", "indist-chat", "heldout", "bench", "bench-t1"}
+    if unknown:
+        p.error(f"--lever-evals: unknown {sorted(unknown)}")
 
     out = Path(a.out)
     patterns = a.corpus.split(",") if a.corpus else [f"{a.corpus_dir}/conversations*.jsonl*"]
@@ -513,7 +664,7 @@ def main(argv=None) -> dict:
         regenerate_part(a, order, corpus, files)
         order, corpus, files = arrived()
     sizes = sorted({int(x) for x in a.sizes.split(",") if x.strip()})
-    if not sizes:
+    if not sizes and not lever_sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
               flush=True)
         return {}
@@ -537,7 +688,8 @@ def main(argv=None) -> dict:
         for k in a.k.split(","):
             plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)
 
-    at_once = max(a.jobs, 1) * max(a.eval_jobs, 1)
+    at_once = (max(a.jobs, 1) + (max(a.lever_jobs, 1) if lever_sizes else 0)) * \
+        max(a.eval_jobs, 1)
     if at_once > 1 and "OMP_NUM_THREADS" not in os.environ:
         # each step is a process with torch's CPU thread pool; as many pools as cores would
         # spin against each other (a CPU dry run of 3 + 3 evals on 2 cores took minutes per eval)
@@ -545,12 +697,17 @@ def main(argv=None) -> dict:
     book = Book(state, write)
     book.save()
     deadline = time.monotonic() + a.wait
-    running, pending = {}, list(sizes)
-    with ThreadPoolExecutor(max(a.jobs, 1)) as pool:  # smallest first
+    # the sizes, smallest first; a size's levers count as one more job, started with it
+    pending = sorted([(n, str(n), run_size) for n in sizes] +
+                     [(n, f"{n} levers", run_levers) for n in lever_sizes],
+                     key=lambda u: (u[0], u[1]))
+    running = {}
+    with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
         while True:
-            for n in [n for n in pending if n <= have]:
-                running[n] = pool.submit(run_size, a, n, *subset(order, corpus, n), book)
-                pending.remove(n)
+            for unit in [u for u in pending if u[0] <= have]:
+                n, name, job = unit
+                running[name] = pool.submit(job, a, n, *subset(order, corpus, n), book)
+                pending.remove(unit)
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
@@ -564,8 +721,8 @@ def main(argv=None) -> dict:
                 state.update(corpus_state())
             have = state["curve_prefix_available"]
         gap = f", the first missing one being {order[have]}" if have < len(order) else ""
-        for n in pending:
-            print(f"size {n}: waiting for data (the first {have} rows of the curve order are "
+        for n, name, _ in pending:
+            print(f"size {name}: waiting for data (the first {have} rows of the curve order are "
                   f"regenerated{gap}; {sum(i in corpus for i in order[:n])} of its {n})",
                   flush=True)
     failed = {}

@@ -47,7 +47,49 @@ def markdown(state: dict) -> str:
         for n, e, k, f in sorted(served):
             lines.append(f"| {n:,} | {e} | {k} | {_ci(f['measured'], f['measured_ci95'])} | "
                          f"{_ci(f['replayed'], f['replayed_ci95'])} |")
+    lines += levers_table(state)
     return "\n".join(lines)
+
+
+def levers_table(state: dict) -> list[str]:
+    """Per lever size: one row per variant (the curve's own point at that size first), its
+    AL per prompt set and k, and its mean over those cells against the control's (the
+    variant named `default`, else the curve's point)."""
+    out, ks = [], state["k"].split(",")
+    for key in sorted(state.get("levers", {}), key=int):
+        table = {}
+        if key in state["sizes"]:
+            table["curve point (earlier run)"] = (state["sizes"][key], "")
+        variants = state["levers"][key]["variants"]
+        for name in sorted(variants, key=lambda x: x != "default"):  # the control first
+            table[name] = (variants[name], " ".join(variants[name]["flags"]) or "(the recipe)")
+        als = {name: {s: e["eagle3"] or {} for ev in v["evals"].values()
+                      for s, e in ev["sets"].items()} for name, (v, _) in table.items()}
+        sets = [s for s in SET_NAMES if any(s in a for name, a in als.items()
+                                            if name in state["levers"][key]["variants"])]
+        cells = [(s, k) for s in sets for k in ks]
+        base = als.get("default") or als.get("curve point (earlier run)") or {}
+
+        def mean(a: dict):
+            got = [a[s][k] for s, k in cells if k in a.get(s, {}) and k in base.get(s, {})]
+            return sum(got) / len(got) if got else None
+
+        out += ["", f"Levers at {int(key):,} conversations (one capture, same evals):", "",
+                "| variant | flags | train tok/s | train s | " + " | ".join(
+                    f"{s} k={k}" for s, k in cells) + " | vs control |",
+                "|---|---|---:|---:|" + "---:|" * (len(cells) + 1)]
+        ref = mean(base)
+        for name, (v, flags) in table.items():
+            t, m = v["train"], mean(als[name])
+            vs = f"{100 * (m / ref - 1):+.1f} %" if m is not None and ref else "-"
+            out.append(f"| {name} | {flags} | {t.get('train_tokens_per_s') or '-'} | "
+                       f"{t.get('seconds', {}).get('train', '-')} | " + " | ".join(
+                           f"{als[name][s][k]:.3f}" if k in als[name].get(s, {}) else "-"
+                           for s, k in cells) + f" | {vs} |")
+        ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s, k in cells]
+        out.append("| n-gram | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
+                                                   for x in ngram) + " | |")
+    return out
 
 
 def _ci(value, interval) -> str:

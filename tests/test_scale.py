@@ -552,3 +552,106 @@ def test_the_disk_a_capture_needs_is_capture_s_own_bytes_per_token(llama_dir):
     assert scale.capture_bytes(str(llama_dir), 1000) == int(1000 * per_token * 1.02) + 2**30
     fp8 = per_token - 3 * hidden + 3 * 4  # one byte per aux value, a float32 scale per row
     assert scale.capture_bytes(str(llama_dir), 1000, "fp8") == int(1000 * fp8 * 1.02) + 2**30
+
+
+def _lever_steps(events: list, gates: dict):
+    """`run` for --levers: the shared steps in WORK/levers-N, each variant's in its own
+    folder below; a step whose output is complete is skipped as real_model.run does. A
+    training waits on gates["train"] (a barrier) and fails for the variant in gates["fail"]."""
+    def fake_run(step, *args, log, out):
+        if scale.done_before(out):
+            return 0.0
+        variant = out.parent.name if step in ("train", "export", "eval") else None
+        events.append((step, variant, [str(x) for x in args]))
+        out.mkdir(parents=True, exist_ok=True)
+        if step == "prepare":
+            (out / "eyas.json").write_text(json.dumps(
+                {"stats": {"tokens": 40, "kept": 4, "train": 4}}))
+        elif step in ("capture", "vocab"):
+            (out / "shard.bin").write_bytes(b"x" * 40)
+            (out / "eyas.json").write_text("{}")
+        elif step == "train":
+            if "train" in gates:
+                gates["train"].wait()
+            if gates.get("fail") == variant:
+                raise SystemExit("eyas train failed (rc 1)")
+            (out / "eyas.json").write_text(json.dumps({"config": {"epochs": 1}, "steps": 1}))
+            (out / "metrics.jsonl").write_text("".join(json.dumps(  # the first: warm-up
+                {"kind": "train", "tokens_per_s": x}) + "\n" for x in (1.0, 5.0)))
+        elif step == "export":
+            (out / "eyas.json").write_text(json.dumps({"id": f"{variant}-{len(events)}"}))
+        elif step == "eval":
+            res = [{"method": "eagle3", "k": k, "mean_acceptance_length":
+                    2.5 if variant == "epochs2" else 2.0} for k in (3, 6)]
+            (out / "report.json").write_text(json.dumps({"num_prompts": 1, "results": res}))
+        return 1.0
+    return fake_run
+
+
+def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkeypatch):
+    """--levers: three variants of the recipe at size 4 from one prepare and one capture,
+    trained at once, each with its own flags on top of the recipe, measured by the lever
+    evals and tabled against the control; the captures stay while a training has failed,
+    and the next call trains only that variant and deletes them; a variant asked with other
+    flags is measured again, one not asked any more stays in the JSON."""
+    data, corpus = _regenerated(tmp_path, 6)
+    events = []
+    gates = {"train": threading.Barrier(3, timeout=30), "fail": "lr2"}
+    monkeypatch.setattr(scale, "run", _lever_steps(events, gates))
+    monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens, dtype: tokens)
+    out, work = tmp_path / "res/scale.json", tmp_path / "work"
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(work), "--out", str(out), "--sizes", "", "--bench", "", "--t1-bench", "",
+            "--lever-sizes", "4", "--levers", "default=;epochs2=--epochs=2;lr2=--lr 2e-3"]
+    with pytest.raises(SystemExit, match="lr2: eyas train failed"):
+        scale.main(argv)
+    steps = [(s, v) for s, v, _ in events]
+    assert steps.count(("prepare", None)) == 1 and steps.count(("capture", None)) == 1
+    trains = {v: args for s, v, args in events if s == "train"}
+    assert set(trains) == {"default", "epochs2", "lr2"}  # all three met at the barrier
+    assert "--epochs=2" in trains["epochs2"] and trains["lr2"][-2:] == ["--lr", "2e-3"]
+    assert not any(x.startswith("--epochs") or x == "--lr" for x in trains["default"])
+    assert all(args[args.index("--data") + 1] == str(work / "levers-4/captured")
+               for args in trains.values())
+    saved = json.loads(out.read_text())
+    variants = saved["levers"]["4"]["variants"]
+    assert set(variants) == {"default", "epochs2"} and saved["sizes"] == {}
+    assert set(variants["epochs2"]["evals"]) == {"indist", "heldout"}
+    assert variants["epochs2"]["flags"] == ["--epochs=2"]
+    assert (work / "levers-4/captured").is_dir()  # lr2's training failed: kept to resume
+    table = out.with_suffix(".md").read_text()
+    assert "Levers at 4 conversations" in table
+    assert "| epochs2 | --epochs=2 | 5 | 1.0 | 2.500 | 2.500 | 2.500 | 2.500 | +25.0 % |" \
+        in table
+
+    events.clear()
+    gates.clear()
+    state = scale.main(argv)
+    assert [(s, v) for s, v, _ in events if s in ("capture", "train")] == [("train", "lr2")]
+    assert [v for s, v, _ in events if s == "eval"] == ["lr2", "lr2"]
+    assert set(state["levers"]["4"]["variants"]) == {"default", "epochs2", "lr2"}
+    assert not (work / "levers-4/captured").exists()  # every variant trained: freed
+
+    events.clear()
+    scale.main([*argv[:-1], "epochs2=--epochs=3"])
+    assert [v for s, v, _ in events if s == "train"] == ["epochs2"]
+    assert steps.count(("capture", None)) == 1 and ("capture", None) in \
+        [(s, v) for s, v, _ in events]  # captured again: the shards were gone
+    state = json.loads(out.read_text())
+    assert state["levers"]["4"]["variants"]["epochs2"]["flags"] == ["--epochs=3"]
+    assert set(state["levers"]["4"]["variants"]) == {"default", "epochs2", "lr2"}
+
+
+def test_levers_are_parsed_and_refused_when_malformed(tmp_path):
+    data, corpus = _regenerated(tmp_path, 6)
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(tmp_path / "w"), "--out", str(tmp_path / "o.json"), "--sizes", ""]
+    for bad in (["--levers", "a=--lr=1"],  # without --lever-sizes
+                ["--lever-sizes", "4", "--levers", "--epochs 2"],  # no name
+                ["--lever-sizes", "4", "--levers", "a=;a=--epochs=2"],  # named twice
+                ["--lever-sizes", "4", "--levers", "a=", "--lever-evals", "served"]):
+        with pytest.raises(SystemExit):
+            scale.main([*argv, *bad])
+    import argparse
+    assert scale.parse_levers(argparse.ArgumentParser(), " x=; y.2=--ttt-steps 5 ;") == \
+        {"x": [], "y.2": ["--ttt-steps", "5"]}
