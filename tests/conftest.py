@@ -133,9 +133,9 @@ def smollm2_gguf() -> Path:
     return gguf
 
 
-def _fit_draft(llama, info, prompts, refs):
-    """A draft over the tokens of the continuations, fitted to them for a few steps of TTT,
-    so that it is right often, also at later chain positions."""
+def _fit_draft(llama, info, prompts, refs, layers: int = 1):
+    """A draft of `layers` decoder layers over the tokens of the continuations, fitted to
+    them for a few steps of TTT, so that it is right often, also at later chain positions."""
     from eyas.draft.config import DraftConfig
     from eyas.draft.eagle3 import Eagle3Draft
     from eyas.draft.replay import teacher_forced_batch
@@ -143,7 +143,8 @@ def _fit_draft(llama, info, prompts, refs):
 
     used = sorted({t for r in refs for t in r})
     cfg = DraftConfig.from_target(info, draft_vocab_size=len(used),
-                                  aux_layer_ids=info.default_aux_layer_ids)
+                                  aux_layer_ids=info.default_aux_layer_ids,
+                                  num_hidden_layers=layers)
     torch.manual_seed(1)
     draft = Eagle3Draft(cfg, llama.model.embed_tokens)
     chosen = torch.tensor(used)
@@ -166,9 +167,10 @@ def _fit_draft(llama, info, prompts, refs):
 
 @pytest.fixture(scope="session")
 def fit_draft():
-    """`fit_draft(llama, info, prompts, refs)` -> an EAGLE-3 draft fitted to the tiny Llama's
-    greedy continuations `refs` of `prompts` (60 TTT steps, a few seconds): one that is right
-    often, at later chain positions too, so acceptance counting has something to count."""
+    """`fit_draft(llama, info, prompts, refs, layers=1)` -> an EAGLE-3 draft fitted to the
+    tiny Llama's greedy continuations `refs` of `prompts` (60 TTT steps, a few seconds): one
+    that is right often, at later chain positions too, so acceptance counting has something
+    to count."""
     return _fit_draft
 
 

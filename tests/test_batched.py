@@ -83,6 +83,22 @@ def test_eagle3_batched_equals_batch_one(llama, draft, prompts):
         _same(got, single)
 
 
+def test_two_layer_eagle3_batched_equals_batch_one(llama, prompts, fit_draft):
+    """A draft of 2 decoder layers: the batched drafter's per-layer slot caches give every
+    row the tokens and counters of the batch-1 loop (whose cache is cropped per layer)."""
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+    refs = [generate_plain(runner, p, 30, NO_STOP, Sampling()).tokens for p in prompts]
+    draft = fit_draft(llama, inspect_model(llama), prompts, refs, layers=2)
+    layers, norm, ids = llama.model.layers, llama.model.norm, IDS
+    runner = TargetRunner(llama, layers, norm, ids)
+    batch = BatchTarget(llama, layers, norm, ids)
+    single = _one_by_one(runner, Eagle3Drafter(draft, "cpu"), prompts, 4, 24)
+    assert sum(g.stats.accepted_per_position[3] for g in single) > 0
+    got = generate_batch(batch, BatchEagle3Drafter(draft, "cpu"), prompts, 4, 24, NO_STOP,
+                         Sampling())
+    _same(got, single)
+
+
 def test_rows_that_stop_early_leave_the_batch(llama, draft, prompts):
     """Stop ids end rows at different steps; the rows left keep decoding exactly."""
     layers, norm, ids = llama.model.layers, llama.model.norm, IDS

@@ -217,6 +217,141 @@ def test_eagle31_chained_steps_match_vllm_math(variant):
         torch.testing.assert_close(ours, theirs, atol=3e-5, rtol=1e-5)
 
 
+# ---------------------------------------------------------------- several decoder layers
+
+def vllm_forward(sd, cfg, embed, ids, g, pos, past=None):
+    """vLLM 0.24.0's llama_eagle3 `LlamaModel.forward` for one row, written here from its
+    source in its own form (a layer returns (mlp_out, residual) with the add pending; the
+    next layer, or the final norm, adds them in fp32 and casts back, as vLLM's fused
+    add + RMSNorm does). ids (T,); g (T, H): fc's output, or the hidden a previous draft step
+    returned; pos (T,); past: per layer the (k, v) (hkv, L, d) of earlier positions, or None.
+    -> (logits (T, Vd), the hidden handed to the next step (T, H), per layer (k, v) with
+    these positions appended)."""
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    def add(a, b):
+        return (a.float() + b.float()).to(a.dtype)
+
+    t, hq, hkv, d = ids.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ang = pos.double()[:, None] * ref_inv_freq(cfg)[None]  # (T, d/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+
+    def rot(z):  # (heads, T, d)
+        return z * cos + torch.cat([-z[..., d // 2:], z[..., : d // 2]], -1) * sin
+
+    def attn(x, p, cached):
+        q = rot((x @ sd[p + "self_attn.q_proj.weight"].T).view(t, hq, d).transpose(0, 1))
+        k = rot((x @ sd[p + "self_attn.k_proj.weight"].T).view(t, hkv, d).transpose(0, 1))
+        v = (x @ sd[p + "self_attn.v_proj.weight"].T).view(t, hkv, d).transpose(0, 1)
+        if cached is not None:  # this layer's own cache: its keys of earlier positions
+            k, v = torch.cat([cached[0], k], 1), torch.cat([cached[1], v], 1)
+        n = k.shape[1]
+        kk, vv = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+        scores = q @ kk.transpose(1, 2) / math.sqrt(d)  # (hq, T, n)
+        future = torch.arange(n)[None] > (n - t + torch.arange(t))[:, None]
+        o = (scores.masked_fill(future, float("-inf")).softmax(-1) @ vv)
+        return o.transpose(0, 1).reshape(t, hq * d) @ sd[p + "self_attn.o_proj.weight"].T, (k, v)
+
+    def mlp(x, p):
+        gate = torch.nn.functional.silu(x @ sd[p + "mlp.gate_proj.weight"].T)
+        return (gate * (x @ sd[p + "mlp.up_proj.weight"].T)) @ sd[p + "mlp.down_proj.weight"].T
+
+    kvs, hidden, residual = [], None, None
+    for i in range(cfg.num_hidden_layers):
+        p = "midlayer." if i == 0 else f"layers.{i}."
+        if i == 0:
+            embeds = rms(embed[ids], sd[p + "input_layernorm.weight"])
+            gn = rms(g, sd[p + "hidden_norm.weight"])
+            residual = gn if cfg.norm_before_residual else g
+            x = torch.cat([embeds, gn], -1)  # (T, 2H)
+        else:
+            residual = add(hidden, residual)
+            x = rms(residual, sd[p + "input_layernorm.weight"])  # (T, H)
+        attn_out, kv = attn(x, p, None if past is None else past[i])
+        kvs.append(kv)
+        residual = add(attn_out, residual)
+        hidden = mlp(rms(residual, sd[p + "post_attention_layernorm.weight"]), p)
+    prenorm = add(hidden, residual)
+    normed = rms(prenorm, sd["norm.weight"])
+    return normed @ sd["lm_head.weight"].T, normed if cfg.norm_output else prenorm, kvs
+
+
+def test_two_layer_draft_names_and_shapes():
+    """Layer 1 is `layers.1.*`: q/k/v read H inputs, no hidden_norm; layer 0 as before."""
+    sd = make_draft(small_cfg(num_hidden_layers=2)).state_dict()
+    later = {k for k in sd if k.startswith("layers.1.")}
+    assert set(sd) - later == set(make_draft(small_cfg()).state_dict())
+    assert later == {n.replace("midlayer.", "layers.1.") for n in LAYER_NAMES} - {
+        "layers.1.hidden_norm.weight"}
+    assert sd["layers.1.self_attn.q_proj.weight"].shape == (4 * 16, 48)
+    assert sd["layers.1.self_attn.k_proj.weight"].shape == (2 * 16, 48)
+    assert sd["layers.1.mlp.down_proj.weight"].shape == (48, 96)
+    assert len(make_draft(small_cfg(num_hidden_layers=3)).new_cache().k) == 3
+    with pytest.raises(ConfigError, match="num_hidden_layers must be > 0"):
+        small_cfg(num_hidden_layers=0)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_two_layer_draft_runs_as_vllm_does(norm_before_residual, norm_output):
+    """A 2-layer draft against vllm_forward: a first pass over 9 positions from the aux
+    states, a second pass over them fed the returned hidden at positions + 1, and a chain
+    step at one new position fed the last returned hidden, attending over each layer's own
+    cache of the first pass."""
+    cfg = small_cfg(num_hidden_layers=2, rope_scaling=LLAMA3,
+                    norm_before_residual=norm_before_residual, norm_output=norm_output)
+    draft = make_draft(cfg)
+    sd = {k: v.double().float() for k, v in draft.state_dict().items()}
+    embed = draft.embed_weight
+    torch.manual_seed(6)
+    t = 9
+    ids, aux, pos = torch.randint(0, 97, (t,)), torch.randn(t, 3 * 40), torch.arange(t) + 4
+    with torch.no_grad():
+        cache = draft.new_cache()
+        first = draft(ids[None], aux[None], pos[None], cache=cache)
+        second = draft(ids[None], None, pos[None] + 1, hidden=first.hidden)
+        token = torch.tensor([[17]])
+        chained = draft(token, None, pos[None, -1:] + 1, hidden=first.hidden[:, -1:], cache=cache)
+    logits, hidden, kvs = vllm_forward(sd, cfg, embed, ids, aux @ sd["fc.weight"].T, pos)
+    torch.testing.assert_close(first.logits[0], logits, atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(first.hidden[0], hidden, atol=3e-5, rtol=1e-5)
+    logits2, hidden2, _ = vllm_forward(sd, cfg, embed, ids, hidden, pos + 1)
+    torch.testing.assert_close(second.logits[0], logits2, atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(second.hidden[0], hidden2, atol=3e-5, rtol=1e-5)
+    logits3, hidden3, _ = vllm_forward(sd, cfg, embed, token[0], hidden[-1:], pos[-1:] + 1,
+                                       past=kvs)
+    assert len(cache) == t + 1 and all(k.shape[1] == t + 1 for k in cache.k)
+    torch.testing.assert_close(chained.logits[0], logits3, atol=3e-5, rtol=1e-5)
+    torch.testing.assert_close(chained.hidden[0], hidden3, atol=3e-5, rtol=1e-5)
+    # the second layer counts: without it the logits are another model's
+    one = {k: v for k, v in sd.items() if not k.startswith("layers.1.")}
+    alone, _, _ = vllm_forward(one, small_cfg(norm_before_residual=norm_before_residual,
+                                              norm_output=norm_output, rope_scaling=LLAMA3),
+                               embed, ids, aux @ sd["fc.weight"].T, pos)
+    assert not torch.allclose(alone, logits, atol=1e-2)
+
+
+def test_two_layer_gradients_match_vllm_math():
+    """Every parameter gradient of a 3-layer draft (layers 1 and 2 included) against
+    autograd through vllm_forward."""
+    cfg = small_cfg(num_hidden_layers=3, norm_before_residual=True)
+    draft = make_draft(cfg)
+    sd = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+          for k, v in draft.state_dict().items()}
+    torch.manual_seed(8)
+    ids, aux, pos = torch.randint(0, 97, (11,)), torch.randn(11, 3 * 40), torch.arange(11) + 2
+    cot_logits, cot_hidden = torch.randn(11, cfg.draft_vocab_size), torch.randn(11, 48)
+    out = draft(ids[None], aux[None], pos[None])
+    ((out.logits[0] * cot_logits).sum() + (out.hidden[0] * cot_hidden).sum()).backward()
+    logits, h, _ = vllm_forward(sd, cfg, draft.embed_weight, ids, aux @ sd["fc.weight"].T, pos)
+    ((logits * cot_logits).sum() + (h * cot_hidden).sum()).backward()
+    assert any(name.startswith("layers.2.") for name, _ in draft.named_parameters())
+    for name, p in draft.named_parameters():
+        torch.testing.assert_close(p.grad, sd[name].grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_weights_kept_between_no_grad_calls_follow_parameter_updates():
     cfg = small_cfg()
     draft = make_draft(cfg)

@@ -37,9 +37,10 @@ def target(llama_dir):
     return load_target(llama_dir, dtype="float32")
 
 
-def _random_draft(info, seed=0):
+def _random_draft(info, seed=0, layers=1):
     cfg = DraftConfig.from_target(info, draft_vocab_size=512,
-                                  aux_layer_ids=info.default_aux_layer_ids)
+                                  aux_layer_ids=info.default_aux_layer_ids,
+                                  num_hidden_layers=layers)
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     # a draft vocabulary that is not the identity: every 4th target id
@@ -55,6 +56,17 @@ def draft_dir(target, tmp_path_factory):
     """A random draft in vLLM layout (config.json + model.safetensors), as `eyas export` writes."""
     folder = tmp_path_factory.mktemp("draft")
     draft = _random_draft(target[1])
+    (folder / "config.json").write_text(json.dumps(to_vllm_config(draft.cfg, dtype="fp32")))
+    save_file(export_state_dict(draft.state_dict(), dtype="fp32"),
+              str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two_layer_draft_dir(target, tmp_path_factory):
+    """The same for a random draft of 2 decoder layers (layers.1.* beside midlayer.*)."""
+    folder = tmp_path_factory.mktemp("draft2")
+    draft = _random_draft(target[1], layers=2)
     (folder / "config.json").write_text(json.dumps(to_vllm_config(draft.cfg, dtype="fp32")))
     save_file(export_state_dict(draft.state_dict(), dtype="fp32"),
               str(folder / "model.safetensors"))
@@ -143,6 +155,31 @@ def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, 
         lo, hi = one.ci95[k]["mean_acceptance_length"]
         assert lo <= measured.mean_acceptance_length <= hi
     assert "replayed on training's TTT forward" in (tmp_path / "one" / "report.md").read_text()
+
+
+def test_two_layer_draft_eval_is_lossless_and_its_replay_agrees(llama_dir, two_layer_draft_dir,
+                                                                chats, tmp_path):
+    """A 2-layer draft through `eyas eval`, one prompt at a time (its KV cache per layer,
+    cropped on rejection) and 3 in a batch (per-layer slot caches): lossless, the same
+    tokens, counts and acceptance, and the replay on training's TTT forward agrees with the
+    measured acceptance."""
+    kw = dict(target=str(llama_dir), data=str(chats), draft=str(two_layer_draft_dir), k=(1, 3),
+              **SMALL)
+    one = evaluate(EvalConfig(out=str(tmp_path / "one"), batch_size=1, **kw))
+    batch = evaluate(EvalConfig(out=str(tmp_path / "batch"), batch_size=3, **kw))
+    assert one.lossless is True and batch.lossless is True and one.primary == "eagle3"
+    plain = one.result("target")
+    strip = ("seconds", "tokens_per_s", "speedup")
+    for a, b in zip(one.results, batch.results, strict=True):
+        assert a.new_tokens == plain.new_tokens
+        assert {f: v for f, v in vars(a).items() if f not in strip} == \
+            {f: v for f, v in vars(b).items() if f not in strip}
+    assert one.replayed == batch.replayed and set(one.replayed) == {"1", "3"}
+    for k, rep in one.replayed.items():
+        measured = one.result("eagle3", int(k))
+        assert measured.drafts > 0 and abs(rep["drafts"] - measured.drafts) <= one.num_prompts
+        lo, hi = one.ci95[k]["mean_acceptance_length"]
+        assert lo <= measured.mean_acceptance_length <= hi
 
 
 def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):

@@ -283,6 +283,92 @@ def test_eagle31_export_has_the_norm_weights_and_identical_logits(tmp_path, fmt,
     assert "norm_output True" in (out / "README.md").read_text()
 
 
+# a draft of two decoder layers (eyas train --draft-layers 2), with both residual/output norms
+TWO_LAYERS = {"num_hidden_layers": 2, "norm_before_residual": True, "norm_output": True}
+LAYER_1 = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+           "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+           "mlp.down_proj")
+
+
+def test_two_layer_config_round_trips_and_states_the_layers_where_vllm_reads_them():
+    cfg = draft_config(**TWO_LAYERS)
+    c = to_vllm_config(cfg)
+    assert c["num_hidden_layers"] == 2 and from_vllm_config(c) == cfg
+    spec = to_speculators_config(cfg, verifier="org/model", verifier_architectures=["X"])
+    # vLLM 0.24.0's update_eagle3 builds the draft's config from transformer_layer_config
+    assert spec["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert from_speculators_config(spec) == cfg and read_config(spec) == cfg
+    assert from_vllm_config(to_vllm_config(draft_config())).num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("fmt,layout", [("vllm", None), ("vllm", "layers.0"),
+                                        ("speculators", None)])
+def test_two_layer_export_writes_every_layer_and_gives_identical_logits(tmp_path, fmt, layout):
+    """Layer 0 under the format's prefix, layer 1 as layers.1.* with every tensor vLLM's
+    layer uses (vLLM leaves a missing one uninitialised without a word), q/k/v over H
+    inputs; no layers.1.hidden_norm (vLLM builds it, never uses it). from_pretrained reads
+    the folder back to the same logits and hidden states over two chained steps."""
+    cfg = draft_config(**TWO_LAYERS)
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "draft"),
+                              format=fmt, dtype="fp32", layout=layout))
+    tensors = load_file(str(out / "model.safetensors"))
+    prefix = layout or ("layers.0" if fmt == "speculators" else "midlayer")
+    assert set(tensors) == set(expected_shapes(cfg, prefix))
+    assert {k for k in tensors if k.startswith("layers.1.")} == {
+        f"layers.1.{name}.weight" for name in LAYER_1}
+    assert f"{prefix}.hidden_norm.weight" in tensors
+    assert tensors["layers.1.self_attn.q_proj.weight"].shape == (32, 32)  # (hq d, H)
+    assert tensors[f"{prefix}.self_attn.q_proj.weight"].shape == (32, 64)  # (hq d, 2H)
+    assert torch.equal(tensors["layers.1.mlp.up_proj.weight"],
+                       trained.state_dict()["layers.1.mlp.up_proj.weight"])
+    config = json.loads((out / "config.json").read_text())
+    layer_config = config["transformer_layer_config"] if fmt == "speculators" else config
+    assert layer_config["num_hidden_layers"] == 2
+    assert validate_folder(out) == cfg
+    assert "2 decoder layers" in (out / "README.md").read_text()
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    want, want_hidden = logits_of(trained, cfg, embed)
+    got, got_hidden = logits_of(Eagle3Draft.from_pretrained(out), cfg, embed)
+    assert torch.equal(got, want) and torch.equal(got_hidden, want_hidden)
+    # a layer's tensor missing: refused by name (vLLM would serve it uninitialised)
+    del tensors["layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(EyasError, match=r"miss 'layers\.1\.mlp\.up_proj\.weight'"):
+        validate_folder(out)
+
+
+def test_a_later_layers_unused_hidden_norm_is_read_past(tmp_path):
+    """Another exporter may write layers.1.hidden_norm.weight (vLLM loads it and never uses
+    it): Eagle3Draft.from_pretrained reads such a folder to the same draft."""
+    cfg = draft_config(**TWO_LAYERS)
+    trained = random_draft(cfg)
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    tensors = {("model." + k).replace("midlayer.", "layers.0."): v
+               for k, v in trained.state_dict().items()}
+    tensors["model.layers.1.hidden_norm.weight"] = torch.ones(cfg.hidden_size)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(to_vllm_config(cfg, dtype="fp32")))
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    want, _ = logits_of(trained, cfg, embed)
+    got, _ = logits_of(Eagle3Draft.from_pretrained(folder), cfg, embed)
+    assert torch.equal(got, want)
+
+
+def test_two_layer_draft_is_refused_for_sglang_with_the_fix(tmp_path):
+    """SGLang runs the layers after the first differently (no incoming residual,
+    hidden_norm, additional_layers.* weights): refused, saying why and what to do."""
+    with pytest.raises(EyasError, match=r"2 decoder layers.*SGLang.*differently.*Serve this "
+                                        r"draft with vLLM.*--draft-layers 1"):
+        to_sglang_config(draft_config(num_hidden_layers=2))
+    make_run(tmp_path / "run", draft_config(num_hidden_layers=2), steps=(10,), best=10)
+    with pytest.raises(EyasError, match="--draft-layers 1"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            format="sglang"))
+    assert not (tmp_path / "d").exists()
+
+
 def test_which_picks_best_last_or_a_step(tmp_path):
     cfg = draft_config()
     make_run(tmp_path / "run", cfg, steps=(5, 10), best=5)
@@ -655,6 +741,38 @@ def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_b
     chosen = torch.arange(cfg.draft_vocab_size) + trained.d2t
     assert torch.allclose(logits[:, chosen], ours.logits[0], atol=1e-5, rtol=1e-5)
     assert bool(torch.isinf(logits[:, ~trained.t2d]).all())
+    assert torch.allclose(next_hidden, ours.hidden[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_vllm_runs_a_two_layer_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_builder,
+                                                    fmt):
+    """vLLM's Eagle3LlamaForCausalLM built from a 2-layer export: num_hidden_layers read from
+    the config it reads it from, every layer loaded, and its logits and next hidden state
+    equal eyas's draft."""
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(llama_dir)
+    cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7),
+                                  **TWO_LAYERS)
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              dtype="fp32", format=fmt, target=str(llama_dir)))
+    vllm_draft = vllm_cpu_draft_builder(llama_dir, out)
+    assert len(vllm_draft.model.layers) == 2
+    torch.manual_seed(1)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    ids, pos = torch.randint(0, cfg.vocab_size, (12,)), torch.arange(12) + 3
+    aux = torch.randn(12, 3 * cfg.target_hidden_size)
+    trained.set_embed_tokens(embed)
+    with torch.no_grad():
+        ours = trained(ids[None], aux[None], pos[None])
+        hidden, next_hidden = vllm_draft.model(ids, pos, vllm_draft.combine_hidden_states(aux),
+                                               embed[ids])
+        logits = vllm_draft.compute_logits(hidden)
+    chosen = torch.arange(cfg.draft_vocab_size) + trained.d2t
+    assert torch.allclose(logits[:, chosen], ours.logits[0], atol=1e-5, rtol=1e-5)
     assert torch.allclose(next_hidden, ours.hidden[0], atol=1e-5, rtol=1e-5)
 
 

@@ -163,6 +163,26 @@ def test_ttt_in_fp8_tracks_full_precision(frozen):
         assert cosine(got_grads[name], g) > 0.97, name
 
 
+def test_two_layer_ttt_in_fp8_tracks_full_precision():
+    """The same for a 2-layer draft: layer 1's q/k/v read the hidden state alone, from one
+    fp8 matrix (layer 0's are split into embedding and hidden columns)."""
+    cfg = tiny_cfg(hidden_size=64, target_hidden_size=64, head_dim=16, intermediate_size=128,
+                   vocab_size=80, draft_vocab_size=48, num_hidden_layers=2)
+    draft = make_draft(cfg)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.3
+    draft.init_lm_head_from_target(lm_head, freeze=True)
+    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
+    ref = ttt_forward(draft, batch, lm_head, steps=5)
+    ref_grads = grads(draft, ref.loss)
+    out = ttt_forward(draft, batch, lm_head, steps=5, fp8=True)
+    got_grads = grads(draft, out.loss)
+    assert out.loss.item() != ref.loss.item()
+    assert abs(out.loss.item() / ref.loss.item() - 1) < 0.02
+    assert set(got_grads) == set(ref_grads) and "layers.1.self_attn.q_proj.weight" in got_grads
+    for name, g in ref_grads.items():
+        assert cosine(got_grads[name], g) > 0.97, name
+
+
 def test_train_refuses_fp8_on_a_gpu_without_fp8_units(monkeypatch):
     """The compute-capability threshold: an A100 (8.0) is refused with the fix, an L4 (8.9)
     and an H100 (9.0) pass."""

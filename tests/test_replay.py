@@ -56,9 +56,12 @@ def _rounds(drafter_cls):
             return super().propose(tokens, new_aux, k, sampling)
     return Recording
 
-def test_replay_on_ttt_hits_equals_the_speculative_loop(llama, fit_draft):
+@pytest.mark.parametrize("draft_layers", [1, 2])
+def test_replay_on_ttt_hits_equals_the_speculative_loop(llama, fit_draft, draft_layers):
     """For several prompts and k, every round of the real loop (where it starts and how many
-    drafts it accepts) is the replayed round of chain decoding on training's TTT hits."""
+    drafts it accepts) is the replayed round of chain decoding on training's TTT hits; for a
+    draft of 2 decoder layers too (the loop's KV cache per layer, cropped on rejection,
+    against the TTT's keys per layer)."""
     info = inspect_model(llama)
     layers, norm, head = llama.model.layers, llama.model.norm, llama.lm_head.weight
     gen = torch.Generator().manual_seed(7)
@@ -66,7 +69,7 @@ def test_replay_on_ttt_hits_equals_the_speculative_loop(llama, fit_draft):
     runner = TargetRunner(llama, layers, norm, info.default_aux_layer_ids)
     new = 40
     refs = [generate_plain(runner, p, new, frozenset(), Sampling()).tokens for p in prompts]
-    draft = fit_draft(llama, info, prompts, refs)
+    draft = fit_draft(llama, info, prompts, refs, draft_layers)
     total_accepted, deep = 0, 0
     for k in (1, 3, 5):
         for prompt, ref in zip(prompts, refs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -752,3 +753,41 @@ def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tm
     with pytest.raises(EyasError, match=r"holds a dflash draft and this run trains eagle3: "
                                         r"resume it with --draft dflash"):
         train(_cfg(run_inputs, tmp_path, max_steps=3))
+
+
+def test_two_layer_draft_trains_resumes_exactly_and_refuses_another_layer_count(
+        run_inputs, tmp_path):
+    """--draft-layers 2: the TTT trains both layers (eval loss falls), the checkpoint holds
+    layers.1.* and num_hidden_layers 2, a run SIGKILLed mid-way resumes to identical weights,
+    and a resume with another layer count is refused with the flag that resumes it (also for
+    a checkpoint saved before the key existed, which holds one layer)."""
+    from eyas.cli import parse_config
+    from eyas.draft.config import DraftConfig
+    from eyas.draft.eagle3 import Eagle3Draft
+
+    assert parse_config("train", ["--data", "d", "--out", "o",
+                                  "--draft-layers", "2"]).draft_layers == 2
+    with pytest.raises(ConfigError, match="--draft-layers must be >= 1"):
+        TrainConfig(data="d", out="o", draft_layers=0)
+    with pytest.raises(ConfigError, match="--dflash-layers"):
+        TrainConfig(data="d", out="o", draft="dflash", draft_layers=2)
+    kw = dict(max_steps=6, save_every=2, eval_every=3, grad_accum=2, draft_layers=2)
+    _resume_after_sigkill(run_inputs, tmp_path, kw)
+    run = tmp_path / "killed"
+    evals = _records(run, "eval")
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert all(math.isfinite(r["loss"]) for r in evals + _records(run, "train"))
+    assert evals[-1]["loss"] < evals[0]["loss"], evals
+    step = checkpoint.step_dir(run, 6)
+    dcfg = DraftConfig.from_dict(json.loads((step / "draft_config.json").read_text()))
+    weights = _weights(run, 6)
+    assert dcfg.num_hidden_layers == 2 and "layers.1.self_attn.q_proj.weight" in weights
+    Eagle3Draft(dcfg).load_state_dict(weights, strict=True)
+    with pytest.raises(EyasError, match=r"num_hidden_layers 2 there, 1 now.*Resume it with "
+                                        r"--draft-layers 2"):
+        train(_cfg(run_inputs, run, max_steps=7, draft_layers=1))
+    saved = step / "draft_config.json"  # as a checkpoint from before --draft-layers
+    saved.write_text(json.dumps({k: v for k, v in json.loads(saved.read_text()).items()
+                                 if k != "num_hidden_layers"}))
+    with pytest.raises(EyasError, match=r"num_hidden_layers 1 there, 2 now.*--draft-layers 1"):
+        train(_cfg(run_inputs, run, max_steps=7, draft_layers=2))

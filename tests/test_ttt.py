@@ -62,7 +62,8 @@ def packed_batch(cfg: DraftConfig, docs: list[list[int]], t: int, seed=0) -> TTT
 
 def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None, mask_at="predicted",
                   vocab_filter=True):
-    """Unpruned TTT with every step's keys concatenated and an explicit (N, N*(j+1)) mask.
+    """Unpruned TTT with every step's keys concatenated and an explicit (N, N*(j+1)) mask,
+    in each decoder layer over that layer's own keys.
     Shift convention: step j at position t reads token t+1+j, RoPE position pos+j and
     predicts token t+2+j against the teacher at t+1+j. hits: a (steps, N) bool tensor to
     mark the loss positions whose top-1 is right. A position counts where the token it
@@ -82,22 +83,26 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None, mask_at="
     probs = torch.softmax((batch.final_hidden.reshape(n, -1) @ lm_head.T)[:, t2d], -1)  # (N, Vd)
     target_of = torch.arange(t2d.sum()) + draft.d2t  # draft id -> target id
     hidden = draft.fuse(batch.aux_hidden).reshape(n, -1)
-    keys, values, total, means, accs, counts = [], [], 0.0, [], [], []
+    total, means, accs, counts = 0.0, [], [], []
     cfg = draft.cfg
+    layers = cfg.num_hidden_layers
+    keys, values = [[] for _ in range(layers)], [[] for _ in range(layers)]  # per layer
     for j in range(steps):
         # out-of-document inputs get token 0: they must never reach a counted loss
         tok = torch.tensor([int(ids[i + 1 + j]) if i + 1 + j <= last[i] else 0 for i in range(n)])
-        q, k, v, res = draft.project(tok, hidden, pos + j)
-        keys.append(k)
-        values.append(v)
         allowed = torch.cat([same_doc & causal] + [torch.eye(n, dtype=torch.bool)] * j, 1)
         rep = cfg.num_attention_heads // cfg.num_key_value_heads  # GQA: kv head per query head
-        kk = torch.cat(keys).repeat_interleave(rep, 1)
-        vv = torch.cat(values).repeat_interleave(rep, 1)
-        scores = torch.einsum("nhd,mhd->hnm", q, kk) / math.sqrt(cfg.head_dim)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
-        h = draft.finish(out, res)
+        h = hidden
+        for layer in range(layers):
+            q, k, v, res = draft.project(tok, h, pos + j, layer=layer)
+            keys[layer].append(k)
+            values[layer].append(v)
+            kk = torch.cat(keys[layer]).repeat_interleave(rep, 1)
+            vv = torch.cat(values[layer]).repeat_interleave(rep, 1)
+            scores = torch.einsum("nhd,mhd->hnm", q, kk) / math.sqrt(cfg.head_dim)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vv)
+            h = draft.finish(out, res, layer=layer)
         logits = draft.lm_head(draft.norm(h))  # (N, Vd) materialised
         shift = 2 + j if mask_at == "predicted" else 1 + j
         rows = [i for i in range(n) if i + shift <= last[i] and doc[i] >= 0
@@ -149,6 +154,32 @@ def test_ttt_matches_dense_reference(docs, t, steps, variant):
     torch.testing.assert_close(out.loss, ref_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.step_loss, ref_means, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.step_acc, ref_acc)
+    assert set(got_grads) == set(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("docs,t,steps", CASES)
+@pytest.mark.parametrize("variant", [{}, {"norm_output": True, "norm_before_residual": True}])
+@pytest.mark.parametrize("prune", [True, False])
+def test_two_layer_ttt_matches_dense_reference(docs, t, steps, variant, prune):
+    """A 2-layer draft: each step's attention in each layer over that layer's step-0 keys
+    and its own keys of earlier steps, pruned or not; loss, counts, accuracies and every
+    gradient (layer 1's included) as the dense reference's."""
+    cfg = tiny_cfg(num_hidden_layers=2, **variant)
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, docs, t, seed=len(docs) + t)
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    ref_loss, ref_means, ref_acc, ref_counts = reference_ttt(draft, batch, lm_head, steps)
+    ref_grads = grads(draft, ref_loss)
+    out = ttt_forward(draft, batch, lm_head, steps=steps, vocab_chunk=7, prune=prune)
+    got_grads = grads(draft, out.loss)
+    assert out.step_count.tolist() == ref_counts and sum(ref_counts) > 0
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_loss, ref_means, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.step_acc, ref_acc)
+    assert any(name.startswith("layers.1.") for name in ref_grads)
     assert set(got_grads) == set(ref_grads)
     for name in ref_grads:
         torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,

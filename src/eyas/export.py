@@ -7,7 +7,7 @@ both read (eyas.serve.dflash_export, docs/dflash.md):
 - `vllm` (default): `config.json` in the Llama layout that vLLM's `LlamaForCausalLMEagle3`
   (`llama_eagle3.py`) reads + `model.safetensors`. Served with `vllm serve TARGET
   --speculative-config '{"method": "eagle3", "model": DRAFT, ...}'`.
-- `speculators`: the same weights (under `layers.0.`) with the config of the `speculators`
+- `speculators`: the same weights (layer 0 under `layers.0.`) with the config of the `speculators`
   library (`speculators_model_type: "eagle3"`, `transformer_layer_config`,
   `speculators_config.verifier`), so `vllm serve DRAFT` works alone.
 - `sglang`: the vLLM layout, but `eagle_config.eagle_aux_hidden_state_layer_ids` in SGLang's
@@ -16,10 +16,11 @@ both read (eyas.serve.dflash_export, docs/dflash.md):
   vLLM's ids (vLLM reads the top level first, SGLang only `eagle_config`), so the folder is
   correct in both servers.
 
-Inside eyas the weight names are the vLLM export names (`fc.weight`, `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t`, `t2d`); each format's config mapping is one pair of functions in
-`eyas.draft.formats` (`to_*_config` / `from_*_config`). Every folder is validated before it is
-written.
+Inside eyas the weight names are the vLLM export names (`fc.weight`, `midlayer.*`, `layers.{i}.*`
+for a layer i >= 1, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`); each format's config
+mapping is one pair of functions in `eyas.draft.formats` (`to_*_config` / `from_*_config`).
+A draft of several decoder layers (`eyas train --draft-layers`) is written for vLLM only:
+`--format sglang` refuses it. Every folder is validated before it is written.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("vllm", "speculators", "sglang")
 LAYOUTS = ("midlayer", "layers.0")
-# The layer prefix each format's loader accepts: vLLM maps midlayer. -> layers.0. and takes
+# Layer 0's prefix each format's loader accepts: vLLM maps midlayer. -> layers.0. and takes
 # both; SGLang only loads midlayer.* (others are skipped silently); speculators' model class
-# names its first layer layers.0.
+# names its first layer layers.0. Layers i >= 1 are layers.{i}. in every format (vLLM maps
+# only midlayer., and leaves a missing weight uninitialised without a word).
 NATIVE_LAYOUT = {"vllm": "midlayer", "speculators": "layers.0", "sglang": "midlayer"}
 WEIGHTS_FILE = "model.safetensors"
 # Every name an export writes; a re-export replaces a folder holding only these
@@ -75,9 +77,10 @@ class ExportConfig:
                          choices=FORMATS)
     dtype: str = option("bf16", "weight dtype (d2t/t2d keep int64/bool)", choices=tuple(DTYPES))
     which: str = option("best", "checkpoint of the run: best, last or step-N")
-    layout: str | None = option(None, "decoder-layer prefix: midlayer or layers.0 (default: the "
-                                      "format's own: midlayer for vllm/sglang, layers.0 for "
-                                      "speculators)", choices=LAYOUTS)
+    layout: str | None = option(None, "decoder-layer 0's prefix: midlayer or layers.0 (default: "
+                                      "the format's own: midlayer for vllm/sglang, layers.0 for "
+                                      "speculators); layers after it are always layers.N",
+                                choices=LAYOUTS)
     num_speculative_tokens: int = option(3, "draft tokens per step written into the serve "
                                             "commands and the speculators config")
     acceptance_report: str | None = option(None, "report.json (or its folder) from `eyas eval` "
@@ -105,19 +108,27 @@ class ExportConfig:
 
 def expected_shapes(cfg: DraftConfig, layout: str = "midlayer") -> dict[str, tuple[int, ...]]:
     """Every key an exported draft holds, with its shape (no embed_tokens: the server shares
-    the target's)."""
+    the target's). `layout` is layer 0's prefix; layer i >= 1 is `layers.{i}`, its q/k/v
+    reading H inputs, without hidden_norm (vLLM builds one there but never uses it)."""
     h, ht, i = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    layer = {"input_layernorm": (h,), "hidden_norm": (h,), "self_attn.q_proj": (q, 2 * h),
-             "self_attn.k_proj": (kv, 2 * h), "self_attn.v_proj": (kv, 2 * h),
-             "self_attn.o_proj": (h, q), "post_attention_layernorm": (h,),
-             "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
+    def layer(first: bool) -> dict[str, tuple[int, ...]]:
+        qkv_in = 2 * h if first else h
+        return {"input_layernorm": (h,), **({"hidden_norm": (h,)} if first else {}),
+                "self_attn.q_proj": (q, qkv_in),
+                "self_attn.k_proj": (kv, qkv_in), "self_attn.v_proj": (kv, qkv_in),
+                "self_attn.o_proj": (h, q), "post_attention_layernorm": (h,),
+                "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
     out = {"fc.weight": (h, 3 * ht)}
     if cfg.norm_before_fc:
         out["input_norm.weight"] = (3 * ht,)  # one norm over the concatenated aux states
     if cfg.fc_norm:
         out.update({f"fc_norm.{j}.weight": (ht,) for j in range(3)})
-    out.update({f"{layout}.{name}.weight": shape for name, shape in layer.items()})
+    out.update({f"{layout}.{name}.weight": shape for name, shape in layer(True).items()})
+    for n in range(1, cfg.num_hidden_layers):
+        out.update({f"layers.{n}.{name}.weight": shape for name, shape in layer(False).items()})
     out.update({"norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
                 "d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
     return out
@@ -177,7 +188,8 @@ def validate_export(config: dict, tensors: dict[str, torch.Tensor], fmt: str) ->
 
 def _check_config_keys(config: dict, cfg: DraftConfig, fmt: str) -> None:
     layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
-    need = {"model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}
+    need = {"model_type": "llama", "num_hidden_layers": cfg.num_hidden_layers,
+            "tie_word_embeddings": False}
     if fmt != "speculators":
         need["architectures"] = ["LlamaForCausalLMEagle3"]
     for key, value in need.items():

@@ -160,6 +160,10 @@ class TrainConfig:
     draft_intermediate_size: int = option(0, "draft MLP size; 0 = the target's")
     draft_num_attention_heads: int = option(0, "draft attention heads; 0 = the target's")
     draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
+    draft_layers: int = option(1, "EAGLE-3 decoder layers: the first reads the token embedding "
+                                  "beside the hidden state, later ones are Llama blocks on its "
+                                  "output, as vLLM's llama_eagle3 runs them; more than 1 is "
+                                  "served by vLLM only (--format sglang refuses it)")
     norm_before_residual: bool | None = option(None, "residual = hidden_norm(g) instead of g; "
                                                      "unset: on (speculators'; served by vLLM "
                                                      ">= 0.19)")
@@ -259,6 +263,7 @@ class TrainConfig:
              f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}"),
             (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}"),
             (self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}"),
+            (self.draft_layers >= 1, f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}"),
             (self.loss in OBJECTIVES, f"--loss {self.loss!r}: use one of {OBJECTIVES}"),
             (0 <= self.lk_kl_scale <= 1 and self.lk_kl_decay >= 0,
@@ -318,6 +323,8 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (not cfg.cuda_graph, "--cuda-graph is not built for DFlash yet (its block count changes "
                              "every step); drop it"),
         (not cfg.compile, "--compile is not built (or tested) for DFlash yet; drop it"),
+        (cfg.draft_layers == 1, "--draft-layers is the EAGLE-3 draft's layer count; a DFlash "
+                                "draft's is --dflash-layers"),
         (not cfg.draft_hidden_size, "--draft-hidden-size: a DFlash draft has the target's width "
                                     "(it reads the target's embedding and lm_head); leave it 0"),
         *_left_at_default(cfg, ("lm_head", "lk_kl_scale", "lk_kl_decay"), "{flag}: " + why),

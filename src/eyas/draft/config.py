@@ -82,6 +82,9 @@ class DraftConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
+    # decoder layers: layer 0 reads [embedding, hidden] as EAGLE-3's always did, layers 1.. are
+    # plain Llama blocks on its residual stream, as vLLM's llama_eagle3 runs them
+    num_hidden_layers: int = 1
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None = field(default=None, hash=False)
@@ -101,7 +104,7 @@ class DraftConfig:
 
     def __post_init__(self):
         for name in ("hidden_size", "target_hidden_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "intermediate_size",
+                     "num_key_value_heads", "head_dim", "intermediate_size", "num_hidden_layers",
                      "max_position_embeddings", "vocab_size", "draft_vocab_size"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"draft config: {name} must be > 0, got {getattr(self, name)}")

@@ -6,6 +6,8 @@ Per position, with target hidden size Ht, draft hidden size H, draft vocabulary 
     x = concat(input_layernorm(embed(token)), hidden_norm(g))   (2H; q/k/v read all of it)
     h = residual + o_proj(attn(x))        residual = g, or hidden_norm(g) if norm_before_residual
     h = h + mlp(post_attention_layernorm(h))
+    layers 1..N-1 (cfg.num_hidden_layers = N), each a Llama pre-norm block on h:
+      h = h + o_proj(attn(input_layernorm(h)));  h = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))             over Vd; h (pre-norm) feeds the next draft step
 
 EAGLE 3.1 variants, as vLLM's llama_eagle3 runs them (docs/draft.md, "EAGLE 3.1 variants"):
@@ -14,18 +16,21 @@ feeds it concat(fc_norm[i](aux_i)) (one RMSNorm per aux state), `norm_output` fe
 to the next step instead of h.
 
 Parameter names equal the vLLM export (`fc.weight`, `input_norm.weight`, `fc_norm.{i}.weight`,
-`midlayer.*`, `norm.weight`, `lm_head.weight`, buffers `d2t`, `t2d`). The target's embedding
-is shared and frozen: it is a non-persistent buffer, so it is never saved or exported.
+`midlayer.*` for layer 0, `layers.{i}.*` for layer i >= 1, `norm.weight`, `lm_head.weight`,
+buffers `d2t`, `t2d`). Layers >= 1 have no `hidden_norm` (vLLM builds one there and never uses
+it). The target's embedding is shared and frozen: it is a non-persistent buffer, so it is never
+saved or exported.
 
 Attention has one path, `eyas.kernels.attention.attention()`: query n sees keys `lo[n]..hi[n]` of
 one key sequence (causal within its packed document, or cache + causal at eval) plus, during
 TTT, the keys its own position produced at earlier steps (eval's batched drafter,
-eyas.serve.batched, runs this layer's pieces over a per-row cache through SDPA with a slot
-mask instead: its shapes change at every call). The training forward,
-`eyas.draft.ttt.ttt_forward`, chains this layer's pieces (`fuse`, `project`, `attention`,
+eyas.serve.batched, runs the layers' pieces over a per-row cache through SDPA with a slot
+mask instead: its shapes change at every call). Each layer attends over its own keys: every
+draft pass appends to every layer's cache. The training forward,
+`eyas.draft.ttt.ttt_forward`, chains the layers' pieces (`fuse`, `project`, `attention`,
 `finish`); docs/draft.md has the math and the shift convention.
 
-Speed: the layer's matmuls use `LayerWeights` (cast once per forward, q/k/v and gate/up
+Speed: a layer's matmuls use `LayerWeights` (cast once per forward, q/k/v and gate/up
 concatenated); its elementwise parts (RMSNorm, q/k/v split + RoPE, SwiGLU) are custom
 autograd Functions from eyas.kernels.fused, compiled into a few kernels on CUDA, eager on CPU.
 """
@@ -91,32 +96,37 @@ class DraftOutput:
 
 
 class KVCache:
-    """Keys/values of earlier positions for eval-time drafting; rows share one length.
-    `forward(..., cache=c)` appends in place; `crop(n)` drops everything after position n."""
+    """Keys/values of earlier positions for eval-time drafting, one pair per decoder layer;
+    rows share one length. `forward(..., cache=c)` appends to every layer's in place;
+    `crop(n)` drops everything after position n."""
 
-    def __init__(self):
-        self.k = self.v = None  # (B, L, hkv, d) each
+    def __init__(self, layers: int = 1):
+        self.k = [None] * layers  # per layer: (B, L, hkv, d)
+        self.v = [None] * layers
 
     def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[1]
+        return 0 if self.k[0] is None else self.k[0].shape[1]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Add k, v (B, T, hkv, d) to layer `layer`'s; returns all of its keys and values."""
+        old_k, old_v = self.k[layer], self.v[layer]
+        self.k[layer] = k if old_k is None else torch.cat([old_k, k], dim=1)
+        self.v[layer] = v if old_v is None else torch.cat([old_v, v], dim=1)
+        return self.k[layer], self.v[layer]
 
     def crop(self, n: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :n], self.v[:, :n]
+        self.k = [None if k is None else k[:, :n] for k in self.k]
+        self.v = [None if v is None else v[:, :n] for v in self.v]
 
 
 @dataclass
 class LayerWeights:
-    """The decoder layer's matrices in the dtype its matmuls run in (the autocast dtype, else
+    """One decoder layer's matrices in the dtype its matmuls run in (the autocast dtype, else
     the parameters' own), q/k/v and gate/up concatenated so each group is one matmul (fewer,
     larger kernels). ttt_forward makes them once for all its steps; the parameters, their
     names and their fp32 gradients stay those of the separate nn.Linear modules."""
 
-    qkv: torch.Tensor  # ((hq + 2 hkv) d, 2H)
+    qkv: torch.Tensor  # ((hq + 2 hkv) d, 2H); (.., H) for layers >= 1
     o: torch.Tensor  # (H, hq d)
     gate_up: torch.Tensor  # (2I, H)
     down: torch.Tensor  # (H, I)
@@ -139,31 +149,44 @@ def _linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False)
 
 
+def _decoder_layer(cfg: DraftConfig, first: bool) -> nn.ModuleDict:
+    """A Llama decoder layer's modules. The first reads [embedding, hidden] (2H inputs to
+    q/k/v) and has hidden_norm; a later one reads the residual stream (H) and has none."""
+    h, hq, hkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv_in = 2 * h if first else h
+    norms = dict(input_layernorm=RMSNorm(h, cfg.rms_norm_eps))
+    if first:
+        norms["hidden_norm"] = RMSNorm(h, cfg.rms_norm_eps)
+    return nn.ModuleDict(dict(
+        **norms,
+        self_attn=nn.ModuleDict(dict(
+            q_proj=_linear(qkv_in, hq * d), k_proj=_linear(qkv_in, hkv * d),
+            v_proj=_linear(qkv_in, hkv * d), o_proj=_linear(hq * d, h))),
+        post_attention_layernorm=RMSNorm(h, cfg.rms_norm_eps),
+        mlp=nn.ModuleDict(dict(gate_proj=_linear(h, cfg.intermediate_size),
+                               up_proj=_linear(h, cfg.intermediate_size),
+                               down_proj=_linear(cfg.intermediate_size, h))),
+    ))
+
+
 class Eagle3Draft(nn.Module):
-    """The EAGLE-3 draft: fc over three target aux states + one Llama-style decoder layer."""
+    """The EAGLE-3 draft: fc over three target aux states + `cfg.num_hidden_layers` Llama-style
+    decoder layers, the first reading the token embedding beside the hidden state."""
 
     def __init__(self, cfg: DraftConfig, embed_tokens: nn.Embedding | torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
-        h, hq, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        d = cfg.head_dim
+        h = cfg.hidden_size
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
                                          for _ in range(3))
         self.fc = _linear(3 * cfg.target_hidden_size, h)
-        self.midlayer = nn.ModuleDict(dict(
-            input_layernorm=RMSNorm(h, cfg.rms_norm_eps),
-            hidden_norm=RMSNorm(h, cfg.rms_norm_eps),
-            self_attn=nn.ModuleDict(dict(
-                q_proj=_linear(2 * h, hq * d), k_proj=_linear(2 * h, hkv * d),
-                v_proj=_linear(2 * h, hkv * d), o_proj=_linear(hq * d, h))),
-            post_attention_layernorm=RMSNorm(h, cfg.rms_norm_eps),
-            mlp=nn.ModuleDict(dict(gate_proj=_linear(h, cfg.intermediate_size),
-                                   up_proj=_linear(h, cfg.intermediate_size),
-                                   down_proj=_linear(cfg.intermediate_size, h))),
-        ))
+        self.midlayer = _decoder_layer(cfg, first=True)  # layer 0 (vLLM's layers.0)
+        # layers 1..N-1 under the names vLLM loads them by, layers.{i}.* (empty for N = 1)
+        self.layers = nn.ModuleDict({str(i): _decoder_layer(cfg, first=False)
+                                     for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = _linear(h, cfg.draft_vocab_size)
         # draft id i <-> target id i + d2t[i]; identity on the first Vd ids until set_vocab
@@ -172,7 +195,7 @@ class Eagle3Draft(nn.Module):
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("embed_weight", None, persistent=False)
-        self._cached_weights = None  # (key, LayerWeights) of the last call without grad
+        self._cached_weights = {}  # layer -> (key, LayerWeights) of its last call without grad
         if embed_tokens is not None:
             self.set_embed_tokens(embed_tokens)
 
@@ -210,12 +233,16 @@ class Eagle3Draft(nn.Module):
         self.lm_head.weight.requires_grad_(not freeze)
 
     def new_cache(self) -> KVCache:
-        return KVCache()
+        return KVCache(self.cfg.num_hidden_layers)
+
+    def layer(self, i: int) -> nn.ModuleDict:
+        """Decoder layer i's modules (`midlayer` for 0, `layers.{i}` after it)."""
+        return self.midlayer if i == 0 else self.layers[str(i)]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    # -- the layer, in pieces TTT reuses --------------------------------------------------
+    # -- the layers, in pieces TTT reuses -------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_weight is None:
@@ -242,18 +269,22 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def layer_weights(self, device_type: str, fp8: bool = False,
-                      split: bool = False) -> LayerWeights:
-        """The layer's matrices as its matmuls use them (see LayerWeights), and with `fp8`
-        their fp8 copies too; `split`: also qkv's embedding and hidden columns apart (for
-        embed_share and project(add_embed=)). Without grad (drafting token by token) they are
-        kept until a parameter changes, rather than concatenated again at every call."""
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+                      split: bool = False, layer: int = 0) -> LayerWeights:
+        """Decoder layer `layer`'s matrices as its matmuls use them (see LayerWeights), and
+        with `fp8` their fp8 copies too; `split` (layer 0 only): also qkv's embedding and
+        hidden columns apart (for embed_share and project(add_embed=)). Without grad (drafting
+        token by token) they are kept until a parameter changes, rather than concatenated
+        again at every call."""
+        if split and layer:
+            raise ValueError(f"layer_weights(split=True) is for layer 0, whose q/k/v read the "
+                             f"embedding; layer {layer}'s read the hidden state alone")
+        attn, mlp = self.layer(layer).self_attn, self.layer(layer).mlp
         dtype = _matmul_dtype(device_type, attn.q_proj.weight)
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
         key = (dtype, fp8, split,
                *((m.weight.data_ptr(), m.weight._version) for m in linears))
-        cached = self._cached_weights
+        cached = self._cached_weights.get(layer)
         if not torch.is_grad_enabled() and cached is not None and cached[0] == key:
             return cached[1]
         q, k, v, o, gate, up, down = (m.weight.to(dtype) for m in linears)
@@ -266,7 +297,10 @@ class Eagle3Draft(nn.Module):
             names = ("qkv_embed", "qkv_hidden") if split else ("qkv",)
             weights.fp8 = {name: Fp8Matrix.of(getattr(weights, name))
                            for name in (*names, "o", "gate_up", "down")}
-        self._cached_weights = None if torch.is_grad_enabled() else (key, weights)
+        if torch.is_grad_enabled():
+            self._cached_weights.clear()
+        else:
+            self._cached_weights[layer] = (key, weights)
         return weights
 
     def embed_share(self, input_ids, weights: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
@@ -281,20 +315,31 @@ class Eagle3Draft(nn.Module):
         return fp8_mm.linear(e, weights.qkv_embed, weights.fp8.get("qkv_embed"))
 
     def project(self, input_ids, hidden, position_ids, weights: LayerWeights | None = None,
-                add_embed=None):
+                add_embed=None, layer: int = 0):
         """input_ids (N,), hidden (N, H), position_ids (N,) -> q (N, hq, d) and k, v
-        (N, hkv, d) with RoPE applied, and the residual (N, H). `weights`: from
-        layer_weights(), made here when not given. add_embed: instead of input_ids (then
-        None), a function adding the tokens' embedding share (embed_share) to the hidden
-        state's share of q/k/v (N, C); weights must then be split."""
-        layer, cfg = self.midlayer, self.cfg
-        w = self.layer_weights(hidden.device.type) if weights is None else weights
-        g = layer.hidden_norm(hidden)  # (N, H)
+        (N, hkv, d) with RoPE applied, and the residual (N, H), of decoder layer `layer`.
+        `weights`: from layer_weights(layer=layer), made here when not given. Layer 0 reads
+        [input_layernorm(embed(input_ids)), hidden_norm(hidden)]; add_embed: instead of
+        input_ids (then None), a function adding the tokens' embedding share (embed_share) to
+        the hidden state's share of q/k/v (N, C); weights must then be split. A later layer
+        reads input_layernorm(hidden) alone, `hidden` being the previous layer's output h
+        (input_ids and add_embed unused), and its residual is `hidden` itself."""
+        cfg = self.cfg
+        w = self.layer_weights(hidden.device.type, layer=layer) if weights is None else weights
+        if layer:
+            x = self.layer(layer).input_layernorm(hidden)  # (N, H)
+            qkv = fp8_mm.linear(x, w.qkv, w.fp8.get("qkv"))
+            q, k, v = QKVRope.apply(qkv, position_ids.float()[:, None], self.inv_freq,
+                                    self.rope_scale, cfg.num_attention_heads,
+                                    cfg.num_key_value_heads)
+            return q, k, v, hidden
+        first = self.midlayer
+        g = first.hidden_norm(hidden)  # (N, H)
         if add_embed is None:
             if w.qkv_embed is not None and w.fp8 and "qkv" not in w.fp8:
                 raise ValueError("project(input_ids) with split fp8 weights would run q/k/v "
                                  "in the matmul dtype; make them with split=False")
-            e = layer.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
+            e = first.input_layernorm(self.embed(input_ids).to(g.dtype))  # (N, H)
             x = torch.cat([e, g], dim=-1)  # (N, 2H): embedding first, as vLLM
             qkv = fp8_mm.linear(x, w.qkv, w.fp8.get("qkv"))
         else:
@@ -308,11 +353,12 @@ class Eagle3Draft(nn.Module):
         return q, k, v, residual
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor,
-               weights: LayerWeights | None = None) -> torch.Tensor:
-        """attn_out (N, hq, d), residual (N, H) -> pre-norm h (N, H)."""
-        w = self.layer_weights(residual.device.type) if weights is None else weights
+               weights: LayerWeights | None = None, layer: int = 0) -> torch.Tensor:
+        """attn_out (N, hq, d), residual (N, H) -> decoder layer `layer`'s pre-norm output h
+        (N, H): the residual stream the next layer, or the final norm, reads."""
+        w = self.layer_weights(residual.device.type, layer=layer) if weights is None else weights
         h = residual + fp8_mm.linear(attn_out.flatten(1), w.o, w.fp8.get("o"))
-        x = self.midlayer.post_attention_layernorm(h)
+        x = self.layer(layer).post_attention_layernorm(h)
         gate_up = fp8_mm.linear(x, w.gate_up, w.fp8.get("gate_up"))
         return h + SwiGLUDown.apply(gate_up, w.down, w.fp8.get("down"))
 
@@ -327,23 +373,32 @@ class Eagle3Draft(nn.Module):
         """input_ids (B, T): the token after each position; aux_hidden (B, T, 3*Ht) target
         states (ignored when `hidden` (B, T, H) from a previous draft step is given);
         position_ids (B, T). Attention is causal within each row, after all of `cache`
-        (appended to in place)."""
+        (each layer's appended to in place)."""
         b, t = input_ids.shape
         g = self.fuse(aux_hidden) if hidden is None else hidden  # (B, T, H)
-        w = self.layer_weights(g.device.type)
-        q, k, v, residual = self.project(input_ids.reshape(-1), g.reshape(b * t, -1),
-                                         position_ids.reshape(-1), w)
-        k, v = k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:])  # (B, T, hkv, d)
+        ids, pos = input_ids.reshape(-1), position_ids.reshape(-1)
+        x = g.reshape(b * t, -1)  # (B*T, H): layer 0's hidden input, then the residual stream
+        for i in range(self.cfg.num_hidden_layers):
+            w = self.layer_weights(x.device.type, layer=i)
+            q, k, v, residual = self.project(ids, x, pos, w, layer=i)
+            out = self._attend(q, k.view(b, t, *k.shape[1:]), v.view(b, t, *v.shape[1:]),
+                               cache, i)
+            x = self.finish(out, residual, w, layer=i)
+        h = x.view(b, t, -1)  # (B, T, H)
+        return DraftOutput(self.lm_head(self.norm(h)), self.next_hidden(h))
+
+    @staticmethod
+    def _attend(q, k, v, cache: KVCache | None, layer: int) -> torch.Tensor:
+        """q (B*T, hq, d), k, v (B, T, hkv, d) of one layer -> (B*T, hq, d): causal within
+        each row, after all of the layer's `cache` (appended to)."""
+        b, t = k.shape[:2]
         if cache is not None:
-            cache.append(k, v)
-            k, v = cache.k, cache.v  # (B, L, hkv, d)
+            k, v = cache.append(layer, k, v)  # (B, L, hkv, d)
         keys = k.shape[1]
         # rows flattened into one key sequence; query i of row r sees row r's keys up to itself
         lo = (torch.arange(b, device=q.device) * keys)[:, None].expand(b, t)  # (B, T)
         hi = lo + (keys - t) + torch.arange(t, device=q.device)
-        out = attention(q, k.flatten(0, 1), v.flatten(0, 1), lo.reshape(-1), hi.reshape(-1))
-        h = self.finish(out, residual, w).view(b, t, -1)  # (B, T, H)
-        return DraftOutput(self.lm_head(self.norm(h)), self.next_hidden(h))
+        return attention(q, k.flatten(0, 1), v.flatten(0, 1), lo.reshape(-1), hi.reshape(-1))
 
     # -- loading -------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ def rope_keys(cfg: DraftConfig) -> dict:
 def _llama_layer(cfg: DraftConfig, dtype: str) -> dict:
     """The Llama decoder-layer keys every format shares (`vocab_size` is the TARGET's)."""
     return {
-        "model_type": "llama", "hidden_size": cfg.hidden_size, "num_hidden_layers": 1,
+        "model_type": "llama", "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act,
@@ -86,9 +87,6 @@ def to_vllm_config(cfg: DraftConfig, dtype: str = "bf16") -> dict:
 
 def _draft_config(layer: dict, extras: dict, ids, norm_before_residual_default: bool) -> DraftConfig:
     """DraftConfig from a Llama layer dict and the EAGLE-3 extras (they may be the same dict)."""
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise EyasError(f"draft config has num_hidden_layers={layer['num_hidden_layers']}; "
-                        f"eyas drafts have exactly one decoder layer")
     if not ids or len(ids) != 3:
         raise EyasError(f"draft config has eagle_aux_hidden_state_layer_ids={ids!r}; eyas needs "
                         f"the 3 ids the draft was trained on (vLLM convention). For a draft "
@@ -107,6 +105,7 @@ def _draft_config(layer: dict, extras: dict, ids, norm_before_residual_default: 
         num_attention_heads=heads, num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
         head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
         intermediate_size=int(layer["intermediate_size"]),
+        num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
         rope_scaling=draft_rope_scaling(scaling),
         max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
@@ -150,8 +149,16 @@ def to_sglang_config(cfg: DraftConfig, dtype: str = "bf16",
                      num_target_layers: int | None = None) -> dict:
     """config.json for SGLang's `LlamaForCausalLMEagle3`: the vLLM config with `eagle_config`
     ids in SGLang's convention. SGLang's draft layer always uses residual = g and has no
-    norm_before_fc (an input_norm weight is skipped without a word), so drafts trained with
-    those are refused rather than served wrong; fc_norm and norm_output it runs (SERVED_SINCE)."""
+    norm_before_fc (an input_norm weight is skipped without a word), and it runs layers after
+    the first another way than vLLM, so drafts trained with those are refused rather than
+    served wrong; fc_norm and norm_output it runs (SERVED_SINCE)."""
+    if cfg.num_hidden_layers > 1:
+        raise EyasError(f"this draft has {cfg.num_hidden_layers} decoder layers, trained as "
+                        f"vLLM runs them; SGLang's llama_eagle3 runs the layers after the first "
+                        f"differently (they drop the incoming residual and read hidden_norm, "
+                        f"weights named additional_layers.*), so it would serve another model "
+                        f"than the one trained. Serve this draft with vLLM (--format vllm or "
+                        f"speculators), or train for SGLang with --draft-layers 1")
     unsupported = [k for k in ("norm_before_residual", "norm_before_fc") if getattr(cfg, k)]
     if unsupported:
         flags = {"norm_before_residual": "--no-norm-before-residual",
@@ -219,9 +226,15 @@ def read_config(config: dict) -> DraftConfig:
 
 
 def internal_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Export names (either layout, optional `model.` prefix) -> the draft's internal names."""
-    return {re.sub(r"^(model\.)?layers\.0\.", "midlayer.", name.removeprefix("model.")): t
-            for name, t in tensors.items()}
+    """Export names (either layout, optional `model.` prefix) -> the draft's internal names.
+    A `hidden_norm` of a layer after the first is dropped: vLLM loads it and never uses it,
+    and eyas's later layers have none."""
+    out = {}
+    for name, t in tensors.items():
+        name = re.sub(r"^layers\.0\.", "midlayer.", name.removeprefix("model."))
+        if not re.fullmatch(r"layers\.\d+\.hidden_norm\.weight", name):
+            out[name] = t
+    return out
 
 
 def read_vllm_folder(folder: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:

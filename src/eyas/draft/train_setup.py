@@ -123,7 +123,8 @@ def build_draft(cfg: TrainConfig, inputs: data.Inputs, env: Env):
                                    aux_layer_ids=inputs.aux_layer_ids,
                                    norm_before_residual=cfg.norm_before_residual,
                                    norm_before_fc=cfg.norm_before_fc, fc_norm=cfg.fc_norm,
-                                   norm_output=cfg.norm_output, **overrides)
+                                   norm_output=cfg.norm_output,
+                                   num_hidden_layers=cfg.draft_layers, **overrides)
     if dcfg.hidden_size != inputs.info.hidden_size:
         raise EyasError(f"--draft-hidden-size {dcfg.hidden_size} differs from the target's "
                         f"{inputs.info.hidden_size}, but the draft reads the target's token "
@@ -323,12 +324,16 @@ def check_same_draft(resume: Path, record: dict) -> None:
         raise EyasError(f"{resume} holds a {family[0]} draft and this run trains {family[1]}: "
                         f"resume it with --draft {family[0]}, or start over with --resume never "
                         f"(or another --out).")
+    flags = dict(_DRAFT_FLAGS, num_hidden_layers="--draft-layers" if family[0] == "eagle3"
+                 else "--dflash-layers")
+    if family[0] == "eagle3":  # saved before --draft-layers: one layer
+        saved.setdefault("num_hidden_layers", 1)
     differ = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
     if not differ:
         return
-    fix = [(f"{_DRAFT_FLAGS[k]}" if old else f"--no-{_DRAFT_FLAGS[k][2:]}")
-           if isinstance(old, bool) else f"{_DRAFT_FLAGS[k]} {old}"
-           for k, (old, _) in differ.items() if k in _DRAFT_FLAGS]
+    fix = [(f"{flags[k]}" if old else f"--no-{flags[k][2:]}")
+           if isinstance(old, bool) else f"{flags[k]} {old}"
+           for k, (old, _) in differ.items() if k in flags]
     raise EyasError(f"{resume} holds a draft with other settings than this run's: "
                     + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in differ.items())
                     + (f". Resume it with {' '.join(fix)}" if fix else

@@ -4,7 +4,8 @@ batch, as it will run at serving time, with one loss over all steps.
 `ttt_forward` is one function with numbered steps: step 0 reads the target's fused aux
 states, step j > 0 reads the draft's own hidden state of step j-1 at the same position and
 attends to the step-0 keys of its document up to itself plus the keys its position
-produced at steps 1..j (the "diagonal", see eyas.kernels.attention). docs/draft.md has the math
+produced at steps 1..j (the "diagonal", see eyas.kernels.attention). A draft of several
+decoder layers does this in each layer over that layer's own keys. docs/draft.md has the math
 and the shift convention.
 """
 
@@ -263,8 +264,11 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     draft_id = torch.cumsum(draft.t2d.long(), 0) - 1  # target id -> draft id (where t2d)
     # (N,) the target's top-1 as a draft id; -1 (never right) where it is outside the vocab
     top1_draft = torch.where(draft.t2d[top1], draft_id[top1], -1)
-    weights = draft.layer_weights(dev.type, fp8=fp8, split=True)  # once for all steps
-    head, head_fp8 = _head(draft, weights.qkv.dtype, fp8)
+    layers = draft.cfg.num_hidden_layers
+    # once for all steps; layer 0's with q/k/v's embedding and hidden columns apart
+    weights = [draft.layer_weights(dev.type, fp8=fp8, split=True)] + [
+        draft.layer_weights(dev.type, fp8=fp8, layer=i) for i in range(1, layers)]
+    head, head_fp8 = _head(draft, weights[0].qkv.dtype, fp8)
     sums, correct, rows_per_step = [], [], []
     hits = torch.zeros(steps, n_all, dtype=torch.bool, device=dev) if record_hits else None
     # 4. Step 0: fused target states + the next token, causal within each document.
@@ -272,26 +276,32 @@ def ttt_forward(draft: Eagle3Draft, batch: TTTBatch, target_lm_head: torch.Tenso
     hidden = draft.fuse(batch.aux_hidden, fp8=fp8).reshape(n_all, -1)  # (N, H)
     # every position's token's share of q/k/v, once: step j's token at a row is the token
     # of some position (ground truth, shifted), so the steps gather rows of it
-    shares = _Shares(draft.embed_share(ids, weights, hidden.dtype))  # (N, C)
-    diag_k, diag_v = [], []  # keys/values of steps 1..j at the kept positions
-    k0 = v0 = None
+    shares = _Shares(draft.embed_share(ids, weights[0], hidden.dtype))  # (N, C)
+    # per layer: keys/values of step 0 (every position) and of steps 1..j at the kept positions
+    k0, v0 = [None] * layers, [None] * layers
+    diag_k, diag_v = [[] for _ in range(layers)], [[] for _ in range(layers)]
     for j in range(steps):
         if cols[j].numel() == 0:  # nothing left to predict
             break
         if j > 0:  # 5. Step j: own hidden of step j-1, keep only positions still needed
             sel = _index(plan, j, j - 1, cols[j].numel()) or rank[j - 1][cols[j]]
             rows, hidden = cols[j], _take(hidden, sel)  # sel: into the previous step's rows
-            diag_k, diag_v = [_take(t, sel) for t in diag_k], [_take(t, sel) for t in diag_v]
+            diag_k = [[_take(t, sel) for t in layer] for layer in diag_k]
+            diag_v = [[_take(t, sel) for t in layer] for layer in diag_v]
         token_at = torch.minimum(rows + 1 + j, seg_end[rows])  # (n,) its ground-truth token
-        q, k, v, residual = draft.project(None, hidden, pos[rows] + j, weights,
-                                          add_embed=shares.adder(token_at))
-        if j == 0:
-            k0, v0 = k, v
-        else:
-            diag_k.append(k)
-            diag_v.append(v)
-        out = _attend(plan, j, q, k0, v0, rows, seg_start, diag_k, diag_v)
-        h = draft.finish(out, residual, weights)  # (n, H) pre-norm
+        at_pos = pos[rows] + j
+        h = hidden  # layer 0's hidden input, then the residual stream between layers
+        for i in range(layers):  # each layer attends over its own keys
+            q, k, v, residual = draft.project(
+                None, h, at_pos, weights[i], layer=i,
+                add_embed=shares.adder(token_at) if i == 0 else None)
+            if j == 0:
+                k0[i], v0[i] = k, v
+            else:
+                diag_k[i].append(k)
+                diag_v[i].append(v)
+            out = _attend(plan, j, q, k0[i], v0[i], rows, seg_start, diag_k[i], diag_v[i])
+            h = draft.finish(out, residual, weights[i], layer=i)  # (n, H) pre-norm
         # 6. Loss of step j: soft CE against the teacher at rows+1+j, where valid.
         loss_sum, right = _step_loss(draft, plan, j, rows, h, (teacher, teacher_lse), head,
                                      head_fp8, top1_draft, vocab_chunk,

@@ -126,48 +126,52 @@ class BatchNgramDrafter:
 
 
 class BatchEagle3Drafter:
-    """eyas.serve.speculate.Eagle3Drafter over B rows. Its KV cache is (B, capacity, hkv, d)
-    with slot p = position p of the row; step 0 writes the newly accepted positions, chain
-    step j the position S-2+j, and a query at position p attends to slots 0..p of its row, so
-    whatever an earlier round's chain left beyond p is never read and is overwritten."""
+    """eyas.serve.speculate.Eagle3Drafter over B rows. Its KV cache is (layers, B, capacity,
+    hkv, d): one per decoder layer, slot p = position p of the row. Step 0 writes the newly
+    accepted positions, chain step j the position S-2+j, and a query at position p attends to
+    slots 0..p of its row, so whatever an earlier round's chain left beyond p is never read
+    and is overwritten."""
 
     def __init__(self, draft, device: torch.device | str):
         self.one = Eagle3Drafter(draft, device)  # its vocabulary maps, for every row
         self.draft, self.device = draft, self.one.device
         self.aux_layer_ids, self.dtype = self.one.aux_layer_ids, self.one.dtype
-        self.keys = self.values = None  # (B, C, hkv, d)
+        self.keys = self.values = None  # (layers, B, C, hkv, d)
         self.seen: list[int] = []
 
     def begin(self, rows: int, capacity: int) -> None:
         c = self.draft.cfg
-        shape = (rows, capacity, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, rows, capacity, c.num_key_value_heads, c.head_dim)
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros_like(self.keys)
         self.seen = [0] * rows
 
     def select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.device)
-        self.keys, self.values = self.keys[index], self.values[index]
+        self.keys, self.values = self.keys[:, index], self.values[:, index]
         self.seen = [self.seen[r] for r in rows]
 
-    def _layer(self, ids, hidden, positions, rows, write):
-        """One draft layer over queries (B*A,) of rows r at positions p, A per row: keys and
-        values written to slot (r, p) where `write`, attention over slots 0..p of row r
-        (SDPA with a mask: the shapes change every call, which compiled kernels would
-        recompile for) -> pre-norm h (B*A, H)."""
-        draft = self.draft
-        w = draft.layer_weights(hidden.device.type)
-        q, k, v, residual = draft.project(ids, hidden, positions, w)
-        self.keys[rows[write], positions[write]] = k[write].to(self.dtype)
-        self.values[rows[write], positions[write]] = v[write].to(self.dtype)
-        b, cap = self.keys.shape[:2]
-        a = q.shape[0] // b
-        slots = torch.arange(cap, device=q.device)
+    def _layers(self, ids, hidden, positions, rows, write):
+        """The draft's decoder layers over queries (B*A,) of rows r at positions p, A per
+        row: each layer's keys and values written to its slot (r, p) where `write`,
+        attention over its slots 0..p of row r (SDPA with a mask: the shapes change every
+        call, which compiled kernels would recompile for) -> pre-norm h (B*A, H)."""
+        draft, h = self.draft, hidden
+        b, cap = self.keys.shape[1:3]
+        a = ids.shape[0] // b
+        slots = torch.arange(cap, device=hidden.device)
         mask = slots[None, None, None] <= positions.view(b, 1, a, 1)  # (B, 1, A, C)
-        out = F.scaled_dot_product_attention(
-            q.view(b, a, *q.shape[1:]).transpose(1, 2), self.keys.transpose(1, 2).to(q.dtype),
-            self.values.transpose(1, 2).to(q.dtype), attn_mask=mask, enable_gqa=True)
-        return draft.finish(out.transpose(1, 2).reshape(q.shape), residual, w)  # (N, H)
+        for i in range(draft.cfg.num_hidden_layers):
+            keys, values = self.keys[i], self.values[i]  # (B, C, hkv, d) views
+            w = draft.layer_weights(h.device.type, layer=i)
+            q, k, v, residual = draft.project(ids, h, positions, w, layer=i)
+            keys[rows[write], positions[write]] = k[write].to(self.dtype)
+            values[rows[write], positions[write]] = v[write].to(self.dtype)
+            out = F.scaled_dot_product_attention(
+                q.view(b, a, *q.shape[1:]).transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                values.transpose(1, 2).to(q.dtype), attn_mask=mask, enable_gqa=True)
+            h = draft.finish(out.transpose(1, 2).reshape(q.shape), residual, w, layer=i)
+        return h  # (N, H)
 
     def _pick(self, logits: torch.Tensor, sampling: Sampling):
         """(B, Vd) draft logits -> target ids (B,) and, when drafts are sampled, their
@@ -199,7 +203,7 @@ class BatchEagle3Drafter:
         aux = pad_sequence([a.to(device=dev, dtype=self.dtype) for a in new_aux],
                            batch_first=True)  # (B, A, n*Ht)
         g = self.draft.fuse(aux).flatten(0, 1)  # (B*A, H)
-        h = self._layer(ids.to(dev).flatten(), g, positions.to(dev).flatten(),
+        h = self._layers(ids.to(dev).flatten(), g, positions.to(dev).flatten(),
                         rows.repeat_interleave(width), valid.to(dev).flatten())
         h = h.view(b, width, -1)
         h = h[rows, torch.tensor(counts, device=dev) - 1]  # (B, H): each row's last
@@ -213,7 +217,7 @@ class BatchEagle3Drafter:
             if j + 1 == k:
                 break
             positions = torch.tensor(ends, device=dev) + j  # S-1+j
-            h = self._layer(torch.tensor(tokens, device=dev), self.draft.next_hidden(h),
+            h = self._layers(torch.tensor(tokens, device=dev), self.draft.next_hidden(h),
                             positions, rows, everyone)
         out = []
         for r in range(b):

@@ -75,6 +75,9 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
               f"{dcfg.norm_before_fc}, fc_norm {dcfg.fc_norm}, norm_output {dcfg.norm_output}, "
               f"rope_theta {dcfg.rope_theta:g}, rope_scaling {dcfg.rope_scaling}, "
               f"max_position_embeddings {dcfg.max_position_embeddings}"]
+    if dcfg.num_hidden_layers > 1:
+        lines.append(f"- {dcfg.num_hidden_layers} decoder layers (weights `layers.1.*` on after "
+                     f"layer 0), run as vLLM's llama_eagle3 runs them; not servable by SGLang")
     variants = [k for k in EAGLE31_KEYS if getattr(dcfg, k)]
     if variants:
         since = SERVED_SINCE[cfg.format]
