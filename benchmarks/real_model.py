@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 
+LOG_TAIL = 40  # lines of a failed step's log printed with its error
+
+
 def done_before(out: Path) -> bool:
     """The step that writes `out` ended there: its manifest is written and not marked
     incomplete (a killed step's is)."""
@@ -55,6 +58,14 @@ def run(step: str, *args: str, log: Path, out: Path) -> float:
     if done.returncode and step == "eval" and (out / "report.json").is_file():
         print("eval: lossless check failed; its report is kept (see mismatches)", flush=True)
     elif done.returncode:
+        # the step's own last lines, into this process's output: a lease brings that back,
+        # the work folder's logs are lost with the machine (session 19's control training
+        # died at step 2,150 and nothing said why)
+        tail = log.read_text(errors="replace").rsplit(f"\n$ {' '.join(cmd)}\n", 1)[-1]
+        lines = [x for x in tail.splitlines()  # progress bars' \r pieces left out
+                 if x.strip() and "it/s]" not in x and "s/it]" not in x][-LOG_TAIL:]
+        print(f"eyas {step} failed (rc {done.returncode}); the last lines of {log}:\n"
+              + "\n".join(f"  | {x}" for x in lines), flush=True)
         raise SystemExit(f"eyas {step} failed (rc {done.returncode}); see {log}")
     return took
 

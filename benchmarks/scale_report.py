@@ -53,8 +53,9 @@ def markdown(state: dict) -> str:
 
 def levers_table(state: dict) -> list[str]:
     """Per lever size: one row per variant (the curve's own point at that size first), its
-    AL per prompt set and k, and its mean over those cells against the control's (the
-    variant named `default`, else the curve's point)."""
+    training's replayed chain AL at k = 3 on the capture's eval split (`best`), its AL per
+    prompt set and k, and its mean over those cells against the control's (the variant
+    named `default`, else the curve's point)."""
     out, ks = [], state["k"].split(",")
     for key in sorted(state.get("levers", {}), key=int):
         table = {}
@@ -75,19 +76,21 @@ def levers_table(state: dict) -> list[str]:
             return sum(got) / len(got) if got else None
 
         out += ["", f"Levers at {int(key):,} conversations (one capture, same evals):", "",
-                "| variant | flags | train tok/s | train s | " + " | ".join(
+                "| variant | flags | train tok/s | train s | replayed k=3 | " + " | ".join(
                     f"{s} k={k}" for s, k in cells) + " | vs control |",
-                "|---|---|---:|---:|" + "---:|" * (len(cells) + 1)]
+                "|---|---|---:|---:|---:|" + "---:|" * (len(cells) + 1)]
         ref = mean(base)
         for name, (v, flags) in table.items():
             t, m = v["train"], mean(als[name])
             vs = f"{100 * (m / ref - 1):+.1f} %" if m is not None and ref else "-"
+            replayed = ((t.get("best") or {}).get("chain_by_k") or {}).get("3")
             out.append(f"| {name} | {flags} | {t.get('train_tokens_per_s') or '-'} | "
-                       f"{t.get('seconds', {}).get('train', '-')} | " + " | ".join(
+                       f"{t.get('seconds', {}).get('train', '-')} | "
+                       f"{'-' if replayed is None else f'{replayed:.3f}'} | " + " | ".join(
                            f"{als[name][s][k]:.3f}" if k in als[name].get(s, {}) else "-"
                            for s, k in cells) + f" | {vs} |")
         ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s, k in cells]
-        out.append("| n-gram | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
+        out.append("| n-gram | | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
                                                    for x in ngram) + " | |")
     return out
 

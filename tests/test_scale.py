@@ -621,7 +621,7 @@ def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkey
     assert (work / "levers-4/captured").is_dir()  # lr2's training failed: kept to resume
     table = out.with_suffix(".md").read_text()
     assert "Levers at 4 conversations" in table
-    assert "| epochs2 | --epochs=2 | 5 | 1.0 | 2.500 | 2.500 | 2.500 | 2.500 | +25.0 % |" \
+    assert "| epochs2 | --epochs=2 | 5 | 1.0 | - | 2.500 | 2.500 | 2.500 | 2.500 | +25.0 % |" \
         in table
 
     events.clear()
@@ -655,3 +655,19 @@ def test_levers_are_parsed_and_refused_when_malformed(tmp_path):
     import argparse
     assert scale.parse_levers(argparse.ArgumentParser(), " x=; y.2=--ttt-steps 5 ;") == \
         {"x": [], "y.2": ["--ttt-steps", "5"]}
+
+
+def test_a_failed_step_prints_its_own_last_log_lines(tmp_path, capsys):
+    """A lease brings back the runner's output, not the work folder: a step that fails
+    prints its log's last lines (its own, not an earlier step's in the same log) with the
+    error."""
+    from real_model import run
+
+    log = tmp_path / "log.txt"
+    log.write_text("$ an earlier step\nearlier step's line\n")
+    with pytest.raises(SystemExit, match="eyas train failed"):
+        run("train", "--data", tmp_path / "no-such-capture", "--out", tmp_path / "run",
+            log=log, out=tmp_path / "run")
+    printed = capsys.readouterr().out
+    assert "the last lines of" in printed and "no-such-capture" in printed
+    assert "earlier step's line" not in printed
