@@ -239,9 +239,11 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
     stage "vcapture tests rc $?" ;;
   vtests)
-    # only the vllm-marked capture tests of vcapture, on the GPU (~75 s)
+    # the vllm-marked tests of VTESTS (default: vcapture's, ~75 s) on the GPU, e.g.
+    # VTESTS="tests/test_export.py" for the exports built into vLLM's own model classes
     PYTHONPATH=$PYTHONPATH:${VSITE:-/tmp/vsite} timeout 600 python3 -m pytest -q -m vllm \
-        -p no:cacheprovider tests/test_capture_vllm.py > "$R/vllm_capture_tests.out" 2>&1
+        -p no:cacheprovider ${VTESTS:-tests/test_capture_vllm.py} \
+        > "$R/vllm_tests-$(date +%H%M%S).out" 2>&1
     stage "vtests rc $?" ;;
   scale-served)
     # issue 31: vLLM serves size SERVE_SIZE's draft on the in-distribution prompts its eval
