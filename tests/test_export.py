@@ -17,7 +17,7 @@ from eyas.config import ConfigError
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.export import ExportConfig, expected_shapes, export, validate_folder
+from eyas.export import ExportConfig, expected_shapes, export, validate_export, validate_folder
 from eyas.draft.formats import find_checkpoint, read_vllm_folder
 from eyas.draft.formats import (
     SERVED_SINCE, from_speculators_config, from_vllm_config, read_config, sglang_layer_ids,
@@ -367,6 +367,14 @@ def test_two_layer_draft_is_refused_for_sglang_with_the_fix(tmp_path):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             format="sglang"))
     assert not (tmp_path / "d").exists()
+    # an SGLang folder of two layers made otherwise (by hand, or elsewhere) fails its check
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "v"),
+                        format="vllm"))
+    sglang = json.loads((tmp_path / "v/config.json").read_text())
+    sglang["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    (tmp_path / "v/config.json").write_text(json.dumps(sglang))
+    with pytest.raises(EyasError, match="SGLang folder has 2 decoder layers"):
+        validate_export(sglang, load_file(str(tmp_path / "v/model.safetensors")), "sglang")
 
 
 def test_which_picks_best_last_or_a_step(tmp_path):

@@ -187,6 +187,10 @@ def validate_export(config: dict, tensors: dict[str, torch.Tensor], fmt: str) ->
 
 
 def _check_config_keys(config: dict, cfg: DraftConfig, fmt: str) -> None:
+    if fmt == "sglang" and cfg.num_hidden_layers > 1:  # a folder made elsewhere, or edited
+        raise EyasError(f"this SGLang folder has {cfg.num_hidden_layers} decoder layers; SGLang "
+                        f"runs the layers after the first differently from how eyas trains "
+                        f"them (as vLLM runs them): serve the draft with vLLM")
     layer = config.get("transformer_layer_config", config) if fmt == "speculators" else config
     need = {"model_type": "llama", "num_hidden_layers": cfg.num_hidden_layers,
             "tie_word_embeddings": False}

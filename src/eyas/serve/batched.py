@@ -204,7 +204,7 @@ class BatchEagle3Drafter:
                            batch_first=True)  # (B, A, n*Ht)
         g = self.draft.fuse(aux).flatten(0, 1)  # (B*A, H)
         h = self._layers(ids.to(dev).flatten(), g, positions.to(dev).flatten(),
-                        rows.repeat_interleave(width), valid.to(dev).flatten())
+                         rows.repeat_interleave(width), valid.to(dev).flatten())
         h = h.view(b, width, -1)
         h = h[rows, torch.tensor(counts, device=dev) - 1]  # (B, H): each row's last
         self.seen = list(ends)
@@ -218,7 +218,7 @@ class BatchEagle3Drafter:
                 break
             positions = torch.tensor(ends, device=dev) + j  # S-1+j
             h = self._layers(torch.tensor(tokens, device=dev), self.draft.next_hidden(h),
-                            positions, rows, everyone)
+                             positions, rows, everyone)
         out = []
         for r in range(b):
             q = torch.stack([d[r] for d in dists]) if drafts_sampled(sampling) else None

@@ -55,7 +55,7 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
               f"layers, hidden {target.get('hidden_size', dcfg.target_hidden_size)}, vocab "
               f"{target.get('vocab_size', dcfg.vocab_size)}",
               f"- aux layer ids {ids} ({LAYER_ID_CONVENTION})"]
-    if cfg.format == "vllm":
+    if cfg.format == "vllm" and dcfg.num_hidden_layers == 1:
         lines.append("- for SGLang, export again with `--format sglang`: SGLang reads these ids "
                      "one layer later")
         if dcfg.norm_before_fc:
@@ -76,8 +76,10 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
               f"rope_theta {dcfg.rope_theta:g}, rope_scaling {dcfg.rope_scaling}, "
               f"max_position_embeddings {dcfg.max_position_embeddings}"]
     if dcfg.num_hidden_layers > 1:
-        lines.append(f"- {dcfg.num_hidden_layers} decoder layers (weights `layers.1.*` on after "
-                     f"layer 0), run as vLLM's llama_eagle3 runs them; not servable by SGLang")
+        lines.append(f"- {dcfg.num_hidden_layers} decoder layers (the layers after the first "
+                     f"are `layers.1.*` to `layers.{dcfg.num_hidden_layers - 1}.*`), run as "
+                     f"vLLM's llama_eagle3 runs them (checked in vLLM 0.24.0's source; older "
+                     f"releases refuse `layers.1.*`); SGLang runs them otherwise: not for SGLang")
     variants = [k for k in EAGLE31_KEYS if getattr(dcfg, k)]
     if variants:
         since = SERVED_SINCE[cfg.format]
