@@ -396,17 +396,11 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     if size and not missing:
         print(f"size {n}: done before, skipped", flush=True)
         return
-    draft_here = (folder / "draft/eyas.json").is_file()
-    if size is None or not draft_here or size["train"]["draft_id"] != \
-            json.loads((folder / "draft/eyas.json").read_text()).get("id"):
-        if size and not draft_here:
+    if size is None or not _has_draft(folder, size["train"]["draft_id"]):
+        if size and not (folder / "draft/eyas.json").is_file():
             print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
-        marker = folder / "subset.txt"  # steps of another subset or recipe: not resumed
-        if folder.exists() and (not marker.is_file() or
-                                marker.read_text() != f"{fingerprint} {recipe}"):
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{fingerprint} {recipe}")
+        # steps of another subset or recipe: not resumed
+        _made_for(folder / "subset.txt", f"{fingerprint} {recipe}")
         freeing = not a.keep_captures and not a.online
         with _DISK:
             if freeing:  # captures beside it may wait for the disk this size frees
@@ -424,10 +418,32 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
             with _DISK:
                 _FREEING.discard(n)
         missing = list(plan)
+    measure(a, plan, missing, folder, book, size)
+
+
+def measure(a, plan: dict, names: list[str], folder: Path, book: Book, record: dict) -> None:
+    """The evals `names` of `plan` of the draft in `folder`, --eval-jobs at once, each
+    recorded in `record` as it ends."""
     with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
-        for done in [pool.submit(eval_size, a, name, *plan[name], folder, book, size)
-                     for name in missing]:
+        for done in [pool.submit(eval_size, a, name, *plan[name], folder, book, record)
+                     for name in names]:
             done.result()  # the first failure, once every eval has ended
+
+
+def _has_draft(folder: Path, draft_id: str) -> bool:
+    """folder/draft is the exported draft `draft_id`."""
+    made = folder / "draft/eyas.json"
+    return made.is_file() and json.loads(made.read_text()).get("id") == draft_id
+
+
+def _made_for(marker: Path, what: str) -> None:
+    """Keep marker's folder only when its steps were made for `what` (their resume), else
+    start it empty; then mark it as made for `what`."""
+    folder = marker.parent
+    if folder.exists() and (not marker.is_file() or marker.read_text() != what):
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(what)
 
 
 def _eval_done(a, size: dict | None, name: str) -> bool:
@@ -475,29 +491,16 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     def missing(name: str) -> list[str]:
         return [e for e in plan if not _eval_done(a, rec["variants"].get(name), e)]
 
-    def draft_here(name: str) -> bool:
-        made = folder / name / "draft/eyas.json"
-        return name in rec["variants"] and made.is_file() and \
-            json.loads(made.read_text()).get("id") == rec["variants"][name]["train"]["draft_id"]
-
     todo = [name for name in a.levers if missing(name)]
     if not todo:
         print(f"size {n} levers: done before, skipped", flush=True)
         return
-    marker = folder / "subset.txt"  # the shared steps of another subset or recipe: not resumed
-    recipe = f"{fingerprint} {a.train_args} capture={a.capture_dtype}"
-    if folder.exists() and (not marker.is_file() or marker.read_text() != recipe):
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    marker.write_text(recipe)
-    to_train = [name for name in todo if not draft_here(name)]
-    for name in to_train:  # a variant's steps made with other flags are not resumed
-        mine, flags = folder / name, folder / name / "flags.txt"
-        if mine.exists() and (not flags.is_file() or
-                              flags.read_text() != shlex.join(a.levers[name])):
-            shutil.rmtree(mine)
-        mine.mkdir(parents=True, exist_ok=True)
-        flags.write_text(shlex.join(a.levers[name]))
+    # the shared steps of another subset or recipe, a variant's of other flags: not resumed
+    _made_for(folder / "subset.txt", f"{fingerprint} {a.train_args} capture={a.capture_dtype}")
+    to_train = [name for name in todo if name not in rec["variants"] or not _has_draft(
+        folder / name, rec["variants"][name]["train"]["draft_id"])]
+    for name in to_train:
+        _made_for(folder / name / "flags.txt", shlex.join(a.levers[name]))
     prep, seconds, left = {}, {}, set(to_train)
     freeing = bool(to_train) and not a.keep_captures and not a.online
     with _DISK:
@@ -526,11 +529,7 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
                     last = not left and key in _FREEING
                 if last:  # every variant's draft is made: the disk is free for the next
                     shutil.rmtree(folder / "captured", ignore_errors=True)
-            variant = rec["variants"][name]
-            with ThreadPoolExecutor(max(a.eval_jobs, 1)) as pool:
-                for done in [pool.submit(eval_size, a, e, *plan[e], folder / name, book,
-                                         variant) for e in missing(name)]:
-                    done.result()
+            measure(a, plan, missing(name), folder / name, book, rec["variants"][name])
 
         with ThreadPoolExecutor(max(a.lever_jobs, 1)) as pool:
             futures = {name: pool.submit(one, name) for name in todo}

@@ -36,9 +36,7 @@ def markdown(state: dict) -> str:
                  else "-" for s in sets for k in ks]
         lines.append(f"| {r['conversations']:,} | {t['tokens']:,} | {t['train_tokens']:,} | "
                      f"{t['gpu_minutes']} | " + " | ".join(cells) + " |")
-    ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s in sets for k in ks]
-    lines.append("| n-gram | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
-                                                   for x in ngram) + " |")
+    lines.append("| n-gram | | | | " + _ngram(state, [(s, k) for s in sets for k in ks]) + " |")
     served = [(int(n), e, k, f) for n, size in state["sizes"].items()
               for e, rec in size["evals"].items() for k, f in rec.get("fidelity", {}).items()]
     if served:  # trained == served: the measured AL and its replay on training's forward
@@ -89,10 +87,14 @@ def levers_table(state: dict) -> list[str]:
                        f"{'-' if replayed is None else f'{replayed:.3f}'} | " + " | ".join(
                            f"{als[name][s][k]:.3f}" if k in als[name].get(s, {}) else "-"
                            for s, k in cells) + f" | {vs} |")
-        ngram = [state["ngram"].get(s, {}).get("al", {}).get(k) for s, k in cells]
-        out.append("| n-gram | | | | | " + " | ".join("-" if x is None else f"{x:.3f}"
-                                                   for x in ngram) + " | |")
+        out.append("| n-gram | | | | | " + _ngram(state, cells) + " | |")
     return out
+
+
+def _ngram(state: dict, cells: list[tuple[str, str]]) -> str:
+    """n-gram's AL at each (prompt set, k) cell, as table cells ('-' where not measured)."""
+    als = [state["ngram"].get(s, {}).get("al", {}).get(k) for s, k in cells]
+    return " | ".join("-" if x is None else f"{x:.3f}" for x in als)
 
 
 def _ci(value, interval) -> str:

@@ -726,16 +726,25 @@ def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_b
     """vLLM's Eagle3LlamaForCausalLM built from the exported folder: its combine_hidden_states
     (fc after input_norm / fc_norm), layer, compute_logits and the hidden state it hands the
     next step (post-norm with norm_output) equal eyas's draft."""
+    trained, vllm_draft, logits = _vllm_against_eyas(tmp_path, llama_dir, vllm_cpu_draft_builder,
+                                                     fmt, VARIANTS[variant])
+    assert vllm_draft.has_own_embed_tokens is False  # shares the target's embedding
+    assert bool(torch.isinf(logits[:, ~trained.t2d]).all())  # -inf outside the draft vocab
+
+
+def _vllm_against_eyas(tmp_path, llama_dir, builder, fmt: str, variant: dict):
+    """Export a draft of `variant` in `fmt`, build vLLM's Eagle3LlamaForCausalLM from the
+    folder, and check its logits over the draft vocab and the hidden state it hands the next
+    step against eyas's draft on the same inputs; (eyas's draft, vLLM's, vLLM's logits)."""
     from transformers import AutoConfig
 
     target = AutoConfig.from_pretrained(llama_dir)
     cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7),
-                                  **VARIANTS[variant])
+                                  **variant)
     trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                               dtype="fp32", format=fmt, target=str(llama_dir)))
-    vllm_draft = vllm_cpu_draft_builder(llama_dir, out)
-    assert vllm_draft.has_own_embed_tokens is False  # shares the target's embedding
+    vllm_draft = builder(llama_dir, out)
     torch.manual_seed(1)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
     ids, pos = torch.randint(0, cfg.vocab_size, (12,)), torch.arange(12) + 3
@@ -745,11 +754,11 @@ def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_b
         ours = trained(ids[None], aux[None], pos[None])
         hidden, next_hidden = vllm_draft.model(ids, pos, vllm_draft.combine_hidden_states(aux),
                                                embed[ids])
-        logits = vllm_draft.compute_logits(hidden)  # (12, V): -inf outside the draft vocab
+        logits = vllm_draft.compute_logits(hidden)  # (12, V)
     chosen = torch.arange(cfg.draft_vocab_size) + trained.d2t
     assert torch.allclose(logits[:, chosen], ours.logits[0], atol=1e-5, rtol=1e-5)
-    assert bool(torch.isinf(logits[:, ~trained.t2d]).all())
     assert torch.allclose(next_hidden, ours.hidden[0], atol=1e-5, rtol=1e-5)
+    return trained, vllm_draft, logits
 
 
 @pytest.mark.vllm
@@ -759,30 +768,9 @@ def test_vllm_runs_a_two_layer_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu
     """vLLM's Eagle3LlamaForCausalLM built from a 2-layer export: num_hidden_layers read from
     the config it reads it from, every layer loaded, and its logits and next hidden state
     equal eyas's draft."""
-    from transformers import AutoConfig
-
-    target = AutoConfig.from_pretrained(llama_dir)
-    cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7),
-                                  **TWO_LAYERS)
-    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
-    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
-                              dtype="fp32", format=fmt, target=str(llama_dir)))
-    vllm_draft = vllm_cpu_draft_builder(llama_dir, out)
+    _, vllm_draft, _ = _vllm_against_eyas(tmp_path, llama_dir, vllm_cpu_draft_builder, fmt,
+                                          TWO_LAYERS)
     assert len(vllm_draft.model.layers) == 2
-    torch.manual_seed(1)
-    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
-    ids, pos = torch.randint(0, cfg.vocab_size, (12,)), torch.arange(12) + 3
-    aux = torch.randn(12, 3 * cfg.target_hidden_size)
-    trained.set_embed_tokens(embed)
-    with torch.no_grad():
-        ours = trained(ids[None], aux[None], pos[None])
-        hidden, next_hidden = vllm_draft.model(ids, pos, vllm_draft.combine_hidden_states(aux),
-                                               embed[ids])
-        logits = vllm_draft.compute_logits(hidden)
-    chosen = torch.arange(cfg.draft_vocab_size) + trained.d2t
-    assert torch.allclose(logits[:, chosen], ours.logits[0], atol=1e-5, rtol=1e-5)
-    assert torch.allclose(next_hidden, ours.hidden[0], atol=1e-5, rtol=1e-5)
-
 
 @pytest.mark.gpu
 @pytest.mark.vllm

@@ -140,12 +140,14 @@ def test_swiglu_down_in_fp8_close_to_fp32():
     assert cosine(gate_up.grad, g_ref.grad) > 0.99 and cosine(w_down.grad, w_ref.grad) > 0.99
 
 
-@pytest.mark.parametrize("frozen", [True, False])
-def test_ttt_in_fp8_tracks_full_precision(frozen):
+@pytest.mark.parametrize("frozen,layers", [(True, 1), (False, 1), (True, 2)])
+def test_ttt_in_fp8_tracks_full_precision(frozen, layers):
     """A whole TTT-5 forward and backward with every draft matmul in fp8: the loss within 2%
-    of fp32, each parameter's gradient pointing the same way (cosine > 0.97)."""
+    of fp32, each parameter's gradient pointing the same way (cosine > 0.97); for a 2-layer
+    draft too (layer 1's q/k/v read the hidden state alone, from one fp8 matrix, where layer
+    0's are split into embedding and hidden columns)."""
     cfg = tiny_cfg(hidden_size=64, target_hidden_size=64, head_dim=16, intermediate_size=128,
-                   vocab_size=80, draft_vocab_size=48)
+                   vocab_size=80, draft_vocab_size=48, num_hidden_layers=layers)
     draft = make_draft(cfg)
     lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.3
     draft.init_lm_head_from_target(lm_head, freeze=frozen)
@@ -159,26 +161,7 @@ def test_ttt_in_fp8_tracks_full_precision(frozen):
     assert out.step_count.tolist() == ref.step_count.tolist()
     assert set(got_grads) == set(ref_grads)
     assert ("lm_head.weight" in got_grads) == (not frozen)
-    for name, g in ref_grads.items():
-        assert cosine(got_grads[name], g) > 0.97, name
-
-
-def test_two_layer_ttt_in_fp8_tracks_full_precision():
-    """The same for a 2-layer draft: layer 1's q/k/v read the hidden state alone, from one
-    fp8 matrix (layer 0's are split into embedding and hidden columns)."""
-    cfg = tiny_cfg(hidden_size=64, target_hidden_size=64, head_dim=16, intermediate_size=128,
-                   vocab_size=80, draft_vocab_size=48, num_hidden_layers=2)
-    draft = make_draft(cfg)
-    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size) * 0.3
-    draft.init_lm_head_from_target(lm_head, freeze=True)
-    batch = packed_batch(cfg, [[20, 9, 30], [59]], 64, seed=3)
-    ref = ttt_forward(draft, batch, lm_head, steps=5)
-    ref_grads = grads(draft, ref.loss)
-    out = ttt_forward(draft, batch, lm_head, steps=5, fp8=True)
-    got_grads = grads(draft, out.loss)
-    assert out.loss.item() != ref.loss.item()
-    assert abs(out.loss.item() / ref.loss.item() - 1) < 0.02
-    assert set(got_grads) == set(ref_grads) and "layers.1.self_attn.q_proj.weight" in got_grads
+    assert ("layers.1.self_attn.q_proj.weight" in got_grads) == (layers == 2)
     for name, g in ref_grads.items():
         assert cosine(got_grads[name], g) > 0.97, name
 
