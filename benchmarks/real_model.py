@@ -30,6 +30,12 @@ from pathlib import Path
 
 
 LOG_TAIL = 40  # lines of a failed step's log printed with its error
+# A training that dies on one of these is run once more, and eyas train resumes from its last
+# checkpoint: on the H200 three trainings sharing the GPU with others have died so, at steps
+# ~320, ~2,150 and ~3,450, inside torch's own flex-attention mask code ("unspecified launch
+# failure"; sessions 13, 19 and 20), and the session-20 one, run again, resumed from step 3,000
+# and finished. A CUDA fault poisons the process, so only a new process can go on.
+RETRY_ON = ("CUDA error: unspecified launch failure", "CUDA error: an illegal memory access")
 
 
 def done_before(out: Path) -> bool:
@@ -49,15 +55,15 @@ def run(step: str, *args: str, log: Path, out: Path) -> float:
         return 0.0
     cmd = [sys.executable, "-m", "eyas", step, *map(str, args)]
     start = time.perf_counter()
-    with log.open("a") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n")
-        f.flush()
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-    took = time.perf_counter() - start
-    print(f"{step}: {took:.1f} s (rc {done.returncode})", flush=True)
-    if done.returncode and step == "eval" and (out / "report.json").is_file():
-        print("eval: lossless check failed; its report is kept (see mismatches)", flush=True)
-    elif done.returncode:
+    for attempt in (1, 2):
+        with log.open("a") as f:
+            f.write(f"\n$ {' '.join(cmd)}\n")
+            f.flush()
+            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        took = time.perf_counter() - start
+        print(f"{step}: {took:.1f} s (rc {done.returncode})", flush=True)
+        if not done.returncode or step == "eval" and (out / "report.json").is_file():
+            break
         # the step's own last lines, into this process's output: a lease brings that back,
         # the work folder's logs are lost with the machine (session 19's control training
         # died at step 2,150 and nothing said why)
@@ -66,7 +72,13 @@ def run(step: str, *args: str, log: Path, out: Path) -> float:
                  if x.strip() and "it/s]" not in x and "s/it]" not in x][-LOG_TAIL:]
         print(f"eyas {step} failed (rc {done.returncode}); the last lines of {log}:\n"
               + "\n".join(f"  | {x}" for x in lines), flush=True)
+        if attempt == 1 and step == "train" and any(e in tail for e in RETRY_ON):
+            print("eyas train died on a CUDA fault: run again, from its last checkpoint",
+                  flush=True)
+            continue
         raise SystemExit(f"eyas {step} failed (rc {done.returncode}); see {log}")
+    if done.returncode:
+        print("eval: lossless check failed; its report is kept (see mismatches)", flush=True)
     return took
 
 

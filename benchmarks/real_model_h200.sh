@@ -187,7 +187,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --out "$R/${SCALE_NAME:-scale-smollm2}.json" --regenerate ${SCALE_REGEN:-0} \
         ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} ${SCALE_ARGS:-} \
         ${SCALE_LEVERS:+--levers "$SCALE_LEVERS"} \
-        > "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1
+        >> "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1  # a second call appends
     stage "scale rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json \
         $W/corpus/rejects-p*.jsonl "$R/" 2>/dev/null ;;

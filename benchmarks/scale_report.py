@@ -69,18 +69,22 @@ def levers_table(state: dict) -> list[str]:
         cells = [(s, k) for s in sets for k in ks]
         base = als.get("default") or als.get("curve point (earlier run)") or {}
 
-        def mean(a: dict):
-            got = [a[s][k] for s, k in cells if k in a.get(s, {}) and k in base.get(s, {})]
-            return sum(got) / len(got) if got else None
+        def change(a: dict) -> str:
+            """The mean AL of `a` over the cells both it and the control have, against the
+            control's mean over the same cells (a variant measured on fewer sets is compared
+            on those only)."""
+            both = [(s, k) for s, k in cells if k in a.get(s, {}) and k in base.get(s, {})]
+            if not both:
+                return "-"
+            ours, theirs = (sum(x[s][k] for s, k in both) for x in (a, base))
+            return f"{100 * (ours / theirs - 1):+.1f} %"
 
         out += ["", f"Levers at {int(key):,} conversations (one capture, same evals):", "",
                 "| variant | flags | train tok/s | train s | replayed k=3 | " + " | ".join(
                     f"{s} k={k}" for s, k in cells) + " | vs control |",
                 "|---|---|---:|---:|---:|" + "---:|" * (len(cells) + 1)]
-        ref = mean(base)
         for name, (v, flags) in table.items():
-            t, m = v["train"], mean(als[name])
-            vs = f"{100 * (m / ref - 1):+.1f} %" if m is not None and ref else "-"
+            t, vs = v["train"], change(als[name])
             replayed = ((t.get("best") or {}).get("chain_by_k") or {}).get("3")
             out.append(f"| {name} | {flags} | {t.get('train_tokens_per_s') or '-'} | "
                        f"{t.get('seconds', {}).get('train', '-')} | "

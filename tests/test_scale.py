@@ -671,3 +671,61 @@ def test_a_failed_step_prints_its_own_last_log_lines(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "the last lines of" in printed and "no-such-capture" in printed
     assert "earlier step's line" not in printed
+
+
+def test_a_training_that_dies_on_a_cuda_fault_runs_once_more(tmp_path, monkeypatch, capsys):
+    """A CUDA fault (three H200 trainings died so, inside torch's flex-attention mask code)
+    poisons the process: eyas train is run once more, where it resumes from its last
+    checkpoint. Other failures are not retried, nor is a second fault. The first process's
+    fault is stood in for (a CPU has no CUDA to fault); the second is the real eyas train."""
+    import subprocess
+    import real_model
+
+    real, calls, faults = subprocess.run, [], [1]
+
+    def faulting_first(cmd, stdout, **kw):
+        calls.append(cmd)
+        if faults and faults.pop():
+            stdout.write("torch.AcceleratorError: CUDA error: unspecified launch failure\n")
+            return subprocess.CompletedProcess(cmd, 1)
+        return real(cmd, stdout=stdout, **kw)
+
+    monkeypatch.setattr(real_model.subprocess, "run", faulting_first)
+    log, args = tmp_path / "log.txt", ("--data", tmp_path / "no-such-capture")
+    with pytest.raises(SystemExit, match="eyas train failed"):
+        real_model.run("train", *args, "--out", tmp_path / "run", log=log, out=tmp_path / "run")
+    printed = capsys.readouterr().out
+    assert len(calls) == 2 and "run again, from its last checkpoint" in printed
+    assert "no-such-capture" in printed.split("run again")[1]  # the real second run's error
+
+    calls.clear()  # not a CUDA fault: one run
+    with pytest.raises(SystemExit, match="eyas train failed"):
+        real_model.run("train", *args, "--out", tmp_path / "run2", log=log, out=tmp_path / "run2")
+    assert len(calls) == 1
+    calls.clear()  # a fault in another step: one run
+    with pytest.raises(SystemExit, match="eyas capture failed"):
+        real_model.run("capture", *args, log=log, out=tmp_path / "cap")
+    assert len(calls) == 1
+    calls.clear()  # a second fault in a row: not a third run
+    faults[:] = [1, 1]
+    with pytest.raises(SystemExit, match="eyas train failed"):
+        real_model.run("train", *args, "--out", tmp_path / "run3", log=log, out=tmp_path / "run3")
+    assert len(calls) == 2 and not faults
+
+
+def test_levers_table_compares_each_variant_on_the_cells_it_has():
+    """A variant measured on fewer prompt sets than the control is compared with the
+    control's values on those sets only (session 20's table first said +12.2 % for a draft
+    below the control on both of its cells: its in-distribution mean against the control's
+    mean over every set). The committed JSON of the 12 K levers is the input."""
+    from scale_report import markdown
+
+    root = Path(__file__).parent.parent
+    state = json.loads((root / "benchmarks/results/scale-smollm2.json").read_text())
+    rows = {r.split(" | ")[0].strip("| "): r.split(" | ")[-1].strip(" |")
+            for r in markdown(state).splitlines() if r.startswith("| ")}
+    ctl = state["levers"]["12000"]["variants"]["default"]["evals"]["indist"]["sets"]["indist"]
+    bt = state["levers"]["12000"]["variants"]["bt16k"]["evals"]["indist"]["sets"]["indist"]
+    want = sum(bt["eagle3"].values()) / sum(ctl["eagle3"].values()) - 1
+    assert want < 0 and rows["bt16k"] == f"{100 * want:+.1f} %" == "-2.5 %"
+    assert rows["default"] == "+0.0 %" and rows["lr2e-3"] == "-"
