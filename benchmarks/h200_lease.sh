@@ -26,6 +26,12 @@
 #              made by h200_carry.sh qwen):
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
+#   keep SRC NAME  pack the folder SRC (a size's, its job stopped) once with benchmarks/keep.py,
+#              then send its next 7 parts of 15 MB to $OUT per call (docs/benchmarks.md, "A size
+#              over two leases")
+#   kpart DIR  carry DIR (.carry/kN, made here by `keep.py carry`): once every part is there,
+#              joined, checked and unpacked into ${KEEP_INTO:-$W/scale}
+#   stop NAME  stop the job started as NAME (its process group)
 #   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz,
 #              with their manifests and rejects-p*.jsonl): copied into $W/corpus, where stage
 #              scale reads them
@@ -42,7 +48,7 @@ set -u
 W=${W:-/tmp/w}
 R=$W/results
 mkdir -p "$R"
-step=${1:?"name a step: a, b, c, e, vpart, gpart, corpus, start, monitor, poll"}
+step=${1:?"name a step: a, b, c, e, vpart, gpart, keep, kpart, stop, corpus, start, monitor, poll"}
 shift
 collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
   # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
@@ -104,6 +110,33 @@ gpart)
   cat $(awk '{print $2}' SHA256SUMS) > $W/$name && rm -f $(awk '{print $2}' SHA256SUMS)
   (cd $W && sha256sum -c /tmp/gparts/$whole) || exit 1
   echo "joined $W/$name" ;;
+keep)
+  # keep SRC NAME: the folder SRC (a size of the curve, its job stopped first) packed once by
+  # benchmarks/keep.py into /tmp/keep, then each call sends the next 7 parts of 15 MB to $OUT
+  # (`python benchmarks/keep.py carry NAME .carry DIRS...` here makes kN folders of them)
+  src=${1:?"keep SRC NAME"}; name=${2:?"keep SRC NAME"}
+  store=${KEEP_STORE:-/tmp/keep}
+  [ -f $store/$name.json ] || python3 benchmarks/keep.py pack "$src" "$name" $store \
+      --part-bytes ${KEEP_PART_BYTES:-15000000} || exit 1
+  python3 benchmarks/keep.py send $store "$name" "$OUT" --max-files ${KEEP_MAX_FILES:-7} ;;
+kpart)
+  # kpart DIR: one part of a kept folder (.carry/kN from keep.py carry); the last one joins,
+  # checks and unpacks it into ${KEEP_INTO:-$W/scale}, where scale.py resumes it
+  collect "${1:?kpart DIR}" ${KPARTS:-/tmp/kparts} || exit 0
+  whole=$(ls *.sha256 | head -1)
+  name=${whole%.sha256}
+  cat $(awk '{print $2}' SHA256SUMS) > "$name" && rm -f $(awk '{print $2}' SHA256SUMS)
+  sha256sum -c "$whole" || exit 1
+  cd - > /dev/null && python3 benchmarks/keep.py unpack "${KPARTS:-/tmp/kparts}/$name" \
+      "${KEEP_INTO:-$W/scale}" || exit 1
+  rm -f "${KPARTS:-/tmp/kparts}/$name" ;;
+stop)
+  # stop NAME: the job started as NAME, its whole process group (SIGTERM, then SIGKILL)
+  pid=$(cat "$W/${1:?stop NAME}.pid") || exit 1
+  kill -TERM -- -"$pid" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$pid" 2>/dev/null
+  echo "$1 stopped" ;;
 corpus)
   mkdir -p $W/corpus && cp "${1:?corpus DIR}"/conversations-p*.jsonl.gz $W/corpus/ || exit 1
   cp "$1"/conversations-p*-eyas.json "$1"/rejects-p*.jsonl $W/corpus/ 2>/dev/null

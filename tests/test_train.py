@@ -383,6 +383,59 @@ def test_resume_after_sigkill_continues_exactly(run_inputs, tmp_path):
     _resume_after_sigkill(run_inputs, tmp_path, kw)
 
 
+TERMINATOR = """
+import json, os, signal, sys
+import torch
+from eyas.train import TrainConfig, train
+
+calls, clip = [0], torch.nn.utils.clip_grad_norm_
+
+
+def clip_then_signal(*args, **kwargs):  # during step 3, as a scheduler's preemption would
+    calls[0] += 1
+    if calls[0] == 3:
+        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+    return clip(*args, **kwargs)
+
+
+torch.nn.utils.clip_grad_norm_ = clip_then_signal
+train(TrainConfig(**json.loads(sys.argv[1])))
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs, tmp_path,
+                                                                     signame):
+    """SIGTERM (a preempted job, a lease's end) or Ctrl-C mid-step: that step is finished and
+    saved (no save was due before step 100), the process exits 128 + the signal, and the same
+    command resumes to the weights of a run never stopped."""
+    kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums depend on the thread count: one, like the child
+    try:
+        train(_cfg(run_inputs, tmp_path / "whole", **kw))
+        stopped = tmp_path / "stopped"
+        script = tmp_path / "terminator.py"
+        script.write_text(TERMINATOR)
+        proc = subprocess.run([sys.executable, str(script),
+                               json.dumps(to_dict(_cfg(run_inputs, stopped, **kw))), signame],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 128 + getattr(signal, signame), proc.stderr[-3000:]
+        assert f"stopped by {signame} after step 3 of 6" in proc.stderr
+        assert checkpoint.read_pointer(stopped, "last").name == "step-00000003"
+        assert not json.loads((stopped / "eyas.json").read_text())["complete"]
+        train(_cfg(run_inputs, stopped, **kw))  # the same command: resumed
+    finally:
+        torch.set_num_threads(threads)
+    a, b = _weights(tmp_path / "whole", 6), _weights(stopped, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
+    assert [r["step"] for r in _records(stopped, "train")] == list(range(1, 7))
+    # the handlers are the caller's again once train() returns
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def _resume_after_sigkill(run_inputs, tmp_path, kw):
     # float sums depend on the thread count: all three runs use one thread, like the child
     threads = torch.get_num_threads()

@@ -37,8 +37,8 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.dflash.objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import check_out, write_manifest
-from eyas.draft.train_setup import (Env, Schedules, TTTModule, all_sum, autocast,
-                                    build_draft, build_optimizers, check_gradients,
+from eyas.draft.train_setup import (Env, Schedules, StopOnSignal, TTTModule, all_sum,
+                                    autocast, build_draft, build_optimizers, check_gradients,
                                     compute_dtype, finish_env, grad_sync, init_env, peak_gib,
                                     plan_data, resume, save_step, started_config,
                                     warmup_cosine, wrap)
@@ -553,75 +553,83 @@ def train(cfg: TrainConfig) -> dict:
     window = torch.zeros(3 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
     model.train()
-    # ---- the loop: one optimizer step per iteration
-    for step in range(start + 1, total + 1):
-        # 1. This rank's micro-batches; N_j = positions with a step-j loss in the whole step.
-        micro = [next(batches) for _ in range(cfg.grad_accum)]
-        # plans made from the host batch need no GPU sync per forward (ttt_plan; online, the
-        # batch is on the GPU already and its plan syncs as before); not under --compile,
-        # whose graphs would be specialised on each plan's row counts
-        plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
-                                                    device=env.device, static=cfg.cuda_graph,
-                                                    **positions)
-                 for mb in micro]
-        micro = [_on(mb, env) for mb in micro]
-        counted = [ttt_positions(b, draft.t2d, steps, **positions) if p is None else p.valid
-                   for b, p in zip(micro, plans)]
-        denom = all_sum(sum(c.sum(1) for c in counted).float())
-        # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
-        #    DDP/FSDP average gradients over ranks, hence the world_size factor.
-        scale = weights / denom.clamp(min=1) * env.world_size
-        for a, batch in enumerate(micro):
-            if graphed is not None:  # forward + backward of the same loss, replayed
-                with autocast(env):
-                    out = graphed(batch, plans[a], scale)
-            else:
-                with grad_sync(model, a == len(micro) - 1):
+    stop = StopOnSignal()  # SIGTERM / SIGINT: save this step, then exit
+    try:
+        # ---- the loop: one optimizer step per iteration
+        for step in range(start + 1, total + 1):
+            # 1. This rank's micro-batches; N_j = positions with a step-j loss in the whole step.
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            # plans made from the host batch need no GPU sync per forward (ttt_plan; online, the
+            # batch is on the GPU already and its plan syncs as before); not under --compile,
+            # whose graphs would be specialised on each plan's row counts
+            plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
+                                                        device=env.device, static=cfg.cuda_graph,
+                                                        **positions)
+                     for mb in micro]
+            micro = [_on(mb, env) for mb in micro]
+            counted = [ttt_positions(b, draft.t2d, steps, **positions) if p is None else p.valid
+                       for b, p in zip(micro, plans)]
+            denom = all_sum(sum(c.sum(1) for c in counted).float())
+            # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
+            #    DDP/FSDP average gradients over ranks, hence the world_size factor.
+            scale = weights / denom.clamp(min=1) * env.world_size
+            for a, batch in enumerate(micro):
+                if graphed is not None:  # forward + backward of the same loss, replayed
                     with autocast(env):
-                        out = model(batch, plans[a])
-                    (scale * out.step_loss_sum).sum().backward()
-            window[:-1] += _batch_stats(out, steps)
-            window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
-        if step == start + 1:
-            check_gradients(model, cfg, graphed)
-        # 3. Clip the global gradient norm, step the optimizer(s) and the schedule.
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-        for opt in optimizer:
-            opt.step()
-            opt.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
-        scheduler.step()
-        # 4. Log (window sums over all ranks).
-        if step % cfg.log_every == 0 or step == total:
-            stats, now = all_sum(window).tolist(), time.perf_counter()
-            last_train = {"kind": "train", "step": step,
-                          "epoch": plan.epoch_of[(step - 1) * plan.per_step],
-                          **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
-                          "lr": scheduler.get_last_lr()[0], "grad_norm": _item(norm),
-                          "tokens": int(stats[-1]), "tokens_per_s": stats[-1] / (now - t_window),
-                          "elapsed_s": round(now - t_start, 2)}
-            if env.device.type == "cuda":
-                last_train["peak_gpu_gib"] = peak_gib(env)
-            window.zero_()
-            t_window = now
-            if metrics:
-                metrics.write(last_train)
-                log.info(_progress(last_train, total, now - t_start, start))
-        # 5. Evaluate; the best checkpoint has the highest acceptance length of chain
-        #    decoding replayed on the eval set with k = ttt_steps (counted as vLLM counts
-        #    it; the per-step product overstates it: docs/train.md).
-        new_best = False
-        if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
-            last_eval = run_eval(step)
-            chain = last_eval["chain"]["acceptance_length"]
-            al = chain[str(steps)] or 1.0
-            new_best = best["step"] is None or al > best.get("chain_acceptance_length", 0.0)
-            if new_best:
-                best = {"step": step, "chain_acceptance_length": al, "chain_by_k": chain,
-                        "sim_acceptance_length": last_eval["sim_acceptance_length"]}
-        # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
-        if step % cfg.save_every == 0 or step == total or new_best:
-            save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
-                      best=best, record=record, last_train=last_train, last_eval=last_eval)
+                        out = graphed(batch, plans[a], scale)
+                else:
+                    with grad_sync(model, a == len(micro) - 1):
+                        with autocast(env):
+                            out = model(batch, plans[a])
+                        (scale * out.step_loss_sum).sum().backward()
+                window[:-1] += _batch_stats(out, steps)
+                window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
+            if step == start + 1:
+                check_gradients(model, cfg, graphed)
+            # 3. Clip the global gradient norm, step the optimizer(s) and the schedule.
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+            for opt in optimizer:
+                opt.step()
+                opt.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
+            scheduler.step()
+            # 4. Log (window sums over all ranks).
+            if step % cfg.log_every == 0 or step == total:
+                stats, now = all_sum(window).tolist(), time.perf_counter()
+                last_train = {"kind": "train", "step": step,
+                              "epoch": plan.epoch_of[(step - 1) * plan.per_step],
+                              **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
+                              "lr": scheduler.get_last_lr()[0], "grad_norm": _item(norm),
+                              "tokens": int(stats[-1]),
+                              "tokens_per_s": stats[-1] / (now - t_window),
+                              "elapsed_s": round(now - t_start, 2)}
+                if env.device.type == "cuda":
+                    last_train["peak_gpu_gib"] = peak_gib(env)
+                window.zero_()
+                t_window = now
+                if metrics:
+                    metrics.write(last_train)
+                    log.info(_progress(last_train, total, now - t_start, start))
+            # 5. Evaluate; the best checkpoint has the highest acceptance length of chain
+            #    decoding replayed on the eval set with k = ttt_steps (counted as vLLM counts
+            #    it; the per-step product overstates it: docs/train.md).
+            new_best = False
+            if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
+                last_eval = run_eval(step)
+                chain = last_eval["chain"]["acceptance_length"]
+                al = chain[str(steps)] or 1.0
+                new_best = best["step"] is None or al > best.get("chain_acceptance_length", 0.0)
+                if new_best:
+                    best = {"step": step, "chain_acceptance_length": al, "chain_by_k": chain,
+                            "sim_acceptance_length": last_eval["sim_acceptance_length"]}
+            # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
+            stopping = stop.agreed(env, step % cfg.log_every == 0 or step == total)
+            if step % cfg.save_every == 0 or step == total or new_best or stopping:
+                save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
+                          best=best, record=record, last_train=last_train, last_eval=last_eval)
+            if stopping and step < total:
+                stop.exit(env, step, total, run_dir)
+    finally:
+        stop.restore()
     # ---- finish: curves, manifest, summary
     if metrics:
         metrics.close()

@@ -27,7 +27,7 @@ from eyas.draft import data
 from eyas.dflash.config import DFlashConfig
 from eyas.dflash.model import DFlashDraft
 from eyas.dflash.objective import dflash_forward, sample_blocks
-from eyas.draft.train_setup import (Schedules, all_sum, autocast, build_optimizers,
+from eyas.draft.train_setup import (Schedules, StopOnSignal, all_sum, autocast, build_optimizers,
                                     check_gradients, compute_dtype, finish_env, grad_sync,
                                     init_env, peak_gib, plan_data, resume, save_step,
                                     warmup_cosine, wrap)
@@ -210,64 +210,72 @@ def train_dflash(cfg: TrainConfig) -> dict:
     window = torch.zeros(3 + 3 * b, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
     model.train()
-    # ---- the loop: one optimizer step per iteration
-    for step in range(start + 1, total + 1):
-        # 1. This rank's micro-batches and their blocks; the step's weight over all ranks.
-        micro = [next(batches) for _ in range(cfg.grad_accum)]
-        first = (step - 1) * plan.per_step + env.rank
-        blocks = [_blocks(cfg, dcfg, mb, block_seed(cfg, first + a * env.world_size, True),
-                          env.device) for a, mb in enumerate(micro)]
-        denom = all_sum(sum(bl.weight.sum() for bl in blocks).double()).clamp(min=1e-6)
-        # 2. Forward -> loss -> backward (DDP/FSDP average over ranks: the world_size factor).
-        for a, (mb, bl) in enumerate(zip(micro, blocks)):
-            with grad_sync(model, a == len(micro) - 1):
-                with autocast(env):
-                    out = model(_on(mb, env), bl)
-                (out.loss_sum * (env.world_size / denom).float()).backward()
-            window[:-1] += _stats(out)
-            window[-1] += (mb["doc_ids"] >= 0).sum().item()
-        if step == start + 1:
-            check_gradients(model, cfg)
-        # 3. Clip, step the optimizer(s) and the schedule.
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
-        for opt in optimizer:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        scheduler.step()
-        # 4. Log (window sums over all ranks).
-        if step % cfg.log_every == 0 or step == total:
-            stats, now = all_sum(window).tolist(), time.perf_counter()
-            last_train = {"kind": "train", "step": step,
-                          "epoch": plan.epoch_of[(step - 1) * plan.per_step],
-                          **_summary(stats[:-1], b), "lr": scheduler.get_last_lr()[0],
-                          "grad_norm": float(norm), "tokens": int(stats[-1]),
-                          "tokens_per_s": stats[-1] / (now - t_window),
-                          "elapsed_s": round(now - t_start, 2)}
-            if env.device.type == "cuda":
-                last_train["peak_gpu_gib"] = peak_gib(env)
-            window.zero_()
-            t_window = now
-            if metrics:
-                metrics.write(last_train)
-                log.info("step %d/%d | loss %.4f | acc %s | AL %.2f (k=%d) | %.0f tok/s | lr %.2e",
-                         step, total, last_train["loss"],
-                         "/".join(f"{x:.2f}" for x in last_train["acc"][:4]),
-                         last_train["acceptance_length"][str(b - 1)], b - 1,
-                         last_train["tokens_per_s"], last_train["lr"])
-        # 5. Evaluate; the best checkpoint has the highest acceptance length at k = B - 1.
-        new_best = False
-        if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
-            last_eval = run_eval(step)
-            al = last_eval["acceptance_length"][str(b - 1)]
-            new_best = best["step"] is None or al > best["acceptance_length"]
-            if new_best:
-                best = {"step": step, "acceptance_length": al,
-                        "by_k": last_eval["acceptance_length"]}
-        # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
-        if step % cfg.save_every == 0 or step == total or new_best:
-            save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
-                      best=best, record=config_record, last_train=last_train,
-                      last_eval=last_eval)
+    stop = StopOnSignal()  # SIGTERM / SIGINT: save this step, then exit
+    try:
+        # ---- the loop: one optimizer step per iteration
+        for step in range(start + 1, total + 1):
+            # 1. This rank's micro-batches and their blocks; the step's weight over all ranks.
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            first = (step - 1) * plan.per_step + env.rank
+            blocks = [_blocks(cfg, dcfg, mb, block_seed(cfg, first + a * env.world_size, True),
+                              env.device) for a, mb in enumerate(micro)]
+            denom = all_sum(sum(bl.weight.sum() for bl in blocks).double()).clamp(min=1e-6)
+            # 2. Forward -> loss -> backward (DDP/FSDP average over ranks: the world_size factor).
+            for a, (mb, bl) in enumerate(zip(micro, blocks)):
+                with grad_sync(model, a == len(micro) - 1):
+                    with autocast(env):
+                        out = model(_on(mb, env), bl)
+                    (out.loss_sum * (env.world_size / denom).float()).backward()
+                window[:-1] += _stats(out)
+                window[-1] += (mb["doc_ids"] >= 0).sum().item()
+            if step == start + 1:
+                check_gradients(model, cfg)
+            # 3. Clip, step the optimizer(s) and the schedule.
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+            for opt in optimizer:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            scheduler.step()
+            # 4. Log (window sums over all ranks).
+            if step % cfg.log_every == 0 or step == total:
+                stats, now = all_sum(window).tolist(), time.perf_counter()
+                last_train = {"kind": "train", "step": step,
+                              "epoch": plan.epoch_of[(step - 1) * plan.per_step],
+                              **_summary(stats[:-1], b), "lr": scheduler.get_last_lr()[0],
+                              "grad_norm": float(norm), "tokens": int(stats[-1]),
+                              "tokens_per_s": stats[-1] / (now - t_window),
+                              "elapsed_s": round(now - t_start, 2)}
+                if env.device.type == "cuda":
+                    last_train["peak_gpu_gib"] = peak_gib(env)
+                window.zero_()
+                t_window = now
+                if metrics:
+                    metrics.write(last_train)
+                    log.info("step %d/%d | loss %.4f | acc %s | AL %.2f (k=%d) | %.0f tok/s | "
+                             "lr %.2e",
+                             step, total, last_train["loss"],
+                             "/".join(f"{x:.2f}" for x in last_train["acc"][:4]),
+                             last_train["acceptance_length"][str(b - 1)], b - 1,
+                             last_train["tokens_per_s"], last_train["lr"])
+            # 5. Evaluate; the best checkpoint has the highest acceptance length at k = B - 1.
+            new_best = False
+            if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
+                last_eval = run_eval(step)
+                al = last_eval["acceptance_length"][str(b - 1)]
+                new_best = best["step"] is None or al > best["acceptance_length"]
+                if new_best:
+                    best = {"step": step, "acceptance_length": al,
+                            "by_k": last_eval["acceptance_length"]}
+            # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
+            stopping = stop.agreed(env, step % cfg.log_every == 0 or step == total)
+            if step % cfg.save_every == 0 or step == total or new_best or stopping:
+                save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
+                          best=best, record=config_record, last_train=last_train,
+                          last_eval=last_eval)
+            if stopping and step < total:
+                stop.exit(env, step, total, run_dir)
+    finally:
+        stop.restore()
     # ---- finish: curves, manifest, summary
     if metrics:
         metrics.close()

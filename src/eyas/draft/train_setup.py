@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +96,63 @@ def finish_env(env: Env) -> None:
         dist.barrier()
         if env.joined:
             dist.destroy_process_group()
+
+
+class StopOnSignal:
+    """SIGTERM or SIGINT (a preempted job, a lease's end, Ctrl-C) asks the training loop to
+    save the step it is on and exit, so that the same command resumes with nothing lost; a
+    second signal acts at once, as it would have without eyas. Every rank must agree on the
+    step (saving is collective): one process reads its own flag after each step, several
+    take the maximum over ranks at each logging step (`--log-every`, where they sync
+    anyway)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._ask)
+
+    def _ask(self, signum, frame) -> None:
+        if self.signum is not None:  # the second: what it would have done without us
+            old = self._old.get(signum, signal.SIG_DFL)
+            signal.signal(signum, old)
+            if callable(old):
+                old(signum, frame)
+            else:
+                os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        log.warning("%s: saving at the end of this step, then stopping (a second one stops "
+                    "at once)", signal.Signals(signum).name)
+
+    def agreed(self, env: Env, logging_step: bool) -> bool:
+        """Whether every rank stops after this step."""
+        if not dist.is_initialized():
+            return self.signum is not None
+        if not logging_step:
+            return False
+        flag = torch.tensor([0 if self.signum is None else self.signum], device=env.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.signum = int(flag.item()) or None
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    def exit(self, env: Env, step: int, total: int, run_dir: Path) -> None:
+        """The step is saved: leave the process group and exit 128 + the signal."""
+        name = signal.Signals(self.signum).name
+        if env.main:
+            log.warning("stopped by %s after step %d of %d, saved in %s: run the same command "
+                        "again to resume", name, step, total, run_dir / "checkpoints")
+        finish_env(env)
+        self.restore()
+        raise SystemExit(128 + self.signum)
 
 
 def check_fp8(device: torch.device) -> None:

@@ -169,7 +169,7 @@ def causal_attention(q, k, v, diag_k=None, diag_v=None, rows=None, span=None) ->
     """`attention` for queries of a single document: query i is key position i (or rows[i])
     and sees keys 0..that position, plus its diagonal keys. The same result, with the band
     on cuDNN's fused attention (CUDA; about twice FlexAttention's rate at 8K-32K tokens on
-    an H200, benchmarks/kernels.py) and no block mask to build.
+    an H200, benchmarks/kernel_ceilings.py) and no block mask to build.
 
     q (N, hq, d); k, v (M >= N, hkv, d); diag_k, diag_v (S, N, hkv, d) or None. rows (N,)
     ascending positions < span, when the queries are not simply positions 0..N-1: they are

@@ -1,6 +1,6 @@
 """FP8 matmuls for training the draft (`eyas train --precision fp8`).
 
-Hopper-class GPUs run fp8 matrix products at about twice their bf16 rate (benchmarks/kernels.py
+Hopper-class GPUs run fp8 matrix products at about twice their bf16 rate (benchmarks/kernel_ceilings.py
 measures 1.2-1.4 PFLOP/s against 0.6-0.8 on an H200 for every matmul of an 8B-shaped draft).
 This module gives the draft's linear layers that rate with the standard recipe for fp8
 training with dynamic per-tensor scales:

@@ -1,9 +1,9 @@
 """Ceilings for the TTT benchmark: what the GPU does with the draft's matmuls and attention
 alone, and where one TTT iteration spends its time.
 
-    python benchmarks/kernels.py                  # H200: GEMMs, attention backends, profile
-    python benchmarks/kernels.py --only gemm --contexts 2048,8192
-    python benchmarks/kernels.py --profile-context 2048 --trace /tmp/ttt-trace.json
+    python benchmarks/kernel_ceilings.py                  # H200: GEMMs, attention backends, profile
+    python benchmarks/kernel_ceilings.py --only gemm --contexts 2048,8192
+    python benchmarks/kernel_ceilings.py --profile-context 2048 --trace /tmp/ttt-trace.json
 
 gemm       every matmul of a Llama-3.1-8B-shaped draft step (fc, qkv, o, gate_up, down,
            lm_head) at M = context rows, forward and both backward products, bf16 and fp8
