@@ -457,6 +457,42 @@ def test_dflash_resume_continues_exactly(dflash_inputs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_dflash_stops_on_sigterm_after_saving_and_resumes_exactly(dflash_inputs, tmp_path,
+                                                                   monkeypatch):
+    """SIGTERM during step 3 (no save due): step 3 is saved, SystemExit(143), and the same
+    config resumes to the weights of a run never stopped (the EAGLE-3 loop's test runs it in
+    a child process: tests/test_train.py)."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    from eyas.store import checkpoint
+    from eyas.train import train
+
+    kw = dict(max_steps=6, eval_every=100)
+    train(_dflash_train_cfg(dflash_inputs, tmp_path / "a", **kw))
+    calls, clip = [0], torch.nn.utils.clip_grad_norm_
+
+    def clip_then_sigterm(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_sigterm)
+    with pytest.raises(SystemExit) as stopped:
+        train(_dflash_train_cfg(dflash_inputs, tmp_path / "b", **kw))
+    monkeypatch.undo()
+    assert stopped.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # ours is gone again
+    assert checkpoint.read_pointer(tmp_path / "b", "last").name == "step-00000003"
+    train(_dflash_train_cfg(dflash_inputs, tmp_path / "b", **kw))
+    a = load_file(str(checkpoint.step_dir(tmp_path / "a", 6) / "draft.safetensors"))
+    b = load_file(str(checkpoint.step_dir(tmp_path / "b", 6) / "draft.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_dflash_online_training_equals_offline(dflash_inputs, tmp_path):
     """--online runs the target in the job with the same taps: the same blocks and losses."""
     from eyas.store.manifest import read_manifest
