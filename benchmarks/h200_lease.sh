@@ -134,7 +134,7 @@ stop)
   # stop NAME: the job started as NAME, its whole process group (SIGTERM, then SIGKILL)
   pid=$(cat "$W/${1:?stop NAME}.pid") || exit 1
   kill -TERM -- -"$pid" 2>/dev/null
-  for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  for _ in $(seq 30); do kill -0 -- -"$pid" 2>/dev/null || break; sleep 1; done  # the group
   kill -KILL -- -"$pid" 2>/dev/null
   echo "$1 stopped" ;;
 corpus)

@@ -14,7 +14,7 @@ their optimizer state).
     python keep.py send STORE NAME OUT [--max-files N]   # on the device: the next parts to OUT
     python keep.py carry NAME DEST DIR...                # here: join what came back, check it,
                                                          # and cut it into DEST/k0, k1, ... for
-                                                         # `h200_lease.sh gpart`
+                                                         # `h200_lease.sh kpart`
     python keep.py unpack TAR DEST                       # on the device: TAR into DEST
 
 Every piece is checked by sha256 at each end; a missing or damaged piece stops with its name.
@@ -129,7 +129,7 @@ def send(store: Path, name: str, out: Path, max_files: int = 7) -> list[str]:
 def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART) -> list[Path]:
     """The parts that came back (in any of `dirs`) joined and checked, then cut into
     DEST/k0, k1, ... (one per device call), each with SHA256SUMS and NAME.tar.sha256, the
-    layout `h200_lease.sh gpart` joins and checks into $W/NAME.tar."""
+    layout `h200_lease.sh kpart` joins and checks into $W/NAME.tar."""
     info = next((json.loads(d.joinpath(f"{name}.json").read_text()) for d in dirs
                  if d.joinpath(f"{name}.json").is_file()), None)
     if info is None:
