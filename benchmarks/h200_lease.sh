@@ -28,9 +28,14 @@
 #              and the whole checked
 #   keep SRC NAME  pack the folder SRC (a size's, its job stopped) once with benchmarks/keep.py,
 #              then send its next 7 parts of 15 MB to $OUT per call (docs/benchmarks.md, "A size
-#              over two leases")
-#   kpart DIR  carry DIR (.carry/kN, made here by `keep.py carry`): once every part is there,
-#              joined, checked and unpacked into ${KEEP_INTO:-$W/scale}
+#              over two leases"). A call that failed lost its $OUT: run it again with
+#              KEEP_RESEND=last (what that call sent goes again); KEEP_RESEND=3,4,5 sends those
+#              parts again (`keep.py carry` here names the missing ones and this value);
+#              KEEP_RESEND=all sends everything again from the first part
+#   kpart DIR  carry DIR (.carry/kN, made here by `keep.py carry`; the name from its
+#              NAME.SHA256SUMS): once every part is there, joined, checked and unpacked into
+#              ${KEEP_INTO:-$W/scale}, and NAME's files removed from ${KPARTS:-/tmp/kparts}
+#              (kept if the join or a check fails: carry the missing or good folder again)
 #   stop NAME  stop the job started as NAME (its process group)
 #   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz,
 #              with their manifests and rejects-p*.jsonl): copied into $W/corpus, where stage
@@ -51,13 +56,15 @@ mkdir -p "$R"
 step=${1:?"name a step: a, b, c, e, vpart, gpart, keep, kpart, stop, corpus, start, monitor, poll"}
 shift
 collect() {  # copy the part folder $1 into $2 and cd there; true once every part its
-  # SHA256SUMS lists has arrived and checks out (a mismatch ends the step), false before
+  # sums file ($3, SHA256SUMS if not given) lists has arrived and checks out (a mismatch ends
+  # the step), false before
+  local sums=${3:-SHA256SUMS}
   mkdir -p "$2" && cp "$1"/* "$2"/ || exit 1
   cd "$2" || exit 1
-  for f in $(awk '{print $2}' SHA256SUMS); do
+  for f in $(awk '{print $2}' "$sums"); do
     [ -f "$f" ] || { echo "have $(ls | wc -l) files, waiting for $f"; return 1; }
   done
-  sha256sum -c SHA256SUMS || exit 1
+  sha256sum -c "$sums" || exit 1
 }
 case $step in
 a)
@@ -113,23 +120,32 @@ gpart)
 keep)
   # keep SRC NAME: the folder SRC (a size of the curve, its job stopped first) packed once by
   # benchmarks/keep.py into /tmp/keep, then each call sends the next 7 parts of 15 MB to $OUT
-  # (`python benchmarks/keep.py carry NAME .carry DIRS...` here makes kN folders of them)
+  # (`python benchmarks/keep.py carry NAME .carry DIRS...` here makes kN folders of them);
+  # KEEP_RESEND=last|all|3,4,5 sends parts again (the header above)
   src=${1:?"keep SRC NAME"}; name=${2:?"keep SRC NAME"}
   store=${KEEP_STORE:-/tmp/keep}
   [ -f $store/$name.json ] || python3 benchmarks/keep.py pack "$src" "$name" $store \
       --part-bytes ${KEEP_PART_BYTES:-15000000} || exit 1
-  python3 benchmarks/keep.py send $store "$name" "$OUT" --max-files ${KEEP_MAX_FILES:-7} ;;
+  python3 benchmarks/keep.py send $store "$name" "$OUT" --max-files ${KEEP_MAX_FILES:-7} \
+      --resend "${KEEP_RESEND:-}" ;;
 kpart)
   # kpart DIR: one part of a kept folder (.carry/kN from keep.py carry); the last one joins,
-  # checks and unpacks it into ${KEEP_INTO:-$W/scale}, where scale.py resumes it
-  collect "${1:?kpart DIR}" ${KPARTS:-/tmp/kparts} || exit 0
-  whole=$(ls *.sha256 | head -1)
-  name=${whole%.sha256}
-  cat $(awk '{print $2}' SHA256SUMS) > "$name" && rm -f $(awk '{print $2}' SHA256SUMS)
-  sha256sum -c "$whole" || exit 1
-  cd - > /dev/null && python3 benchmarks/keep.py unpack "${KPARTS:-/tmp/kparts}/$name" \
+  # checks and unpacks it into ${KEEP_INTO:-$W/scale}, where scale.py resumes it; NAME comes
+  # from the NAME.SHA256SUMS that DIR brings (two sizes' parts may share KPARTS)
+  dir=${1:?kpart DIR}; kparts=${KPARTS:-/tmp/kparts}
+  sums=$(cd "$dir" && ls *.SHA256SUMS 2>/dev/null)
+  name=${sums%.SHA256SUMS}
+  [ "$(echo "$sums" | wc -w)" = 1 ] && [ -f "$dir/$name.tar.sha256" ] || {
+      echo "$dir should hold one NAME.SHA256SUMS and its NAME.tar.sha256 (from keep.py carry)"
+      exit 1; }
+  collect "$dir" "$kparts" "$sums" || exit 0
+  # the parts stay until the whole has checked and unpacked: a failed call can be made again
+  { cat $(awk '{print $2}' "$sums") > "$name.tar" && sha256sum -c "$name.tar.sha256"; } ||
+      { rm -f "$name.tar"; exit 1; }
+  cd - > /dev/null && python3 benchmarks/keep.py unpack "$kparts/$name.tar" \
       "${KEEP_INTO:-$W/scale}" || exit 1
-  rm -f "${KPARTS:-/tmp/kparts}/$name" ;;
+  rm -f "$kparts/$name.tar" "$kparts/$name".tar.part-* "$kparts/$sums" \
+      "$kparts/$name.tar.sha256" ;;
 stop)
   # stop NAME: the job started as NAME, its whole process group (SIGTERM, then SIGKILL)
   pid=$(cat "$W/${1:?stop NAME}.pid") || exit 1

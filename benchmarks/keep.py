@@ -11,13 +11,21 @@ that `last` and `best` name (about 135 MB for SmolLM2's draft, most of it the fp
 their optimizer state).
 
     python keep.py pack SRC NAME STORE [--part-bytes B]  # on the device: STORE/NAME.tar.part-NN
-    python keep.py send STORE NAME OUT [--max-files N]   # on the device: the next parts to OUT
+                                                         # and STORE/NAME.SHA256SUMS
+    python keep.py send STORE NAME OUT [--max-files N] [--resend last|all|3,4,5]
+                                                         # on the device: the next parts to OUT
     python keep.py carry NAME DEST DIR...                # here: join what came back, check it,
                                                          # and cut it into DEST/k0, k1, ... for
                                                          # `h200_lease.sh kpart`
     python keep.py unpack TAR DEST                       # on the device: TAR into DEST
 
 Every piece is checked by sha256 at each end; a missing or damaged piece stops with its name.
+A part counts as sent once a call has copied it to $OUT, but a failed call's $OUT never comes
+back. If a call failed, run it again with `--resend last` (h200_lease.sh: `KEEP_RESEND=last
+bash benchmarks/h200_lease.sh keep SRC NAME`): it sends again what the failed call sent. carry
+names the parts that are missing or damaged and the KEEP_RESEND=3,4,5 that sends them again;
+`--resend all` sends everything again from the first part. Each resend needs the machine that
+packed NAME (the store lives in its /tmp).
 """
 
 from __future__ import annotations
@@ -63,31 +71,24 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(whole: Path, folder: Path, prefix: str, size: int) -> list[Path]:
-    """`whole` cut into folder/prefix.part-NN of `size` bytes, with folder/SHA256SUMS."""
+def split(whole: Path, folder: Path, name: str, size: int) -> list[Path]:
+    """`whole` cut into folder/NAME.tar.part-NN of `size` bytes, with folder/NAME.SHA256SUMS
+    (named by NAME: two sizes kept in one folder keep their own)."""
     folder.mkdir(parents=True, exist_ok=True)
     parts = []
     with whole.open("rb") as f:
         while chunk := f.read(size):
-            part = folder / f"{prefix}.part-{len(parts):02d}"
+            part = folder / f"{name}.tar.part-{len(parts):02d}"
             part.write_bytes(chunk)
             parts.append(part)
-    (folder / "SHA256SUMS").write_text("".join(f"{sha256(p)}  {p.name}\n" for p in parts))
+    (folder / f"{name}.SHA256SUMS").write_text("".join(f"{sha256(p)}  {p.name}\n"
+                                                       for p in parts))
     return parts
 
 
-def check_sums(folder: Path) -> list[str]:
-    """The part names SHA256SUMS in `folder` lists, each checked; a missing or damaged one
-    ends the program with its name."""
-    names = []
-    for line in (folder / "SHA256SUMS").read_text().splitlines():
-        digest, name = line.split(maxsplit=1)
-        if not (folder / name).is_file():
-            raise SystemExit(f"{folder / name} has not arrived")
-        if sha256(folder / name) != digest:
-            raise SystemExit(f"{folder / name} is damaged (sha256 differs from SHA256SUMS)")
-        names.append(name)
-    return names
+def number(part: str) -> int:
+    """NAME.tar.part-07 -> 7."""
+    return int(part.rsplit("-", 1)[1])
 
 
 def pack(src: Path, name: str, store: Path, part_bytes: int = SEND_PART) -> dict:
@@ -97,10 +98,11 @@ def pack(src: Path, name: str, store: Path, part_bytes: int = SEND_PART) -> dict
         raise SystemExit(f"{src} holds no checkpoint to resume from")
     store.mkdir(parents=True, exist_ok=True)
     tar = store / f"{name}.tar"
+    top = src.resolve().name  # `.` and `run/..` have no name of their own
     with tarfile.open(tar, "w") as t:
         for rel in files:
-            t.add(src / rel, arcname=str(Path(src.name) / rel))
-    parts = split(tar, store, f"{name}.tar", part_bytes)
+            t.add(src / rel, arcname=str(Path(top) / rel))
+    parts = split(tar, store, name, part_bytes)
     info = {"name": name, "source": str(src), "files": len(files), "bytes": tar.stat().st_size,
             "sha256": sha256(tar), "parts": [p.name for p in parts]}
     (store / f"{name}.json").write_text(json.dumps(info, indent=1))
@@ -108,56 +110,103 @@ def pack(src: Path, name: str, store: Path, part_bytes: int = SEND_PART) -> dict
     return info
 
 
-def send(store: Path, name: str, out: Path, max_files: int = 7) -> list[str]:
-    """The next parts not yet sent (at most max_files, the first call also the sums and the
-    record) copied into OUT; STORE/NAME.sent lists what went."""
+def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = "") -> list[str]:
+    """The next parts not yet sent (at most max_files) copied into OUT, with NAME.SHA256SUMS and
+    the record; STORE/NAME.sent lists what each call sent. `resend` first marks parts as not
+    sent, so that they go again: "last" (what the call before sent), "all", or part numbers
+    "3,4,5" (the ones carry names)."""
     info = json.loads((store / f"{name}.json").read_text())
     sent_log = store / f"{name}.sent"
-    sent = sent_log.read_text().split() if sent_log.is_file() else []
+    calls = json.loads(sent_log.read_text()) if sent_log.is_file() else []  # a list per call
+    again = resent(resend, name, info["parts"], calls)
+    calls = [[p for p in c if p not in again] for c in calls]
+    sent = {p for c in calls for p in c}
     todo = [p for p in info["parts"] if p not in sent][:max_files]
     out.mkdir(parents=True, exist_ok=True)
     for p in todo:
         shutil.copy(store / p, out / p)
-    shutil.copy(store / "SHA256SUMS", out / f"{name}.SHA256SUMS")
+    shutil.copy(store / f"{name}.SHA256SUMS", out / f"{name}.SHA256SUMS")
     shutil.copy(store / f"{name}.json", out / f"{name}.json")
-    sent_log.write_text(" ".join(sent + todo))
+    sent_log.write_text(json.dumps(calls + [todo]))
     left = len(info["parts"]) - len(sent) - len(todo)
-    print(f"{name}: sent {len(todo)} part(s), {left} left", flush=True)
+    numbers = ", ".join(f"{number(p):02d}" for p in todo)
+    print(f"{name}: sent {len(todo)} part(s) [{numbers}], {left} left", flush=True)
     return todo
+
+
+def resent(resend: str, name: str, parts: list[str], calls: list[list[str]]) -> set[str]:
+    """The parts `resend` names (see send)."""
+    if resend == "":
+        return set()
+    if resend == "all":
+        return set(parts)
+    if resend == "last":
+        return set(calls[-1]) if calls else set()
+    try:
+        named = {f"{name}.tar.part-{int(n):02d}" for n in resend.split(",")}
+    except ValueError:
+        raise SystemExit(f"--resend {resend!r}: give last, all or part numbers, e.g. 3,4,5")
+    if named - set(parts):
+        raise SystemExit(f"--resend {resend!r}: {name} has parts 0 to {len(parts) - 1}")
+    return named
+
+
+def gather(name: str, dirs: list[Path], parts: list[str]) -> dict[str, Path]:
+    """Each part's first copy in `dirs` that matches NAME.SHA256SUMS (a part sent again may
+    have come back twice); the missing and the damaged ones end the program, with the
+    KEEP_RESEND that sends them again."""
+    sums = next((d / f"{name}.SHA256SUMS" for d in dirs if (d / f"{name}.SHA256SUMS").is_file()),
+                None)
+    if sums is None:
+        raise SystemExit(f"no {name}.SHA256SUMS in {', '.join(map(str, dirs))}")
+    digests = {p: d for d, p in (line.split(maxsplit=1) for line in sums.read_text().splitlines())}
+    found, missing, damaged = {}, [], []
+    for p in parts:
+        copies = [d / p for d in dirs if (d / p).is_file()]
+        found[p] = next((c for c in copies if sha256(c) == digests.get(p)), None)
+        if found[p] is None:
+            (damaged if copies else missing).append(p)
+    said = []
+    if missing:
+        said.append(f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} not arrived")
+    if damaged:
+        said.append(f"{', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged "
+                    f"(sha256 differs from {sums.name})")
+    if said:
+        again = ",".join(str(number(p)) for p in sorted(missing + damaged))
+        raise SystemExit(f"{'; '.join(said)}: on the machine that packed {name}, "
+                         f"KEEP_RESEND={again} bash benchmarks/h200_lease.sh keep SRC {name} "
+                         f"sends them again")
+    return found
 
 
 def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART) -> list[Path]:
     """The parts that came back (in any of `dirs`) joined and checked, then cut into
-    DEST/k0, k1, ... (one per device call), each with SHA256SUMS and NAME.tar.sha256, the
+    DEST/k0, k1, ... (one per device call), each with NAME.SHA256SUMS and NAME.tar.sha256, the
     layout `h200_lease.sh kpart` joins and checks into $W/NAME.tar."""
     info = next((json.loads(d.joinpath(f"{name}.json").read_text()) for d in dirs
                  if d.joinpath(f"{name}.json").is_file()), None)
     if info is None:
         raise SystemExit(f"no {name}.json in {', '.join(map(str, dirs))}: nothing of {name} "
                          f"came back")
+    found = gather(name, dirs, info["parts"])
     staging = dest / f".{name}-parts"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for d in dirs:
-        for part in d.glob(f"{name}.tar.part-*"):
-            shutil.copy(part, staging / part.name)
-        if d.joinpath(f"{name}.SHA256SUMS").is_file():
-            shutil.copy(d / f"{name}.SHA256SUMS", staging / "SHA256SUMS")
-    check_sums(staging)
     whole = staging / f"{name}.tar"
     with whole.open("wb") as f:
         for p in info["parts"]:
-            f.write((staging / p).read_bytes())
+            f.write(found[p].read_bytes())
     if sha256(whole) != info["sha256"]:
         raise SystemExit(f"{name}.tar joined from its parts differs from the one packed")
-    cut = split(whole, staging / "carry", f"{name}.tar", part_bytes)
+    cut = split(whole, staging / "carry", name, part_bytes)
     folders = []
     for i, part in enumerate(cut):
         k = dest / f"k{i}"
         shutil.rmtree(k, ignore_errors=True)
         k.mkdir(parents=True)
         shutil.copy(part, k / part.name)
-        shutil.copy(staging / "carry/SHA256SUMS", k / "SHA256SUMS")
+        shutil.copy(staging / f"carry/{name}.SHA256SUMS", k / f"{name}.SHA256SUMS")
         (k / f"{name}.tar.sha256").write_text(f"{info['sha256']}  {name}.tar\n")
         folders.append(k)
     shutil.rmtree(staging)
@@ -166,17 +215,39 @@ def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART)
     return folders
 
 
+def refused(t: tarfile.TarFile, dest: Path) -> list[str]:
+    """The members of `t` that may not go into `dest`, each with why: absolute or `..` names,
+    and what tarfile's "data" filter refuses (links out of DEST, devices, ...); on a Python
+    without that filter (before 3.11.4), every link."""
+    out = []
+    for m in t.getmembers():
+        if m.name.startswith("/") or ".." in Path(m.name).parts:
+            out.append(f"{m.name} (absolute or through ..)")
+        elif hasattr(tarfile, "data_filter"):
+            try:
+                tarfile.data_filter(m, str(dest))
+            except tarfile.FilterError as e:
+                out.append(f"{m.name} ({e})")
+        elif m.issym() or m.islnk():
+            out.append(f"{m.name} (a link)")
+    return out
+
+
 def unpack(tar: Path, dest: Path) -> Path:
     """TAR's folder into DEST (an earlier copy of that folder is replaced)."""
     with tarfile.open(tar) as t:
         top = {Path(m.name).parts[0] for m in t.getmembers()}
-        if len(top) != 1 or any(m.name.startswith("/") or ".." in Path(m.name).parts
-                                for m in t.getmembers()):
-            raise SystemExit(f"{tar} is not one folder packed by keep.py pack")
+        bad = refused(t, dest)
+        if len(top) != 1 or bad:
+            raise SystemExit(f"{tar} is not one folder packed by keep.py pack"
+                             + (f": {', '.join(bad)}" if bad else ""))
         folder = dest / top.pop()
         shutil.rmtree(folder, ignore_errors=True)
         dest.mkdir(parents=True, exist_ok=True)
-        t.extractall(dest)
+        if hasattr(tarfile, "data_filter"):
+            t.extractall(dest, filter="data")
+        else:
+            t.extractall(dest)  # refused() has refused absolute names, `..` and links
     return folder
 
 
@@ -193,6 +264,8 @@ def main(argv=None) -> None:
     a.add_argument("name")
     a.add_argument("out", type=Path)
     a.add_argument("--max-files", type=int, default=7)
+    a.add_argument("--resend", default="", help="last, all, or part numbers such as 3,4,5: "
+                   "send these again (a failed call's $OUT never came back)")
     a = sub.add_parser("carry")
     a.add_argument("name")
     a.add_argument("dest", type=Path)
@@ -205,7 +278,7 @@ def main(argv=None) -> None:
     if a.cmd == "pack":
         print(json.dumps(pack(a.src, a.name, a.store, a.part_bytes)), flush=True)
     elif a.cmd == "send":
-        send(a.store, a.name, a.out, a.max_files)
+        send(a.store, a.name, a.out, a.max_files, a.resend)
     elif a.cmd == "carry":
         carry(a.name, a.dest, a.dirs, a.part_bytes)
     else:
