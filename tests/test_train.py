@@ -393,8 +393,9 @@ calls, clip = [0], torch.nn.utils.clip_grad_norm_
 
 def clip_then_signal(*args, **kwargs):  # during step 3, as a scheduler's preemption would
     calls[0] += 1
-    if calls[0] == 3:
-        os.kill(os.getpid(), getattr(signal, sys.argv[2]))
+    if calls[0] == int(sys.argv[4]):  # to this process, or to its whole group (the DataLoader's workers too)
+        sig = getattr(signal, sys.argv[2])
+        os.killpg(os.getpgid(0), sig) if sys.argv[3] == "group" else os.kill(os.getpid(), sig)
     return clip(*args, **kwargs)
 
 
@@ -403,13 +404,18 @@ train(TrainConfig(**json.loads(sys.argv[1])))
 """
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signame,to,workers", [("SIGTERM", "process", 0),
+                                                 ("SIGINT", "process", 0),
+                                                 ("SIGTERM", "group", 2),
+                                                 ("SIGINT", "group", 2)])
 def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs, tmp_path,
-                                                                     signame):
+                                                                     signame, to, workers):
     """SIGTERM (a preempted job, a lease's end) or Ctrl-C mid-step: that step is finished and
     saved (no save was due before step 100), the process exits 128 + the signal, and the same
-    command resumes to the weights of a run never stopped."""
-    kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target")
+    command resumes to the weights of a run never stopped. Sent to the whole process group
+    (`kill -- -PGID`, Ctrl-C in a terminal), it reaches the DataLoader's workers too, which
+    must outlive the step."""
+    kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target", num_workers=workers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float sums depend on the thread count: one, like the child
     try:
@@ -418,9 +424,10 @@ def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs
         script = tmp_path / "terminator.py"
         script.write_text(TERMINATOR)
         proc = subprocess.run([sys.executable, str(script),
-                               json.dumps(to_dict(_cfg(run_inputs, stopped, **kw))), signame],
+                               json.dumps(to_dict(_cfg(run_inputs, stopped, **kw))), signame,
+                               to, "3"],
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=300, start_new_session=True)
         assert proc.returncode == 128 + getattr(signal, signame), proc.stderr[-3000:]
         assert f"stopped by {signame} after step 3 of 6" in proc.stderr
         assert checkpoint.read_pointer(stopped, "last").name == "step-00000003"
@@ -434,6 +441,66 @@ def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs
     # the handlers are the caller's again once train() returns
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_during_the_last_step_ends_the_process_after_a_complete_run(run_inputs,
+                                                                           tmp_path):
+    """The run is complete and saved, but the signal is not swallowed: the process exits
+    128 + it, so that `eyas run` does not go on to the next stage."""
+    kw = dict(max_steps=4, save_every=100, eval_every=100, lm_head="target")
+    out = tmp_path / "run"
+    script = tmp_path / "terminator.py"
+    script.write_text(TERMINATOR)
+    proc = subprocess.run([sys.executable, str(script),
+                           json.dumps(to_dict(_cfg(run_inputs, out, **kw))), "SIGTERM",
+                           "process", "4"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "SIGTERM came during the last step" in proc.stderr
+    assert json.loads((out / "eyas.json").read_text())["complete"]
+    assert checkpoint.read_pointer(out, "last").name == "step-00000004"
+
+
+def test_stop_on_signal_keeps_an_ignored_signal_ignored_and_restores_a_foreign_handler():
+    """SIGINT ignored by whoever started the job (`cmd &` in a script) stays ignored; a
+    handler set outside Python (getsignal gives None) comes back as the default."""
+    from eyas.draft.train_setup import StopOnSignal
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop = StopOnSignal()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._ask
+        stop._old[signal.SIGTERM] = None  # as signal.signal reports a C-level handler
+        stop.restore()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def test_the_data_loaders_workers_outlive_a_stop_meant_for_the_loop(run_inputs):
+    """SIGTERM / SIGINT reaching a DataLoader worker (sent to the group, or to the worker) is
+    ignored there: the loop that saves the step still gets every batch it asks for, where a
+    worker killed by it would fail that step with "DataLoader worker ... killed by signal"."""
+    source = data.OfflineSource(run_inputs["captured"])
+    plan = [[[i]] for i in range(len(source.lengths))] * 4
+    old = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:  # the workers fork with the default dispositions, as when the loop's are not set
+        it = iter(data.loader(source, plan, 256, torch.float32, num_workers=2,
+                              pin_memory=False))
+        got = [next(it)]
+        for pid in (w.pid for w in it._workers):
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        got += list(it)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert len(got) == len(plan)
 
 
 def _resume_after_sigkill(run_inputs, tmp_path, kw):

@@ -133,3 +133,44 @@ def test_fsdp_with_muon_resumes_where_one_process_goes(run_inputs, tmp_path):  #
         if w4[k].is_floating_point() and moved > 0:  # d2t / t2d are fixed
             assert offs[k][0] < 0.1 * moved, (k, offs[k])
     assert sum(moved > 0 for _, moved in offs.values()) >= 5, offs
+
+
+ONE_RANK_SIGNALLED = """
+import json, os, signal, sys
+import torch
+import torch.distributed as dist
+from eyas.train import TrainConfig, train
+
+calls, clip = [0], torch.nn.utils.clip_grad_norm_
+
+
+def clip_then_signal(*args, **kwargs):  # rank 1 only, during step 3: rank 0 never sees it
+    calls[0] += 1
+    if calls[0] == 3 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return clip(*args, **kwargs)
+
+
+torch.nn.utils.clip_grad_norm_ = clip_then_signal
+train(TrainConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_next_step(run_inputs,  # noqa: F811
+                                                                    tmp_path):
+    """Rank 1's SIGTERM rides on step 4's sum over ranks: both ranks save step 4 and exit,
+    without waiting for a logging step (torchrun kills its workers 30 s after it passes a
+    SIGTERM on, and a logging step can be further away than that)."""
+    out = tmp_path / "run"
+    script = tmp_path / "signalled.py"
+    script.write_text(ONE_RANK_SIGNALLED)
+    cfg = _cfg(run_inputs, out, max_steps=8, log_every=100, eval_every=100, save_every=100)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script), json.dumps(to_dict(cfg))],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode != 0, "a stopped run must not look finished"
+    assert "stopped by SIGTERM after step 4 of 8" in proc.stderr, proc.stderr[-4000:]
+    assert checkpoint.read_pointer(out, "last").name == "step-00000004"
+    assert not json.loads((out / "eyas.json").read_text())["complete"]

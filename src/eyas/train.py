@@ -569,7 +569,7 @@ def train(cfg: TrainConfig) -> dict:
             micro = [_on(mb, env) for mb in micro]
             counted = [ttt_positions(b, draft.t2d, steps, **positions) if p is None else p.valid
                        for b, p in zip(micro, plans)]
-            denom = all_sum(sum(c.sum(1) for c in counted).float())
+            denom = stop.sum_with(sum(c.sum(1) for c in counted).float())  # an all_sum
             # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
             #    DDP/FSDP average gradients over ranks, hence the world_size factor.
             scale = weights / denom.clamp(min=1) * env.world_size
@@ -622,7 +622,7 @@ def train(cfg: TrainConfig) -> dict:
                     best = {"step": step, "chain_acceptance_length": al, "chain_by_k": chain,
                             "sim_acceptance_length": last_eval["sim_acceptance_length"]}
             # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
-            stopping = stop.agreed(env, step % cfg.log_every == 0 or step == total)
+            stopping = stop.agreed()
             if step % cfg.save_every == 0 or step == total or new_best or stopping:
                 save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
                           best=best, record=record, last_train=last_train, last_eval=last_eval)
@@ -640,4 +640,5 @@ def train(cfg: TrainConfig) -> dict:
         log.info("done: best step %s (replayed chain AL %s at k=%d) in %s", best["step"],
                  best.get("chain_acceptance_length"), steps, run_dir / "checkpoints")
     finish_env(env)
+    stop.after_last_step()
     return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

@@ -219,7 +219,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
             first = (step - 1) * plan.per_step + env.rank
             blocks = [_blocks(cfg, dcfg, mb, block_seed(cfg, first + a * env.world_size, True),
                               env.device) for a, mb in enumerate(micro)]
-            denom = all_sum(sum(bl.weight.sum() for bl in blocks).double()).clamp(min=1e-6)
+            denom = stop.sum_with(sum(bl.weight.sum() for bl in blocks).double()).clamp(min=1e-6)
             # 2. Forward -> loss -> backward (DDP/FSDP average over ranks: the world_size factor).
             for a, (mb, bl) in enumerate(zip(micro, blocks)):
                 with grad_sync(model, a == len(micro) - 1):
@@ -267,7 +267,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                     best = {"step": step, "acceptance_length": al,
                             "by_k": last_eval["acceptance_length"]}
             # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
-            stopping = stop.agreed(env, step % cfg.log_every == 0 or step == total)
+            stopping = stop.agreed()
             if step % cfg.save_every == 0 or step == total or new_best or stopping:
                 save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
                           best=best, record=config_record, last_train=last_train,
@@ -286,4 +286,5 @@ def train_dflash(cfg: TrainConfig) -> dict:
         log.info("done: best step %s (acceptance length %s at k=%d) in %s", best["step"],
                  best.get("acceptance_length"), b - 1, run_dir / "checkpoints")
     finish_env(env)
+    stop.after_last_step()
     return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -417,6 +418,14 @@ class MicroBatches(torch.utils.data.Dataset):
         return out
 
 
+def _worker_ignores_stops(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGTERM and SIGINT: a stop sent to the whole process group
+    (a scheduler's, Ctrl-C, `kill -- -PGID`) is for the training loop, which saves the step it
+    is on and then ends its workers; a worker that died on it would fail that step first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,
            num_workers: int, pin_memory: bool, static: bool = True
            ) -> torch.utils.data.DataLoader:
@@ -427,6 +436,7 @@ def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,
         MicroBatches(source, batches, row_tokens, hidden_dtype, static), batch_size=None,
         shuffle=False,
         num_workers=num_workers, pin_memory=pin_memory,
+        worker_init_fn=_worker_ignores_stops if num_workers else None,
         persistent_workers=False, prefetch_factor=2 if num_workers else None)
 
 

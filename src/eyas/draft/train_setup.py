@@ -102,22 +102,28 @@ class StopOnSignal:
     """SIGTERM or SIGINT (a preempted job, a lease's end, Ctrl-C) asks the training loop to
     save the step it is on and exit, so that the same command resumes with nothing lost; a
     second signal acts at once, as it would have without eyas. Every rank must agree on the
-    step (saving is collective): one process reads its own flag after each step, several
-    take the maximum over ranks at each logging step (`--log-every`, where they sync
-    anyway)."""
+    step (saving is collective): one process reads its own flag after each step; with several,
+    each rank's flag rides on the sum that every step makes over ranks anyway (`sum_with`),
+    so all of them stop after the step that follows the signal (within seconds: torchrun
+    kills its workers 30 s after passing a SIGTERM on)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signum: int | None = None
         self._old: dict = {}
+        self._votes: torch.Tensor | None = None  # [SIGTERM, SIGINT] summed over ranks, on host
+        self._event = None  # set when the copy of the votes to the host is done
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
+                if signal.getsignal(s) is signal.SIG_IGN:
+                    continue  # ignored by whoever started us (e.g. SIGINT of `cmd &`): kept so
                 self._old[s] = signal.signal(s, self._ask)
 
     def _ask(self, signum, frame) -> None:
         if self.signum is not None:  # the second: what it would have done without us
-            old = self._old.get(signum, signal.SIG_DFL)
+            old = self._old.get(signum)
+            old = signal.SIG_DFL if old is None else old  # None: set outside Python
             signal.signal(signum, old)
             if callable(old):
                 old(signum, frame)
@@ -128,21 +134,46 @@ class StopOnSignal:
         log.warning("%s: saving at the end of this step, then stopping (a second one stops "
                     "at once)", signal.Signals(signum).name)
 
-    def agreed(self, env: Env, logging_step: bool) -> bool:
-        """Whether every rank stops after this step."""
+    def sum_with(self, local: torch.Tensor) -> torch.Tensor:
+        """`all_sum(local)`, this rank's votes to stop summed in the same collective. Their
+        copy to the host does not wait for the GPU; `agreed` waits for it at the step's end."""
+        if not dist.is_initialized():
+            return local
+        votes = [self.signum == signal.SIGTERM, self.signum == signal.SIGINT]
+        both = torch.cat([local.reshape(-1), local.new_tensor(votes)])
+        dist.all_reduce(both)
+        if self._votes is None:
+            self._votes = torch.zeros(2, dtype=both.dtype, pin_memory=both.is_cuda)
+        self._votes.copy_(both[-2:], non_blocking=True)
+        if both.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return both[:-2].reshape(local.shape)
+
+    def agreed(self) -> bool:
+        """Whether every rank stops after this step: one process, its own flag; several, the
+        votes of this step's `sum_with` (the same on every rank)."""
         if not dist.is_initialized():
             return self.signum is not None
-        if not logging_step:
-            return False
-        flag = torch.tensor([0 if self.signum is None else self.signum], device=env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.signum = int(flag.item()) or None
-        return self.signum is not None
+        if self._event is not None:
+            self._event.synchronize()
+        term, intr = (0, 0) if self._votes is None else self._votes.tolist()
+        if term or intr:
+            self.signum = signal.SIGINT if intr else signal.SIGTERM
+        return bool(term or intr)
 
     def restore(self) -> None:
         for s, old in self._old.items():
-            signal.signal(s, old)
+            signal.signal(s, signal.SIG_DFL if old is None else old)
         self._old = {}
+
+    def after_last_step(self) -> None:
+        """A signal that came during the last step: the run is complete and saved, but whoever
+        sent it wants the process gone, not the next stage of `eyas run`: exit 128 + it."""
+        if self.signum is not None:
+            log.warning("%s came during the last step: the run is complete; exiting",
+                        signal.Signals(self.signum).name)
+            raise SystemExit(128 + self.signum)
 
     def exit(self, env: Env, step: int, total: int, run_dir: Path) -> None:
         """The step is saved: leave the process group and exit 128 + the signal."""
