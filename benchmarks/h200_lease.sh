@@ -166,9 +166,14 @@ start)
   echo $! > "$W/$name.pid"
   echo "started $name: pid $(cat $W/$name.pid)" ;;
 monitor)
+  # the limits the training's page cache lives under (a cgroup may cap it below the machine's)
+  { nproc; free -g; cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/memory.high 2>&1; } \
+      > "$R/machine.txt" 2>&1
   setsid nohup bash -c "while true; do echo \$(date +%T) \$(nvidia-smi \
       --query-gpu=utilization.gpu,memory.used --format=csv,noheader) \
-      mem \$(free -g | awk '/Mem:/ {print \$3}') GiB, disk \$(df -h /tmp | awk 'NR==2 {print \$3}'); \
+      mem \$(free -g | awk '/Mem:/ {print \$3 \" GiB, cache \" \$6}') GiB, \
+      cgroup \$(( \$(cat /sys/fs/cgroup/memory.current 2>/dev/null || echo 0) >> 30 )) GiB, \
+      load \$(cut -d' ' -f1 /proc/loadavg), disk \$(df -h /tmp | awk 'NR==2 {print \$3}'); \
       sleep 10; done" >> "$R/monitor.txt" 2>&1 < /dev/null &
   echo $! > "$W/monitor.pidm" ;;
 poll)
@@ -203,6 +208,10 @@ poll)
   cp $W/corpus/rejects-p*.jsonl $W/corpus/conversations-p*-eyas.json "$R/" 2>/dev/null
   for r in $W/scale/regen-p*/out/rejects.jsonl; do
     [ -f "$r" ] && cp "$r" "$R/partial-rejects-$(basename "$(dirname "$(dirname "$r")")").jsonl"
+  done
+  # each size's progress (its log's tail: a training's step lines, tokens/s and ETA)
+  for g in $W/scale/size-*/log.txt; do
+    [ -f "$g" ] && tail -n 30 "$g" > "$R/tail-$(basename "$(dirname "$g")").txt"
   done
   tar czf "$OUT/results.tgz" --exclude='conversations*.jsonl.gz' -C $W results 2>/dev/null
   ls -la "$OUT"
