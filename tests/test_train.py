@@ -443,6 +443,28 @@ def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_stop_between_logging_steps_logs_its_step(run_inputs, tmp_path):
+    """--log-every 4, SIGTERM during step 3 of 6: the stop logs steps 1-3 as step 3's line,
+    the resumed run logs 4 and 6, and together they count every token the whole run counts."""
+    kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target", log_every=4)
+    train(_cfg(run_inputs, tmp_path / "whole", **kw))
+    stopped = tmp_path / "stopped"
+    script = tmp_path / "terminator.py"
+    script.write_text(TERMINATOR)
+    proc = subprocess.run([sys.executable, str(script),
+                           json.dumps(to_dict(_cfg(run_inputs, stopped, **kw))), "SIGTERM",
+                           "process", "3"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert [r["step"] for r in _records(stopped, "train")] == [3]
+    train(_cfg(run_inputs, stopped, **kw))
+    assert [r["step"] for r in _records(stopped, "train")] == [3, 4, 6]
+    assert [r["step"] for r in _records(tmp_path / "whole", "train")] == [4, 6]
+    assert sum(r["tokens"] for r in _records(stopped, "train")) == \
+        sum(r["tokens"] for r in _records(tmp_path / "whole", "train"))
+
+
 def test_a_signal_during_the_last_step_ends_the_process_after_a_complete_run(run_inputs,
                                                                            tmp_path):
     """The run is complete and saved, but the signal is not swallowed: the process exits

@@ -592,8 +592,10 @@ def train(cfg: TrainConfig) -> dict:
                 opt.step()
                 opt.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
             scheduler.step()
-            # 4. Log (window sums over all ranks).
-            if step % cfg.log_every == 0 or step == total:
+            # 4. Log (window sums over all ranks); a stop agreed by every rank logs its
+            #    step too, so no step's tokens and losses go unlogged across the resume.
+            stopping = stop.agreed()
+            if step % cfg.log_every == 0 or step == total or stopping:
                 stats, now = all_sum(window).tolist(), time.perf_counter()
                 last_train = {"kind": "train", "step": step,
                               "epoch": plan.epoch_of[(step - 1) * plan.per_step],
@@ -622,7 +624,6 @@ def train(cfg: TrainConfig) -> dict:
                     best = {"step": step, "chain_acceptance_length": al, "chain_by_k": chain,
                             "sim_acceptance_length": last_eval["sim_acceptance_length"]}
             # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
-            stopping = stop.agreed()
             if step % cfg.save_every == 0 or step == total or new_best or stopping:
                 save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
                           best=best, record=record, last_train=last_train, last_eval=last_eval)

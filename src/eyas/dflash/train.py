@@ -236,8 +236,10 @@ def train_dflash(cfg: TrainConfig) -> dict:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             scheduler.step()
-            # 4. Log (window sums over all ranks).
-            if step % cfg.log_every == 0 or step == total:
+            # 4. Log (window sums over all ranks); a stop agreed by every rank logs its
+            #    step too, so no step's tokens and losses go unlogged across the resume.
+            stopping = stop.agreed()
+            if step % cfg.log_every == 0 or step == total or stopping:
                 stats, now = all_sum(window).tolist(), time.perf_counter()
                 last_train = {"kind": "train", "step": step,
                               "epoch": plan.epoch_of[(step - 1) * plan.per_step],
@@ -267,7 +269,6 @@ def train_dflash(cfg: TrainConfig) -> dict:
                     best = {"step": step, "acceptance_length": al,
                             "by_k": last_eval["acceptance_length"]}
             # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
-            stopping = stop.agreed()
             if step % cfg.save_every == 0 or step == total or new_best or stopping:
                 save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
                           best=best, record=config_record, last_train=last_train,
