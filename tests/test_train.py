@@ -514,7 +514,9 @@ def test_the_data_loaders_workers_outlive_a_stop_meant_for_the_loop(run_inputs):
     try:  # the workers fork with the default dispositions, as when the loop's are not set
         it = iter(data.loader(source, plan, 256, torch.float32, num_workers=2,
                               pin_memory=False))
-        got = [next(it)]
+        # batches go to the workers in turn: two batches back, both workers have run their
+        # worker_init_fn (before it, a worker has the dispositions it forked with)
+        got = [next(it), next(it)]
         for pid in (w.pid for w in it._workers):
             os.kill(pid, signal.SIGTERM)
             os.kill(pid, signal.SIGINT)
@@ -522,6 +524,8 @@ def test_the_data_loaders_workers_outlive_a_stop_meant_for_the_loop(run_inputs):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if "it" in locals():
+            it._shutdown_workers()  # a failed run must not leave workers for pytest's exit
     assert len(got) == len(plan)
 
 
