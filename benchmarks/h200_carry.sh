@@ -3,8 +3,12 @@
 # H200 (offline there). Each session's checkout starts without them (they are ignored by git),
 # so this is the first thing a session that plans a lease runs (docs/benchmarks.md, "A lease,
 # call by call"); ~10 minutes with a fresh pip cache.
-#   bash benchmarks/h200_carry.sh [vllm] [qwen]
+#   bash benchmarks/h200_carry.sh [vllm] [qwen] [peers]
 #     vllm: also the vLLM bundle, .carry/v0..v3
+#     peers: also .whl-peers (5.3 MB, 13 wheels): the peer trainers of benchmarks/peers/
+#           (speculators 0.9.0, specforge 0.2.0) and those of their needs that the H200 image
+#           lacks and their training path imports; carried with .carry/c, installed by
+#           h200_lease.sh c into $W/peersite (benchmarks/peers/README.md, "The wheels")
 #     qwen: also Qwen2.5-Coder-0.5B-Instruct's GGUF (issue 33) in 45 MB parts, .carry/q0..q10
 #           (for h200_lease.sh gpart: each with the parts' SHA256SUMS and qwen.gguf.sha256)
 # writes:
@@ -30,7 +34,8 @@ CACHE=${EYAS_TEST_CACHE:-$HOME/.cache/eyas-test}
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 rm -rf .carry/a .carry/b .carry/c .carry/e
 mkdir -p .whl .carry/a .carry/b/bench .carry/c .carry/e/bench "$DL" "$CACHE"
-grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo /.carry/ >> .git/info/exclude
+X=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+mkdir -p "$(dirname "$X")" && { grep -qx '/.carry/' "$X" 2>/dev/null || echo /.carry/ >> "$X"; }
 
 # the wheels, for the H200's CPython 3.12 (pure Python but multiprocess, built per version)
 rm -f .whl/*.whl
@@ -92,11 +97,31 @@ if [[ " $* " == *" qwen "* ]]; then
   done
 fi
 
+if [[ " $* " == *" peers "* ]]; then
+  # The image has torch, triton, transformers, accelerate, safetensors, numpy, pyyaml, psutil,
+  # httpx, anyio, aiohttp, click, rich, typer, tqdm, protobuf, tensorboard (the Python
+  # packages of /work/.library/device/KINDS.md); datasets comes from .whl. The rest of what
+  # `python -m speculators train` and `specforge train` import (checked on an image-like site):
+  # openai (2.x: the image's httpx; 3.x needs httpx2) is imported by speculators.train.data;
+  # pydantic-settings by its train config (session 22's lease lacked it and speculators' run
+  # died). Not carried: jiter (not imported), sglang, yunchang, wandb, openai-harmony
+  # (SpecForge's online/USP/tracking paths), mooncake (speculators' extras).
+  rm -rf .whl-peers && mkdir -p .whl-peers
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl-peers speculators==0.9.0 specforge==0.2.0 hs-connectors==0.9.0 loguru==0.7.3 \
+      openai==2.54.0 distro==1.9.0 sniffio==1.3.1 pydantic==2.14.4 pydantic-core==2.50.5 \
+      annotated-types==0.8.0 typing-inspection==0.4.5 pydantic-settings==2.16.3 \
+      python-dotenv==1.2.4
+  [ "$(ls .whl-peers/*.whl | wc -l)" -eq 13 ] || { echo ".whl-peers: not 13 wheels" >&2; exit 1; }
+fi
+
 tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 for d in .carry/a .carry/b .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]*; do
   [ -d "$d" ] || continue
   n=$(( tree + $(du -sb "$d" | cut -f1) ))
   [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too
+  [ $d = .carry/c ] && [ -d .whl-peers ] && n=$(( n + $(du -sb .whl-peers | cut -f1) ))  # c: the peers
   echo "$d: $n bytes with the tree (limit $((64 << 20)))"
   [ $n -lt $((64 << 20)) ] || { echo "$d is too big to carry" >&2; exit 1; }
 done

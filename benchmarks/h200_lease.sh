@@ -7,14 +7,13 @@
 #   a          carry .carry/a + .whl: the GGUF's first third, realdata.tgz, the wheels
 #              (installed into $W/site); copies this tree's src, benchmarks, tests and
 #              pyproject.toml to $W/repo (later calls replace the tree, never $W/repo)
-#   b          carry .carry/b (+ .whl-peers when the peers run): the second third,
-#              scale.tgz (real_data.py --scale: scale-realdata/), the peers' wheels ($W/peersite,
-#              without the duplicates of .whl), the bench archives ($EYAS_BENCH_CACHE =
+#   b          carry .carry/b: the second third,
+#              scale.tgz (real_data.py --scale: scale-realdata/), the bench archives ($EYAS_BENCH_CACHE =
 #              $W/bench); the ablation's 2,000 conversations, gunzipped into $W, and the scale
 #              corpus ($W/corpus): that seed and the parts committed in
 #              benchmarks/results/scale-corpus/; the committed scale-smollm2.json into $W
-#   c          carry .carry/c: the last third (the GGUF joined into $W/smol.gguf, sha256
-#              checked)
+#   c          carry .carry/c (+ .whl-peers when the peers run: installed into $W/peersite):
+#              the last third (the GGUF joined into $W/smol.gguf, sha256 checked)
 #   e          carry .carry/e: alpaca's and arena-hard's archive into $W/bench (only when
 #              eyas eval --bench measures those sets)
 #   vpart DIR  carry DIR (.carry/v0 .. v3: one 45 MB part of the vLLM bundle of
@@ -66,6 +65,13 @@ collect() {  # copy the part folder $1 into $2 and cd there; true once every par
   done
   sha256sum -c "$sums" || exit 1
 }
+# the peers' wheels (.whl-peers, built by h200_carry.sh peers), when this call carries them:
+# into $W/peersite (PEER_SITE of real_model_h200.sh); carry them with c (b is too full)
+peers() {
+  ls .whl-peers/*.whl > /dev/null 2>&1 || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target $W/peersite $(ls .whl-peers/*.whl | grep -Ev "datasets-|dill-|multiprocess-")
+}
 case $step in
 a)
   mkdir -p $W/site $W/repo /tmp/gguf
@@ -78,11 +84,7 @@ a)
   ls $W ;;
 b)
   cp .carry/b/gguf.part-ab /tmp/gguf/ || exit 1
-  skip="datasets-|dill-|multiprocess-"
-  if ls .whl-peers/*.whl > /dev/null 2>&1; then  # carried only when the peers run
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target $W/peersite $(ls .whl-peers/*.whl | grep -Ev "$skip") || exit 1
-  fi
+  peers || exit 1
   tar xzf .carry/b/scale.tgz -C $W || exit 1
   mkdir -p $W/bench && cp .carry/b/bench/* $W/bench/
   gunzip -c $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
@@ -98,6 +100,7 @@ b)
   cp $W/repo/benchmarks/results/scale-smollm2.json $W/ 2>/dev/null  # the curve so far
   ls -la $W/corpus ;;
 c)
+  peers || exit 1
   cp .carry/c/gguf.part-ac /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
   sha256sum $W/smol.gguf | grep ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ||
     { echo "the joined GGUF's sha256 differs"; exit 1; }
