@@ -212,9 +212,13 @@ poll)
   for r in $W/scale/regen-p*/out/rejects.jsonl; do
     [ -f "$r" ] && cp "$r" "$R/partial-rejects-$(basename "$(dirname "$(dirname "$r")")").jsonl"
   done
-  # each size's progress (its log's tail: a training's step lines, tokens/s and ETA)
-  for g in $W/scale/size-*/log.txt; do
-    [ -f "$g" ] && tail -n 30 "$g" > "$R/tail-$(basename "$(dirname "$g")").txt"
+  # each size's, variant's and the pipeline's progress (its log's tail: a training's step
+  # lines, tokens/s and ETA, an eval's result lines), and a peer's own training log
+  for g in $W/scale/size-*/log.txt $W/run/recipe-*/log.txt $W/run/log.txt; do
+    [ -f "$g" ] && grep -v "it/s\]" "$g" | tail -n 30 > "$R/tail-$(basename "$(dirname "$g")").txt"
+  done
+  for g in $W/run/recipe-peer-*/train.log; do
+    [ -f "$g" ] && tail -n 40 "$g" | cut -c1-400 > "$R/tail-$(basename "$(dirname "$g")")-train.txt"
   done
   tar czf "$OUT/results.tgz" --exclude='conversations*.jsonl.gz' -C $W results 2>/dev/null
   ls -la "$OUT"
