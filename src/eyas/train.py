@@ -631,6 +631,9 @@ def train(cfg: TrainConfig) -> dict:
                 stop.exit(env, step, total, run_dir)
     finally:
         stop.restore()
+        # drop the workers now: a traceback kept until exit would hold them, and at exit
+        # multiprocessing's terminate (SIGTERM, ignored by them) and join would hang
+        batches = None
     # ---- finish: curves, manifest, summary
     if metrics:
         metrics.close()
