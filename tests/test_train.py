@@ -394,6 +394,8 @@ calls, clip = [0], torch.nn.utils.clip_grad_norm_
 def clip_then_signal(*args, **kwargs):  # during step 3, as a scheduler's preemption would
     calls[0] += 1
     if calls[0] == int(sys.argv[4]):  # to this process, or to its whole group (the DataLoader's workers too)
+        if sys.argv[2] == "RAISE":  # an error nothing catches (an OOM, a full disk) instead
+            raise RuntimeError("step failed")
         sig = getattr(signal, sys.argv[2])
         os.killpg(os.getpgid(0), sig) if sys.argv[3] == "group" else os.kill(os.getpid(), sig)
     return clip(*args, **kwargs)
@@ -402,6 +404,19 @@ def clip_then_signal(*args, **kwargs):  # during step 3, as a scheduler's preemp
 torch.nn.utils.clip_grad_norm_ = clip_then_signal
 train(TrainConfig(**json.loads(sys.argv[1])))
 """
+
+
+def _signalled(run_inputs, out: Path, kw: dict, signame: str, to: str, step: int,
+               timeout: int = 300) -> subprocess.CompletedProcess:
+    """`train` on `_cfg(run_inputs, out, **kw)` in a child of its own session, sent `signame`
+    (or "RAISE": an uncaught error) during step `step`, to itself or to its process group."""
+    script = out.parent / f"terminator-{out.name}.py"
+    script.write_text(TERMINATOR)
+    return subprocess.run([sys.executable, str(script),
+                           json.dumps(to_dict(_cfg(run_inputs, out, **kw))), signame, to,
+                           str(step)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout, start_new_session=True)
 
 
 @pytest.mark.parametrize("signame,to,workers", [("SIGTERM", "process", 0),
@@ -421,13 +436,7 @@ def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs
     try:
         train(_cfg(run_inputs, tmp_path / "whole", **kw))
         stopped = tmp_path / "stopped"
-        script = tmp_path / "terminator.py"
-        script.write_text(TERMINATOR)
-        proc = subprocess.run([sys.executable, str(script),
-                               json.dumps(to_dict(_cfg(run_inputs, stopped, **kw))), signame,
-                               to, "3"],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=300, start_new_session=True)
+        proc = _signalled(run_inputs, stopped, kw, signame, to, 3)
         assert proc.returncode == 128 + getattr(signal, signame), proc.stderr[-3000:]
         assert f"stopped by {signame} after step 3 of 6" in proc.stderr
         assert checkpoint.read_pointer(stopped, "last").name == "step-00000003"
@@ -449,13 +458,7 @@ def test_a_stop_between_logging_steps_logs_its_step(run_inputs, tmp_path):
     kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target", log_every=4)
     train(_cfg(run_inputs, tmp_path / "whole", **kw))
     stopped = tmp_path / "stopped"
-    script = tmp_path / "terminator.py"
-    script.write_text(TERMINATOR)
-    proc = subprocess.run([sys.executable, str(script),
-                           json.dumps(to_dict(_cfg(run_inputs, stopped, **kw))), "SIGTERM",
-                           "process", "3"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = _signalled(run_inputs, stopped, kw, "SIGTERM", "process", 3)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     assert [r["step"] for r in _records(stopped, "train")] == [3]
     train(_cfg(run_inputs, stopped, **kw))
@@ -471,17 +474,21 @@ def test_a_signal_during_the_last_step_ends_the_process_after_a_complete_run(run
     128 + it, so that `eyas run` does not go on to the next stage."""
     kw = dict(max_steps=4, save_every=100, eval_every=100, lm_head="target")
     out = tmp_path / "run"
-    script = tmp_path / "terminator.py"
-    script.write_text(TERMINATOR)
-    proc = subprocess.run([sys.executable, str(script),
-                           json.dumps(to_dict(_cfg(run_inputs, out, **kw))), "SIGTERM",
-                           "process", "4"],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = _signalled(run_inputs, out, kw, "SIGTERM", "process", 4)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     assert "SIGTERM came during the last step" in proc.stderr
     assert json.loads((out / "eyas.json").read_text())["complete"]
     assert checkpoint.read_pointer(out, "last").name == "step-00000004"
+
+
+def test_an_error_with_workers_ends_the_process(run_inputs, tmp_path):
+    """An error nothing catches, with DataLoader workers that ignore SIGTERM: the process
+    still exits (non-zero) instead of hanging in multiprocessing's exit-time terminate and
+    join, which a kept traceback's hold on the workers would reach."""
+    kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target", num_workers=2)
+    proc = _signalled(run_inputs, tmp_path / "run", kw, "RAISE", "process", 2, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: step failed" in proc.stderr
 
 
 def test_stop_on_signal_keeps_an_ignored_signal_ignored_and_restores_a_foreign_handler():
