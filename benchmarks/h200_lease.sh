@@ -84,7 +84,6 @@ a)
   ls $W ;;
 b)
   cp .carry/b/gguf.part-ab /tmp/gguf/ || exit 1
-  peers || exit 1
   tar xzf .carry/b/scale.tgz -C $W || exit 1
   mkdir -p $W/bench && cp .carry/b/bench/* $W/bench/
   gunzip -c $W/repo/benchmarks/results/ablation-h200/conversations-2000.jsonl.gz \
