@@ -138,6 +138,12 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     assert r["stopped_early"] is None and r["not_run"] == []
     assert [e["way"] for e in r["engines"]] == ["none", "ngram k=2", "eagle3 k=1", "eagle3 k=3"]
     assert all(e["start_s"] > 0 and e["measurements"] == 4 for e in r["engines"])
+    # the configs as asked: vLLM 0.24 (GPU) wrote its ModelConfig into the dict it was given,
+    # and the JSON could not be written after the first engine with speculation
+    assert [e["speculative_config"] for e in r["engines"]] == [None, {
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}] + [{"method": "eagle3", "model": draft,
+                                     "num_speculative_tokens": k} for k in (1, 3)]
     assert len(r["rows"]) == 16 and len(r["summary"]) == 4
     for row in r["rows"]:
         assert row["output_tokens"] == 6 * NEW_TOKENS and row["output_tokens_per_s"] > 0

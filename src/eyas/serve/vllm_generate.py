@@ -10,6 +10,7 @@ differently (docs/regenerate.md).
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import time
@@ -90,8 +91,11 @@ class VLLMGenerator:
         self._params = vllm.SamplingParams
         log.info("starting vLLM %s on %s (%s)", vllm.__version__, target, engine or "defaults")
         start = time.perf_counter()
+        # a copy: vLLM 0.24 writes into a speculative_config dict it is given (its target's
+        # ModelConfig under "target_model_config"), which the caller may keep or print
         self.llm = vllm.LLM(model=str(target), revision=revision, dtype=dtype,
-                            trust_remote_code=trust_remote_code, seed=seed, **engine)
+                            trust_remote_code=trust_remote_code, seed=seed,
+                            **copy.deepcopy(engine))
         # its memory profile is done: from here, other GPU processes may come and go
         log.info("vLLM engine ready in %.0f s", time.perf_counter() - start)
 
