@@ -137,6 +137,10 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="eyas train --lr (default: eyas train's own, 1e-3 since issue 31; the "
                         "runs recorded before 2026-12-02 used 3e-4)")
+    p.add_argument("--after-export", default=None, metavar="CMD",
+                   help="a shell command run once the draft is exported, before the evals "
+                        "(e.g. benchmarks/served_speed.py: timed alone on the GPU, not beside "
+                        "an eval); its seconds and exit status go in the result")
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--indist-prompts", type=int, default=300)
     p.add_argument("--heldout-prompts", type=int, default=200)
@@ -187,6 +191,14 @@ def main(argv=None) -> None:
                      log=log, out=work / "run")
     t["export"] = run("export", "--checkpoint", work / "run", "--out", work / "draft", log=log,
                       out=work / "draft")
+    after_export_rc = None
+    if a.after_export:
+        start = time.perf_counter()
+        with log.open("a") as f:
+            f.write(f"\n$ {a.after_export}\n")
+        after_export_rc = subprocess.run(a.after_export, shell=True).returncode
+        t["after_export"] = time.perf_counter() - start
+        print(f"after export: {t['after_export']:.1f} s (rc {after_export_rc})", flush=True)
     ks = [int(k) for k in a.k.split(",")]
     ev = ["--target", a.target, "--draft", work / "draft", "--k", a.k, "--max-new-tokens",
           a.eval_tokens, "--dtype", a.dtype, "--workers", a.workers, "--device", a.device,
@@ -220,6 +232,8 @@ def main(argv=None) -> None:
                        "conversations_used": sum(1 for _ in conversations.open())},
         "tokens": prep.get("stats", {}).get("tokens"),
         "seconds": {k: round(v, 1) for k, v in t.items()},
+        **({"after_export": {"command": a.after_export, "rc": after_export_rc}}
+           if a.after_export else {}),
         "training_eval": {"step": best["step"], "per_step_acc": best["acc"],
                           "sim_acceptance_length_product": best["sim_acceptance_length"],
                           "positions": best["positions"]},

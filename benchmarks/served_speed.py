@@ -224,8 +224,22 @@ def speedups(rows: list[dict]) -> list[dict]:
             and eagle["eyas_eval"]["acceptance_length"],
             "eagle3_eyas_eval_ci95": eagle and eagle["eyas_eval"] and eagle["eyas_eval"]["ci95"],
             "tpot_p50_ms_none": none and none["tpot_ms"]["p50"],
-            "tpot_p50_ms_eagle3": eagle and eagle["tpot_ms"]["p50"]})
+            "tpot_p50_ms_eagle3": eagle and eagle["tpot_ms"]["p50"],
+            **break_even(none, eagle)})
     return out
+
+
+def break_even(none: dict | None, eagle: dict | None) -> dict:
+    """What one verify step of the eagle3 row costs and the acceptance length at which it
+    would only match no speculation: a step yields AL tokens per request in TPOT x AL (mean
+    TPOT), against one token per step in the TPOT without speculation. A draft pays on this
+    target, batch and k only where its AL is above `eagle3_break_even_al`."""
+    if not (none and eagle and eagle["vllm"] and none["tpot_ms"]["mean"]
+            and eagle["tpot_ms"]["mean"]):
+        return {"eagle3_step_ms": None, "eagle3_break_even_al": None}
+    step = eagle["tpot_ms"]["mean"] * eagle["vllm"]["acceptance_length"]
+    return {"eagle3_step_ms": round(step, 3),
+            "eagle3_break_even_al": round(step / none["tpot_ms"]["mean"], 3)}
 
 
 def _f(x, digits: int = 2) -> str:
@@ -241,8 +255,9 @@ def markdown(result: dict) -> str:
              + (f"; stopped early: {result['stopped_early']}" if result["stopped_early"]
                 else ""), "",
              "| set | T | batch | none tok/s | n-gram tok/s (k) | eyas tok/s (k) | x none | "
-             "x n-gram | AL vLLM | AL eyas eval [95 %] | TPOT p50 ms none / eyas |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "x n-gram | AL vLLM | AL eyas eval [95 %] | TPOT p50 ms none / eyas | "
+             "break-even AL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result["summary"]:
         ci = s["eagle3_eyas_eval_ci95"]
         lines.append(
@@ -252,7 +267,8 @@ def markdown(result: dict) -> str:
             f"| {_f(s['eagle3_over_none'])} | {_f(s['eagle3_over_ngram'])} "
             f"| {_f(s['eagle3_vllm_al'], 3)} | {_f(s['eagle3_eyas_eval_al'], 3)}"
             + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
-            + f" | {_f(s['tpot_p50_ms_none'])} / {_f(s['tpot_p50_ms_eagle3'])} |")
+            + f" | {_f(s['tpot_p50_ms_none'])} / {_f(s['tpot_p50_ms_eagle3'])} "
+            f"| {_f(s.get('eagle3_break_even_al'))} |")
     lines += ["", "| way | set | T | batch | prompts | tok/s | TPOT mean / p50 / p90 ms | "
                   "AL vLLM | AL eyas eval | same outputs (T=0) |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -360,8 +376,34 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
     return record
 
 
+def attach_reports(result: dict, report_paths: list[str]) -> dict:
+    """`served_speed.py attach --json X --eyas-report R ...`: `eyas eval`'s acceptance set
+    beside every speculative row of a finished run, and its summary and table made again,
+    for reports made after the run (a lease that serves first and evaluates after)."""
+    reports = [json.loads(Path(r).read_text()) for r in report_paths]
+    for row in result["rows"]:
+        if row["way"] != "none":
+            row["eyas_eval"] = eyas_eval_al(reports, Way(row["way"], row["k"]), row["set"],
+                                            row["temperature"])
+    result["eyas_reports"] = list(dict.fromkeys(result.get("eyas_reports", []) + report_paths))
+    result["summary"] = speedups(result["rows"])
+    return result
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["attach"]:
+        p = argparse.ArgumentParser(prog="served_speed.py attach",
+                                    description=attach_reports.__doc__)
+        p.add_argument("--json", required=True, help="a served_speed.py result, rewritten")
+        p.add_argument("--eyas-report", action="append", required=True,
+                       help="an eyas eval report.json on the same prompts (repeatable)")
+        a = p.parse_args(argv[1:])
+        out = Path(a.json)
+        result = attach_reports(json.loads(out.read_text()), a.eyas_report)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(result))
+        return result
     a = parse_args(argv)
     started = time.perf_counter()
     deadline = started + 60 * a.max_minutes if a.max_minutes else float("inf")

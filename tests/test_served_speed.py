@@ -44,6 +44,45 @@ def test_speedups_take_the_fastest_k_of_each_way_per_batch():
          "stopped_early": None, "not_run": [], "summary": [one, eight], "rows": rows})
 
 
+def test_break_even_al_is_the_step_time_over_the_time_per_token_without_speculation():
+    # session 23's lease, Qwen2.5-Coder-0.5B, MT-bench, batch 1, T=0: 1.40 ms per token
+    # without speculation, 3.04 ms per token with eagle3 k=3 at vLLM's AL 1.693
+    none, eagle = _row("none", 0, 685.5), _row("eagle3", 3, 319.9, al=1.693)
+    none["tpot_ms"]["mean"], eagle["tpot_ms"]["mean"] = 1.40, 3.04
+    (s,) = served_speed.speedups([none, eagle])
+    assert (s["eagle3_step_ms"], s["eagle3_break_even_al"]) == (5.147, 3.676)
+    assert s["eagle3_over_none"] < 1  # below its break-even AL, the draft costs time
+    (alone,) = served_speed.speedups([eagle])
+    assert alone["eagle3_break_even_al"] is None
+    assert "| 3.68 |" in served_speed.markdown(
+        {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
+         "stopped_early": None, "not_run": [], "summary": [s], "rows": [none, eagle]})
+
+
+def test_reports_made_after_the_run_are_attached_to_its_rows(tmp_path):
+    rows = [_row("none", 0, 100.0), _row("eagle3", 3, 180.0, al=2.4),
+            _row("ngram", 4, 150.0, al=2.9)]
+    result = {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t",
+              "max_new_tokens": 1, "stopped_early": None, "not_run": [], "rows": rows,
+              "summary": served_speed.speedups(rows), "eyas_reports": []}
+    out = tmp_path / "served.json"
+    out.write_text(json.dumps(result))
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({
+        "temperature": 0.0, "primary": "eagle3", "num_prompts": 4,
+        "ci95": {"3": {"mean_acceptance_length": [2.2, 2.6]}},
+        "results": [{"method": m, "k": k, "mean_acceptance_length": al, "drafts": 7,
+                     "per_position_acceptance": [0.5]} for m, k, al in
+                    (("eagle3", 3, 2.41), ("ngram", 4, 2.88))]}))
+    got = served_speed.main(["attach", "--json", str(out), "--eyas-report", str(report)])
+    assert json.loads(out.read_text()) == got
+    assert [r["eyas_eval"] and r["eyas_eval"]["acceptance_length"] for r in got["rows"]] == \
+        [None, 2.41, 2.88]
+    assert got["summary"][0]["eagle3_eyas_eval_ci95"] == [2.2, 2.6]
+    assert got["eyas_reports"] == [str(report)]
+    assert "| 2.410 [2.200, 2.600] |" in out.with_suffix(".md").read_text()
+
+
 def test_eyas_report_is_matched_by_temperature_set_method_and_k():
     result = {"method": "eagle3", "k": 3, "mean_acceptance_length": 2.1, "drafts": 9,
               "per_position_acceptance": [0.6, 0.3, 0.2]}
