@@ -457,11 +457,14 @@ def test_dflash_resume_continues_exactly(dflash_inputs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("eval_every", [100, 3])
 def test_dflash_stops_on_sigterm_after_saving_and_resumes_exactly(dflash_inputs, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, eval_every):
     """SIGTERM during step 3 (no save due): step 3 is saved, SystemExit(143), and the same
     config resumes to the weights of a run never stopped (the EAGLE-3 loop's test runs it in
-    a child process: tests/test_train.py)."""
+    a child process: tests/test_train.py). On an eval step (--eval-every 3) the stop saves
+    without the eval, and the resumed run evaluates step 3 before step 4."""
+    import json
     import os
     import signal
 
@@ -470,9 +473,13 @@ def test_dflash_stops_on_sigterm_after_saving_and_resumes_exactly(dflash_inputs,
     from eyas.store import checkpoint
     from eyas.train import train
 
-    kw = dict(max_steps=6, eval_every=100)
-    train(_dflash_train_cfg(dflash_inputs, tmp_path / "a", **kw))
+    kw = dict(max_steps=6, eval_every=eval_every)
+    whole = train(_dflash_train_cfg(dflash_inputs, tmp_path / "a", **kw))
     calls, clip = [0], torch.nn.utils.clip_grad_norm_
+
+    def evals(run):
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if r["kind"] == "eval"]
 
     def clip_then_sigterm(*args, **kwargs):
         calls[0] += 1
@@ -487,7 +494,11 @@ def test_dflash_stops_on_sigterm_after_saving_and_resumes_exactly(dflash_inputs,
     assert stopped.value.code == 143
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # ours is gone again
     assert checkpoint.read_pointer(tmp_path / "b", "last").name == "step-00000003"
-    train(_dflash_train_cfg(dflash_inputs, tmp_path / "b", **kw))
+    assert [r["step"] for r in evals(tmp_path / "b")] == [0]
+    resumed = train(_dflash_train_cfg(dflash_inputs, tmp_path / "b", **kw))
+    assert [(r["step"], r["acceptance_length"]) for r in evals(tmp_path / "b")] == \
+        [(r["step"], r["acceptance_length"]) for r in evals(tmp_path / "a")]
+    assert resumed["best"] == whole["best"]
     a = load_file(str(checkpoint.step_dir(tmp_path / "a", 6) / "draft.safetensors"))
     b = load_file(str(checkpoint.step_dir(tmp_path / "b", 6) / "draft.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

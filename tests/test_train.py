@@ -396,8 +396,10 @@ def clip_then_signal(*args, **kwargs):  # during step 3, as a scheduler's preemp
     if calls[0] == int(sys.argv[4]):  # to this process, or to its whole group (the DataLoader's workers too)
         if sys.argv[2] == "RAISE":  # an error nothing catches (an OOM, a full disk) instead
             raise RuntimeError("step failed")
-        sig = getattr(signal, sys.argv[2])
-        os.killpg(os.getpgid(0), sig) if sys.argv[3] == "group" else os.kill(os.getpid(), sig)
+        name, times = (sys.argv[2].split("*") + ["1"])[:2]  # SIGTERM*2: twice at once
+        for _ in range(int(times)):
+            sig = getattr(signal, name)
+            os.killpg(os.getpgid(0), sig) if sys.argv[3] == "group" else os.kill(os.getpid(), sig)
     return clip(*args, **kwargs)
 
 
@@ -466,6 +468,80 @@ def test_a_stop_between_logging_steps_logs_its_step(run_inputs, tmp_path):
     assert [r["step"] for r in _records(tmp_path / "whole", "train")] == [4, 6]
     assert sum(r["tokens"] for r in _records(stopped, "train")) == \
         sum(r["tokens"] for r in _records(tmp_path / "whole", "train"))
+
+
+def test_the_same_signal_twice_at_once_is_one_request_to_stop(run_inputs, tmp_path):
+    """A scheduler's SIGTERM that reaches a rank directly and again through torchrun (which
+    passes on what it gets), or Ctrl-C from the terminal and torchrun's SIGTERM after it: the
+    step is still saved, as for one signal, where a second signal acting at once killed the
+    process unsaved."""
+    kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target")
+    out = tmp_path / "stopped"
+    proc = _signalled(run_inputs, out, kw, "SIGTERM*2", "process", 3)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "stopped by SIGTERM after step 3 of 6" in proc.stderr
+    assert checkpoint.read_pointer(out, "last").name == "step-00000003"
+
+
+def test_a_stop_on_an_eval_step_saves_first_and_the_resumed_run_evaluates_it(run_inputs,
+                                                                            tmp_path):
+    """SIGTERM during step 3 of 6 with --eval-every 3: the step is saved without its eval
+    (torchrun allows a rank 30 s after a SIGTERM; an eval on a real eval split can take
+    longer), and the resumed run evaluates step 3 before step 4, so that its evals, best
+    checkpoint and weights are those of a run never stopped."""
+    kw = dict(max_steps=6, save_every=100, eval_every=3, lm_head="target")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float sums depend on the thread count: one, like the child
+    try:
+        whole = train(_cfg(run_inputs, tmp_path / "whole", **kw))
+        stopped = tmp_path / "stopped"
+        proc = _signalled(run_inputs, stopped, kw, "SIGTERM", "process", 3)
+        assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+        assert [r["step"] for r in _records(stopped, "eval")] == [0]  # step 3's: not run
+        # resumed, and stopped again during step 4: step 3's eval ran first and made step 3
+        # the best (above step 0's); step 4's save records it, step 3's folder kept
+        proc = _signalled(run_inputs, stopped, kw, "SIGTERM", "process", 1)
+        assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+        assert [r["step"] for r in _records(stopped, "eval")] == [0, 3]
+        assert checkpoint.read_pointer(stopped, "best").name == "step-00000003"
+        resumed = train(_cfg(run_inputs, stopped, **kw))
+    finally:
+        torch.set_num_threads(threads)
+    evals = _records(stopped, "eval")
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert [r["chain"] for r in evals] == [r["chain"] for r in _records(tmp_path / "whole",
+                                                                        "eval")]
+    assert resumed["best"] == whole["best"]
+    assert checkpoint.read_pointer(stopped, "best").name == \
+        checkpoint.read_pointer(tmp_path / "whole", "best").name
+    a, b = _weights(tmp_path / "whole", 6), _weights(stopped, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ"
+
+
+REPEATER = """
+import os, signal, sys, time
+from eyas.draft.train_setup import StopOnSignal
+
+StopOnSignal.REPEAT_S = 0.5
+stop = StopOnSignal()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGINT)  # within REPEAT_S: the same request
+print("asked", stop.signum, flush=True)
+time.sleep(0.8)
+os.kill(os.getpid(), signal.SIGTERM)  # a second request: acts at once
+time.sleep(10)
+print("still here", flush=True)
+"""
+
+
+def test_a_second_signal_after_the_repeat_window_stops_at_once(tmp_path):
+    script = tmp_path / "repeater.py"
+    script.write_text(REPEATER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.split() == ["asked", str(int(signal.SIGTERM))]
+    assert "SIGINT 0.0 s after the first signal: the same request" in proc.stderr
 
 
 def test_a_signal_during_the_last_step_ends_the_process_after_a_complete_run(run_inputs,

@@ -516,6 +516,7 @@ def train(cfg: TrainConfig) -> dict:
     state = resume(cfg, env, model, optimizer, scheduler, plan, record)
     if state is not None:
         start, best = state["step"], state["best"]
+    eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
     pin = env.device.type == "cuda" and not cfg.online
     mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
@@ -543,6 +544,20 @@ def train(cfg: TrainConfig) -> dict:
                      "/".join(str(chain.get(str(k))) for k in (1, 3, steps)), steps)
         return record
 
+    def judge(step: int) -> tuple[dict, bool]:
+        """Step `step`'s eval, and whether it is the best so far: the highest acceptance
+        length of chain decoding replayed on the eval set with k = ttt_steps (counted as
+        vLLM counts it; the per-step product overstates it: docs/train.md)."""
+        nonlocal best
+        ev = run_eval(step)
+        al = ev["chain"]["acceptance_length"][str(steps)] or 1.0
+        new = best["step"] is None or al > best.get("chain_acceptance_length", 0.0)
+        if new:
+            best = {"step": step, "chain_acceptance_length": al,
+                    "chain_by_k": ev["chain"]["acceptance_length"],
+                    "sim_acceptance_length": ev["sim_acceptance_length"]}
+        return ev, new
+
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
                        aux_layer_ids=list(inputs.aux_layer_ids), complete=False)
@@ -550,6 +565,10 @@ def train(cfg: TrainConfig) -> dict:
                  "per step over %d rank(s) on %s", start + 1, total, len(inputs.train_ids),
                  plan.per_step, plan.packing.rows, row, env.world_size, env.device.type)
     last_train, last_eval = {}, (run_eval(0) if plan.eval_batches and start == 0 else {})
+    # the eval a stop left; a best it finds is recorded by the next save, which keeps that
+    # step's folder
+    if eval_due and plan.eval_batches:
+        last_eval, _ = judge(start)
     window = torch.zeros(3 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
     model.train()
@@ -611,22 +630,19 @@ def train(cfg: TrainConfig) -> dict:
                 if metrics:
                     metrics.write(last_train)
                     log.info(_progress(last_train, total, now - t_start, start))
-            # 5. Evaluate; the best checkpoint has the highest acceptance length of chain
-            #    decoding replayed on the eval set with k = ttt_steps (counted as vLLM counts
-            #    it; the per-step product overstates it: docs/train.md).
-            new_best = False
+            # 5. Evaluate (the best checkpoint: `judge`); a stop saves first and leaves the
+            #    eval to the resumed run, which runs it before its first step.
+            new_best = eval_due = False
             if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
-                last_eval = run_eval(step)
-                chain = last_eval["chain"]["acceptance_length"]
-                al = chain[str(steps)] or 1.0
-                new_best = best["step"] is None or al > best.get("chain_acceptance_length", 0.0)
-                if new_best:
-                    best = {"step": step, "chain_acceptance_length": al, "chain_by_k": chain,
-                            "sim_acceptance_length": last_eval["sim_acceptance_length"]}
+                if stopping and step < total:
+                    eval_due = True
+                else:
+                    last_eval, new_best = judge(step)
             # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
             if step % cfg.save_every == 0 or step == total or new_best or stopping:
                 save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
-                          best=best, record=record, last_train=last_train, last_eval=last_eval)
+                          best=best, record=record, last_train=last_train, last_eval=last_eval,
+                          eval_due=eval_due)
             if stopping and step < total:
                 stop.exit(env, step, total, run_dir)
     finally:

@@ -179,6 +179,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     state = resume(cfg, env, model, optimizer, scheduler, plan, config_record)
     if state is not None:
         start, best = state["step"], state["best"]
+    eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers
     pin = env.device.type == "cuda" and not cfg.online
     mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
@@ -199,6 +200,17 @@ def train_dflash(cfg: TrainConfig) -> dict:
                      b - 1)
         return record
 
+    def judge(step: int) -> tuple[dict, bool]:
+        """Step `step`'s eval, and whether it is the best so far (the highest acceptance
+        length at k = B - 1)."""
+        nonlocal best
+        ev = run_eval(step)
+        al = ev["acceptance_length"][str(b - 1)]
+        new = best["step"] is None or al > best["acceptance_length"]
+        if new:
+            best = {"step": step, "acceptance_length": al, "by_k": ev["acceptance_length"]}
+        return ev, new
+
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
                        aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", complete=False)
@@ -207,6 +219,10 @@ def train_dflash(cfg: TrainConfig) -> dict:
                  start + 1, total, len(inputs.train_ids), plan.per_step, plan.packing.rows, row,
                  b, dcfg.mask_token_id, dcfg.num_hidden_layers, list(dcfg.aux_layer_ids))
     last_train, last_eval = {}, (run_eval(0) if plan.eval_batches and start == 0 else {})
+    # the eval a stop left; a best it finds is recorded by the next save, which keeps that
+    # step's folder
+    if eval_due and plan.eval_batches:
+        last_eval, _ = judge(start)
     window = torch.zeros(3 + 3 * b, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
     model.train()
@@ -259,20 +275,19 @@ def train_dflash(cfg: TrainConfig) -> dict:
                              "/".join(f"{x:.2f}" for x in last_train["acc"][:4]),
                              last_train["acceptance_length"][str(b - 1)], b - 1,
                              last_train["tokens_per_s"], last_train["lr"])
-            # 5. Evaluate; the best checkpoint has the highest acceptance length at k = B - 1.
-            new_best = False
+            # 5. Evaluate (the best checkpoint: `judge`); a stop saves first and leaves the
+            #    eval to the resumed run, which runs it before its first step.
+            new_best = eval_due = False
             if plan.eval_batches and (step % cfg.eval_every == 0 or step == total):
-                last_eval = run_eval(step)
-                al = last_eval["acceptance_length"][str(b - 1)]
-                new_best = best["step"] is None or al > best["acceptance_length"]
-                if new_best:
-                    best = {"step": step, "acceptance_length": al,
-                            "by_k": last_eval["acceptance_length"]}
+                if stopping and step < total:
+                    eval_due = True
+                else:
+                    last_eval, new_best = judge(step)
             # 6. Checkpoint: weights, optimizer, schedule, data position, RNG; keep last N + best.
             if step % cfg.save_every == 0 or step == total or new_best or stopping:
                 save_step(run_dir, step, model, optimizer, scheduler, cfg=cfg, env=env, plan=plan,
                           best=best, record=config_record, last_train=last_train,
-                          last_eval=last_eval)
+                          last_eval=last_eval, eval_due=eval_due)
             if stopping and step < total:
                 stop.exit(env, step, total, run_dir)
     finally:

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,12 +106,17 @@ class StopOnSignal:
     step (saving is collective): one process reads its own flag after each step; with several,
     each rank's flag rides on the sum that every step makes over ranks anyway (`sum_with`),
     so all of them stop after the step that follows the signal (within seconds: torchrun
-    kills its workers 30 s after passing a SIGTERM on)."""
+    kills its workers 30 s after passing a SIGTERM on). A signal within `REPEAT_S` of the
+    first is the same request arriving twice, not a second one: a scheduler's SIGTERM to
+    every process of a job reaches a rank directly and again through torchrun, which passes
+    on what it gets; Ctrl-C reaches a rank from the terminal and as torchrun's SIGTERM."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    REPEAT_S = 2.0
 
     def __init__(self):
         self.signum: int | None = None
+        self._first_at = 0.0  # time.monotonic() of the first signal
         self._old: dict = {}
         self._votes: torch.Tensor | None = None  # [SIGTERM, SIGINT] summed over ranks, on host
         self._event = None  # set when the copy of the votes to the host is done
@@ -121,6 +127,11 @@ class StopOnSignal:
                 self._old[s] = signal.signal(s, self._ask)
 
     def _ask(self, signum, frame) -> None:
+        if self.signum is not None and time.monotonic() - self._first_at < self.REPEAT_S:
+            log.warning("%s %.1f s after the first signal: the same request (send another "
+                        "after %g s to stop at once)", signal.Signals(signum).name,
+                        time.monotonic() - self._first_at, self.REPEAT_S)
+            return
         if self.signum is not None:  # the second: what it would have done without us
             old = self._old.get(signum)
             old = signal.SIG_DFL if old is None else old  # None: set outside Python
@@ -130,9 +141,10 @@ class StopOnSignal:
             else:
                 os.kill(os.getpid(), signum)
             return
-        self.signum = signum
-        log.warning("%s: saving at the end of this step, then stopping (a second one stops "
-                    "at once)", signal.Signals(signum).name)
+        self.signum, self._first_at = signum, time.monotonic()
+        log.warning("%s: saving at the end of this step, then stopping (another one, %g s "
+                    "or more from now, stops at once)", signal.Signals(signum).name,
+                    self.REPEAT_S)
 
     def sum_with(self, local: torch.Tensor) -> torch.Tensor:
         """`all_sum(local)`, this rank's votes to stop summed in the same collective. Their
@@ -158,7 +170,11 @@ class StopOnSignal:
         if self._event is not None:
             self._event.synchronize()
         term, intr = (0, 0) if self._votes is None else self._votes.tolist()
-        if term or intr:
+        if (term or intr) and self.signum is None:  # another rank's: the signal on its way
+            # here (torchrun's forward) is that same request, not a second one
+            self.signum, self._first_at = (signal.SIGINT if intr else signal.SIGTERM,
+                                           time.monotonic())
+        elif term or intr:
             self.signum = signal.SIGINT if intr else signal.SIGTERM
         return bool(term or intr)
 
@@ -534,14 +550,17 @@ def _warn_recipe_changes(cfg: TrainConfig) -> None:
 
 
 def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: TrainConfig,
-              env: Env, plan, best: dict, record: dict, last_train, last_eval) -> None:
+              env: Env, plan, best: dict, record: dict, last_train, last_eval,
+              eval_due: bool = False) -> None:
     """Checkpoint `step`: weights, optimizer, schedule, data position, RNG, this run's
-    draft_config.json (`record`) and metrics; keep the last --keep-last and the best."""
+    draft_config.json (`record`) and metrics; keep the last --keep-last and the best.
+    `eval_due`: the step's eval was left for the resumed run (a stop on an eval step saves
+    first: torchrun kills a rank 30 s after passing a SIGTERM on)."""
     checkpoint.save(run_dir, step, model, optimizer, scheduler, draft_config=record,
                     keep_last=cfg.keep_last,
                     state={"step": step, "data_position": step * plan.per_step,
                            "plan": plan.fingerprint, "best": best,
-                           "world_size": env.world_size},
+                           "world_size": env.world_size, "eval_due": eval_due},
                     metrics={"train": last_train, "eval": last_eval}, best_step=best["step"])
 
 
