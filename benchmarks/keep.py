@@ -114,10 +114,12 @@ def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = ""
     """The next parts not yet sent (at most max_files) copied into OUT, with NAME.SHA256SUMS and
     the record; STORE/NAME.sent lists what each call sent. `resend` first marks parts as not
     sent, so that they go again: "last" (what the call before sent), "all", or part numbers
-    "3,4,5" (the ones carry names)."""
+    "3,4,5" (the ones carry names). An older send's NAME.sent (one flat list of the parts sent,
+    space-separated or JSON) counts as one call: those parts count as sent, and "last" sends
+    all of them again (more than the failed call sent, never less)."""
     info = json.loads((store / f"{name}.json").read_text())
     sent_log = store / f"{name}.sent"
-    calls = json.loads(sent_log.read_text()) if sent_log.is_file() else []  # a list per call
+    calls = sent_calls(sent_log)
     again = resent(resend, name, info["parts"], calls)
     calls = [[p for p in c if p not in again] for c in calls]
     sent = {p for c in calls for p in c}
@@ -132,6 +134,24 @@ def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = ""
     numbers = ", ".join(f"{number(p):02d}" for p in todo)
     print(f"{name}: sent {len(todo)} part(s) [{numbers}], {left} left", flush=True)
     return todo
+
+
+def sent_calls(sent_log: Path) -> list[list[str]]:
+    """NAME.sent as a list per call (see send); an old flat list of names is one call."""
+    if not sent_log.is_file():
+        return []
+    text = sent_log.read_text()
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        calls = text.split()  # the first format: names separated by spaces
+    if isinstance(calls, list) and all(isinstance(p, str) for p in calls):
+        return [calls] if calls else []
+    if isinstance(calls, list) and all(isinstance(c, list) and all(isinstance(p, str) for p in c)
+                                       for c in calls):
+        return calls
+    raise SystemExit(f"{sent_log} is not a list of the parts each call sent: `rm {sent_log}` "
+                     f"and the next call sends everything again from the first part")
 
 
 def resent(resend: str, name: str, parts: list[str], calls: list[list[str]]) -> set[str]:

@@ -280,3 +280,27 @@ def test_unpack_refuses_a_link_out_of_its_folder(tmp_path, monkeypatch, data_fil
     with pytest.raises(SystemExit, match="a/evil"):
         keep.unpack(tmp_path / "evil.tar", tmp_path / "dest")
     assert not (tmp_path / "dest/a/evil").is_symlink()
+
+
+@pytest.mark.parametrize("old", ["text", "json"])
+def test_send_reads_an_old_flat_sent_log_as_one_call(tmp_path, old):
+    size = _size(tmp_path / "scale/size-80", 60_000)
+    store = tmp_path / "store"
+    parts = keep.pack(size, "size-80", store, part_bytes=10_000)["parts"]
+    # what send wrote before .sent held a list per call: the parts sent so far, flat
+    flat = parts[:3]
+    (store / "size-80.sent").write_text(" ".join(flat) if old == "text" else json.dumps(flat))
+    assert keep.send(store, "size-80", tmp_path / "out0", max_files=2) == parts[3:5]
+    assert json.loads((store / "size-80.sent").read_text()) == [flat, parts[3:5]]
+    # `last` is the call before; the old log counts as one call, so it goes again whole
+    (store / "size-80.sent").write_text(" ".join(flat) if old == "text" else json.dumps(flat))
+    assert keep.send(store, "size-80", tmp_path / "out1", max_files=3, resend="last") == flat
+
+
+def test_send_refuses_a_sent_log_it_cannot_read(tmp_path):
+    store = tmp_path / "store"
+    keep.pack(_size(tmp_path / "scale/size-80"), "size-80", store)
+    (store / "size-80.sent").write_text(json.dumps({"calls": 1}))
+    with pytest.raises(SystemExit, match=r"size-80.sent .*rm .*size-80.sent"):
+        keep.send(store, "size-80", tmp_path / "out")
+
