@@ -238,7 +238,8 @@ def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART)
 def refused(t: tarfile.TarFile, dest: Path) -> list[str]:
     """The members of `t` that may not go into `dest`, each with why: absolute or `..` names,
     and what tarfile's "data" filter refuses (links out of DEST, devices, ...); on a Python
-    without that filter (before 3.11.4), every link."""
+    without that filter (before 3.11.4), every member but regular files and folders (links,
+    devices, FIFOs: keep.py packs none)."""
     out = []
     for m in t.getmembers():
         if m.name.startswith("/") or ".." in Path(m.name).parts:
@@ -248,8 +249,11 @@ def refused(t: tarfile.TarFile, dest: Path) -> list[str]:
                 tarfile.data_filter(m, str(dest))
             except tarfile.FilterError as e:
                 out.append(f"{m.name} ({e})")
-        elif m.issym() or m.islnk():
-            out.append(f"{m.name} (a link)")
+        elif not (m.isfile() or m.isdir()):
+            kind = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link",
+                    tarfile.CHRTYPE: "a character device", tarfile.BLKTYPE: "a block device",
+                    tarfile.FIFOTYPE: "a FIFO"}.get(m.type, f"tar type {m.type!r}")
+            out.append(f"{m.name} ({kind}, not a regular file or folder)")
     return out
 
 
@@ -267,7 +271,8 @@ def unpack(tar: Path, dest: Path) -> Path:
         if hasattr(tarfile, "data_filter"):
             t.extractall(dest, filter="data")
         else:
-            t.extractall(dest)  # refused() has refused absolute names, `..` and links
+            t.extractall(dest)  # refused() has refused absolute names, `..` and all but
+            # regular files and folders
     return folder
 
 

@@ -304,3 +304,22 @@ def test_send_refuses_a_sent_log_it_cannot_read(tmp_path):
     with pytest.raises(SystemExit, match=r"size-80.sent .*rm .*size-80.sent"):
         keep.send(store, "size-80", tmp_path / "out")
 
+
+@pytest.mark.parametrize("data_filter", [True, False])
+@pytest.mark.parametrize("kind", ["FIFOTYPE", "CHRTYPE", "BLKTYPE"])
+def test_unpack_refuses_a_device_or_fifo(tmp_path, monkeypatch, data_filter, kind):
+    import tarfile
+
+    if not data_filter:  # a Python before 3.11.4: keep.py's own check
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/x").write_text("x")
+    with tarfile.open(tmp_path / "odd.tar", "w") as t:
+        t.add(tmp_path / "a/x", arcname="a/x")
+        odd = tarfile.TarInfo("a/odd")
+        odd.type = getattr(tarfile, kind)
+        t.addfile(odd)
+    with pytest.raises(SystemExit, match="a/odd"):
+        keep.unpack(tmp_path / "odd.tar", tmp_path / "dest")
+    assert not (tmp_path / "dest/a").exists()
+
