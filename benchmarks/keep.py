@@ -203,7 +203,8 @@ def gather(name: str, dirs: list[Path], parts: list[str]) -> dict[str, Path]:
 def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART) -> list[Path]:
     """The parts that came back (in any of `dirs`) joined and checked, then cut into
     DEST/k0, k1, ... (one per device call), each with NAME.SHA256SUMS and NAME.tar.sha256, the
-    layout `h200_lease.sh kpart` joins and checks into $W/NAME.tar."""
+    layout `h200_lease.sh kpart` joins and checks into $W/NAME.tar. NAME's folders of an
+    earlier carry into DEST go (carried too, they would bring another carry's parts)."""
     info = next((json.loads(d.joinpath(f"{name}.json").read_text()) for d in dirs
                  if d.joinpath(f"{name}.json").is_file()), None)
     if info is None:
@@ -229,6 +230,9 @@ def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART)
         shutil.copy(staging / f"carry/{name}.SHA256SUMS", k / f"{name}.SHA256SUMS")
         (k / f"{name}.tar.sha256").write_text(f"{info['sha256']}  {name}.tar\n")
         folders.append(k)
+    for k in dest.glob("k*"):  # an earlier carry of NAME here, cut into more folders
+        if k not in folders and (k / f"{name}.SHA256SUMS").is_file():
+            shutil.rmtree(k)
     shutil.rmtree(staging)
     print(f"{name}: {info['files']} files, {info['bytes']:,} bytes, in "
           f"{', '.join(map(str, folders))}", flush=True)
