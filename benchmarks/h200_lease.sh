@@ -140,6 +140,10 @@ kpart)
   [ "$(echo "$sums" | wc -w)" = 1 ] && [ -f "$dir/$name.tar.sha256" ] || {
       echo "$dir should hold one NAME.SHA256SUMS and its NAME.tar.sha256 (from keep.py carry)"
       exit 1; }
+  # NAME's files here with sums other than DIR's are of another pack or carry of NAME, left by
+  # one that never finished: removed, or a stale part would pass for one not yet carried
+  cmp -s "$dir/$sums" "$kparts/$sums" || rm -fv "$kparts/$name.tar" "$kparts/$name".tar.part-* \
+      "$kparts/$sums" "$kparts/$name.tar.sha256"
   collect "$dir" "$kparts" "$sums" || exit 0
   # the parts stay until the whole has checked and unpacked: a failed call can be made again
   { cat $(awk '{print $2}' "$sums") > "$name.tar" && sha256sum -c "$name.tar.sha256"; } ||

@@ -114,10 +114,12 @@ def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = ""
     """The next parts not yet sent (at most max_files) copied into OUT, with NAME.SHA256SUMS and
     the record; STORE/NAME.sent lists what each call sent. `resend` first marks parts as not
     sent, so that they go again: "last" (what the call before sent), "all", or part numbers
-    "3,4,5" (the ones carry names)."""
+    "3,4,5" (the ones carry names). An older send's NAME.sent (one flat list of the parts sent,
+    space-separated or JSON) counts as one call: those parts count as sent, and "last" sends
+    all of them again (more than the failed call sent, never less)."""
     info = json.loads((store / f"{name}.json").read_text())
     sent_log = store / f"{name}.sent"
-    calls = json.loads(sent_log.read_text()) if sent_log.is_file() else []  # a list per call
+    calls = sent_calls(sent_log)
     again = resent(resend, name, info["parts"], calls)
     calls = [[p for p in c if p not in again] for c in calls]
     sent = {p for c in calls for p in c}
@@ -132,6 +134,24 @@ def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = ""
     numbers = ", ".join(f"{number(p):02d}" for p in todo)
     print(f"{name}: sent {len(todo)} part(s) [{numbers}], {left} left", flush=True)
     return todo
+
+
+def sent_calls(sent_log: Path) -> list[list[str]]:
+    """NAME.sent as a list per call (see send); an old flat list of names is one call."""
+    if not sent_log.is_file():
+        return []
+    text = sent_log.read_text()
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        calls = text.split()  # the first format: names separated by spaces
+    if isinstance(calls, list) and all(isinstance(p, str) for p in calls):
+        return [calls] if calls else []
+    if isinstance(calls, list) and all(isinstance(c, list) and all(isinstance(p, str) for p in c)
+                                       for c in calls):
+        return calls
+    raise SystemExit(f"{sent_log} is not a list of the parts each call sent: `rm {sent_log}` "
+                     f"and the next call sends everything again from the first part")
 
 
 def resent(resend: str, name: str, parts: list[str], calls: list[list[str]]) -> set[str]:
@@ -183,7 +203,8 @@ def gather(name: str, dirs: list[Path], parts: list[str]) -> dict[str, Path]:
 def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART) -> list[Path]:
     """The parts that came back (in any of `dirs`) joined and checked, then cut into
     DEST/k0, k1, ... (one per device call), each with NAME.SHA256SUMS and NAME.tar.sha256, the
-    layout `h200_lease.sh kpart` joins and checks into $W/NAME.tar."""
+    layout `h200_lease.sh kpart` joins and checks into $W/NAME.tar. NAME's folders of an
+    earlier carry into DEST go (carried too, they would bring another carry's parts)."""
     info = next((json.loads(d.joinpath(f"{name}.json").read_text()) for d in dirs
                  if d.joinpath(f"{name}.json").is_file()), None)
     if info is None:
@@ -209,6 +230,9 @@ def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART)
         shutil.copy(staging / f"carry/{name}.SHA256SUMS", k / f"{name}.SHA256SUMS")
         (k / f"{name}.tar.sha256").write_text(f"{info['sha256']}  {name}.tar\n")
         folders.append(k)
+    for k in dest.glob("k*"):  # an earlier carry of NAME here, cut into more folders
+        if k not in folders and (k / f"{name}.SHA256SUMS").is_file():
+            shutil.rmtree(k)
     shutil.rmtree(staging)
     print(f"{name}: {info['files']} files, {info['bytes']:,} bytes, in "
           f"{', '.join(map(str, folders))}", flush=True)
@@ -218,7 +242,8 @@ def carry(name: str, dest: Path, dirs: list[Path], part_bytes: int = CARRY_PART)
 def refused(t: tarfile.TarFile, dest: Path) -> list[str]:
     """The members of `t` that may not go into `dest`, each with why: absolute or `..` names,
     and what tarfile's "data" filter refuses (links out of DEST, devices, ...); on a Python
-    without that filter (before 3.11.4), every link."""
+    without that filter (before 3.11.4), every member but regular files and folders (links,
+    devices, FIFOs: keep.py packs none)."""
     out = []
     for m in t.getmembers():
         if m.name.startswith("/") or ".." in Path(m.name).parts:
@@ -228,8 +253,11 @@ def refused(t: tarfile.TarFile, dest: Path) -> list[str]:
                 tarfile.data_filter(m, str(dest))
             except tarfile.FilterError as e:
                 out.append(f"{m.name} ({e})")
-        elif m.issym() or m.islnk():
-            out.append(f"{m.name} (a link)")
+        elif not (m.isfile() or m.isdir()):
+            kind = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link",
+                    tarfile.CHRTYPE: "a character device", tarfile.BLKTYPE: "a block device",
+                    tarfile.FIFOTYPE: "a FIFO"}.get(m.type, f"tar type {m.type!r}")
+            out.append(f"{m.name} ({kind}, not a regular file or folder)")
     return out
 
 
@@ -247,7 +275,8 @@ def unpack(tar: Path, dest: Path) -> Path:
         if hasattr(tarfile, "data_filter"):
             t.extractall(dest, filter="data")
         else:
-            t.extractall(dest)  # refused() has refused absolute names, `..` and links
+            t.extractall(dest)  # refused() has refused absolute names, `..` and all but
+            # regular files and folders
     return folder
 
 
