@@ -34,7 +34,8 @@
 #   kpart DIR  carry DIR (.carry/kN, made here by `keep.py carry`; the name from its
 #              NAME.SHA256SUMS): once every part is there, joined, checked and unpacked into
 #              ${KEEP_INTO:-$W/scale}, and NAME's files removed from ${KPARTS:-/tmp/kparts}
-#              (kept if the join or a check fails: carry the missing or good folder again)
+#              (kept if the join or a check fails: carry the missing or good folder again;
+#              NAME's files of another pack, whose NAME.SHA256SUMS differs, are removed first)
 #   stop NAME  stop the job started as NAME (its process group)
 #   corpus DIR carry DIR (regenerated corpus parts not committed, conversations-p*.jsonl.gz,
 #              with their manifests and rejects-p*.jsonl): copied into $W/corpus, where stage
