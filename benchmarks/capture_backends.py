@@ -57,13 +57,14 @@ def sh(cmd: list[str], log: Path) -> float:
     return took
 
 
-def make_llama8b(out: Path, tokenizer: str) -> None:
-    """A random bf16 Llama-3.1-8B-shaped LlamaForCausalLM with `tokenizer`, saved to `out`."""
+def make_llama8b(out: Path, tokenizer: str, shape: dict = LLAMA_8B) -> None:
+    """A random bf16 LlamaForCausalLM of `shape` (Llama-3.1-8B's unless given) with
+    `tokenizer`, saved to `out`."""
     import transformers
 
     if (out / "config.json").is_file():
         return
-    config = transformers.LlamaConfig(**LLAMA_8B, torch_dtype="bfloat16")
+    config = transformers.LlamaConfig(**shape, torch_dtype="bfloat16")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -19,7 +19,9 @@
 # size's in-distribution eval). Stage train-speed: eyas train eager and under --cuda-graph,
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES). Stages that start vLLM read it from VSITE
+# SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS); stage served-shape: the
+# cost of a speculative step on a random 8B-shaped target (SHAPE_K, SHAPE_BATCHES,
+# SHAPE_MINUTES). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
 # with different STAGES (the GGUF is converted once; each stage writes its own files in $R).
 set -u
@@ -327,6 +329,20 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     [ -z "$reports" ] || python3 benchmarks/served_speed.py attach \
         --json "$R/served-qwen-coder.json" $reports >> "$R/served.out" 2>&1
     stage "served: speed rc $?" ;;
+  served-shape)
+    # issue 33: where an eyas draft pays when vLLM serves it. A random Llama-3.1-8B-shaped
+    # target (SmolLM2's tokenizer, from $T) and a draft eyas makes for it (200 of the
+    # ablation's conversations, 20 steps), served without speculation and at each SHAPE_K
+    # (benchmarks/served_shape.py): the break-even acceptance length per k and batch
+    VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
+    stage "served-shape: random 8B-shaped target, its draft, vLLM at each k"
+    PYTHONPATH=$VP python3 benchmarks/served_shape.py --tokenizer $T \
+        --conversations $W/conversations-2000.jsonl --work $W/shape8b \
+        --json "$R/served-8b-shape.json" -- --bench mt-bench --num-prompts 40 \
+        --batch1-prompts 10 --k ${SHAPE_K:-3,1,5} --batches ${SHAPE_BATCHES:-1,8,32} \
+        --temperatures 0 --max-new-tokens 256 --max-minutes ${SHAPE_MINUTES:-8} \
+        > "$R/served_shape.out" 2>&1
+    stage "served-shape rc $?" ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"
     timeout 420 python3 benchmarks/regenerate.py --target $T \

@@ -202,3 +202,33 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
             assert (row["vllm"]["drafts"], row["vllm"]["acceptance_length"]) == \
                 (mine["drafts"], mine["acceptance_length"])
     assert all(s["eagle3_over_none"] and s["eagle3_over_ngram"] for s in r["summary"])
+
+
+def test_served_shape_makes_a_draft_for_a_random_target_of_the_shape(tmp_path):
+    """benchmarks/served_shape.py's making of the target and its draft (on the H200: the
+    Llama-3.1-8B shape, then vLLM serves them): the tiny shape on the CPU through eyas's own
+    prepare, capture, vocab, train and export, the draft sized and wired for that target."""
+    import served_shape
+
+    from eyas.targets.tiny import save_tiny_tokenizer
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
+    convs = tmp_path / "conversations.jsonl"
+    convs.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(words[i % 7:i % 7 + 6])},
+        {"role": "assistant", "content": " ".join(words[i % 5:i % 5 + 12])}]}) + "\n"
+        for i in range(24)))
+    out = tmp_path / "shape.json"
+    r = served_shape.main(["--shape", "tiny", "--tokenizer", str(tok), "--conversations",
+                           str(convs), "--rows", "16", "--train-steps", "2",
+                           "--batch-tokens", "256", "--device", "cpu", "--work",
+                           str(tmp_path / "w"), "--json", str(out), "--no-serve"])
+    assert json.loads(out.read_text()) == r
+    target = json.loads((tmp_path / "w/target/config.json").read_text())
+    assert (target["num_hidden_layers"], target["hidden_size"]) == (8, 64)
+    draft = r["draft_config"]
+    assert draft["hidden_size"] == 64 and draft["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert draft["draft_vocab_size"] <= target["vocab_size"] == 2048
+    assert set(r["seconds_to_make"]) == {"target", "prepare", "capture", "vocab", "train",
+                                         "export"}
