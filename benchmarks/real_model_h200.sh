@@ -309,7 +309,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
         --max-new-tokens 256 --max-minutes ${SERVED_MINUTES:-12} \
-        --json $R/served-qwen-coder.json > $R/served.out 2>&1"
+        --json $R/served-qwen-coder.json > $R/served.out 2>&1; rc=\$?; \
+        echo \"\$(date +%T) served: speed rc \$rc\" >> $R/stages.txt"
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, serve, eval"
     PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data $W/realdata \
         --work $W/qrun --out "$R/real-qwen.json" --max-train ${SERVED_TRAIN:-5821} \
@@ -328,7 +329,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
               [ -f $f ] && echo --eyas-report $f; done)
     [ -z "$reports" ] || python3 benchmarks/served_speed.py attach \
         --json "$R/served-qwen-coder.json" $reports >> "$R/served.out" 2>&1
-    stage "served: speed rc $?" ;;
+    stage "served: attach rc $?" ;;
   served-shape)
     # issue 33: where an eyas draft pays when vLLM serves it. A random Llama-3.1-8B-shaped
     # target (SmolLM2's tokenizer, from $T) and a draft eyas makes for it (200 of the

@@ -134,18 +134,17 @@ def spec_delta(before: dict, after: dict) -> dict | None:
 
 def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float) -> dict | None:
     """`eyas eval`'s acceptance for `way` on prompt set `group` at `temperature` from the
-    reports given: its per-set result (--bench reports), else its overall one when the report
-    measured one set; the 95 % interval where the report has one (its primary method)."""
-    for rep in reports:
-        if abs(rep["temperature"] - temperature) > 1e-6:
-            continue
+    reports given: a --bench report's result for that set first, else the overall result of
+    a report that measured one set (the --data prompts; whatever the order of the reports);
+    the 95 % interval where the report has one (its primary method)."""
+    same_t = [rep for rep in reports if abs(rep["temperature"] - temperature) <= 1e-6]
+    for rep in [r for r in same_t if group in (r.get("by_set") or {})] + \
+            [r for r in same_t if not r.get("by_set")]:
         per_set = rep.get("by_set") or {}
         if group in per_set:
             results, n = per_set[group]["results"], per_set[group]["prompts"]
-        elif not per_set:
-            results, n = rep["results"], rep["num_prompts"]
         else:
-            continue
+            results, n = rep["results"], rep["num_prompts"]
         hit = next((r for r in results if r["method"] == way.name and r["k"] == way.k), None)
         if hit is None:
             continue
@@ -234,8 +233,8 @@ def break_even(none: dict | None, eagle: dict | None) -> dict:
     would only match no speculation: a step yields AL tokens per request in TPOT x AL (mean
     TPOT), against one token per step in the TPOT without speculation. A draft pays on this
     target, batch and k only where its AL is above `eagle3_break_even_al`."""
-    if not (none and eagle and eagle["vllm"] and none["tpot_ms"]["mean"]
-            and eagle["tpot_ms"]["mean"]):
+    if not (none and eagle and eagle["vllm"] and eagle["vllm"]["acceptance_length"]
+            and none["tpot_ms"]["mean"] and eagle["tpot_ms"]["mean"]):
         return {"eagle3_step_ms": None, "eagle3_break_even_al": None}
     step = eagle["tpot_ms"]["mean"] * eagle["vllm"]["acceptance_length"]
     return {"eagle3_step_ms": round(step, 3),
@@ -381,10 +380,10 @@ def attach_reports(result: dict, report_paths: list[str]) -> dict:
     beside every speculative row of a finished run, and its summary and table made again,
     for reports made after the run (a lease that serves first and evaluates after)."""
     reports = [json.loads(Path(r).read_text()) for r in report_paths]
-    for row in result["rows"]:
+    for row in result["rows"]:  # a row these reports do not cover keeps what it had
         if row["way"] != "none":
             row["eyas_eval"] = eyas_eval_al(reports, Way(row["way"], row["k"]), row["set"],
-                                            row["temperature"])
+                                            row["temperature"]) or row.get("eyas_eval")
     result["eyas_reports"] = list(dict.fromkeys(result.get("eyas_reports", []) + report_paths))
     result["summary"] = speedups(result["rows"])
     return result

@@ -54,6 +54,9 @@ def test_break_even_al_is_the_step_time_over_the_time_per_token_without_speculat
     assert s["eagle3_over_none"] < 1  # below its break-even AL, the draft costs time
     (alone,) = served_speed.speedups([eagle])
     assert alone["eagle3_break_even_al"] is None
+    undrafted = _row("eagle3", 3, 300.0, al=None)
+    undrafted["vllm"] = {"acceptance_length": None, "drafts": 0}  # no step drafted anything
+    assert served_speed.speedups([none, undrafted])[0]["eagle3_break_even_al"] is None
     assert "| 3.68 |" in served_speed.markdown(
         {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
          "stopped_early": None, "not_run": [], "summary": [s], "rows": [none, eagle]})
@@ -80,6 +83,13 @@ def test_reports_made_after_the_run_are_attached_to_its_rows(tmp_path):
         [None, 2.41, 2.88]
     assert got["summary"][0]["eagle3_eyas_eval_ci95"] == [2.2, 2.6]
     assert got["eyas_reports"] == [str(report)]
+    other = tmp_path / "other.json"  # a report of other sets: the rows keep what they had
+    other.write_text(json.dumps({"temperature": 1.0, "primary": "eagle3", "num_prompts": 4,
+                                 "results": []}))
+    again = served_speed.main(["attach", "--json", str(out), "--eyas-report", str(other)])
+    assert [r["eyas_eval"] and r["eyas_eval"]["acceptance_length"] for r in again["rows"]] == \
+        [None, 2.41, 2.88]
+    assert again["eyas_reports"] == [str(report), str(other)]
     assert "| 2.410 [2.200, 2.600] |" in out.with_suffix(".md").read_text()
 
 
@@ -90,6 +100,12 @@ def test_eyas_report_is_matched_by_temperature_set_method_and_k():
             "ci95": {"3": {"mean_acceptance_length": [1.9, 2.3]}}}
     sets = {"temperature": 1.0, "primary": "eagle3", "num_prompts": 5, "results": [],
             "by_set": {"humaneval": {"prompts": 5, "results": [{**result, "k": 1}]}}}
+    bench0 = {"temperature": 0.0, "primary": "eagle3", "num_prompts": 5, "results": [],
+              "by_set": {"humaneval": {"prompts": 5, "results": [{**result,
+                                                                  "mean_acceptance_length": 3.1}]}}}
+    # the one-set report (held out) first: it is not taken for a bench set the other has
+    assert served_speed.eyas_eval_al([flat, bench0], served_speed.Way("eagle3", 3),
+                                     "humaneval", 0.0)["acceptance_length"] == 3.1
     got = served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 3), "data", 0.0)
     assert (got["acceptance_length"], got["ci95"], got["prompts"]) == (2.1, [1.9, 2.3], 5)
     assert served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 1),

@@ -866,6 +866,23 @@ def test_metrics_go_to_jsonl_and_tensorboard_and_resume_drops_lost_steps(tmp_pat
     assert [e.value for e in events.Scalars("train/acc_1")][-1] == pytest.approx(0.4)
 
 
+def test_a_resume_that_reruns_its_steps_eval_drops_an_earlier_record_of_it(tmp_path):
+    """A stop on eval step 3 left the eval to the resumed run; that run evaluated step 3 and
+    was killed during step 4, before any save: the next resume runs step 3's eval again, so
+    the earlier record of it goes (the train record of step 3 stays)."""
+    first = checkpoint.MetricsLog(tmp_path, resume_step=0)
+    for record in ({"kind": "eval", "step": 0}, {"kind": "train", "step": 3},
+                   {"kind": "eval", "step": 3}, {"kind": "train", "step": 4}):
+        first.write(record)
+    first.close()
+    checkpoint.MetricsLog(tmp_path, resume_step=3).close()  # the eval of step 3 was saved
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 3), ("eval", 3)]
+    checkpoint.MetricsLog(tmp_path, resume_step=3, eval_due=True).close()
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 3)]
+
+
 def _compiled_training_matches_eager(run_inputs, tmp_path):
     """`--compile` (torch.compile of the TTT module, graph breaks at the host sync and the
     custom kernels) trains to the same losses as eager."""

@@ -139,9 +139,10 @@ ONE_RANK_SIGNALLED = """
 import json, os, signal, sys
 import torch
 import torch.distributed as dist
+import eyas.train
 from eyas.train import TrainConfig, train
 
-calls, clip = [0], torch.nn.utils.clip_grad_norm_
+calls, clip, save = [0], torch.nn.utils.clip_grad_norm_, eyas.train.save_step
 
 
 def clip_then_signal(*args, **kwargs):  # rank 1 only, during step 3: rank 0 never sees it
@@ -151,7 +152,15 @@ def clip_then_signal(*args, **kwargs):  # rank 1 only, during step 3: rank 0 nev
     return clip(*args, **kwargs)
 
 
-torch.nn.utils.clip_grad_norm_ = clip_then_signal
+def forwarded_then_save(*args, **kwargs):  # rank 0, stopping by rank 1's vote, now gets the
+    if os.environ["RANK"] == "0":          # SIGTERM torchrun passes on: the same request
+        os.kill(os.getpid(), signal.SIGTERM)
+    return save(*args, **kwargs)
+
+
+if sys.argv[2] == "signal":
+    torch.nn.utils.clip_grad_norm_ = clip_then_signal
+    eyas.train.save_step = forwarded_then_save
 train(TrainConfig(**json.loads(sys.argv[1])))
 """
 
@@ -160,17 +169,32 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_next_step(run_inputs,  
                                                                     tmp_path):
     """Rank 1's SIGTERM rides on step 4's sum over ranks: both ranks save step 4 and exit,
     without waiting for a logging step (torchrun kills its workers 30 s after it passes a
-    SIGTERM on, and a logging step can be further away than that)."""
+    SIGTERM on, and a logging step can be further away than that). Rank 0 then gets the
+    same SIGTERM as torchrun passes it on, while it saves: the same request, not a second
+    one that would kill it unsaved. Step 4 is an eval step: its eval is left to the resumed
+    run, which runs it first on both ranks."""
     out = tmp_path / "run"
     script = tmp_path / "signalled.py"
     script.write_text(ONE_RANK_SIGNALLED)
-    cfg = _cfg(run_inputs, out, max_steps=8, log_every=100, eval_every=100, save_every=100)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(script), json.dumps(to_dict(cfg))],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=600)
+    cfg = _cfg(run_inputs, out, max_steps=8, log_every=100, eval_every=4, save_every=100)
+
+    def torchrun(mode):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", str(script), json.dumps(to_dict(cfg)), mode],
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+            timeout=600)
+
+    proc = torchrun("signal")
     assert proc.returncode != 0, "a stopped run must not look finished"
     assert "stopped by SIGTERM after step 4 of 8" in proc.stderr, proc.stderr[-4000:]
+    assert "the same request" in proc.stderr, proc.stderr[-4000:]
     assert checkpoint.read_pointer(out, "last").name == "step-00000004"
     assert not json.loads((out / "eyas.json").read_text())["complete"]
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [0]
+    proc = torchrun("resume")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 4, 8]
+    assert json.loads((out / "eyas.json").read_text())["complete"]

@@ -526,7 +526,7 @@ def train(cfg: TrainConfig) -> dict:
     static = cfg.cuda_graph or cfg.compile
     batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
                                pin_memory=pin, static=static))
-    metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
+    metrics = checkpoint.MetricsLog(run_dir, start, eval_due) if env.main else None
     weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
     t2d_host = draft.t2d.cpu()
     graphed = GraphedTTT(model, params) if cfg.cuda_graph else None

@@ -186,7 +186,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                            start=start * plan.per_step)
     batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
                                pin_memory=pin, static=False))
-    metrics = checkpoint.MetricsLog(run_dir, start) if env.main else None
+    metrics = checkpoint.MetricsLog(run_dir, start, eval_due) if env.main else None
 
     def run_eval(step: int) -> dict:
         loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,

@@ -217,13 +217,18 @@ def clear_after(run_dir: str | Path, step: int) -> None:
 class MetricsLog:
     """metrics.jsonl (always), TensorBoard scalars (if installed); rank 0 only."""
 
-    def __init__(self, run_dir: Path, resume_step: int):
+    def __init__(self, run_dir: Path, resume_step: int, eval_due: bool = False):
+        """`eval_due`: the resumed step's eval runs again (a stop left it): a record of it
+        from an earlier resume that was killed before its next save is dropped too."""
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         kept = []
         if self.path.is_file() and resume_step > 0:  # drop records of steps lost with a kill
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            rows = [(ln, json.loads(ln)) for ln in self.path.read_text().splitlines()
+                    if ln.strip()]
+            kept = [ln for ln, r in rows if r.get("step", 0) <= resume_step
+                    and not (eval_due and r.get("kind") == "eval"
+                             and r.get("step") == resume_step)]
         self.path.write_text("".join(ln + "\n" for ln in kept))
         self.tb = None
         try:
