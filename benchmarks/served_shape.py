@@ -37,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from capture import LLAMA_8B, TINY  # noqa: E402  (the shapes of the capture benchmark)
 from capture_backends import make_llama8b, sh  # noqa: E402
 
-SHAPES = {"llama-8b": LLAMA_8B, "tiny": TINY}
+# tiny-128: head dim 32, which vLLM's CPU attention runs (tests/test_served_speed.py, -m vllm)
+SHAPES = {"llama-8b": LLAMA_8B, "tiny": TINY,
+          "tiny-128": {**TINY, "hidden_size": 128, "intermediate_size": 256}}
 
 
 def make_draft(a, target: Path, work: Path, log: Path) -> tuple[Path, dict]:

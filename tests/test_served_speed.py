@@ -248,3 +248,58 @@ def test_served_shape_makes_a_draft_for_a_random_target_of_the_shape(tmp_path):
     assert draft["draft_vocab_size"] <= target["vocab_size"] == 2048
     assert set(r["seconds_to_make"]) == {"target", "prepare", "capture", "vocab", "train",
                                          "export"}
+    # the draft covers the target's whole vocabulary (2,048 ids): no d2t / t2d in the folder
+    # (vLLM builds no such weight then and refuses one: 0.32 failed to load this draft), and
+    # eyas reads their absence as the identity
+    from safetensors.torch import load_file
+
+    from eyas.draft.eagle3 import Eagle3Draft
+    from eyas.errors import EyasError
+    from eyas.export import validate_export
+
+    folder = tmp_path / "w/draft"
+    tensors = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert draft["draft_vocab_size"] == 2048 and not {"d2t", "t2d"} & set(tensors)
+    loaded = Eagle3Draft.from_pretrained(folder, embed_tokens=torch.nn.Embedding(2048, 64))
+    assert torch.equal(loaded.d2t, torch.zeros(2048, dtype=torch.long))
+    with pytest.raises(EyasError, match="whole vocabulary"):  # an older eyas's export
+        validate_export(draft, {**tensors, "d2t": torch.zeros(2048, dtype=torch.long),
+                                "t2d": torch.ones(2048, dtype=torch.bool)}, "vllm")
+
+
+@pytest.mark.vllm
+def test_served_shape_serves_its_draft_at_each_k(tmp_path):
+    """benchmarks/served_shape.py end to end on vLLM's CPU build: the tiny-128 shape (head
+    dim 32), its draft over the whole 2,048-id vocabulary (which vLLM 0.32 refused while
+    eyas exported an identity d2t), served without speculation and at k = 1 and 3 with the
+    break-even acceptance length of each batch."""
+    import served_shape
+
+    from eyas.targets.tiny import save_tiny_tokenizer
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
+    convs = tmp_path / "conversations.jsonl"
+    convs.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(words[i % 7:i % 7 + 6])},
+        {"role": "assistant", "content": " ".join(words[i % 5:i % 5 + 12])}]}) + "\n"
+        for i in range(24)))
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
+        words[i:i + 8])}]}) + "\n" for i in range(6)))
+    out = tmp_path / "shape.json"
+    r = served_shape.main([
+        "--shape", "tiny-128", "--tokenizer", str(tok), "--conversations", str(convs),
+        "--rows", "16", "--train-steps", "2", "--batch-tokens", "256", "--device", "cpu",
+        "--work", str(tmp_path / "w"), "--json", str(out), "--",
+        "--data", str(data), "--num-prompts", "6", "--batch1-prompts", "3",
+        "--max-new-tokens", str(NEW_TOKENS), "--k", "1,3", "--batches", "1,4",
+        "--temperatures", "0", "--dtype", "float32", "--enforce-eager",
+        "--gpu-memory-utilization", "0.2", "--max-model-len", "256"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    assert [e["way"] for e in r["engines"]] == ["none", "eagle3 k=1", "eagle3 k=3"]
+    assert r["shape"]["shape"] == "tiny-128" and r["ignore_eos"]
+    assert all(row["output_tokens"] == row["prompts"] * NEW_TOKENS for row in r["rows"])
+    for s in r["summary"]:
+        assert s["eagle3_break_even_al"] > 1  # a draft step costs something
+        assert s["eagle3_step_ms"] > s["tpot_p50_ms_none"] * 0.5
