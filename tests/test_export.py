@@ -17,7 +17,8 @@ from eyas.config import ConfigError
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.export import ExportConfig, expected_shapes, export, validate_export, validate_folder
+from eyas.export import (NATIVE_LAYOUT, ExportConfig, expected_shapes, export, validate_export,
+                         validate_folder)
 from eyas.draft.formats import find_checkpoint, read_vllm_folder
 from eyas.draft.formats import (
     SERVED_SINCE, from_speculators_config, from_vllm_config, read_config, sglang_layer_ids,
@@ -236,6 +237,38 @@ def test_fp32_export_gives_identical_logits(tmp_path, fmt, layout):
     manifest = read_manifest(out, step="export")
     assert manifest["format"] == fmt and manifest["aux_layer_ids"] == [1, 3, 5]
     assert manifest["inputs"][0]["step"] == "train" and manifest["target"] == TARGET
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+def test_a_draft_over_the_whole_vocabulary_exports_no_vocab_maps(tmp_path, fmt):
+    """Draft vocab = target vocab (a target of <= --draft-vocab-size ids): no d2t / t2d in
+    the folder (vLLM 0.32 builds no draft_id_to_target_id then and refused one), the same
+    logits through eyas's loader, which reads their absence as the identity."""
+    cfg = draft_config(draft_vocab_size=100)
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "draft"),
+                              format=fmt, dtype="fp32"))
+    tensors = load_file(str(out / "model.safetensors"))
+    assert not {"d2t", "t2d"} & set(tensors)
+    assert set(tensors) == set(expected_shapes(cfg, NATIVE_LAYOUT[fmt]))
+    assert validate_folder(out) == cfg
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    want, _ = logits_of(trained, cfg, embed)
+    got, _ = logits_of(Eagle3Draft.from_pretrained(out), cfg, embed)
+    assert torch.equal(got, want)
+    assert "100 of 100 target ids (the whole vocabulary: no d2t/t2d)" in \
+        (out / "README.md").read_text()
+
+
+def test_a_whole_vocabulary_draft_whose_map_is_not_the_identity_is_refused(tmp_path):
+    cfg = draft_config(draft_vocab_size=100)
+    make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    weights = checkpoint.step_dir(tmp_path / "run", 10) / "draft.safetensors"
+    state = load_file(str(weights))
+    state["d2t"] = torch.roll(torch.arange(100), 1) - torch.arange(100)  # ids shifted by one
+    save_file(state, str(weights))
+    with pytest.raises(EyasError, match="not the identity"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "draft")))
 
 
 def test_bf16_export_keeps_vocab_maps_and_stays_close(tmp_path):
