@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import served_speed  # noqa: E402
 
 NEW_TOKENS = 16
+WORDS = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
 
 
 def _row(way, k, tps, batch=1, al=None):
@@ -157,9 +158,8 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(target)
     save_tiny_tokenizer(target)
     data = tmp_path / "heldout.jsonl"
-    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
-        words[i:i + 5 + i] * 2)}]}) + "\n" for i in range(6)))
+        WORDS[i:i + 5 + i] * 2)}]}) + "\n" for i in range(6)))
     cfg = EvalConfig(target=str(target), data=str(data), out=str(tmp_path / "eval"),
                      draft=None, k=(1, 3), num_prompts=6, max_new_tokens=NEW_TOKENS,
                      ignore_eos=True, device="cpu", dtype="float32", batch_size=1, replay=False)
@@ -220,26 +220,30 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     assert all(s["eagle3_over_none"] and s["eagle3_over_ngram"] for s in r["summary"])
 
 
+def _shape_args(tmp_path, shape: str, out) -> list[str]:
+    """benchmarks/served_shape.py's own arguments for `shape`: the tiny tokenizer, 24
+    conversations of WORDS (16 of them make the draft, 2 steps of eyas train on the CPU)."""
+    from eyas.targets.tiny import save_tiny_tokenizer
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    convs = tmp_path / "conversations.jsonl"
+    convs.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": " ".join(WORDS[i % 7:i % 7 + 6])},
+        {"role": "assistant", "content": " ".join(WORDS[i % 5:i % 5 + 12])}]}) + "\n"
+        for i in range(24)))
+    return ["--shape", shape, "--tokenizer", str(tok), "--conversations", str(convs),
+            "--rows", "16", "--train-steps", "2", "--batch-tokens", "256", "--device", "cpu",
+            "--work", str(tmp_path / "w"), "--json", str(out)]
+
+
 def test_served_shape_makes_a_draft_for_a_random_target_of_the_shape(tmp_path):
     """benchmarks/served_shape.py's making of the target and its draft (on the H200: the
     Llama-3.1-8B shape, then vLLM serves them): the tiny shape on the CPU through eyas's own
     prepare, capture, vocab, train and export, the draft sized and wired for that target."""
     import served_shape
 
-    from eyas.targets.tiny import save_tiny_tokenizer
-
-    tok = save_tiny_tokenizer(tmp_path / "tok")
-    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
-    convs = tmp_path / "conversations.jsonl"
-    convs.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(words[i % 7:i % 7 + 6])},
-        {"role": "assistant", "content": " ".join(words[i % 5:i % 5 + 12])}]}) + "\n"
-        for i in range(24)))
     out = tmp_path / "shape.json"
-    r = served_shape.main(["--shape", "tiny", "--tokenizer", str(tok), "--conversations",
-                           str(convs), "--rows", "16", "--train-steps", "2",
-                           "--batch-tokens", "256", "--device", "cpu", "--work",
-                           str(tmp_path / "w"), "--json", str(out), "--no-serve"])
+    r = served_shape.main(_shape_args(tmp_path, "tiny", out) + ["--no-serve"])
     assert json.loads(out.read_text()) == r
     target = json.loads((tmp_path / "w/target/config.json").read_text())
     assert (target["num_hidden_layers"], target["hidden_size"]) == (8, 64)
@@ -275,24 +279,12 @@ def test_served_shape_serves_its_draft_at_each_k(tmp_path):
     break-even acceptance length of each batch."""
     import served_shape
 
-    from eyas.targets.tiny import save_tiny_tokenizer
-
-    tok = save_tiny_tokenizer(tmp_path / "tok")
-    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
-    convs = tmp_path / "conversations.jsonl"
-    convs.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": " ".join(words[i % 7:i % 7 + 6])},
-        {"role": "assistant", "content": " ".join(words[i % 5:i % 5 + 12])}]}) + "\n"
-        for i in range(24)))
     data = tmp_path / "heldout.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
-        words[i:i + 8])}]}) + "\n" for i in range(6)))
+        WORDS[i:i + 8])}]}) + "\n" for i in range(6)))
     out = tmp_path / "shape.json"
-    r = served_shape.main([
-        "--shape", "tiny-128", "--tokenizer", str(tok), "--conversations", str(convs),
-        "--rows", "16", "--train-steps", "2", "--batch-tokens", "256", "--device", "cpu",
-        "--work", str(tmp_path / "w"), "--json", str(out), "--",
-        "--data", str(data), "--num-prompts", "6", "--batch1-prompts", "3",
+    r = served_shape.main(_shape_args(tmp_path, "tiny-128", out) + [
+        "--", "--data", str(data), "--num-prompts", "6", "--batch1-prompts", "3",
         "--max-new-tokens", str(NEW_TOKENS), "--k", "1,3", "--batches", "1,4",
         "--temperatures", "0", "--dtype", "float32", "--enforce-eager",
         "--gpu-memory-utilization", "0.2", "--max-model-len", "256"])

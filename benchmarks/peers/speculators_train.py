@@ -297,12 +297,12 @@ def write_vllm_folder(dest: Path, cfg, tensors: dict, d2t: torch.Tensor, t2d: to
     validator. The peer runners (this one and specforge_train.py) share it. Returns the config
     written."""
     from eyas.draft.formats import to_vllm_config
-    from eyas.export import export_state_dict, maps_vocab, validate_folder
+    from eyas.export import export_state_dict, validate_folder
 
     if not torch.equal(tensors["d2t"].long().cpu(), d2t.long()):
         raise SystemExit(f"{source}: its d2t is not the eyas vocab's")
     tensors = {**tensors, "d2t": d2t.long(), "t2d": t2d.bool()}
-    if not maps_vocab(cfg):  # the whole vocabulary: no maps, as eyas export writes it
+    if not cfg.maps_vocab:  # the whole vocabulary: no maps, as eyas export writes it
         tensors = {n: t for n, t in tensors.items() if n not in ("d2t", "t2d")}
     config = to_vllm_config(cfg, dtype="bf16")
     dest.mkdir(parents=True, exist_ok=True)

@@ -130,18 +130,9 @@ def expected_shapes(cfg: DraftConfig, layout: str = "midlayer") -> dict[str, tup
     for n in range(1, cfg.num_hidden_layers):
         out.update({f"layers.{n}.{name}.weight": shape for name, shape in layer(False).items()})
     out.update({"norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h)})
-    if maps_vocab(cfg):
+    if cfg.maps_vocab:
         out.update({"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
     return out
-
-
-def maps_vocab(cfg: DraftConfig) -> bool:
-    """Whether the draft's vocabulary is a subset mapped by d2t/t2d. A draft over the target's
-    whole vocabulary (a target of <= --draft-vocab-size ids: Llama 2, Mistral 7B v0.1) has
-    none: vLLM builds no d2t weight for it and refuses one in the folder (0.32: "no module or
-    parameter named 'draft_id_to_target_id'"), and every loader reads its absence as the
-    identity."""
-    return cfg.draft_vocab_size != cfg.vocab_size
 
 
 def export_state_dict(state: dict[str, torch.Tensor], *, layout: str = "midlayer",
@@ -194,7 +185,7 @@ def validate_export(config: dict, tensors: dict[str, torch.Tensor], fmt: str) ->
                             f"in fc.weight's dtype, d2t int64, t2d bool)")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise EyasError(f"weight {name!r} holds NaN or Inf; export an earlier checkpoint")
-    if maps_vocab(cfg):
+    if cfg.maps_vocab:
         _check_vocab_maps(tensors["d2t"], tensors["t2d"])
     return cfg
 
@@ -294,7 +285,7 @@ def export(cfg: ExportConfig) -> Path:
         log.warning("this draft uses EAGLE 3.1 %s: a --format %s folder runs as trained on %s; "
                     "older releases do not build these norms", variants, cfg.format,
                     ", ".join(f"{since[k]} or later ({k})" for k in variants))
-    if not maps_vocab(dcfg):  # the identity: no map in the folder
+    if not dcfg.maps_vocab:  # the identity: no map in the folder
         if bool(state["d2t"].any()):
             raise EyasError(f"{step}: a draft vocab as large as the target's with a d2t that "
                             f"is not the identity; re-run `eyas vocab` and train")

@@ -133,6 +133,15 @@ class DraftConfig:
                               f"supported form {{'rope_type': one of {sorted(ROPE_KEYS)}, ...}}; "
                               f"pass it through eyas.draft.config.draft_rope_scaling")
 
+    @property
+    def maps_vocab(self) -> bool:
+        """Whether the draft's vocabulary is a subset mapped by d2t/t2d. A draft over the
+        target's whole vocabulary (a target of <= --draft-vocab-size ids: Llama 2, Mistral 7B
+        v0.1) has none: vLLM builds no d2t weight for it and refuses one in the folder (0.32:
+        "no module or parameter named 'draft_id_to_target_id'"), and every loader reads its
+        absence as the identity."""
+        return self.draft_vocab_size != self.vocab_size
+
     @classmethod
     def from_target(cls, target, *, draft_vocab_size: int, aux_layer_ids, **overrides):
         """A draft shaped like the target's text decoder layer. `target` is an

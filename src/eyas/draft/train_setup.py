@@ -127,10 +127,11 @@ class StopOnSignal:
                 self._old[s] = signal.signal(s, self._ask)
 
     def _ask(self, signum, frame) -> None:
-        if self.signum is not None and time.monotonic() - self._first_at < self.REPEAT_S:
+        since = time.monotonic() - self._first_at
+        if self.signum is not None and since < self.REPEAT_S:
             log.warning("%s %.1f s after the first signal: the same request (send another "
-                        "after %g s to stop at once)", signal.Signals(signum).name,
-                        time.monotonic() - self._first_at, self.REPEAT_S)
+                        "after %g s to stop at once)", signal.Signals(signum).name, since,
+                        self.REPEAT_S)
             return
         if self.signum is not None:  # the second: what it would have done without us
             old = self._old.get(signum)
@@ -170,11 +171,11 @@ class StopOnSignal:
         if self._event is not None:
             self._event.synchronize()
         term, intr = (0, 0) if self._votes is None else self._votes.tolist()
-        if (term or intr) and self.signum is None:  # another rank's: the signal on its way
-            # here (torchrun's forward) is that same request, not a second one
-            self.signum, self._first_at = (signal.SIGINT if intr else signal.SIGTERM,
-                                           time.monotonic())
-        elif term or intr:
+        if term or intr:
+            # another rank's stop: the signal on its way here (torchrun's forward) is that
+            # same request, so the repeat window starts now
+            if self.signum is None:
+                self._first_at = time.monotonic()
             self.signum = signal.SIGINT if intr else signal.SIGTERM
         return bool(term or intr)
 

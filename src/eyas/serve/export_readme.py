@@ -71,8 +71,7 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
               f"{dcfg.num_attention_heads} (kv {dcfg.num_key_value_heads}, head_dim "
               f"{dcfg.head_dim}), intermediate {dcfg.intermediate_size}",
               f"- draft vocabulary {dcfg.draft_vocab_size} of {dcfg.vocab_size} target ids "
-              + ("(d2t/t2d)" if dcfg.draft_vocab_size != dcfg.vocab_size
-                 else "(the whole vocabulary: no d2t/t2d)"),
+              + ("(d2t/t2d)" if dcfg.maps_vocab else "(the whole vocabulary: no d2t/t2d)"),
               f"- norm_before_residual {dcfg.norm_before_residual}, norm_before_fc "
               f"{dcfg.norm_before_fc}, fc_norm {dcfg.fc_norm}, norm_output {dcfg.norm_output}, "
               f"rope_theta {dcfg.rope_theta:g}, rope_scaling {dcfg.rope_scaling}, "
