@@ -222,7 +222,9 @@ poll)
     [ -f "$g" ] && grep -v "it/s\]" "$g" | tail -n 30 > "$R/tail-$(basename "$(dirname "$g")").txt"
   done
   for g in $W/run/recipe-peer-*/train.log; do
-    [ -f "$g" ] && tail -n 40 "$g" | cut -c1-400 > "$R/tail-$(basename "$(dirname "$g")")-train.txt"
+    # (a line's head and tail: SpecForge's step lines end with their step time)
+    [ -f "$g" ] && tail -n 40 "$g" | awk '{ print (length($0) > 600 ? substr($0, 1, 200) \
+        " ... " substr($0, length($0) - 399) : $0) }' > "$R/tail-$(basename "$(dirname "$g")")-train.txt"
   done
   tar czf "$OUT/results.tgz" --exclude='conversations*.jsonl.gz' -C $W results 2>/dev/null
   ls -la "$OUT"

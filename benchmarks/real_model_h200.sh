@@ -5,7 +5,8 @@
 # /tmp/w/repo (a copy of this checkout); writes /tmp/w/results, one file per stage as it ends.
 # STAGES picks and orders the stages (most wanted first, so that a lease that ends early still
 # leaves the first ones; default: pipeline dflash eval32 regen dflash5 recipe; also eval1, and
-# ablation: the pipeline with ABLATION_VARIANTS trained beside it, issue 31).
+# ablation: the pipeline with ABLATION_VARIANTS trained beside it, issue 31; ABLATION_SPLITS:
+# their evals, default indist,heldout, add bench for REAL_ARGS' --bench sets).
 # Before them the GGUF is converted once (`eyas convert`, float32) and every stage reads the
 # folder: no GGUF parse per load (docs/benchmarks.md, issue 22); the GGUF is the fallback.
 # REAL_ARGS overrides real_model.py's settings, REGEN_ARGS and EVAL_ARGS the regenerate and
@@ -134,7 +135,9 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \
           --variants ${ABLATION_VARIANTS:?name the variants} "$@" \
           ${ABLATION_INDIST:+--indist-for $ABLATION_INDIST} \
-          --parallel ${ABLATION_PARALLEL:-16} --splits indist,heldout \
+          --parallel ${ABLATION_PARALLEL:-16} --splits ${ABLATION_SPLITS:-indist,heldout} \
+          $(case ,${ABLATION_SPLITS:-}, in *,bench,*) echo --bench $(arg --bench) \
+            --bench-prompts $(arg --bench-prompts);; esac) \
           --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) --k $(arg --k) \
           --indist-prompts $(arg --indist-prompts) --heldout-prompts $(arg --heldout-prompts) \
           --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \

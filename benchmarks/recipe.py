@@ -78,10 +78,18 @@ SPECULATORS = {
 }
 VARIANTS.update({f"eagle3.1+{k}": [*NORMS, *v] for k, v in SPECULATORS.items()})
 # peer trainers run on the same capture and vocab (benchmarks/peers/), with their own
-# recipe; name -> script. Their wheels may live outside this environment: $PEER_SITE is put
-# first on their PYTHONPATH
-PEERS = {"peer-speculators": "peers/speculators_train.py",
-         "peer-specforge": "peers/specforge_train.py"}
+# recipe; name -> (script, its extra flags). Their wheels may live outside this environment:
+# $PEER_SITE is put first on their PYTHONPATH. SpecForge's default micro-batch is one sample
+# (its examples'); at one sample its steps ran at ~4 samples/s on the H200 (session 22), too
+# slow for 20 epochs in a lease, so `-b16` is the same recipe with 16 samples padded per
+# micro-batch and a sixteenth of the accumulation (about the same tokens per optimizer step);
+# `-b16-4k` steps on one micro-batch (~4 K tokens here: nearer SpecForge's examples, one
+# sample per GPU on 8 GPUs, whose lr 1e-4 is set for steps that small; later flags win)
+PEERS = {"peer-speculators": ("peers/speculators_train.py", []),
+         "peer-specforge": ("peers/specforge_train.py", []),
+         "peer-specforge-b16": ("peers/specforge_train.py", ["--batch-size", "16"]),
+         "peer-specforge-b16-4k": ("peers/specforge_train.py",
+                                   ["--batch-size", "16", "--batch-tokens", "4096"])}
 VARIANTS.update({
     "eagle3.1+lr1e-4": [*NORMS, "--lr", "1e-4"],  # SpecForge's lr, eyas's default before issue 31
     "eagle3.1+lr3e-4": [*NORMS, "--lr", "3e-4"],  # the benchmarks' lr before issue 31
@@ -98,6 +106,14 @@ def _train_speed(run_dir: Path) -> float | None:
     return round(sum(speeds) / len(speeds), 1) if speeds else None
 
 
+def _split(base: Path, split: str) -> dict:
+    """One split's measured AL per k; the bench split's per prompt set (and MT-bench turn)."""
+    report = json.loads((base / f"eval-{split}/report.json").read_text())
+    if split == "bench" and report.get("by_set"):
+        return {name: _measured(v) for name, v in report["by_set"].items()}
+    return _measured(report)
+
+
 def _measured(report: dict) -> dict:
     out = {}
     for r in report["results"]:
@@ -105,7 +121,7 @@ def _measured(report: dict) -> dict:
             out[str(r["k"])] = {"al": r["mean_acceptance_length"],
                                 "per_position": r["per_position_acceptance"],
                                 "speedup": r["speedup"],
-                                "ci95": report["ci95"].get(str(r["k"]))}
+                                "ci95": (report.get("ci95") or {}).get(str(r["k"]))}
     return out
 
 
@@ -126,8 +142,11 @@ def main(argv=None) -> dict:
     p.add_argument("--heldout-prompts", type=int, default=200)
     p.add_argument("--eval-batch", type=int, default=64)
     p.add_argument("--splits", default="indist,heldout",
-                   help="which evals to run per variant: indist (the prepared eval split), "
-                        "heldout (heldout.jsonl), or both")
+                   help="which evals to run per variant, comma list: indist (the prepared eval "
+                        "split), heldout (heldout.jsonl), bench (the --bench sets)")
+    p.add_argument("--bench", default="mt-bench,gsm8k,humaneval",
+                   help="the standard prompt sets of split bench (eyas eval --bench)")
+    p.add_argument("--bench-prompts", type=int, default=80, help="the first N of each set")
     p.add_argument("--indist-for", default=None, metavar="VARIANTS",
                    help="measure the in-distribution split only for these variants (comma "
                         "list; the others: held-out only, with training's replayed AL as their "
@@ -156,7 +175,11 @@ def main(argv=None) -> dict:
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS and n not in PEERS]
     if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}: use some of {sorted(VARIANTS)}")
+        raise SystemExit(f"unknown variant(s) {unknown}: use some of "
+                         f"{sorted(VARIANTS) + sorted(PEERS)}")
+    if set(splits) - {"indist", "heldout", "bench"}:
+        raise SystemExit(f"unknown split(s) {sorted(set(splits) - {'indist', 'heldout', 'bench'})}"
+                         ": use indist, heldout, bench")
 
     def one(name: str) -> None:
         mine = splits if a.indist_for is None or name in a.indist_for.split(",") else \
@@ -200,10 +223,11 @@ def _peer(name: str, a, base: Path, log: Path) -> None:
         print(f"{name}: done before, skipped", flush=True)
         return
     work = Path(a.work)
-    cmd = [sys.executable, str(Path(__file__).parent / PEERS[name]), "--capture",
+    script, extra = PEERS[name]
+    cmd = [sys.executable, str(Path(__file__).parent / script), "--capture",
            str(work / "captured"), "--vocab", str(work / "vocab"), "--target", a.target,
            "--out", str(base), "--epochs", str(a.epochs), "--batch-tokens",
-           str(a.batch_tokens), "--device", "cuda" if _has_cuda() else "cpu"]
+           str(a.batch_tokens), "--device", "cuda" if _has_cuda() else "cpu", *extra]
     env = dict(os.environ)
     if env.get("PEER_SITE"):
         env["PYTHONPATH"] = os.pathsep.join([env["PEER_SITE"], env.get("PYTHONPATH", "")])
@@ -225,8 +249,7 @@ def _peer_record(name: str, base: Path, splits: list, train_s) -> dict:
     peer = json.loads((base / "peer.json").read_text())
     return {"peer": peer, "train_s": train_s and round(train_s, 1),
             "train_tokens_per_s": None, "best_step": None, "training_replayed_al": None,
-            **{split: _measured(json.loads((base / f"eval-{split}/report.json").read_text()))
-               for split in splits}}
+            **{split: _split(base, split) for split in splits}}
 
 
 def _evals(a, base: Path, splits: list, log: Path) -> None:
@@ -242,6 +265,9 @@ def _evals(a, base: Path, splits: list, log: Path) -> None:
     if "heldout" in splits:
         run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts,
             "--out", base / "eval-heldout", log=log, out=base / "eval-heldout")
+    if "bench" in splits:
+        run("eval", *ev, "--bench", a.bench, "--num-prompts", a.bench_prompts, "--out",
+            base / "eval-bench", log=log, out=base / "eval-bench")
 
 
 def _record(name: str, run_dir: Path, base: Path, splits: list, train_s) -> dict:
@@ -249,8 +275,7 @@ def _record(name: str, run_dir: Path, base: Path, splits: list, train_s) -> dict
     return {"flags": VARIANTS.get(name, []), "train_s": train_s and round(train_s, 1),
             "train_tokens_per_s": _train_speed(run_dir), "best_step": best["step"],
             "training_replayed_al": best.get("chain", {}).get("acceptance_length"),
-            **{split: _measured(json.loads((base / f"eval-{split}/report.json").read_text()))
-               for split in splits}}
+            **{split: _split(base, split) for split in splits}}
 
 
 def _result(a, results: dict) -> dict:
