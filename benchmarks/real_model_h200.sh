@@ -20,9 +20,10 @@
 # size's in-distribution eval). Stage train-speed: eyas train eager and under --cuda-graph,
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS); stage served-shape: the
-# cost of a speculative step on a random 8B-shaped target (SHAPE_K, SHAPE_BATCHES,
-# SHAPE_MINUTES). Stages that start vLLM read it from VSITE
+# SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
+# served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
+# served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
+# SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
 # with different STAGES (the GGUF is converted once; each stage writes its own files in $R).
 set -u
@@ -311,7 +312,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
-        --max-new-tokens 256 --max-minutes ${SERVED_MINUTES:-12} \
+        --max-new-tokens 256 --max-minutes ${SERVED_MINUTES:-12} ${SERVED_SPEED_ARGS:-} \
         --json $R/served-qwen-coder.json > $R/served.out 2>&1; rc=\$?; \
         echo \"\$(date +%T) served: speed rc \$rc\" >> $R/stages.txt"
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, serve, eval"
@@ -339,14 +340,18 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # ablation's conversations, 20 steps), served without speculation and at each SHAPE_K
     # (benchmarks/served_shape.py): the break-even acceptance length per k and batch
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
-    stage "served-shape: random 8B-shaped target, its draft, vLLM at each k"
-    PYTHONPATH=$VP python3 benchmarks/served_shape.py --tokenizer $T \
-        --conversations $W/conversations-2000.jsonl --work $W/shape8b \
-        --json "$R/served-8b-shape.json" -- --bench mt-bench --num-prompts 40 \
-        --batch1-prompts 10 --k ${SHAPE_K:-3,1,5} --batches ${SHAPE_BATCHES:-1,8,32} \
-        --temperatures 0 --max-new-tokens 256 --max-minutes ${SHAPE_MINUTES:-8} \
-        > "$R/served_shape.out" 2>&1
-    stage "served-shape rc $?" ;;
+    # (SHAPE_RUNNERS="v1 v2": once per vLLM model runner, the target and draft made once)
+    for rn in ${SHAPE_RUNNERS:-v1}; do
+      sfx=; [ $rn = v1 ] || sfx=-$rn
+      stage "served-shape: random 8B-shaped target, its draft, vLLM ($rn) at each k"
+      PYTHONPATH=$VP python3 benchmarks/served_shape.py --tokenizer $T \
+          --conversations $W/conversations-2000.jsonl --work $W/shape8b \
+          --json "$R/served-8b-shape$sfx.json" -- --bench mt-bench --num-prompts 40 \
+          --batch1-prompts 10 --k ${SHAPE_K:-3,1,5} --batches ${SHAPE_BATCHES:-1,8,32} \
+          --temperatures 0 --max-new-tokens 256 --max-minutes ${SHAPE_MINUTES:-8} \
+          --runner $rn >> "$R/served_shape.out" 2>&1
+      stage "served-shape ($rn) rc $?"
+    done ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"
     timeout 420 python3 benchmarks/regenerate.py --target $T \

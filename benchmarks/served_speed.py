@@ -8,9 +8,13 @@ are set side by side per prompt set, temperature and batch size.
         --max-new-tokens 256 --eyas-report eval-t0/report.json --eyas-report eval-t1/report.json \
         --max-minutes 25 --json benchmarks/results/served-qwen-coder.json
 
-What runs. One `vllm.LLM` engine per way: "none", "ngram" at each --ngram-k (vLLM's
-`method: "ngram"`, prompt_lookup_min/max as `eyas eval`'s n-gram drafter), "eagle3" at each
---k. vLLM cannot change `speculative_config` on a live engine, so each way costs one engine
+What runs. One `vllm.LLM` engine per way: "none", "ngram" at each --ngram-k and each of
+--ngram-methods (vLLM's `method: "ngram"`, and `"ngram_gpu"` where asked: the same lookup on
+the GPU, which keeps async scheduling on; prompt_lookup_min/max as `eyas eval`'s n-gram
+drafter), "eagle3" at each --k. A way whose engine does not start is named in the JSON
+(`failed`) and the others run. `--runner v2` runs every engine on vLLM's V2 model runner
+(`VLLM_USE_V2_MODEL_RUNNER=1`: the EAGLE draft's steps as full CUDA graphs, where V1 captures
+them piecewise and runs their attention between the pieces). vLLM cannot change `speculative_config` on a live engine, so each way costs one engine
 start (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test
 target); everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
 order, --k in the order given, so the first --k values are the ones a short lease measures.
@@ -62,22 +66,28 @@ from vllm_serve import counters, hf_folder  # noqa: E402  (read as vllm_serve.py
 WARMUP_TOKENS = 8
 
 
+NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's prompt lookup on the CPU, and on the GPU
+
+
 @dataclass(frozen=True)
 class Way:
-    """One engine: how vLLM serves the target ("none", "ngram" or "eagle3") and its k."""
+    """One engine: how vLLM serves the target ("none", "ngram" or "eagle3") and its k; an
+    n-gram way's `method` is vLLM's ("ngram", or "ngram_gpu": the lookup on the GPU, which
+    keeps vLLM's async scheduling on where "ngram" turns it off)."""
 
     name: str
     k: int = 0
+    method: str = ""
 
     @property
     def label(self) -> str:
-        return self.name if self.name == "none" else f"{self.name} k={self.k}"
+        return self.name if self.name == "none" else f"{self.method or self.name} k={self.k}"
 
     def speculative_config(self, draft: str, lookup: tuple[int, int]) -> dict | None:
         if self.name == "none":
             return None
         if self.name == "ngram":
-            return {"method": "ngram", "num_speculative_tokens": self.k,
+            return {"method": self.method or "ngram", "num_speculative_tokens": self.k,
                     "prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
         return {"method": "eagle3", "model": draft, "num_speculative_tokens": self.k}
 
@@ -175,7 +185,8 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
     n_out = sum(len(t) for t in tokens)
     tpot = [(r["finished"] - r["first"]) / (len(r["tokens"]) - 1) for r in done
             if len(r["tokens"]) > 1]
-    row = {"way": way.name, "k": way.k, "set": group, "temperature": temperature,
+    row = {"way": way.name, "k": way.k, **({"method": way.method} if way.method else {}),
+           "set": group, "temperature": temperature,
            "batch": batch, "prompts": len(ids), "output_tokens": n_out,
            "seconds": round(seconds, 3), "output_tokens_per_s": round(n_out / seconds, 2),
            "tpot_ms": percentiles(tpot),
@@ -212,6 +223,7 @@ def speedups(rows: list[dict]) -> list[dict]:
             "set": key[0], "temperature": key[1], "batch": key[2],
             "none_tokens_per_s": tps["none"],
             "ngram_best_k": ngram and ngram["k"], "ngram_tokens_per_s": tps["ngram"],
+            "ngram_best_method": ngram and ngram.get("method", "ngram"),
             "eagle3_best_k": eagle and eagle["k"], "eagle3_tokens_per_s": tps["eagle3"],
             "eagle3_over_none": round(tps["eagle3"] / tps["none"], 3)
             if eagle and none else None,
@@ -245,12 +257,19 @@ def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _ngram_k(s: dict) -> str:
+    """The fastest n-gram's k, and its method when that is not plain "ngram"."""
+    method = s.get("ngram_best_method")
+    return _f(s["ngram_best_k"]) + (f", {method}" if method not in (None, "ngram") else "")
+
+
 def markdown(result: dict) -> str:
     """The summary (best k per way, speedups) and every measured configuration, with the
     command that made them."""
     lines = [f"`{result['command']}`", "",
-             f"{result['device']}, vLLM {result['vllm_version']}, {result['dtype']}, "
-             f"{result['max_new_tokens']} new tokens"
+             f"{result['device']}, vLLM {result['vllm_version']}"
+             + (" (its V2 model runner)" if result.get("model_runner") == "v2" else "")
+             + f", {result['dtype']}, {result['max_new_tokens']} new tokens"
              + (f"; stopped early: {result['stopped_early']}" if result["stopped_early"]
                 else ""), "",
              "| set | T | batch | none tok/s | n-gram tok/s (k) | eyas tok/s (k) | x none | "
@@ -261,7 +280,7 @@ def markdown(result: dict) -> str:
         ci = s["eagle3_eyas_eval_ci95"]
         lines.append(
             f"| {s['set']} | {s['temperature']:g} | {s['batch']} | {_f(s['none_tokens_per_s'], 1)} "
-            f"| {_f(s['ngram_tokens_per_s'], 1)} ({_f(s['ngram_best_k'])}) "
+            f"| {_f(s['ngram_tokens_per_s'], 1)} ({_ngram_k(s)}) "
             f"| {_f(s['eagle3_tokens_per_s'], 1)} ({_f(s['eagle3_best_k'])}) "
             f"| {_f(s['eagle3_over_none'])} | {_f(s['eagle3_over_ngram'])} "
             f"| {_f(s['eagle3_vllm_al'], 3)} | {_f(s['eagle3_eyas_eval_al'], 3)}"
@@ -276,7 +295,7 @@ def markdown(result: dict) -> str:
         same = r["same_outputs_as_no_speculation"]
         same = "-" if same is None else f"{same} / {r['prompts']}"
         lines.append(
-            f"| {Way(r['way'], r['k']).label} | {r['set']} | {r['temperature']:g} | {r['batch']} "
+            f"| {Way(r['way'], r['k'], r.get('method', '')).label} | {r['set']} | {r['temperature']:g} | {r['batch']} "
             f"| {r['prompts']} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p90'])} "
             f"| {_f(r['vllm'] and r['vllm']['acceptance_length'], 3)} "
@@ -284,6 +303,8 @@ def markdown(result: dict) -> str:
             f"| {same} |")
     if result["not_run"]:
         lines += ["", "Not run (budget): " + ", ".join(result["not_run"])]
+    for f in result.get("failed", []):
+        lines += ["", f"Failed to start: {f['way']}: {f['error']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -301,6 +322,14 @@ def parse_args(argv):
     p.add_argument("--ignore-eos", action="store_true", help="every answer max-new-tokens long")
     p.add_argument("--k", default="1,2,3,4,5,6,7", help="eagle3 k values, in the order run")
     p.add_argument("--ngram-k", default="4", help="n-gram k values ('' for none)")
+    p.add_argument("--ngram-methods", default="ngram",
+                   help="vLLM n-gram methods, each at every --ngram-k: ngram (the lookup on "
+                        "the CPU; vLLM then turns async scheduling off), ngram_gpu (on the "
+                        "GPU, async scheduling stays on; vLLM >= 0.14, its V1 runner only)")
+    p.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                   help="vLLM's model runner for every engine of the run: v2 sets "
+                        "VLLM_USE_V2_MODEL_RUNNER=1 (full CUDA graphs for the EAGLE draft's "
+                        "steps; V1 captures them piecewise); run once per runner to compare")
     p.add_argument("--ngram-min", type=int, default=2, help="vLLM's prompt_lookup_min")
     p.add_argument("--ngram-max", type=int, default=4, help="vLLM's prompt_lookup_max")
     p.add_argument("--batches", default="1,8,32,64", help="concurrencies")
@@ -404,11 +433,17 @@ def main(argv=None) -> dict:
         out.with_suffix(".md").write_text(markdown(result))
         return result
     a = parse_args(argv)
+    methods = [m for m in a.ngram_methods.split(",") if m]
+    if set(methods) - set(NGRAM_METHODS) or not methods:
+        raise SystemExit(f"--ngram-methods {a.ngram_methods!r}: use some of {NGRAM_METHODS}")
+    # read by vLLM when it builds each engine's config; set before vLLM is imported
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
     started = time.perf_counter()
     deadline = started + 60 * a.max_minutes if a.max_minutes else float("inf")
     batches = [int(b) for b in a.batches.split(",")]
     temps = [float(t) for t in a.temperatures.split(",")]
-    ways = [Way("none")] + [Way("ngram", int(k)) for k in a.ngram_k.split(",") if k] + \
+    ways = [Way("none")] + [Way("ngram", int(k), "" if m == "ngram" else m)
+                            for m in methods for k in a.ngram_k.split(",") if k] + \
         ([Way("eagle3", int(k)) for k in a.k.split(",") if k] if a.draft else [])
     sets = load_sets(a)
     reports = [json.loads(Path(r).read_text()) for r in a.eyas_report]
@@ -433,7 +468,9 @@ def main(argv=None) -> dict:
         "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos, "batches": batches,
         "temperatures": temps, "ways": [w.label for w in ways],
         "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
-        "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": []}
+        "model_runner": a.runner,
+        "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": [],
+        "failed": []}
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -450,7 +487,15 @@ def main(argv=None) -> dict:
             result["stopped_early"] = f"--max-minutes {a.max_minutes} before {way.label}"
             result["not_run"] += [w.label for w in ways[n:]]
             break
-        record = serve_one(way, a, sets, engine, deadline, result, state)
+        try:
+            record = serve_one(way, a, sets, engine, deadline, result, state)
+        except Exception as e:  # noqa: BLE001 (one way's engine refused: the others still run)
+            if way.name == "none":
+                raise  # nothing to compare against
+            print(f"{way.label}: {type(e).__name__}: {e}", flush=True)
+            result["failed"].append({"way": way.label, "error": f"{type(e).__name__}: {e}"[:500]})
+            write()
+            continue
         longest_engine = max(longest_engine, record["total_s"])
         write()
         if result["stopped_early"]:

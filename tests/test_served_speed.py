@@ -45,6 +45,28 @@ def test_speedups_take_the_fastest_k_of_each_way_per_batch():
          "stopped_early": None, "not_run": [], "summary": [one, eight], "rows": rows})
 
 
+def test_ngram_methods_are_ways_of_their_own_and_the_fastest_is_named():
+    gpu = served_speed.Way("ngram", 4, "ngram_gpu")
+    assert gpu.label == "ngram_gpu k=4" and served_speed.Way("ngram", 4).label == "ngram k=4"
+    assert gpu.speculative_config("d", (2, 4)) == {
+        "method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}
+    assert served_speed.Way("ngram", 4).speculative_config("d", (2, 4))["method"] == "ngram"
+    rows = [_row("none", 0, 100.0), _row("ngram", 4, 120.0), _row("eagle3", 3, 130.0, al=2.0),
+            {**_row("ngram", 4, 150.0), "method": "ngram_gpu"}]
+    (s,) = served_speed.speedups(rows)
+    assert (s["ngram_best_method"], s["ngram_tokens_per_s"]) == ("ngram_gpu", 150.0)
+    table = served_speed.markdown(
+        {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
+         "stopped_early": None, "not_run": [], "summary": [s], "rows": rows,
+         "model_runner": "v2", "failed": [{"way": "ngram_gpu k=2", "error": "ValueError: no"}]})
+    assert "| 150.0 (4, ngram_gpu) |" in table and "| ngram_gpu k=4 | data |" in table
+    assert "vLLM v (its V2 model runner)" in table
+    assert "Failed to start: ngram_gpu k=2: ValueError: no" in table
+    with pytest.raises(SystemExit, match="ngram-methods"):
+        served_speed.main(["--target", "t", "--json", "o.json", "--ngram-methods", "ngram,lookup"])
+
+
 def test_break_even_al_is_the_step_time_over_the_time_per_token_without_speculation():
     # session 23's lease, Qwen2.5-Coder-0.5B, MT-bench, batch 1, T=0: 1.40 ms per token
     # without speculation, 3.04 ms per token with eagle3 k=3 at vLLM's AL 1.693
@@ -184,22 +206,29 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     r = served_speed.main([
         "--target", str(target), "--draft", draft, "--data", str(data), "--num-prompts", "6",
         "--batch1-prompts", "6", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-        "--k", "1,3", "--ngram-k", "2", "--batches", "1,4", "--temperatures", "0,1",
+        "--k", "1,3", "--ngram-k", "2", "--ngram-methods", "ngram,ngram_gpu",
+        "--batches", "1,4", "--temperatures", "0,1",
         "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
         "--max-model-len", "256", "--eyas-report", str(tmp_path / "eval" / "report.json"),
         "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     assert out.with_suffix(".md").read_text().startswith("`python benchmarks/served_speed.py")
     assert r["stopped_early"] is None and r["not_run"] == []
-    assert [e["way"] for e in r["engines"]] == ["none", "ngram k=2", "eagle3 k=1", "eagle3 k=3"]
+    # vLLM's GPU n-gram runs where this vLLM has it; where it refuses it is named, the rest run
+    gpu = [e for e in r["engines"] if e["way"] == "ngram_gpu k=2"]
+    assert len(gpu) + len(r["failed"]) == 1
+    assert [f["way"] for f in r["failed"]] in ([], ["ngram_gpu k=2"])
+    assert [e["way"] for e in r["engines"] if e not in gpu] == \
+        ["none", "ngram k=2", "eagle3 k=1", "eagle3 k=3"]
+    print("ngram_gpu:", "ran" if gpu else r["failed"])
     assert all(e["start_s"] > 0 and e["measurements"] == 4 for e in r["engines"])
     # the configs as asked: vLLM 0.24 (GPU) wrote its ModelConfig into the dict it was given,
     # and the JSON could not be written after the first engine with speculation
+    lookup = {"num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     assert [e["speculative_config"] for e in r["engines"]] == [None, {
-        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}] + [{"method": "eagle3", "model": draft,
-                                     "num_speculative_tokens": k} for k in (1, 3)]
-    assert len(r["rows"]) == 16 and len(r["summary"]) == 4
+        "method": "ngram", **lookup}] + [{"method": "ngram_gpu", **lookup}] * len(gpu) + \
+        [{"method": "eagle3", "model": draft, "num_speculative_tokens": k} for k in (1, 3)]
+    assert len(r["rows"]) == 16 + 4 * len(gpu) and len(r["summary"]) == 4
     for row in r["rows"]:
         assert row["output_tokens"] == 6 * NEW_TOKENS and row["output_tokens_per_s"] > 0
         assert all(row["tpot_ms"][q] > 0 for q in ("mean", "p50", "p90"))
