@@ -23,7 +23,8 @@
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
-# SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner). Stages that start vLLM read it from VSITE
+# SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner;
+# SHAPE: llama-8b, or qwen2.5-0.5b / qwen2.5-1.5b, issue 33's targets' shapes). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
 # with different STAGES (the GGUF is converted once; each stage writes its own files in $R).
 set -u
@@ -340,13 +341,19 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # ablation's conversations, 20 steps), served without speculation and at each SHAPE_K
     # (benchmarks/served_shape.py): the break-even acceptance length per k and batch
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
-    # (SHAPE_RUNNERS="v1 v2": once per vLLM model runner, the target and draft made once)
+    # (SHAPE_RUNNERS="v1 v2": once per vLLM model runner, the target and draft made once,
+    # first, while vLLM's bundle may still be arriving: the stage can start with call c)
+    shape=(--tokenizer $T --shape ${SHAPE:-llama-8b} --conversations $W/conversations-2000.jsonl
+           --work $W/shape-${SHAPE:-llama-8b})
+    python3 benchmarks/served_shape.py "${shape[@]}" --no-serve \
+        --json "$R/served-shape-made.json" > "$R/served_shape.out" 2>&1
+    stage "served-shape: target and draft made, rc $?"
+    for i in $(seq 120); do [ -f ${VSITE:-/tmp/vsite}/.ready ] && break; sleep 5; done
     for rn in ${SHAPE_RUNNERS:-v1}; do
       sfx=; [ $rn = v1 ] || sfx=-$rn
-      stage "served-shape: random 8B-shaped target, its draft, vLLM ($rn) at each k"
-      PYTHONPATH=$VP python3 benchmarks/served_shape.py --tokenizer $T \
-          --conversations $W/conversations-2000.jsonl --work $W/shape8b \
-          --json "$R/served-8b-shape$sfx.json" -- --bench mt-bench --num-prompts 40 \
+      stage "served-shape: ${SHAPE:-llama-8b}, vLLM ($rn) at each k"
+      PYTHONPATH=$VP python3 benchmarks/served_shape.py "${shape[@]}" \
+          --json "$R/served-${SHAPE:-llama-8b}-shape$sfx.json" -- --bench mt-bench --num-prompts 40 \
           --batch1-prompts 10 --k ${SHAPE_K:-3,1,5} --batches ${SHAPE_BATCHES:-1,8,32} \
           --temperatures 0 --max-new-tokens 256 --max-minutes ${SHAPE_MINUTES:-8} \
           --runner $rn >> "$R/served_shape.out" 2>&1

@@ -37,9 +37,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from capture import LLAMA_8B, TINY  # noqa: E402  (the shapes of the capture benchmark)
 from capture_backends import make_llama8b, sh  # noqa: E402
 
+# The two targets of issue 33 as Llama shapes (Qwen2's attention biases left out: three
+# vectors per layer, nothing beside its matmuls), with their tied 151,936-row embedding, so
+# that the target's step costs what theirs does
+QWEN2_5_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True)
+QWEN2_5_15B = {**QWEN2_5_05B, "hidden_size": 1536, "intermediate_size": 8960,
+               "num_hidden_layers": 28, "num_attention_heads": 12}
 # tiny-128: head dim 32, which vLLM's CPU attention runs (tests/test_served_speed.py, -m vllm)
-SHAPES = {"llama-8b": LLAMA_8B, "tiny": TINY,
-          "tiny-128": {**TINY, "hidden_size": 128, "intermediate_size": 256}}
+SHAPES = {"llama-8b": LLAMA_8B, "qwen2.5-0.5b": QWEN2_5_05B, "qwen2.5-1.5b": QWEN2_5_15B,
+          "tiny": TINY, "tiny-128": {**TINY, "hidden_size": 128, "intermediate_size": 256}}
 
 
 def make_draft(a, target: Path, work: Path, log: Path) -> tuple[Path, dict]:

@@ -324,3 +324,18 @@ def test_served_shape_serves_its_draft_at_each_k(tmp_path):
     for s in r["summary"]:
         assert s["eagle3_break_even_al"] > 1  # a draft step costs something
         assert s["eagle3_step_ms"] > s["tpot_p50_ms_none"] * 0.5
+
+
+def test_served_shape_qwen_shapes_have_the_targets_size():
+    """Issue 33's targets as served_shape.py shapes: Qwen2.5-0.5B has 494 M parameters and
+    1.5B 1,544 M (their model cards, tied embeddings counted once); the Llama shapes leave out
+    only Qwen2's attention biases (under 0.1 M)."""
+    import served_shape
+    import transformers
+
+    for name, millions in (("qwen2.5-0.5b", 494), ("qwen2.5-1.5b", 1544)):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(**served_shape.SHAPES[name]))
+        n = sum(p.numel() for p in model.parameters()) / 1e6  # tied: counted once
+        assert abs(n - millions) < 0.5, (name, n)
