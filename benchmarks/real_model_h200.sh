@@ -133,13 +133,18 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     gzip -c $W/run/regenerated/conversations.jsonl > "$R/conversations.jsonl.gz" 2>/dev/null
     cp $W/run/regenerated/eyas.json "$R/regen-eyas.json" 2>/dev/null
     stage "ablation: vocab written, variants start"
+    # the bench split measures REAL_ARGS' --bench sets (recipe.py's own defaults where not given)
+    bench=()
+    case ,${ABLATION_SPLITS:-}, in *,bench,*)
+      [ -z "$(arg --bench)" ] || bench+=(--bench "$(arg --bench)")
+      [ -z "$(arg --bench-prompts)" ] || bench+=(--bench-prompts "$(arg --bench-prompts)") ;;
+    esac
     abl() {  # the variants (again: every finished step is skipped, only the records are read)
       python3 benchmarks/recipe.py --work $W/run --data $W/realdata --target $T \
           --variants ${ABLATION_VARIANTS:?name the variants} "$@" \
           ${ABLATION_INDIST:+--indist-for $ABLATION_INDIST} \
           --parallel ${ABLATION_PARALLEL:-16} --splits ${ABLATION_SPLITS:-indist,heldout} \
-          $(case ,${ABLATION_SPLITS:-}, in *,bench,*) echo --bench $(arg --bench) \
-            --bench-prompts $(arg --bench-prompts);; esac) \
+          "${bench[@]}" \
           --epochs $(arg --epochs) --batch-tokens $(arg --batch-tokens) --k $(arg --k) \
           --indist-prompts $(arg --indist-prompts) --heldout-prompts $(arg --heldout-prompts) \
           --eval-tokens $(arg --eval-tokens) --eval-batch $(arg --eval-batch) \
@@ -152,7 +157,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     abl --baseline default >> "$R/ablation.out" 2>&1  # the pipeline's draft as the first row
     stage "ablation table rc $?"
     grep -v "it/s\]" $W/run/log.txt > "$R/real_model_log.txt"
-    for e in indist heldout; do
+    for e in indist heldout bench; do
       cp $W/run/eval-$e/report.json "$R/eval-$e-report.json" 2>/dev/null
     done
     cp $W/run/run/metrics.jsonl "$R/metrics.jsonl" 2>/dev/null
@@ -160,6 +165,10 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       n=$(basename $v | tr '+' '_')
       cp $v/run/metrics.jsonl "$R/$n-metrics.jsonl" 2>/dev/null
       cp $v/log.txt "$R/$n-log.txt" 2>/dev/null
+      cp $v/peer.json "$R/$n-peer.json" 2>/dev/null
+      for e in $v/eval-*/report.json; do  # each eval's whole report (per-set tables, intervals)
+        [ -f $e ] && cp $e "$R/$n-$(basename $(dirname $e))-report.json"
+      done
     done ;;
   recipe)
     stage "recipe ablation"

@@ -80,7 +80,7 @@ VARIANTS.update({f"eagle3.1+{k}": [*NORMS, *v] for k, v in SPECULATORS.items()})
 # peer trainers run on the same capture and vocab (benchmarks/peers/), with their own
 # recipe; name -> (script, its extra flags). Their wheels may live outside this environment:
 # $PEER_SITE is put first on their PYTHONPATH. SpecForge's default micro-batch is one sample
-# (its examples'); at one sample its steps ran at ~4 samples/s on the H200 (session 22), too
+# (its examples'); at one sample its steps ran at ~4.5 samples/s on the H200 (session 22), too
 # slow for 20 epochs in a lease, so `-b16` is the same recipe with 16 samples padded per
 # micro-batch and a sixteenth of the accumulation (about the same tokens per optimizer step);
 # `-b16-4k` steps on one micro-batch (~4 K tokens here: nearer SpecForge's examples, one
@@ -109,8 +109,9 @@ def _train_speed(run_dir: Path) -> float | None:
 def _split(base: Path, split: str) -> dict:
     """One split's measured AL per k; the bench split's per prompt set (and MT-bench turn)."""
     report = json.loads((base / f"eval-{split}/report.json").read_text())
-    if split == "bench" and report.get("by_set"):
-        return {name: _measured(v) for name, v in report["by_set"].items()}
+    if split == "bench" and report.get("by_set"):  # "all": the sets pooled, with intervals
+        return {"all": _measured(report),
+                **{name: _measured(v) for name, v in report["by_set"].items()}}
     return _measured(report)
 
 
@@ -168,10 +169,6 @@ def main(argv=None) -> dict:
     log = work / "recipe-log.txt"
     results = {}
     splits = a.splits.split(",")
-    if a.baseline:  # the work folder's own draft, trained and measured by real_model.py
-        results[a.baseline] = _record(a.baseline, work / "run", work, splits, None)
-        Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
-    written = threading.Lock()  # variants finish in their own threads
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS and n not in PEERS]
     if unknown:
@@ -180,6 +177,10 @@ def main(argv=None) -> dict:
     if set(splits) - {"indist", "heldout", "bench"}:
         raise SystemExit(f"unknown split(s) {sorted(set(splits) - {'indist', 'heldout', 'bench'})}"
                          ": use indist, heldout, bench")
+    if a.baseline:  # the work folder's own draft, trained and measured by real_model.py
+        results[a.baseline] = _record(a.baseline, work / "run", work, splits, None)
+        Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")
+    written = threading.Lock()  # variants finish in their own threads
 
     def one(name: str) -> None:
         mine = splits if a.indist_for is None or name in a.indist_for.split(",") else \
@@ -247,6 +248,8 @@ def _has_cuda() -> bool:
 
 def _peer_record(name: str, base: Path, splits: list, train_s) -> dict:
     peer = json.loads((base / "peer.json").read_text())
+    # its trainer's own time (this call's `train_s` is ~0 when an earlier call trained it)
+    train_s = (peer.get("wall_s") or {}).get("train", train_s)
     return {"peer": peer, "train_s": train_s and round(train_s, 1),
             "train_tokens_per_s": None, "best_step": None, "training_replayed_al": None,
             **{split: _split(base, split) for split in splits}}

@@ -12,9 +12,12 @@ What runs. One `vllm.LLM` engine per way: "none", "ngram" at each --ngram-k and 
 --ngram-methods (vLLM's `method: "ngram"`, and `"ngram_gpu"` where asked: the same lookup on
 the GPU, which keeps async scheduling on; prompt_lookup_min/max as `eyas eval`'s n-gram
 drafter), "eagle3" at each --k. A way whose engine does not start is named in the JSON
-(`failed`) and the others run. `--runner v2` runs every engine on vLLM's V2 model runner
-(`VLLM_USE_V2_MODEL_RUNNER=1`: the EAGLE draft's steps as full CUDA graphs, where V1 captures
-them piecewise and runs their attention between the pieces). vLLM cannot change `speculative_config` on a live engine, so each way costs one engine
+(`failed`, with the phase: start, warm-up or measure; its engine is closed and what it
+measured before stays) and the others run. `--runner v1|v2` runs every engine on that vLLM
+model runner (`VLLM_USE_V2_MODEL_RUNNER`: V2 runs the EAGLE draft's steps as full CUDA graphs,
+V1 captures them piecewise and runs their attention between the pieces); by default vLLM
+chooses (0.24: V2 for Llama targets, V1 for Qwen2 and for n-gram), and each engine records
+the runner it used. vLLM cannot change `speculative_config` on a live engine, so each way costs one engine
 start (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test
 target); everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
 order, --k in the order given, so the first --k values are the ones a short lease measures.
@@ -257,6 +260,15 @@ def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _runners(result: dict) -> str:
+    """The model runner each engine ran on, as vLLM chose it (and what was asked)."""
+    used = [f"{e['way']} {e['model_runner']}" for e in result.get("engines", [])
+            if e.get("model_runner")]
+    asked = result.get("model_runner")
+    return (f" (runner asked: {asked}" + (f"; used: {', '.join(used)}" if used else "") + ")"
+            if asked or used else "")
+
+
 def _ngram_k(s: dict) -> str:
     """The fastest n-gram's k, and its method when that is not plain "ngram"."""
     method = s.get("ngram_best_method")
@@ -268,8 +280,7 @@ def markdown(result: dict) -> str:
     command that made them."""
     lines = [f"`{result['command']}`", "",
              f"{result['device']}, vLLM {result['vllm_version']}"
-             + (" (its V2 model runner)" if result.get("model_runner") == "v2" else "")
-             + f", {result['dtype']}, {result['max_new_tokens']} new tokens"
+             + _runners(result) + f", {result['dtype']}, {result['max_new_tokens']} new tokens"
              + (f"; stopped early: {result['stopped_early']}" if result["stopped_early"]
                 else ""), "",
              "| set | T | batch | none tok/s | n-gram tok/s (k) | eyas tok/s (k) | x none | "
@@ -304,7 +315,7 @@ def markdown(result: dict) -> str:
     if result["not_run"]:
         lines += ["", "Not run (budget): " + ", ".join(result["not_run"])]
     for f in result.get("failed", []):
-        lines += ["", f"Failed to start: {f['way']}: {f['error']}"]
+        lines += ["", f"Failed ({f.get('phase', 'start')}): {f['way']}: {f['error']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -326,10 +337,12 @@ def parse_args(argv):
                    help="vLLM n-gram methods, each at every --ngram-k: ngram (the lookup on "
                         "the CPU; vLLM then turns async scheduling off), ngram_gpu (on the "
                         "GPU, async scheduling stays on; vLLM >= 0.14, its V1 runner only)")
-    p.add_argument("--runner", choices=("v1", "v2"), default="v1",
-                   help="vLLM's model runner for every engine of the run: v2 sets "
-                        "VLLM_USE_V2_MODEL_RUNNER=1 (full CUDA graphs for the EAGLE draft's "
-                        "steps; V1 captures them piecewise); run once per runner to compare")
+    p.add_argument("--runner", choices=("auto", "v1", "v2"), default="auto",
+                   help="vLLM's model runner for every engine of the run: v1 / v2 set "
+                        "VLLM_USE_V2_MODEL_RUNNER to 0 / 1 (V2 runs the EAGLE draft's steps as "
+                        "full CUDA graphs, V1 piecewise); auto leaves vLLM's choice (0.24: V2 "
+                        "for Llama, V1 for Qwen2; V1 for n-gram). Each engine records the "
+                        "runner vLLM used; run once per runner to compare")
     p.add_argument("--ngram-min", type=int, default=2, help="vLLM's prompt_lookup_min")
     p.add_argument("--ngram-max", type=int, default=4, help="vLLM's prompt_lookup_max")
     p.add_argument("--batches", default="1,8,32,64", help="concurrencies")
@@ -373,19 +386,45 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
     batches = result["batches"]
     spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max))
     t0 = time.perf_counter()
+    state["phase"] = "start"
     gen = VLLMGenerator(result["target_dir"], dtype=a.dtype, seed=0, **engine,
                         speculative_config=spec)
-    started = time.perf_counter() - t0
-    warm = [p.ids.tolist() for ps in sets.values() for p in ps][:max(batches)]
-    for t in result["temperatures"]:  # every sampling path at the largest batch, untimed
-        drive(gen.llm.llm_engine, warm, vllm.SamplingParams(
-            temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True), max(batches), f"warm{t}")
-    record = {"way": way.label, "speculative_config": spec, "start_s": round(started, 1),
-              "warmup_s": round(time.perf_counter() - t0 - started, 1), "measurements": 0}
-    result["engines"].append(record)
+    try:
+        started = time.perf_counter() - t0
+        record = {"way": way.label, "speculative_config": spec, "start_s": round(started, 1),
+                  "model_runner": model_runner(gen.llm), "measurements": 0}
+        result["engines"].append(record)
+        state["phase"] = "warm-up"
+        warm = [p.ids.tolist() for ps in sets.values() for p in ps][:max(batches)]
+        for t in result["temperatures"]:  # every sampling path at the largest batch, untimed
+            drive(gen.llm.llm_engine, warm, vllm.SamplingParams(
+                temperature=t, max_tokens=WARMUP_TOKENS, ignore_eos=True), max(batches),
+                f"warm{t}")
+        record["warmup_s"] = round(time.perf_counter() - t0 - started, 1)
+        state["phase"] = "measure"
+        _measure_all(way, a, sets, gen, deadline, result, state, record)
+    finally:  # a failed measurement must not leave its engine holding the GPU for the next
+        gen.close()
+    record["total_s"] = round(time.perf_counter() - t0, 1)
+    return record
+
+
+def model_runner(llm) -> str | None:
+    """Which model runner vLLM chose for this engine: "v2" or "v1" (vLLM 0.24 runs some
+    architectures, Llama among them and Qwen2 not, on V2 unless told otherwise; a feature V2
+    lacks, n-gram for one, sends it back to V1); None where this vLLM does not say."""
+    try:
+        return "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    except AttributeError:
+        return None
+
+
+def _measure_all(way: Way, a, sets: dict, gen, deadline: float, result: dict, state: dict,
+                 record: dict) -> None:
+    """Every (set, temperature, batch) of one engine that the budget allows."""
     for group, prompts in sets.items():
         for t in result["temperatures"]:
-            for b in batches:
+            for b in result["batches"]:
                 key = (group, t, b)
                 # begin only what the budget holds, judged by the same measurement before
                 if time.perf_counter() + state["last_seconds"].get(key, 0) > deadline:
@@ -399,9 +438,6 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
                 result["rows"].append(row)
                 record["measurements"] += 1
                 state["write"]()
-    gen.close()
-    record["total_s"] = round(time.perf_counter() - t0, 1)
-    return record
 
 
 def attach_reports(result: dict, report_paths: list[str]) -> dict:
@@ -436,8 +472,8 @@ def main(argv=None) -> dict:
     methods = [m for m in a.ngram_methods.split(",") if m]
     if set(methods) - set(NGRAM_METHODS) or not methods:
         raise SystemExit(f"--ngram-methods {a.ngram_methods!r}: use some of {NGRAM_METHODS}")
-    # read by vLLM when it builds each engine's config; set before vLLM is imported
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
+    if a.runner != "auto":  # read by vLLM when it builds each engine's config
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
     started = time.perf_counter()
     deadline = started + 60 * a.max_minutes if a.max_minutes else float("inf")
     batches = [int(b) for b in a.batches.split(",")]
@@ -451,7 +487,11 @@ def main(argv=None) -> dict:
 
     import torch
     import vllm
+    import vllm.envs
 
+    if a.runner != "auto" and "VLLM_USE_V2_MODEL_RUNNER" not in vllm.envs.environment_variables:
+        raise SystemExit(f"--runner {a.runner}: vLLM {vllm.__version__} has no "
+                         "VLLM_USE_V2_MODEL_RUNNER (one model runner only); leave --runner out")
     engine = {"max_num_seqs": max(batches), "gpu_memory_utilization": a.gpu_memory_utilization,
               "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
               "disable_log_stats": False}
@@ -468,7 +508,7 @@ def main(argv=None) -> dict:
         "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos, "batches": batches,
         "temperatures": temps, "ways": [w.label for w in ways],
         "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
-        "model_runner": a.runner,
+        "model_runner": a.runner,  # as asked; each engine's record says which vLLM used
         "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": [],
         "failed": []}
     out = Path(a.json)
@@ -480,7 +520,8 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(result, indent=1) + "\n")
         out.with_suffix(".md").write_text(markdown(result))
 
-    state = {"reference": {}, "last_seconds": {}, "reports": reports, "write": write}
+    state = {"reference": {}, "last_seconds": {}, "reports": reports, "write": write,
+             "phase": None}
     longest_engine = 0.0
     for n, way in enumerate(ways):
         if time.perf_counter() + longest_engine > deadline:
@@ -489,11 +530,13 @@ def main(argv=None) -> dict:
             break
         try:
             record = serve_one(way, a, sets, engine, deadline, result, state)
-        except Exception as e:  # noqa: BLE001 (one way's engine refused: the others still run)
+        except Exception as e:  # noqa: BLE001 (one way failed: the others still run)
             if way.name == "none":
                 raise  # nothing to compare against
-            print(f"{way.label}: {type(e).__name__}: {e}", flush=True)
-            result["failed"].append({"way": way.label, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(f"{way.label} failed ({state['phase']}): {type(e).__name__}: {e}", flush=True)
+            # what it measured before failing stays: each row is a whole measurement
+            result["failed"].append({"way": way.label, "phase": state["phase"],
+                                     "error": f"{type(e).__name__}: {e}"[:500]})
             write()
             continue
         longest_engine = max(longest_engine, record["total_s"])

@@ -51,7 +51,7 @@ def steps(monkeypatch):
         events.append(("peer", Path(cmd[cmd.index("--out") + 1]).name, cmd))
         base = Path(cmd[cmd.index("--out") + 1])
         (base / "draft").mkdir(parents=True)
-        (base / "peer.json").write_text(json.dumps({"steps": 3}))
+        (base / "peer.json").write_text(json.dumps({"steps": 3, "wall_s": {"train": 42.0}}))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(recipe, "run", fake_run)
@@ -78,14 +78,24 @@ def test_bench_split_runs_the_sets_and_records_each(tmp_path, steps):
     assert saved == json.loads(json.dumps(result))
     for name in ("default", "peer-specforge-b16"):
         v = saved["variants"][name]
-        assert set(v["bench"]) == {"mt-bench", "gsm8k"}
+        assert set(v["bench"]) == {"all", "mt-bench", "gsm8k"}
         assert v["bench"]["gsm8k"]["3"]["al"] == pytest.approx(3.3)  # its own table's
+        assert v["bench"]["all"]["3"]["ci95"] == [2.0, 3.0]  # the sets pooled, with intervals
         assert v["heldout"]["6"]["al"] == pytest.approx(2.6)
     # the peer's own flags follow the shared ones
     peer = [cmd for step, _, cmd in steps if step == "peer"]
     assert len(peer) == 1 and peer[0][-2:] == ["--batch-size", "16"]
     assert peer[0][peer[0].index("--epochs") + 1] == "8"
     assert peer[0][1].endswith("peers/specforge_train.py")
+    assert saved["variants"]["peer-specforge-b16"]["train_s"] == 42.0  # its trainer's time
+
+    # a second call (the stage's table pass) trains nothing again and keeps the peer's time
+    steps.clear()
+    again = recipe.main(["--work", str(work), "--data", str(data), "--target", "t",
+                         "--variants", "peer-specforge-b16", "--splits", "heldout",
+                         "--k", "3,6", "--out", str(out)])
+    assert not [e for e in steps if e[0] in ("peer", "train")]
+    assert again["variants"]["peer-specforge-b16"]["train_s"] == 42.0
 
 
 def test_unknown_variants_and_splits_are_refused(tmp_path, steps):
@@ -95,4 +105,7 @@ def test_unknown_variants_and_splits_are_refused(tmp_path, steps):
         recipe.main([*argv, "--variants", "nope"])
     with pytest.raises(SystemExit, match="unknown split"):
         recipe.main([*argv, "--variants", "default", "--splits", "heldout,served"])
+    with pytest.raises(SystemExit, match="unknown split"):  # before the baseline is read
+        recipe.main([*argv, "--variants", "default", "--splits", "served",
+                     "--baseline", "default"])
     assert steps == []

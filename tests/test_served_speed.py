@@ -59,10 +59,14 @@ def test_ngram_methods_are_ways_of_their_own_and_the_fastest_is_named():
     table = served_speed.markdown(
         {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
          "stopped_early": None, "not_run": [], "summary": [s], "rows": rows,
-         "model_runner": "v2", "failed": [{"way": "ngram_gpu k=2", "error": "ValueError: no"}]})
+         "model_runner": "auto", "engines": [{"way": "none", "model_runner": "v2"},
+                                             {"way": "ngram k=4", "model_runner": "v1"}],
+         "failed": [{"way": "ngram_gpu k=2", "phase": "start", "error": "ValueError: no"},
+                    {"way": "eagle3 k=3", "phase": "measure", "error": "RuntimeError: x"}]})
     assert "| 150.0 (4, ngram_gpu) |" in table and "| ngram_gpu k=4 | data |" in table
-    assert "vLLM v (its V2 model runner)" in table
-    assert "Failed to start: ngram_gpu k=2: ValueError: no" in table
+    assert "vLLM v (runner asked: auto; used: none v2, ngram k=4 v1)" in table
+    assert "Failed (start): ngram_gpu k=2: ValueError: no" in table
+    assert "Failed (measure): eagle3 k=3: RuntimeError: x" in table
     with pytest.raises(SystemExit, match="ngram-methods"):
         served_speed.main(["--target", "t", "--json", "o.json", "--ngram-methods", "ngram,lookup"])
 
@@ -221,6 +225,9 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     assert [e["way"] for e in r["engines"] if e not in gpu] == \
         ["none", "ngram k=2", "eagle3 k=1", "eagle3 k=3"]
     print("ngram_gpu:", "ran" if gpu else r["failed"])
+    assert r["model_runner"] == "auto" and all(f["phase"] == "start" for f in r["failed"])
+    # vLLM's own choice, recorded per engine (the CPU build has no Triton: V1 throughout)
+    assert {e["model_runner"] for e in r["engines"]} <= {"v1", "v2"}
     assert all(e["start_s"] > 0 and e["measurements"] == 4 for e in r["engines"])
     # the configs as asked: vLLM 0.24 (GPU) wrote its ModelConfig into the dict it was given,
     # and the JSON could not be written after the first engine with speculation
@@ -281,6 +288,14 @@ def test_served_shape_makes_a_draft_for_a_random_target_of_the_shape(tmp_path):
     assert draft["draft_vocab_size"] <= target["vocab_size"] == 2048
     assert set(r["seconds_to_make"]) == {"target", "prepare", "capture", "vocab", "train",
                                          "export"}
+    # a second call (the next runner's) reuses what the first made, and says so; one asking
+    # for another draft makes it again
+    again = served_shape.main(_shape_args(tmp_path, "tiny", out) + ["--no-serve"])
+    assert again["seconds_to_make"] == {**r["seconds_to_make"], "reused": True}
+    assert again["draft_config"] == draft
+    other = served_shape.main(_shape_args(tmp_path, "tiny", out) + ["--no-serve",
+                                                                    "--train-steps", "1"])
+    assert "reused" not in other["seconds_to_make"]
     # the draft covers the target's whole vocabulary (2,048 ids): no d2t / t2d in the folder
     # (vLLM builds no such weight then and refuses one: 0.32 failed to load this draft), and
     # eyas reads their absence as the identity
