@@ -11,6 +11,8 @@
 #           h200_lease.sh c into $W/peersite (benchmarks/peers/README.md, "The wheels")
 #     qwen: also Qwen2.5-Coder-0.5B-Instruct's GGUF (issue 33) in 45 MB parts, .carry/q0..q10
 #           (for h200_lease.sh gpart: each with the parts' SHA256SUMS and qwen.gguf.sha256)
+#     qwen15: Qwen2.5-Coder-1.5B-Instruct's (1.1 GB) the same way, .carry/r0..r24, joined
+#           on the device as $W/qwen15.gguf (stage served with QWEN_GGUF=$W/qwen15.gguf)
 # writes:
 #   .whl            wheels the H200 image lacks: datasets, dill, multiprocess, gguf (Python 3.12)
 #   .carry/a        the SmolLM2 GGUF's first third (gguf.part-aa), realdata.tgz (realdata/ of
@@ -83,19 +85,25 @@ if [[ " $* " == *" vllm "* ]]; then
   done
 fi
 
-if [[ " $* " == *" qwen "* ]]; then
-  q=$("$PY" tests/split_gguf.py qwen2.5-coder-0.5b)  # fetched, joined and checked once
-  rm -rf .carry/q[0-9]* "$T/q" && mkdir -p "$T/q"
-  split -b 45000000 -d -a 2 "$q" "$T/q/qwen.gguf.part-"
-  (cd "$T/q" && sha256sum qwen.gguf.part-* > SHA256SUMS)
-  (cd "$(dirname "$q")" && sha256sum "$(basename "$q")" | sed 's/ .*/  qwen.gguf/') \
-      > "$T/q/qwen.gguf.sha256"
-  i=0
-  for part in "$T"/q/qwen.gguf.part-*; do
-    mkdir -p .carry/q$i && mv "$part" .carry/q$i/ && cp "$T"/q/SHA256SUMS "$T"/q/qwen.gguf.sha256 .carry/q$i/
+# a split GGUF of tests/split_gguf.py in 45 MB parts, .carry/PREFIX0.. (each with the parts'
+# SHA256SUMS and NAME.sha256, for h200_lease.sh gpart, which joins them into $W/NAME)
+gguf_parts() {  # MODEL NAME PREFIX
+  local q
+  q=$("$PY" tests/split_gguf.py "$1") || exit 1  # fetched, joined and checked once
+  rm -rf ".carry/$3"[0-9]* "$T/$3" && mkdir -p "$T/$3"
+  split -b 45000000 -d -a 2 "$q" "$T/$3/$2.part-"
+  (cd "$T/$3" && sha256sum "$2".part-* > SHA256SUMS)
+  (cd "$(dirname "$q")" && sha256sum "$(basename "$q")" | sed "s/ .*/  $2/") \
+      > "$T/$3/$2.sha256"
+  local i=0 part
+  for part in "$T/$3/$2".part-*; do
+    mkdir -p ".carry/$3$i" && mv "$part" ".carry/$3$i/" &&
+      cp "$T/$3/SHA256SUMS" "$T/$3/$2.sha256" ".carry/$3$i/"
     i=$((i + 1))
   done
-fi
+}
+[[ " $* " == *" qwen "* ]] && gguf_parts qwen2.5-coder-0.5b qwen.gguf q
+[[ " $* " == *" qwen15 "* ]] && gguf_parts qwen2.5-coder-1.5b qwen15.gguf r
 
 if [[ " $* " == *" peers "* ]]; then
   # The image has torch, triton, transformers, accelerate, safetensors, numpy, pyyaml, psutil,
@@ -117,7 +125,7 @@ if [[ " $* " == *" peers "* ]]; then
 fi
 
 tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
-for d in .carry/a .carry/b .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]*; do
+for d in .carry/a .carry/b .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]* .carry/r[0-9]*; do
   [ -d "$d" ] || continue
   n=$(( tree + $(du -sb "$d" | cut -f1) ))
   [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too

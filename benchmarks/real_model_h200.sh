@@ -304,7 +304,9 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # SERVED_MINUTES), then eyas eval measures the draft on the same prompts (held out,
     # MT-bench, HumanEval; in distribution) and its reports are attached to the served rows.
     # Session 23's lease ran the evals first: 230 s for 100 prompts left 9 minutes to serve
-    Q=$W/qwen-hf
+    # (QWEN_GGUF=$W/qwen15.gguf: the 1.5B, from h200_carry.sh qwen15's parts r0..; each
+    # GGUF converts into its own folder)
+    Q=$W/$(basename ${QWEN_GGUF:-$W/qwen.gguf} .gguf)-hf
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
     if [ ! -f $Q/eyas.json ]; then
       python3 -m eyas convert --target ${QWEN_GGUF:-$W/qwen.gguf} --out $Q \
@@ -354,8 +356,9 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # first, while vLLM's bundle may still be arriving: the stage can start with call c)
     shape=(--tokenizer $T --shape ${SHAPE:-llama-8b} --conversations $W/conversations-2000.jsonl
            --work $W/shape-${SHAPE:-llama-8b})
+    out="$R/served_shape-${SHAPE:-llama-8b}.out"  # (two shapes in a row keep both)
     python3 benchmarks/served_shape.py "${shape[@]}" --no-serve \
-        --json "$R/served-shape-made.json" > "$R/served_shape.out" 2>&1
+        --json "$R/served-${SHAPE:-llama-8b}-made.json" > "$out" 2>&1
     stage "served-shape: target and draft made, rc $?"
     for i in $(seq 120); do [ -f ${VSITE:-/tmp/vsite}/.ready ] && break; sleep 5; done
     for rn in ${SHAPE_RUNNERS:-v1}; do
@@ -365,7 +368,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
           --json "$R/served-${SHAPE:-llama-8b}-shape$sfx.json" -- --bench mt-bench --num-prompts 40 \
           --batch1-prompts 10 --k ${SHAPE_K:-3,1,5} --batches ${SHAPE_BATCHES:-1,8,32} \
           --temperatures 0 --max-new-tokens 256 --max-minutes ${SHAPE_MINUTES:-8} \
-          --runner $rn >> "$R/served_shape.out" 2>&1
+          --runner $rn >> "$out" 2>&1
       stage "served-shape ($rn) rc $?"
     done ;;
   regen)
