@@ -347,10 +347,10 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --json "$R/served-qwen-coder.json" $reports >> "$R/served.out" 2>&1
     stage "served: attach rc $?" ;;
   served-shape)
-    # issue 33: where an eyas draft pays when vLLM serves it. A random Llama-3.1-8B-shaped
-    # target (SmolLM2's tokenizer, from $T) and a draft eyas makes for it (200 of the
-    # ablation's conversations, 20 steps), served without speculation and at each SHAPE_K
-    # (benchmarks/served_shape.py): the break-even acceptance length per k and batch
+    # issue 33: where an eyas draft pays when vLLM serves it. A random target of SHAPE
+    # (Llama-3.1-8B's by default; SmolLM2's tokenizer, from $T) and a draft eyas makes for it
+    # (200 of the ablation's conversations, 20 steps), served without speculation and at each
+    # SHAPE_K (benchmarks/served_shape.py): the break-even acceptance length per k and batch
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
     # (SHAPE_RUNNERS="v1 v2": once per vLLM model runner, the target and draft made once,
     # first, while vLLM's bundle may still be arriving: the stage can start with call c)

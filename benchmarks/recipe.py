@@ -99,6 +99,10 @@ VARIANTS.update({
 })
 
 
+# the evals a variant can have: the prepared eval split, heldout.jsonl, the --bench sets
+SPLITS = ("indist", "heldout", "bench")
+
+
 def _train_speed(run_dir: Path) -> float | None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
@@ -174,9 +178,9 @@ def main(argv=None) -> dict:
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}: use some of "
                          f"{sorted(VARIANTS) + sorted(PEERS)}")
-    if set(splits) - {"indist", "heldout", "bench"}:
-        raise SystemExit(f"unknown split(s) {sorted(set(splits) - {'indist', 'heldout', 'bench'})}"
-                         ": use indist, heldout, bench")
+    if set(splits) - set(SPLITS):
+        raise SystemExit(f"unknown split(s) {sorted(set(splits) - set(SPLITS))}: use "
+                         f"{', '.join(SPLITS)}")
     if a.baseline:  # the work folder's own draft, trained and measured by real_model.py
         results[a.baseline] = _record(a.baseline, work / "run", work, splits, None)
         Path(a.out).write_text(json.dumps(_result(a, results), indent=2) + "\n")

@@ -54,8 +54,8 @@ SHAPES = {"llama-8b": LLAMA_8B, "qwen2.5-0.5b": QWEN2_5_05B, "qwen2.5-1.5b": QWE
 
 def make_draft(a, target: Path, work: Path, log: Path) -> tuple[Path, dict]:
     """eyas's path to a draft for `target`: the first --rows conversations prepared,
-    captured, a draft vocab, --train-steps steps of eyas train, exported in bf16. A step
-    whose folder is complete from an earlier call is skipped by eyas itself."""
+    captured, a draft vocab, --train-steps steps of eyas train, exported in bf16 (a later
+    call in the same work folder reuses it: main, made.json)."""
     rows = [line for line in Path(a.conversations).read_text().splitlines() if line.strip()]
     data = work / "conversations.jsonl"
     data.write_text("\n".join(rows[:a.rows]) + "\n")

@@ -11,15 +11,15 @@ are set side by side per prompt set, temperature and batch size.
 What runs. One `vllm.LLM` engine per way: "none", "ngram" at each --ngram-k and each of
 --ngram-methods (vLLM's `method: "ngram"`, and `"ngram_gpu"` where asked: the same lookup on
 the GPU, which keeps async scheduling on; prompt_lookup_min/max as `eyas eval`'s n-gram
-drafter), "eagle3" at each --k. A way whose engine does not start is named in the JSON
-(`failed`, with the phase: start, warm-up or measure; its engine is closed and what it
-measured before stays) and the others run. `--runner v1|v2` runs every engine on that vLLM
-model runner (`VLLM_USE_V2_MODEL_RUNNER`: V2 runs the EAGLE draft's steps as full CUDA graphs,
-V1 captures them piecewise and runs their attention between the pieces); by default vLLM
-chooses (0.24: V2 for Llama targets, V1 for Qwen2 and for n-gram), and each engine records
-the runner it used. vLLM cannot change `speculative_config` on a live engine, so each way costs one engine
-start (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test
-target); everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
+drafter), "eagle3" at each --k. A way that fails is named in the JSON (`failed`, with the
+phase: start, warm-up or measure; its engine is closed and what it measured before stays) and
+the others run. `--runner v1|v2` runs every engine on that vLLM model runner
+(`VLLM_USE_V2_MODEL_RUNNER`: V2 runs the EAGLE draft's steps as full CUDA graphs, V1 captures
+them piecewise and runs their attention between the pieces); by default vLLM chooses (0.24: V2
+for Llama targets, V1 for Qwen2 and for n-gram), and each engine records the runner it used.
+vLLM cannot change `speculative_config` on a live engine, so each way costs one engine start
+(about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test target);
+everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
 order, --k in the order given, so the first --k values are the ones a short lease measures.
 Each engine is warmed up (every batch shape and temperature, a few tokens) before any timing,
 and its prefix cache is emptied before each measurement (every measurement prefills its
@@ -306,8 +306,8 @@ def markdown(result: dict) -> str:
         same = r["same_outputs_as_no_speculation"]
         same = "-" if same is None else f"{same} / {r['prompts']}"
         lines.append(
-            f"| {Way(r['way'], r['k'], r.get('method', '')).label} | {r['set']} | {r['temperature']:g} | {r['batch']} "
-            f"| {r['prompts']} | {r['output_tokens_per_s']:.1f} "
+            f"| {Way(r['way'], r['k'], r.get('method', '')).label} | {r['set']} "
+            f"| {r['temperature']:g} | {r['batch']} | {r['prompts']} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p90'])} "
             f"| {_f(r['vllm'] and r['vllm']['acceptance_length'], 3)} "
             f"| {_f(r['eyas_eval'] and r['eyas_eval']['acceptance_length'], 3)} "
