@@ -23,7 +23,8 @@
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
-# SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner;
+# SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner,
+# default auto, vLLM's choice;
 # SHAPE: llama-8b, or qwen2.5-0.5b / qwen2.5-1.5b, issue 33's targets' shapes). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
 # with different STAGES (the GGUF is converted once; each stage writes its own files in $R).
@@ -361,8 +362,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --json "$R/served-${SHAPE:-llama-8b}-made.json" > "$out" 2>&1
     stage "served-shape: target and draft made, rc $?"
     for i in $(seq 120); do [ -f ${VSITE:-/tmp/vsite}/.ready ] && break; sleep 5; done
-    for rn in ${SHAPE_RUNNERS:-v1}; do
-      sfx=; [ $rn = v1 ] || sfx=-$rn
+    for rn in ${SHAPE_RUNNERS:-auto}; do  # (auto: vLLM's choice, served_speed.py's default)
+      sfx=; [ $rn = auto ] || sfx=-$rn
       stage "served-shape: ${SHAPE:-llama-8b}, vLLM ($rn) at each k"
       PYTHONPATH=$VP python3 benchmarks/served_shape.py "${shape[@]}" \
           --json "$R/served-${SHAPE:-llama-8b}-shape$sfx.json" -- --bench mt-bench --num-prompts 40 \
