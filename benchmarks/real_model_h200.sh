@@ -24,8 +24,9 @@
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
 # SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner,
-# default auto, vLLM's choice;
-# SHAPE: llama-8b, or qwen2.5-0.5b / qwen2.5-1.5b, issue 33's targets' shapes). Stages that start vLLM read it from VSITE
+# default auto, vLLM's choice; a word RUNNER:ATTENTION, e.g. "v2:fa3-nosplit", adds
+# served_speed.py's --attention; SHAPE: llama-8b, or qwen2.5-0.5b / qwen2.5-1.5b, issue 33's
+# targets' shapes). Stages that start vLLM read it from VSITE
 # (/tmp/vsite). Several instances may run at once
 # with different STAGES (the GGUF is converted once; each stage writes its own files in $R).
 set -u
@@ -362,15 +363,18 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --json "$R/served-${SHAPE:-llama-8b}-made.json" > "$out" 2>&1
     stage "served-shape: target and draft made, rc $?"
     for i in $(seq 120); do [ -f ${VSITE:-/tmp/vsite}/.ready ] && break; sleep 5; done
-    for rn in ${SHAPE_RUNNERS:-auto}; do  # (auto: vLLM's choice, served_speed.py's default)
-      sfx=; [ $rn = auto ] || sfx=-$rn
-      stage "served-shape: ${SHAPE:-llama-8b}, vLLM ($rn) at each k"
+    # each SHAPE_RUNNERS word is RUNNER[:ATTENTION], e.g. "v2:fa3-nosplit" (served_speed.py's
+    # --runner and --attention; auto: vLLM's choice, as served_speed.py's defaults)
+    for way in ${SHAPE_RUNNERS:-auto}; do
+      rn=${way%%:*} att=auto; [ "$way" = "$rn" ] || att=${way#*:}
+      sfx=; [ $rn = auto ] || sfx=-$rn; [ $att = auto ] || sfx=$sfx-$att
+      stage "served-shape: ${SHAPE:-llama-8b}, vLLM ($way) at each k"
       PYTHONPATH=$VP python3 benchmarks/served_shape.py "${shape[@]}" \
           --json "$R/served-${SHAPE:-llama-8b}-shape$sfx.json" -- --bench mt-bench --num-prompts 40 \
           --batch1-prompts 10 --k ${SHAPE_K:-3,1,5} --batches ${SHAPE_BATCHES:-1,8,32} \
           --temperatures 0 --max-new-tokens 256 --max-minutes ${SHAPE_MINUTES:-8} \
-          --runner $rn >> "$out" 2>&1
-      stage "served-shape ($rn) rc $?"
+          --runner $rn --attention $att >> "$out" 2>&1
+      stage "served-shape ($way) rc $?"
     done ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"

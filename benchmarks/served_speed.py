@@ -17,6 +17,9 @@ the others run. `--runner v1|v2` runs every engine on that vLLM model runner
 (`VLLM_USE_V2_MODEL_RUNNER`: V2 runs the EAGLE draft's steps as full CUDA graphs, V1 captures
 them piecewise and runs their attention between the pieces); by default vLLM chooses (0.24: V2
 for Llama targets, V1 for Qwen2 and for n-gram), and each engine records the runner it used.
+`--attention` sets the attention kernels of every engine (vLLM 0.24's V2 runner can die
+starting an EAGLE-3 engine on FlashAttention 3's defaults: ATTENTION below), `--engine-args`
+any other vllm.LLM argument.
 vLLM cannot change `speculative_config` on a live engine, so each way costs one engine start
 (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test target);
 everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
@@ -70,6 +73,44 @@ WARMUP_TOKENS = 8
 
 
 NGRAM_METHODS = ("ngram", "ngram_gpu")  # vLLM's prompt lookup on the CPU, and on the GPU
+
+# --attention: vLLM's attention settings for every engine of a run (target and draft alike).
+# vLLM 0.24's V2 runner captures the draft's first (prefill) step as a full CUDA graph with
+# attention metadata left over from the target's capture (vllm-project/vllm#47561, fixed after
+# 0.24 by #48261): FlashAttention 3's split-KV combine then reads out of bounds and the
+# engine dies at start. Seen here on a target of 2 K/V heads (Qwen2.5-1.5B's shape), not on
+# Llama-8B's 8. Each choice takes a different way around it.
+ATTENTION = {
+    "auto": {},  # vLLM's choice (FlashAttention 3 on an H100/H200)
+    "fa3-nosplit": {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}},
+    "fa2": {"attention_config": {"flash_attn_version": 2}},  # no ahead-of-time schedule
+    "triton": {"attention_config": {"backend": "TRITON_ATTN"}},
+}
+
+
+def engine_kwargs(a) -> dict:
+    """The vLLM engine arguments every way of a run shares: the run's batches and memory,
+    --attention's settings, then --engine-args (a JSON object, given last: it wins, and an
+    attention_config it gives is merged into --attention's key by key)."""
+    engine = {"max_num_seqs": max(int(b) for b in a.batches.split(",")),
+              "gpu_memory_utilization": a.gpu_memory_utilization,
+              "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
+              "disable_log_stats": False}
+    engine.update(json.loads(json.dumps(ATTENTION[a.attention])))  # a copy: vLLM writes into it
+    try:
+        extra = json.loads(a.engine_args) if a.engine_args else {}
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--engine-args is not JSON ({err}): give an object, e.g. "
+                         "'{\"attention_config\": {\"backend\": \"TRITON_ATTN\"}}'") from None
+    if not isinstance(extra, dict):
+        raise SystemExit(f"--engine-args must be a JSON object of vllm.LLM arguments, got "
+                         f"{type(extra).__name__}")
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(engine.get(key), dict):
+            engine[key] = {**engine[key], **value}
+        else:
+            engine[key] = value
+    return engine
 
 
 @dataclass(frozen=True)
@@ -280,7 +321,10 @@ def markdown(result: dict) -> str:
     command that made them."""
     lines = [f"`{result['command']}`", "",
              f"{result['device']}, vLLM {result['vllm_version']}"
-             + _runners(result) + f", {result['dtype']}, {result['max_new_tokens']} new tokens"
+             + _runners(result)
+             + (f", attention {result['attention']}" if result.get("attention", "auto") != "auto"
+                else "")
+             + f", {result['dtype']}, {result['max_new_tokens']} new tokens"
              + (f"; stopped early: {result['stopped_early']}" if result["stopped_early"]
                 else ""), "",
              "| set | T | batch | none tok/s | n-gram tok/s (k) | eyas tok/s (k) | x none | "
@@ -343,6 +387,15 @@ def parse_args(argv):
                         "full CUDA graphs, V1 piecewise); auto leaves vLLM's choice (0.24: V2 "
                         "for Llama, V1 for Qwen2; V1 for n-gram). Each engine records the "
                         "runner vLLM used; run once per runner to compare")
+    p.add_argument("--attention", choices=tuple(ATTENTION), default="auto",
+                   help="attention settings for every engine: auto (vLLM's), fa3-nosplit "
+                        "(FlashAttention 3 without split-KV in CUDA graphs), fa2 "
+                        "(FlashAttention 2), triton (vLLM's Triton kernels); the last three "
+                        "avoid vLLM 0.24's crash starting an EAGLE-3 engine on the V2 runner "
+                        "for some targets (vllm#47561)")
+    p.add_argument("--engine-args", default="",
+                   help="more vllm.LLM arguments for every engine, as a JSON object (applied "
+                        "after --attention; recorded in the result's `engine`)")
     p.add_argument("--ngram-min", type=int, default=2, help="vLLM's prompt_lookup_min")
     p.add_argument("--ngram-max", type=int, default=4, help="vLLM's prompt_lookup_max")
     p.add_argument("--batches", default="1,8,32,64", help="concurrencies")
@@ -387,7 +440,8 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
     spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max))
     t0 = time.perf_counter()
     state["phase"] = "start"
-    gen = VLLMGenerator(result["target_dir"], dtype=a.dtype, seed=0, **engine,
+    gen = VLLMGenerator(result["target_dir"], dtype=a.dtype, seed=0,
+                        **json.loads(json.dumps(engine)),  # a copy: the record stays as given
                         speculative_config=spec)
     try:
         started = time.perf_counter() - t0
@@ -469,6 +523,7 @@ def main(argv=None) -> dict:
         out.with_suffix(".md").write_text(markdown(result))
         return result
     a = parse_args(argv)
+    engine = engine_kwargs(a)  # (a bad --engine-args stops here, before any work)
     methods = [m for m in a.ngram_methods.split(",") if m]
     if set(methods) - set(NGRAM_METHODS) or not methods:
         raise SystemExit(f"--ngram-methods {a.ngram_methods!r}: use some of {NGRAM_METHODS}")
@@ -492,9 +547,6 @@ def main(argv=None) -> dict:
     if a.runner != "auto" and "VLLM_USE_V2_MODEL_RUNNER" not in vllm.envs.environment_variables:
         raise SystemExit(f"--runner {a.runner}: vLLM {vllm.__version__} has no "
                          "VLLM_USE_V2_MODEL_RUNNER (one model runner only); leave --runner out")
-    engine = {"max_num_seqs": max(batches), "gpu_memory_utilization": a.gpu_memory_utilization,
-              "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
-              "disable_log_stats": False}
     result = {
         "benchmark": "served-speed", "issue": 33, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                         time.gmtime()),
@@ -509,6 +561,7 @@ def main(argv=None) -> dict:
         "temperatures": temps, "ways": [w.label for w in ways],
         "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
         "model_runner": a.runner,  # as asked; each engine's record says which vLLM used
+        "attention": a.attention,
         "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": [],
         "failed": []}
     out = Path(a.json)

@@ -71,6 +71,36 @@ def test_ngram_methods_are_ways_of_their_own_and_the_fastest_is_named():
         served_speed.main(["--target", "t", "--json", "o.json", "--ngram-methods", "ngram,lookup"])
 
 
+def test_attention_choice_and_engine_args_reach_every_engine():
+    # vLLM 0.24's V2 runner died starting an EAGLE-3 engine on Qwen2.5-1.5B's shape
+    # (session 25): --attention picks a way around it for the whole run
+    def engine(*extra):
+        return served_speed.engine_kwargs(served_speed.parse_args(
+            ["--target", "t", "--json", "o.json", "--batches", "1,8", *extra]))
+
+    base = engine()
+    assert base["max_num_seqs"] == 8 and "attention_config" not in base
+    assert engine("--attention", "fa3-nosplit")["attention_config"] == {
+        "flash_attn_max_num_splits_for_cuda_graph": 1}
+    assert engine("--attention", "fa2")["attention_config"] == {"flash_attn_version": 2}
+    # --engine-args come last: their attention keys join --attention's, other keys replace
+    got = engine("--attention", "triton", "--engine-args",
+                 '{"attention_config": {"flash_attn_version": 3}, "max_num_seqs": 2}')
+    assert got["attention_config"] == {"backend": "TRITON_ATTN", "flash_attn_version": 3}
+    assert got["max_num_seqs"] == 2
+    assert served_speed.ATTENTION["triton"] == {"attention_config": {"backend": "TRITON_ATTN"}}
+    for bad, says in (("{not json", "not JSON"), ("[1]", "JSON object")):
+        with pytest.raises(SystemExit, match=says):
+            engine("--engine-args", bad)
+    with pytest.raises(SystemExit):
+        engine("--attention", "fa4")
+    table = served_speed.markdown(
+        {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
+         "stopped_early": None, "not_run": [], "summary": [], "rows": [],
+         "model_runner": "v2", "attention": "fa3-nosplit"})
+    assert "vLLM v (runner asked: v2), attention fa3-nosplit, t" in table
+
+
 def test_break_even_al_is_the_step_time_over_the_time_per_token_without_speculation():
     # session 23's lease, Qwen2.5-Coder-0.5B, MT-bench, batch 1, T=0: 1.40 ms per token
     # without speculation, 3.04 ms per token with eagle3 k=3 at vLLM's AL 1.693
