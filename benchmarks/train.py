@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from eyas.draft import data
 from eyas.store.manifest import target_record, write_manifest
 from eyas.store.shard_writer import write_part
-from eyas.store.shards import part_name
+from eyas.store.shards import part_name, quantize_fp8
 from eyas.train import TrainConfig, train
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -70,8 +70,9 @@ def make_target(folder: Path, shape: dict) -> tuple[Path, dict]:
 
 
 def make_capture(folder: Path, target: dict, shape: dict, *, tokens: int, lengths: tuple,
-                 draft_vocab: int, part_tokens: int) -> None:
-    """A complete capture folder with random bf16 states (eyas.store.shards format)."""
+                 draft_vocab: int, part_tokens: int, dtype: str = "bf16") -> None:
+    """A complete capture folder with random states (eyas.store.shards format); dtype fp8
+    stores the aux states as `eyas capture --dtype fp8` does (e4m3 with per-token scales)."""
     h, layers = shape["hidden_size"], shape["num_hidden_layers"]
     aux = [2, layers // 2, layers - 3]
     rng = np.random.default_rng(0)
@@ -98,6 +99,8 @@ def make_capture(folder: Path, target: dict, shape: dict, *, tokens: int, length
             "sample_offsets": torch.tensor([0, *np.cumsum(take)], dtype=torch.int64),
             "sample_index": torch.arange(row - len(take), row, dtype=torch.int64),
         }
+        if dtype == "fp8":
+            tensors["aux_hidden"], tensors["aux_scale"] = quantize_fp8(tensors["aux_hidden"])
         entries.append(write_part(folder, part_name(0, 1, part), tensors, {}))
         part += 1
     index = {"format": "eyas-capture-v1", "settings": {}, "num_shards": 1, "shards": {"0": True},
@@ -106,7 +109,7 @@ def make_capture(folder: Path, target: dict, shape: dict, *, tokens: int, length
              "nonfinite": 0, "files": entries}
     (folder / "index.json").write_text(json.dumps(index))
     write_manifest(folder, "capture", {"synthetic": True}, target=target, aux_layer_ids=aux,
-                   hidden_size=h, dtype="bf16", split="train")
+                   hidden_size=h, dtype=dtype, split="train")
 
 
 def make_vocab(folder: Path, target: dict, vocab_size: int, draft_vocab: int) -> None:

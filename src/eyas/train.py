@@ -209,7 +209,8 @@ class TrainConfig:
                                      "pays at short rows, where queueing ~2,000 kernels per "
                                      "micro-batch bounds the speed")
     device: str | None = option(None, "cuda or cpu (default: cuda if available)")
-    num_workers: int = option(2, "data-loader processes (offline); 0 = load in the main process")
+    num_workers: int = option(2, "data-loader threads reading ahead (offline); 0 = read each "
+                              "batch when the step asks for it")
     seed: int = option(0, "seed for the draft init and the data order")
     log_every: int = option(10, "log train metrics every N steps")
     eval_every: int = option(500, "evaluate every N steps (and at the end)")
@@ -376,7 +377,7 @@ def _item(t: torch.Tensor) -> float:
 def _on(mb: dict, env: Env):
     """A micro-batch on the draft's device. Online, captured states arrive on the device of
     the target's final norm, which --target-device-map may put on another GPU."""
-    return TTTBatch(**{k: v.to(env.device, non_blocking=True) for k, v in mb.items()})
+    return TTTBatch(**data.on_device(mb, env.device))
 
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
@@ -581,7 +582,7 @@ def train(cfg: TrainConfig) -> dict:
             # plans made from the host batch need no GPU sync per forward (ttt_plan; online, the
             # batch is on the GPU already and its plan syncs as before); not under --compile,
             # whose graphs would be specialised on each plan's row counts
-            plans = [None if cfg.compile else ttt_plan(TTTBatch(**mb), t2d_host, steps,
+            plans = [None if cfg.compile else ttt_plan(TTTBatch(**data.host_fields(mb)), t2d_host, steps,
                                                         device=env.device, static=cfg.cuda_graph,
                                                         **positions)
                      for mb in micro]

@@ -156,7 +156,7 @@ def evaluate(model, loader, cfg: TrainConfig, dcfg: DFlashConfig, env) -> dict:
 
 
 def _on(mb: dict, env) -> dict:
-    return {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
+    return data.on_device(mb, env.device)
 
 
 def train_dflash(cfg: TrainConfig) -> dict:

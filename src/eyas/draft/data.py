@@ -17,11 +17,11 @@ target_top1 [n], input_ids [n], loss_mask [n]): `OfflineSource` reads capture sh
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
 import math
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.manifest import check_same_target, read_manifest, target_record
+from eyas.store.shards import dequantize_fp8
 
 # TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
 
@@ -49,7 +50,8 @@ class OfflineSource:
         self.lengths = np.asarray(self.capture.sample_lengths, dtype=np.int64)
 
     def fetch(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
-        return [self.capture.sample(i, copy=False) for i in ids]  # collate copies them
+        # collate copies them; an fp8 capture's aux states stay fp8 until on_device
+        return [self.capture.sample(i, copy=False, dequantize=False) for i in ids]
 
 
 class OnlineSource:
@@ -356,31 +358,38 @@ def row_width(rows: list[list[int]], lengths, row_tokens: int, static: bool) -> 
 
 def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
             hidden_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Pack samples into (B=len(rows), T=row_tokens) tensors; padding has doc_id -1, mask 0."""
+    """Pack samples into (B=len(rows), T=row_tokens) tensors; padding has doc_id -1, mask 0.
+    Samples of an fp8 capture (with `aux_scale`) keep aux_hidden in fp8 beside `aux_scale`
+    (B, T, taps), padding scaled by 1: `on_device` dequantizes them where the step runs."""
     first = rows[0][0]
     ht, dev = first["final_hidden"].shape[-1], first["final_hidden"].device  # online: the GPU
     taps = first["aux_hidden"].shape[-2]  # 3 for EAGLE-3; DFlash captures any number
     b, t = len(rows), row_tokens
+    scaled = "aux_scale" in first
+    aux_dtype = first["aux_hidden"].dtype if scaled else hidden_dtype
 
     def zeros(*shape, dtype=torch.long):
         return torch.zeros(*shape, dtype=dtype, device=dev)
 
     out = {
         "input_ids": zeros(b, t),
-        "aux_hidden": zeros(b, t, taps * ht, dtype=hidden_dtype),  # (B, T, taps*Ht)
+        "aux_hidden": zeros(b, t, taps * ht, dtype=aux_dtype),  # (B, T, taps*Ht)
         "final_hidden": zeros(b, t, ht, dtype=hidden_dtype),  # (B, T, Ht)
         "target_top1": zeros(b, t),
         "loss_mask": zeros(b, t),
         "position_ids": zeros(b, t),
         "doc_ids": zeros(b, t) - 1,
     }
+    if scaled:
+        out["aux_scale"] = torch.ones(b, t, taps, dtype=torch.float32, device=dev)
     for r, samples in enumerate(rows):
         at = 0
         for d, s in enumerate(samples):
             n = min(int(s["input_ids"].shape[0]), t - at)
             span = slice(at, at + n)
-            out["aux_hidden"][r, span] = s["aux_hidden"][:n].reshape(n, taps * ht).to(
-                hidden_dtype)
+            out["aux_hidden"][r, span] = s["aux_hidden"][:n].reshape(n, taps * ht).to(aux_dtype)
+            if scaled:
+                out["aux_scale"][r, span] = s["aux_scale"][:n]
             out["final_hidden"][r, span] = s["final_hidden"][:n].to(hidden_dtype)
             for key in ("input_ids", "target_top1", "loss_mask"):
                 out[key][r, span] = s[key][:n].long()
@@ -388,6 +397,26 @@ def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
             out["doc_ids"][r, span] = d
             at += n
     return out
+
+
+def on_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A collated micro-batch on `device`, an fp8 capture's aux states dequantized there to
+    the dtype of its final_hidden (collate's hidden_dtype): the same values as dequantizing
+    on the host (one float32 multiply each, then the same rounding), without the host's cost."""
+    out = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+    scale = out.pop("aux_scale", None)
+    if scale is not None:
+        aux = out["aux_hidden"]
+        b, t, taps = scale.shape
+        out["aux_hidden"] = dequantize_fp8(aux.view(b, t, taps, -1), scale,
+                                           out["final_hidden"].dtype).view(b, t, -1)
+    return out
+
+
+def host_fields(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated micro-batch's tensors without `aux_scale` (for a plan made on the host,
+    which reads no hidden state)."""
+    return {k: v for k, v in mb.items() if k != "aux_scale"}
 
 
 class MicroBatches(torch.utils.data.Dataset):
@@ -418,26 +447,63 @@ class MicroBatches(torch.utils.data.Dataset):
         return out
 
 
-def _worker_ignores_stops(worker_id: int) -> None:
-    """A DataLoader worker ignores SIGTERM and SIGINT: a stop sent to the whole process group
-    (a scheduler's, Ctrl-C, `kill -- -PGID`) is for the training loop, which saves the step it
-    is on and then ends its workers; a worker that died on it would fail that step first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+class Prefetch:
+    """Micro-batches of `dataset` in order, each read and collated by one of `threads`
+    threads up to `ahead` batches before it is asked for (pinned when `pin`).
+
+    Threads, not processes: a batch is large (8 K tokens of a 576-wide target are 38 MB in
+    bf16; of an 8B target, 268 MB) and a DataLoader worker process hands it over through
+    shared memory, a copy and a mapping per batch that cost more than reading and collating
+    it (benchmarks/loader.py, docs/benchmarks.md "The training data loader"). Reading and
+    copying run in torch, outside the GIL, so threads overlap with each other and with the
+    training step. A signal reaches only the main thread, which saves the step it is on.
+    Closing the iterator (or leaving it) waits for the batches already begun."""
+
+    def __init__(self, dataset, threads: int, pin: bool, ahead: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.dataset, self.pin, self.next = dataset, pin, 0
+        self.ahead = ahead or 2 * threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eyas-loader")
+        self.pending: collections.deque = collections.deque()
+
+    def _load(self, k: int) -> dict[str, torch.Tensor]:
+        mb = self.dataset[k]
+        return {key: v.pin_memory() for key, v in mb.items()} if self.pin else mb
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        while self.next < len(self.dataset) and len(self.pending) < self.ahead:
+            self.pending.append(self.pool.submit(self._load, self.next))
+            self.next += 1
+        if not self.pending:
+            self.close()
+            raise StopIteration
+        return self.pending.popleft().result()
+
+    def close(self) -> None:
+        for f in self.pending:
+            f.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)
+
+    def __del__(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,
-           num_workers: int, pin_memory: bool, static: bool = True
-           ) -> torch.utils.data.DataLoader:
-    """Iterate micro-batches in plan order; workers prefetch (offline only: the online source
-    runs the target on the GPU and must stay in the main process). static: every micro-batch
-    `row_tokens` wide; else as wide as its longest row needs (row_width)."""
-    return torch.utils.data.DataLoader(
-        MicroBatches(source, batches, row_tokens, hidden_dtype, static), batch_size=None,
-        shuffle=False,
-        num_workers=num_workers, pin_memory=pin_memory,
-        worker_init_fn=_worker_ignores_stops if num_workers else None,
-        persistent_workers=False, prefetch_factor=2 if num_workers else None)
+           num_workers: int, pin_memory: bool, static: bool = True):
+    """Iterate micro-batches in plan order: `num_workers` threads read ahead (Prefetch;
+    offline only: the online source runs the target on the GPU and must stay in this
+    thread), 0 = each read when asked for. static: every micro-batch `row_tokens` wide; else
+    as wide as its longest row needs (row_width)."""
+    dataset = MicroBatches(source, batches, row_tokens, hidden_dtype, static)
+    if num_workers:
+        return Prefetch(dataset, num_workers, pin_memory)
+    return ({k: v.pin_memory() for k, v in dataset[i].items()} if pin_memory else dataset[i]
+            for i in range(len(dataset)))
 
 
 def count_tokens(batches: list, lengths: np.ndarray, row_tokens: int) -> int:
