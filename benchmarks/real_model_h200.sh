@@ -19,6 +19,7 @@
 # the curve's size SERVE_SIZE (vLLM serves its draft once scale.py has exported it, beside the
 # size's in-distribution eval). Stage train-speed: eyas train eager and under --cuda-graph,
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
+# Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
@@ -295,6 +296,16 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
           > "$R/train-speed-$mode.out" 2>&1
       stage "train-speed $mode rc $?"
       cp $W/speed-$mode/metrics.jsonl "$R/train-speed-$mode-metrics.jsonl" 2>/dev/null
+    done ;;
+  loader)
+    # eyas train's data loader alone on this host (threads and, beside them, the worker
+    # processes of before; fp8 dequantized on the GPU and on the host): SmolLM2's width and
+    # Llama-8B's (benchmarks/loader.py, docs/benchmarks.md "The training data loader")
+    for shape in smollm2-135m llama-8b; do
+      tokens=300000; [ $shape = llama-8b ] && tokens=100000
+      timeout 600 python3 benchmarks/loader.py --shape $shape --capture-tokens $tokens \
+          --batches 60 --work-dir $W --out "$R/loader-$shape.json" > "$R/loader-$shape.out" 2>&1
+      stage "loader $shape rc $?"
     done ;;
   served)
     # issue 33: the Qwen2.5-Coder target ($QWEN_GGUF, joined from its parts by h200_lease.sh
