@@ -21,7 +21,7 @@
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
+# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
 # SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner,
@@ -318,7 +318,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # MT-bench, HumanEval; in distribution) and its reports are attached to the served rows.
     # Session 23's lease ran the evals first: 230 s for 100 prompts left 9 minutes to serve
     # (QWEN_GGUF=$W/qwen15.gguf: the 1.5B, from h200_carry.sh qwen15's parts r0..; each
-    # GGUF converts into its own folder)
+    # GGUF converts into its own folder; SERVED_DATA=$W/scale-realdata with SERVED_TRAIN
+    # above 5821: the scale corpus's prompts, the same held-out files)
     Q=$W/$(basename ${QWEN_GGUF:-$W/qwen.gguf} .gguf)-hf
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
     if [ ! -f $Q/eyas.json ]; then
@@ -341,7 +342,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --json $R/served-qwen-coder.json > $R/served.out 2>&1; rc=\$?; \
         echo \"\$(date +%T) served: speed rc \$rc\" >> $R/stages.txt"
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, serve, eval"
-    PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data $W/realdata \
+    PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data ${SERVED_DATA:-$W/realdata} \
         --work $W/qrun --out "$R/real-qwen.json" --max-train ${SERVED_TRAIN:-5821} \
         "${conv[@]}" --regen-tokens 256 --regen-batch 1024 \
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
