@@ -266,7 +266,8 @@ def test_fp8_aux_states_reach_the_step_as_the_host_would_dequantize_them(
         llama_dir, llama_prepared, tmp_path):
     # training's loader keeps an fp8 capture's aux states in fp8 (dequantizing them on the
     # host bound eyas train at ~138 K tokens/s on the H200, session 25); on_device gives
-    # the very values the host's dequantization gave, padding included
+    # the very values the loader before gave (each sample dequantized to bf16 on the host,
+    # then collated into hidden_dtype), padding included, in bf16 and in fp32 runs
     from eyas.draft import data
 
     capture(_cfg(llama_dir, llama_prepared, tmp_path / "fp8", split="all", dtype="fp8"))
@@ -278,7 +279,7 @@ def test_fp8_aux_states_reach_the_step_as_the_host_would_dequantize_them(
         assert mb["aux_hidden"].dtype == torch.float8_e4m3fn
         assert mb["aux_scale"].shape == mb["aux_hidden"].shape[:2] + (3,)
         got = data.on_device(mb, torch.device("cpu"))
-        host = [[source.capture.sample(i, dtype) for i in row] for row in plan]
+        host = [[source.capture.sample(i) for i in row] for row in plan]  # as before
         want = data.collate(host, width, dtype)
         assert set(got) == set(want) and "aux_scale" not in got
         for key in want:

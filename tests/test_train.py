@@ -393,7 +393,7 @@ calls, clip = [0], torch.nn.utils.clip_grad_norm_
 
 def clip_then_signal(*args, **kwargs):  # during step 3, as a scheduler's preemption would
     calls[0] += 1
-    if calls[0] == int(sys.argv[4]):  # to this process, or to its whole group (the DataLoader's workers too)
+    if calls[0] == int(sys.argv[4]):  # to this process, or to its whole process group
         if sys.argv[2] == "RAISE":  # an error nothing catches (an OOM, a full disk) instead
             raise RuntimeError("step failed")
         name, times = (sys.argv[2].split("*") + ["1"])[:2]  # SIGTERM*2: twice at once
@@ -430,8 +430,8 @@ def test_a_signal_saves_the_step_it_is_on_and_the_run_resumes_exactly(run_inputs
     """SIGTERM (a preempted job, a lease's end) or Ctrl-C mid-step: that step is finished and
     saved (no save was due before step 100), the process exits 128 + the signal, and the same
     command resumes to the weights of a run never stopped. Sent to the whole process group
-    (`kill -- -PGID`, Ctrl-C in a terminal), it reaches the DataLoader's workers too, which
-    must outlive the step."""
+    (`kill -- -PGID`, Ctrl-C in a terminal) it is the same: the loader's reading threads,
+    which must outlive the step, never receive it."""
     kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target", num_workers=workers)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float sums depend on the thread count: one, like the child
@@ -558,9 +558,8 @@ def test_a_signal_during_the_last_step_ends_the_process_after_a_complete_run(run
 
 
 def test_an_error_with_workers_ends_the_process(run_inputs, tmp_path):
-    """An error nothing catches, with DataLoader workers that ignore SIGTERM: the process
-    still exits (non-zero) instead of hanging in multiprocessing's exit-time terminate and
-    join, which a kept traceback's hold on the workers would reach."""
+    """An error nothing catches, with the loader's reading threads under way: the process
+    still exits (non-zero) instead of hanging at exit on threads a kept traceback holds."""
     kw = dict(max_steps=6, save_every=100, eval_every=100, lm_head="target", num_workers=2)
     proc = _signalled(run_inputs, tmp_path / "run", kw, "RAISE", "process", 2, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -621,8 +620,11 @@ def test_a_loader_threads_error_reaches_the_loop_and_closing_waits_for_its_reads
         list(it)  # the bad id's batch fails in a thread; its error is the loop's
     it = data.loader(source, plan, 256, torch.float32, num_workers=2, pin_memory=False)
     next(it)
-    it.close()  # e.g. eval's loader left after its last batch, or a stopped run
+    it.close()  # e.g. a stopped run's: the reads under way end, none begins
     assert not it.pending and it.pool._shutdown
+    assert next(it, None) is None  # a closed loader is exhausted
+    it.close()
+    it.__del__()  # and its collection is quiet
 
 
 def _resume_after_sigkill(run_inputs, tmp_path, kw):

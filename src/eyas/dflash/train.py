@@ -292,9 +292,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                 stop.exit(env, step, total, run_dir)
     finally:
         stop.restore()
-        # drop the workers now: a traceback kept until exit would hold them, and at exit
-        # multiprocessing's terminate (SIGTERM, ignored by them) and join would hang
-        batches = None
+        batches.close()  # its reading threads finish the reads under way and end
     # ---- finish: curves, manifest, summary
     if metrics:
         metrics.close()

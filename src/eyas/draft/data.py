@@ -400,16 +400,18 @@ def collate(rows: list[list[dict[str, torch.Tensor]]], row_tokens: int,
 
 
 def on_device(mb: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A collated micro-batch on `device`, an fp8 capture's aux states dequantized there to
-    the dtype of its final_hidden (collate's hidden_dtype): the same values as dequantizing
-    on the host (one float32 multiply each, then the same rounding), without the host's cost."""
+    """A collated micro-batch on `device`, an fp8 capture's aux states dequantized there: to
+    bf16, as the host did per sample before (a capture's final_hidden is bf16 too), then to the
+    dtype of final_hidden (collate's hidden_dtype). The same values as dequantizing on the host
+    (fp8 to float32 is exact, then one float32 multiply and the same roundings), without the
+    host's cost."""
     out = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
     scale = out.pop("aux_scale", None)
     if scale is not None:
         aux = out["aux_hidden"]
         b, t, taps = scale.shape
-        out["aux_hidden"] = dequantize_fp8(aux.view(b, t, taps, -1), scale,
-                                           out["final_hidden"].dtype).view(b, t, -1)
+        out["aux_hidden"] = dequantize_fp8(aux.view(b, t, taps, -1), scale).view(b, t, -1).to(
+            out["final_hidden"].dtype)
     return out
 
 
@@ -462,10 +464,13 @@ class Prefetch:
     def __init__(self, dataset, threads: int, pin: bool, ahead: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.dataset, self.pin, self.next = dataset, pin, 0
+        self.dataset, self.pin, self.next, self.closed = dataset, pin, 0, False
         self.ahead = ahead or 2 * threads
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eyas-loader")
         self.pending: collections.deque = collections.deque()
+        # each reader on one intra-op thread (as a DataLoader worker process is): copies
+        # need no team of their own, and idle OpenMP teams spin beside the training loop
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eyas-loader",
+                                       initializer=torch.set_num_threads, initargs=(1,))
 
     def _load(self, k: int) -> dict[str, torch.Tensor]:
         mb = self.dataset[k]
@@ -475,6 +480,8 @@ class Prefetch:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        if self.closed:
+            raise StopIteration
         while self.next < len(self.dataset) and len(self.pending) < self.ahead:
             self.pending.append(self.pool.submit(self._load, self.next))
             self.next += 1
@@ -484,13 +491,22 @@ class Prefetch:
         return self.pending.popleft().result()
 
     def close(self) -> None:
+        """Cancel the reads not begun, wait for those under way; later `next` ends at once."""
+        if self.closed:
+            return
+        self.closed = True
         for f in self.pending:
             f.cancel()
         self.pending.clear()
         self.pool.shutdown(wait=True)
 
-    def __del__(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    def __del__(self):  # (not at interpreter exit: concurrent.futures joins its threads then)
+        pool = getattr(self, "pool", None)
+        if pool is not None and not getattr(self, "closed", True):
+            self.closed = True
+            for f in self.pending:
+                f.cancel()
+            pool.shutdown(wait=False)
 
 
 def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,

@@ -72,7 +72,7 @@ def quantize_fp8(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Inverse of `quantize_fp8`: (N, A, H) fp8 and (N, A) scales -> (N, A, H) `dtype`."""
-    return (q.float() * scale.float()[..., None]).to(dtype)
+    return q.float().mul_(scale.float()[..., None]).to(dtype)  # (one float32 copy, not two)
 
 
 # ---------------------------------------------------------------------------------------------
