@@ -839,6 +839,29 @@ def test_lk_loss_trains_through_the_cli_and_is_recorded(run_inputs, tmp_path):
     assert "fc.weight" in _weights(run, 8)
 
 
+def test_training_on_an_fp8_capture_reads_ahead_to_the_same_run(run_inputs, tmp_path):
+    """An fp8 capture's aux states reach the step through the reading threads and on_device
+    (dequantized there, not on the host): the run is the one that reads each batch when
+    asked, weight for weight, and close to the bf16 capture's."""
+    from eyas.capture import CaptureConfig, capture
+
+    fp8 = tmp_path / "captured-fp8"
+    capture(CaptureConfig(target=run_inputs["target"], data=run_inputs["prepared"],
+                          out=str(fp8), split="all", model_dtype="fp32", batch_tokens=2048,
+                          dtype="fp8"))
+    runs = {}
+    for name, kw in (("fp8-threads", dict(data=str(fp8), num_workers=2)),
+                     ("fp8-inline", dict(data=str(fp8), num_workers=0)),
+                     ("bf16", {})):
+        train(_cfg(run_inputs, tmp_path / name, max_steps=4, save_every=4, **kw))
+        runs[name] = _weights(tmp_path / name, 4)
+    for k in runs["bf16"]:
+        assert torch.equal(runs["fp8-threads"][k], runs["fp8-inline"][k]), k
+    near = [float((runs["fp8-threads"][k] - runs["bf16"][k]).abs().max())
+            for k, v in runs["bf16"].items() if v.is_floating_point()]
+    assert 0 < max(near) < 0.05, near  # other inputs (e4m3 aux), the same run otherwise
+
+
 def test_fp8_training_tracks_fp32(run_inputs, tmp_path):
     """`eyas train --precision fp8` through the whole loop (on CPU the real fp8 products run,
     slowly): every logged loss within 5 % of the fp32 run on the same data, and a checkpoint
