@@ -96,7 +96,7 @@ def engine_kwargs(a) -> dict:
               "gpu_memory_utilization": a.gpu_memory_utilization,
               "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
               "disable_log_stats": False}
-    engine.update(json.loads(json.dumps(ATTENTION[a.attention])))  # a copy: vLLM writes into it
+    engine.update(ATTENTION[a.attention])  # (serve_one hands vLLM a copy of the whole)
     try:
         extra = json.loads(a.engine_args) if a.engine_args else {}
     except json.JSONDecodeError as err:

@@ -582,9 +582,9 @@ def train(cfg: TrainConfig) -> dict:
             # plans made from the host batch need no GPU sync per forward (ttt_plan; online, the
             # batch is on the GPU already and its plan syncs as before); not under --compile,
             # whose graphs would be specialised on each plan's row counts
-            plans = [None if cfg.compile else ttt_plan(TTTBatch(**data.host_fields(mb)), t2d_host, steps,
-                                                        device=env.device, static=cfg.cuda_graph,
-                                                        **positions)
+            plans = [None if cfg.compile else ttt_plan(TTTBatch(**data.host_fields(mb)),
+                                                        t2d_host, steps, device=env.device,
+                                                        static=cfg.cuda_graph, **positions)
                      for mb in micro]
             micro = [_on(mb, env) for mb in micro]
             counted = [ttt_positions(b, draft.t2d, steps, **positions) if p is None else p.valid

@@ -473,8 +473,7 @@ class Prefetch:
                                        initializer=torch.set_num_threads, initargs=(1,))
 
     def _load(self, k: int) -> dict[str, torch.Tensor]:
-        mb = self.dataset[k]
-        return {key: v.pin_memory() for key, v in mb.items()} if self.pin else mb
+        return _read(self.dataset, k, self.pin)
 
     def __iter__(self):
         return self
@@ -490,23 +489,26 @@ class Prefetch:
             raise StopIteration
         return self.pending.popleft().result()
 
-    def close(self) -> None:
-        """Cancel the reads not begun, wait for those under way; later `next` ends at once."""
+    def close(self, wait: bool = True) -> None:
+        """Cancel the reads not begun, wait for those under way (unless not `wait`); later
+        `next` ends at once."""
         if self.closed:
             return
         self.closed = True
         for f in self.pending:
             f.cancel()
         self.pending.clear()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=wait)
 
     def __del__(self):  # (not at interpreter exit: concurrent.futures joins its threads then)
-        pool = getattr(self, "pool", None)
-        if pool is not None and not getattr(self, "closed", True):
-            self.closed = True
-            for f in self.pending:
-                f.cancel()
-            pool.shutdown(wait=False)
+        if hasattr(self, "pool"):  # (set last in __init__)
+            self.close(wait=False)
+
+
+def _read(dataset, k: int, pin: bool) -> dict[str, torch.Tensor]:
+    """Micro-batch k of `dataset`, pinned when `pin`."""
+    mb = dataset[k]
+    return {key: v.pin_memory() for key, v in mb.items()} if pin else mb
 
 
 def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,
@@ -518,8 +520,7 @@ def loader(source, batches: list, row_tokens: int, hidden_dtype: torch.dtype, *,
     dataset = MicroBatches(source, batches, row_tokens, hidden_dtype, static)
     if num_workers:
         return Prefetch(dataset, num_workers, pin_memory)
-    return ({k: v.pin_memory() for k, v in dataset[i].items()} if pin_memory else dataset[i]
-            for i in range(len(dataset)))
+    return (_read(dataset, k, pin_memory) for k in range(len(dataset)))
 
 
 def count_tokens(batches: list, lengths: np.ndarray, row_tokens: int) -> int:
