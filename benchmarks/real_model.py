@@ -115,6 +115,21 @@ def _split_summary(report: dict, ks: list[int]) -> dict:
     return out
 
 
+def train_subset(prompts: Path, n: int, order: str, out: Path) -> Path:
+    """The first `n` rows of `prompts` (a real_data.py train.jsonl) written to `out`, in the
+    file's order or in the scaling curve's ("curve": benchmarks/scale.py's seeded shuffle of
+    the ids, seed 0, so that N here is the curve's size N)."""
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    if order == "curve":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from scale_corpus import curve_order
+
+        by_id = {json.loads(line)["id"]: line for line in lines}
+        lines = [by_id[i] for i in curve_order(prompts, seed=0)]
+    out.write_text("\n".join(lines[:n]) + "\n")
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the target (.gguf file, folder or hub name)")
@@ -122,6 +137,10 @@ def main(argv=None) -> None:
     p.add_argument("--work", required=True, help="folder for every step's output")
     p.add_argument("--out", required=True, help="result JSON")
     p.add_argument("--max-train", type=int, default=0, help="first N training prompts (0 = all)")
+    p.add_argument("--train-order", choices=("file", "curve"), default="file",
+                   help="which N --max-train takes: the file's first (real_data.py writes it "
+                        "source by source), or the scaling curve's (benchmarks/scale.py: a "
+                        "seeded shuffle of the ids, seed 0; size N's prompts)")
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-batch", type=int, default=256)
     p.add_argument("--regen-batching", default="padded", help="eyas regenerate --batching")
@@ -149,6 +168,9 @@ def main(argv=None) -> None:
                         "--bench, e.g. mt-bench,gsm8k,humaneval; archives from "
                         "$EYAS_BENCH_CACHE), --bench-prompts each, after the other evals")
     p.add_argument("--bench-prompts", type=int, default=80)
+    p.add_argument("--eval-order", default="indist,heldout,bench",
+                   help="the order of the evals after export (a lease that may end during "
+                        "them puts first the one it needs most)")
     p.add_argument("--k", default="3,6")
     p.add_argument("--workers", type=int, default=1, help="eyas eval --workers")
     p.add_argument("--eval-batch", type=int, default=64, help="eyas eval --batch-size")
@@ -162,9 +184,8 @@ def main(argv=None) -> None:
     t = {}
     train_prompts = data / "train.jsonl"
     if a.max_train:
-        lines = train_prompts.read_text().splitlines()[: a.max_train]
-        train_prompts = work / "train-prompts.jsonl"
-        train_prompts.write_text("\n".join(lines) + "\n")
+        train_prompts = train_subset(train_prompts, a.max_train, a.train_order,
+                                     work / "train-prompts.jsonl")
     model_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[a.dtype]
     common = ["--target", a.target]
     conversations = Path(a.conversations) if a.conversations else \
@@ -203,15 +224,18 @@ def main(argv=None) -> None:
     ev = ["--target", a.target, "--draft", work / "draft", "--k", a.k, "--max-new-tokens",
           a.eval_tokens, "--dtype", a.dtype, "--workers", a.workers, "--device", a.device,
           "--batch-size", a.eval_batch]
-    t["eval_indist"] = run("eval", *ev, "--data", work / "prepared", "--split", "eval",
-                           "--num-prompts", a.indist_prompts, "--out", work / "eval-indist",
-                           log=log, out=work / "eval-indist")
-    t["eval_heldout"] = run("eval", *ev, "--data", data / "heldout.jsonl", "--num-prompts",
-                            a.heldout_prompts, "--out", work / "eval-heldout", log=log,
-                            out=work / "eval-heldout")
-    if a.bench:  # its report has one table per set (report.json: by_set)
-        t["eval_bench"] = run("eval", *ev, "--bench", a.bench, "--num-prompts", a.bench_prompts,
-                              "--out", work / "eval-bench", log=log, out=work / "eval-bench")
+    evals = {"indist": ["--data", work / "prepared", "--split", "eval",
+                        "--num-prompts", a.indist_prompts],
+             "heldout": ["--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts],
+             # its report has one table per set (report.json: by_set)
+             "bench": ["--bench", a.bench, "--num-prompts", a.bench_prompts] if a.bench else None}
+    order = a.eval_order.split(",")
+    if sorted(order) != sorted(evals):
+        raise SystemExit(f"--eval-order {a.eval_order!r}: name each of {', '.join(evals)} once")
+    for name in order:
+        if evals[name] is not None:
+            t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out", work / f"eval-{name}",
+                                    log=log, out=work / f"eval-{name}")
 
     regen_manifest = conversations.parent / "eyas.json"
     regen = json.loads(regen_manifest.read_text()) if regen_manifest.is_file() else {}

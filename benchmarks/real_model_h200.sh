@@ -21,7 +21,8 @@
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_SPEED_ARGS: more
+# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_EVAL_ORDER,
+# SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
 # SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner,
@@ -316,10 +317,12 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # (benchmarks/served_speed.py, alone on the GPU: SERVED_K, SERVED_BATCHES, SERVED_TEMPS,
     # SERVED_MINUTES), then eyas eval measures the draft on the same prompts (held out,
     # MT-bench, HumanEval; in distribution) and its reports are attached to the served rows.
-    # Session 23's lease ran the evals first: 230 s for 100 prompts left 9 minutes to serve
+    # Session 23's lease ran the evals first: 230 s for 100 prompts left 9 minutes to serve.
+    # The evals whose reports go beside the served rows come first (SERVED_EVAL_ORDER)
     # (QWEN_GGUF=$W/qwen15.gguf: the 1.5B, from h200_carry.sh qwen15's parts r0..; each
     # GGUF converts into its own folder; SERVED_DATA=$W/scale-realdata with SERVED_TRAIN
-    # above 5821: the scale corpus's prompts, the same held-out files)
+    # above 5821: the scale corpus's prompts, the same held-out files; SERVED_TRAIN prompts
+    # are the scaling curve's first, a seeded shuffle: both files are sorted by source)
     Q=$W/$(basename ${QWEN_GGUF:-$W/qwen.gguf} .gguf)-hf
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
     if [ ! -f $Q/eyas.json ]; then
@@ -334,7 +337,11 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       gunzip -c "$SERVED_CONVERSATIONS" > $W/qwen-conversations.jsonl || continue
       conv=(--conversations $W/qwen-conversations.jsonl)
     fi
-    speed="python3 benchmarks/served_speed.py --target $Q --draft $W/qrun/draft \
+    # the target's answers go home first (results.tgz), in case the lease ends while serving
+    keep=""
+    [ -n "${SERVED_CONVERSATIONS:-}" ] || keep="gzip -c $W/qrun/regenerated/conversations.jsonl \
+        > $R/qwen-conversations.jsonl.gz;"
+    speed="$keep python3 benchmarks/served_speed.py --target $Q --draft $W/qrun/draft \
         --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
@@ -344,15 +351,15 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, serve, eval"
     PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data ${SERVED_DATA:-$W/realdata} \
         --work $W/qrun --out "$R/real-qwen.json" --max-train ${SERVED_TRAIN:-5821} \
+        --train-order curve \
         "${conv[@]}" --regen-tokens 256 --regen-batch 1024 \
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
         --dtype bfloat16 --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
         --heldout-prompts 80 --eval-tokens 256 --k 3,5 --eval-batch 64 \
+        --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
-    [ -n "${SERVED_CONVERSATIONS:-}" ] || \
-      gzip -c $W/qrun/regenerated/conversations.jsonl > "$R/qwen-conversations.jsonl.gz"
     # the held-out and bench reports only: a report of one set (held out) is matched to
     # served_speed.py's "data" set, so the in-distribution one must not be among them
     reports=$(for f in $W/qrun/eval-heldout/report.json $W/qrun/eval-bench/report.json; do

@@ -18,8 +18,11 @@ the others run. `--runner v1|v2` runs every engine on that vLLM model runner
 them piecewise and runs their attention between the pieces); by default vLLM chooses (0.24: V2
 for Llama targets, V1 for Qwen2 and for n-gram), and each engine records the runner it used.
 `--attention` sets the attention kernels of every engine (vLLM 0.24's V2 runner can die
-starting an EAGLE-3 engine on FlashAttention 3's defaults: ATTENTION below), `--engine-args`
-any other vllm.LLM argument.
+starting an EAGLE-3 engine on FlashAttention 3's defaults: ATTENTION below); given a list
+(`fa3-nosplit,triton,fa2`), the first eagle3 way runs first, once per setting in the list's
+order until its engine starts, and the whole run then uses the setting that started it
+(those that did not are under `failed` with their errors). `--engine-args` sets any other
+vllm.LLM argument.
 vLLM cannot change `speculative_config` on a live engine, so each way costs one engine start
 (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test target);
 everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
@@ -88,15 +91,26 @@ ATTENTION = {
 }
 
 
-def engine_kwargs(a) -> dict:
+def attentions(a) -> list[str]:
+    """--attention's settings in the order to try them (one, or a comma-separated list)."""
+    names = [n for n in a.attention.split(",") if n]
+    bad = [n for n in names if n not in ATTENTION]
+    if bad or not names:
+        raise SystemExit(f"--attention {a.attention!r}: use one of {', '.join(ATTENTION)}, "
+                         "or several separated by commas (tried in order)")
+    return names
+
+
+def engine_kwargs(a, attention: str | None = None) -> dict:
     """The vLLM engine arguments every way of a run shares: the run's batches and memory,
-    --attention's settings, then --engine-args (a JSON object, given last: it wins, and an
-    attention_config it gives is merged into --attention's key by key)."""
+    the settings of `attention` (by default --attention's first), then --engine-args (a JSON
+    object, given last: it wins, and an attention_config it gives is merged into the
+    attention's key by key)."""
     engine = {"max_num_seqs": max(int(b) for b in a.batches.split(",")),
               "gpu_memory_utilization": a.gpu_memory_utilization,
               "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
               "disable_log_stats": False}
-    engine.update(ATTENTION[a.attention])  # (serve_one hands vLLM a copy of the whole)
+    engine.update(ATTENTION[attention or attentions(a)[0]])  # (serve_one copies the whole)
     try:
         extra = json.loads(a.engine_args) if a.engine_args else {}
     except json.JSONDecodeError as err:
@@ -211,9 +225,11 @@ def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float) 
 
 
 def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, a,
-            stop_ids, reference: dict, reports: list[dict]) -> dict:
+            stop_ids, reference: dict, reports: list[dict], early: list | None = None) -> dict:
     """One (way, prompt set, temperature, batch) measurement: speed, vLLM's acceptance, the
-    lossless check at T=0 and eyas eval's acceptance beside it."""
+    lossless check at T=0 and eyas eval's acceptance beside it. A T=0 row measured before
+    the same batch without speculation (the way that picked --attention's setting) waits in
+    `early` with its outputs, and is checked when that batch's reference arrives."""
     from vllm import SamplingParams
 
     ids = [p.ids.tolist() for p in prompts]
@@ -243,9 +259,14 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
         key = (group, batch)
         if way.name == "none":
             reference[key] = tokens
+            for _, waiting, outputs in [e for e in early or [] if e[0] == key]:
+                waiting["same_outputs_as_no_speculation"] = sum(
+                    t == r for t, r in zip(outputs, tokens))
         elif key in reference:
             row["same_outputs_as_no_speculation"] = sum(
                 t == r for t, r in zip(tokens, reference[key]))
+        elif early is not None:
+            early.append((key, row, tokens))
     return row
 
 
@@ -359,7 +380,9 @@ def markdown(result: dict) -> str:
     if result["not_run"]:
         lines += ["", "Not run (budget): " + ", ".join(result["not_run"])]
     for f in result.get("failed", []):
-        lines += ["", f"Failed ({f.get('phase', 'start')}): {f['way']}: {f['error']}"]
+        lines += ["", f"Failed ({f.get('phase', 'start')}"
+                  + (f", attention {f['attention']}" if f.get("attention") else "")
+                  + f"): {f['way']}: {f['error']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -384,15 +407,18 @@ def parse_args(argv):
     p.add_argument("--runner", choices=("auto", "v1", "v2"), default="auto",
                    help="vLLM's model runner for every engine of the run: v1 / v2 set "
                         "VLLM_USE_V2_MODEL_RUNNER to 0 / 1 (V2 runs the EAGLE draft's steps as "
-                        "full CUDA graphs, V1 piecewise); auto leaves vLLM's choice (0.24: V2 "
-                        "for Llama, V1 for Qwen2; V1 for n-gram). Each engine records the "
-                        "runner vLLM used; run once per runner to compare")
-    p.add_argument("--attention", choices=tuple(ATTENTION), default="auto",
+                        "full CUDA graphs, V1 piecewise; n-gram ways stay on V1, which V2 "
+                        "refuses); auto leaves vLLM's choice (0.24: V2 for Llama, V1 for "
+                        "Qwen2; V1 for n-gram). Each engine records the runner vLLM used; "
+                        "run once per runner to compare")
+    p.add_argument("--attention", default="auto",
                    help="attention settings for every engine: auto (vLLM's), fa3-nosplit "
                         "(FlashAttention 3 without split-KV in CUDA graphs), fa2 "
                         "(FlashAttention 2), triton (vLLM's Triton kernels); the last three "
                         "avoid vLLM 0.24's crash starting an EAGLE-3 engine on the V2 runner "
-                        "for some targets (vllm#47561)")
+                        "for some targets (vllm#47561). A comma-separated list: the first "
+                        "eagle3 way runs first with each in turn, and the first that starts "
+                        "it is the run's")
     p.add_argument("--engine-args", default="",
                    help="more vllm.LLM arguments for every engine, as a JSON object (applied "
                         "after --attention; recorded in the result's `engine`)")
@@ -438,6 +464,9 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
 
     batches = result["batches"]
     spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max))
+    if a.runner != "auto":  # read by vLLM when it builds this engine's config
+        v2 = a.runner == "v2" and way.name != "ngram"  # (vLLM 0.24's V2 refuses n-gram)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     t0 = time.perf_counter()
     state["phase"] = "start"
     gen = VLLMGenerator(result["target_dir"], dtype=a.dtype, seed=0,
@@ -487,7 +516,7 @@ def _measure_all(way: Way, a, sets: dict, gen, deadline: float, result: dict, st
                     continue
                 row = measure(gen.llm, way, group, prompts[:a.batch1_prompts] if b == 1
                               else prompts, t, b, a, gen.stop_ids, state["reference"],
-                              state["reports"])
+                              state["reports"], state["early"])
                 state["last_seconds"][key] = row["seconds"]
                 result["rows"].append(row)
                 record["measurements"] += 1
@@ -523,12 +552,11 @@ def main(argv=None) -> dict:
         out.with_suffix(".md").write_text(markdown(result))
         return result
     a = parse_args(argv)
-    engine = engine_kwargs(a)  # (a bad --engine-args stops here, before any work)
+    tries = attentions(a)
+    engine = engine_kwargs(a, tries[0])  # (a bad --engine-args stops here, before any work)
     methods = [m for m in a.ngram_methods.split(",") if m]
     if set(methods) - set(NGRAM_METHODS) or not methods:
         raise SystemExit(f"--ngram-methods {a.ngram_methods!r}: use some of {NGRAM_METHODS}")
-    if a.runner != "auto":  # read by vLLM when it builds each engine's config
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if a.runner == "v2" else "0"
     started = time.perf_counter()
     deadline = started + 60 * a.max_minutes if a.max_minutes else float("inf")
     batches = [int(b) for b in a.batches.split(",")]
@@ -561,7 +589,8 @@ def main(argv=None) -> dict:
         "temperatures": temps, "ways": [w.label for w in ways],
         "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
         "model_runner": a.runner,  # as asked; each engine's record says which vLLM used
-        "attention": a.attention,
+        "attention": tries[0] if len(tries) == 1 else None,  # set once one starts eagle3
+        "attention_tried": tries,
         "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": [],
         "failed": []}
     out = Path(a.json)
@@ -574,29 +603,54 @@ def main(argv=None) -> dict:
         out.with_suffix(".md").write_text(markdown(result))
 
     state = {"reference": {}, "last_seconds": {}, "reports": reports, "write": write,
-             "phase": None}
-    longest_engine = 0.0
-    for n, way in enumerate(ways):
-        if time.perf_counter() + longest_engine > deadline:
-            result["stopped_early"] = f"--max-minutes {a.max_minutes} before {way.label}"
-            result["not_run"] += [w.label for w in ways[n:]]
-            break
+             "phase": None, "early": [], "longest": 0.0}
+
+    def run(way: Way, engine: dict, attention: str | None = None) -> bool:
+        """Serve one way; False where it failed (named under `failed`, the run goes on)."""
         try:
             record = serve_one(way, a, sets, engine, deadline, result, state)
         except Exception as e:  # noqa: BLE001 (one way failed: the others still run)
             if way.name == "none":
                 raise  # nothing to compare against
-            print(f"{way.label} failed ({state['phase']}): {type(e).__name__}: {e}", flush=True)
+            print(f"{way.label} failed ({state['phase']}"
+                  + (f", attention {attention}" if attention else "")
+                  + f"): {type(e).__name__}: {e}", flush=True)
             # what it measured before failing stays: each row is a whole measurement
             result["failed"].append({"way": way.label, "phase": state["phase"],
+                                     **({"attention": attention} if attention else {}),
                                      "error": f"{type(e).__name__}: {e}"[:500]})
             write()
-            continue
-        longest_engine = max(longest_engine, record["total_s"])
+            return False
+        if attention:
+            record["attention"] = attention
+        state["longest"] = max(state["longest"], record["total_s"])
         write()
+        return True
+
+    eagle = [w for w in ways if w.name == "eagle3"]
+    if len(tries) > 1 and eagle:
+        # --attention's list: the first eagle3 way, once per setting until its engine starts
+        # (a failure after the start, in warm-up or measuring, is not the setting's)
+        ways.remove(eagle[0])
+        for attention in tries:
+            if run(eagle[0], engine_kwargs(a, attention), attention) or \
+                    state["phase"] != "start":
+                result["attention"] = attention
+                break
+        else:  # none started it: the rest of the run on the first, without eagle3
+            result["attention"] = tries[0]
+            result["not_run"] += [f"{w.label} (no --attention setting started "
+                                  f"{eagle[0].label})" for w in eagle[1:]]
+            ways = [w for w in ways if w.name != "eagle3"]
+        engine = result["engine"] = engine_kwargs(a, result["attention"])
+    for n, way in enumerate(ways):
+        if result["stopped_early"] is None and \
+                time.perf_counter() + state["longest"] > deadline:
+            result["stopped_early"] = f"--max-minutes {a.max_minutes} before {way.label}"
         if result["stopped_early"]:
-            result["not_run"] += [w.label for w in ways[n + 1:]]
+            result["not_run"] += [w.label for w in ways[n:]]
             break
+        run(way, engine)
     write()
     print(markdown(result))
     return result

@@ -66,6 +66,20 @@ def test_sizes_are_nested_prefixes_of_a_seeded_order_over_parts(tmp_path):
     assert [json.loads(x)["id"] for x in nxt] == order[25:28]
 
 
+def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_them(tmp_path):
+    # real_data.py writes train.jsonl source by source: the file's first N can be one source,
+    # the curve's first N are size N's prompts (issue 33's 1.5B trains on them)
+    from real_model import train_subset
+
+    data = _data(tmp_path, 40)
+    order = scale.curve_order(data / "train.jsonl", 0)
+    curve = train_subset(data / "train.jsonl", 12, "curve", tmp_path / "curve.jsonl")
+    assert [json.loads(x)["id"] for x in curve.read_text().splitlines()] == order[:12]
+    assert curve.read_text().splitlines()[0] == _row(int(order[0].split("/")[1]))
+    head = train_subset(data / "train.jsonl", 12, "file", tmp_path / "head.jsonl")
+    assert head.read_text().splitlines() == (data / "train.jsonl").read_text().splitlines()[:12]
+
+
 def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     data, corpus = _regenerated(tmp_path, 12)
     trained, evals = [], []

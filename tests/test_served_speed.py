@@ -92,8 +92,15 @@ def test_attention_choice_and_engine_args_reach_every_engine():
     for bad, says in (("{not json", "not JSON"), ("[1]", "JSON object")):
         with pytest.raises(SystemExit, match=says):
             engine("--engine-args", bad)
-    with pytest.raises(SystemExit):
-        engine("--attention", "fa4")
+    for bad in ("fa4", "fa2,fa4", ","):
+        with pytest.raises(SystemExit, match="--attention"):
+            engine("--attention", bad)
+    # a list: tried in order for the first eagle3 way (-m vllm below); the first by default
+    assert engine("--attention", "fa3-nosplit,triton")["attention_config"] == {
+        "flash_attn_max_num_splits_for_cuda_graph": 1}
+    assert served_speed.engine_kwargs(served_speed.parse_args(
+        ["--target", "t", "--json", "o.json", "--attention", "fa3-nosplit,triton"]),
+        "triton")["attention_config"] == {"backend": "TRITON_ATTN"}
     table = served_speed.markdown(
         {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
          "stopped_early": None, "not_run": [], "summary": [], "rows": [],
@@ -191,7 +198,7 @@ def export_draft(folder, model, target: dict, target_dir) -> str:
 
 
 @pytest.mark.vllm
-def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
+def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkeypatch):
     pytest.importorskip("vllm")
     import os
 
@@ -237,10 +244,15 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     evaluate(dataclasses.replace(cfg, draft=draft))  # eyas eval's report on the same prompts
 
     out = tmp_path / "served.json"
+    # --attention as a list: the first eagle3 way runs first, once per setting until one
+    # starts it (vLLM itself refuses this one at the engine's start)
+    monkeypatch.setitem(served_speed.ATTENTION, "unknown-backend",
+                        {"attention_config": {"backend": "NO_SUCH_BACKEND"}})
     r = served_speed.main([
         "--target", str(target), "--draft", draft, "--data", str(data), "--num-prompts", "6",
         "--batch1-prompts", "6", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
         "--k", "1,3", "--ngram-k", "2", "--ngram-methods", "ngram,ngram_gpu",
+        "--attention", "unknown-backend,auto",
         "--batches", "1,4", "--temperatures", "0,1",
         "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
         "--max-model-len", "256", "--eyas-report", str(tmp_path / "eval" / "report.json"),
@@ -250,21 +262,30 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft):
     assert r["stopped_early"] is None and r["not_run"] == []
     # vLLM's GPU n-gram runs where this vLLM has it; where it refuses it is named, the rest run
     gpu = [e for e in r["engines"] if e["way"] == "ngram_gpu k=2"]
-    assert len(gpu) + len(r["failed"]) == 1
-    assert [f["way"] for f in r["failed"]] in ([], ["ngram_gpu k=2"])
+    refused, failed = r["failed"][0], r["failed"][1:]
+    assert (refused["way"], refused["phase"], refused["attention"]) == \
+        ("eagle3 k=1", "start", "unknown-backend") and "NO_SUCH_BACKEND" in refused["error"]
+    assert r["attention"] == "auto" and r["attention_tried"] == ["unknown-backend", "auto"]
+    assert "attention_config" not in r["engine"]  # the run's engines: auto's settings
+    assert len(gpu) + len(failed) == 1
+    assert [f["way"] for f in failed] in ([], ["ngram_gpu k=2"])
     assert [e["way"] for e in r["engines"] if e not in gpu] == \
-        ["none", "ngram k=2", "eagle3 k=1", "eagle3 k=3"]
+        ["eagle3 k=1", "none", "ngram k=2", "eagle3 k=3"]
+    assert r["engines"][0]["attention"] == "auto"
+    assert "Failed (start, attention unknown-backend): eagle3 k=1" in \
+        out.with_suffix(".md").read_text()
     print("ngram_gpu:", "ran" if gpu else r["failed"])
-    assert r["model_runner"] == "auto" and all(f["phase"] == "start" for f in r["failed"])
+    assert r["model_runner"] == "auto" and all(f["phase"] == "start" for f in failed)
     # vLLM's own choice, recorded per engine (the CPU build has no Triton: V1 throughout)
     assert {e["model_runner"] for e in r["engines"]} <= {"v1", "v2"}
     assert all(e["start_s"] > 0 and e["measurements"] == 4 for e in r["engines"])
     # the configs as asked: vLLM 0.24 (GPU) wrote its ModelConfig into the dict it was given,
     # and the JSON could not be written after the first engine with speculation
     lookup = {"num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    assert [e["speculative_config"] for e in r["engines"]] == [None, {
+    eagle3 = [{"method": "eagle3", "model": draft, "num_speculative_tokens": k} for k in (1, 3)]
+    assert [e["speculative_config"] for e in r["engines"]] == eagle3[:1] + [None, {
         "method": "ngram", **lookup}] + [{"method": "ngram_gpu", **lookup}] * len(gpu) + \
-        [{"method": "eagle3", "model": draft, "num_speculative_tokens": k} for k in (1, 3)]
+        eagle3[1:]
     assert len(r["rows"]) == 16 + 4 * len(gpu) and len(r["summary"]) == 4
     for row in r["rows"]:
         assert row["output_tokens"] == 6 * NEW_TOKENS and row["output_tokens_per_s"] > 0
