@@ -151,6 +151,9 @@ def main(argv=None) -> None:
                    help="train on this conversations.jsonl (an earlier, possibly partial "
                         "`eyas regenerate` output) instead of regenerating")
     p.add_argument("--eval-fraction", type=float, default=0.05)
+    p.add_argument("--capture-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="eyas capture --dtype: fp8 stores the aux layers in 8 bits (7.7 KB "
+                        "per token for a 1.5B Qwen2 against 12.3 KB in bf16)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--lr", type=float, default=None,
@@ -202,7 +205,7 @@ def main(argv=None) -> None:
                        out=work / "prepared")
     t["capture"] = run("capture", *common, "--data", work / "prepared", "--out",
                        work / "captured", "--split", "all", "--model-dtype", model_dtype,
-                       log=log, out=work / "captured")
+                       "--dtype", a.capture_dtype, log=log, out=work / "captured")
     t["vocab"] = run("vocab", "--data", work / "prepared", "--out", work / "vocab", log=log,
                      out=work / "vocab")
     t["train"] = run("train", "--data", work / "captured", "--vocab", work / "vocab",

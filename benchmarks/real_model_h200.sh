@@ -354,7 +354,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --train-order curve \
         "${conv[@]}" --regen-tokens 256 --regen-batch 1024 \
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
-        --dtype bfloat16 --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
+        --dtype bfloat16 --capture-dtype fp8 --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
         --heldout-prompts 80 --eval-tokens 256 --k 3,5 --eval-batch 64 \
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
