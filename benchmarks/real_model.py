@@ -119,7 +119,7 @@ def train_subset(prompts: Path, n: int, order: str, out: Path) -> Path:
     """The first `n` rows of `prompts` (a real_data.py train.jsonl) written to `out`, in the
     file's order or in the scaling curve's ("curve": benchmarks/scale.py's seeded shuffle of
     the ids, seed 0, so that N here is the curve's size N)."""
-    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    lines = [line for line in prompts.read_text().split("\n") if line.strip()]  # (not splitlines: U+2028 in a row)
     if order == "curve":
         sys.path.insert(0, str(Path(__file__).parent))
         from scale_corpus import curve_order
