@@ -1,7 +1,8 @@
 """The training data loader alone: tokens/s of `eyas train`'s offline loader (mmap read,
 packing, collate) over a synthetic capture of a target's shape, stored in bf16 and in fp8,
 with 0, 1 and 2 workers: eyas's reading threads (`eyas.draft.data.Prefetch`) and, beside
-them in the same run, torch DataLoader worker processes (the loader before session 25).
+them in the same run, torch DataLoader worker processes (the loader before session 25);
+`--intra-threads` adds reader threads with other intra-op thread counts.
 
     python benchmarks/loader.py                    # SmolLM2-135M's shape (hidden 576), CPU
     python benchmarks/loader.py --shape llama-8b --capture-tokens 100000
@@ -61,7 +62,7 @@ def process_loader(source, plan, batch_tokens: int, workers: int, pin: bool):
 
 
 def bench(source, batch_tokens: int, workers: int, batches: int, device,
-          processes: bool = False) -> float:
+          processes: bool = False, intra: int | None = None) -> float:
     packing = data.Packing(batch_tokens, 1, False)
     plan = data.epoch_batches(np.arange(len(source.lengths)), source.lengths, packing, seed=0,
                               epoch=0)
@@ -69,6 +70,9 @@ def bench(source, batch_tokens: int, workers: int, batches: int, device,
     pin = device is not None and device.type == "cuda"
     if processes:
         loader = process_loader(source, plan, batch_tokens, workers, pin)
+    elif intra is not None and workers:  # reader threads with `intra` intra-op threads each
+        loader = data.Prefetch(data.MicroBatches(source, plan, batch_tokens, torch.bfloat16,
+                                                 False), workers, pin, intra_threads=intra)
     else:
         loader = data.loader(source, plan, batch_tokens, torch.bfloat16, num_workers=workers,
                              pin_memory=pin, static=False)
@@ -93,10 +97,14 @@ def main(argv=None) -> dict:
                    help="where on_device puts each batch, timed with the loader; none: the "
                         "host batch only (cpu: the fp8 dequantization in this process)")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--intra-threads", default="",
+                   help="also reader threads with these intra-op threads each (e.g. 1,4), "
+                        "beside eyas's default share (data.reader_threads)")
     p.add_argument("--out", default="benchmarks/results/loader-cpu.json")
     a = p.parse_args(argv)
     shape = SHAPES[a.shape]
     device = None if a.device == "none" else torch.device(a.device)
+    intra = [int(n) for n in a.intra_threads.split(",") if n]
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-loader-", dir=a.work_dir))
     rows = []
     try:
@@ -110,13 +118,16 @@ def main(argv=None) -> dict:
                 ways["host"] = HostDequantized
             for way, cls in ways.items():
                 for w in (int(x) for x in a.workers.split(",")):
-                    for processes in ((False, True) if w else (False,)):
+                    kinds = [("threads", None)] + [
+                        (f"threads, {n} intra-op each", n) for n in intra] + \
+                        [("processes", None)] if w else [("-", None)]
+                    for kind, n in kinds:
                         tps = bench(cls(folder), a.batch_tokens, w, a.batches, device,
-                                    processes)
+                                    kind == "processes", n)
                         rows.append({"capture": dtype,
                                      "dequantized": way if dtype == "fp8" else "-",
-                                     "workers": w, "kind": "processes" if processes
-                                     else "threads" if w else "-",
+                                     "workers": w, "kind": kind if kind != "threads" else
+                                     f"threads ({data.reader_threads(w)} intra-op each)",
                                      "tokens_per_s": round(tps)})
                         print(rows[-1], flush=True)
     finally:

@@ -633,10 +633,11 @@ def main(argv=None) -> dict:
         # (a failure after the start, in warm-up or measuring, is not the setting's)
         ways.remove(eagle[0])
         for attention in tries:
+            result["attention"] = attention  # (what the JSON written meanwhile is serving on)
             if run(eagle[0], engine_kwargs(a, attention), attention) or \
                     state["phase"] != "start":
-                result["attention"] = attention
                 break
+            result["attention"] = None
         else:  # none started it: the rest of the run on the first, without eagle3
             result["attention"] = tries[0]
             result["not_run"] += [f"{w.label} (no --attention setting started "

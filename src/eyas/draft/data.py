@@ -461,16 +461,21 @@ class Prefetch:
     training step. A signal reaches only the main thread, which saves the step it is on.
     Closing the iterator (or leaving it) waits for the batches already begun."""
 
-    def __init__(self, dataset, threads: int, pin: bool, ahead: int | None = None):
+    def __init__(self, dataset, threads: int, pin: bool, ahead: int | None = None,
+                 intra_threads: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
         self.dataset, self.pin, self.next, self.closed = dataset, pin, 0, False
         self.ahead = ahead or 2 * threads
         self.pending: collections.deque = collections.deque()
-        # each reader on one intra-op thread (as a DataLoader worker process is): copies
-        # need no team of their own, and idle OpenMP teams spin beside the training loop
+        # each reader with its share of the intra-op threads (`intra_threads`; by default
+        # the cores over the readers and the training loop, at least one): on two cores one
+        # each, as a DataLoader worker process has; on a 16-core host, 5 each
+        if intra_threads is None:
+            intra_threads = reader_threads(threads)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eyas-loader",
-                                       initializer=torch.set_num_threads, initargs=(1,))
+                                       initializer=torch.set_num_threads,
+                                       initargs=(intra_threads,))
 
     def _load(self, k: int) -> dict[str, torch.Tensor]:
         return _read(self.dataset, k, self.pin)
@@ -503,6 +508,12 @@ class Prefetch:
     def __del__(self):  # (not at interpreter exit: concurrent.futures joins its threads then)
         if hasattr(self, "pool"):  # (set last in __init__)
             self.close(wait=False)
+
+
+def reader_threads(readers: int) -> int:
+    """Intra-op threads for each of `readers` reader threads: this process's intra-op
+    threads shared by the readers and the training loop, at least one."""
+    return max(1, torch.get_num_threads() // (readers + 1))
 
 
 def _read(dataset, k: int, pin: bool) -> dict[str, torch.Tensor]:
