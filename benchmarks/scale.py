@@ -11,6 +11,8 @@ order: a seeded shuffle of the ids of `--data`/train.jsonl (that file is sorted 
 so a prefix of it would be a few BIG-bench tasks). Size N trains on the first N ids of the
 curve order, and runs only once all of them have arrived: the subsets are nested, and one
 never changes as the corpus grows. Rows whose id is not in train.jsonl are not used.
+`--sources-first sharegpt,chitchat` moves those sources' ids to the head of the order (each
+part in the shuffle's order): a curve of that data mix, in its own --out and size folders.
 
 Per size, in its own folder: prepare -> capture -> vocab -> train (eyas train's defaults,
 `--train-args` on top) -> export, then one `eyas eval` per prompt set group, at k = `--k`:
@@ -76,6 +78,21 @@ from scale_corpus import (available, curve_order, next_prompts, read_corpus,  # 
 from scale_report import markdown, plot  # noqa: E402
 
 POLL_S = 30.0  # --wait: seconds between reads of the corpus
+
+def sources_first(order: list[str], sources: list[str]) -> list[str]:
+    """The curve order with the ids of `sources` (an id's first part) first, each group in
+    the order's own order: size N is then N of those sources while they last."""
+    chosen = set(sources)
+    return [i for i in order if i.split("/")[0] in chosen] + \
+        [i for i in order if i.split("/")[0] not in chosen]
+
+
+def _mix(a) -> str:
+    """A size folder's suffix for a curve order with --sources-first (its own folders, so that
+    a curve of another mix can run beside the default one in one work folder)."""
+    return "-" + "+".join(x for x in a.sources_first.split(",") if x) if a.sources_first \
+        else ""
+
 
 def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dict]) -> Path:
     """`eyas regenerate` on the next --regenerate prompts; the answers become a new part
@@ -379,7 +396,7 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
 def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     """Train size n if its record is missing or stale, then every eval it lacks
     (--eval-jobs of them at once)."""
-    key, folder = str(n), Path(a.work) / f"size-{n}"
+    key, folder = str(n), Path(a.work) / f"size-{n}{_mix(a)}"
     size = book.state["sizes"].get(key)
     # the capture's storage dtype is not the recipe (fp8 storage measured no change: docs/
     # capture.md), so a record made with the other one stands; a half-made folder does not
@@ -477,7 +494,7 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     once every variant's training has ended (kept when one failed, for its resume). Records:
     the JSON's levers[N][variants][NAME], redone when the subset, --train-args or the
     variant's flags change; variants another call asked for stay."""
-    key, folder = f"{n} levers", Path(a.work) / f"levers-{n}"
+    key, folder = f"{n} levers", Path(a.work) / f"levers-{n}{_mix(a)}"
     plan = {e: p for e, p in eval_plan(a).items() if e in a.lever_evals}
     with book.change() as state:
         rec = state.setdefault("levers", {}).get(str(n))
@@ -580,6 +597,12 @@ def main(argv=None) -> dict:
     p.add_argument("--sizes", default="3000,6000,12000,25000,50000",
                    help="comma list; '' = only --regenerate (the JSON is not touched)")
     p.add_argument("--seed", type=int, default=0, help="seed of the curve order")
+    p.add_argument("--sources-first", default="",
+                   help="comma list of sources (an id's first part: sharegpt, chitchat, "
+                        "chatterbot, bigbench) whose prompts come first in the curve order, "
+                        "in the seeded shuffle's order, the rest after: a curve of that data "
+                        "mix (e.g. chat only up to the size those sources hold). Its own "
+                        "--out: a JSON of another order is refused")
     p.add_argument("--work", required=True, help="folder for every step's output")
     p.add_argument("--out", required=True, help="result JSON (read first: the resume state); "
                                                 "the table and plot are written beside it")
@@ -644,7 +667,8 @@ def main(argv=None) -> dict:
     if a.wait:  # rows a regeneration beside this process has written so far count too
         patterns.append(f"{a.work}/regen-p*/out/conversations.jsonl")
     reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
-    full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
+    first = [x for x in a.sources_first.split(",") if x]
+    full_order = sources_first(curve_order(Path(a.data) / "train.jsonl", a.seed), first)
 
     def arrived() -> tuple[list[str], dict[str, str], list[dict]]:
         """The curve order without the ids regenerate rejected, the corpus and its files."""
@@ -668,7 +692,11 @@ def main(argv=None) -> dict:
               flush=True)
         return {}
     state = json.loads(out.read_text()) if out.is_file() else {}
-    state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state}
+    if (state.get("sizes") or state.get("levers")) and state.get("sources_first", []) != first:
+        raise SystemExit(f"{out} holds sizes of a curve order with sources first: "
+                         f"{state.get('sources_first') or 'none'}, not "
+                         f"{first or 'none'} as asked; give this order its own --out")
+    state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state, "sources_first": first}
     if state["ngram"] and next(iter(state["ngram"].values()))["settings"] != eval_settings(a):
         state["ngram"] = {}  # measured at other eval settings
     state.update({"target": a.target, "k": a.k, "seed": a.seed, "recipe": a.train_args or

@@ -80,6 +80,33 @@ def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_t
     assert head.read_text().splitlines() == (data / "train.jsonl").read_text().splitlines()[:12]
 
 
+def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_own_json(
+        tmp_path, monkeypatch):
+    order = ["bigbench/a/1", "sharegpt/x", "chitchat/y", "bigbench/b/2", "sharegpt/z"]
+    assert scale.sources_first(order, ["sharegpt", "chitchat"]) == \
+        ["sharegpt/x", "chitchat/y", "sharegpt/z", "bigbench/a/1", "bigbench/b/2"]
+    assert scale.sources_first(order, []) == order
+    data, corpus = _regenerated(tmp_path, 12)
+
+    def fake_train(a, n, lines, folder):
+        (folder / "draft").mkdir(parents=True, exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}"}))
+        return {"tokens": n, "train_tokens": n, "gpu_minutes": 0.1, "draft_id": f"d{n}"}
+
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "measure", lambda *args, **kw: None)
+    out = tmp_path / "scale.json"
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(tmp_path / "work"), "--out", str(out), "--sizes", "4"]
+    assert scale.main(argv)["sources_first"] == []
+    # the same JSON with another order would redo (and overwrite) the curve's sizes
+    with pytest.raises(SystemExit, match="its own --out"):
+        scale.main(argv + ["--sources-first", "src"])
+    state = scale.main(argv[:-4] + ["--out", str(tmp_path / "chat.json"), "--sizes", "4",
+                                    "--sources-first", "src"])
+    assert state["sources_first"] == ["src"] and "4" in state["sizes"]
+
+
 def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     data, corpus = _regenerated(tmp_path, 12)
     trained, evals = [], []
@@ -417,7 +444,7 @@ def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
                            disk_wait=30.0, keep_captures=False, capture_dtype="bf16",
                            exec_args="", work=str(work), data=str(data), bench="", t1_bench="", k="3",
                            prompts=1, bench_prompts=1, eval_tokens=8, device="cpu",
-                           eval_batch=1, eval_jobs=1)
+                           eval_batch=1, eval_jobs=1, sources_first="")
     vars(a).update(kw)
 
     def write():  # whether a size's captures were still there when its record was written
