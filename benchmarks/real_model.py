@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 
+EVALS = ("indist", "heldout", "bench")  # the evals after export, --eval-order's names
 LOG_TAIL = 40  # lines of a failed step's log printed with its error
 # A training that dies on one of these is run once more, and eyas train resumes from its last
 # checkpoint: on the H200 three trainings sharing the GPU with others have died so, at steps
@@ -180,6 +181,9 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", help="target dtype for regenerate/capture/eval")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
+    order = a.eval_order.split(",")  # (checked before hours of work, not after)
+    if sorted(order) != sorted(EVALS):
+        p.error(f"--eval-order {a.eval_order!r}: name each of {', '.join(EVALS)} once")
 
     work, data = Path(a.work), Path(a.data)
     work.mkdir(parents=True, exist_ok=True)
@@ -232,9 +236,6 @@ def main(argv=None) -> None:
              "heldout": ["--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts],
              # its report has one table per set (report.json: by_set)
              "bench": ["--bench", a.bench, "--num-prompts", a.bench_prompts] if a.bench else None}
-    order = a.eval_order.split(",")
-    if sorted(order) != sorted(evals):
-        raise SystemExit(f"--eval-order {a.eval_order!r}: name each of {', '.join(evals)} once")
     for name in order:
         if evals[name] is not None:
             t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out", work / f"eval-{name}",

@@ -360,6 +360,9 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
+    # (and when a step before serving failed: the answers are the costliest output)
+    [ -n "${SERVED_CONVERSATIONS:-}" ] || [ -f "$R/qwen-conversations.jsonl.gz" ] || \
+      gzip -c $W/qrun/regenerated/conversations.jsonl > "$R/qwen-conversations.jsonl.gz"
     # the held-out and bench reports only: a report of one set (held out) is matched to
     # served_speed.py's "data" set, so the in-distribution one must not be among them
     reports=$(for f in $W/qrun/eval-heldout/report.json $W/qrun/eval-bench/report.json; do

@@ -87,11 +87,16 @@ def sources_first(order: list[str], sources: list[str]) -> list[str]:
         [i for i in order if i.split("/")[0] not in chosen]
 
 
+def mix(a) -> list[str]:
+    """--sources-first's sources, sorted (their order in the list changes nothing)."""
+    return sorted({x for x in a.sources_first.split(",") if x})
+
+
 def _mix(a) -> str:
     """A size folder's suffix for a curve order with --sources-first (its own folders, so that
     a curve of another mix can run beside the default one in one work folder)."""
-    return "-" + "+".join(x for x in a.sources_first.split(",") if x) if a.sources_first \
-        else ""
+    sources = mix(a)
+    return "-" + "+".join(sources) if sources else ""
 
 
 def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dict]) -> Path:
@@ -667,8 +672,13 @@ def main(argv=None) -> dict:
     if a.wait:  # rows a regeneration beside this process has written so far count too
         patterns.append(f"{a.work}/regen-p*/out/conversations.jsonl")
     reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
-    first = [x for x in a.sources_first.split(",") if x]
-    full_order = sources_first(curve_order(Path(a.data) / "train.jsonl", a.seed), first)
+    first = mix(a)
+    full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
+    known = {i.split("/")[0] for i in full_order}
+    if set(first) - known:
+        p.error(f"--sources-first: no prompt of {sorted(set(first) - known)} in {a.data}; "
+                f"its sources are {', '.join(sorted(known))}")
+    full_order = sources_first(full_order, first)
 
     def arrived() -> tuple[list[str], dict[str, str], list[dict]]:
         """The curve order without the ids regenerate rejected, the corpus and its files."""

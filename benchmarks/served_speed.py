@@ -378,7 +378,7 @@ def markdown(result: dict) -> str:
             f"| {_f(r['eyas_eval'] and r['eyas_eval']['acceptance_length'], 3)} "
             f"| {same} |")
     if result["not_run"]:
-        lines += ["", "Not run (budget): " + ", ".join(result["not_run"])]
+        lines += ["", "Not run: " + ", ".join(result["not_run"])]
     for f in result.get("failed", []):
         lines += ["", f"Failed ({f.get('phase', 'start')}"
                   + (f", attention {f['attention']}" if f.get("attention") else "")
@@ -589,7 +589,8 @@ def main(argv=None) -> dict:
         "temperatures": temps, "ways": [w.label for w in ways],
         "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
         "model_runner": a.runner,  # as asked; each engine's record says which vLLM used
-        "attention": tries[0] if len(tries) == 1 else None,  # set once one starts eagle3
+        # set once one starts eagle3 (without a draft, a list's first serves the run)
+        "attention": tries[0] if len(tries) == 1 or not a.draft else None,
         "attention_tried": tries,
         "engines": [], "rows": [], "summary": [], "stopped_early": None, "not_run": [],
         "failed": []}
@@ -633,6 +634,12 @@ def main(argv=None) -> dict:
         # (a failure after the start, in warm-up or measuring, is not the setting's)
         ways.remove(eagle[0])
         for attention in tries:
+            if time.perf_counter() + state["longest"] > deadline:
+                result["stopped_early"] = f"--max-minutes {a.max_minutes} before " \
+                                          f"{eagle[0].label} on attention {attention}"
+                result["attention"] = tries[0]
+                result["not_run"] += [f"{eagle[0].label} (attention {attention})"]
+                break
             result["attention"] = attention  # (what the JSON written meanwhile is serving on)
             if run(eagle[0], engine_kwargs(a, attention), attention) or \
                     state["phase"] != "start":

@@ -78,6 +78,13 @@ def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_t
     assert curve.read_text().splitlines()[0] == _row(int(order[0].split("/")[1]))
     head = train_subset(data / "train.jsonl", 12, "file", tmp_path / "head.jsonl")
     assert head.read_text().splitlines() == (data / "train.jsonl").read_text().splitlines()[:12]
+    # a misnamed eval is refused before any step runs (not after hours of them)
+    from real_model import main as real_model
+
+    with pytest.raises(SystemExit):
+        real_model(["--target", "t", "--data", str(data), "--work", str(tmp_path / "w"),
+                    "--out", str(tmp_path / "r.json"), "--eval-order", "heldout,bench,indsit"])
+    assert not (tmp_path / "w").exists()
 
 
 def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_own_json(
@@ -86,9 +93,20 @@ def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_ow
     assert scale.sources_first(order, ["sharegpt", "chitchat"]) == \
         ["sharegpt/x", "chitchat/y", "sharegpt/z", "bigbench/a/1", "bigbench/b/2"]
     assert scale.sources_first(order, []) == order
-    data, corpus = _regenerated(tmp_path, 12)
+    # 12 prompts of two sources, every one answered
+    rows = [json.dumps({"id": f"{'chat' if i % 3 == 0 else 'task'}/{i}", "messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]})
+        for i in range(12)]
+    data, corpus = tmp_path / "data", tmp_path / "corpus"
+    data.mkdir(), corpus.mkdir()
+    (data / "train.jsonl").write_text("\n".join(rows) + "\n")
+    for name in ("indist.jsonl", "heldout.jsonl"):
+        (data / name).write_text(rows[0] + "\n")
+    (corpus / "conversations-p01.jsonl").write_text("\n".join(rows) + "\n")
+    trained = {}
 
     def fake_train(a, n, lines, folder):
+        trained[folder.name] = [json.loads(x)["id"].split("/")[0] for x in lines]
         (folder / "draft").mkdir(parents=True, exist_ok=True)
         (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}"}))
         return {"tokens": n, "train_tokens": n, "gpu_minutes": 0.1, "draft_id": f"d{n}"}
@@ -99,12 +117,22 @@ def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_ow
     argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
             str(tmp_path / "work"), "--out", str(out), "--sizes", "4"]
     assert scale.main(argv)["sources_first"] == []
+    assert trained.pop("size-4") != ["chat"] * 4  # (the seeded shuffle's first 4: mixed)
     # the same JSON with another order would redo (and overwrite) the curve's sizes
     with pytest.raises(SystemExit, match="its own --out"):
-        scale.main(argv + ["--sources-first", "src"])
+        scale.main(argv + ["--sources-first", "chat"])
+    with pytest.raises(SystemExit):  # a source no prompt has: a typo, not a mix
+        scale.main(argv[:-4] + ["--out", str(tmp_path / "x.json"), "--sources-first", "caht"])
     state = scale.main(argv[:-4] + ["--out", str(tmp_path / "chat.json"), "--sizes", "4",
-                                    "--sources-first", "src"])
-    assert state["sources_first"] == ["src"] and "4" in state["sizes"]
+                                    "--sources-first", "chat"])
+    assert state["sources_first"] == ["chat"] and "4" in state["sizes"]
+    assert trained == {"size-4-chat": ["chat"] * 4}  # its own folder, chat prompts only
+    # how the list is written changes nothing: the same order, name and JSON
+    scale.main(argv[:-4] + ["--out", str(tmp_path / "chat.json"), "--sizes", "4",
+                            "--sources-first", "chat,chat,"])
+    state = scale.main(argv[:-4] + ["--out", str(tmp_path / "two.json"), "--sizes", "4",
+                                    "--sources-first", "task,chat"])
+    assert state["sources_first"] == ["chat", "task"] and "size-4-chat+task" in trained
 
 
 def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
