@@ -21,8 +21,10 @@ for Llama targets, V1 for Qwen2 and for n-gram), and each engine records the run
 starting an EAGLE-3 engine on FlashAttention 3's defaults: ATTENTION below); given a list
 (`fa3-nosplit,triton,fa2`), the first eagle3 way runs first, once per setting in the list's
 order until its engine starts, and the whole run then uses the setting that started it
-(those that did not are under `failed` with their errors). `--engine-args` sets any other
-vllm.LLM argument.
+(those that did not are under `failed` with their errors). When the run's setting is not
+vLLM's own, no speculation is also measured on vLLM's own ("none (auto attention)", unless
+--no-default-baseline), and each speedup is over the faster of the two: a server without a
+draft needs no workaround. `--engine-args` sets any other vllm.LLM argument.
 vLLM cannot change `speculative_config` on a live engine, so each way costs one engine start
 (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test target);
 everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
@@ -136,10 +138,12 @@ class Way:
     name: str
     k: int = 0
     method: str = ""
+    attention: str = ""  # an --attention setting of its own ("": the run's)
 
     @property
     def label(self) -> str:
-        return self.name if self.name == "none" else f"{self.method or self.name} k={self.k}"
+        way = self.name if self.name == "none" else f"{self.method or self.name} k={self.k}"
+        return way + (f" ({self.attention} attention)" if self.attention else "")
 
     def speculative_config(self, draft: str, lookup: tuple[int, int]) -> dict | None:
         if self.name == "none":
@@ -246,6 +250,7 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
     tpot = [(r["finished"] - r["first"]) / (len(r["tokens"]) - 1) for r in done
             if len(r["tokens"]) > 1]
     row = {"way": way.name, "k": way.k, **({"method": way.method} if way.method else {}),
+           **({"attention": way.attention} if way.attention else {}),
            "set": group, "temperature": temperature,
            "batch": batch, "prompts": len(ids), "output_tokens": n_out,
            "seconds": round(seconds, 3), "output_tokens_per_s": round(n_out / seconds, 2),
@@ -255,7 +260,7 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
            "same_outputs_as_no_speculation": None,
            "eyas_eval": eyas_eval_al(reports, way, group, temperature)
            if way.name != "none" else None}
-    if temperature == 0:
+    if temperature == 0 and not (way.name == "none" and way.attention):  # (not a reference)
         key = (group, batch)
         if way.name == "none":
             reference[key] = tokens
@@ -287,6 +292,7 @@ def speedups(rows: list[dict]) -> list[dict]:
         out.append({
             "set": key[0], "temperature": key[1], "batch": key[2],
             "none_tokens_per_s": tps["none"],
+            **({"none_attention": none["attention"]} if none and none.get("attention") else {}),
             "ngram_best_k": ngram and ngram["k"], "ngram_tokens_per_s": tps["ngram"],
             "ngram_best_method": ngram and ngram.get("method", "ngram"),
             "eagle3_best_k": eagle and eagle["k"], "eagle3_tokens_per_s": tps["eagle3"],
@@ -355,7 +361,8 @@ def markdown(result: dict) -> str:
     for s in result["summary"]:
         ci = s["eagle3_eyas_eval_ci95"]
         lines.append(
-            f"| {s['set']} | {s['temperature']:g} | {s['batch']} | {_f(s['none_tokens_per_s'], 1)} "
+            f"| {s['set']} | {s['temperature']:g} | {s['batch']} | {_f(s['none_tokens_per_s'], 1)}"
+            + (f" ({s['none_attention']})" if s.get("none_attention") else "") + " "
             f"| {_f(s['ngram_tokens_per_s'], 1)} ({_ngram_k(s)}) "
             f"| {_f(s['eagle3_tokens_per_s'], 1)} ({_f(s['eagle3_best_k'])}) "
             f"| {_f(s['eagle3_over_none'])} | {_f(s['eagle3_over_ngram'])} "
@@ -371,7 +378,8 @@ def markdown(result: dict) -> str:
         same = r["same_outputs_as_no_speculation"]
         same = "-" if same is None else f"{same} / {r['prompts']}"
         lines.append(
-            f"| {Way(r['way'], r['k'], r.get('method', '')).label} | {r['set']} "
+            f"| {Way(r['way'], r['k'], r.get('method', ''), r.get('attention', '')).label} "
+            f"| {r['set']} "
             f"| {r['temperature']:g} | {r['batch']} | {r['prompts']} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p90'])} "
             f"| {_f(r['vllm'] and r['vllm']['acceptance_length'], 3)} "
@@ -419,6 +427,11 @@ def parse_args(argv):
                         "for some targets (vllm#47561). A comma-separated list: the first "
                         "eagle3 way runs first with each in turn, and the first that starts "
                         "it is the run's")
+    p.add_argument("--no-default-baseline", dest="default_baseline", action="store_false",
+                   help="when the run's --attention is not vLLM's own (auto), no speculation "
+                        "is also measured on auto, and each speedup is over the faster of the "
+                        "two (a server without a draft needs no workaround); this flag skips "
+                        "that engine")
     p.add_argument("--engine-args", default="",
                    help="more vllm.LLM arguments for every engine, as a JSON object (applied "
                         "after --attention; recorded in the result's `engine`)")
@@ -611,7 +624,7 @@ def main(argv=None) -> dict:
         try:
             record = serve_one(way, a, sets, engine, deadline, result, state)
         except Exception as e:  # noqa: BLE001 (one way failed: the others still run)
-            if way.name == "none":
+            if way == Way("none"):
                 raise  # nothing to compare against
             print(f"{way.label} failed ({state['phase']}"
                   + (f", attention {attention}" if attention else "")
@@ -651,6 +664,9 @@ def main(argv=None) -> dict:
                                   f"{eagle[0].label})" for w in eagle[1:]]
             ways = [w for w in ways if w.name != "eagle3"]
         engine = result["engine"] = engine_kwargs(a, result["attention"])
+    if a.default_baseline and result["attention"] != "auto":
+        # no speculation as vLLM serves it by default too: the speedups are over the faster
+        ways.insert(ways.index(Way("none")) + 1, Way("none", attention="auto"))
     for n, way in enumerate(ways):
         if result["stopped_early"] is None and \
                 time.perf_counter() + state["longest"] > deadline:
@@ -658,7 +674,8 @@ def main(argv=None) -> dict:
         if result["stopped_early"]:
             result["not_run"] += [w.label for w in ways[n:]]
             break
-        run(way, engine)
+        run(way, engine_kwargs(a, way.attention) if way.attention else engine,
+            way.attention or None)
     write()
     print(markdown(result))
     return result

@@ -43,6 +43,20 @@ def test_speedups_take_the_fastest_k_of_each_way_per_batch():
     assert "| data | 0 | 8 | 800.0 |" in served_speed.markdown(
         {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
          "stopped_early": None, "not_run": [], "summary": [one, eight], "rows": rows})
+    # a run on a workaround attention also measures no speculation on vLLM's default: the
+    # speedup is over the faster, which is named
+    auto = {**_row("none", 0, 125.0), "attention": "auto"}
+    (one,) = served_speed.speedups(rows[:5] + [auto])
+    assert (one["none_tokens_per_s"], one["none_attention"], one["eagle3_over_none"]) == \
+        (125.0, "auto", 1.44)
+    assert served_speed.Way("none", attention="auto").label == "none (auto attention)"
+    assert "| data | 0 | 1 | 125.0 (auto) | 150.0 (4) | 180.0 (3) | 1.44 |" in \
+        served_speed.markdown({"command": "c", "device": "d", "vllm_version": "v", "dtype": "t",
+                               "max_new_tokens": 1, "stopped_early": None, "not_run": [],
+                               "summary": [one], "rows": []})
+    assert "| none (auto attention) | data |" in served_speed.markdown(
+        {"command": "c", "device": "d", "vllm_version": "v", "dtype": "t", "max_new_tokens": 1,
+         "stopped_early": None, "not_run": [], "summary": [one], "rows": [auto]})
 
 
 def test_ngram_methods_are_ways_of_their_own_and_the_fastest_is_named():
@@ -245,14 +259,16 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
 
     out = tmp_path / "served.json"
     # --attention as a list: the first eagle3 way runs first, once per setting until one
-    # starts it (vLLM itself refuses this one at the engine's start)
+    # starts it (vLLM itself refuses this one at the engine's start; the CPU build takes
+    # triton's setting and runs its own attention), and the run measures no speculation on
+    # vLLM's default attention too
     monkeypatch.setitem(served_speed.ATTENTION, "unknown-backend",
                         {"attention_config": {"backend": "NO_SUCH_BACKEND"}})
     r = served_speed.main([
         "--target", str(target), "--draft", draft, "--data", str(data), "--num-prompts", "6",
         "--batch1-prompts", "6", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
         "--k", "1,3", "--ngram-k", "2", "--ngram-methods", "ngram,ngram_gpu",
-        "--attention", "unknown-backend,auto",
+        "--attention", "unknown-backend,triton",
         "--batches", "1,4", "--temperatures", "0,1",
         "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
         "--max-model-len", "256", "--eyas-report", str(tmp_path / "eval" / "report.json"),
@@ -265,13 +281,13 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
     refused, failed = r["failed"][0], r["failed"][1:]
     assert (refused["way"], refused["phase"], refused["attention"]) == \
         ("eagle3 k=1", "start", "unknown-backend") and "NO_SUCH_BACKEND" in refused["error"]
-    assert r["attention"] == "auto" and r["attention_tried"] == ["unknown-backend", "auto"]
-    assert "attention_config" not in r["engine"]  # the run's engines: auto's settings
+    assert r["attention"] == "triton" and r["attention_tried"] == ["unknown-backend", "triton"]
+    assert r["engine"]["attention_config"] == {"backend": "TRITON_ATTN"}  # the run's engines
     assert len(gpu) + len(failed) == 1
     assert [f["way"] for f in failed] in ([], ["ngram_gpu k=2"])
     assert [e["way"] for e in r["engines"] if e not in gpu] == \
-        ["eagle3 k=1", "none", "ngram k=2", "eagle3 k=3"]
-    assert r["engines"][0]["attention"] == "auto"
+        ["eagle3 k=1", "none", "none (auto attention)", "ngram k=2", "eagle3 k=3"]
+    assert r["engines"][0]["attention"] == "triton" and r["engines"][2]["attention"] == "auto"
     assert "Failed (start, attention unknown-backend): eagle3 k=1" in \
         out.with_suffix(".md").read_text()
     print("ngram_gpu:", "ran" if gpu else r["failed"])
@@ -283,10 +299,18 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
     # and the JSON could not be written after the first engine with speculation
     lookup = {"num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     eagle3 = [{"method": "eagle3", "model": draft, "num_speculative_tokens": k} for k in (1, 3)]
-    assert [e["speculative_config"] for e in r["engines"]] == eagle3[:1] + [None, {
+    assert [e["speculative_config"] for e in r["engines"]] == eagle3[:1] + [None, None, {
         "method": "ngram", **lookup}] + [{"method": "ngram_gpu", **lookup}] * len(gpu) + \
         eagle3[1:]
-    assert len(r["rows"]) == 16 + 4 * len(gpu) and len(r["summary"]) == 4
+    assert len(r["rows"]) == 20 + 4 * len(gpu) and len(r["summary"]) == 4
+    # each speedup is over the faster no-speculation engine, named when it is the default's
+    for s in r["summary"]:
+        nones = [x for x in r["rows"] if x["way"] == "none" and
+                 (x["set"], x["temperature"], x["batch"]) ==
+                 (s["set"], s["temperature"], s["batch"])]
+        fastest = max(nones, key=lambda x: x["output_tokens_per_s"])
+        assert len(nones) == 2 and s["none_tokens_per_s"] == fastest["output_tokens_per_s"]
+        assert s.get("none_attention") == fastest.get("attention")
     for row in r["rows"]:
         assert row["output_tokens"] == 6 * NEW_TOKENS and row["output_tokens_per_s"] > 0
         assert all(row["tpot_ms"][q] > 0 for q in ("mean", "p50", "p90"))
@@ -298,6 +322,9 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
             assert row["vllm"]["drafts"] > 0 and len(row["vllm"]["per_position"]) == row["k"]
         if row["temperature"] == 0 and spec:
             assert row["same_outputs_as_no_speculation"] == 6  # lossless, every way
+        if row["way"] == "none":  # only the run's own is the outputs' reference
+            assert (row.get("attention"), row["same_outputs_as_no_speculation"]) in \
+                ((None, None), ("auto", None))
         if row["way"] == "eagle3" and row["temperature"] == 0:
             mine = row["eyas_eval"]
             assert mine["prompts"] == 6 and mine["ci95"] is not None
