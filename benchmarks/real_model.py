@@ -131,6 +131,36 @@ def train_subset(prompts: Path, n: int, order: str, out: Path) -> Path:
     return out
 
 
+def _ids(path: Path) -> dict[str, str]:
+    """id -> row of a JSONL file (the first row of an id wins; no file: none)."""
+    rows: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text().split("\n"):  # (not splitlines: U+2028 in a row)
+            if line.strip():
+                rows.setdefault(json.loads(line)["id"], line)
+    return rows
+
+
+def missing_prompts(conversations: Path, prompts: Path, out: Path) -> int:
+    """The rows of `prompts` whose id no row of `conversations` has, written to `out`; their
+    count."""
+    have = _ids(conversations)
+    rest = [line for i, line in _ids(prompts).items() if i not in have]
+    out.write_text("".join(line + "\n" for line in rest))
+    return len(rest)
+
+
+def merge_conversations(parts: list[Path], prompts: Path, out: Path) -> Path:
+    """One conversation per id of `prompts` that some part answered (the first part's row of
+    an id wins), in `prompts`' order, written to `out`."""
+    answered: dict[str, str] = {}
+    for part in parts:
+        for i, line in _ids(part).items():
+            answered.setdefault(i, line)
+    out.write_text("".join(answered[i] + "\n" for i in _ids(prompts) if i in answered))
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the target (.gguf file, folder or hub name)")
@@ -151,6 +181,10 @@ def main(argv=None) -> None:
     p.add_argument("--conversations", default=None,
                    help="train on this conversations.jsonl (an earlier, possibly partial "
                         "`eyas regenerate` output) instead of regenerating")
+    p.add_argument("--top-up", action="store_true",
+                   help="with --conversations: regenerate only the training prompts they lack "
+                        "(by id) and train on both, in the prompts' order (written to "
+                        "WORK/conversations.jsonl): a corpus that grows lease by lease")
     p.add_argument("--eval-fraction", type=float, default=0.05)
     p.add_argument("--capture-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="eyas capture --dtype: fp8 stores the aux layers in 8 bits (7.7 KB "
@@ -197,13 +231,22 @@ def main(argv=None) -> None:
     common = ["--target", a.target]
     conversations = Path(a.conversations) if a.conversations else \
         work / "regenerated/conversations.jsonl"
-    t["regenerate"] = 0.0 if a.conversations else run(
-                          "regenerate", *common, "--data", train_prompts,
+    prompts = train_prompts
+    if a.conversations and a.top_up:  # only the prompts the given conversations lack
+        prompts = work / "top-up-prompts.jsonl"
+        if not missing_prompts(conversations, train_prompts, prompts):
+            prompts = None
+    t["regenerate"] = 0.0 if prompts is None or (a.conversations and not a.top_up) else run(
+                          "regenerate", *common, "--data", prompts,
                           "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
                           "--batch-size", a.regen_batch, "--batching", a.regen_batching,
                           "--dtype", a.dtype,
                           "--device", a.device, *a.regen_args.split(), log=log,
                           out=work / "regenerated")
+    if a.conversations and a.top_up:
+        conversations = merge_conversations(
+            [conversations, work / "regenerated/conversations.jsonl"], train_prompts,
+            work / "conversations.jsonl")
     t["prepare"] = run("prepare", *common, "--data", conversations,
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")
@@ -241,7 +284,8 @@ def main(argv=None) -> None:
             t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out", work / f"eval-{name}",
                                     log=log, out=work / f"eval-{name}")
 
-    regen_manifest = conversations.parent / "eyas.json"
+    regen_manifest = work / "regenerated/eyas.json" if a.top_up else \
+        conversations.parent / "eyas.json"  # (a top-up's: the prompts it regenerated)
     regen = json.loads(regen_manifest.read_text()) if regen_manifest.is_file() else {}
     prep = json.loads((work / "prepared/eyas.json").read_text())
     best = _best_eval(work / "run")

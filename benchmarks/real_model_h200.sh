@@ -21,7 +21,7 @@
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_EVAL_ORDER,
+# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP, SERVED_EVAL_ORDER,
 # SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
@@ -335,12 +335,16 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     conv=()
     if [ -n "${SERVED_CONVERSATIONS:-}" ]; then
       gunzip -c "$SERVED_CONVERSATIONS" > $W/qwen-conversations.jsonl || continue
-      conv=(--conversations $W/qwen-conversations.jsonl)
+      conv=(--conversations $W/qwen-conversations.jsonl ${SERVED_TOP_UP:+--top-up})
     fi
     # the target's answers go home first (results.tgz), in case the lease ends while serving
+    # (SERVED_TOP_UP=1 with SERVED_CONVERSATIONS: the SERVED_TRAIN prompts they lack are
+    # regenerated, and both together go home: a corpus that grows lease by lease)
+    used=$W/qrun/regenerated/conversations.jsonl
+    [ -n "${SERVED_TOP_UP:-}" ] && used=$W/qrun/conversations.jsonl
     keep=""
-    [ -n "${SERVED_CONVERSATIONS:-}" ] || keep="gzip -c $W/qrun/regenerated/conversations.jsonl \
-        > $R/qwen-conversations.jsonl.gz;"
+    [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -z "${SERVED_TOP_UP:-}" ] || \
+      keep="gzip -c $used > $R/qwen-conversations.jsonl.gz;"
     speed="$keep python3 benchmarks/served_speed.py --target $Q --draft $W/qrun/draft \
         --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
@@ -361,8 +365,8 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
     # (and when a step before serving failed: the answers are the costliest output)
-    [ -n "${SERVED_CONVERSATIONS:-}" ] || [ -f "$R/qwen-conversations.jsonl.gz" ] || \
-      gzip -c $W/qrun/regenerated/conversations.jsonl > "$R/qwen-conversations.jsonl.gz"
+    [ -z "$keep" ] || [ -f "$R/qwen-conversations.jsonl.gz" ] || [ ! -f $used ] || \
+      gzip -c $used > "$R/qwen-conversations.jsonl.gz"
     # the held-out and bench reports only: a report of one set (held out) is matched to
     # served_speed.py's "data" set, so the in-distribution one must not be among them
     reports=$(for f in $W/qrun/eval-heldout/report.json $W/qrun/eval-bench/report.json; do

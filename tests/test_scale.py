@@ -87,6 +87,29 @@ def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_t
     assert not (tmp_path / "w").exists()
 
 
+def test_real_model_tops_up_carried_conversations_with_the_prompts_they_lack(tmp_path):
+    # issue 33's 1.5B: 8,000 answers came home from one lease; the next trains on more
+    from real_model import merge_conversations, missing_prompts
+
+    data = _data(tmp_path, 10)
+    prompts = data / "train.jsonl"
+    carried = tmp_path / "carried.jsonl"  # ids 0-5 answered, 7 too, with one U+2028
+    carried.write_text("".join(_row(i).replace("q", "q\u2028") + "\n" for i in (7, 0, 1, 2, 3, 4, 5)))
+    rest = tmp_path / "rest.jsonl"
+    assert missing_prompts(carried, prompts, rest) == 3
+    assert [json.loads(x)["id"] for x in rest.read_text().splitlines()] == \
+        ["src/6", "src/8", "src/9"]
+    new = tmp_path / "new.jsonl"  # what the regeneration answered (8 was rejected)
+    new.write_text(_row(9) + "\n" + _row(6) + "\n" + _row(0) + "\n")
+    merged = merge_conversations([carried, new, tmp_path / "none.jsonl"], prompts,
+                                 tmp_path / "merged.jsonl")
+    rows = [json.loads(x) for x in merged.read_text().split("\n") if x]
+    assert [r["id"] for r in rows] == [f"src/{i}" for i in (0, 1, 2, 3, 4, 5, 6, 7, 9)]
+    assert rows[0]["messages"][0]["content"] == "q\u20280"  # the carried row of an id wins
+    assert rows[6]["messages"][0]["content"] == "q6"
+    assert missing_prompts(merged, prompts, rest) == 1  # only the rejected one is left
+
+
 def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_own_json(
         tmp_path, monkeypatch):
     order = ["bigbench/a/1", "sharegpt/x", "chitchat/y", "bigbench/b/2", "sharegpt/z"]
