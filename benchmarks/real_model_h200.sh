@@ -21,7 +21,8 @@
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP, SERVED_EVAL_ORDER,
+# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
+# SERVED_EVAL_ORDER, SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL),
 # SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
@@ -360,7 +361,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
         --dtype bfloat16 --capture-dtype fp8 --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
-        --heldout-prompts 80 --eval-tokens 256 --k 3,5 --eval-batch 64 \
+        --heldout-prompts 80 --eval-tokens 256 --k ${SERVED_EVAL_K:-3,5} --eval-batch 64 \
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
