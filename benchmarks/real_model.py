@@ -116,17 +116,19 @@ def _split_summary(report: dict, ks: list[int]) -> dict:
     return out
 
 
-def train_subset(prompts: Path, n: int, order: str, out: Path) -> Path:
+def train_subset(prompts: Path, n: int, order: str, out: Path,
+                 first: list[str] | None = None) -> Path:
     """The first `n` rows of `prompts` (a real_data.py train.jsonl) written to `out`, in the
     file's order or in the scaling curve's ("curve": benchmarks/scale.py's seeded shuffle of
-    the ids, seed 0, so that N here is the curve's size N)."""
+    the ids, seed 0, so that N here is the curve's size N; with the ids of the sources
+    `first` first, as scale.py --sources-first orders them)."""
     lines = [line for line in prompts.read_text().split("\n") if line.strip()]  # (not splitlines: U+2028 in a row)
     if order == "curve":
         sys.path.insert(0, str(Path(__file__).parent))
-        from scale_corpus import curve_order
+        from scale_corpus import curve_order, sources_first
 
         by_id = {json.loads(line)["id"]: line for line in lines}
-        lines = [by_id[i] for i in curve_order(prompts, seed=0)]
+        lines = [by_id[i] for i in sources_first(curve_order(prompts, seed=0), first or [])]
     out.write_text("\n".join(lines[:n]) + "\n")
     return out
 
@@ -191,6 +193,9 @@ def main(argv=None) -> None:
                         "per token for a 1.5B Qwen2 against 12.3 KB in bf16)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--sources-first", default="",
+                   help="with --train-order curve: these sources' prompts first (as "
+                        "benchmarks/scale.py --sources-first), e.g. sharegpt,chitchat,chatterbot")
     p.add_argument("--lr", type=float, default=None,
                    help="eyas train --lr (default: eyas train's own, 1e-3 since issue 31; the "
                         "runs recorded before 2026-12-02 used 3e-4)")
@@ -226,7 +231,8 @@ def main(argv=None) -> None:
     train_prompts = data / "train.jsonl"
     if a.max_train:
         train_prompts = train_subset(train_prompts, a.max_train, a.train_order,
-                                     work / "train-prompts.jsonl")
+                                     work / "train-prompts.jsonl",
+                                     [x for x in a.sources_first.split(",") if x])
     model_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[a.dtype]
     common = ["--target", a.target]
     conversations = Path(a.conversations) if a.conversations else \

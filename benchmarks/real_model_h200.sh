@@ -23,6 +23,7 @@
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL),
+# SERVED_SOURCES_FIRST (the curve's prompts of these sources first: scale.py --sources-first),
 # SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
@@ -356,7 +357,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, serve, eval"
     PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data ${SERVED_DATA:-$W/realdata} \
         --work $W/qrun --out "$R/real-qwen.json" --max-train ${SERVED_TRAIN:-5821} \
-        --train-order curve \
+        --train-order curve ${SERVED_SOURCES_FIRST:+--sources-first $SERVED_SOURCES_FIRST} \
         "${conv[@]}" --regen-tokens 256 --regen-batch 1024 \
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
         --dtype bfloat16 --capture-dtype fp8 --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \

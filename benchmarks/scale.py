@@ -74,18 +74,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from real_model import _device, done_before, run  # noqa: E402  (the same CLI runner)
 from scale_corpus import (available, curve_order, next_prompts, read_corpus,  # noqa: E402
-                          read_rejects, subset)
+                          read_rejects, sources_first, subset)
 from scale_report import markdown, plot  # noqa: E402
 
 POLL_S = 30.0  # --wait: seconds between reads of the corpus
-
-def sources_first(order: list[str], sources: list[str]) -> list[str]:
-    """The curve order with the ids of `sources` (an id's first part) first, each group in
-    the order's own order: size N is then N of those sources while they last."""
-    chosen = set(sources)
-    return [i for i in order if i.split("/")[0] in chosen] + \
-        [i for i in order if i.split("/")[0] not in chosen]
-
 
 def mix(a) -> list[str]:
     """--sources-first's sources, sorted (their order in the list changes nothing)."""

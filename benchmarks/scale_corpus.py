@@ -50,6 +50,14 @@ def curve_order(prompts: Path, seed: int) -> list[str]:
     return ids
 
 
+def sources_first(order: list[str], sources: list[str]) -> list[str]:
+    """The curve order with the ids of `sources` (an id's first part) first, each group in
+    the order's own order: size N is then N of those sources while they last."""
+    chosen = set(sources)
+    return [i for i in order if i.split("/")[0] in chosen] + \
+        [i for i in order if i.split("/")[0] not in chosen]
+
+
 # reject kinds that the same prompt meets again on any run; server errors and out-of-memory are
 # retried (`--retry-rejects`), so their ids stay in the curve order
 FINAL_REJECTS = ("length", "input", "empty")

@@ -76,6 +76,13 @@ def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_t
     curve = train_subset(data / "train.jsonl", 12, "curve", tmp_path / "curve.jsonl")
     assert [json.loads(x)["id"] for x in curve.read_text().splitlines()] == order[:12]
     assert curve.read_text().splitlines()[0] == _row(int(order[0].split("/")[1]))
+    mixed = tmp_path / "mixed.jsonl"  # two sources: one of them first, as scale.py orders
+    mixed.write_text("".join(_row(i).replace('"src/', '"chat/' if i % 4 == 0 else '"src/')
+                             + "\n" for i in range(40)))
+    chat = train_subset(mixed, 12, "curve", tmp_path / "chat.jsonl", ["chat"])
+    want = scale.sources_first(scale.curve_order(mixed, 0), ["chat"])[:12]
+    assert [json.loads(x)["id"] for x in chat.read_text().splitlines()] == want
+    assert [i.split("/")[0] for i in want] == ["chat"] * 10 + ["src"] * 2
     head = train_subset(data / "train.jsonl", 12, "file", tmp_path / "head.jsonl")
     assert head.read_text().splitlines() == (data / "train.jsonl").read_text().splitlines()[:12]
     # a misnamed eval is refused before any step runs (not after hours of them)
