@@ -220,6 +220,12 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", help="target dtype for regenerate/capture/eval")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
+    if a.top_up and not a.conversations:
+        p.error("--top-up adds to --conversations: give them (without, every prompt is "
+                "regenerated anyway)")
+    if a.sources_first and not (a.train_order == "curve" and a.max_train):
+        p.error("--sources-first orders the prompts that --max-train N takes with "
+                "--train-order curve: give both")
     order = a.eval_order.split(",")  # (checked before hours of work, not after)
     if sorted(order) != sorted(EVALS):
         p.error(f"--eval-order {a.eval_order!r}: name each of {', '.join(EVALS)} once")
@@ -242,13 +248,21 @@ def main(argv=None) -> None:
         prompts = work / "top-up-prompts.jsonl"
         if not missing_prompts(conversations, train_prompts, prompts):
             prompts = None
-    t["regenerate"] = 0.0 if prompts is None or (a.conversations and not a.top_up) else run(
-                          "regenerate", *common, "--data", prompts,
-                          "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
-                          "--batch-size", a.regen_batch, "--batching", a.regen_batching,
-                          "--dtype", a.dtype,
-                          "--device", a.device, *a.regen_args.split(), log=log,
-                          out=work / "regenerated")
+    regenerate = ("regenerate", *common, "--data", prompts,
+                  "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
+                  "--batch-size", a.regen_batch, "--batching", a.regen_batching,
+                  "--dtype", a.dtype, "--device", a.device, *a.regen_args.split())
+    if prompts is None or (a.conversations and not a.top_up):
+        t["regenerate"] = 0.0
+    elif a.top_up:
+        try:
+            t["regenerate"] = run(*regenerate, log=log, out=work / "regenerated")
+        except SystemExit as err:  # e.g. every missing prompt refused again (too long)
+            print(f"top-up regeneration failed ({err}); training on the given "
+                  f"conversations alone", flush=True)
+            t["regenerate"], t["top_up_failed"] = 0.0, 1.0
+    else:
+        t["regenerate"] = run(*regenerate, log=log, out=work / "regenerated")
     if a.conversations and a.top_up:
         conversations = merge_conversations(
             [conversations, work / "regenerated/conversations.jsonl"], train_prompts,

@@ -343,10 +343,12 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # (SERVED_TOP_UP=1 with SERVED_CONVERSATIONS: the SERVED_TRAIN prompts they lack are
     # regenerated, and both together go home: a corpus that grows lease by lease)
     used=$W/qrun/regenerated/conversations.jsonl
-    [ -n "${SERVED_TOP_UP:-}" ] && used=$W/qrun/conversations.jsonl
-    keep=""
+    [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -n "${SERVED_TOP_UP:-}" ] && \
+      used=$W/qrun/conversations.jsonl
+    keep=""  # (through a temporary file: a failed gzip leaves no empty .gz that looks done)
     [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -z "${SERVED_TOP_UP:-}" ] || \
-      keep="gzip -c $used > $R/qwen-conversations.jsonl.gz;"
+      keep="gzip -c $used > $R/qwen-conversations.tmp && \
+        mv $R/qwen-conversations.tmp $R/qwen-conversations.jsonl.gz;"
     speed="$keep python3 benchmarks/served_speed.py --target $Q --draft $W/qrun/draft \
         --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
@@ -367,8 +369,9 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
     # (and when a step before serving failed: the answers are the costliest output)
-    [ -z "$keep" ] || [ -f "$R/qwen-conversations.jsonl.gz" ] || [ ! -f $used ] || \
-      gzip -c $used > "$R/qwen-conversations.jsonl.gz"
+    [ -z "$keep" ] || [ -s "$R/qwen-conversations.jsonl.gz" ] || [ ! -s $used ] || \
+      { gzip -c $used > $R/qwen-conversations.tmp && \
+        mv $R/qwen-conversations.tmp $R/qwen-conversations.jsonl.gz; }
     # the held-out and bench reports only: a report of one set (held out) is matched to
     # served_speed.py's "data" set, so the in-distribution one must not be among them
     reports=$(for f in $W/qrun/eval-heldout/report.json $W/qrun/eval-bench/report.json; do

@@ -322,9 +322,6 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
             assert row["vllm"]["drafts"] > 0 and len(row["vllm"]["per_position"]) == row["k"]
         if row["temperature"] == 0 and spec:
             assert row["same_outputs_as_no_speculation"] == 6  # lossless, every way
-        if row["way"] == "none":  # only the run's own is the outputs' reference
-            assert (row.get("attention"), row["same_outputs_as_no_speculation"]) in \
-                ((None, None), ("auto", None))
         if row["way"] == "eagle3" and row["temperature"] == 0:
             mine = row["eyas_eval"]
             assert mine["prompts"] == 6 and mine["ci95"] is not None
