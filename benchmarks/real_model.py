@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from scale_corpus import curve_order, jsonl_lines, sources_first  # noqa: E402
 
 EVALS = ("indist", "heldout", "bench")  # the evals after export, --eval-order's names
 LOG_TAIL = 40  # lines of a failed step's log printed with its error
@@ -122,12 +124,9 @@ def train_subset(prompts: Path, n: int, order: str, out: Path,
     file's order or in the scaling curve's ("curve": benchmarks/scale.py's seeded shuffle of
     the ids, seed 0, so that N here is the curve's size N; with the ids of the sources
     `first` first, as scale.py --sources-first orders them)."""
-    lines = [line for line in prompts.read_text().split("\n") if line.strip()]  # (not splitlines: U+2028 in a row)
+    lines = jsonl_lines(prompts)
     if order == "curve":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from scale_corpus import curve_order, sources_first
-
-        by_id = {json.loads(line)["id"]: line for line in lines}
+        by_id = _ids(prompts)
         lines = [by_id[i] for i in sources_first(curve_order(prompts, seed=0), first or [])]
     out.write_text("\n".join(lines[:n]) + "\n")
     return out
@@ -136,10 +135,8 @@ def train_subset(prompts: Path, n: int, order: str, out: Path,
 def _ids(path: Path) -> dict[str, str]:
     """id -> row of a JSONL file (the first row of an id wins; no file: none)."""
     rows: dict[str, str] = {}
-    if path.is_file():
-        for line in path.read_text().split("\n"):  # (not splitlines: U+2028 in a row)
-            if line.strip():
-                rows.setdefault(json.loads(line)["id"], line)
+    for line in jsonl_lines(path) if path.is_file() else []:
+        rows.setdefault(json.loads(line)["id"], line)
     return rows
 
 
@@ -244,26 +241,24 @@ def main(argv=None) -> None:
     conversations = Path(a.conversations) if a.conversations else \
         work / "regenerated/conversations.jsonl"
     prompts = train_prompts
-    if a.conversations and a.top_up:  # only the prompts the given conversations lack
+    if a.top_up:  # only the prompts the given conversations lack
         prompts = work / "top-up-prompts.jsonl"
-        if not missing_prompts(conversations, train_prompts, prompts):
-            prompts = None
-    regenerate = ("regenerate", *common, "--data", prompts,
-                  "--out", work / "regenerated", "--max-new-tokens", a.regen_tokens,
-                  "--batch-size", a.regen_batch, "--batching", a.regen_batching,
-                  "--dtype", a.dtype, "--device", a.device, *a.regen_args.split())
-    if prompts is None or (a.conversations and not a.top_up):
-        t["regenerate"] = 0.0
-    elif a.top_up:
+    t["regenerate"] = 0.0
+    if not a.conversations or (a.top_up and missing_prompts(conversations, train_prompts,
+                                                            prompts)):
         try:
-            t["regenerate"] = run(*regenerate, log=log, out=work / "regenerated")
+            t["regenerate"] = run("regenerate", *common, "--data", prompts,
+                                  "--out", work / "regenerated", "--max-new-tokens",
+                                  a.regen_tokens, "--batch-size", a.regen_batch, "--batching",
+                                  a.regen_batching, "--dtype", a.dtype, "--device", a.device,
+                                  *a.regen_args.split(), log=log, out=work / "regenerated")
         except SystemExit as err:  # e.g. every missing prompt refused again (too long)
+            if not a.top_up:
+                raise
             print(f"top-up regeneration failed ({err}); training on the given "
                   f"conversations alone", flush=True)
-            t["regenerate"], t["top_up_failed"] = 0.0, 1.0
-    else:
-        t["regenerate"] = run(*regenerate, log=log, out=work / "regenerated")
-    if a.conversations and a.top_up:
+            t["top_up_failed"] = 1.0
+    if a.top_up:
         conversations = merge_conversations(
             [conversations, work / "regenerated/conversations.jsonl"], train_prompts,
             work / "conversations.jsonl")

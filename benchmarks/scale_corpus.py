@@ -17,7 +17,7 @@ from pathlib import Path
 LIVE = "regen-p"
 
 
-def _lines(path: Path, raw: bytes | None = None) -> list[str]:
+def jsonl_lines(path: Path, raw: bytes | None = None) -> list[str]:
     """The file's complete lines (a live regeneration output is cut after its last newline,
     even inside a multi-byte character); `raw`: its bytes, if already read."""
     raw = path.read_bytes() if raw is None else raw
@@ -35,7 +35,7 @@ def read_corpus(patterns: list[str]) -> tuple[dict[str, str], list[dict]]:
     rows, files = {}, []
     for path in paths:
         raw = path.read_bytes()
-        lines = _lines(path, raw)
+        lines = jsonl_lines(path, raw)
         for line in lines:
             rows.setdefault(json.loads(line)["id"], line)
         files.append({"file": path.name, "rows": len(lines),
@@ -69,7 +69,7 @@ def read_rejects(patterns: list[str]) -> set[str]:
     skips them (counted in the JSON) instead of every later size waiting for them."""
     out = set()
     for path in sorted({Path(p) for pat in patterns for p in glob.glob(pat)}):
-        for line in _lines(path):
+        for line in jsonl_lines(path):
             row = json.loads(line)
             row_id = row.get("sample_id") or row.get("id")
             if row_id is not None and row.get("kind") in FINAL_REJECTS:
