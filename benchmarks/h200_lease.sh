@@ -4,24 +4,25 @@
 # that step reads (at most 64 MiB a call with the tree); everything lasting goes to /tmp, which
 # survives between calls while the machine is held. Steps:
 # Every carried folder is built by benchmarks/h200_carry.sh (a session's checkout has none).
-#   a          carry .carry/a + .whl: the GGUF's first third, realdata.tgz, the wheels
+#   a          carry .carry/a + .whl: the GGUF's first quarter, realdata.tgz, the wheels
 #              (installed into $W/site); copies this tree's src, benchmarks, tests and
 #              pyproject.toml to $W/repo (later calls replace the tree, never $W/repo)
-#   b          carry .carry/b: the second third,
+#   b          carry .carry/b: the second quarter,
 #              scale.tgz (real_data.py --scale: scale-realdata/), the bench archives ($EYAS_BENCH_CACHE =
 #              $W/bench); the ablation's 2,000 conversations, gunzipped into $W, and the scale
 #              corpus ($W/corpus): that seed and the parts committed in
 #              benchmarks/results/scale-corpus/; the committed scale-smollm2.json into $W
+#   b2         carry .carry/b2: the third quarter
 #   c          carry .carry/c (+ .whl-peers when the peers run: installed into $W/peersite):
-#              the last third (the GGUF joined into $W/smol.gguf, sha256 checked)
+#              the last quarter (the GGUF joined into $W/smol.gguf, sha256 checked)
 #   e          carry .carry/e: alpaca's and arena-hard's archive into $W/bench (only when
 #              eyas eval --bench measures those sets)
-#   vpart DIR  carry DIR (.carry/v0 .. v3: one 45 MB part of the vLLM bundle of
+#   vpart DIR  carry DIR (.carry/v0 .. v4: one 36 MB part of the vLLM bundle of
 #              benchmarks/vllm_bundle.sh each, with its SHA256SUMS): copied into /tmp/vparts;
 #              once every part of SHA256SUMS is there, checked, joined and installed into
 #              /tmp/vsite (/tmp/vsite/.ready when done)
-#   gpart DIR  carry DIR (one part of a file split by `split -b 45000000`, with SHA256SUMS of the
-#              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q10 of the Qwen GGUF,
+#   gpart DIR  carry DIR (one part of a file split by `split -b 36000000`, with SHA256SUMS of the
+#              parts and the whole file as FILE.sha256, e.g. .carry/q0 .. q13 of the Qwen GGUF,
 #              made by h200_carry.sh qwen):
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
@@ -99,9 +100,11 @@ b)
       ls conversations-p*.jsonl.gz >> $W/corpus.carried 2>/dev/null)
   cp $W/repo/benchmarks/results/scale-smollm2.json $W/ 2>/dev/null  # the curve so far
   ls -la $W/corpus ;;
+b2)
+  cp .carry/b2/gguf.part-ac /tmp/gguf/ || exit 1 ;;
 c)
   peers || exit 1
-  cp .carry/c/gguf.part-ac /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
+  cp .carry/c/gguf.part-ad /tmp/gguf/ && cat /tmp/gguf/gguf.part-a? > $W/smol.gguf || exit 1
   sha256sum $W/smol.gguf | grep ^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ||
     { echo "the joined GGUF's sha256 differs"; exit 1; }
   rm -f /tmp/gguf/gguf.part-a? ;;

@@ -2,7 +2,7 @@
 # Builds the "vLLM slim bundle" that benchmarks/vllm_h200.sh installs on a lent, offline H200
 # (x86-64, Python 3.12, torch 2.11.0+cu130 and transformers 5.17 already there, no network):
 # the vLLM 0.24.0 wheel (cp38-abi3, CUDA 13, Requires-Dist torch==2.11.0) slimmed, plus the
-# dependency wheels such an image lacks, in one tar split into four parts of at most 45 MB
+# dependency wheels such an image lacks, in one tar split into parts of at most 36 MB (five for vLLM 0.24)
 # (carried one per call; see docs/export.md, "A real vLLM, offline").
 #   bash benchmarks/vllm_bundle.sh [OUT]      (default .carry/vllm, ignored by git)
 # writes OUT/vllm-bundle-slim.tar.part-00..03 and OUT/SHA256SUMS. The tar holds
@@ -104,7 +104,7 @@ tar -C "$WORK" -cf "$WORK/$NAME.tar" "$NAME"
 SIZE=$(stat -c %s "$WORK/$NAME.tar")
 [ "$SIZE" -le 180000000 ] || { echo "tar is $SIZE bytes, over 180000000" >&2; exit 1; }
 rm -f "$OUT/$NAME.tar.part-"* "$OUT/SHA256SUMS"
-split -b 45000000 -d "$WORK/$NAME.tar" "$OUT/$NAME.tar.part-"
+split -b 36000000 -d "$WORK/$NAME.tar" "$OUT/$NAME.tar.part-"
 (cd "$OUT" && sha256sum "$NAME.tar.part-"* > SHA256SUMS)
 cat "$WORK/wheels.txt"
 echo "tar $SIZE bytes, $(wc -l < "$WORK/wheels.txt") wheels; parts in $OUT:"

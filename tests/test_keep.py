@@ -368,3 +368,31 @@ def test_carry_again_into_one_dest_leaves_no_folder_of_the_earlier_carry(tmp_pat
     assert len(new) < len(old)
     assert sorted(p.name for p in (tmp_path / "carry").iterdir()) == sorted(
         [k.name for k in new] + ["k9"])
+
+
+def test_carry_check_names_a_folder_too_big_beside_the_tree(tmp_path):
+    """`h200_carry.sh check` adds the tracked tree to each carried folder and refuses one over the
+    device's 64 MiB a call, as the device tool did in session 27 (call b at 64.4 MiB)."""
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    shutil.copy(REPO / "benchmarks" / "h200_carry.sh", repo / "benchmarks")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    with open(repo / "tracked.bin", "wb") as f:  # sparse: du -b counts its length
+        f.truncate(20 << 20)
+    subprocess.run(["git", "-C", str(repo), "add", "tracked.bin"], check=True)
+    for name, size in (("a", 40 << 20), ("b", 45 << 20)):
+        (repo / ".carry" / name).mkdir(parents=True)
+        with open(repo / ".carry" / name / "part", "wb") as f:
+            f.truncate(size)
+    (repo / ".whl").mkdir()
+    r = subprocess.run(["bash", "benchmarks/h200_carry.sh", "check"], cwd=repo,
+                       capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ".carry/b is too big to carry" in r.stderr
+    assert ".carry/a is too big" not in r.stderr
+    a = int(r.stdout.split(".carry/a: ")[1].split()[0])  # du -b counts folders' own blocks too
+    assert 0 <= a - ((20 << 20) + (40 << 20)) < 65536, r.stdout
+    os.truncate(repo / ".carry" / "b" / "part", 40 << 20)
+    r = subprocess.run(["bash", "benchmarks/h200_carry.sh", "check"], cwd=repo,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
