@@ -1,4 +1,5 @@
-"""End-to-end `eyas train` throughput and memory for a Llama-3.1-8B-shaped EAGLE-3 draft.
+"""End-to-end `eyas train` throughput and memory for a Llama-3.1-8B-shaped EAGLE-3 draft
+(or SmolLM2-135M's, `--shape smollm2`: the scaling curve's target).
 
 Runs the real `train()` (data loader over memory-mapped capture shards, TTT forward/backward
 under bf16 autocast, AdamW on fp32 master weights, eval, checkpoints) on one GPU, on
@@ -15,6 +16,9 @@ tells whether disk reading keeps up with the GPU.
     python benchmarks/train.py --batch-tokens 8192,16384,32768 --steps 40
     python benchmarks/train.py --batch-tokens 16384 --precision bf16,fp8
     python benchmarks/train.py --smoke             # tiny shapes on CPU, checks the script runs
+    python benchmarks/train.py --shape smollm2 --capture-dtype fp8 --workers 0,2,4 --profile
+        # the curve's draft: samples of 100-700 tokens (its conversations average ~340-390),
+        # each loader-thread count, and torch.profiler's busiest host ops of the first run
 
 Prints a markdown table and writes JSON (--out).
 """
@@ -47,6 +51,10 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 tie_word_embeddings=False,
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+               max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=False)  # SmolLM2-135M ties them; speed does not care
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096,
             tie_word_embeddings=False)
@@ -137,25 +145,36 @@ def bench_loader(capture: Path, batch_tokens: int, workers: int, batches: int) -
 
 
 def bench_train(root: Path, inputs: dict, batch_tokens: int, steps: int, smoke: bool,
-                compile_: bool, precision: str = "bf16") -> dict:
-    run = root / f"run-{batch_tokens}-{precision}{'-compiled' if compile_ else ''}"
+                compile_: bool, precision: str = "bf16", workers: int = 2,
+                profile: bool = False) -> dict:
+    run = root / (f"run-{batch_tokens}-{precision}-w{workers}"
+                  f"{'-compiled' if compile_ else ''}")
     log_every = max(1, steps // 5)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    summary = train(TrainConfig(
+    config = TrainConfig(
         data=str(inputs["capture"]), vocab=str(inputs["vocab"]), out=str(run),
         batch_tokens=batch_tokens, max_steps=steps, log_every=log_every, eval_every=steps,
-        save_every=steps, eval_fraction=0.01, num_workers=0 if smoke else 2, lm_head="target",
-        compile=compile_, resume="never", precision=precision))
+        save_every=steps, eval_fraction=0.01, num_workers=0 if smoke else workers,
+        lm_head="target", compile=compile_, resume="never", precision=precision)
+    prof = None
+    t0 = time.perf_counter()
+    if profile:
+        from torch.profiler import ProfilerActivity
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                         else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            summary = train(config)
+    else:
+        summary = train(config)
     wall = time.perf_counter() - t0
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in rows if r["kind"] == "train"][1:] or \
         [r for r in rows if r["kind"] == "train"]
     ckpt = run / "checkpoints" / f"step-{steps:08d}"
-    return {
+    out = {
         "batch_tokens": batch_tokens, "precision": precision, "compile": compile_,
-        "steps": steps,
+        "workers": workers, "steps": steps,
         "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in windows])),
         "step_s": float(np.mean([r["tokens"] / r["tokens_per_s"] / log_every for r in windows])),
         "peak_gb": (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
@@ -163,17 +182,40 @@ def bench_train(root: Path, inputs: dict, batch_tokens: int, steps: int, smoke: 
         "checkpoint_gb": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**30,
         "final_loss": summary["train"]["loss"], "wall_s": wall,
     }
+    if prof is not None:
+        out["profile"] = profile_summary(prof, wall)
+    return out
+
+
+def profile_summary(prof, wall: float, top: int = 25) -> dict:
+    """The whole run's busiest host ops (self CPU time) and the GPU's busy share of the wall
+    (kernels' self time summed: an upper bound where streams overlap)."""
+    events = prof.key_averages()
+    dev = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"wall_s": wall, "gpu_busy_s": dev, "gpu_busy_share": dev / wall if wall else None,
+            "host_ops": [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6}
+                         for e in rows]}
 
 
 def markdown(result: dict) -> str:
     lines = [f"### eyas train ({result['setup']['shape']}, {result['setup']['device']})", "",
-             "| batch tokens | precision | compile | tokens/s | step s | peak GiB | ckpt GiB |",
-             "|---|---|---|---|---|---|---|"]
+             "| batch tokens | precision | loader threads | compile | tokens/s | step s | peak GiB "
+             "| ckpt GiB |", "|---|---|---|---|---|---|---|---|"]
     for r in result["train"]:
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
-        lines.append(f"| {r['batch_tokens']} | {r.get('precision', 'bf16')} | {r['compile']} "
+        lines.append(f"| {r['batch_tokens']} | {r.get('precision', 'bf16')} | "
+                     f"{r.get('workers', 2)} | {r['compile']} "
                      f"| {r['tokens_per_s']:.0f} | "
                      f"{r['step_s']:.3f} | {peak} | {r['checkpoint_gb']:.2f} |")
+    for r in result["train"]:
+        if "profile" in r:
+            p = r["profile"]
+            lines += ["", f"profile of batch {r['batch_tokens']}, {r['workers']} loader threads: "
+                      f"wall {p['wall_s']:.1f} s, GPU kernels {p['gpu_busy_s']:.1f} s", "",
+                      "| host op | calls | self CPU s |", "|---|---:|---:|"]
+            lines += [f"| {o['op'][:60]} | {o['calls']} | {o['self_cpu_s']:.2f} |"
+                      for o in p["host_ops"]]
     lines += ["", "| loader workers | tokens/s |", "|---|---|"]
     lines += [f"| {w} | {t:.0f} |" for w, t in result["loader"].items()]
     return "\n".join(lines)
@@ -192,9 +234,15 @@ def main() -> dict:
     p.add_argument("--precision", default="bf16", help="comma list of: bf16, fp8")
     p.add_argument("--no-loader", action="store_true", help="skip the loader-only measurement")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    p.add_argument("--shape", choices=("llama-8b", "smollm2"), default="llama-8b")
+    p.add_argument("--capture-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="how the synthetic capture stores the aux states")
+    p.add_argument("--workers", default="2", help="comma list of eyas train --num-workers")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over the first run: busiest host ops, GPU busy time")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    shape = TINY if args.smoke else LLAMA_8B
+    shape = TINY if args.smoke else SMOLLM2 if args.shape == "smollm2" else LLAMA_8B
     draft_vocab = 256 if args.smoke else 32000
     sizes = [int(b) for b in args.batch_tokens.split(",")] if not args.smoke else [256]
     steps = 4 if args.smoke else args.steps
@@ -203,13 +251,17 @@ def main() -> dict:
         target_dir, target = make_target(root / "target", shape)
         capture = root / "captured"
         make_capture(capture, target, shape, tokens=4096 if args.smoke else args.capture_tokens,
-                     lengths=(16, 64) if args.smoke else (512, 2049), draft_vocab=draft_vocab,
-                     part_tokens=1024 if args.smoke else 16384)
+                     lengths=(16, 64) if args.smoke else (100, 701) if args.shape == "smollm2"
+                     else (512, 2049), draft_vocab=draft_vocab,
+                     part_tokens=1024 if args.smoke else 16384, dtype=args.capture_dtype)
         make_vocab(root / "vocab", target, shape["vocab_size"], draft_vocab)
         inputs = {"capture": capture, "vocab": root / "vocab"}
         precisions = args.precision.split(",")
-        runs = [bench_train(root, inputs, b, steps, args.smoke, False, prec)
-                for b in sizes for prec in precisions]
+        workers = [int(w) for w in args.workers.split(",")]
+        runs = [bench_train(root, inputs, b, steps, args.smoke, False, prec, w,
+                            profile=args.profile and i == 0)
+                for i, (b, prec, w) in enumerate((b, prec, w) for b in sizes
+                                                 for prec in precisions for w in workers)]
         if args.compile:
             runs += [bench_train(root, inputs, b, steps, args.smoke, True) for b in sizes]
         loader = {} if args.no_loader else {
@@ -218,7 +270,8 @@ def main() -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {"benchmark": "train",
-              "setup": {"shape": "tiny" if args.smoke else "llama-3.1-8b",
+              "setup": {"shape": "tiny" if args.smoke else {"llama-8b": "llama-3.1-8b"}.get(
+                  args.shape, args.shape), "capture_dtype": args.capture_dtype,
                         "device": (torch.cuda.get_device_name() if torch.cuda.is_available()
                                    else platform.processor() or "cpu"),
                         "draft_vocab": draft_vocab, "torch": torch.__version__,

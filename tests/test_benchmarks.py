@@ -42,10 +42,16 @@ def test_ttt_benchmark_smoke(tmp_path):
 def test_train_benchmark_smoke(tmp_path):
     out = tmp_path / "train.json"
     _run("train.py", "--smoke", "--precision", "bf16,fp8", "--out", str(out),
-         "--work-dir", str(tmp_path))
-    runs = json.loads(out.read_text())["train"]
+         "--work-dir", str(tmp_path), "--profile", "--capture-dtype", "fp8")
+    result = json.loads(out.read_text())
+    runs = result["train"]
     assert [r["precision"] for r in runs] == ["bf16", "fp8"]
     assert all(r["tokens_per_s"] > 0 for r in runs)
+    assert result["setup"]["capture_dtype"] == "fp8"
+    prof = runs[0]["profile"]  # only the first run is profiled
+    assert "profile" not in runs[1]
+    assert prof["wall_s"] > 0 and any("Muon" in o["op"] or "aten::" in o["op"]
+                                      for o in prof["host_ops"])
 
 
 def test_multigpu_benchmark_capture_smoke(tmp_path):
