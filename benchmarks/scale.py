@@ -258,9 +258,10 @@ class Book:
             pass
 
     def take_ngram(self, sets: list[str]) -> bool:
-        """True for the first eval of prompt sets that have no n-gram record yet."""
+        """True for the first eval of prompt sets that have no n-gram record yet, or one
+        without its tokens per step (recorded since session 27)."""
         with self.lock:
-            todo = [s for s in sets if s not in self.state["ngram"]
+            todo = [s for s in sets if "tokens_per_step" not in self.state["ngram"].get(s, {})
                     and s not in self.ngram_taken]
             self.ngram_taken.update(todo)
             return bool(todo)
@@ -331,7 +332,9 @@ def train_export(a, data: Path, folder: Path, flags: list[str], prep: dict,
 
 
 def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
-    """prompt set -> {"eagle3": {k: AL}, "ngram": {k: AL}, "prompts": n} from one report."""
+    """prompt set -> {"eagle3": {k: AL}, "ngram": {k: AL}, "prompts": n, "steps": {method:
+    {k: tokens per step}}} from one report (tokens per decode step of the target, the steps
+    that drafted nothing included: n-gram's AL leaves those out; reports before it: none)."""
     by_set = report.get("by_set") or {}
     out = {}
     for name in sets:
@@ -342,6 +345,9 @@ def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
         for r in src["results"]:
             if r["method"] != "target":
                 entry.setdefault(r["method"], {})[str(r["k"])] = r["mean_acceptance_length"]
+                if r.get("tokens_per_step") is not None:
+                    entry.setdefault("steps", {}).setdefault(r["method"], {})[str(r["k"])] = \
+                        r["tokens_per_step"]
         out[name] = entry
     return out
 
@@ -378,13 +384,17 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
     measured = per_set(report, sets, "--temperature" in args)
     with book.change() as state:
         for s, entry in measured.items():
-            if "ngram" in entry and s not in state["ngram"]:
+            if "ngram" in entry and "tokens_per_step" not in state["ngram"].get(s, {}):
                 state["ngram"][s] = {"al": entry["ngram"], "prompts": entry["prompts"],
                                      "settings": eval_settings(a)}
+                if "ngram" in entry.get("steps", {}):
+                    state["ngram"][s]["tokens_per_step"] = entry["steps"]["ngram"]
         size["evals"][name] = {"draft_id": size["train"]["draft_id"],
                                "settings": eval_settings(a), "seconds": round(took, 1),
                                "lossless": report.get("lossless"),
-                               "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"]}
+                               "sets": {s: {"eagle3": e.get("eagle3"), "prompts": e["prompts"],
+                                            **({"eagle3_tokens_per_step": e["steps"]["eagle3"]}
+                                               if "eagle3" in e.get("steps", {}) else {})}
                                         for s, e in measured.items()},
                                **fidelity(report)}
     print(f"size {size['conversations']}: eval {name} done", flush=True)

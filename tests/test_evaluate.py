@@ -120,11 +120,27 @@ def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats,
         assert r.accepted_tokens == round(sum(r.per_position_acceptance) * r.drafts)
         # each target forward yields 1 + accepted tokens (before the cut at max_new_tokens)
         assert r.new_tokens <= r.target_forwards + r.accepted_tokens
+        # tokens per decode step, the steps that drafted nothing included (prefills out)
+        steps = r.target_forwards - report.num_prompts
+        assert r.tokens_per_step == pytest.approx((r.new_tokens - report.num_prompts) / steps,
+                                                  abs=1e-4)
+        assert r.tokens_per_step <= r.mean_acceptance_length + 1e-4
+        if r.method == "eagle3":  # drafts at every decode step: its AL, less the end's cut
+            assert r.drafts == steps
+        elif r.drafts < steps:  # n-gram found no match at some steps: its AL leaves them out
+            assert r.tokens_per_step < r.mean_acceptance_length
+    assert plain.tokens_per_step == 1.0
+    assert any(r.method == "ngram" and r.drafts < r.target_forwards - report.num_prompts
+               for r in report.results)  # the case the column is for happens here
     assert set(report.mean_acceptance_length) == {"1", "3"}
     saved = json.loads((out / "report.json").read_text())
     assert saved["lossless"] is True and saved["mean_acceptance_length"] == \
         report.mean_acceptance_length
-    assert "| eagle3 | 3 |" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    eagle = report.result("eagle3", 3)
+    assert f"| eagle3 | 3 | {eagle.mean_acceptance_length:.2f} | {eagle.tokens_per_step:.2f} |" in md
+    assert "tokens per step = new tokens per decode step" in md
+    assert saved["results"][1]["tokens_per_step"] == report.results[1].tokens_per_step
     assert (out / "al_vs_k.png").stat().st_size > 0
     assert (out / "acceptance_by_position.png").stat().st_size > 0
     assert read_manifest(out, step="eval")["lossless"] is True
@@ -365,6 +381,13 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
         whole = report.result("ngram", k)
         assert sum(r["accepted_tokens"] for r in tokens) == whole.accepted_tokens
         assert sum(r["new_tokens"] for r in tokens) == whole.new_tokens
+        steps = [r["target_forwards"] - s["prompts"]
+                 for (name, s), r in zip([(n, s) for n, s in report.by_set.items()
+                                          if n != "mt-bench"], tokens)]
+        assert [r["tokens_per_step"] for r in tokens] == pytest.approx(
+            [(r["new_tokens"] - s["prompts"]) / n for r, n, s in
+             zip(tokens, steps, [s for n, s in report.by_set.items() if n != "mt-bench"])],
+            abs=1e-4)
     assert report.bench["gsm8k"]["sha256"].startswith("ade57942") and \
         report.bench["mt-bench"]["count"] == 80
     md = (tmp_path / "report.md").read_text()

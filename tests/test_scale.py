@@ -182,11 +182,15 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
         return {"tokens": 10 * n, "train_tokens": 100 * n, "gpu_minutes": 0.1,
                 "draft_id": f"d{n}-{len(trained)}"}
 
+    ngram_by = {}
+
     def fake_run(step, *args, log, out):
         evals.append(out.name)
+        ngram_by[out.name] = "--ngram" in args
         out.mkdir(parents=True)
         sets = ["mt-bench", "gsm8k"] if "--bench" in args else []
-        res = [{"method": m, "k": k, "mean_acceptance_length": 1.5}
+        res = [{"method": m, "k": k, "mean_acceptance_length": 1.5,
+                "tokens_per_step": 1.49 if m == "eagle3" else 1.2}
                for m in ("eagle3", "ngram") for k in (3, 6)]
         report = {"num_prompts": 2, "lossless": True, "results": res,
                   "by_set": {s: {"prompts": 2, "results": res} for s in sets}}
@@ -216,6 +220,11 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
                                                   "replayed": 1.52,
                                                   "replayed_ci95": [1.41, 1.63]}}
     assert "fidelity" not in evals4["bench-t1"]
+    # n-gram's tokens per step (its AL counts only the steps that drafted) beside its AL
+    assert state["ngram"]["gsm8k"]["tokens_per_step"] == {"3": 1.2, "6": 1.2}
+    assert evals4["bench"]["sets"]["gsm8k"]["eagle3_tokens_per_step"] == {"3": 1.49, "6": 1.49}
+    md = out.with_suffix(".md").read_text()
+    assert "| n-gram, tokens per step | | | | 1.200 | 1.200 |" in md and "tokens per step" in md
     assert "| 4 | indist | 3 | 1.500 [1.400, 1.600] | 1.520 [1.410, 1.630] |" in \
         out.with_suffix(".md").read_text()
     # a new lease: the work folder is gone, size 4's record deleted, one eval of size 8 lost
@@ -223,10 +232,16 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / "work")
     saved = json.loads(out.read_text())
     del saved["sizes"]["4"]
+    # an n-gram record from before tokens per step were recorded is measured again
+    del saved["ngram"]["heldout"]["tokens_per_step"]
     out.write_text(json.dumps(saved))
-    trained.clear(), evals.clear()
+    trained.clear(), evals.clear(), ngram_by.clear()
     state = scale.main(argv)
     assert trained == [4] and len(evals) == 4  # size 8: every eval done, its draft not needed
+    assert ngram_by == {"eval-indist": False, "eval-heldout": True, "eval-bench": False,
+                        "eval-bench-t1": False}
+    assert state["ngram"]["heldout"]["tokens_per_step"] == {"3": 1.2, "6": 1.2}
+    saved["ngram"]["heldout"] = state["ngram"]["heldout"]
     assert state["sizes"]["8"] == saved["sizes"]["8"]
     assert "8 | 80 | 800" in scale.markdown(state).replace(",", "")
     # fp8 capture storage and a CUDA graph are not another recipe: the records stand
@@ -834,3 +849,43 @@ def test_levers_table_compares_each_variant_on_the_cells_it_has():
     want = sum(bt["eagle3"].values()) / sum(ctl["eagle3"].values()) - 1
     assert want < 0 and rows["bt16k"] == f"{100 * want:+.1f} %" == "-2.5 %"
     assert rows["default"] == "+0.0 %" and rows["lr2e-3"] == "-"
+
+
+def test_ngram_steps_adds_tokens_per_step_from_a_real_ngram_eval(llama_dir, tmp_path):
+    """benchmarks/ngram_steps.py: an n-gram-only eyas eval's tokens per step go into a curve
+    JSON's n-gram record made before they were reported, after its settings and AL are
+    checked; a report of other settings or other outputs is refused."""
+    import ngram_steps
+    from eyas.evaluate import EvalConfig, evaluate
+    from eyas.targets.corpus import synthetic_chats
+
+    chats = tmp_path / "p.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(4, seed=1)))
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "r"),
+                                 k=(3, 6), num_prompts=4, max_new_tokens=12, dtype="float32",
+                                 device="cpu"))
+    ng = {str(k): report.result("ngram", k) for k in (3, 6)}
+    settings = "k=3,6 prompts=4 bench_prompts=80 tokens=12 dtype=float32"
+    state = {"benchmark": "scale", "target": "t", "k": "3,6", "sizes": {},
+             "ngram": {"heldout": {"al": {k: r.mean_acceptance_length for k, r in ng.items()},
+                                   "prompts": 4, "settings": settings}}}
+    out = tmp_path / "res/scale.json"
+    out.parent.mkdir()
+    out.write_text(json.dumps(state))
+    with pytest.raises(SystemExit, match="name its set"):
+        ngram_steps.main([str(out), str(tmp_path / "r")])
+    state = ngram_steps.main([str(out), f"heldout={tmp_path / 'r'}"])
+    rec = state["ngram"]["heldout"]
+    assert rec["tokens_per_step"] == {k: r.tokens_per_step for k, r in ng.items()}
+    assert rec["tokens_per_step_run"]["device"] == "cpu"
+    assert all(rec["tokens_per_step"][k] <= rec["al"][k] for k in ("3", "6"))
+    assert "| n-gram, tokens per step |" in out.with_suffix(".md").read_text()
+    # another device's outputs beyond the tolerance, or another eval setting: refused
+    state["ngram"]["heldout"]["al"]["3"] *= 1.1
+    out.write_text(json.dumps(state))
+    with pytest.raises(SystemExit, match="not the same outputs"):
+        ngram_steps.main([str(out), f"heldout={tmp_path / 'r'}"])
+    state["ngram"]["heldout"]["settings"] = settings.replace("tokens=12", "tokens=96")
+    out.write_text(json.dumps(state))
+    with pytest.raises(SystemExit, match="not the curve's"):
+        ngram_steps.main([str(out), f"heldout={tmp_path / 'r'}"])
