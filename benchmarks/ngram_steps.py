@@ -58,7 +58,7 @@ def add(state: dict, report: dict, where: str, name: str | None, tolerance: floa
                              f"n-gram {rec['prompts']}")
         steps = entry.get("steps", {}).get("ngram")
         if not steps:
-            raise SystemExit(f"{where}: no tokens per step (a report of an older eyas eval)")
+            raise SystemExit(f"{where}: no tokens per step, nor the counts to make them")
         for k, al in entry["ngram"].items():
             if abs(al / rec["al"][k] - 1) > tolerance:
                 raise SystemExit(f"{where}: {s} n-gram AL {al:.3f} at k={k} against the "

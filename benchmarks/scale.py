@@ -345,9 +345,15 @@ def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
         for r in src["results"]:
             if r["method"] != "target":
                 entry.setdefault(r["method"], {})[str(r["k"])] = r["mean_acceptance_length"]
-                if r.get("tokens_per_step") is not None:
+                steps = r.get("tokens_per_step")
+                if steps is None and r.get("target_forwards", 0) > entry["prompts"]:
+                    # a report from before eyas eval wrote it: from its counts, one prefill
+                    # (which makes the first token) per prompt
+                    steps = round((r["new_tokens"] - entry["prompts"])
+                                  / (r["target_forwards"] - entry["prompts"]), 4)
+                if steps is not None:
                     entry.setdefault("steps", {}).setdefault(r["method"], {})[str(r["k"])] = \
-                        r["tokens_per_step"]
+                        steps
         out[name] = entry
     return out
 

@@ -880,6 +880,12 @@ def test_ngram_steps_adds_tokens_per_step_from_a_real_ngram_eval(llama_dir, tmp_
     assert rec["tokens_per_step_run"]["device"] == "cpu"
     assert all(rec["tokens_per_step"][k] <= rec["al"][k] for k in ("3", "6"))
     assert "| n-gram, tokens per step |" in out.with_suffix(".md").read_text()
+    # a report from before eyas eval wrote them: the same numbers from its counts
+    saved = json.loads((tmp_path / "r/report.json").read_text())
+    for r in saved["results"]:
+        del r["tokens_per_step"]
+    assert scale.per_set(saved, ["heldout"], False)["heldout"]["steps"]["ngram"] == \
+        rec["tokens_per_step"]
     # another device's outputs beyond the tolerance, or another eval setting: refused
     state["ngram"]["heldout"]["al"]["3"] *= 1.1
     out.write_text(json.dumps(state))
