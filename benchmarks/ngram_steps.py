@@ -14,7 +14,8 @@ depend on the draft, so its reports can be made anywhere the target runs (the CP
     python benchmarks/ngram_steps.py results/scale-smollm2.json ng-bench heldout=ng-heldout
 
 A report with one table per set (--bench) gives each of its sets; one without names its set
-(SET=DIR). Each is checked against the JSON's eval settings (k, prompts, new tokens, dtype),
+(SET=DIR); a report.json file does as well as its folder. Reports made before eyas eval wrote
+tokens per step give them from their counts. Each is checked against the JSON's eval settings (k, prompts, new tokens, dtype),
 and its n-gram AL must be within --tolerance of the JSON's (greedy outputs on another device
 may differ in a few tokens); the record keeps where it was measured and the AL there. The
 table and plots are written again.
@@ -73,7 +74,8 @@ def add(state: dict, report: dict, where: str, name: str | None, tolerance: floa
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("result", help="the scaling curve's JSON (scale.py --out)")
-    p.add_argument("reports", nargs="+", help="eyas eval --out folders, SET=DIR for one list")
+    p.add_argument("reports", nargs="+", help="eyas eval --out folders (or their report.json), "
+                   "SET=DIR for one prompt list")
     p.add_argument("--tolerance", type=float, default=0.03,
                    help="largest relative difference of n-gram's AL from the JSON's")
     a = p.parse_args(argv)
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     state = json.loads(out.read_text())
     for arg in a.reports:
         name, _, folder = arg.rpartition("=")
-        report = json.loads((Path(folder) / "report.json").read_text())
+        path = Path(folder)
+        report = json.loads((path if path.is_file() else path / "report.json").read_text())
         print(f"{folder}: {', '.join(add(state, report, folder, name or None, a.tolerance))}")
     out.write_text(json.dumps(state, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(state) + "\n")
