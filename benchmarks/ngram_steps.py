@@ -16,8 +16,8 @@ depend on the draft, so its reports can be made anywhere the target runs (the CP
 A report with one table per set (--bench) gives each of its sets; one without names its set
 (SET=DIR); a report.json file does as well as its folder. Reports made before eyas eval wrote
 tokens per step give them from their counts. Each is checked against the JSON's eval settings (k, prompts, new tokens, dtype),
-and its n-gram AL must be within --tolerance of the JSON's (greedy outputs on another device
-may differ in a few tokens); the record keeps where it was measured and the AL there. The
+and its n-gram AL must be within --tolerance of the JSON's (0.1 %: the same outputs; greedy
+outputs on another device may differ in a few tokens, and a larger tolerance takes those); the record keeps where it was measured and the AL there. The
 table and plots are written again.
 """
 
@@ -47,6 +47,9 @@ def add(state: dict, report: dict, where: str, name: str | None, tolerance: floa
                          f"({settings})")
     by_set = report.get("by_set") or {}
     sets = [s for s in by_set if "/turn-" not in s] if by_set else [name]
+    if by_set and name:
+        raise SystemExit(f"{where}: a report of the --bench sets {sets} names its own; "
+                         f"give it without {name}=")
     if not by_set and not name:
         raise SystemExit(f"{where}: a report of one prompt list: name its set, SET={where}")
     done = []
@@ -76,8 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("result", help="the scaling curve's JSON (scale.py --out)")
     p.add_argument("reports", nargs="+", help="eyas eval --out folders (or their report.json), "
                    "SET=DIR for one prompt list")
-    p.add_argument("--tolerance", type=float, default=0.03,
-                   help="largest relative difference of n-gram's AL from the JSON's")
+    p.add_argument("--tolerance", type=float, default=0.001,
+                   help="largest relative difference of n-gram's AL from the JSON's (the same "
+                        "outputs give the same AL; another device's may differ in a few tokens)")
     a = p.parse_args(argv)
     out = Path(a.result)
     state = json.loads(out.read_text())

@@ -146,6 +146,23 @@ def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats,
     assert read_manifest(out, step="eval")["lossless"] is True
 
 
+def test_tokens_per_step_counts_the_steps_that_drafted_nothing():
+    """Two generations counted by hand: prefills make the first tokens; of the four decode
+    steps, two drafted (3 tokens, 2 then 3 accepted) and two drafted nothing (n-gram without a
+    match). vLLM's AL, over the drafting steps only, is 1 + 5 / 2 = 3.5; tokens per step
+    (11 tokens - 2 prefills) / (6 forwards - 2 prefills) = 2.25."""
+    from eyas.serve.eval_report import _result
+    from eyas.serve.speculate import SpecStats
+
+    stats = SpecStats(k=3)
+    for drafted, accepted in [(0, 0), (3, 2), (0, 0)] + [(0, 0), (3, 3), (0, 0)]:
+        stats.observe(drafted, accepted)
+    outputs = [[1] + [2, 3, 4] + [5], [1] + [2, 3, 4, 5] + [6]]  # prefill, step, step
+    r = _result("ngram", 3, outputs, stats, 1.0, 10.0)
+    assert (r.target_forwards, r.drafts, r.new_tokens) == (6, 2, 11)
+    assert r.mean_acceptance_length == 3.5 and r.tokens_per_step == 2.25
+
+
 def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, draft_dir,
                                                                        chats, tmp_path):
     """One prompt at a time, all prompts in one batch, and prompts spread over 2 processes:
@@ -381,13 +398,14 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
         whole = report.result("ngram", k)
         assert sum(r["accepted_tokens"] for r in tokens) == whole.accepted_tokens
         assert sum(r["new_tokens"] for r in tokens) == whole.new_tokens
-        steps = [r["target_forwards"] - s["prompts"]
-                 for (name, s), r in zip([(n, s) for n, s in report.by_set.items()
-                                          if n != "mt-bench"], tokens)]
-        assert [r["tokens_per_step"] for r in tokens] == pytest.approx(
-            [(r["new_tokens"] - s["prompts"]) / n for r, n, s in
-             zip(tokens, steps, [s for n, s in report.by_set.items() if n != "mt-bench"])],
-            abs=1e-4)
+        # the whole MT-bench row: each of its 2 x 2 turns a generation with its own prefill
+        mt = next(r for r in report.by_set["mt-bench"]["results"]
+                  if r["method"] == "ngram" and r["k"] == k)
+        turns = [next(r for r in report.by_set[f"mt-bench/turn-{t}"]["results"]
+                      if r["method"] == "ngram" and r["k"] == k) for t in (1, 2)]
+        assert mt["target_forwards"] == sum(t["target_forwards"] for t in turns)
+        assert mt["tokens_per_step"] == pytest.approx(
+            (mt["new_tokens"] - 4) / (mt["target_forwards"] - 4), abs=1e-4)
     assert report.bench["gsm8k"]["sha256"].startswith("ade57942") and \
         report.bench["mt-bench"]["count"] == 80
     md = (tmp_path / "report.md").read_text()

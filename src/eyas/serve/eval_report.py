@@ -106,7 +106,7 @@ def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, sec
     tps = tokens / seconds if seconds > 0 else 0.0
     spec = method != "target"
     # each generation's prefill is one forward that makes its first token
-    prefills = sum(1 for o in outputs if o)
+    prefills = len(outputs)
     steps = stats.target_forwards - prefills
     result = MethodResult(
         method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
