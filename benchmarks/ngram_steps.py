@@ -15,9 +15,10 @@ depend on the draft, so its reports can be made anywhere the target runs (the CP
 
 A report with one table per set (--bench) gives each of its sets; one without names its set
 (SET=DIR); a report.json file does as well as its folder. Reports made before eyas eval wrote
-tokens per step give them from their counts. Each is checked against the JSON's eval settings (k, prompts, new tokens, dtype),
-and its n-gram AL must be within --tolerance of the JSON's (0.1 %: the same outputs; greedy
-outputs on another device may differ in a few tokens, and a larger tolerance takes those); the record keeps where it was measured and the AL there. The
+tokens per step give them from their counts. Each is checked against the JSON's eval settings
+(k, prompts, new tokens, dtype), and its n-gram AL must be within --tolerance of the JSON's
+(0.1 %: the same outputs; greedy outputs on another device may differ in a few tokens, and a
+larger tolerance takes those); the record keeps where it was measured and the AL there. The
 table and plots are written again.
 """
 

@@ -26,6 +26,7 @@ Prints a markdown table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import platform
@@ -157,15 +158,11 @@ def bench_train(root: Path, inputs: dict, batch_tokens: int, steps: int, smoke: 
         batch_tokens=batch_tokens, max_steps=steps, log_every=log_every, eval_every=steps,
         save_every=steps, eval_fraction=0.01, num_workers=0 if smoke else workers,
         lm_head="target", compile=compile_, resume="never", precision=precision)
-    prof = None
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t0 = time.perf_counter()
-    if profile:
-        from torch.profiler import ProfilerActivity
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
-                                         else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            summary = train(config)
-    else:
+    with (torch.profiler.profile(activities=acts) if profile
+          else contextlib.nullcontext()) as prof:
         summary = train(config)
     wall = time.perf_counter() - t0
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
@@ -200,8 +197,8 @@ def profile_summary(prof, wall: float, top: int = 25) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"### eyas train ({result['setup']['shape']}, {result['setup']['device']})", "",
-             "| batch tokens | precision | loader threads | compile | tokens/s | step s | peak GiB "
-             "| ckpt GiB |", "|---|---|---|---|---|---|---|---|"]
+             "| batch tokens | precision | loader threads | compile | tokens/s | step s "
+             "| peak GiB | ckpt GiB |", "|---|---|---|---|---|---|---|---|"]
     for r in result["train"]:
         peak = f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-"
         lines.append(f"| {r['batch_tokens']} | {r.get('precision', 'bf16')} | "

@@ -138,7 +138,8 @@ def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats,
         report.mean_acceptance_length
     md = (out / "report.md").read_text()
     eagle = report.result("eagle3", 3)
-    assert f"| eagle3 | 3 | {eagle.mean_acceptance_length:.2f} | {eagle.tokens_per_step:.2f} |" in md
+    assert (f"| eagle3 | 3 | {eagle.mean_acceptance_length:.2f} | "
+            f"{eagle.tokens_per_step:.2f} |") in md
     assert "tokens per step = new tokens per decode step" in md
     assert saved["results"][1]["tokens_per_step"] == report.results[1].tokens_per_step
     assert (out / "al_vs_k.png").stat().st_size > 0
