@@ -14,12 +14,14 @@ depend on the draft, so its reports can be made anywhere the target runs (the CP
     python benchmarks/ngram_steps.py results/scale-smollm2.json ng-bench heldout=ng-heldout
 
 A report with one table per set (--bench) gives each of its sets; one without names its set
-(SET=DIR); a report.json file does as well as its folder. Reports made before eyas eval wrote
-tokens per step give them from their counts. Each is checked against the JSON's eval settings
-(k, prompts, new tokens, dtype), and its n-gram AL must be within --tolerance of the JSON's
-(0.1 %: the same outputs; greedy outputs on another device may differ in a few tokens, and a
-larger tolerance takes those); the record keeps where it was measured and the AL there. The
-table and plots are written again.
+(SET=DIR); a report.json file does as well as its folder. A report at T = 1 gives the curve's
+sampled sets (scale.py's `--t1-bench`, named SET-t1, e.g. mt-bench-t1: seeded, its n-gram AL
+repeated to the fourth digit on the H200). Reports made before eyas eval wrote tokens per step
+give them from their counts. Each is checked against the JSON's eval settings (k, prompts, new
+tokens, dtype), and its n-gram AL must be within --tolerance of the JSON's (0.1 %: the same
+outputs; greedy outputs on another device may differ in a few tokens, and a larger tolerance
+takes those); the record keeps where it was measured and the AL there. The table and plots are
+written again.
 """
 
 from __future__ import annotations
@@ -42,19 +44,23 @@ def add(state: dict, report: dict, where: str, name: str | None, tolerance: floa
                     next(iter(state["ngram"].values()))["settings"].split())
     ks = sorted(int(k) for k in settings["k"].split(","))
     if sorted(report["k"]) != ks or report["max_new_tokens"] != int(settings["tokens"]) or \
-            report["dtype"] != settings["dtype"] or report["temperature"] != 0:
+            report["dtype"] != settings["dtype"] or report["temperature"] not in (0, 1):
         raise SystemExit(f"{where}: k {report['k']}, {report['max_new_tokens']} tokens, "
                          f"{report['dtype']}, T={report['temperature']} are not the curve's "
-                         f"({settings})")
+                         f"({settings}; T = 0, or 1 for its -t1 sets)")
+    t1 = report["temperature"] == 1  # scale.py's T = 1 evals: their sets are named SET-t1
     by_set = report.get("by_set") or {}
-    sets = [s for s in by_set if "/turn-" not in s] if by_set else [name]
+    sets = [s + "-t1" * t1 for s in by_set if "/turn-" not in s] if by_set else [name]
+    if name and t1 != name.endswith("-t1"):
+        raise SystemExit(f"{where}: a report at T={report['temperature']} for the set {name}: "
+                         "the curve's T = 1 sets are named SET-t1, its T = 0 ones SET")
     if by_set and name:
         raise SystemExit(f"{where}: a report of the --bench sets {sets} names its own; "
                          f"give it without {name}=")
     if not by_set and not name:
         raise SystemExit(f"{where}: a report of one prompt list: name its set, SET={where}")
     done = []
-    for s, entry in per_set(report, sets, False).items():
+    for s, entry in per_set(report, sets, t1).items():
         rec = state["ngram"].get(s)
         if rec is None:
             raise SystemExit(f"{where}: the JSON has no n-gram record of {s}")

@@ -20,6 +20,7 @@
 # size's in-distribution eval). Stage train-speed: eyas train eager and under --cuda-graph,
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
+# Stage ngram-steps: n-gram-only evals of the curve's sets at its settings (NGRAM_SETS).
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL),
@@ -407,6 +408,23 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
           --runner $rn --attention $att >> "$out" 2>&1
       stage "served-shape ($way) rc $?"
     done ;;
+  ngram-steps)
+    # issue 31: n-gram's tokens per step (docs/eval.md) on the curve's prompt sets whose n-gram
+    # record lacks them: n-gram-only `eyas eval` runs (no draft) at the curve's eval settings,
+    # at once (SmolLM2 is small), for benchmarks/ngram_steps.py. NGRAM_SETS: indist and
+    # indist_chat (SCALE_DATA's files, 200 prompts) and mt-bench-t1 (80 prompts, T = 1)
+    ev=(--target $T --k 3,6 --max-new-tokens 96 --dtype float32 --device cuda --batch-size 64
+        --ngram)
+    for s in ${NGRAM_SETS:-indist indist_chat mt-bench-t1}; do
+      if [ $s = mt-bench-t1 ]; then
+        set_args=(--bench mt-bench --num-prompts 80 --temperature 1)
+      else
+        set_args=(--data ${SCALE_DATA:-$W/scale-realdata}/$s.jsonl --num-prompts 200)
+      fi
+      (python3 -m eyas eval "${ev[@]}" "${set_args[@]}" --out "$R/ngram-$s" \
+          > "$R/ngram-$s.out" 2>&1; stage "ngram-steps $s rc $?") &
+    done
+    wait ;;
   regen)
     stage "regenerate benchmark: generate, padded, lookup"
     timeout 420 python3 benchmarks/regenerate.py --target $T \

@@ -895,3 +895,17 @@ def test_ngram_steps_adds_tokens_per_step_from_a_real_ngram_eval(llama_dir, tmp_
     out.write_text(json.dumps(state))
     with pytest.raises(SystemExit, match="not the curve's"):
         ngram_steps.main([str(out), f"heldout={tmp_path / 'r'}"])
+    # a sampled eval (T = 1, seeded) goes to the curve's SET-t1 record, and only there
+    sampled = evaluate(EvalConfig(target=str(llama_dir), data=str(chats),
+                                  out=str(tmp_path / "r1"), k=(3, 6), num_prompts=4,
+                                  max_new_tokens=12, dtype="float32", device="cpu",
+                                  temperature=1.0))
+    ng1 = {str(k): sampled.result("ngram", k) for k in (3, 6)}
+    state["ngram"] = {"heldout-t1": {"al": {k: r.mean_acceptance_length for k, r in ng1.items()},
+                                     "prompts": 4, "settings": settings}}
+    out.write_text(json.dumps(state))
+    with pytest.raises(SystemExit, match="named SET-t1"):
+        ngram_steps.main([str(out), f"heldout={tmp_path / 'r1'}"])
+    state = ngram_steps.main([str(out), f"heldout-t1={tmp_path / 'r1'}"])
+    assert state["ngram"]["heldout-t1"]["tokens_per_step"] == \
+        {k: r.tokens_per_step for k, r in ng1.items()}
