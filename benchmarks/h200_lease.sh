@@ -28,7 +28,9 @@
 #              and the whole checked
 #   keep SRC NAME  pack the folder SRC (a size's, its job stopped) once with benchmarks/keep.py,
 #              then send its next 7 parts of 15 MB to $OUT per call (docs/benchmarks.md, "A size
-#              over two leases"). A call that failed lost its $OUT: run it again with
+#              over two leases"; KEEP_WHOLE=1: every file of SRC, for a folder that is not a
+#              training run, e.g. an exported draft, unpacked by kpart with KEEP_INTO=FOLDER's
+#              parent). A call that failed lost its $OUT: run it again with
 #              KEEP_RESEND=last (what that call sent goes again); KEEP_RESEND=3,4,5 sends those
 #              parts again (`keep.py carry` here names the missing ones and this value);
 #              KEEP_RESEND=all sends everything again from the first part
@@ -131,7 +133,7 @@ keep)
   src=${1:?"keep SRC NAME"}; name=${2:?"keep SRC NAME"}
   store=${KEEP_STORE:-/tmp/keep}
   [ -f $store/$name.json ] || python3 benchmarks/keep.py pack "$src" "$name" $store \
-      --part-bytes ${KEEP_PART_BYTES:-15000000} || exit 1
+      --part-bytes ${KEEP_PART_BYTES:-15000000} ${KEEP_WHOLE:+--whole} || exit 1
   python3 benchmarks/keep.py send $store "$name" "$OUT" --max-files ${KEEP_MAX_FILES:-7} \
       --resend "${KEEP_RESEND:-}" ;;
 kpart)

@@ -10,8 +10,10 @@ the size's folder but `captured/` and `prepared/`, and of the checkpoints only t
 that `last` and `best` name (about 135 MB for SmolLM2's draft, most of it the fp32 weights and
 their optimizer state).
 
-    python keep.py pack SRC NAME STORE [--part-bytes B]  # on the device: STORE/NAME.tar.part-NN
-                                                         # and STORE/NAME.SHA256SUMS
+    python keep.py pack SRC NAME STORE [--part-bytes B] [--whole]
+                                                         # on the device: STORE/NAME.tar.part-NN
+                                                         # and STORE/NAME.SHA256SUMS (--whole:
+                                                         # every file, e.g. an exported draft)
     python keep.py send STORE NAME OUT [--max-files N] [--resend last|all|3,4,5]
                                                          # on the device: the next parts to OUT
     python keep.py carry NAME DEST DIR...                # here: join what came back, check it,
@@ -91,11 +93,18 @@ def number(part: str) -> int:
     return int(part.rsplit("-", 1)[1])
 
 
-def pack(src: Path, name: str, store: Path, part_bytes: int = SEND_PART) -> dict:
-    """SRC's kept files as STORE/NAME.tar (paths under SRC's own name), cut into parts."""
-    files = kept_files(src)
-    if not any(f.parts[-1] == "trainer_state.pt" for f in files):
-        raise SystemExit(f"{src} holds no checkpoint to resume from")
+def pack(src: Path, name: str, store: Path, part_bytes: int = SEND_PART,
+         whole: bool = False) -> dict:
+    """SRC's kept files as STORE/NAME.tar (paths under SRC's own name), cut into parts; with
+    `whole`, every file of SRC (a folder that is not a training run, e.g. an exported draft that
+    a later lease serves without training it again)."""
+    files = sorted(f.relative_to(src) for f in src.rglob("*") if f.is_file()) if whole \
+        else kept_files(src)
+    if not files:
+        raise SystemExit(f"{src} holds no files")
+    if not whole and not any(f.parts[-1] == "trainer_state.pt" for f in files):
+        raise SystemExit(f"{src} holds no checkpoint to resume from (--whole packs a folder "
+                         "that is not a training run, e.g. an exported draft)")
     store.mkdir(parents=True, exist_ok=True)
     tar = store / f"{name}.tar"
     top = src.resolve().name  # `.` and `run/..` have no name of their own
@@ -288,6 +297,8 @@ def main(argv=None) -> None:
     a.add_argument("name")
     a.add_argument("store", type=Path)
     a.add_argument("--part-bytes", type=int, default=SEND_PART)
+    a.add_argument("--whole", action="store_true",
+                   help="every file of SRC, no checkpoint needed (e.g. an exported draft)")
     a = sub.add_parser("send")
     a.add_argument("store", type=Path)
     a.add_argument("name")
@@ -305,7 +316,7 @@ def main(argv=None) -> None:
     a.add_argument("dest", type=Path)
     a = p.parse_args(argv)
     if a.cmd == "pack":
-        print(json.dumps(pack(a.src, a.name, a.store, a.part_bytes)), flush=True)
+        print(json.dumps(pack(a.src, a.name, a.store, a.part_bytes, a.whole)), flush=True)
     elif a.cmd == "send":
         send(a.store, a.name, a.out, a.max_files, a.resend)
     elif a.cmd == "carry":

@@ -160,6 +160,12 @@ def merge_conversations(parts: list[Path], prompts: Path, out: Path) -> Path:
     return out
 
 
+def eval_schedule(order: list[str], first: list[str]) -> tuple[list[str], list[str]]:
+    """The evals run before the command after export (--evals-first's, in --eval-order's
+    order) and those run after it."""
+    return [n for n in order if n in first], [n for n in order if n not in first]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the target (.gguf file, folder or hub name)")
@@ -211,6 +217,11 @@ def main(argv=None) -> None:
     p.add_argument("--eval-order", default="indist,heldout,bench",
                    help="the order of the evals after export (a lease that may end during "
                         "them puts first the one it needs most)")
+    p.add_argument("--evals-first", default="", metavar="NAMES",
+                   help="evals (of --eval-order's names, comma-separated) run before "
+                        "--after-export's command instead of after it, e.g. bench: a lease that "
+                        "serves and may end while serving still has the acceptance to set "
+                        "beside the served rows")
     p.add_argument("--k", default="3,6")
     p.add_argument("--workers", type=int, default=1, help="eyas eval --workers")
     p.add_argument("--eval-batch", type=int, default=64, help="eyas eval --batch-size")
@@ -226,6 +237,9 @@ def main(argv=None) -> None:
     order = a.eval_order.split(",")  # (checked before hours of work, not after)
     if sorted(order) != sorted(EVALS):
         p.error(f"--eval-order {a.eval_order!r}: name each of {', '.join(EVALS)} once")
+    first = [x for x in a.evals_first.split(",") if x]
+    if set(first) - set(EVALS):
+        p.error(f"--evals-first {a.evals_first!r}: name some of {', '.join(EVALS)}")
 
     work, data = Path(a.work), Path(a.data)
     work.mkdir(parents=True, exist_ok=True)
@@ -277,14 +291,6 @@ def main(argv=None) -> None:
                      log=log, out=work / "run")
     t["export"] = run("export", "--checkpoint", work / "run", "--out", work / "draft", log=log,
                       out=work / "draft")
-    after_export_rc = None
-    if a.after_export:
-        start = time.perf_counter()
-        with log.open("a") as f:
-            f.write(f"\n$ {a.after_export}\n")
-        after_export_rc = subprocess.run(a.after_export, shell=True).returncode
-        t["after_export"] = time.perf_counter() - start
-        print(f"after export: {t['after_export']:.1f} s (rc {after_export_rc})", flush=True)
     ks = [int(k) for k in a.k.split(",")]
     ev = ["--target", a.target, "--draft", work / "draft", "--k", a.k, "--max-new-tokens",
           a.eval_tokens, "--dtype", a.dtype, "--workers", a.workers, "--device", a.device,
@@ -294,10 +300,24 @@ def main(argv=None) -> None:
              "heldout": ["--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts],
              # its report has one table per set (report.json: by_set)
              "bench": ["--bench", a.bench, "--num-prompts", a.bench_prompts] if a.bench else None}
-    for name in order:
-        if evals[name] is not None:
-            t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out", work / f"eval-{name}",
-                                    log=log, out=work / f"eval-{name}")
+    before, after = eval_schedule(order, first)
+
+    def run_evals(names: list[str]) -> None:
+        for name in names:
+            if evals[name] is not None:
+                t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out",
+                                        work / f"eval-{name}", log=log, out=work / f"eval-{name}")
+
+    run_evals(before)
+    after_export_rc = None
+    if a.after_export:
+        start = time.perf_counter()
+        with log.open("a") as f:
+            f.write(f"\n$ {a.after_export}\n")
+        after_export_rc = subprocess.run(a.after_export, shell=True).returncode
+        t["after_export"] = time.perf_counter() - start
+        print(f"after export: {t['after_export']:.1f} s (rc {after_export_rc})", flush=True)
+    run_evals(after)
 
     regen_manifest = work / "regenerated/eyas.json" if a.top_up else \
         conversations.parent / "eyas.json"  # (a top-up's: the prompts it regenerated)

@@ -23,7 +23,9 @@
 # Stage ngram-steps: n-gram-only evals of the curve's sets at its settings (NGRAM_SETS).
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
-# SERVED_EVAL_ORDER, SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL),
+# SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
+# SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline),
+# SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL),
 # SERVED_SOURCES_FIRST (the curve's prompts of these sources first: scale.py --sources-first),
 # SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
@@ -350,13 +352,51 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -z "${SERVED_TOP_UP:-}" ] || \
       keep="gzip -c $used > $R/qwen-conversations.tmp && \
         mv $R/qwen-conversations.tmp $R/qwen-conversations.jsonl.gz;"
-    speed="$keep python3 benchmarks/served_speed.py --target $Q --draft $W/qrun/draft \
+    # SERVED_EVALS_FIRST (e.g. bench): those evals run before the serving, their reports go
+    # home at once and beside the served rows from the start (a lease that ends while serving
+    # keeps them); the others after it
+    first=""
+    for e in $(echo "${SERVED_EVALS_FIRST:-}" | tr , ' '); do
+      first="$first [ ! -f $W/qrun/eval-$e/report.json ] || { mkdir -p $R/eval-$e && \
+        cp $W/qrun/eval-$e/report.json $W/qrun/eval-$e/report.md $R/eval-$e/; };"
+    done
+    [ -z "${SERVED_DRAFT:-}" ] || keep=""  # (no pipeline: no answers to send home)
+    speed="$keep $first python3 benchmarks/served_speed.py --target $Q \
+        --draft ${SERVED_DRAFT:-$W/qrun/draft} \$(for f in $W/qrun/eval-heldout/report.json \
+            $W/qrun/eval-bench/report.json $W/qrun/eval-heldout-t1/report.json \
+            $W/qrun/eval-bench-t1/report.json; do [ -f \$f ] && echo --eyas-report \$f; done) \
         --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
         --max-new-tokens 256 --max-minutes ${SERVED_MINUTES:-12} ${SERVED_SPEED_ARGS:-} \
         --json $R/served-qwen-coder.json > $R/served.out 2>&1; rc=\$?; \
         echo \"\$(date +%T) served: speed rc \$rc\" >> $R/stages.txt"
+    if [ -n "${SERVED_DRAFT:-}" ]; then
+      # a draft exported by an earlier lease and carried back (`KEEP_WHOLE=1 h200_lease.sh keep
+      # /tmp/w/qrun/draft NAME`, then `KEEP_INTO=/tmp/w/qrun h200_lease.sh kpart` here): no
+      # pipeline. eyas eval measures it on the served prompts first (SERVED_EVALS_FIRST's
+      # heldout and bench, default bench; at each of SERVED_TEMPS; SERVED_EVAL_K), each report
+      # sent home as it ends, then vLLM serves it beside them
+      for temp in $(echo "${SERVED_TEMPS:-0,1}" | tr , ' '); do
+        sfx=""; [ "$temp" = 0 ] || sfx=-t1
+        for e in $(echo "${SERVED_EVALS_FIRST:-bench}" | tr , ' '); do
+          case $e in
+            heldout) set_args=(--data $W/realdata/heldout.jsonl) ;;
+            bench) set_args=(--bench mt-bench,humaneval) ;;
+            *) stage "served: SERVED_EVALS_FIRST $e ignored (a carried draft: heldout, bench)"
+               continue ;;
+          esac
+          python3 -m eyas eval --target $Q --draft $SERVED_DRAFT --k ${SERVED_EVAL_K:-3,5} \
+              --max-new-tokens 256 --dtype bfloat16 --batch-size 64 --num-prompts 80 \
+              --temperature $temp "${set_args[@]}" --out $W/qrun/eval-$e$sfx \
+              > "$R/eval-$e$sfx.out" 2>&1
+          stage "served: eval $e$sfx of the carried draft rc $?"
+          mkdir -p "$R/eval-$e$sfx" && cp $W/qrun/eval-$e$sfx/report.* "$R/eval-$e$sfx/"
+        done
+      done
+      PYTHONPATH=$VP sh -c "$speed"  # (it writes its own stage line)
+      continue
+    fi
     stage "served: regenerate (vLLM), prepare, capture, vocab, train, export, serve, eval"
     PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data ${SERVED_DATA:-$W/realdata} \
         --work $W/qrun --out "$R/real-qwen.json" --max-train ${SERVED_TRAIN:-5821} \
@@ -367,6 +407,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
         --heldout-prompts 80 --eval-tokens 256 --k ${SERVED_EVAL_K:-3,5} --eval-batch 64 \
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
+        ${SERVED_EVALS_FIRST:+--evals-first $SERVED_EVALS_FIRST} \
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
     # (and when a step before serving failed: the answers are the costliest output)

@@ -144,6 +144,29 @@ def test_unpack_refuses_what_keep_did_not_pack(tmp_path):
         keep.pack(tmp_path / "a", "a", tmp_path / "store")
 
 
+def test_an_exported_draft_goes_home_whole_and_comes_back_through_kpart(tmp_path):
+    # issue 33: the 1.5B's draft (no checkpoint, ~220 MB) is served by a later lease as it is
+    draft = tmp_path / "qrun/draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (draft / "model.safetensors").write_bytes(bytes(range(256)) * 300)
+    store, out, w = tmp_path / "store", tmp_path / "out", tmp_path / "w"
+    with pytest.raises(SystemExit, match="--whole packs"):
+        keep.pack(draft, "qwen15-draft", store)
+    said = _lease("keep", str(draft), "qwen15-draft", W=str(w), OUT=str(out), KEEP_WHOLE="1",
+                  KEEP_STORE=str(store), KEEP_PART_BYTES="20000")
+    assert said.returncode == 0, said.stdout + said.stderr
+    assert json.loads((store / "qwen15-draft.json").read_text())["files"] == 2
+    folders = keep.carry("qwen15-draft", tmp_path / "carry", [out], part_bytes=50_000)
+    for k in folders:
+        said = _lease("kpart", str(k), W=str(w), KPARTS=str(tmp_path / "kparts"),
+                      KEEP_INTO=str(w / "qrun"))
+        assert said.returncode == 0, said.stdout + said.stderr
+    assert _same(draft, w / "qrun/draft")
+    with pytest.raises(SystemExit, match="holds no files"):
+        keep.pack(tmp_path / "empty", "e", store, whole=True)
+
+
 def _size(folder: Path, nbytes: int = 1000) -> Path:
     """A size's folder as keep.py sees one: a checkpoint `last` names, one it does not, and a
     capture (made again, not kept)."""

@@ -93,11 +93,20 @@ def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_t
                     "--out", str(tmp_path / "r.json"), "--eval-order", "heldout,bench,indsit"])
     assert not (tmp_path / "w").exists()
     for bad in (["--top-up"], ["--sources-first", "chat"],
-                ["--sources-first", "chat", "--train-order", "curve"]):  # (no --max-train)
+                ["--sources-first", "chat", "--train-order", "curve"],  # (no --max-train)
+                ["--evals-first", "bench,indsit"]):
         with pytest.raises(SystemExit):
             real_model(["--target", "t", "--data", str(data), "--work", str(tmp_path / "w"),
                         "--out", str(tmp_path / "r.json"), *bad])
         assert not (tmp_path / "w").exists()
+    # --evals-first: those evals before the command after export (served_speed.py), in
+    # --eval-order's order, the others after it
+    from real_model import eval_schedule
+
+    assert eval_schedule(["heldout", "bench", "indist"], ["indist", "bench"]) == \
+        (["bench", "indist"], ["heldout"])
+    assert eval_schedule(["heldout", "bench", "indist"], []) == \
+        ([], ["heldout", "bench", "indist"])
 
 
 def test_real_model_tops_up_carried_conversations_with_the_prompts_they_lack(tmp_path):
