@@ -132,8 +132,9 @@ keep)
   # KEEP_RESEND=last|all|3,4,5 sends parts again (the header above)
   src=${1:?"keep SRC NAME"}; name=${2:?"keep SRC NAME"}
   store=${KEEP_STORE:-/tmp/keep}
+  whole=(); [ "${KEEP_WHOLE:-0}" = 1 ] && whole=(--whole)
   [ -f $store/$name.json ] || python3 benchmarks/keep.py pack "$src" "$name" $store \
-      --part-bytes ${KEEP_PART_BYTES:-15000000} ${KEEP_WHOLE:+--whole} || exit 1
+      --part-bytes ${KEEP_PART_BYTES:-15000000} "${whole[@]}" || exit 1
   python3 benchmarks/keep.py send $store "$name" "$OUT" --max-files ${KEEP_MAX_FILES:-7} \
       --resend "${KEEP_RESEND:-}" ;;
 kpart)

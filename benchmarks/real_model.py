@@ -21,6 +21,7 @@ n-gram's, and speed. A step already finished in --work is skipped (the CLI's own
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -160,10 +161,36 @@ def merge_conversations(parts: list[Path], prompts: Path, out: Path) -> Path:
     return out
 
 
+def keep_gzipped(src: Path, dest: Path) -> None:
+    """src gzipped to dest through a temporary file: a dest that exists is whole."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with src.open("rb") as f, gzip.open(tmp, "wb") as g:
+        while chunk := f.read(1 << 20):
+            g.write(chunk)
+    tmp.replace(dest)
+
+
 def eval_schedule(order: list[str], first: list[str]) -> tuple[list[str], list[str]]:
     """The evals run before the command after export (--evals-first's, in --eval-order's
     order) and those run after it."""
     return [n for n in order if n in first], [n for n in order if n not in first]
+
+
+def evals_around(before: list[str], after: list[str], run_eval, command):
+    """The evals `before`, then `command()` (what it returns is returned), then those `after`.
+    An eval before it that fails is reported and skipped, not the end: the command (the
+    serving a lease exists for) runs anyway, and the eval's absence shows in the result."""
+    for name in before:
+        try:
+            run_eval(name)
+        except SystemExit as err:
+            print(f"eval {name} before the command after export failed ({err}); going on",
+                  flush=True)
+    rc = command()
+    for name in after:
+        run_eval(name)
+    return rc
 
 
 def main(argv=None) -> None:
@@ -217,6 +244,10 @@ def main(argv=None) -> None:
     p.add_argument("--eval-order", default="indist,heldout,bench",
                    help="the order of the evals after export (a lease that may end during "
                         "them puts first the one it needs most)")
+    p.add_argument("--keep-conversations", default=None, metavar="FILE.jsonl.gz",
+                   help="the conversations trained on (regenerated, or merged with --top-up), "
+                        "gzipped to this file as soon as they exist: a lease sends them home "
+                        "before the hours of work after them")
     p.add_argument("--evals-first", default="", metavar="NAMES",
                    help="evals (of --eval-order's names, comma-separated) run before "
                         "--after-export's command instead of after it, e.g. bench: a lease that "
@@ -225,6 +256,9 @@ def main(argv=None) -> None:
     p.add_argument("--k", default="3,6")
     p.add_argument("--workers", type=int, default=1, help="eyas eval --workers")
     p.add_argument("--eval-batch", type=int, default=64, help="eyas eval --batch-size")
+    p.add_argument("--eval-args", default="",
+                   help="more eyas eval flags for every eval, e.g. --no-ngram (n-gram measured "
+                        "elsewhere: a shorter eval)")
     p.add_argument("--dtype", default="float32", help="target dtype for regenerate/capture/eval")
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
@@ -276,6 +310,8 @@ def main(argv=None) -> None:
         conversations = merge_conversations(
             [conversations, work / "regenerated/conversations.jsonl"], train_prompts,
             work / "conversations.jsonl")
+    if a.keep_conversations and conversations.is_file():
+        keep_gzipped(conversations, Path(a.keep_conversations))
     t["prepare"] = run("prepare", *common, "--data", conversations,
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")
@@ -294,30 +330,29 @@ def main(argv=None) -> None:
     ks = [int(k) for k in a.k.split(",")]
     ev = ["--target", a.target, "--draft", work / "draft", "--k", a.k, "--max-new-tokens",
           a.eval_tokens, "--dtype", a.dtype, "--workers", a.workers, "--device", a.device,
-          "--batch-size", a.eval_batch]
+          "--batch-size", a.eval_batch, *a.eval_args.split()]
     evals = {"indist": ["--data", work / "prepared", "--split", "eval",
                         "--num-prompts", a.indist_prompts],
              "heldout": ["--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts],
              # its report has one table per set (report.json: by_set)
              "bench": ["--bench", a.bench, "--num-prompts", a.bench_prompts] if a.bench else None}
-    before, after = eval_schedule(order, first)
+    def run_eval(name: str) -> None:
+        if evals[name] is not None:
+            t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out", work / f"eval-{name}",
+                                    log=log, out=work / f"eval-{name}")
 
-    def run_evals(names: list[str]) -> None:
-        for name in names:
-            if evals[name] is not None:
-                t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out",
-                                        work / f"eval-{name}", log=log, out=work / f"eval-{name}")
-
-    run_evals(before)
-    after_export_rc = None
-    if a.after_export:
+    def after_export() -> int | None:
+        if not a.after_export:
+            return None
         start = time.perf_counter()
         with log.open("a") as f:
             f.write(f"\n$ {a.after_export}\n")
-        after_export_rc = subprocess.run(a.after_export, shell=True).returncode
+        rc = subprocess.run(a.after_export, shell=True).returncode
         t["after_export"] = time.perf_counter() - start
-        print(f"after export: {t['after_export']:.1f} s (rc {after_export_rc})", flush=True)
-    run_evals(after)
+        print(f"after export: {t['after_export']:.1f} s (rc {rc})", flush=True)
+        return rc
+
+    after_export_rc = evals_around(*eval_schedule(order, first), run_eval, after_export)
 
     regen_manifest = work / "regenerated/eyas.json" if a.top_up else \
         conversations.parent / "eyas.json"  # (a top-up's: the prompts it regenerated)

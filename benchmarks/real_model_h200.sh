@@ -25,7 +25,8 @@
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
 # SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline),
-# SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL),
+# SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL), SERVED_EVAL_ARGS (more eyas eval
+# flags, e.g. --no-ngram),
 # SERVED_SOURCES_FIRST (the curve's prompts of these sources first: scale.py --sources-first),
 # SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
@@ -342,16 +343,15 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       gunzip -c "$SERVED_CONVERSATIONS" > $W/qwen-conversations.jsonl || continue
       conv=(--conversations $W/qwen-conversations.jsonl ${SERVED_TOP_UP:+--top-up})
     fi
-    # the target's answers go home first (results.tgz), in case the lease ends while serving
-    # (SERVED_TOP_UP=1 with SERVED_CONVERSATIONS: the SERVED_TRAIN prompts they lack are
+    # the target's answers go home first (results.tgz), as soon as they are regenerated, in
+    # case the lease ends before or while serving (real_model.py --keep-conversations;
+    # SERVED_TOP_UP=1 with SERVED_CONVERSATIONS: the SERVED_TRAIN prompts they lack are
     # regenerated, and both together go home: a corpus that grows lease by lease)
     used=$W/qrun/regenerated/conversations.jsonl
     [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -n "${SERVED_TOP_UP:-}" ] && \
       used=$W/qrun/conversations.jsonl
-    keep=""  # (through a temporary file: a failed gzip leaves no empty .gz that looks done)
-    [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -z "${SERVED_TOP_UP:-}" ] || \
-      keep="gzip -c $used > $R/qwen-conversations.tmp && \
-        mv $R/qwen-conversations.tmp $R/qwen-conversations.jsonl.gz;"
+    keep=(--keep-conversations $R/qwen-conversations.jsonl.gz)
+    [ -n "${SERVED_CONVERSATIONS:-}" ] && [ -z "${SERVED_TOP_UP:-}" ] && keep=()
     # SERVED_EVALS_FIRST (e.g. bench): those evals run before the serving, their reports go
     # home at once and beside the served rows from the start (a lease that ends while serving
     # keeps them); the others after it
@@ -360,11 +360,10 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       first="$first [ ! -f $W/qrun/eval-$e/report.json ] || { mkdir -p $R/eval-$e && \
         cp $W/qrun/eval-$e/report.json $W/qrun/eval-$e/report.md $R/eval-$e/; };"
     done
-    [ -z "${SERVED_DRAFT:-}" ] || keep=""  # (no pipeline: no answers to send home)
-    speed="$keep $first python3 benchmarks/served_speed.py --target $Q \
-        --draft ${SERVED_DRAFT:-$W/qrun/draft} \$(for f in $W/qrun/eval-heldout/report.json \
-            $W/qrun/eval-bench/report.json $W/qrun/eval-heldout-t1/report.json \
-            $W/qrun/eval-bench-t1/report.json; do [ -f \$f ] && echo --eyas-report \$f; done) \
+    # (the eval reports on the served prompts: held out and bench, at T = 0 and at others)
+    speed="$first python3 benchmarks/served_speed.py --target $Q \
+        --draft ${SERVED_DRAFT:-$W/qrun/draft} \$(for f in $W/qrun/eval-heldout*/report.json \
+            $W/qrun/eval-bench*/report.json; do [ -f \$f ] && echo --eyas-report \$f; done) \
         --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
@@ -377,8 +376,12 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       # pipeline. eyas eval measures it on the served prompts first (SERVED_EVALS_FIRST's
       # heldout and bench, default bench; at each of SERVED_TEMPS; SERVED_EVAL_K), each report
       # sent home as it ends, then vLLM serves it beside them
+      [ -f "$SERVED_DRAFT/config.json" ] || {
+        stage "served: SERVED_DRAFT $SERVED_DRAFT holds no exported draft (carried back?)"
+        continue; }
       for temp in $(echo "${SERVED_TEMPS:-0,1}" | tr , ' '); do
-        sfx=""; [ "$temp" = 0 ] || sfx=-t1
+        sfx=-t$temp  # (T = 0, as 0 or 0.0: no suffix)
+        awk "BEGIN {exit !($temp == 0)}" && sfx=""
         for e in $(echo "${SERVED_EVALS_FIRST:-bench}" | tr , ' '); do
           case $e in
             heldout) set_args=(--data $W/realdata/heldout.jsonl) ;;
@@ -388,6 +391,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
           esac
           python3 -m eyas eval --target $Q --draft $SERVED_DRAFT --k ${SERVED_EVAL_K:-3,5} \
               --max-new-tokens 256 --dtype bfloat16 --batch-size 64 --num-prompts 80 \
+              ${SERVED_EVAL_ARGS:-} \
               --temperature $temp "${set_args[@]}" --out $W/qrun/eval-$e$sfx \
               > "$R/eval-$e$sfx.out" 2>&1
           stage "served: eval $e$sfx of the carried draft rc $?"
@@ -401,17 +405,18 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     PYTHONPATH=$VP python3 benchmarks/real_model.py --target $Q --data ${SERVED_DATA:-$W/realdata} \
         --work $W/qrun --out "$R/real-qwen.json" --max-train ${SERVED_TRAIN:-5821} \
         --train-order curve ${SERVED_SOURCES_FIRST:+--sources-first $SERVED_SOURCES_FIRST} \
-        "${conv[@]}" --regen-tokens 256 --regen-batch 1024 \
+        "${conv[@]}" "${keep[@]}" --regen-tokens 256 --regen-batch 1024 \
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
         --dtype bfloat16 --capture-dtype fp8 --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
         --heldout-prompts 80 --eval-tokens 256 --k ${SERVED_EVAL_K:-3,5} --eval-batch 64 \
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
         ${SERVED_EVALS_FIRST:+--evals-first $SERVED_EVALS_FIRST} \
+        ${SERVED_EVAL_ARGS:+"--eval-args=$SERVED_EVAL_ARGS"} \
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
-    # (and when a step before serving failed: the answers are the costliest output)
-    [ -z "$keep" ] || [ -s "$R/qwen-conversations.jsonl.gz" ] || [ ! -s $used ] || \
+    # (and when a step failed before they were kept: the answers are the costliest output)
+    [ ${#keep[@]} = 0 ] || [ -s "$R/qwen-conversations.jsonl.gz" ] || [ ! -s $used ] || \
       { gzip -c $used > $R/qwen-conversations.tmp && \
         mv $R/qwen-conversations.tmp $R/qwen-conversations.jsonl.gz; }
     # the held-out and bench reports only: a report of one set (held out) is matched to

@@ -324,6 +324,12 @@ def break_even(none: dict | None, eagle: dict | None) -> dict:
             "eagle3_break_even_al": round(step / none["tpot_ms"]["mean"], 3)}
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    """a / b to two places from the tokens/s themselves (the summary's ratio, rounded to three,
+    would be rounded twice: 1.1251 -> 1.125 -> 1.12)."""
+    return "-" if a is None or not b else f"{a / b:.2f}"
+
+
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
@@ -365,7 +371,8 @@ def markdown(result: dict) -> str:
             + (f" ({s['none_attention']})" if s.get("none_attention") else "") + " "
             f"| {_f(s['ngram_tokens_per_s'], 1)} ({_ngram_k(s)}) "
             f"| {_f(s['eagle3_tokens_per_s'], 1)} ({_f(s['eagle3_best_k'])}) "
-            f"| {_f(s['eagle3_over_none'])} | {_f(s['eagle3_over_ngram'])} "
+            f"| {_ratio(s['eagle3_tokens_per_s'], s['none_tokens_per_s'])} "
+            f"| {_ratio(s['eagle3_tokens_per_s'], s['ngram_tokens_per_s'])} "
             f"| {_f(s['eagle3_vllm_al'], 3)} | {_f(s['eagle3_eyas_eval_al'], 3)}"
             + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
             + f" | {_f(s['tpot_p50_ms_none'])} / {_f(s['tpot_p50_ms_eagle3'])} "

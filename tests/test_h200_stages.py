@@ -6,6 +6,7 @@ report), since the real calls need an H200, vLLM and the 1.5B target."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,38 +24,46 @@ done
 """
 
 
-def _stage(tmp_path: Path, **env) -> tuple[list[str], str]:
+def _stage(tmp_path: Path, stage: str = "served", **env) -> tuple[list[str], str]:
     w, bin_dir = tmp_path / "w", tmp_path / "bin"
-    w.mkdir()
-    bin_dir.mkdir()
+    w.mkdir(exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
     (w / "repo").symlink_to(REPO)
     (bin_dir / "python3").write_text(FAKE)
     (bin_dir / "python3").chmod(0o755)
     done = subprocess.run(["bash", "benchmarks/real_model_h200.sh"], cwd=REPO,
-                          env={**os.environ, "W": str(w), "STAGES": "served",
+                          env={**os.environ, "W": str(w), "STAGES": stage,
                                "QWEN_GGUF": str(w / "qwen15.gguf"),
                                "PATH": f"{bin_dir}:{os.environ['PATH']}", **env},
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = (w / "calls.txt").read_text().splitlines()
-    return [c for c in calls if "smol" not in c], (w / "results/stages.txt").read_text()
+    # (every stage converts the SmolLM2 GGUF first: left out)
+    return [c for c in calls if "convert --target" not in c or "smol" not in c], \
+        (w / "results/stages.txt").read_text()
 
 
 def test_a_carried_draft_is_measured_by_eyas_eval_first_then_served_beside_its_reports(
         tmp_path):
     draft = tmp_path / "w/qrun/draft"
-    calls, stages = _stage(tmp_path, SERVED_DRAFT=str(draft), SERVED_TEMPS="0,1",
+    calls, stages = _stage(tmp_path, SERVED_DRAFT=str(draft), SERVED_TEMPS="0",
+                           SERVED_EVALS_FIRST="bench")
+    assert "holds no exported draft" in stages and len(calls) == 1  # (convert only)
+    shutil.rmtree(tmp_path / "w")
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text("{}")
+    calls, stages = _stage(tmp_path, SERVED_DRAFT=str(draft), SERVED_TEMPS="0.0,1",
                            SERVED_EVALS_FIRST="bench,indist", SERVED_EVAL_K="2,3")
     assert [c.split()[1:3] for c in calls] == [["-m", "eyas"]] * 3 + \
         [["benchmarks/served_speed.py", "--target"]]
     assert "convert" in calls[0]
-    for call, temp, out in ((calls[1], "0", "eval-bench"), (calls[2], "1", "eval-bench-t1")):
+    for call, temp, out in ((calls[1], "0.0", "eval-bench"), (calls[2], "1", "eval-bench-t1")):
         assert f"--draft {draft} --k 2,3" in call and f"--temperature {temp}" in call
         assert "--bench mt-bench,humaneval" in call and "--num-prompts 80" in call
         assert call.endswith(f"--out {tmp_path}/w/qrun/{out}")
         assert (tmp_path / f"w/results/{out}/report.json").is_file()  # home with the next poll
     speed = calls[3]
-    assert f"--draft {draft}" in speed and "--temperatures 0,1" in speed
+    assert f"--draft {draft}" in speed and "--temperatures 0.0,1" in speed
     assert speed.count("--eyas-report") == 2 and "eval-bench-t1/report.json" in speed
     assert "indist ignored" in stages and "real_model.py" not in " ".join(calls)
     assert not (tmp_path / "w/results/eval-indist").exists()
@@ -64,11 +73,31 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     calls, _ = _stage(tmp_path, SERVED_EVALS_FIRST="bench", SERVED_TEMPS="0",
                       SERVED_CONVERSATIONS=str(REPO / "benchmarks/results/served-h200-s26/"
                                                "qwen15-conversations.jsonl.gz"),
-                      SERVED_TOP_UP="1", SERVED_TRAIN="16000")
+                      SERVED_TOP_UP="1", SERVED_TRAIN="16000", SERVED_EVAL_ARGS="--no-ngram --seed 0")
     pipeline = next(c for c in calls if "benchmarks/real_model.py" in c)
     assert "--evals-first bench" in pipeline and "--top-up" in pipeline
-    assert "--max-train 16000" in pipeline
+    assert "--max-train 16000" in pipeline and "--eval-args=--no-ngram --seed 0 " in pipeline
+    # the merged answers go home as soon as they exist, not after the evals or the serving
+    assert f"--keep-conversations {tmp_path}/w/results/qwen-conversations.jsonl.gz" in pipeline
     # the command after export copies the bench report home and hands it to served_speed.py
     after = pipeline.split("--after-export ", 1)[1]
     assert after.index("eval-bench/report.json") < after.index("served_speed.py")
-    assert "--eyas-report" in after and "qwen-conversations.jsonl.gz" in after
+    assert "--eyas-report" in after
+    # carried answers used as they are: nothing to send home
+    shutil.rmtree(tmp_path / "w")
+    calls, _ = _stage(tmp_path, SERVED_CONVERSATIONS=str(
+        REPO / "benchmarks/results/served-h200-s26/qwen15-conversations.jsonl.gz"))
+    assert "--keep-conversations" not in next(c for c in calls if "real_model.py" in c)
+
+
+def test_ngram_steps_measures_the_curve_s_sets_at_its_eval_settings(tmp_path):
+    calls, stages = _stage(tmp_path, "ngram-steps")
+    evals = sorted((c for c in calls if " eval " in c), key=lambda c: c.rsplit("/", 1)[1])
+    assert len(evals) == 3 and stages.count("rc 0") >= 3
+    for c in evals:  # the curve's: k 3,6, 96 new tokens, float32, batches of 64, n-gram only
+        assert "--k 3,6 --max-new-tokens 96 --dtype float32" in c and "--batch-size 64" in c
+        assert "--ngram" in c and "--draft" not in c
+    data = f"{tmp_path}/w/scale-realdata"
+    assert f"--data {data}/indist.jsonl --num-prompts 200" in evals[0]
+    assert f"--data {data}/indist_chat.jsonl --num-prompts 200" in evals[1]
+    assert "--bench mt-bench --num-prompts 80 --temperature 1" in evals[2]

@@ -153,6 +153,9 @@ def test_an_exported_draft_goes_home_whole_and_comes_back_through_kpart(tmp_path
     store, out, w = tmp_path / "store", tmp_path / "out", tmp_path / "w"
     with pytest.raises(SystemExit, match="--whole packs"):
         keep.pack(draft, "qwen15-draft", store)
+    said = _lease("keep", str(draft), "qwen15-draft", W=str(w), OUT=str(out), KEEP_WHOLE="0",
+                  KEEP_STORE=str(store))
+    assert said.returncode != 0 and "--whole packs" in said.stderr, said.stdout + said.stderr
     said = _lease("keep", str(draft), "qwen15-draft", W=str(w), OUT=str(out), KEEP_WHOLE="1",
                   KEEP_STORE=str(store), KEEP_PART_BYTES="20000")
     assert said.returncode == 0, said.stdout + said.stderr

@@ -107,6 +107,30 @@ def test_real_model_takes_its_training_prompts_as_the_curve_or_the_file_orders_t
         (["bench", "indist"], ["heldout"])
     assert eval_schedule(["heldout", "bench", "indist"], []) == \
         ([], ["heldout", "bench", "indist"])
+    # an eval before the serving that fails does not stop the serving; one after it does
+    from real_model import evals_around, keep_gzipped
+
+    ran = []
+
+    def run_eval(name):
+        ran.append(name)
+        if name in ("bench", "indist"):
+            raise SystemExit(f"eyas eval {name} failed")
+
+    assert evals_around(["bench", "heldout"], [], run_eval, lambda: ran.append("serve") or 7) \
+        == 7
+    assert ran == ["bench", "heldout", "serve"]
+    with pytest.raises(SystemExit, match="indist failed"):
+        evals_around([], ["indist"], run_eval, lambda: None)
+    # --keep-conversations: gzipped whole, through a temporary file
+    src = tmp_path / "conversations.jsonl"
+    src.write_text(_row(1) + "\n" + _row(2) + "\n")
+    keep_gzipped(src, tmp_path / "home/qwen-conversations.jsonl.gz")
+    import gzip
+
+    with gzip.open(tmp_path / "home/qwen-conversations.jsonl.gz", "rt") as f:
+        assert f.read() == src.read_text()
+    assert [p.name for p in (tmp_path / "home").iterdir()] == ["qwen-conversations.jsonl.gz"]
 
 
 def test_real_model_tops_up_carried_conversations_with_the_prompts_they_lack(tmp_path):
@@ -916,5 +940,15 @@ def test_ngram_steps_adds_tokens_per_step_from_a_real_ngram_eval(llama_dir, tmp_
     with pytest.raises(SystemExit, match="named SET-t1"):
         ngram_steps.main([str(out), f"heldout={tmp_path / 'r1'}"])
     state = ngram_steps.main([str(out), f"heldout-t1={tmp_path / 'r1'}"])
+    assert state["ngram"]["heldout-t1"]["tokens_per_step"] == \
+        {k: r.tokens_per_step for k, r in ng1.items()}
+    # a report with one table per set (--bench's) at T = 1 names its sets SET-t1 itself
+    one = json.loads((tmp_path / "r1/report.json").read_text())
+    one["by_set"] = {"heldout": {"prompts": 4, "results": one["results"]},
+                     "heldout/turn-1": {"prompts": 4, "results": one["results"]}}
+    (tmp_path / "r1/report.json").write_text(json.dumps(one))
+    del state["ngram"]["heldout-t1"]["tokens_per_step"]
+    out.write_text(json.dumps(state))
+    state = ngram_steps.main([str(out), str(tmp_path / "r1")])
     assert state["ngram"]["heldout-t1"]["tokens_per_step"] == \
         {k: r.tokens_per_step for k, r in ng1.items()}
