@@ -21,7 +21,7 @@
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage ngram-steps: n-gram-only evals of the curve's sets at its settings (NGRAM_SETS).
-# Stage t1-sampling: greedy against probabilistic drafts at T = 1 and 0.7 (a 2,000-conversation draft).
+# Stage t1-sampling: greedy against probabilistic drafts at T = 1 (T1S_TEMPS), a 2,000-conversation draft.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
@@ -476,19 +476,20 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # how drafts are drawn at T > 0 (vLLM's draft_sample_method, eyas eval --draft-sampling):
     # greedy (the draft's argmax, accepted with the target's probability of it) against
     # probabilistic (sampled from the draft, accepted with min(1, p/q)), on one draft from the
-    # ablation's 2,000 conversations (eyas train's defaults, 10 epochs), MT-bench at T = 1 and
-    # 0.7, with T = 0 beside them; the five evals side by side once the draft is exported
+    # ablation's 2,000 conversations (eyas train's defaults, 10 epochs), MT-bench at T = 1
+    # (T1S_TEMPS="1 0.7" adds 0.7), with T = 0 beside them; the evals side by side once the
+    # draft is exported (session 28's five at once had not ended after 2.5 minutes)
     D=$W/t1s
     ev="--target $T --draft $D/draft --bench mt-bench --num-prompts 80 --k 3,6 \
         --max-new-tokens 96 --dtype float32 --batch-size 64 --no-ngram"
     evals="python3 -m eyas eval $ev --out $R/t1s-0 > $R/t1s-0.out 2>&1 &"
-    for temp in 1 0.7; do
+    for temp in ${T1S_TEMPS:-1}; do
       for s in greedy probabilistic; do
         evals="$evals python3 -m eyas eval $ev --temperature $temp --draft-sampling $s \
           --out $R/t1s-$temp-$s > $R/t1s-$temp-$s.out 2>&1 &"
       done
     done
-    stage "t1-sampling: a draft of 2,000 conversations, then 5 evals"
+    stage "t1-sampling: a draft of 2,000 conversations, then its evals"
     python3 benchmarks/real_model.py --target $T --data $W/realdata --work $D \
         --out "$R/t1s-real.json" --conversations $W/conversations-2000.jsonl \
         --dtype float32 --capture-dtype fp8 --epochs 10 --batch-tokens 8192 \

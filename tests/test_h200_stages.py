@@ -101,3 +101,17 @@ def test_ngram_steps_measures_the_curve_s_sets_at_its_eval_settings(tmp_path):
     assert f"--data {data}/indist.jsonl --num-prompts 200" in evals[0]
     assert f"--data {data}/indist_chat.jsonl --num-prompts 200" in evals[1]
     assert "--bench mt-bench --num-prompts 80 --temperature 1" in evals[2]
+
+
+def test_t1_sampling_measures_both_draft_samplings_on_one_draft_after_its_export(tmp_path):
+    calls, _ = _stage(tmp_path, "t1-sampling", T1S_TEMPS="1 0.7")
+    [pipeline] = calls  # the evals are its command after export, side by side
+    assert f"--conversations {tmp_path}/w/conversations-2000.jsonl" in pipeline
+    after = pipeline.split("--after-export ", 1)[1]
+    evals = [e for e in after.split(" & ") if "eyas eval" in e]
+    assert len(evals) == 5 and after.rstrip().endswith("wait")
+    for temp in ("1", "0.7"):
+        for sampling in ("greedy", "probabilistic"):
+            [e] = [e for e in evals if f"--temperature {temp} --draft-sampling {sampling}" in e]
+            assert f"--draft {tmp_path}/w/t1s/draft --bench mt-bench" in e
+    assert sum("--temperature" not in e for e in evals) == 1  # T = 0 beside them
