@@ -336,6 +336,7 @@ def main(argv=None) -> None:
              "heldout": ["--data", data / "heldout.jsonl", "--num-prompts", a.heldout_prompts],
              # its report has one table per set (report.json: by_set)
              "bench": ["--bench", a.bench, "--num-prompts", a.bench_prompts] if a.bench else None}
+
     def run_eval(name: str) -> None:
         if evals[name] is not None:
             t[f"eval_{name}"] = run("eval", *ev, *evals[name], "--out", work / f"eval-{name}",

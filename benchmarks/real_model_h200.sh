@@ -21,7 +21,8 @@
 # 400 steps each, on size SPEED_SIZE's captures while that size trains.
 # Stage loader: benchmarks/loader.py on this host, SmolLM2's and Llama-8B's widths.
 # Stage ngram-steps: n-gram-only evals of the curve's sets at its settings (NGRAM_SETS).
-# Stage t1-sampling: greedy against probabilistic drafts at T = 1 (T1S_TEMPS), a 2,000-conversation draft.
+# Stage t1-sampling: greedy against probabilistic drafts at T = 1 (T1S_TEMPS) on a draft of
+# 2,000 conversations.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),

@@ -346,11 +346,13 @@ def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
             if r["method"] != "target":
                 entry.setdefault(r["method"], {})[str(r["k"])] = r["mean_acceptance_length"]
                 steps = r.get("tokens_per_step")
-                if steps is None and r.get("target_forwards", 0) > entry["prompts"]:
-                    # a report from before eyas eval wrote it: from its counts, one prefill
-                    # (which makes the first token) per prompt
-                    steps = round((r["new_tokens"] - entry["prompts"])
-                                  / (r["target_forwards"] - entry["prompts"]), 4)
+                if steps is None and "target_forwards" in r:
+                    # a report from before eyas eval wrote it: from its counts, one
+                    # generation (prefill) per prompt
+                    from eyas.serve.eval_report import tokens_per_step
+
+                    steps = tokens_per_step(r["new_tokens"], r["target_forwards"],
+                                            entry["prompts"])
                 if steps is not None:
                     entry.setdefault("steps", {}).setdefault(r["method"], {})[str(r["k"])] = \
                         steps

@@ -105,9 +105,6 @@ def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, sec
     tokens = sum(len(o) for o in outputs)
     tps = tokens / seconds if seconds > 0 else 0.0
     spec = method != "target"
-    # each generation's prefill is one forward that makes its first token
-    prefills = len(outputs)
-    steps = stats.target_forwards - prefills
     result = MethodResult(
         method=method, k=k, new_tokens=tokens, seconds=round(seconds, 4),
         tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
@@ -116,8 +113,15 @@ def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, sec
         mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
         draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
         per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance],
-        tokens_per_step=round((tokens - prefills) / steps, 4) if steps > 0 else None)
+        tokens_per_step=tokens_per_step(tokens, stats.target_forwards, len(outputs)))
     return result
+
+
+def tokens_per_step(new_tokens: int, target_forwards: int, generations: int) -> float | None:
+    """New tokens per decode step of the target: each generation's prefill is one forward that
+    makes its first token, every other forward is a step, drafted or not (None without one)."""
+    steps = target_forwards - generations
+    return round((new_tokens - generations) / steps, 4) if steps > 0 else None
 
 
 def _results(measured: Measured) -> list[MethodResult]:
