@@ -24,7 +24,8 @@
 # Stage t1-sampling: greedy against probabilistic drafts at T = 1 (T1S_TEMPS) on a draft of
 # 2,000 conversations.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
-# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS, SERVED_TOP_UP,
+# SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS (comma list),
+# SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
 # SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline),
 # SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL), SERVED_EVAL_ARGS (more eyas eval
@@ -342,7 +343,10 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     fi
     conv=()
     if [ -n "${SERVED_CONVERSATIONS:-}" ]; then
-      gunzip -c "$SERVED_CONVERSATIONS" > $W/qwen-conversations.jsonl || continue
+      # (several, comma-separated: one file, e.g. session 26's mixed 8,000 and session 29's
+      # 8,612 chat rows; an id in both keeps the first file's row)
+      gunzip -c $(echo "$SERVED_CONVERSATIONS" | tr , ' ') > $W/qwen-conversations.jsonl || \
+        continue
       conv=(--conversations $W/qwen-conversations.jsonl ${SERVED_TOP_UP:+--top-up})
     fi
     # the target's answers go home first (results.tgz), as soon as they are regenerated, in

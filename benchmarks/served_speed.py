@@ -27,8 +27,10 @@ vLLM's own, no speculation is also measured on vLLM's own ("none (auto attention
 draft needs no workaround. `--engine-args` sets any other vllm.LLM argument.
 vLLM cannot change `speculative_config` on a live engine, so each way costs one engine start
 (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test target);
-everything else (prompt sets, temperatures, batch sizes) reuses it. Ways run in that
-order, --k in the order given, so the first --k values are the ones a short lease measures.
+everything else (prompt sets, temperatures, batch sizes) reuses it. The first eagle3 way
+(the first --k) runs first, then the others in that order, --k in the order given: a lease
+that ends while serving keeps what the run is for (session 29's lost its only eagle3 engine
+queued behind the two engines without speculation, which any run measures alike).
 Each engine is warmed up (every batch shape and temperature, a few tokens) before any timing,
 and its prefix cache is emptied before each measurement (every measurement prefills its
 prompts).
@@ -557,6 +559,12 @@ def attach_reports(result: dict, report_paths: list[str]) -> dict:
     return result
 
 
+def draft_first(ways: list[Way]) -> list[Way]:
+    """`ways` with the first eagle3 way moved to the front (the rest keep their order)."""
+    eagle = [w for w in ways if w.name == "eagle3"][:1]
+    return eagle + [w for w in ways if w not in eagle]
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["attach"]:
@@ -648,6 +656,7 @@ def main(argv=None) -> dict:
         write()
         return True
 
+    ways = draft_first(ways)
     eagle = [w for w in ways if w.name == "eagle3"]
     if len(tries) > 1 and eagle:
         # --attention's list: the first eagle3 way, once per setting until its engine starts

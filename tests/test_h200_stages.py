@@ -5,6 +5,7 @@ report), since the real calls need an H200, vLLM and the 1.5B target."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import shutil
 import subprocess
@@ -83,11 +84,15 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     after = pipeline.split("--after-export ", 1)[1]
     assert after.index("eval-bench/report.json") < after.index("served_speed.py")
     assert "--eyas-report" in after
-    # carried answers used as they are: nothing to send home
+    # carried answers used as they are: nothing to send home; several files are one input
     shutil.rmtree(tmp_path / "w")
-    calls, _ = _stage(tmp_path, SERVED_CONVERSATIONS=str(
-        REPO / "benchmarks/results/served-h200-s26/qwen15-conversations.jsonl.gz"))
+    parts = [REPO / "benchmarks/results/served-h200-s26/qwen15-conversations.jsonl.gz",
+             REPO / "benchmarks/results/served-h200-s29/qwen15-conversations-chat.jsonl.gz"]
+    calls, _ = _stage(tmp_path, SERVED_CONVERSATIONS=",".join(map(str, parts)))
     assert "--keep-conversations" not in next(c for c in calls if "real_model.py" in c)
+    with gzip.open(parts[0], "rt") as a, gzip.open(parts[1], "rt") as b:
+        rows = a.read() + b.read()
+    assert (tmp_path / "w/qwen-conversations.jsonl").read_text() == rows
 
 
 def test_ngram_steps_measures_the_curve_s_sets_at_its_eval_settings(tmp_path):

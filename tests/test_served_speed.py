@@ -191,6 +191,18 @@ def test_eyas_report_is_matched_by_temperature_set_method_and_k():
     assert served_speed.eyas_eval_al([flat], served_speed.Way("ngram", 3), "data", 0.0) is None
 
 
+def test_the_first_draft_serves_first():
+    """The first eagle3 way runs before everything else, the rest in their order: a lease
+    that ends while serving keeps the draft's rows (session 29 lost its eagle3 engine queued
+    behind two engines without speculation)."""
+    Way = served_speed.Way
+    ways = [Way("none"), Way("ngram", 4), Way("ngram", 4, "ngram_gpu"), Way("eagle3", 2),
+            Way("eagle3", 3)]
+    assert [w.label for w in served_speed.draft_first(ways)] == \
+        ["eagle3 k=2", "none", "ngram k=4", "ngram_gpu k=4", "eagle3 k=3"]
+    assert served_speed.draft_first(ways[:2]) == ways[:2]  # no draft: as given
+
+
 def export_draft(folder, model, target: dict, target_dir) -> str:
     """Save `model` as the run folder `eyas train` leaves (one checkpoint) and `eyas export`
     it in float32 (tests/test_vllm_serve_cpu.py's export_run, with the target's real record,
@@ -408,7 +420,7 @@ def test_served_shape_serves_its_draft_at_each_k(tmp_path):
         "--temperatures", "0", "--dtype", "float32", "--enforce-eager",
         "--gpu-memory-utilization", "0.2", "--max-model-len", "256"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
-    assert [e["way"] for e in r["engines"]] == ["none", "eagle3 k=1", "eagle3 k=3"]
+    assert [e["way"] for e in r["engines"]] == ["eagle3 k=1", "none", "eagle3 k=3"]
     assert r["shape"]["shape"] == "tiny-128" and r["ignore_eos"]
     assert all(row["output_tokens"] == row["prompts"] * NEW_TOKENS for row in r["rows"])
     for s in r["summary"]:
