@@ -80,6 +80,8 @@ def chats(tmp_path_factory):
     rows.insert(1, json.dumps({"messages": [{"role": "user", "content": "Count from 3 to 9."}],
                                "id": "prompt-only"}))
     rows.insert(2, json.dumps({"messages": [{"role": "robot", "content": "?"}]}))  # malformed
+    # a lone greeting: nothing asks for an answer, so no prompt (it was measured as an empty one)
+    rows.insert(3, json.dumps({"messages": [{"role": "assistant", "content": "Hi!"}]}))
     path.write_text("\n".join(rows) + "\n")
     return path
 
@@ -108,6 +110,12 @@ def test_eval_with_draft_writes_a_consistent_report(llama_dir, draft_dir, chats,
                                  draft=str(draft_dir), k=(1, 3), **SMALL))
     assert report.lossless is True and report.primary == "eagle3"
     assert report.num_prompts == 3  # the malformed row is skipped, the prompt-only row used
+    # and every row left out is counted by reason, in the report and its markdown
+    assert report.skipped_prompts == {"malformed": 1, "no user turn": 1}
+    assert json.loads((out / "report.json").read_text())["skipped_prompts"] == \
+        report.skipped_prompts
+    assert "rows left out of the prompts: malformed 1, no user turn 1" in \
+        (out / "report.md").read_text()
     assert {(r.method, r.k) for r in report.results} == {
         ("target", 0), ("ngram", 1), ("ngram", 3), ("eagle3", 1), ("eagle3", 3)}
     plain = report.result("target")

@@ -565,6 +565,15 @@ def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
         run_prepare(tok_dir, [tmp_path / "empty.jsonl"], tmp_path / "out2")
 
 
+def test_an_output_of_another_step_is_refused_as_data(tok_dir, tmp_path):
+    # a prepare output given as --data was read row by row as conversations, and every row
+    # (its rejects, its dataset's token ids) rejected, with no word that it was the wrong folder
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
+    run_prepare(tok_dir, [tmp_path / "ok.jsonl"], tmp_path / "p1")
+    with pytest.raises(EyasError, match=r"p1 is an `eyas prepare` output, not chat data"):
+        run_prepare(tok_dir, [tmp_path / "p1"], tmp_path / "p2")
+
+
 # ---------------------------------------------------------------- nothing lost (issue 34)
 
 def test_every_input_line_is_accounted_for(tok_dir, tmp_path, tok, caplog):

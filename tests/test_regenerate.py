@@ -277,6 +277,59 @@ def test_prompt_only_rows_get_an_answer(setup, local_run):
         assert prompts["ends-with-user"]["messages"][1]["content"] != "A fox and an owl."
 
 
+def test_rows_the_template_refuses_are_rejected_and_greetings_kept(setup, tmp_path):
+    """A row the chat template refuses (roles that do not alternate, as Mistral's and Gemma's
+    demand) is rejected, kind input, with the template's words, and the rows around it are
+    still answered; an assistant greeting before the first user turn has no prompt, so it is
+    kept as it is and only the turns after it are regenerated (the greeting's text is one
+    the tiny model answers with some text, not with nothing). Both crashed the run before,
+    and every re-run crashed at the same row."""
+    model = Path(shutil.copytree(setup[0], tmp_path / "strict"))
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == 'user' and "
+        "messages[loop.index0 - 1]['role'] == 'user' %}{{ raise_exception('Conversation "
+        "roles must alternate user/assistant') }}{% endif %}{% endfor %}" + TEMPLATE)
+    rows = [{"id": "good", "messages": [{"role": "user", "content": "Name a colour."}]},
+            {"id": "twice", "messages": [{"role": "user", "content": "Hi."},
+                                         {"role": "user", "content": "Again?"},
+                                         {"role": "assistant", "content": "Yes."}]},
+            {"id": "greeting", "messages": [
+                {"role": "assistant", "content": "I am a helpful bot."},
+                {"role": "user", "content": "Count to 3."},
+                {"role": "assistant", "content": "1 2 3"}]},
+            {"id": "greeting-only", "messages": [{"role": "assistant", "content": "Hi!"}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for turns in ("all", "last"):
+        out = tmp_path / turns
+        stats = regenerate(_cfg(setup, out, target=str(model), data=(str(data),), turns=turns))
+        assert stats["input"] == 4 and stats["ok"] + stats["failed"] == 4
+        rejects = {r["sample_id"]: r for r in _read(out / REJECTS)}
+        assert set(rejects) == {"twice", "greeting-only"}
+        assert rejects["twice"]["kind"] == "input"
+        assert "chat template failed" in rejects["twice"]["reason"]
+        assert "must alternate" in rejects["twice"]["reason"]
+        assert "after a user turn" in rejects["greeting-only"]["reason"]
+        ok = {r["id"]: r["messages"] for r in _read(out / OUTPUT)}
+        assert ok["good"][-1]["role"] == "assistant" and ok["good"][-1]["content"]
+        assert ok["greeting"][0] == rows[2]["messages"][0]  # the greeting, as it was
+        assert [m["role"] for m in ok["greeting"]][:2] == ["assistant", "user"]
+
+
+def test_empty_input_and_every_row_refused_say_what_to_do(setup, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(EyasError, match="the input files are empty"):
+        regenerate(_cfg(setup, tmp_path / "a", data=(str(empty),)))
+    assert json.loads((tmp_path / "a/eyas.json").read_text())["complete"] is False
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('[{"messages": [{"role": "user", "content": "hi"}]}]\nnot json\n')
+    with pytest.raises(EyasError) as err:
+        regenerate(_cfg(setup, tmp_path / "b", data=(str(bad),)))
+    assert "kind input" in str(err.value) and "new --out" in str(err.value)
+    assert "--retry-rejects" not in str(err.value)  # it retries server errors only
+
+
 def test_truncated_answers_are_kept_marked_and_end_the_conversation(setup, tmp_path):
     """With 1 new token every answer that is not empty is cut; turns=all stops at the cut."""
     gen = load_generator(setup[0], device="cpu")

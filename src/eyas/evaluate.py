@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,10 +395,14 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
-    prompts, prepared = load_prompts(cfg, tokenizer)
+    skipped: Counter = Counter()  # rows left out, by reason: in the report
+    prompts, prepared = load_prompts(cfg, tokenizer, skipped)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
-    prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg)
+    prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg, skipped)
+    if skipped:
+        log.warning("eval: rows left out of the prompts, by reason: %s (each is logged above)",
+                    ", ".join(f"{k} {n}" for k, n in sorted(skipped.items())))
     log.info("eval: %d prompts%s, k=%s, temperature %g, max %d new tokens, %s%s", len(prompts),
              f" ({', '.join(cfg.bench)} and their next turns)" if cfg.bench else "",
              list(cfg.k), cfg.temperature, cfg.max_new_tokens,
@@ -410,6 +415,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
                                                      tokenizer=tokenizer)
     measured = concat(list(sets.values()))
     report = summarize(cfg, measured, len(measured.prompt_ids), measured.prompt_ids)
+    report.skipped_prompts = dict(sorted(skipped.items()))
     if cfg.bench:
         report.by_set = by_set(sets)
         report.bench = {name: provenance(name) for name in cfg.bench}
@@ -430,11 +436,15 @@ def _room(max_positions: int, cfg: EvalConfig) -> int:
     return max_positions - cfg.max_new_tokens - max(cfg.k) - 1
 
 
-def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig) -> list[Prompt]:
-    """The prompts that leave room for max_new_tokens + k in the target's context."""
+def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig,
+             skipped: Counter | None = None) -> list[Prompt]:
+    """The prompts that leave room for max_new_tokens + k in the target's context (the others
+    counted in `skipped` as "too long")."""
     room = _room(max_positions, cfg)
     long = [p.id for p in prompts if len(p.ids) > room]
     if long:
+        if skipped is not None:
+            skipped["too long"] += len(long)
         log.warning("%d prompt(s) longer than %d tokens skipped (max_position_embeddings %d "
                     "minus --max-new-tokens and k): %s", len(long), room, max_positions,
                     long[:5])

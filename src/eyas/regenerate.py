@@ -234,7 +234,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
              "cut_short": counts["cut_short"], "cut_at_length": counts["cut_at_length"],
              "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")},
              "failed_by_kind_total": dict(on_disk)}
-    nothing = stats["ok_total"] == 0 and stats["input"] > 0  # not a result: `eyas run` retries
+    nothing = stats["ok_total"] == 0  # not a result: `eyas run` retries
     write_manifest(out, "regenerate", cfg, target=target, complete=not nothing, stats=stats,
                    **extras)
     log.info("regenerate: %d input rows = %d ok (%d of them truncated) + %d failed + %d done "
@@ -242,15 +242,36 @@ def regenerate(cfg: RegenerateConfig) -> dict:
              stats["ok"], stats["truncated"], stats["failed"], stats["skipped"], out,
              stats["ok_total"], OUTPUT, sum(on_disk.values()), REJECTS,
              ", ".join(f"{k} {n}" for k, n in sorted(on_disk.items())) or "none")
+    if stats["input"] == 0:
+        raise EyasError(f"no rows in {', '.join(cfg.data)}: the input files are empty; give "
+                        f"the chat data to regenerate (docs/formats.md)")
     if nothing:
         # An empty conversations.jsonl is not a result: say so before prepare finds it empty.
-        raise EyasError(
-            f"no conversation was regenerated: all {stats['input']} input rows failed "
-            f"({', '.join(f'{k} {n}' for k, n in sorted(on_disk.items()))}); the reason of "
-            f"each is in {out / REJECTS}. Fix the cause (kind server: is the server up and "
-            f"serving {cfg.served_model_name or cfg.target}?), then run the same command with "
-            f"--retry-rejects to retry the server errors")
+        raise EyasError(f"no conversation was regenerated: all {stats['input']} input rows "
+                        f"failed ({', '.join(f'{k} {n}' for k, n in sorted(on_disk.items()))}); "
+                        f"the reason of each is in {out / REJECTS}. {_what_to_do(cfg, on_disk)}")
     return stats
+
+
+def _what_to_do(cfg: RegenerateConfig, kinds: Counter) -> str:
+    """What a run whose every row failed should try next, for the kinds of its rejects."""
+    hints = []
+    if kinds.get("server"):
+        hints.append(f"kind server: is the server up and serving "
+                     f"{cfg.served_model_name or cfg.target}? Then run the same command with "
+                     f"--retry-rejects, which retries those rows")
+    if kinds.get("input"):
+        hints.append("kind input: the rows themselves (their format, or a chat template that "
+                     "refuses them); fix the data, then run with a new --out (an --out holds "
+                     "one input)")
+    if kinds.get("length"):
+        hints.append("kind length: raise --max-length or --max-new-tokens")
+    if kinds.get("empty"):
+        hints.append("kind empty: the target answered nothing; check its chat template and "
+                     "--reasoning")
+    if kinds.get("memory"):
+        hints.append("kind memory: lower --max-new-tokens or --batch-size")
+    return "; ".join(hints) or "Fix the cause and run again."
 
 
 def _target(cfg: RegenerateConfig):
@@ -301,10 +322,14 @@ def _jobs(cfg: RegenerateConfig, done: set, output: Output, counts: Counter,
 def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
     # An assistant turn that a tool turn answers is a tool call: the tool output that follows
     # belongs to that exact call, so such turns are kept as they are.
-    redo = [i for i, m in enumerate(messages) if m["role"] == "assistant"
+    # An assistant turn before any user turn (a greeting) has no prompt to answer: it is
+    # context, kept as it is (prepare trains on none of it either).
+    asked = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    redo = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > asked
             and (i + 1 == len(messages) or messages[i + 1]["role"] != "tool")]
     if not redo:
-        raise ChatFormatError("nothing to generate: no assistant turn to regenerate (tool calls "
+        raise ChatFormatError("nothing to generate: no assistant turn after a user turn to "
+                              "regenerate (tool calls and greetings before the first user turn "
                               "are kept) and no user or tool turn at the end to answer")
     return redo if turns == "all" else redo[-1:]
 
@@ -482,8 +507,11 @@ class Conversation:
         if self.result is not None:
             return None
         turn = self.job.turns[self.done]
-        prompt = render(self.messages[:turn])
         try:
+            try:
+                prompt = render(self.messages[:turn])
+            except ChatFormatError as err:  # e.g. roles that do not alternate as it demands
+                raise Rejected(f"message {turn}: {err}", "input") from None
             self.result = stop_at_length(self.messages, self.job, turn, len(prompt), self.cfg)
         except Rejected as err:
             self.result = err

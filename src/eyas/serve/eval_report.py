@@ -90,6 +90,9 @@ class EvalReport:
     # method and k on those prompts alone, with its own speed}; only with --bench
     by_set: dict[str, dict] = field(default_factory=dict)
     bench: dict[str, dict] = field(default_factory=dict)  # set -> package, sha256, license, ...
+    # rows of --data and the prompt sets left out of the prompts, by reason (malformed, no user
+    # turn, chat template failed, too long): each is logged with its row or id
+    skipped_prompts: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -393,6 +396,9 @@ def markdown(report: EvalReport) -> str:
         f"- {report.num_prompts} prompts, up to {report.max_new_tokens} new tokens, temperature "
         f"{report.temperature:g}, {report.settings}, {report.device} {report.dtype}",
         f"- lossless: {lossless}",
+        *([f"- rows left out of the prompts: "
+           f"{', '.join(f'{k} {n}' for k, n in report.skipped_prompts.items())} "
+           f"(each logged with its row or id)"] if report.skipped_prompts else []),
         "- mean acceptance length = 1 + accepted / drafts (bonus token included), as vLLM "
         "reports it: over the steps that drafted", STEP_NOTE, "",
         "| method | k | mean acceptance length | tokens per step | draft acceptance rate "

@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from eyas.targets.chat import THINK_CLOSE, THINK_OPEN
+from eyas.targets.masking import render
 from eyas.errors import EyasError
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ def stop_token_ids(generation_config, tokenizer) -> frozenset[int]:
 
 
 def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Prompt ids for the assistant turn that follows `messages`."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **(template_kwargs or {}))
+    """Prompt ids for the assistant turn that follows `messages` (ChatFormatError where the
+    chat template refuses them)."""
+    text = render(tokenizer, messages, add_generation_prompt=True,
+                  template_kwargs=template_kwargs)
     # The rendered template already holds BOS and every special token it needs.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

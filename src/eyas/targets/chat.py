@@ -149,7 +149,12 @@ def _eyas_own_files(folder: Path) -> tuple[str, ...]:
         return ()
     if not isinstance(manifest, dict) or "step" not in manifest:
         return ()  # a user's own eyas.json
-    return (MANIFEST, "rejects.jsonl") if manifest["step"] == "regenerate" else (MANIFEST,)
+    if manifest["step"] != "regenerate":  # its files are not conversations: read as rows,
+        # they would all be rejected, with no word of why
+        raise EyasError(f"{folder} is an `eyas {manifest['step']}` output, not chat data: give "
+                        f"--data the conversations it was made from (its {MANIFEST} names "
+                        f"them), or an `eyas regenerate` output folder")
+    return (MANIFEST, "rejects.jsonl")
 
 
 def _is_datasets_folder(path: Path) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,9 +77,10 @@ def _prepared_conversations(folder: Path, split: str):
         yield sid, json.loads(text)
 
 
-def _file_conversations(data: str):
-    """(sample id, messages) of every usable row; bad rows are logged with file and row.
-    Prompt-only rows (no assistant turn, e.g. MT-bench questions) are fine."""
+def _file_conversations(data: str, skipped: Counter):
+    """(sample id, messages) of every usable row; bad rows are logged with file and row and
+    counted in `skipped` ("malformed"). Prompt-only rows (no assistant turn, e.g. MT-bench
+    questions) are fine."""
     for file, row, item in chat.read_rows(data):
         try:
             if isinstance(item, chat.ChatFormatError):
@@ -86,12 +88,17 @@ def _file_conversations(data: str):
             messages = chat.normalize(item, need_assistant=False)
         except chat.ChatFormatError as err:
             log.warning("%s row %d skipped: %s", file, row, err)
+            skipped["malformed"] += 1
             continue
         yield chat.sample_id(item, file, row), messages
 
 
-def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "") -> list[Prompt]:
-    """The first `limit` renderable rows of (id, messages[, next questions]) as Prompts."""
+def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "",
+           skipped: Counter | None = None) -> list[Prompt]:
+    """The first `limit` renderable rows of (id, messages[, next questions]) as Prompts; the
+    others are logged and counted in `skipped` by reason ("no user turn": nothing asks for
+    the answer, e.g. a lone greeting; "chat template failed")."""
+    skipped = Counter() if skipped is None else skipped
     prompts = []
     for sid, messages, *more in rows:
         if len(prompts) == limit:
@@ -99,11 +106,16 @@ def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "") 
         if messages[-1]["role"] == "assistant":  # the prompt is what comes before it
             messages = messages[:max(i for i, m in enumerate(messages)
                                      if m["role"] == "assistant")]
+        if not any(m["role"] == "user" for m in messages):
+            log.warning("prompt %s skipped: no user turn before the answer to measure", sid)
+            skipped["no user turn"] += 1
+            continue
         try:
             ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": ""}],
                                 template_kwargs=template_kwargs)
         except chat.ChatFormatError as err:
             log.warning("prompt %s skipped: %s", sid, err)
+            skipped["chat template failed"] += 1
             continue
         questions = tuple(more[0]) if more else ()
         follow = FollowUp(tuple(messages), questions, tokenizer.chat_template,
@@ -132,7 +144,7 @@ def next_turn(prompt: Prompt, answer: list[int], tokenizer) -> Prompt:
 
 
 def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs: dict,
-                  cache: Path | None = None) -> list[Prompt]:
+                  cache: Path | None = None, skipped: Counter | None = None) -> list[Prompt]:
     """The first `limit` prompts of each named standard set (eyas.store.benchsets). Sets
     with next turns (MT-bench) are grouped as turn 1 (`mt-bench/turn-1`)."""
     prompts = []
@@ -142,14 +154,17 @@ def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs
         group = f"{name}/turn-1" if turns else name
         listed = [(f"{group}/{r['id'].rsplit('/', 1)[-1]}", r["messages"],
                    r.get("next_turns") or ()) for r in rows]
-        prompts += render(tokenizer, listed, limit, template_kwargs, group)
+        prompts += render(tokenizer, listed, limit, template_kwargs, group, skipped)
     return prompts
 
 
-def load_prompts(cfg, tokenizer) -> tuple[list[Prompt], dict | None]:
+def load_prompts(cfg, tokenizer, skipped: Counter | None = None
+                 ) -> tuple[list[Prompt], dict | None]:
     """The first `cfg.num_prompts` prompts of `cfg.data` and of each of `cfg.bench`'s sets,
     rendered with the training chat template (`chat_template`), and the prepared folder's
-    manifest if `cfg.data` is one. `cfg`: an eyas.evaluate.EvalConfig."""
+    manifest if `cfg.data` is one; the rows left out, by reason, are added to `skipped`.
+    `cfg`: an eyas.evaluate.EvalConfig."""
+    skipped = Counter() if skipped is None else skipped
     path = Path(cfg.data) if cfg.data else None
     prepared = (read_manifest(path, step="prepare")
                 if path is not None and (path / MANIFEST).is_file() else None)
@@ -157,14 +172,14 @@ def load_prompts(cfg, tokenizer) -> tuple[list[Prompt], dict | None]:
     prompts = []
     if path is not None:
         rows = (_prepared_conversations(path, cfg.split) if prepared
-                else _file_conversations(cfg.data))
+                else _file_conversations(cfg.data, skipped))
         prompts = render(tokenizer, rows, cfg.num_prompts, template_kwargs,
-                         "data" if cfg.bench else "")
+                         "data" if cfg.bench else "", skipped)
         if not prompts:
             raise EyasError(f"no usable prompt in {cfg.data}; check --data (and --split for a "
                             f"prepared folder)")
         if len(prompts) < cfg.num_prompts:
             log.info("using all %d prompts of %s (fewer than --num-prompts %d)", len(prompts),
                      cfg.data, cfg.num_prompts)
-    return prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts, template_kwargs), \
-        prepared
+    return prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts, template_kwargs,
+                                   skipped=skipped), prepared
