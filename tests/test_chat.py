@@ -154,7 +154,7 @@ def test_jsonl_rows_bad_lines_and_line_numbers(tmp_path):
     assert file == str(path) and row == 1
 
 
-def test_json_list_object_and_jsonl_in_json(tmp_path):
+def test_json_list_object_and_jsonl_in_json(tmp_path, caplog):
     (tmp_path / "list.json").write_text(json.dumps([SHAREGPT, {"messages": MESSAGES}]))
     (tmp_path / "wrapped.json").write_text(json.dumps({"data": [SHAREGPT]}))
     (tmp_path / "one.json").write_text(json.dumps(SHAREGPT))
@@ -165,6 +165,15 @@ def test_json_list_object_and_jsonl_in_json(tmp_path):
     assert [r.data for r in rows_of(tmp_path / "one.json")] == [SHAREGPT]
     assert [(r.row, r.data) for r in rows_of(tmp_path / "lines.json")] == [
         (1, SHAREGPT), (2, SHAREGPT)]
+    # and the other way round: a JSON list saved as .jsonl (pretty-printed, or on one line)
+    # was one reject per line; it is read as JSON, with a warning that names the file
+    (tmp_path / "pretty.jsonl").write_text("\ufeff" + json.dumps([SHAREGPT, SHAREGPT], indent=2))
+    (tmp_path / "flat.jsonl.gz").write_bytes(gzip.compress(json.dumps([SHAREGPT]).encode()))
+    with caplog.at_level("WARNING", logger="eyas"):
+        assert [(r.row, r.data) for r in rows_of(tmp_path / "pretty.jsonl")] == [
+            (0, SHAREGPT), (1, SHAREGPT)]
+        assert [r.data for r in rows_of(tmp_path / "flat.jsonl.gz")] == [SHAREGPT]
+    assert "pretty.jsonl starts with '[': a JSON list, not JSON Lines" in caplog.text
 
 
 def test_parquet_rows(tmp_path):

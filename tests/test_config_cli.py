@@ -66,6 +66,9 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
     bad.write_text("nope: 1\n")
     assert cli.main(["run", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["run", str(tmp_path)]) == 2  # a folder is not "missing"
+    assert f"config file {tmp_path} is a folder; give the path of a YAML file" in \
+        capsys.readouterr().err
 
 
 def test_broken_configs_and_a_fake_gguf_are_one_line_errors(tmp_path, capsys):

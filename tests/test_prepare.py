@@ -572,6 +572,9 @@ def test_an_output_of_another_step_is_refused_as_data(tok_dir, tmp_path):
     run_prepare(tok_dir, [tmp_path / "ok.jsonl"], tmp_path / "p1")
     with pytest.raises(EyasError, match=r"p1 is an `eyas prepare` output, not chat data"):
         run_prepare(tok_dir, [tmp_path / "p1"], tmp_path / "p2")
+    with pytest.raises(EyasError, match=r"p1 is a folder; give --chat-template the path"):
+        run_prepare(tok_dir, [tmp_path / "ok.jsonl"], tmp_path / "p3",
+                    chat_template=str(tmp_path / "p1"))
 
 
 # ---------------------------------------------------------------- nothing lost (issue 34)

@@ -111,7 +111,9 @@ def from_dict(cls, values: dict[str, Any]):
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} "
+                          f"{'is a folder' if path.is_dir() else 'does not exist'}; give the "
+                          f"path of a YAML file")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:

@@ -120,7 +120,9 @@ def load_tokenizer(cfg: PrepareConfig):
     if cfg.chat_template:
         path = Path(cfg.chat_template)
         if not path.is_file():
-            raise EyasError(f"chat template file {path} does not exist; fix --chat-template")
+            raise EyasError(f"chat template file {path} "
+                            f"{'is a folder' if path.is_dir() else 'does not exist'}; give "
+                            f"--chat-template the path of a .jinja file")
         tok.chat_template = path.read_text()
     if not tok.chat_template:
         raise EyasError(f"the tokenizer of {name} has no chat template; give the one the "

@@ -181,7 +181,7 @@ def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False) -> Iterato
             yield from _read_datasets_folder(path)
         elif path.name.endswith(".parquet"):
             yield from _guarded(path, _read_parquet(path), first=0)
-        elif path.name.endswith((".json", ".json.gz")):
+        elif path.name.endswith((".json", ".json.gz")) or _holds_an_array(path):
             yield from _guarded(path, _read_json(path, blank_lines), first=0)
         else:
             yield from _guarded(path, _read_jsonl(path, _binary_lines(path), blank_lines),
@@ -199,6 +199,22 @@ def _guarded(path: Path, rows: Iterator[RawRow], first: int) -> Iterator[RawRow]
     except (OSError, EOFError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
         yield RawRow(str(path), row, ChatFormatError(
             f"file unreadable from here on ({type(err).__name__}: {err})"))
+
+
+def _holds_an_array(path: Path) -> bool:
+    """Whether a JSON Lines file starts with `[`: a JSON list saved as .jsonl, which read line
+    by line would be one reject per line (one per pretty-printed line). Read as JSON instead,
+    and said so (its rows are then numbered from 0, as in a .json file)."""
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except (OSError, EOFError):
+        return False  # read as JSON Lines, where the error becomes a reject
+    if head.startswith(b"["):
+        log.warning("%s starts with '[': a JSON list, not JSON Lines; read as JSON (rows "
+                    "numbered from 0; rename it to .json to say so)", path)
+        return True
+    return False
 
 
 def _binary_lines(path: Path) -> Iterator[bytes]:

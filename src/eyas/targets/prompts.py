@@ -54,8 +54,10 @@ def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
     if template:
         path = Path(template)
         if not path.is_file():
-            raise EyasError(f"chat template file {path} does not exist; pass the template the "
-                            f"target is served with as --chat-template FILE.jinja")
+            raise EyasError(f"chat template file {path} "
+                            f"{'is a folder' if path.is_dir() else 'does not exist'}; pass "
+                            f"the template the target is served with as --chat-template "
+                            f"FILE.jinja")
         tokenizer.chat_template = path.read_text()
         if not cfg.chat_template:  # a file the prepared folder names: it must be that one
             check_template_hash(tokenizer, prepared or {}, str(path))
