@@ -401,7 +401,7 @@ def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
                           "tokens": sum(train["num_tokens"]),
                           "masked_tokens": sum(map(sum, train["loss_mask"])),
                           "train": 2, "eval": 0, "blank_lines": 0, "rows": 2,
-                          "duplicate_ids": 0}
+                          "duplicate_ids": 0, "empty_answers": 0}
     assert m["max_position_embeddings"] == 4096  # the tiny llama's: 300 is below it
     assert len(m["chat_template_hash"]) == 16 and m["vocab_size"] == 2048
     assert m["data_files"][0]["path"] == str(tmp_path / "data" / "b.json")
@@ -563,6 +563,21 @@ def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(EyasError, match="no rows in .*empty"):
         run_prepare(tok_dir, [tmp_path / "empty.jsonl"], tmp_path / "out2")
+
+
+def test_empty_answers_are_counted_and_named(tok_dir, tmp_path, caplog):
+    # an assistant turn of no text trains only its end-of-turn token (the draft learns to end
+    # answers at once); it is kept, as the data says, but counted and named, never silent
+    caplog.set_level(logging.WARNING, logger="eyas")
+    empty = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": " "}]
+    rows = [{"id": "fine", "messages": PLAIN}, {"id": "hollow", "messages": empty}]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = run_prepare(tok_dir, [tmp_path / "x.jsonl"], tmp_path / "out")
+    assert (s.kept, s.empty_answers) == (2, 1)
+    assert "1 kept conversation(s) hold an assistant turn with no text" in caplog.text
+    assert "'hollow'" in caplog.text
+    stats = json.loads((tmp_path / "out/eyas.json").read_text())["stats"]
+    assert stats["empty_answers"] == 1
 
 
 def test_an_output_of_another_step_is_refused_as_data(tok_dir, tmp_path):

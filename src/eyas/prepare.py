@@ -106,6 +106,9 @@ class PrepareSummary:
     rows: int = 0  # every input row and blank line: kept + dropped_too_long + rejected + blank
     duplicate_ids: int = 0  # kept rows whose sample id an earlier kept row has
     max_length: int = 0  # the limit applied: --max-length, or the target's, if smaller
+    # kept rows with an assistant turn of no text (nor a tool call): only its end-of-turn
+    # token is trained on there, which teaches the draft to end answers at once
+    empty_answers: int = 0
 
 
 # ---------------------------------------------------------------- the step
@@ -200,11 +203,15 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
              truncate: bool) -> dict:
     """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected."""
     out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
-           "status": "blank" if rec["blank"] else "rejected", "reason": rec["error"]}
+           "status": "blank" if rec["blank"] else "rejected", "reason": rec["error"],
+           "empty_answer": False}
     if rec["error"]:
         return out
+    messages = json.loads(rec["messages_json"])
+    out["empty_answer"] = any(m["role"] == "assistant" and not m.get("tool_calls")
+                              and not str(m.get("content") or "").strip() for m in messages)
     try:
-        ids, mask = tokenize_conversation(tokenizer, json.loads(rec["messages_json"]),
+        ids, mask = tokenize_conversation(tokenizer, messages,
                                           truncated=rec["truncated"], **mask_kwargs)
     except ChatFormatError as err:
         out["reason"] = str(err)
@@ -236,6 +243,7 @@ def _features():
         "blank": datasets.Value("bool"), "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
         "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
         "status": datasets.Value("string"), "reason": datasets.Value("string"),
+        "empty_answer": datasets.Value("bool"),
     })
 
 
@@ -383,6 +391,13 @@ def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int,
     num_tokens = np.asarray(ds["num_tokens"], dtype=np.int64)[kept]
     num_masked = np.asarray(ds["num_masked"], dtype=np.int64)[kept]
     cut_answer = np.asarray(ds["truncated"], dtype=bool)[kept]
+    empty = np.asarray(ds["empty_answer"], dtype=bool)[kept]
+    if empty.any():
+        ids = [ds[int(i)]["sample_id"] for i in kept[empty][:5]]
+        log.warning("%d kept conversation(s) hold an assistant turn with no text (and no tool "
+                    "call), e.g. %s: only its end-of-turn token is trained on, which teaches "
+                    "the draft to end answers at once; drop or fill those turns (eyas "
+                    "regenerate answers them)", int(empty.sum()), ids)
     return PrepareSummary(
         kept=len(kept), dropped_too_long=int((status == "too_long").sum()),
         truncated=int((status == "truncated").sum()),
@@ -391,7 +406,7 @@ def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int,
         train=len(train_rows), eval=len(eval_rows), out=str(out),
         blank_lines=int((status == "blank").sum()), rows=len(status),
         duplicate_ids=_duplicate_ids(ds.select(kept.tolist())["sample_id"]),
-        max_length=max_length)
+        max_length=max_length, empty_answers=int(empty.sum()))
 
 
 def _log_summary(s: PrepareSummary, out: Path) -> None:
