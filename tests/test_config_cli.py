@@ -71,6 +71,19 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_ctrl_c_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
+    """Ctrl-C in a step other than train (which stops itself) printed ~40 lines of traceback
+    ending in KeyboardInterrupt; it is one line and exit code 130, as train's own stop."""
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    real = cli._load
+    monkeypatch.setattr(cli, "_load", lambda command: (interrupted, real(command)[1]))
+    assert cli.main(["prepare", "--target", "t", "--data", "d", "--out", "o"]) == 130
+    assert capsys.readouterr().err.strip().endswith(
+        "eyas prepare: interrupted; run the same command again to resume where it stopped")
+
+
 def test_broken_configs_and_a_fake_gguf_are_one_line_errors(tmp_path, capsys):
     # Issue 34: malformed YAML and a !!python tag (refused by safe_load, never run) ended in
     # raw tracebacks; a text file named x.gguf must be a clear error too.

@@ -103,3 +103,26 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     open(pipeline, "w").write(yaml.safe_dump(spec))
     ran = [p.step for p in plan(RunConfig(pipeline=pipeline)) if p.action == "run"]
     assert ran == ["vocab", "train", "export", "eval"]
+
+    # a finished train run re-run (here its lr changed) starts over, the old run moved aside:
+    # it used to resume at its last step and train nothing, under the new config's name
+    spec["vocab"]["draft_vocab_size"] += 1
+    spec["train"]["lr"] = spec["train"].get("lr", 1e-3) / 2
+    open(pipeline, "w").write(yaml.safe_dump(spec))
+    plans = plan(RunConfig(pipeline=pipeline))
+    train_plan = next(p for p in plans if p.step == "train")
+    assert train_plan.start_over and "its config changed (lr)" in train_plan.reason
+    assert not next(p for p in plans if p.step == "vocab").start_over  # (train only)
+    before = (out / "work" / "draft" / "model.safetensors").read_bytes()
+    run(RunConfig(pipeline=pipeline))
+    steps = [json.loads(ln)["step"] for ln in
+             (out / "work" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] <= 1 and (out / "work" / "train.previous" / "eyas.json").is_file()
+    assert (out / "work" / "draft" / "model.safetensors").read_bytes() != before
+    assert all(p.action == "skip" for p in run(RunConfig(pipeline=pipeline, dry_run=True)))
+    # an interrupted run with the same settings and inputs resumes (nothing moved aside)
+    record = json.loads((out / "work" / "train" / "eyas.json").read_text())
+    (out / "work" / "train" / "eyas.json").write_text(json.dumps({**record, "complete": False}))
+    train_plan = next(p for p in plan(RunConfig(pipeline=pipeline)) if p.step == "train")
+    assert train_plan.action == "run" and not train_plan.start_over
+    assert "interrupted" in train_plan.reason

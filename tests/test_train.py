@@ -909,6 +909,18 @@ def test_fp8_training_tracks_fp32(run_inputs, tmp_path):
 
 
 
+def test_a_torn_metrics_line_does_not_stop_a_resume(tmp_path, caplog):
+    """A crash or power loss can leave half a line at the end of metrics.jsonl: the resume
+    drops it with a warning (it ended in a JSONDecodeError traceback)."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"kind": "train", "step": 1, "loss": 3.0}\n{"kind": "train", "step": 2, "lo')
+    log = checkpoint.MetricsLog(tmp_path, resume_step=1)
+    log.close()
+    assert [json.loads(ln)["step"] for ln in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert "an unreadable line dropped on resume" in caplog.text
+
+
 def test_metrics_go_to_jsonl_and_tensorboard_and_resume_drops_lost_steps(tmp_path):
     """metrics.jsonl and TensorBoard get the same scalars (lists as one scalar per TTT step);
     after a kill at step 3 the records of steps 4-5 are dropped from both."""

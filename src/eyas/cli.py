@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, EyasError) as err:
         print(f"eyas {args.command}: error: {err}", file=sys.stderr)
         return _exit_code(err)
+    except KeyboardInterrupt:  # Ctrl-C: what was written stays, and every step resumes
+        print(f"eyas {args.command}: interrupted; run the same command again to resume where "
+              f"it stopped", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class Plan:
     out: Path
     action: str  # "run" | "skip"
     reason: str
+    start_over: bool = False  # train only: the run in `out` is moved aside first
 
 
 def _step_config(step: str, spec: dict, work: Path):
@@ -124,17 +126,40 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     manifest = json.loads(path.read_text())
     if manifest.get("complete") is False:
         return False, "the previous run was interrupted: the step resumes"
+    changed = _config_changes(cfg, manifest)
+    if changed:
+        return False, f"config changed ({', '.join(changed)})"
+    return True, "up to date"
+
+
+def _config_changes(cfg, manifest: dict) -> list[str]:
+    """The options of `cfg` that differ from those the manifest's run was made with."""
     old, new = manifest.get("config") or {}, _normalise(cfg)
     # an option the step gained since (no key in the manifest) is a change only if set now
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)
                 if f.default is not dataclasses.MISSING}
     gained = {k for k, v in new.items()
               if k not in old and k in defaults and v == _normalise(defaults[k])}
-    changed = sorted(k for k in set(old) | set(new)
-                     if k not in gained and old.get(k) != new.get(k))
+    return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))
+
+
+def _starts_over(cfg, out: Path, upstream_ran: bool, forced: bool) -> str:
+    """Why a train step that runs must not resume the run in `out` ("" if it may): a finished
+    run re-run (its config or inputs changed, or --force) would resume at its last step and
+    train nothing, and an interrupted one resumed on other inputs or settings would mix
+    them. The pipeline moves such a run aside first (`run`)."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return ""
+    manifest = json.loads(path.read_text())
+    changed = _config_changes(cfg, manifest)
+    if upstream_ran:
+        return "its inputs changed"
     if changed:
-        return False, f"config changed ({', '.join(changed)})"
-    return True, "up to date"
+        return f"its config changed ({', '.join(changed)})"
+    if manifest.get("complete") is not False:
+        return "forced" if forced else "it finished"
+    return ""
 
 
 def plan(cfg: RunConfig) -> list[Plan]:
@@ -162,7 +187,11 @@ def plan(cfg: RunConfig) -> list[Plan]:
             ok, why = False, "forced" if cfg.force else "--from-step"
         else:
             ok, why = _up_to_date(step_cfg, out, upstream_ran)
-        plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why))
+        again = "" if ok or step != "train" else \
+            _starts_over(step_cfg, out, upstream_ran, cfg.force or cfg.from_step == step)
+        if again:
+            why += f"; training starts over ({again}), the old run moved to {out.name}.previous"
+        plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
     return plans
 
@@ -179,6 +208,12 @@ def run(cfg: RunConfig) -> list[Plan]:
             continue
         module, fn, _ = STEP_FUNCS[p.step]
         log.info("== eyas %s ==", p.step)
+        if p.start_over:  # (see _starts_over)
+            aside = p.out.with_name(p.out.name + ".previous")
+            if aside.exists():
+                shutil.rmtree(aside)
+            p.out.rename(aside)
+            log.info("train: the earlier run moved to %s", aside)
         try:
             getattr(importlib.import_module(module), fn)(p.config)
         except EyasError as err:

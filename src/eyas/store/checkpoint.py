@@ -224,8 +224,14 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         kept = []
         if self.path.is_file() and resume_step > 0:  # drop records of steps lost with a kill
-            rows = [(ln, json.loads(ln)) for ln in self.path.read_text().splitlines()
-                    if ln.strip()]
+            rows = []
+            for ln in self.path.read_text().splitlines():
+                try:
+                    rows.append((ln, json.loads(ln)))
+                except ValueError:  # a line torn by a crash or power loss: not a record
+                    if ln.strip():
+                        log.warning("%s: an unreadable line dropped on resume: %.80s",
+                                    self.path, ln)
             kept = [ln for ln, r in rows if r.get("step", 0) <= resume_step
                     and not (eval_due and r.get("kind") == "eval"
                              and r.get("step") == resume_step)]
