@@ -1037,6 +1037,31 @@ def test_a_parameter_without_gradient_after_the_first_step_is_an_error():
                                                                           unreached=[]))
 
 
+def test_resume_on_another_vocab_is_refused_and_a_new_length_warned(run_inputs, tmp_path,
+                                                                      caplog):
+    """A killed run resumed with another --vocab of the same size mixed them: the checkpoint's
+    d2t/t2d came back while the teacher head was built from the new vocab's rows. It is
+    refused with the fix; a new --max-steps is allowed (a run may be lengthened) but warned
+    about, since the learning rate jumps to the new schedule."""
+    from eyas.prepare import PrepareConfig, prepare
+    from eyas.targets.corpus import synthetic_chats
+    from eyas.vocab import VocabConfig, vocab
+
+    train(_cfg(run_inputs, tmp_path / "run", max_steps=2, save_every=2))
+    chats = tmp_path / "other.jsonl"  # other conversations: other token counts
+    chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(12, seed=7)))
+    prepare(PrepareConfig(target=run_inputs["target"], data=(str(chats),),
+                          out=str(tmp_path / "prepared"), max_length=256))
+    vocab(VocabConfig(data=(str(tmp_path / "prepared"),), out=str(tmp_path / "vocab"),
+                      draft_vocab_size=256))
+    with pytest.raises(EyasError, match=r"another draft vocabulary than --vocab's.*--resume never"):
+        train(_cfg(run_inputs, tmp_path / "run", max_steps=3, vocab=str(tmp_path / "vocab")))
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(run_inputs, tmp_path / "run", max_steps=3))
+    assert "started with --max-steps 2, resumed with 3" in caplog.text
+    assert checkpoint.read_pointer(tmp_path / "run", "last").name == "step-00000003"
+
+
 def test_resume_of_a_draft_with_other_norms_names_the_flags(run_inputs, tmp_path):
     # a run started before EAGLE 3.1 became the default, resumed with today's defaults
     plain = dict(norm_before_fc=False, norm_output=False)

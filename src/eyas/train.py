@@ -514,7 +514,7 @@ def train(cfg: TrainConfig) -> dict:
                                                    cfg.lr_decay))
     start, best = 0, {"step": None, "sim_acceptance_length": None}
     record = dcfg.to_dict()  # the run's draft_config.json
-    state = resume(cfg, env, model, optimizer, scheduler, plan, record)
+    state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft)
     if state is not None:
         start, best = state["step"], state["best"]
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first

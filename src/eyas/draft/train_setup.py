@@ -485,14 +485,18 @@ def check_gradients(model: torch.nn.Module, cfg: TrainConfig,
 
 
 def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
-           record: dict) -> dict | None:
+           record: dict, draft=None) -> dict | None:
     """The trainer state of the checkpoint this run continues (weights, optimizer, schedule
     and RNG restored into the given objects), or None for a fresh run. A checkpoint of another
-    draft (`record`: this run's draft_config.json) or another data plan is refused."""
+    draft (`record`: this run's draft_config.json), of another draft vocabulary than `draft`'s
+    (its d2t/t2d, from --vocab) or of another data plan is refused; another --epochs or
+    --max-steps is warned about."""
     path = resume_path(cfg, env)
     if path is None:
         return None
     check_same_draft(path, record)
+    check_same_run(cfg, warn=env.main)
+    t2d = None if draft is None or getattr(draft, "t2d", None) is None else draft.t2d.clone()
     if env.main:
         _warn_recipe_changes(cfg)
     try:
@@ -506,11 +510,35 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         f"started with"
                         + (f" ({started})" if started else "")
                         + ", or start over with --resume never.") from err
+    check_same_vocab(path, draft, t2d)
     if state["plan"] != plan.fingerprint:
         raise EyasError(f"{path} was trained with other data or batching (samples, "
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
                         f"--grad-accum); resume with the same settings or use --resume never.")
     return state
+
+
+def check_same_run(cfg: TrainConfig, warn: bool = True) -> None:
+    """Warn when --epochs / --max-steps changed on resume: a run may be lengthened, but its
+    learning-rate schedule then jumps to the new length's."""
+    old = started_config(cfg.out)
+    for name in ("epochs", "max_steps"):
+        if name in old and old[name] != getattr(cfg, name) and warn:
+            flag = name.replace("_", "-")
+            log.warning("the run in %s was started with --%s %s, resumed with %s: the learning "
+                        "rate follows the new length's schedule from here (it jumps); resume "
+                        "with --%s %s to keep the old one, or start over with --resume never",
+                        cfg.out, flag, old[name], getattr(cfg, name), flag, old[name])
+
+
+def check_same_vocab(path: Path, draft, t2d: torch.Tensor | None) -> None:
+    """Refuse a checkpoint whose draft vocabulary (restored with its weights) is not the one
+    of --vocab (`t2d`, this run's): its head rows and the teacher's would be other tokens."""
+    if t2d is not None and not torch.equal(draft.t2d.cpu(), t2d.cpu()):
+        raise EyasError(f"{path} was trained with another draft vocabulary than --vocab's (same "
+                        f"size, other tokens): give the --vocab folder the run started with "
+                        f"(its eyas.json lists it under inputs), or start over with --resume "
+                        f"never (or a new --out).")
 
 
 def started_config(out: str | Path) -> dict:
