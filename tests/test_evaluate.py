@@ -236,6 +236,19 @@ def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
     assert [r.method for r in report.results] == ["target", "ngram"]
     assert report.mean_acceptance_length == {"2": report.result("ngram", 2).mean_acceptance_length}
 
+    # --out: an earlier eval's folder is written again; a user's own report.md (no manifest)
+    # and another step's folder are refused, and left as they were (they were overwritten)
+    evaluate(EvalConfig(target=str(llama_dir), data=str(prepared), out=str(tmp_path / "r"),
+                        k=(2,), **SMALL))
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    for out, why in ((mine, "files eyas did not write"), (prepared, "output of `eyas prepare`")):
+        with pytest.raises(EyasError, match=why):
+            evaluate(EvalConfig(target=str(llama_dir), data=str(prepared), out=str(out),
+                                k=(2,), **SMALL))
+    assert (mine / "report.md").read_text() == "my notes" and not (mine / "eyas.json").exists()
+
 
 def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path):
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),

@@ -6,6 +6,7 @@ and its `Eagle3LlamaForCausalLM` weights and logits); see docs/export.md for how
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -430,6 +431,18 @@ def test_which_picks_best_last_or_a_step(tmp_path):
         ExportConfig(checkpoint="x", out="y", which="latest")
     with pytest.raises(ConfigError, match="does not load in sglang"):
         ExportConfig(checkpoint="x", out="y", format="sglang", layout="layers.0")
+
+
+def test_an_unfinished_run_exports_with_a_warning_and_says_so(tmp_path, caplog):
+    """A killed (or still running) training exported silently; its README read '? optimizer
+    steps'. It still exports (a step of a long run is worth trying) but says so."""
+    make_run(tmp_path / "run", draft_config())
+    manifest = tmp_path / "run" / "eyas.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "complete": False}))
+    with caplog.at_level(logging.WARNING):
+        out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    assert "is unfinished (killed, or still training): exporting its best" in caplog.text
+    assert "`eyas train`, **unfinished**" in (out / "README.md").read_text()
 
 
 def test_out_folder_is_replaced_only_when_it_is_an_export(tmp_path):

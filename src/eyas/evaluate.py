@@ -28,8 +28,8 @@ from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
                                     mismatch_message, summarize, write_report)
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
-from eyas.store.manifest import (MANIFEST, check_same_target, read_manifest, target_record,
-                                 write_manifest)
+from eyas.store.manifest import (MANIFEST, check_out, check_same_target, read_manifest,
+                                 target_record, write_manifest)
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
 from eyas.dflash.model import DFlashDraft
@@ -391,7 +391,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     larger than the dtype's rounding."""
     from eyas.targets.models import load_config, load_tokenizer, text_config
 
-    out = _claim_out(Path(cfg.out))
+    out = _claim_out(Path(cfg.out), cfg)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
@@ -534,8 +534,15 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict |
     return sets, parts[0][1], parts[0][2]
 
 
-def _claim_out(out: Path) -> Path:
-    if (out / MANIFEST).is_file():
-        read_manifest(out, step="eval")  # refuse another step's folder
+# what `eyas eval` writes into --out
+EVAL_FILES = ("report.json", "report.md", "al_vs_k.png", "acceptance_by_position.png")
+
+
+def _claim_out(out: Path, cfg: EvalConfig) -> Path:
+    """--out: missing, empty or an earlier eval's (never a user's own report.md, nor another
+    step's folder: eyas' one --out policy), marked as eval's at once, unfinished, so that an
+    eval killed while writing its report is its own output the next time."""
+    check_out(out, "eval", own=EVAL_FILES)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, "eval", cfg, complete=False)
     return out

@@ -265,6 +265,10 @@ def export(cfg: ExportConfig) -> Path:
     """Write the draft folder `cfg.out` (validated first) and return its path."""
     step, run = find_checkpoint(cfg.checkpoint, cfg.which)
     train = read_manifest(run, step="train") if run and (run / MANIFEST).is_file() else None
+    if train is not None and train.get("complete") is False:
+        log.warning("the run in %s is unfinished (killed, or still training): exporting its "
+                    "%s, %s; the same `eyas train` command resumes the run to its end (the "
+                    "README says the draft is unfinished)", run, cfg.which, step.name)
     dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text())) \
         if (step / "draft_config.json").is_file() else None
     if dflash is not None:

@@ -96,7 +96,12 @@ def _training_lines(train: dict | None) -> list[str]:
     if train is None:
         return ["## Training", "", "Not recorded (the checkpoint had no run manifest).", ""]
     config, best = train.get("config") or {}, train.get("best") or {}
-    out = ["## Training", "", f"`eyas train`, {train.get('steps', '?')} optimizer steps"
+    if train.get("complete") is False:  # killed, or still training, when it was exported
+        head = ("`eyas train`, **unfinished** (the run had not ended when this step was "
+                "exported; its schedule had steps left)")
+    else:
+        head = f"`eyas train`, {train.get('steps', '?')} optimizer steps"
+    out = ["## Training", "", head
            + (f"; exported step {best['step']} had {_simulated(best)} on held-out data"
               if best.get("step") else "")
            + ". Settings:", ""]
