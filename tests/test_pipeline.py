@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import yaml
@@ -52,6 +53,22 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
+
+
+def test_a_half_saved_demo_target_is_trained_again(tmp_path):
+    """A demo killed while saving its target left config.json alone, which every later run
+    took for a trained target and then failed to load; the target is now saved beside and
+    renamed, and a folder without weights or tokenizer is trained again."""
+    from eyas.demo import pretrain_target
+    from eyas.targets.corpus import synthetic_chats
+
+    half = tmp_path / "target"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    out = pretrain_target(half, synthetic_chats(20, seed=0), hidden=32, layers=1, steps=2,
+                          seed=0)
+    assert (out / "tokenizer.json").is_file() and list(out.glob("*.safetensors"))
+    assert not (tmp_path / "target.tmp").exists()
 
 
 def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tmp_path, caplog):
@@ -126,3 +143,13 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     train_plan = next(p for p in plan(RunConfig(pipeline=pipeline)) if p.step == "train")
     assert train_plan.action == "run" and not train_plan.start_over
     assert "interrupted" in train_plan.reason
+
+    # the same data path with other rows is other data: prepare runs again (it was skipped)
+    (out / "work" / "train" / "eyas.json").write_text(json.dumps(record))  # (finished again)
+    data = Path(spec["data"])  # (the demo writes an absolute path)
+    text = data.read_text()
+    data.write_text("".join(text.splitlines(keepends=True)[:-1]))
+    prepare_plan = next(p for p in plan(RunConfig(pipeline=pipeline)) if p.step == "prepare")
+    assert prepare_plan.action == "run" and "its input data changed" in prepare_plan.reason
+    data.write_text(text)
+    assert all(p.action == "skip" for p in plan(RunConfig(pipeline=pipeline)))

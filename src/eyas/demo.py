@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,8 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
 
     from eyas.targets.tiny import tiny_config, tiny_tokenizer
 
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file() and \
+            any(out.glob("*.safetensors")):
         log.info("target already trained at %s", out)
         return out
     tokenizer = tiny_tokenizer()
@@ -86,8 +88,15 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
         if step % 50 == 0 or step == steps - 1:
             log.info("target step %d/%d loss %.3f (%.0fs)", step, steps, loss.item(),
                      time.time() - start)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    # saved beside, then renamed: a demo killed while saving leaves no half target that the
+    # next run would take for a trained one (config.json alone, no weights or tokenizer)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():  # (a half target left by an older eyas)
+        shutil.rmtree(out)
+    tmp.rename(out)
     return out
 
 

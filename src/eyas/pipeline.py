@@ -129,7 +129,29 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     changed = _config_changes(cfg, manifest)
     if changed:
         return False, f"config changed ({', '.join(changed)})"
+    moved = _data_changes(cfg, manifest)
+    if moved:
+        return False, f"its input data changed ({moved})"
     return True, "up to date"
+
+
+def _data_changes(cfg, manifest: dict) -> str:
+    """For a step that records what its chat data held (prepare, regenerate: `data_files`),
+    the first file whose content is not what it was then ("" if none): the same path with
+    other rows is other data."""
+    if "data_files" not in manifest or not getattr(cfg, "data", None):
+        return ""
+    from eyas.targets.chat import source_fingerprints
+
+    try:
+        now = _normalise(source_fingerprints(cfg.data))
+    except EyasError as err:
+        return f"it cannot be read: {err}"
+    was = {json.dumps(x, sort_keys=True) for x in manifest["data_files"] or []}
+    moved = [x.get("path") for x in now if json.dumps(x, sort_keys=True) not in was]
+    if not moved and len(now) != len(was):
+        return "a file of it is gone"
+    return f"{moved[0]} differs" if moved else ""
 
 
 def _config_changes(cfg, manifest: dict) -> list[str]:
