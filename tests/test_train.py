@@ -717,7 +717,8 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatc
     man = json.loads((other_vocab / "eyas.json").read_text())
     man["target"]["hidden_size"] = 4096
     (other_vocab / "eyas.json").write_text(json.dumps(man))
-    with pytest.raises(EyasError, match="re-run that step"):
+    with pytest.raises(EyasError, match=r"`eyas prepare --target .*`, then `eyas vocab` on "
+                                        r"that folder: vocab has no --target"):
         train(_cfg(run_inputs, tmp_path / "r1", vocab=str(other_vocab)))
     # an eval capture of other aux layers
     other = tmp_path / "captured"

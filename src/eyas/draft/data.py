@@ -130,7 +130,10 @@ def open_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inp
     inputs = _online_inputs(cfg, device, model_dtype) if cfg.online else _offline_inputs(cfg)
     if vocab is not None:
         d2t, t2d, vman = vocab
-        check_same_target(vman.get("target"), inputs.target, f"the vocab folder {cfg.vocab}")
+        name = inputs.target.get("name_or_path")
+        check_same_target(vman.get("target"), inputs.target, f"the vocab folder {cfg.vocab}",
+                          fix=f"make one for it (`eyas prepare --target {name}`, then `eyas "
+                              f"vocab` on that folder: vocab has no --target)")
         inputs.d2t, inputs.t2d = d2t, t2d
         inputs.manifests.append(vman)
     return inputs

@@ -231,8 +231,10 @@ def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
                         f"FILE.jinja, or prepare the data again with this one.")
 
 
-def check_same_target(found: dict | None, expected: dict | None, what: str) -> None:
-    """Refuse an artifact made for another target (different name or tokenizer/shape)."""
+def check_same_target(found: dict | None, expected: dict | None, what: str,
+                      fix: str = "") -> None:
+    """Refuse an artifact made for another target (different name or tokenizer/shape); `fix`
+    says how to make the right one where re-running with --target is not it."""
     if not found or not expected:
         return
     # a key only compares where both records have it (older manifests lack gguf_fingerprint)
@@ -242,8 +244,9 @@ def check_same_target(found: dict | None, expected: dict | None, what: str) -> N
         if a is not None and b is not None and a != b:
             raise EyasError(
                 f"{what} was made for target {found.get('name_or_path')} ({key}={a}) but this run "
-                f"uses {expected.get('name_or_path')} ({key}={b}); re-run that step with "
-                f"--target {expected.get('name_or_path')} or point at the matching folder.")
+                f"uses {expected.get('name_or_path')} ({key}={b}); "
+                + (fix or f"re-run that step with --target {expected.get('name_or_path')}")
+                + " or point at the matching folder.")
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
