@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from eyas.config import ConfigError
+from eyas.errors import EyasError
 from eyas.demo import DemoConfig, demo
 from eyas.evaluate import EvalConfig
 from eyas.pipeline import RunConfig, plan, run
@@ -153,3 +154,15 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     assert prepare_plan.action == "run" and "its input data changed" in prepare_plan.reason
     data.write_text(text)
     assert all(p.action == "skip" for p in plan(RunConfig(pipeline=pipeline)))
+
+    # a step's own fix names its flags, which the pipeline sets: the failure says where its
+    # folder is and how to start it over from the pipeline
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("notes")
+    spec["eval"]["out"] = str(mine)
+    open(pipeline, "w").write(yaml.safe_dump(spec))
+    with pytest.raises(EyasError, match=r"step eval failed: --out .*mine holds files eyas did "
+                                        r"not write.*In `eyas run` this step's --out is .*mine"):
+        run(RunConfig(pipeline=pipeline))
+    assert (mine / "report.md").read_text() == "notes"

@@ -239,5 +239,9 @@ def run(cfg: RunConfig) -> list[Plan]:
         try:
             getattr(importlib.import_module(module), fn)(p.config)
         except EyasError as err:
-            raise EyasError(f"step {p.step} failed: {err}") from err
+            # the step's own fixes name its flags (--out, --resume), which the pipeline sets
+            hint = (f" (In `eyas run` this step's --out is {p.out}: to start it over, move "
+                    f"that folder away, or set the flag in the pipeline's '{p.step}' section.)"
+                    if any(f in str(err) for f in ("--out", "--resume")) else "")
+            raise EyasError(f"step {p.step} failed: {err}{hint}") from err
     return plans
