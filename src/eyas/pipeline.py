@@ -173,10 +173,10 @@ def _starts_over(cfg, out: Path, upstream_ran: bool, forced: bool) -> str:
     path = out / MANIFEST
     if not path.is_file():
         return ""
-    manifest = json.loads(path.read_text())
-    changed = _config_changes(cfg, manifest)
     if upstream_ran:
         return "its inputs changed"
+    manifest = json.loads(path.read_text())
+    changed = _config_changes(cfg, manifest)
     if changed:
         return f"its config changed ({', '.join(changed)})"
     if manifest.get("complete") is not False:

@@ -508,11 +508,10 @@ class Conversation:
             return None
         turn = self.job.turns[self.done]
         try:
-            try:
-                prompt = render(self.messages[:turn])
-            except ChatFormatError as err:  # e.g. roles that do not alternate as it demands
-                raise Rejected(f"message {turn}: {err}", "input") from None
+            prompt = render(self.messages[:turn])
             self.result = stop_at_length(self.messages, self.job, turn, len(prompt), self.cfg)
+        except ChatFormatError as err:  # e.g. roles that do not alternate as it demands
+            self.result = Rejected(f"message {turn}: {err}", "input")
         except Rejected as err:
             self.result = err
         return prompt if self.result is None else None

@@ -495,8 +495,7 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
     if path is None:
         return None
     check_same_draft(path, record)
-    check_same_run(cfg, warn=env.main)
-    t2d = None if draft is None or getattr(draft, "t2d", None) is None else draft.t2d.clone()
+    t2d = None if draft is None else draft.t2d.clone()  # (--vocab's, before the load)
     if env.main:
         _warn_recipe_changes(cfg)
     try:
@@ -516,19 +515,6 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
                         f"--grad-accum); resume with the same settings or use --resume never.")
     return state
-
-
-def check_same_run(cfg: TrainConfig, warn: bool = True) -> None:
-    """Warn when --epochs / --max-steps changed on resume: a run may be lengthened, but its
-    learning-rate schedule then jumps to the new length's."""
-    old = started_config(cfg.out)
-    for name in ("epochs", "max_steps"):
-        if name in old and old[name] != getattr(cfg, name) and warn:
-            flag = name.replace("_", "-")
-            log.warning("the run in %s was started with --%s %s, resumed with %s: the learning "
-                        "rate follows the new length's schedule from here (it jumps); resume "
-                        "with --%s %s to keep the old one, or start over with --resume never",
-                        cfg.out, flag, old[name], getattr(cfg, name), flag, old[name])
 
 
 def check_same_vocab(path: Path, draft, t2d: torch.Tensor | None) -> None:
@@ -568,7 +554,8 @@ _RECIPE = ("lr", "muon_lr", "betas", "weight_decay", "lr_decay", "warmup_ratio",
 
 def _warn_recipe_changes(cfg: TrainConfig) -> None:
     """Say which recipe options differ from the run this one continues (its eyas.json): the
-    steps before the checkpoint were trained the old way."""
+    steps before the checkpoint were trained the old way; and a new --epochs / --max-steps (a
+    run may be lengthened, but its learning-rate schedule then jumps to the new length's)."""
     old = started_config(cfg.out)
     new = dataclasses.asdict(cfg)
     changed = [f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in _RECIPE
@@ -576,6 +563,13 @@ def _warn_recipe_changes(cfg: TrainConfig) -> None:
     if changed:
         log.warning("resuming %s with another recipe than it was started with (%s): the steps "
                     "before the checkpoint were trained the old way", cfg.out, "; ".join(changed))
+    for name in ("epochs", "max_steps"):
+        if name in old and old[name] != new[name]:
+            flag = name.replace("_", "-")
+            log.warning("the run in %s was started with --%s %s, resumed with %s: the learning "
+                        "rate follows the new length's schedule from here (it jumps); resume "
+                        "with --%s %s to keep the old one, or start over with --resume never",
+                        cfg.out, flag, old[name], new[name], flag, old[name])
 
 
 def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: TrainConfig,

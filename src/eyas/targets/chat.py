@@ -206,7 +206,7 @@ def _holds_an_array(path: Path) -> bool:
     by line would be one reject per line (one per pretty-printed line). Read as JSON instead,
     and said so (its rows are then numbered from 0, as in a .json file)."""
     try:
-        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+        with _open_binary(path) as f:
             head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
     except (OSError, EOFError):
         return False  # read as JSON Lines, where the error becomes a reject
@@ -217,9 +217,13 @@ def _holds_an_array(path: Path) -> bool:
     return False
 
 
+def _open_binary(path: Path):
+    """The file's bytes, gunzipped where its name ends in .gz."""
+    return (gzip.open if path.name.endswith(".gz") else open)(path, "rb")
+
+
 def _binary_lines(path: Path) -> Iterator[bytes]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
+    with _open_binary(path) as f:
         yield from f
 
 
