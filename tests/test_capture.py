@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from eyas.store import shard_writer, shards
@@ -296,6 +298,14 @@ def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path):
         shards.verify(out)
     with pytest.raises(EyasError, match="incomplete"):
         shards.open_capture(out)
+    # the other half from a fine-tune of the target (same shape and tokenizer): refused
+    tuned = tmp_path / "tuned"
+    shutil.copytree(llama_dir, tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    weights["model.layers.1.mlp.up_proj.weight"] *= 1.01
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EyasError, match=r"other settings \(\['target'\]\)"):
+        capture(_cfg(tuned, llama_prepared, out, shard="0/2"))
     capture(_cfg(llama_dir, llama_prepared, out, shard="0/2"))
     index = shards.verify(out)
     assert index["complete"] and index["num_samples"] == 14

@@ -260,6 +260,26 @@ def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, cha
             assert 1.0 <= r.mean_acceptance_length <= 3.0
 
 
+def test_draft_of_other_weights_is_refused_unless_accepted(llama_dir, draft_dir, chats,
+                                                          tmp_path):
+    import shutil
+
+    from eyas.store.manifest import target_record, write_manifest
+
+    # an export whose manifest names a target of this shape and tokenizer with other weights
+    draft = tmp_path / "draft"
+    shutil.copytree(draft_dir, draft)
+    made = dict(target_record(str(llama_dir)), name_or_path="base", weights_fingerprint="0" * 16)
+    write_manifest(draft, "export", EvalConfig(target="base", data="d", out="o"), target=made)
+    cfg = dict(target=str(llama_dir), data=str(chats), draft=str(draft), k=(2,),
+               **{**SMALL, "num_prompts": 1})
+    with pytest.raises(EyasError, match=r"draft .* was made with the weights of base .*other "
+                                        r"weights.*--accept-other-weights"):
+        evaluate(EvalConfig(**cfg, out=str(tmp_path / "r1")))
+    report = evaluate(EvalConfig(**cfg, out=str(tmp_path / "r2"), accept_other_weights=True))
+    assert report.result("eagle3", 2).new_tokens > 0
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_lossless_check_fails_loudly_naming_prompt_and_divergence(
         llama_dir, chats, tmp_path, monkeypatch, batch_size):

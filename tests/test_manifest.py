@@ -38,3 +38,74 @@ def test_target_mismatch_is_refused(tiny_tok):
     check_same_target(rec, dict(rec), "prepared data")
     with pytest.raises(EyasError, match="made for target a.*--target b"):
         check_same_target(rec, other, "prepared data")
+
+
+def _perturbed(src, out, name="model.layers.1.self_attn.q_proj.weight", scale=1.01):
+    """A copy of the saved model in `src` with one tensor changed, as a fine-tune changes it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights[name] = weights[name] * scale
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_weights_fingerprint_tells_checkpoints_apart(llama_dir, tmp_path):
+    import torch
+    import transformers as tf
+
+    from eyas.store.manifest import weights_fingerprint
+    from eyas.targets.tiny import build_tiny_model
+
+    base = weights_fingerprint(llama_dir)
+    assert base == weights_fingerprint(build_tiny_model("llama", tmp_path / "again"))
+    # one tensor changed (a LoRA merged into one projection): another fingerprint
+    assert weights_fingerprint(_perturbed(llama_dir, tmp_path / "tuned")) != base
+    assert weights_fingerprint(build_tiny_model("llama", tmp_path / "s1", seed=1)) != base
+    # the same tensors re-sharded keep it; the same model stored in bf16 does not
+    model = tf.AutoModelForCausalLM.from_pretrained(llama_dir)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    assert weights_fingerprint(tmp_path / "sharded") == base
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert weights_fingerprint(tmp_path / "bf16") != base
+    # a download under way (a shard its index names is missing), or no weights: none
+    next((tmp_path / "sharded").glob("*-00002-of-*.safetensors")).unlink()
+    assert weights_fingerprint(tmp_path / "sharded") is None
+    assert weights_fingerprint(tmp_path / "nothing-here") is None
+    # a pickled checkpoint: its bytes
+    (tmp_path / "pt").mkdir()
+    torch.save(model.state_dict(), tmp_path / "pt" / "pytorch_model.bin")
+    first = weights_fingerprint(tmp_path / "pt")
+    torch.save({k: v * 2 for k, v in model.state_dict().items()},
+               tmp_path / "pt" / "pytorch_model.bin")
+    assert first is not None and weights_fingerprint(tmp_path / "pt") != first
+
+
+def test_hub_name_and_its_local_copy_are_one_target(llama_dir, tmp_path, monkeypatch):
+    import shutil
+
+    import huggingface_hub
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    shutil.copytree(llama_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub, local = target_record("org/tiny"), target_record(str(llama_dir))
+    assert hub["weights_fingerprint"] == local["weights_fingerprint"] is not None
+    assert "weights_fingerprint" not in target_record("org/not-downloaded")
+
+
+def test_other_weights_of_one_shape_are_refused_unless_accepted(tiny_tok):
+    made = dict(target_record("base", tokenizer=tiny_tok), weights_fingerprint="1" * 16)
+    used = dict(made, name_or_path="tuned", weights_fingerprint="2" * 16)
+    with pytest.raises(EyasError, match=r"made with the weights of base .*same tokenizer and "
+                                        r"shape but other weights.*--target tuned.*"
+                                        r"--accept-other-weights"):
+        check_same_target(made, used, "the capture c")
+    check_same_target(made, used, "the capture c", weights=False)
+    check_same_target(made, dict(used, weights_fingerprint=None), "an older capture")

@@ -746,6 +746,22 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatc
         train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=64, truncate=True, max_steps=2))
 
 
+def test_refuses_captures_of_other_weights_unless_accepted(run_inputs, tmp_path):
+    # the same tiny target with one projection changed, as a fine-tune of it would be
+    tuned = tmp_path / "tuned"
+    shutil.copytree(run_inputs["target"], tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    weights["model.layers.1.self_attn.q_proj.weight"] *= 1.01
+    save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EyasError, match=r"the capture .* was made with the weights of .*target "
+                                        r".*tuned has the same tokenizer and shape but other "
+                                        r"weights.*--accept-other-weights"):
+        train(_cfg(run_inputs, tmp_path / "r1", target=str(tuned)))
+    assert not (tmp_path / "r1").exists()
+    train(_cfg(run_inputs, tmp_path / "r2", target=str(tuned), accept_other_weights=True,
+               max_steps=1))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(row_tokens=100), "must divide"),
     (dict(freeze_lm_head=True, lm_head="scratch"), "random head"),

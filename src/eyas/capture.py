@@ -155,7 +155,8 @@ def capture(cfg: CaptureConfig) -> dict:
     what = f"the prepared folder {cfg.data}"
     # Before loading a possibly huge model: token ids from another tokenizer mean nothing here.
     check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
-                                                            tokenizer=tokenizer), what)
+                                                            tokenizer=tokenizer), what,
+                      weights=False)
     dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
     if cfg.backend == "vllm":
         return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)
@@ -166,7 +167,7 @@ def capture(cfg: CaptureConfig) -> dict:
     if cfg.attn_implementation:
         model.set_attn_implementation(cfg.attn_implementation)
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
-    check_same_target(prepared.get("target"), target, what)
+    check_same_target(prepared.get("target"), target, what, weights=False)
     return capture_loaded(cfg, model, info, dataset, target=target, inputs=[prepared],
                           split_rows=split_rows)
 
@@ -180,7 +181,8 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
-    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
+    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}",
+                      weights=False)
     engine = dict(vllm_engine_args(cfg.vllm_args), **engine_options(cfg))
     info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
     aux_ids = validate_aux_layer_ids(_aux_ids(cfg, info), info.num_layers, count=None)
@@ -285,7 +287,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
 def _settings(cfg, target, inputs, aux_ids, hidden_size) -> dict:
     """What every job writing into one capture folder must agree on."""
     keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "tokenizer_hash",
-            "commit")
+            "commit", "gguf_fingerprint", "weights_fingerprint")
     return {"target": {k: (target or {}).get(k) for k in keys},
             "inputs": [m.get("id") for m in inputs], "split": cfg.split, "limit": cfg.limit,
             "aux_layer_ids": list(aux_ids), "dtype": cfg.dtype, "model_dtype": cfg.model_dtype,

@@ -152,6 +152,13 @@ def trust_remote_code_option():
     return option(False, "allow the target's own Python code (needed for e.g. Kimi-K2.5)")
 
 
+def accept_other_weights_option(what: str):
+    return option(False, f"accept {what} made with a target of the same tokenizer and shape but "
+                         f"other weights (e.g. the same model in another precision or "
+                         f"quantization); refused by default, since a fine-tune or another "
+                         f"checkpoint has other hidden states")
+
+
 def revision_option():
     return option(None, "hub revision (branch, tag or commit) of the target")
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eyas.config import (ConfigError, option, out_option, required, revision_option,
-                         target_option, trust_remote_code_option)
+from eyas.config import (ConfigError, accept_other_weights_option, option, out_option,
+                         required, revision_option, target_option, trust_remote_code_option)
 from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
                                     mismatch_message, summarize, write_report)
@@ -104,6 +104,7 @@ class EvalConfig:
                           "acceptance training would simulate, beside the measured one")
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()
+    accept_other_weights: bool = accept_other_weights_option("a draft")
 
     def __post_init__(self):
         if not self.k or any(not 1 <= k <= MAX_K for k in self.k):
@@ -371,9 +372,10 @@ def _head(lm_head: torch.nn.Module | None, folder) -> torch.Tensor:
     return lm_head.weight
 
 
-def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str) -> None:
+def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str, *,
+                 weights: bool = True) -> None:
     if manifest is not None:
-        check_same_target(manifest.get("target"), record, f"draft {folder}")
+        check_same_target(manifest.get("target"), record, f"draft {folder}", weights=weights)
     c = draft.cfg
     width = c.hidden_size if isinstance(draft, DFlashDraft) else c.target_hidden_size
     if c.vocab_size != info.vocab_size or width != info.hidden_size:
@@ -501,12 +503,14 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
     model, info = _load_target(cfg)
     record = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     if prepared is not None:
-        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}")
+        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}",
+                          weights=False)
     draft, draft_manifest = None, None
     if cfg.draft:
         draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path),
                                            model.get_output_embeddings())
-        _check_draft(draft, info, draft_manifest, record, cfg.draft)
+        _check_draft(draft, info, draft_manifest, record, cfg.draft,
+                     weights=not cfg.accept_other_weights)
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
                         _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)

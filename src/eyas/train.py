@@ -32,8 +32,8 @@ import torch
 from eyas.kernels import band_kernels
 from eyas.store import checkpoint
 from eyas.draft import data
-from eyas.config import (ConfigError, option, out_option, required, revision_option,
-                         trust_remote_code_option)
+from eyas.config import (ConfigError, accept_other_weights_option, option, out_option,
+                         required, revision_option, trust_remote_code_option)
 from eyas.dflash.objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import check_out, write_manifest
@@ -87,6 +87,7 @@ class TrainConfig:
                                       "capture names (only its embedding and lm_head are read)")
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()
+    accept_other_weights: bool = accept_other_weights_option("captures")
     online: bool = option(False, "run the target inside this job (capture on the fly) "
                                  "instead of reading capture shards")
     aux_layer_ids: tuple[int, ...] = option((), "--online only: aux layers in vLLM's "

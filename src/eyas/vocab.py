@@ -69,7 +69,7 @@ def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:
     manifests = [read_manifest(f, step="prepare") for f in folders]
     for m in manifests[1:]:
         check_same_target(m.get("target"), manifests[0].get("target"),
-                          f"prepared folder {m['path']}")
+                          f"prepared folder {m['path']}", weights=False)
     total = None
     for m in manifests:
         path = Path(m["path"]) / COUNTS_FILE

@@ -90,9 +90,10 @@ def split_ids(source: OfflineSource, split: str) -> np.ndarray:
 
 
 def check_capture(manifest: dict, *, target: dict | None, aux_layer_ids: tuple[int, ...] | None,
-                  what: str) -> None:
-    """Refuse a capture folder made for another target or other aux layers, saying how to fix."""
-    check_same_target(manifest.get("target"), target, what)
+                  what: str, weights: bool = True) -> None:
+    """Refuse a capture folder made for another target (with `weights`, also one of the same
+    shape with other weights) or other aux layers, saying how to fix."""
+    check_same_target(manifest.get("target"), target, what, weights=weights)
     found = tuple(manifest.get("aux_layer_ids") or ())
     if aux_layer_ids is not None and found != tuple(aux_layer_ids):
         raise EyasError(
@@ -132,7 +133,7 @@ def open_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inp
         d2t, t2d, vman = vocab
         name = inputs.target.get("name_or_path")
         check_same_target(vman.get("target"), inputs.target, f"the vocab folder {cfg.vocab}",
-                          fix=f"make one for it (`eyas prepare --target {name}`, then `eyas "
+                          weights=False, fix=f"make one for it (`eyas prepare --target {name}`, then `eyas "
                               f"vocab` on that folder: vocab has no --target)")
         inputs.d2t, inputs.t2d = d2t, t2d
         inputs.manifests.append(vman)
@@ -152,14 +153,16 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
     embed, lm_head, info, config = target_head_weights(name, **where)
     target = target_record(name, revision, config=config,
                            tokenizer=load_tokenizer(name, **where))
-    check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}")
+    weights = not cfg.accept_other_weights
+    check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}",
+                  weights=weights)
     aux = tuple(man["aux_layer_ids"])
     train_ids = split_ids(src, "train")
     manifests, ev, eval_ids = [man], None, np.zeros(0, dtype=np.int64)
     if cfg.eval_data:
         ev = OfflineSource(cfg.eval_data)
         check_capture(ev.manifest, target=target, aux_layer_ids=aux,
-                      what=f"--eval-data {cfg.eval_data}")
+                      what=f"--eval-data {cfg.eval_data}", weights=weights)
         eval_ids = split_ids(ev, "eval")
         manifests.append(ev.manifest)
     elif man.get("split") == "all" and len(split_ids(src, "eval")):
@@ -188,7 +191,8 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
                     "cannot hold it): every training step will run those layers from host "
                     "memory. hf_device_map: %s", dmap, placed)
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
-    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}")
+    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}",
+                      weights=False)
     if cfg.draft == "dflash":  # any number of taps; default: DFlash's layout, one per layer
         from eyas.targets.models import dflash_aux_layer_ids
 

@@ -148,6 +148,9 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
 
 # Bytes hashed at each end of a GGUF target (see gguf_fingerprint).
 GGUF_HASHED_END_BYTES = 4 << 20
+# Bytes of each safetensors tensor hashed at its start and at its middle (see
+# weights_fingerprint).
+WEIGHT_SAMPLE_BYTES = 1024
 
 
 def target_record(name_or_path: str, revision: str | None = None, *, config=None,
@@ -167,6 +170,8 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     elif (source := converted_from(path)) is not None:
         rec.update({k: source[k] for k in ("gguf_file", "gguf_bytes", "gguf_fingerprint")})
         rec["converted_from"] = source["name_or_path"]
+    elif (folder := weights_folder(name_or_path, revision)) is not None:
+        rec["weights_fingerprint"] = weights_fingerprint(folder)
     if config is not None:
         text = getattr(config, "get_text_config", lambda: config)()
         rec["model_type"] = getattr(config, "model_type", None)
@@ -203,6 +208,87 @@ def gguf_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def weights_folder(name_or_path: str, revision: str | None = None) -> Path | None:
+    """The local folder that holds a target's weights: the folder itself, or a hub name's
+    snapshot in the Hugging Face cache (None when the hub name is not cached yet)."""
+    path = Path(str(name_or_path)).expanduser()
+    if path.is_dir():
+        return path
+    if path.suffix.lower() == ".gguf" or str(name_or_path).count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(str(name_or_path), "config.json", revision=revision)
+    except Exception:  # a malformed name or cache: no fingerprint rather than a crash
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+# weights_fingerprint per (folder, its weight files' names, sizes and mtimes): a step records
+# its target more than once
+_WEIGHTS_SEEN: dict[tuple, str | None] = {}
+
+
+def weights_fingerprint(folder: str | Path) -> str | None:
+    """Tell apart two checkpoints of one shape and tokenizer (a fine-tune and its base model,
+    two training runs) at the cost of two small reads per tensor: sha256 over each safetensors
+    tensor's name, dtype, shape and WEIGHT_SAMPLE_BYTES at its start and its middle, in name
+    order, so the same tensors re-sharded keep it; a pickled checkpoint (*.bin, *.pt) by its
+    size and GGUF_HASHED_END_BYTES at each end. The stored bytes, so the same model saved in
+    another dtype or quantization gets another fingerprint. None when the folder holds no
+    weights, or misses a file its index names (a download under way)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    pickled = [] if files else sorted(p for ext in ("*.bin", "*.pt", "*.pth")
+                                      for p in folder.glob(ext) if "training_args" not in p.name)
+    index = next(iter(sorted(folder.glob("*.safetensors.index.json"))), None) if files else None
+    if index is not None:
+        named = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        if any(not (folder / name).is_file() for name in named):
+            return None
+    if not files and not pickled:
+        return None
+    key = (str(folder.resolve()),
+           tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files + pickled))
+    if key not in _WEIGHTS_SEEN:
+        _WEIGHTS_SEEN[key] = (_safetensors_fingerprint(files) if files
+                              else _pickled_fingerprint(pickled))
+    return _WEIGHTS_SEEN[key]
+
+
+def _safetensors_fingerprint(files: list[Path]) -> str:
+    tensors = {}
+    for path in files:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+            start = 8 + size
+            # reads in file order: the disk's readahead serves the neighbours
+            for name, meta in sorted(((n, m) for n, m in header.items() if n != "__metadata__"),
+                                     key=lambda nm: nm[1]["data_offsets"][0]):
+                begin, end = meta["data_offsets"]
+                n = min(WEIGHT_SAMPLE_BYTES, end - begin)
+                middle = begin + (end - begin) // 2 // n * n if n else begin
+                sample = os.pread(f.fileno(), n, start + begin) + \
+                    os.pread(f.fileno(), min(n, end - middle), start + middle)
+                tensors[name] = (meta["dtype"], meta["shape"], hashlib.sha256(sample).hexdigest())
+    h = hashlib.sha256(json.dumps(sorted(tensors.items())).encode())
+    return h.hexdigest()[:16]
+
+
+def _pickled_fingerprint(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(GGUF_HASHED_END_BYTES))
+            f.seek(max(GGUF_HASHED_END_BYTES, size - GGUF_HASHED_END_BYTES))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of the tokenizer's vocabulary (token string -> id): equal iff token ids mean the same.
     The chat template is fingerprinted separately by the steps that render chats."""
@@ -232,21 +318,32 @@ def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
 
 
 def check_same_target(found: dict | None, expected: dict | None, what: str,
-                      fix: str = "") -> None:
-    """Refuse an artifact made for another target (different name or tokenizer/shape); `fix`
-    says how to make the right one where re-running with --target is not it."""
+                      fix: str = "", *, weights: bool = True) -> None:
+    """Refuse an artifact made for another target (different tokenizer, shape or GGUF, or, with
+    `weights`, other weights of the same shape: a fine-tune, another checkpoint); `fix` says how
+    to make the right one where re-running with --target is not it. Prepared data is tokens
+    only: its checks pass weights=False."""
     if not found or not expected:
         return
-    # a key only compares where both records have it (older manifests lack gguf_fingerprint)
+    fix = fix or f"re-run that step with --target {expected.get('name_or_path')}"
+    # a key only compares where both records have it (older manifests lack the fingerprints)
     for key in ("tokenizer_hash", "hidden_size", "num_hidden_layers", "vocab_size",
                 "gguf_fingerprint"):
         a, b = found.get(key), expected.get(key)
         if a is not None and b is not None and a != b:
             raise EyasError(
                 f"{what} was made for target {found.get('name_or_path')} ({key}={a}) but this run "
-                f"uses {expected.get('name_or_path')} ({key}={b}); "
-                + (fix or f"re-run that step with --target {expected.get('name_or_path')}")
-                + " or point at the matching folder.")
+                f"uses {expected.get('name_or_path')} ({key}={b}); {fix} or point at the "
+                f"matching folder.")
+    a, b = found.get("weights_fingerprint"), expected.get("weights_fingerprint")
+    if weights and a is not None and b is not None and a != b:
+        raise EyasError(
+            f"{what} was made with the weights of {found.get('name_or_path')} "
+            f"(weights_fingerprint={a}) and this run's target {expected.get('name_or_path')} has "
+            f"the same tokenizer and shape but other weights (weights_fingerprint={b}): another "
+            f"checkpoint or a fine-tune, whose hidden states and head the draft does not match. "
+            f"{fix[0].upper() + fix[1:]} or point at the matching folder; if it is the same model "
+            f"saved in another precision or quantization, pass --accept-other-weights.")
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
