@@ -155,8 +155,8 @@ def capture(cfg: CaptureConfig) -> dict:
     what = f"the prepared folder {cfg.data}"
     # Before loading a possibly huge model: token ids from another tokenizer mean nothing here.
     check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
-                                                            tokenizer=tokenizer), what,
-                      weights=False)
+                                                            tokenizer=tokenizer, weights=False),
+                      what, weights=False)
     dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
     if cfg.backend == "vllm":
         return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)

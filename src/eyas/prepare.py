@@ -353,7 +353,8 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
         shutil.rmtree(out / ".work", ignore_errors=True)
     stats = {k: v for k, v in asdict(summary).items() if k not in ("out", "max_length")}
     write_manifest(out, "prepare", cfg,
-                   target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok),
+                   target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok,
+                                        weights=False),
                    stats=stats, chat_template_hash=chat_template_fingerprint(tok),
                    max_length=max_length,
                    max_position_embeddings=getattr(text_config, "max_position_embeddings", None),

@@ -282,7 +282,8 @@ def _target(cfg: RegenerateConfig):
                                trust_remote_code=cfg.trust_remote_code)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
-    return tokenizer, target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
+    return tokenizer, target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer,
+                                    weights=False)  # its output is text
 
 
 def _sampling(cfg: RegenerateConfig) -> dict:

@@ -151,14 +151,17 @@ GGUF_HASHED_END_BYTES = 4 << 20
 # Bytes of each safetensors tensor hashed at its start and at its middle (see
 # weights_fingerprint).
 WEIGHT_SAMPLE_BYTES = 1024
+# reads of weights_fingerprint in flight at once
+WEIGHT_READERS = 32
 
 
 def target_record(name_or_path: str, revision: str | None = None, *, config=None,
-                  tokenizer=None) -> dict[str, Any]:
+                  tokenizer=None, weights: bool = True) -> dict[str, Any]:
     """Identify a target: name, revision/commit if known, and fingerprints that let
     later steps detect a different model or tokenizer behind the same name (for a .gguf
     file: its name, size and `gguf_fingerprint`; for a folder `eyas convert` wrote, those of
-    the GGUF it came from, plus `converted_from`: the two are one target)."""
+    the GGUF it came from, plus `converted_from`: the two are one target; for another folder
+    `weights_fingerprint`, unless `weights` is False: steps whose output is tokens only)."""
     rec: dict[str, Any] = {"name_or_path": str(name_or_path), "revision": revision}
     commit = getattr(config, "_commit_hash", None) if config is not None else None
     rec["commit"] = commit
@@ -170,7 +173,7 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     elif (source := converted_from(path)) is not None:
         rec.update({k: source[k] for k in ("gguf_file", "gguf_bytes", "gguf_fingerprint")})
         rec["converted_from"] = source["name_or_path"]
-    elif (folder := weights_folder(name_or_path, revision)) is not None:
+    elif weights and (folder := weights_folder(name_or_path, revision)) is not None:
         rec["weights_fingerprint"] = weights_fingerprint(folder)
     if config is not None:
         text = getattr(config, "get_text_config", lambda: config)()
@@ -214,13 +217,13 @@ def weights_folder(name_or_path: str, revision: str | None = None) -> Path | Non
     path = Path(str(name_or_path)).expanduser()
     if path.is_dir():
         return path
-    if path.suffix.lower() == ".gguf" or str(name_or_path).count("/") != 1:
+    if path.suffix.lower() == ".gguf":
         return None
     try:
         from huggingface_hub import try_to_load_from_cache
 
         hit = try_to_load_from_cache(str(name_or_path), "config.json", revision=revision)
-    except Exception:  # a malformed name or cache: no fingerprint rather than a crash
+    except (ValueError, OSError):  # not a valid repo id (HFValidationError), or no cache
         return None
     return Path(hit).parent if isinstance(hit, str) else None
 
@@ -232,7 +235,8 @@ _WEIGHTS_SEEN: dict[tuple, str | None] = {}
 
 def weights_fingerprint(folder: str | Path) -> str | None:
     """Tell apart two checkpoints of one shape and tokenizer (a fine-tune and its base model,
-    two training runs) at the cost of two small reads per tensor: sha256 over each safetensors
+    two training runs) at the cost of two small reads per tensor, WEIGHT_READERS at a time
+    (benchmarks/weights_fingerprint.py: cold, ~X s for a 1T MoE's ~X tensors): sha256 over each safetensors
     tensor's name, dtype, shape and WEIGHT_SAMPLE_BYTES at its start and its middle, in name
     order, so the same tensors re-sharded keep it; a pickled checkpoint (*.bin, *.pt) by its
     size and GGUF_HASHED_END_BYTES at each end. The stored bytes, so the same model saved in
@@ -258,21 +262,29 @@ def weights_fingerprint(folder: str | Path) -> str | None:
 
 
 def _safetensors_fingerprint(files: list[Path]) -> str:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def sample(fd: int, start: int, meta: dict) -> tuple:
+        begin, end = meta["data_offsets"]
+        n = min(WEIGHT_SAMPLE_BYTES, end - begin)
+        middle = begin + (end - begin) // 2 // n * n if n else begin
+        data = os.pread(fd, n, start + begin) + os.pread(fd, min(n, end - middle), start + middle)
+        return meta["dtype"], meta["shape"], hashlib.sha256(data).hexdigest()
+
     tensors = {}
-    for path in files:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-            start = 8 + size
-            # reads in file order: the disk's readahead serves the neighbours
-            for name, meta in sorted(((n, m) for n, m in header.items() if n != "__metadata__"),
-                                     key=lambda nm: nm[1]["data_offsets"][0]):
-                begin, end = meta["data_offsets"]
-                n = min(WEIGHT_SAMPLE_BYTES, end - begin)
-                middle = begin + (end - begin) // 2 // n * n if n else begin
-                sample = os.pread(f.fileno(), n, start + begin) + \
-                    os.pread(f.fileno(), min(n, end - middle), start + middle)
-                tensors[name] = (meta["dtype"], meta["shape"], hashlib.sha256(sample).hexdigest())
+    # a big checkpoint is ~10^5 tensors spread over ~10^3 GB: the reads are random, so they go
+    # out many at a time (os.pread lets go of the GIL) and without readahead
+    with ThreadPoolExecutor(WEIGHT_READERS) as pool:
+        for path in files:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                names = [n for n in header if n != "__metadata__"]
+                got = pool.map(lambda n: sample(f.fileno(), 8 + size, header[n]), names,
+                               chunksize=64)
+                tensors.update(zip(names, got))
     h = hashlib.sha256(json.dumps(sorted(tensors.items())).encode())
     return h.hexdigest()[:16]
 
