@@ -313,6 +313,23 @@ def test_load_draft_from_training_checkpoint(target, tmp_path):
         load_draft(tmp_path, submodule(model, info.embed_path))
 
 
+
+def test_load_draft_names_a_damaged_file(target, tmp_path):
+    """eval --draft on a truncated checkpoint or an edited config.json: an EyasError naming
+    the file, not safetensors' or json's traceback."""
+    model, info = target
+    draft = _random_draft(info, seed=1)
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "draft_config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    (step / "draft.safetensors").write_bytes(b"\x08" + bytes(40))
+    with pytest.raises(EyasError, match="draft.safetensors is not a readable safetensors"):
+        load_draft(step, submodule(model, info.embed_path))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"architectures": ')
+    with pytest.raises(EyasError, match="config.json is not readable JSON"):
+        load_draft(tmp_path / "export", submodule(model, info.embed_path))
+
 def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monkeypatch, caplog):
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "a"),
                                  k=(1,), **{**SMALL, "num_prompts": 1}))

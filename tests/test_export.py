@@ -433,6 +433,25 @@ def test_which_picks_best_last_or_a_step(tmp_path):
         ExportConfig(checkpoint="x", out="y", format="sglang", layout="layers.0")
 
 
+
+@pytest.mark.parametrize("damaged", ["draft.safetensors", "draft_config.json", "model.safetensors",
+                                     "config.json"])
+def test_a_damaged_file_is_named_not_a_traceback(tmp_path, damaged):
+    """A truncated checkpoint or export file (a copy cut short, an editor's slip) raised
+    safetensors' SafetensorError or a JSONDecodeError from export, validate_folder and eval."""
+    make_run(tmp_path / "run", draft_config())
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    path = (step if damaged.startswith("draft") else tmp_path / "d") / damaged
+    path.write_bytes(path.read_bytes()[:40])
+    if damaged.startswith("draft"):
+        with pytest.raises(EyasError, match=f"{damaged} is not .*readable .*another checkpoint"):
+            export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "e")))
+    else:
+        for read in (validate_folder, read_vllm_folder):
+            with pytest.raises(EyasError, match=f"{damaged} is not .*readable .*eyas export"):
+                read(tmp_path / "d")
+
 def test_an_unfinished_run_exports_with_a_warning_and_says_so(tmp_path, caplog):
     """A killed (or still running) training exported silently; its README read '? optimizer
     steps'. It still exports (a step of a long run is worth trying) but says so."""

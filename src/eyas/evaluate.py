@@ -12,7 +12,6 @@ plots (docs/eval.md).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
@@ -329,7 +327,8 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
     (draft, manifest of the export or run folder, or None)."""
     from eyas.draft.eagle3 import Eagle3Draft
     from eyas.dflash.formats import dflash_checkpoint_config, is_dflash_folder
-    from eyas.draft.formats import find_checkpoint, load_checkpoint
+    from eyas.draft.formats import (PICK_ANOTHER, find_checkpoint, load_checkpoint, read_json,
+                                    read_weights)
 
     folder = Path(folder)
     if is_dflash_folder(folder):
@@ -342,10 +341,10 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
             step, manifest_dir = find_checkpoint(folder, "best")
         except EyasError:  # a run without eval during training has no best
             step, manifest_dir = find_checkpoint(folder, "last")
-        dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text()))
+        dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER))
         if dflash is not None:
             draft = DFlashDraft(dflash)
-            draft.load_state_dict(load_file(str(step / "draft.safetensors")))
+            draft.load_state_dict(read_weights(step / "draft.safetensors", PICK_ANOTHER))
             draft.set_target(embedding.weight, _head(lm_head, folder))
         else:
             dcfg, state = load_checkpoint(step)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.draft.config import DraftConfig
@@ -47,7 +47,8 @@ from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # no
 from eyas.serve.export_readme import render_readme
 from eyas.store.manifest import (MANIFEST, check_out, file_sha256, inside, read_manifest,
                                  write_manifest)
-from eyas.draft.formats import (internal_state_dict, read_vllm_folder, find_checkpoint,
+from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
+                                read_vllm_folder, read_weights, find_checkpoint,
                                 load_checkpoint)
 from eyas.dflash.formats import dflash_checkpoint_config
 from eyas.serve.dflash_export import dflash_config_json, dflash_readme, dflash_tensors
@@ -237,7 +238,7 @@ def folder_format(folder: str | Path, config: dict) -> str:
         return "speculators"
     manifest = Path(folder) / MANIFEST
     if manifest.is_file():
-        fmt = json.loads(manifest.read_text()).get("format")
+        fmt = read_json(manifest, REEXPORT).get("format")
         if fmt in FORMATS:
             return fmt
     top = config.get("eagle_aux_hidden_state_layer_ids")
@@ -250,10 +251,10 @@ def validate_folder(path: str | Path) -> DraftConfig:
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise EyasError(f"{folder} has no config.json; point at a folder written by `eyas export`")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json", REEXPORT)
     tensors = {}
     for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+        tensors.update(read_weights(f, REEXPORT))
     return validate_export(config, tensors, folder_format(folder, config))
 
 
@@ -269,7 +270,7 @@ def export(cfg: ExportConfig) -> Path:
         log.warning("the run in %s is unfinished (killed, or still training): exporting its "
                     "%s, %s; the same `eyas train` command resumes the run to its end (the "
                     "README says the draft is unfinished)", run, cfg.which, step.name)
-    dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text())) \
+    dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER)) \
         if (step / "draft_config.json").is_file() else None
     if dflash is not None:
         return _export_dflash(cfg, dflash, step, train)
@@ -326,7 +327,8 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
                         "weights only: drop --layout")
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
-    tensors = dflash_tensors(dcfg, load_file(str(step / "draft.safetensors")), cfg.dtype)
+    tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
+                             cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
     out = Path(cfg.out)
     tmp = _fresh_dir(out)
