@@ -452,6 +452,19 @@ def test_a_damaged_file_is_named_not_a_traceback(tmp_path, damaged):
             with pytest.raises(EyasError, match=f"{damaged} is not .*readable .*eyas export"):
                 read(tmp_path / "d")
 
+
+def test_from_pretrained_names_a_weight_config_json_does_not_fit(tmp_path):
+    """eval --draft on a folder whose config.json was edited (or copied from another draft)
+    ended in torch's RuntimeError "size mismatch for ..." instead of an EyasError."""
+    make_run(tmp_path / "run", draft_config())
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EyasError, match=r"'midlayer.mlp.down_proj.weight' has shape \(32, 64\) "
+                                        r"but config.json implies \(32, 48\)"):
+        Eagle3Draft.from_pretrained(tmp_path / "d")
+
 def test_an_unfinished_run_exports_with_a_warning_and_says_so(tmp_path, caplog):
     """A killed (or still running) training exported silently; its README read '? optimizer
     steps'. It still exports (a step of a long run is worth trying) but says so."""
