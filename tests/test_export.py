@@ -569,6 +569,19 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
     with pytest.raises(EyasError, match="no report.json there"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "missing")))
+    # the README quoted any report as this draft's: an eval without a draft (n-gram's AL) ...
+    (tmp_path / "ngram").mkdir()
+    (tmp_path / "ngram" / "report.json").write_text(json.dumps(
+        {**report.to_dict(), "draft": None, "primary": "ngram"}))
+    with pytest.raises(EyasError, match="measured ngram, not an EAGLE-3 draft"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "ngram")))
+    # ... or one measured on another target (its eval manifest says which)
+    write_manifest(tmp_path / "report", "eval", {}, target={**TARGET, "vocab_size": 200})
+    with pytest.raises(EyasError, match=r"acceptance-report .* made for target tiny/llama "
+                                        r"\(vocab_size=200\).*measure this draft"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "report")))
 
 
 def test_cli_runs_export(tmp_path, capsys):

@@ -45,8 +45,8 @@ from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
 from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
                                 sglang_layer_ids)
 from eyas.serve.export_readme import render_readme
-from eyas.store.manifest import (MANIFEST, check_out, file_sha256, inside, read_manifest,
-                                 write_manifest)
+from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
+                                 read_manifest, write_manifest)
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
                                 read_vllm_folder, read_weights, find_checkpoint,
                                 load_checkpoint)
@@ -297,7 +297,7 @@ def export(cfg: ExportConfig) -> Path:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
-    report = _read_report(cfg.acceptance_report)
+    report = _read_report(cfg.acceptance_report, target)
     out = Path(cfg.out)
     tmp = _fresh_dir(out)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -385,7 +385,10 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
-def _read_report(path: str | None) -> dict | None:
+def _read_report(path: str | None, target: dict) -> dict | None:
+    """The `eyas eval` report to quote: one that measured an EAGLE-3 draft on this target
+    (the README would otherwise quote n-gram's or another target's acceptance as this
+    draft's)."""
     if path is None:
         return None
     p = Path(path)
@@ -393,7 +396,16 @@ def _read_report(path: str | None) -> dict | None:
     if not p.is_file():
         raise EyasError(f"--acceptance-report {path}: no report.json there; pass the --out "
                         f"folder of `eyas eval` or its report.json")
-    report = json.loads(p.read_text())
+    report = read_json(p, "pass the report.json `eyas eval` wrote")
     if not isinstance(report.get("mean_acceptance_length"), dict):
         raise EyasError(f"{p} is not an `eyas eval` report (no mean_acceptance_length)")
+    if report.get("primary") != "eagle3":
+        raise EyasError(f"{p} measured {report.get('primary')}, not an EAGLE-3 draft (an eval "
+                        f"without --draft measures n-gram); quote the report of `eyas eval "
+                        f"--draft` on this draft")
+    if (p.parent / MANIFEST).is_file():
+        check_same_target(read_manifest(p.parent, step="eval").get("target"), target,
+                          f"--acceptance-report {path}",
+                          fix="measure this draft with `eyas eval` on the target it was "
+                              "trained for")
     return report
