@@ -95,6 +95,9 @@ def test_config_validation_and_cli():
     assert EvalConfig(target="t", data="d", out="o").lossless_check  # default on at T=0
     assert not EvalConfig(target="t", data="d", out="o", temperature=1.0).lossless_check
     for bad, fix in [(dict(k=(0,)), "between 1"), (dict(temperature=-1.0), "temperature"),
+                     # nan passed `< 0` and failed in torch.multinomial after the target loaded
+                     (dict(temperature=float("nan")), "finite"),
+                     (dict(temperature=float("inf")), "finite"),
                      (dict(temperature=0.7, check_lossless=True), "--temperature 0"),
                      (dict(ngram=False), "--draft"), (dict(ngram_min=3, ngram_max=2), "ngram"),
                      (dict(chat_template_kwargs=("x",)), "KEY=VALUE")]:

@@ -13,6 +13,7 @@ plots (docs/eval.md).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -108,8 +109,9 @@ class EvalConfig:
             raise ConfigError(f"k {self.k}: give draft lengths between 1 and {MAX_K}, e.g. 3 "
                               f"or 1,2,3,5,7")
         object.__setattr__(self, "k", tuple(sorted(set(self.k))))
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan too
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                              f"{self.temperature}")
         if self.check_lossless and self.temperature > 0:
             raise ConfigError("check_lossless compares tokens with greedy decoding: use it with "
                               "--temperature 0, or pass --no-check-lossless")
