@@ -206,8 +206,8 @@ class Eagle3Draft(nn.Module):
         w = embed_tokens.weight if isinstance(embed_tokens, nn.Embedding) else embed_tokens
         if tuple(w.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
             raise EyasError(f"target embedding is {tuple(w.shape)} but the draft needs "
-                            f"({self.cfg.vocab_size}, {self.cfg.hidden_size}); the draft config "
-                            f"was made for another target")
+                            f"({self.cfg.vocab_size}, {self.cfg.hidden_size}): the draft was made "
+                            f"for another target; use it with the target it was trained for")
         self.embed_weight = w.detach()
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
