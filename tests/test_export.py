@@ -566,6 +566,12 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
     assert "| 3 | 3.000 | 0.90, 0.70, 0.40 | 1.80x |" in text
     assert "eagle_config` ids [0, 2, 4]" in text  # SGLang's convention, explained
     assert "simulated acceptance length 2.500" in text and "- ttt_steps: 7" in text
+    # step 5 of a run whose best is step 10
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              which="step-5"))
+    text = (out / "README.md").read_text()
+    assert "exported step 10" not in text  # it said so of step 5, quoting step 10's acceptance
+    assert "exported step 5, not the best step 10, which had simulated acceptance" in text
     with pytest.raises(EyasError, match="no report.json there"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "missing")))
