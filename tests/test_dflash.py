@@ -627,6 +627,17 @@ def test_export_writes_the_folder_vllms_dflash_loader_reads(dflash_run, dflash_i
                             format="speculators"))
 
 
+
+def test_dflash_readme_quotes_the_best_steps_acceptance_as_that_steps():
+    """--which last or step-N: the README quoted the run's best acceptance as this step's."""
+    from eyas.serve.dflash_export import dflash_readme
+
+    best = {"step": 10, "acceptance_length": 2.5}
+    text = dflash_readme(tiny_dflash_cfg(), "d", "t", "run/checkpoints/step-00000010", best, False)
+    assert "at k = 3: 2.5." in text
+    text = dflash_readme(tiny_dflash_cfg(), "d", "t", "run/checkpoints/step-00000005", best, False)
+    assert "2.5 at the run's best step 10, not this one" in text
+
 def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):
     from safetensors.torch import load_file
 

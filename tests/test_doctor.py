@@ -123,6 +123,22 @@ def test_missing_model_is_a_clean_cli_error(tmp_path, capsys):
     assert rc == 2 and "does not exist" in err and "Traceback" not in err
 
 
+
+def test_a_step_folder_is_not_taken_for_a_target(model_dir, tmp_path, capsys):
+    """doctor on an exported draft read its config.json as a 1-layer Llama and said "a target
+    with 1 decoder layer(s) has no 3 distinct aux layers"."""
+    from eyas.draft.formats import to_vllm_config
+    from eyas.store.manifest import write_manifest
+    from test_export import draft_config
+
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(to_vllm_config(draft_config())))
+    write_manifest(tmp_path / "draft", "export", {}, target={"name_or_path": "org/target"})
+    rc = main(["doctor", str(tmp_path / "draft")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "output of `eyas export`, not a model" in err
+    assert "eyas doctor org/target" in err
+
 def test_remote_code_without_trust_is_refused(model_dir):
     with pytest.raises(EyasError, match="--trust-remote-code"):
         doctor(DoctorConfig(target=str(model_dir("kimi_like"))))

@@ -4,6 +4,7 @@ loudly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -95,6 +96,9 @@ def test_config_validation_and_cli():
     assert EvalConfig(target="t", data="d", out="o").lossless_check  # default on at T=0
     assert not EvalConfig(target="t", data="d", out="o", temperature=1.0).lossless_check
     for bad, fix in [(dict(k=(0,)), "between 1"), (dict(temperature=-1.0), "temperature"),
+                     # nan passed `< 0` and failed in torch.multinomial after the target loaded
+                     (dict(temperature=float("nan")), "finite"),
+                     (dict(temperature=float("inf")), "finite"),
                      (dict(temperature=0.7, check_lossless=True), "--temperature 0"),
                      (dict(ngram=False), "--draft"), (dict(ngram_min=3, ngram_max=2), "ngram"),
                      (dict(chat_template_kwargs=("x",)), "KEY=VALUE")]:
@@ -332,6 +336,48 @@ def test_load_draft_from_training_checkpoint(target, tmp_path):
     with pytest.raises(EyasError, match="not a draft"):
         load_draft(tmp_path, submodule(model, info.embed_path))
 
+
+
+def test_load_draft_names_a_damaged_file(target, tmp_path):
+    """eval --draft on a truncated checkpoint or an edited config.json: an EyasError naming
+    the file, not safetensors' or json's traceback."""
+    model, info = target
+    draft = _random_draft(info, seed=1)
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "draft_config.json").write_text(json.dumps(draft.cfg.to_dict()))
+    (step / "draft.safetensors").write_bytes(b"\x08" + bytes(40))
+    with pytest.raises(EyasError, match="draft.safetensors is not a readable safetensors"):
+        load_draft(step, submodule(model, info.embed_path))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text('{"architectures": ')
+    with pytest.raises(EyasError, match="config.json is not readable JSON"):
+        load_draft(tmp_path / "export", submodule(model, info.embed_path))
+
+
+def test_a_draft_of_another_target_is_refused_naming_that_target(target, llama_dir, chats,
+                                                                 tmp_path):
+    """eval --draft with an export made for another target: the draft was built first and
+    failed on the embedding's shape ("the draft config was made for another target"), so the
+    check naming the draft's target and the fix never ran."""
+    from eyas.store.manifest import write_manifest
+
+    _, info = target
+    other = DraftConfig.from_target(info, draft_vocab_size=512,
+                                    aux_layer_ids=info.default_aux_layer_ids)
+    other = Eagle3Draft(dataclasses.replace(other, vocab_size=1024))
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(to_vllm_config(other.cfg, dtype="fp32")))
+    save_file(export_state_dict(other.state_dict(), dtype="fp32"),
+              str(folder / "model.safetensors"))
+    write_manifest(folder, "export", {}, target={
+        "name_or_path": "org/other-model", "model_type": "llama", "num_hidden_layers": 8,
+        "hidden_size": 64, "vocab_size": 1024, "tokenizer_hash": "elsewhere"})
+    with pytest.raises(EyasError, match=r"draft .* made for target org/other-model "
+                                        r"\(tokenizer_hash=elsewhere\).*--target"):
+        evaluate(EvalConfig(target=str(llama_dir), data=str(chats), draft=str(folder),
+                            out=str(tmp_path / "eval"), **SMALL))
 
 def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monkeypatch, caplog):
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "a"),

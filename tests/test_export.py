@@ -433,6 +433,38 @@ def test_which_picks_best_last_or_a_step(tmp_path):
         ExportConfig(checkpoint="x", out="y", format="sglang", layout="layers.0")
 
 
+
+@pytest.mark.parametrize("damaged", ["draft.safetensors", "draft_config.json", "model.safetensors",
+                                     "config.json"])
+def test_a_damaged_file_is_named_not_a_traceback(tmp_path, damaged):
+    """A truncated checkpoint or export file (a copy cut short, an editor's slip) raised
+    safetensors' SafetensorError or a JSONDecodeError from export, validate_folder and eval."""
+    make_run(tmp_path / "run", draft_config())
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    path = (step if damaged.startswith("draft") else tmp_path / "d") / damaged
+    path.write_bytes(path.read_bytes()[:40])
+    if damaged.startswith("draft"):
+        with pytest.raises(EyasError, match=f"{damaged} is not .*readable .*another checkpoint"):
+            export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "e")))
+    else:
+        for read in (validate_folder, read_vllm_folder):
+            with pytest.raises(EyasError, match=f"{damaged} is not .*readable .*eyas export"):
+                read(tmp_path / "d")
+
+
+def test_from_pretrained_names_a_weight_config_json_does_not_fit(tmp_path):
+    """eval --draft on a folder whose config.json was edited (or copied from another draft)
+    ended in torch's RuntimeError "size mismatch for ..." instead of an EyasError."""
+    make_run(tmp_path / "run", draft_config())
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EyasError, match=r"'midlayer.mlp.down_proj.weight' has shape \(32, 64\) "
+                                        r"but config.json implies \(32, 48\)"):
+        Eagle3Draft.from_pretrained(tmp_path / "d")
+
 def test_an_unfinished_run_exports_with_a_warning_and_says_so(tmp_path, caplog):
     """A killed (or still running) training exported silently; its README read '? optimizer
     steps'. It still exports (a step of a long run is worth trying) but says so."""
@@ -534,9 +566,28 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
     assert "| 3 | 3.000 | 0.90, 0.70, 0.40 | 1.80x |" in text
     assert "eagle_config` ids [0, 2, 4]" in text  # SGLang's convention, explained
     assert "simulated acceptance length 2.500" in text and "- ttt_steps: 7" in text
+    # step 5 of a run whose best is step 10
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              which="step-5"))
+    text = (out / "README.md").read_text()
+    assert "exported step 10" not in text  # it said so of step 5, quoting step 10's acceptance
+    assert "exported step 5, not the best step 10, which had simulated acceptance" in text
     with pytest.raises(EyasError, match="no report.json there"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "missing")))
+    # the README quoted any report as this draft's: an eval without a draft (n-gram's AL) ...
+    (tmp_path / "ngram").mkdir()
+    (tmp_path / "ngram" / "report.json").write_text(json.dumps(
+        {**report.to_dict(), "draft": None, "primary": "ngram"}))
+    with pytest.raises(EyasError, match="measured ngram, not an EAGLE-3 draft"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "ngram")))
+    # ... or one measured on another target (its eval manifest says which)
+    write_manifest(tmp_path / "report", "eval", {}, target={**TARGET, "vocab_size": 200})
+    with pytest.raises(EyasError, match=r"acceptance-report .* made for target tiny/llama "
+                                        r"\(vocab_size=200\).*measure this draft"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "report")))
 
 
 def test_cli_runs_export(tmp_path, capsys):

@@ -117,6 +117,9 @@ def test_config_from_flags_and_validation():
         VocabConfig(data=(), out="o")
     with pytest.raises(ConfigError):
         VocabConfig(data=("p",), out="o", draft_vocab_size=0)
+    # a folder given twice was counted twice, silently outweighing the others
+    with pytest.raises(ConfigError, match="same prepared folder more than once"):
+        VocabConfig(data=("p", "q", "./p"), out="o")
 
 
 def test_out_policy_keeps_a_users_vocab_file_and_reruns_its_own(tmp_path):

@@ -28,7 +28,7 @@ from eyas.config import (ConfigError, option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.draft.formats import SERVED_SINCE
-from eyas.store.manifest import LAYER_ID_CONVENTION, converted_from, versions
+from eyas.store.manifest import LAYER_ID_CONVENTION, MANIFEST, converted_from, versions
 from eyas.targets.models import (ModelInfo, build_meta_model, inspect_model, is_gguf, load_config,
                                 load_tokenizer, submodule, validate_aux_layer_ids)
 
@@ -65,6 +65,7 @@ class DoctorConfig:
 
 def doctor(cfg: DoctorConfig) -> dict:
     """Inspect `cfg.target`, print the report (text, or JSON with `cfg.json`) and return it."""
+    _refuse_a_step_folder(str(cfg.target))
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
     model = build_meta_model(config, trust_remote_code=cfg.trust_remote_code)
@@ -94,6 +95,21 @@ def doctor(cfg: DoctorConfig) -> dict:
     report["vllm_checked"] = report["vllm"]["importable"] and "broken" not in report["vllm"]
     _emit(json.dumps(report, indent=2, default=str) if cfg.json else render_text(report))
     return report
+
+
+def _refuse_a_step_folder(target: str) -> None:
+    """An eyas step's output is no target: an exported draft's config.json would be inspected
+    as a 1-layer Llama ("has no 3 distinct aux layers"). `eyas convert`'s folder is a target."""
+    manifest = Path(target).expanduser() / MANIFEST
+    try:
+        body = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    except (OSError, ValueError):
+        return  # not eyas's to judge: the config decides
+    step = body.get("step")
+    if step and step != "convert":
+        made_for = (body.get("target") or {}).get("name_or_path")
+        raise EyasError(f"{target} holds the output of `eyas {step}`, not a model; doctor checks "
+                        f"the target" + (f": eyas doctor {made_for}" if made_for else ""))
 
 
 def _emit(text: str) -> None:

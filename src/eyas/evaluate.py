@@ -12,15 +12,14 @@ plots (docs/eval.md).
 """
 from __future__ import annotations
 
-import json
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from eyas.config import (ConfigError, accept_other_weights_option, option, out_option,
                          required, revision_option, target_option, trust_remote_code_option)
@@ -111,8 +110,9 @@ class EvalConfig:
             raise ConfigError(f"k {self.k}: give draft lengths between 1 and {MAX_K}, e.g. 3 "
                               f"or 1,2,3,5,7")
         object.__setattr__(self, "k", tuple(sorted(set(self.k))))
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # nan too
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                              f"{self.temperature}")
         if self.check_lossless and self.temperature > 0:
             raise ConfigError("check_lossless compares tokens with greedy decoding: use it with "
                               "--temperature 0, or pass --no-check-lossless")
@@ -323,35 +323,28 @@ def _load_target(cfg: EvalConfig):
 
 
 def load_draft(folder: str | Path, embedding: torch.nn.Module,
-               lm_head: torch.nn.Module | None = None):
+               lm_head: torch.nn.Module | None = None, target: dict | None = None, *,
+               weights: bool = True):
     """An `eyas export` folder (config.json + safetensors, any export format; EAGLE-3 or
     DFlash), a training step folder or a run folder (its best, else last, checkpoint), on the
-    embedding's device and dtype. A DFlash draft reads the target's `lm_head` too. Returns
-    (draft, manifest of the export or run folder, or None)."""
+    embedding's device and dtype. A DFlash draft reads the target's `lm_head` too. `target`:
+    the target's manifest record; a draft whose manifest names another target (with
+    `weights`, also one of the same shape with other weights) is refused, naming it, before
+    it is built. Returns (draft, manifest of the export or run folder, or
+    None)."""
     from eyas.draft.eagle3 import Eagle3Draft
     from eyas.dflash.formats import dflash_checkpoint_config, is_dflash_folder
-    from eyas.draft.formats import find_checkpoint, load_checkpoint
+    from eyas.draft.formats import (PICK_ANOTHER, find_checkpoint, load_checkpoint, read_json,
+                                    read_weights)
 
-    folder = Path(folder)
-    if is_dflash_folder(folder):
-        draft = DFlashDraft.from_pretrained(folder, embedding.weight, _head(lm_head, folder))
+    folder, step = Path(folder), None
+    if (folder / "config.json").is_file():
         manifest_dir = folder
-    elif (folder / "config.json").is_file():
-        draft, manifest_dir = Eagle3Draft.from_pretrained(folder, embed_tokens=embedding), folder
     elif (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
         try:
             step, manifest_dir = find_checkpoint(folder, "best")
         except EyasError:  # a run without eval during training has no best
             step, manifest_dir = find_checkpoint(folder, "last")
-        dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text()))
-        if dflash is not None:
-            draft = DFlashDraft(dflash)
-            draft.load_state_dict(load_file(str(step / "draft.safetensors")))
-            draft.set_target(embedding.weight, _head(lm_head, folder))
-        else:
-            dcfg, state = load_checkpoint(step)
-            draft = Eagle3Draft(dcfg, embedding)
-            draft.load_state_dict(state)
     else:
         raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
                         f"(config.json + model.safetensors) or an `eyas train` run or "
@@ -359,6 +352,21 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
     manifest = None
     if manifest_dir is not None and (Path(manifest_dir) / MANIFEST).is_file():
         manifest = read_manifest(manifest_dir)
+        check_same_target(manifest.get("target"), target, f"draft {folder}", weights=weights)
+    if step is None:
+        draft = (DFlashDraft.from_pretrained(folder, embedding.weight, _head(lm_head, folder))
+                 if is_dflash_folder(folder) else
+                 Eagle3Draft.from_pretrained(folder, embed_tokens=embedding))
+    else:
+        dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER))
+        if dflash is not None:
+            draft = DFlashDraft(dflash)
+            draft.load_state_dict(read_weights(step / "draft.safetensors", PICK_ANOTHER))
+            draft.set_target(embedding.weight, _head(lm_head, folder))
+        else:
+            dcfg, state = load_checkpoint(step)
+            draft = Eagle3Draft(dcfg, embedding)
+            draft.load_state_dict(state)
     w = embedding.weight
     return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
 
@@ -372,10 +380,7 @@ def _head(lm_head: torch.nn.Module | None, folder) -> torch.Tensor:
     return lm_head.weight
 
 
-def _check_draft(draft, info, manifest: dict | None, record: dict, folder: str, *,
-                 weights: bool = True) -> None:
-    if manifest is not None:
-        check_same_target(manifest.get("target"), record, f"draft {folder}", weights=weights)
+def _check_draft(draft, info, folder: str) -> None:
     c = draft.cfg
     width = c.hidden_size if isinstance(draft, DFlashDraft) else c.target_hidden_size
     if c.vocab_size != info.vocab_size or width != info.hidden_size:
@@ -508,9 +513,9 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
     draft, draft_manifest = None, None
     if cfg.draft:
         draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path),
-                                           model.get_output_embeddings())
-        _check_draft(draft, info, draft_manifest, record, cfg.draft,
-                     weights=not cfg.accept_other_weights)
+                                           model.get_output_embeddings(), record,
+                                           weights=not cfg.accept_other_weights)
+        _check_draft(draft, info, cfg.draft)
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
                         _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)

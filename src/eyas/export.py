@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.draft.config import DraftConfig
@@ -45,9 +45,10 @@ from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
 from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
                                 sglang_layer_ids)
 from eyas.serve.export_readme import render_readme
-from eyas.store.manifest import (MANIFEST, check_out, file_sha256, inside, read_manifest,
-                                 write_manifest)
-from eyas.draft.formats import (internal_state_dict, read_vllm_folder, find_checkpoint,
+from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
+                                 read_manifest, write_manifest)
+from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
+                                read_vllm_folder, read_weights, find_checkpoint,
                                 load_checkpoint)
 from eyas.dflash.formats import dflash_checkpoint_config
 from eyas.serve.dflash_export import dflash_config_json, dflash_readme, dflash_tensors
@@ -237,7 +238,7 @@ def folder_format(folder: str | Path, config: dict) -> str:
         return "speculators"
     manifest = Path(folder) / MANIFEST
     if manifest.is_file():
-        fmt = json.loads(manifest.read_text()).get("format")
+        fmt = read_json(manifest, REEXPORT).get("format")
         if fmt in FORMATS:
             return fmt
     top = config.get("eagle_aux_hidden_state_layer_ids")
@@ -250,10 +251,10 @@ def validate_folder(path: str | Path) -> DraftConfig:
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise EyasError(f"{folder} has no config.json; point at a folder written by `eyas export`")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json", REEXPORT)
     tensors = {}
     for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+        tensors.update(read_weights(f, REEXPORT))
     return validate_export(config, tensors, folder_format(folder, config))
 
 
@@ -269,7 +270,7 @@ def export(cfg: ExportConfig) -> Path:
         log.warning("the run in %s is unfinished (killed, or still training): exporting its "
                     "%s, %s; the same `eyas train` command resumes the run to its end (the "
                     "README says the draft is unfinished)", run, cfg.which, step.name)
-    dflash = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text())) \
+    dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER)) \
         if (step / "draft_config.json").is_file() else None
     if dflash is not None:
         return _export_dflash(cfg, dflash, step, train)
@@ -296,7 +297,7 @@ def export(cfg: ExportConfig) -> Path:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
-    report = _read_report(cfg.acceptance_report)
+    report = _read_report(cfg.acceptance_report, target)
     out = Path(cfg.out)
     tmp = _fresh_dir(out)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -326,7 +327,8 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
                         "weights only: drop --layout")
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
-    tensors = dflash_tensors(dcfg, load_file(str(step / "draft.safetensors")), cfg.dtype)
+    tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
+                             cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
     out = Path(cfg.out)
     tmp = _fresh_dir(out)
@@ -383,7 +385,10 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
-def _read_report(path: str | None) -> dict | None:
+def _read_report(path: str | None, target: dict) -> dict | None:
+    """The `eyas eval` report to quote: one that measured an EAGLE-3 draft on this target
+    (the README would otherwise quote n-gram's or another target's acceptance as this
+    draft's)."""
     if path is None:
         return None
     p = Path(path)
@@ -391,7 +396,16 @@ def _read_report(path: str | None) -> dict | None:
     if not p.is_file():
         raise EyasError(f"--acceptance-report {path}: no report.json there; pass the --out "
                         f"folder of `eyas eval` or its report.json")
-    report = json.loads(p.read_text())
+    report = read_json(p, "pass the report.json `eyas eval` wrote")
     if not isinstance(report.get("mean_acceptance_length"), dict):
         raise EyasError(f"{p} is not an `eyas eval` report (no mean_acceptance_length)")
+    if report.get("primary") != "eagle3":
+        raise EyasError(f"{p} measured {report.get('primary')}, not an EAGLE-3 draft (an eval "
+                        f"without --draft measures n-gram); quote the report of `eyas eval "
+                        f"--draft` on this draft")
+    if (p.parent / MANIFEST).is_file():
+        check_same_target(read_manifest(p.parent, step="eval").get("target"), target,
+                          f"--acceptance-report {path}",
+                          fix="measure this draft with `eyas eval` on the target it was "
+                              "trained for")
     return report

@@ -43,6 +43,11 @@ class VocabConfig:
             raise ConfigError("vocab needs --data: one or more folders written by `eyas prepare`")
         if self.draft_vocab_size <= 0:
             raise ConfigError(f"--draft-vocab-size must be > 0, got {self.draft_vocab_size}")
+        resolved = [Path(f).resolve() for f in self.data]
+        twice = [f for f, r in zip(self.data, resolved) if resolved.count(r) > 1]
+        if twice:  # its counts would be summed twice, weighting it over the others
+            raise ConfigError(f"--data names the same prepared folder more than once "
+                              f"({', '.join(twice)}); give each folder once")
 
 
 def build_vocab(counts: torch.Tensor, draft_vocab_size: int

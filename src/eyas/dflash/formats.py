@@ -5,14 +5,12 @@ docs/dflash.md), and reading a DFlash checkpoint or folder back. The tests round
 
 from __future__ import annotations
 from pathlib import Path
-import json
 
 import torch
-from safetensors.torch import load_file
 
 from eyas.dflash.config import DFlashConfig
 from eyas.draft.config import draft_rope_scaling
-from eyas.draft.formats import DTYPE_NAMES, DTYPES, rope_keys
+from eyas.draft.formats import DTYPE_NAMES, DTYPES, REEXPORT, read_json, read_weights, rope_keys
 from eyas.errors import EyasError
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM maps it to qwen3_dflash.DFlashQwen3ForCausalLM
@@ -101,10 +99,10 @@ def read_dflash_folder(folder: str | Path) -> tuple[DFlashConfig, dict[str, torc
     """(DFlashConfig, weights by the draft's own names) of a DFlash folder (`eyas export`, or
     a z-lab / SpecForge one: the same names; an optional `model.` prefix is dropped)."""
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json", REEXPORT)
     tensors = {}
     for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+        tensors.update(read_weights(f, REEXPORT))
     if not tensors:
         raise EyasError(f"{folder} has no *.safetensors weights; re-run `eyas export`")
     return from_dflash_config(config), {k.removeprefix("model."): v for k, v in tensors.items()}
@@ -113,4 +111,4 @@ def read_dflash_folder(folder: str | Path) -> tuple[DFlashConfig, dict[str, torc
 def is_dflash_folder(folder: str | Path) -> bool:
     path = Path(folder) / "config.json"
     return path.is_file() and DFLASH_ARCHITECTURE in (
-        json.loads(path.read_text()).get("architectures") or [])
+        read_json(path, REEXPORT).get("architectures") or [])

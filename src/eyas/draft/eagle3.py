@@ -206,8 +206,8 @@ class Eagle3Draft(nn.Module):
         w = embed_tokens.weight if isinstance(embed_tokens, nn.Embedding) else embed_tokens
         if tuple(w.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
             raise EyasError(f"target embedding is {tuple(w.shape)} but the draft needs "
-                            f"({self.cfg.vocab_size}, {self.cfg.hidden_size}); the draft config "
-                            f"was made for another target")
+                            f"({self.cfg.vocab_size}, {self.cfg.hidden_size}): the draft was made "
+                            f"for another target; use it with the target it was trained for")
         self.embed_weight = w.detach()
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -417,6 +417,13 @@ class Eagle3Draft(nn.Module):
         if "t2d" not in state:
             state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
             state["t2d"][torch.arange(cfg.draft_vocab_size) + state["d2t"]] = True
+        # load_state_dict raises a bare RuntimeError on a shape mismatch: name it first
+        want = draft.state_dict()
+        for name, t in state.items():
+            if name in want and t.shape != want[name].shape:
+                raise EyasError(f"{folder}: weight {name!r} has shape {tuple(t.shape)} but "
+                                f"config.json implies {tuple(want[name].shape)}; the weights and "
+                                f"config.json come from different drafts: re-run `eyas export`")
         result = draft.load_state_dict(state, strict=False)
         if result.missing_keys or result.unexpected_keys:
             raise EyasError(f"{folder}: weights do not match the config (missing "

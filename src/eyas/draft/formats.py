@@ -237,6 +237,33 @@ def internal_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+# what to do about a damaged file, in an export folder or in a training checkpoint
+REEXPORT = "re-run `eyas export` into a new folder"
+PICK_ANOTHER = ("it changed after `eyas train` wrote it: use another checkpoint of the run "
+                "(export --which step-N, or its checkpoints/step-N folder)")
+
+
+def read_json(path: Path, fix: str) -> dict:
+    """A JSON file of a draft folder or checkpoint; an edited or truncated one is an EyasError
+    naming the file and `fix`, not a traceback."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise EyasError(f"{path} is not readable JSON ({err}); {fix}") from None
+
+
+def read_weights(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a truncated or damaged one is an EyasError naming the
+    file and `fix`."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise EyasError(f"{path} is not a readable safetensors file ({str(err)[:120]}); "
+                        f"{fix}") from None
+
+
 def read_vllm_folder(folder: str | Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """(DraftConfig, state dict in internal names) of an exported draft folder, any format.
     The weights are not validated here; `validate_folder` does that."""
@@ -244,13 +271,13 @@ def read_vllm_folder(folder: str | Path) -> tuple[DraftConfig, dict[str, torch.T
     if not (folder / "config.json").is_file():
         raise EyasError(f"{folder} has no config.json; point at a folder written by "
                         f"`eyas export` (or another EAGLE-3 draft in vLLM layout)")
-    cfg = read_config(json.loads((folder / "config.json").read_text()))
+    cfg = read_config(read_json(folder / "config.json", REEXPORT))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise EyasError(f"{folder} has no *.safetensors weights; re-run `eyas export`")
     tensors = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        tensors.update(read_weights(f, REEXPORT))
     return cfg, internal_state_dict(tensors)
 
 
@@ -283,5 +310,5 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
 def load_checkpoint(step: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     if not (step / "draft_config.json").is_file():
         raise EyasError(f"{step} has no draft_config.json; it was not written by `eyas train`")
-    cfg = DraftConfig.from_dict(json.loads((step / "draft_config.json").read_text()))
-    return cfg, load_file(str(step / "draft.safetensors"))
+    cfg = DraftConfig.from_dict(read_json(step / "draft_config.json", PICK_ANOTHER))
+    return cfg, read_weights(step / "draft.safetensors", PICK_ANOTHER)

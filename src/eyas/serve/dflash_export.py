@@ -60,6 +60,8 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: d
     remote = " --trust-remote-code" if trust_remote_code else ""
     spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": k})
     al = (best or {}).get("acceptance_length")
+    if al and not step.endswith(f"step-{best['step']:08d}"):  # the best's, not this step's
+        al = f"{al} at the run's best step {best['step']}, not this one"
     return "\n".join([
         "# DFlash draft (eyas)", "",
         f"Block-parallel draft for `{target}`: {cfg.num_hidden_layers} Qwen3-style layer(s) "

@@ -88,11 +88,11 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
                      + ", ".join(f"{since[k]} or later ({k})" for k in variants)
                      + "; older servers do not build these norms")
     lines.append("")
-    lines += _training_lines(train) + _acceptance_lines(report, draft, name)
+    lines += _training_lines(train, step) + _acceptance_lines(report, draft, name)
     return "\n".join(lines) + "\n"
 
 
-def _training_lines(train: dict | None) -> list[str]:
+def _training_lines(train: dict | None, step: Path) -> list[str]:
     if train is None:
         return ["## Training", "", "Not recorded (the checkpoint had no run manifest).", ""]
     config, best = train.get("config") or {}, train.get("best") or {}
@@ -101,10 +101,14 @@ def _training_lines(train: dict | None) -> list[str]:
                 "exported; its schedule had steps left)")
     else:
         head = f"`eyas train`, {train.get('steps', '?')} optimizer steps"
-    out = ["## Training", "", head
-           + (f"; exported step {best['step']} had {_simulated(best)} on held-out data"
-              if best.get("step") else "")
-           + ". Settings:", ""]
+    # the run's manifest scores its best step only: --which last or step-N exports another
+    exported = int(step.name.removeprefix("step-")) if step.name.startswith("step-") else None
+    if best.get("step") and best["step"] == exported:
+        head += f"; exported step {exported} had {_simulated(best)} on held-out data"
+    elif best.get("step"):
+        head += (f"; exported step {exported}, not the best step {best['step']}, which had "
+                 f"{_simulated(best)} on held-out data")
+    out = ["## Training", "", head + ". Settings:", ""]
     out += [f"- {k}: {config[k]}" for k in TRAIN_KEYS if config.get(k) not in (None, "", ())]
     out += ["", "The full configuration and input manifests are in `eyas.json`.", ""]
     return out

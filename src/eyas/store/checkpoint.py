@@ -6,7 +6,8 @@ names `eyas export` reads), `draft_config.json`, `trainer_state.pt` (optimizer, 
 data position, the RNG state of every rank) and `metrics.json`. It is written under a `.tmp`
 name and renamed when complete, then the `checkpoints/last` pointer (a one-line text file) is
 replaced atomically, so a run killed at any moment resumes from the last complete step.
-`checkpoints/best` names the step with the highest simulated acceptance length.
+`checkpoints/best` names the step with the highest chain acceptance length replayed on the
+eval split (docs/train.md).
 
 Saving and loading are collective under torch.distributed: the full (unsharded) state is
 gathered to rank 0, which alone writes; on load rank 0 reads and broadcasts, so multi-node runs
