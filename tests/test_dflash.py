@@ -627,6 +627,35 @@ def test_export_writes_the_folder_vllms_dflash_loader_reads(dflash_run, dflash_i
                             format="speculators"))
 
 
+def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tmp_path):
+    from eyas.dflash.formats import dflash_checkpoint_config
+    from eyas.draft.formats import find_checkpoint
+    from eyas.export import ExportConfig, export
+
+    step, _ = find_checkpoint(dflash_run)
+    most = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text())) \
+        .block_size - 1
+    readme = (export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "a"))) /
+              "README.md").read_text()
+    assert f'"num_speculative_tokens": {most}' in readme and "Measured acceptance" not in readme
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"primary": "dflash", "mean_acceptance_length": {"2": 1.75},
+                                  "per_position_acceptance": {"2": [0.5, 0.25]},
+                                  "num_prompts": 8, "results": []}))
+    readme = (export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "b"),
+                                  num_speculative_tokens=2, acceptance_report=str(report))) /
+              "README.md").read_text()
+    assert '"num_speculative_tokens": 2' in readme
+    assert "--speculative-num-draft-tokens 3" in readme  # SGLang counts the bonus token
+    assert "| 2 | 1.750 | 0.50, 0.25 | - |" in readme
+    with pytest.raises(EyasError, match=rf"drafts at most {most} per step"):
+        export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "c"),
+                            num_speculative_tokens=most + 1))
+    report.write_text(json.dumps({"primary": "eagle3", "mean_acceptance_length": {"2": 2.0}}))
+    with pytest.raises(EyasError, match="measured eagle3, not a DFlash draft"):
+        export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "c"),
+                            acceptance_report=str(report)))
+
 
 def test_dflash_readme_quotes_the_best_steps_acceptance_as_that_steps():
     """--which last or step-N: the README quoted the run's best acceptance as this step's."""
@@ -637,6 +666,7 @@ def test_dflash_readme_quotes_the_best_steps_acceptance_as_that_steps():
     assert "at k = 3: 2.5." in text
     text = dflash_readme(tiny_dflash_cfg(), "d", "t", "run/checkpoints/step-00000005", best, False)
     assert "2.5 at the run's best step 10, not this one" in text
+
 
 def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):
     from safetensors.torch import load_file

@@ -109,3 +109,16 @@ def test_other_weights_of_one_shape_are_refused_unless_accepted(tiny_tok):
         check_same_target(made, used, "the capture c")
     check_same_target(made, used, "the capture c", weights=False)
     check_same_target(made, dict(used, weights_fingerprint=None), "an older capture")
+
+
+@pytest.mark.parametrize("text, why", [("{", "Expecting property name"), ("[1]", "a JSON list"),
+                                       (b"\xff\xfe", "'utf-8' codec can't decode")])
+def test_damaged_manifest_is_named_with_the_fix(tmp_path, text, why):
+    write_manifest(tmp_path / "a", "capture", Cfg(), target={"name_or_path": "t"})
+    path = tmp_path / "a" / "eyas.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(EyasError, match=rf"eyas.json is damaged \({why}.*run the step that made "
+                                        rf".*a again"):
+        read_manifest(tmp_path / "a", step="capture")
+    with pytest.raises(EyasError, match="is damaged"):  # a --target folder that has one
+        target_record(str(tmp_path / "a"))

@@ -1158,3 +1158,12 @@ def test_two_layer_draft_trains_resumes_exactly_and_refuses_another_layer_count(
                                  if k != "num_hidden_layers"}))
     with pytest.raises(EyasError, match=r"num_hidden_layers 1 there, 2 now.*--draft-layers 1"):
         train(_cfg(run_inputs, run, max_steps=7, draft_layers=2))
+
+
+@pytest.mark.parametrize("ttt_steps, ks", [(3, "1/3"), (2, "1/2"), (5, "1/3/5")])
+def test_eval_log_names_the_draft_lengths_it_prints(run_inputs, tmp_path, caplog, ttt_steps, ks):
+    caplog.set_level("INFO", logger="eyas")
+    train(_cfg(run_inputs, tmp_path, ttt_steps=ttt_steps, max_steps=1, eval_every=1))
+    line = next(r.getMessage() for r in caplog.records if "replayed chain AL" in r.getMessage())
+    values = line.split("replayed chain AL ")[1].split(" (k=")[0].split("/")
+    assert line.endswith(f"(k={ks})") and len(values) == len(ks.split("/"))

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -82,8 +82,10 @@ class ExportConfig:
                                       "the format's own: midlayer for vllm/sglang, layers.0 for "
                                       "speculators); layers after it are always layers.N",
                                 choices=LAYOUTS)
-    num_speculative_tokens: int = option(3, "draft tokens per step written into the serve "
-                                            "commands and the speculators config")
+    num_speculative_tokens: int | None = option(None, "draft tokens per step written into the "
+                                                   "serve commands and the speculators config; "
+                                                   "unset: 3 for EAGLE-3, a DFlash draft's "
+                                                   "block size less one")
     acceptance_report: str | None = option(None, "report.json (or its folder) from `eyas eval` "
                                                  "to quote in the README")
     target: str | None = option(None, "target name for the README commands and the speculators "
@@ -92,7 +94,7 @@ class ExportConfig:
     def __post_init__(self):
         if not re.fullmatch(r"best|last|step-\d+", self.which):
             raise ConfigError(f"--which {self.which!r}: use best, last or step-N (e.g. step-2000)")
-        if self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"--num-speculative-tokens must be >= 1, got "
                               f"{self.num_speculative_tokens}")
         if self.layout is not None and self.layout != NATIVE_LAYOUT[self.format] \
@@ -274,6 +276,7 @@ def export(cfg: ExportConfig) -> Path:
         if (step / "draft_config.json").is_file() else None
     if dflash is not None:
         return _export_dflash(cfg, dflash, step, train)
+    cfg = replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or 3)
     dcfg, state = load_checkpoint(step)
     if train is None:
         log.warning("no train manifest found next to %s: the README cannot say how the draft "
@@ -325,8 +328,15 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
     if cfg.layout is not None:
         raise EyasError("--layout applies to EAGLE-3 drafts; a DFlash draft has layers.N.* "
                         "weights only: drop --layout")
+    most = dcfg.block_size - 1
+    if (cfg.num_speculative_tokens or most) > most:
+        raise EyasError(f"--num-speculative-tokens {cfg.num_speculative_tokens}: this DFlash "
+                        f"draft has blocks of {dcfg.block_size} (the bonus token and {most} "
+                        f"drafts), so it drafts at most {most} per step; give {most} or less")
+    cfg = replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
+    report = _read_report(cfg.acceptance_report, target, "dflash")
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
@@ -336,7 +346,8 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
     (tmp / "README.md").write_text(dflash_readme(dcfg, str(out.resolve()), target_name,
-                                                 str(step), (train or {}).get("best"), remote))
+                                                 str(step), (train or {}).get("best"), remote,
+                                                 cfg.num_speculative_tokens, report))
     write_manifest(tmp, "export", cfg, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),
@@ -385,10 +396,11 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
-def _read_report(path: str | None, target: dict) -> dict | None:
-    """The `eyas eval` report to quote: one that measured an EAGLE-3 draft on this target
-    (the README would otherwise quote n-gram's or another target's acceptance as this
-    draft's)."""
+def _read_report(path: str | None, target: dict, family: str = "eagle3") -> dict | None:
+    """The `eyas eval` report to quote: one that measured a draft of `family` (eagle3, dflash)
+    on this target (the README would otherwise quote n-gram's or another target's acceptance
+    as this draft's). A report made on the same model in another precision
+    (`--accept-other-weights`) is what serving it gives, so it may be quoted."""
     if path is None:
         return None
     p = Path(path)
@@ -399,13 +411,14 @@ def _read_report(path: str | None, target: dict) -> dict | None:
     report = read_json(p, "pass the report.json `eyas eval` wrote")
     if not isinstance(report.get("mean_acceptance_length"), dict):
         raise EyasError(f"{p} is not an `eyas eval` report (no mean_acceptance_length)")
-    if report.get("primary") != "eagle3":
-        raise EyasError(f"{p} measured {report.get('primary')}, not an EAGLE-3 draft (an eval "
+    if report.get("primary") != family:
+        name = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}[family]
+        raise EyasError(f"{p} measured {report.get('primary')}, not {name} draft (an eval "
                         f"without --draft measures n-gram); quote the report of `eyas eval "
                         f"--draft` on this draft")
     if (p.parent / MANIFEST).is_file():
         check_same_target(read_manifest(p.parent, step="eval").get("target"), target,
                           f"--acceptance-report {path}",
                           fix="measure this draft with `eyas eval` on the target it was "
-                              "trained for")
+                              "trained for", weights=False)
     return report

@@ -540,10 +540,11 @@ def train(cfg: TrainConfig) -> dict:
         if metrics:
             metrics.write(record)
             chain = record["chain"]["acceptance_length"]
+            ks = sorted({1, min(3, steps), steps})
             log.info("eval step %d | loss %.4f | acc %s | simulated AL %.3f | replayed "
-                     "chain AL %s (k=1,3,%d)", step, record["loss"], record["acc"],
+                     "chain AL %s (k=%s)", step, record["loss"], record["acc"],
                      record["sim_acceptance_length"],
-                     "/".join(str(chain.get(str(k))) for k in (1, 3, steps)), steps)
+                     "/".join(str(chain.get(str(k))) for k in ks), "/".join(map(str, ks)))
         return record
 
     def judge(step: int) -> tuple[dict, bool]:

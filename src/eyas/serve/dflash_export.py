@@ -15,6 +15,7 @@ from eyas.dflash.config import DFlashConfig
 from eyas.dflash.formats import from_dflash_config, to_dflash_config
 from eyas.draft.formats import DTYPES
 from eyas.errors import EyasError
+from eyas.serve.export_readme import acceptance_lines
 
 
 def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -55,10 +56,14 @@ def dflash_config_json(cfg: DFlashConfig, dtype: str, num_target_layers: int | N
 
 
 def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: dict | None,
-                  trust_remote_code: bool) -> str:
+                  trust_remote_code: bool, served_k: int | None = None,
+                  report: dict | None = None) -> str:
+    """The export's README: what the draft is, how vLLM and SGLang serve it (`served_k` draft
+    tokens, at most the block's), and, given `eyas eval`'s report, its measured acceptance."""
     k = cfg.block_size - 1
     remote = " --trust-remote-code" if trust_remote_code else ""
-    spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": k})
+    spec = json.dumps({"method": "dflash", "model": draft,
+                       "num_speculative_tokens": served_k or k})
     al = (best or {}).get("acceptance_length")
     if al and not step.endswith(f"step-{best['step']:08d}"):  # the best's, not this step's
         al = f"{al} at the run's best step {best['step']}, not this one"
@@ -78,4 +83,5 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: d
         "## SGLang (`--speculative-num-draft-tokens` counts the bonus token)", "", "```bash",
         f"python -m sglang.launch_server --model-path {target}{remote} \\",
         f"    --speculative-algorithm DFLASH --speculative-draft-model-path {draft} \\",
-        f"    --speculative-num-draft-tokens {cfg.block_size}", "```", ""])
+        f"    --speculative-num-draft-tokens {(served_k or k) + 1}", "```", ""]
+        + (acceptance_lines(report, draft, target) if report is not None else []))

@@ -88,7 +88,7 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
                      + ", ".join(f"{since[k]} or later ({k})" for k in variants)
                      + "; older servers do not build these norms")
     lines.append("")
-    lines += _training_lines(train, step) + _acceptance_lines(report, draft, name)
+    lines += _training_lines(train, step) + acceptance_lines(report, draft, name)
     return "\n".join(lines) + "\n"
 
 
@@ -114,7 +114,7 @@ def _training_lines(train: dict | None, step: Path) -> list[str]:
     return out
 
 
-def _acceptance_lines(report: dict | None, draft: str, target: str) -> list[str]:
+def acceptance_lines(report: dict | None, draft: str, target: str) -> list[str]:
     if report is None:
         return ["## Measured acceptance", "", "Not measured yet: `eyas eval --target "
                 f"{target} --draft {draft} --data PROMPTS --out REPORT --k 1,2,3,5,7`, then "

@@ -82,13 +82,27 @@ def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None)
         want = f"`eyas {step if isinstance(step, str) else step[0]}`" if step else "an eyas step"
         raise EyasError(f"{folder} has no {MANIFEST}: it was not written by {want}. "
                         f"Point this option at the output folder of {want}.")
-    body = json.loads(path.read_text())
+    body = _load(path)
     steps = (step,) if isinstance(step, str) else step
     if steps and body.get("step") not in steps:
         raise EyasError(f"{folder} holds the output of `eyas {body.get('step')}`, but "
                         f"`eyas {steps[0]}` output is needed here; run `eyas {steps[0]}` first "
                         f"and pass its --out folder.")
     body["path"] = str(folder)
+    return body
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A manifest's body, or an EyasError that names the damaged file and the fix."""
+    try:
+        body = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        body = err
+    if not isinstance(body, dict):
+        why = body if isinstance(body, Exception) else f"a JSON {type(body).__name__}"
+        raise EyasError(f"{path} is damaged ({why}, not an eyas manifest); eyas writes it "
+                        f"whole or not at all, so something else changed or cut it. Restore it, "
+                        f"or run the step that made {path.parent} again into a new --out.")
     return body
 
 
@@ -192,7 +206,7 @@ def converted_from(folder: Path) -> dict[str, Any] | None:
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return None
-    body = json.loads(manifest.read_text())
+    body = _load(manifest)
     return body["target"] if body.get("step") == "convert" else None
 
 
