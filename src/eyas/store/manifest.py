@@ -165,8 +165,9 @@ GGUF_HASHED_END_BYTES = 4 << 20
 # Bytes of each safetensors tensor hashed at its start and at its middle (see
 # weights_fingerprint).
 WEIGHT_SAMPLE_BYTES = 1024
-# reads of weights_fingerprint in flight at once
-WEIGHT_READERS = 32
+# reads of weights_fingerprint in flight at once: many on a big host's NVMe; on 2 cores
+# more threads only contend for the GIL (benchmarks/weights_fingerprint.py)
+WEIGHT_READERS = min(32, 4 * (os.cpu_count() or 1))
 
 
 def target_record(name_or_path: str, revision: str | None = None, *, config=None,
@@ -250,12 +251,13 @@ _WEIGHTS_SEEN: dict[tuple, str | None] = {}
 def weights_fingerprint(folder: str | Path) -> str | None:
     """Tell apart two checkpoints of one shape and tokenizer (a fine-tune and its base model,
     two training runs) at the cost of two small reads per tensor, WEIGHT_READERS at a time
-    (benchmarks/weights_fingerprint.py: cold, ~X s for a 1T MoE's ~X tensors): sha256 over each safetensors
-    tensor's name, dtype, shape and WEIGHT_SAMPLE_BYTES at its start and its middle, in name
-    order, so the same tensors re-sharded keep it; a pickled checkpoint (*.bin, *.pt) by its
-    size and GGUF_HASHED_END_BYTES at each end. The stored bytes, so the same model saved in
-    another dtype or quantization gets another fingerprint. None when the folder holds no
-    weights, or misses a file its index names (a download under way)."""
+    (benchmarks/weights_fingerprint.py: 2-11 s for a 1T MoE's ~2 x 10^5 tensors on 2 cores):
+    sha256 over each safetensors tensor's name, dtype, shape and WEIGHT_SAMPLE_BYTES at its
+    start and its middle, in name order, so the same tensors re-sharded keep it; a pickled
+    checkpoint (*.bin, *.pt) by its size and GGUF_HASHED_END_BYTES at each end. The stored
+    bytes, so the same model saved in another dtype or quantization gets another fingerprint.
+    None when the folder holds no weights, or misses a file its index names (a download under
+    way)."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     pickled = [] if files else sorted(p for ext in ("*.bin", "*.pt", "*.pth")
@@ -278,16 +280,21 @@ def weights_fingerprint(folder: str | Path) -> str | None:
 def _safetensors_fingerprint(files: list[Path]) -> str:
     from concurrent.futures import ThreadPoolExecutor
 
-    def sample(fd: int, start: int, meta: dict) -> tuple:
-        begin, end = meta["data_offsets"]
-        n = min(WEIGHT_SAMPLE_BYTES, end - begin)
-        middle = begin + (end - begin) // 2 // n * n if n else begin
-        data = os.pread(fd, n, start + begin) + os.pread(fd, min(n, end - middle), start + middle)
-        return meta["dtype"], meta["shape"], hashlib.sha256(data).hexdigest()
+    def samples(fd: int, start: int, metas: list[tuple[str, dict]]) -> list[tuple]:
+        out = []
+        for name, meta in metas:
+            begin, end = meta["data_offsets"]
+            n = min(WEIGHT_SAMPLE_BYTES, end - begin)
+            middle = begin + (end - begin) // 2 // n * n if n else begin
+            data = os.pread(fd, n, start + begin) + \
+                os.pread(fd, min(n, end - middle), start + middle)
+            out.append((name, (meta["dtype"], meta["shape"], hashlib.sha256(data).hexdigest())))
+        return out
 
-    tensors = {}
+    tensors = []
     # a big checkpoint is ~10^5 tensors spread over ~10^3 GB: the reads are random, so they go
-    # out many at a time (os.pread lets go of the GIL) and without readahead
+    # out many at a time (os.pread lets go of the GIL), in batches (a future per read costs
+    # more than the read), without readahead
     with ThreadPoolExecutor(WEIGHT_READERS) as pool:
         for path in files:
             with open(path, "rb") as f:
@@ -295,11 +302,13 @@ def _safetensors_fingerprint(files: list[Path]) -> str:
                 header = json.loads(f.read(size))
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-                names = [n for n in header if n != "__metadata__"]
-                got = pool.map(lambda n: sample(f.fileno(), 8 + size, header[n]), names,
-                               chunksize=64)
-                tensors.update(zip(names, got))
-    h = hashlib.sha256(json.dumps(sorted(tensors.items())).encode())
+                metas = [(n, m) for n, m in header.items() if n != "__metadata__"]
+                batch = -(-len(metas) // WEIGHT_READERS) if len(metas) > 256 else len(metas)
+                jobs = [pool.submit(samples, f.fileno(), 8 + size, metas[i:i + batch])
+                        for i in range(0, len(metas), max(batch, 1))]
+                for job in jobs:
+                    tensors += job.result()
+    h = hashlib.sha256(json.dumps(sorted(tensors)).encode())
     return h.hexdigest()[:16]
 
 
