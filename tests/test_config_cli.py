@@ -31,6 +31,12 @@ def test_from_dict_coerces_and_rejects_unknown_keys():
         from_dict(Demo, {"target": "m", "lr": "fast"})
     with pytest.raises(ConfigError, match="may not be null"):
         from_dict(Demo, {"target": None})
+    # a list: commas or spaces, but an empty item is a typo, not a shorter list
+    assert from_dict(Demo, {"target": "m", "ids": "1, 2"}).ids == (1, 2)
+    assert from_dict(Demo, {"target": "m", "ids": "1 2 3"}).ids == (1, 2, 3)
+    for typo in ("1,,3", "1,2,", ",1"):
+        with pytest.raises(ConfigError, match=r"'ids': .* has an empty item between commas"):
+            from_dict(Demo, {"target": "m", "ids": typo})
 
 
 def test_every_command_has_help_and_documents_every_field(capsys):

@@ -59,7 +59,11 @@ def coerce(name: str, tp, value):
         if origin is tuple:
             (item,) = typing.get_args(tp)[:1]
             if isinstance(value, str):
-                value = [v for v in value.replace(",", " ").split() if v]
+                parts = [v.strip() for v in value.split(",")] if "," in value else value.split()
+                if "" in parts:  # "1,,3" is a typo for some list, not for 1,3
+                    raise ConfigError(f"config key '{name}': {value!r} has an empty item "
+                                      f"between commas; give each value once, e.g. 1,2,3")
+                value = [w for v in parts for w in v.split()]
             if not isinstance(value, (list, tuple)):
                 value = [value]
             return tuple(coerce(name, item, v) for v in value)
@@ -81,6 +85,8 @@ def coerce(name: str, tp, value):
             if isinstance(value, (dict, list)):
                 raise ValueError(value)
             return str(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"config key '{name}': cannot read {value!r} as {tp}") from None
     return value

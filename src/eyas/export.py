@@ -276,7 +276,7 @@ def export(cfg: ExportConfig) -> Path:
         if (step / "draft_config.json").is_file() else None
     if dflash is not None:
         return _export_dflash(cfg, dflash, step, train)
-    cfg = replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or 3)
+    asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or 3)
     dcfg, state = load_checkpoint(step)
     if train is None:
         log.warning("no train manifest found next to %s: the README cannot say how the draft "
@@ -306,7 +306,8 @@ def export(cfg: ExportConfig) -> Path:
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "README.md").write_text(render_readme(cfg, dcfg, out, target_name, train, step, report))
-    write_manifest(tmp, "export", cfg, target=target or None, inputs=[train] if train else [],
+    # the config as given (unset k stays unset), so `eyas run` sees the step unchanged
+    write_manifest(tmp, "export", asked, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, layout=cfg.resolved_layout, dtype=cfg.dtype,
                    checkpoint=str(step), aux_layer_ids=list(dcfg.aux_layer_ids),
                    draft_config=dcfg.to_dict(),
@@ -333,7 +334,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
         raise EyasError(f"--num-speculative-tokens {cfg.num_speculative_tokens}: this DFlash "
                         f"draft has blocks of {dcfg.block_size} (the bonus token and {most} "
                         f"drafts), so it drafts at most {most} per step; give {most} or less")
-    cfg = replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
+    asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
     report = _read_report(cfg.acceptance_report, target, "dflash")
@@ -348,7 +349,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
     (tmp / "README.md").write_text(dflash_readme(dcfg, str(out.resolve()), target_name,
                                                  str(step), (train or {}).get("best"), remote,
                                                  cfg.num_speculative_tokens, report))
-    write_manifest(tmp, "export", cfg, target=target or None, inputs=[train] if train else [],
+    write_manifest(tmp, "export", asked, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),
                    files={f: file_sha256(tmp / f) for f in FILES})
