@@ -427,6 +427,14 @@ def test_which_picks_best_last_or_a_step(tmp_path):
         find_checkpoint(tmp_path / "run", "best")
     with pytest.raises(EyasError, match="neither an `eyas train` run folder"):
         find_checkpoint(tmp_path, "best")
+    # an export (or another step's folder) given where the run belongs: named, with the run
+    exported = tmp_path / "exported"
+    write_manifest(exported, "export", cfg, inputs=[{"step": "train", "id": "x",
+                                                     "path": str(tmp_path / "run")}])
+    with pytest.raises(EyasError, match=rf"output of `eyas export`, not a training run; pass "
+                                        rf"the `eyas train` --out folder it came from "
+                                        rf"\({tmp_path / 'run'}\)"):
+        find_checkpoint(exported, "best")
     with pytest.raises(ConfigError, match="step-N"):
         ExportConfig(checkpoint="x", out="y", which="latest")
     with pytest.raises(ConfigError, match="does not load in sglang"):

@@ -289,6 +289,12 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
         return path, run
     ckpt = path / "checkpoints"
     if not ckpt.is_dir():
+        made = _made_by(path)
+        if made is not None:  # another step's folder, an export most likely
+            step, runs = made
+            raise EyasError(f"{path} is the output of `eyas {step}`, not a training run; pass "
+                            f"the `eyas train` --out folder" + (f" it came from ({runs})"
+                                                                 if runs else ""))
         raise EyasError(f"{path} is neither an `eyas train` run folder (no checkpoints/) nor a "
                         f"checkpoint folder (no draft.safetensors); pass the train --out folder")
     if which in ("best", "last"):
@@ -305,6 +311,19 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
         raise EyasError(f"checkpoint {step} is missing (or has no draft.safetensors); this run "
                         f"has {have}; pick one with --which")
     return step, path
+
+
+def _made_by(folder: Path) -> tuple[str, str] | None:
+    """(step, the train folders it read) of an eyas step's folder, or None for any other."""
+    try:
+        body = json.loads((folder / "eyas.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or not body.get("step"):
+        return None
+    runs = [i.get("path") for i in body.get("inputs") or []
+            if isinstance(i, dict) and i.get("step") == "train" and i.get("path")]
+    return body["step"], ", ".join(runs)
 
 
 def load_checkpoint(step: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
