@@ -596,6 +596,21 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
                                         r"\(vocab_size=200\).*measure this draft"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "report")))
+    # ... or another run's draft, measured as a run folder or as an export of it
+    run = read_manifest(tmp_path / "run", step="train")
+    make_run(tmp_path / "other", draft_config(), steps=(5, 20), best=20)  # another run
+    other = read_manifest(tmp_path / "other", step="train")
+    assert other["id"] != run["id"]
+    for measured in (other, read_manifest(export(ExportConfig(
+            checkpoint=str(tmp_path / "other"), out=str(tmp_path / "other-export"))))):
+        write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[measured])
+        with pytest.raises(EyasError, match=r"measured a draft of another training run than"):
+            export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                                acceptance_report=str(tmp_path / "report")))
+    for measured in (run, read_manifest(tmp_path / "d")):  # this run, or its own export
+        write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[measured])
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "report")))
 
 
 def test_cli_runs_export(tmp_path, capsys):

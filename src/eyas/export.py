@@ -300,7 +300,7 @@ def export(cfg: ExportConfig) -> Path:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
-    report = _read_report(cfg.acceptance_report, target)
+    report = _read_report(cfg.acceptance_report, target, train)
     out = Path(cfg.out)
     tmp = _fresh_dir(out)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -337,7 +337,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
-    report = _read_report(cfg.acceptance_report, target, "dflash")
+    report = _read_report(cfg.acceptance_report, target, train, "dflash")
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
@@ -397,10 +397,12 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
-def _read_report(path: str | None, target: dict, family: str = "eagle3") -> dict | None:
+def _read_report(path: str | None, target: dict, train: dict | None,
+                 family: str = "eagle3") -> dict | None:
     """The `eyas eval` report to quote: one that measured a draft of `family` (eagle3, dflash)
-    on this target (the README would otherwise quote n-gram's or another target's acceptance
-    as this draft's). A report made on the same model in another precision
+    from this training run (`train`'s manifest), as far as the eval's manifest tells, on this
+    target (the README would otherwise quote n-gram's, another draft's or another target's
+    acceptance as this draft's). A report made on the same model in another precision
     (`--accept-other-weights`) is what serving it gives, so it may be quoted."""
     if path is None:
         return None
@@ -418,8 +420,27 @@ def _read_report(path: str | None, target: dict, family: str = "eagle3") -> dict
                         f"without --draft measures n-gram); quote the report of `eyas eval "
                         f"--draft` on this draft")
     if (p.parent / MANIFEST).is_file():
-        check_same_target(read_manifest(p.parent, step="eval").get("target"), target,
-                          f"--acceptance-report {path}",
+        evaluated = read_manifest(p.parent, step="eval")
+        check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
                           fix="measure this draft with `eyas eval` on the target it was "
                               "trained for", weights=False)
+        runs = _runs_measured(evaluated)
+        if train is not None and runs and train.get("id") not in runs:
+            raise EyasError(f"--acceptance-report {path} measured a draft of another training "
+                            f"run than {train.get('path')}; measure this one (`eyas eval "
+                            f"--draft` on this export or on the run) and quote that report")
     return report
+
+
+def _runs_measured(evaluated: dict) -> set[str]:
+    """Ids of the train runs whose draft an eval measured: its draft input, a run folder, or
+    an export folder (still on disk) and the run that export came from."""
+    runs = set()
+    for item in evaluated.get("inputs") or []:
+        if item.get("step") == "train":
+            runs.add(item.get("id"))
+        elif item.get("step") == "export" and item.get("path") and \
+                (Path(item["path"]) / MANIFEST).is_file():
+            made = read_manifest(item["path"])
+            runs |= {i.get("id") for i in made.get("inputs") or [] if i.get("step") == "train"}
+    return runs
