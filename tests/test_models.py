@@ -225,6 +225,11 @@ def test_missing_folder_is_a_clear_error(tmp_path):
         load_config(tmp_path / "no-such-model")
     with pytest.raises(EyasError, match="does not exist"):
         load_tokenizer(str(tmp_path / "no" / "such" / "model"))
+    # a file of the model (its config.json) where its folder belongs: the folder is named
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(EyasError, match=rf"config.json is a file, not a model folder: pass the "
+                                        rf"folder .*\({tmp_path}, if this file is one of them\)"):
+        load_config(tmp_path / "config.json")
 
 
 def test_remote_code_needs_trust(kimi_like_dir):

@@ -186,7 +186,12 @@ def _check_exists(name: str) -> str:
     if not Path(name).expanduser().exists() and _looks_like_path(name):
         raise EyasError(f"model folder {name} does not exist; pass an existing folder or a "
                         f"hub name such as meta-llama/Llama-3.1-8B-Instruct")
-    return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+    path = Path(name).expanduser()
+    if path.is_file():  # a .gguf file does not come here (_locate)
+        raise EyasError(f"{name} is a file, not a model folder: pass the folder that holds the "
+                        f"model's config.json, tokenizer and weights ({path.parent}, if this "
+                        f"file is one of them), or a .gguf file")
+    return str(path) if path.exists() else name
 
 
 def is_gguf(name_or_path) -> bool:
