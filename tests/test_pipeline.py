@@ -56,6 +56,59 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     assert [p.step for p in until] == ["capture", "vocab", "train"]
 
 
+def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resumes(
+        tmp_path, llama_dir, caplog):
+    """regenerate refuses to resume a folder made with other generation settings or data; in
+    `eyas run` that refusal used to end the pipeline. The old folder is now moved aside and
+    regenerate starts over (so the steps after it run again), as for train."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": "w",
+            "regenerate": {"enabled": True, "max_new_tokens": 4, "device": "cpu"}}
+    pipeline, work = _write(tmp_path, spec), tmp_path / "w"
+    run(RunConfig(pipeline=pipeline, until_step="prepare"))
+    assert [p.action for p in plan(RunConfig(pipeline=pipeline, until_step="prepare"))] == \
+        ["skip", "skip"]
+
+    spec["regenerate"]["max_new_tokens"] = 5
+    pipeline = _write(tmp_path, spec)
+    with caplog.at_level(logging.INFO, logger="eyas.pipeline"):
+        plans = run(RunConfig(pipeline=pipeline, until_step="prepare", dry_run=True))
+    regen, prepare = plans
+    assert regen.action == "run" and regen.start_over
+    assert "regenerate starts over (its config changed (max_new_tokens (it ran with 4)))" in \
+        regen.reason and "regenerated.previous" in caplog.text
+    assert prepare.action == "run" and not prepare.start_over
+    run(RunConfig(pipeline=pipeline, until_step="prepare"))
+    was = json.loads((work / "regenerated.previous" / "eyas.json").read_text())
+    now = json.loads((work / "regenerated" / "eyas.json").read_text())
+    assert (was["config"]["max_new_tokens"], now["config"]["max_new_tokens"]) == (4, 5)
+    assert now["complete"] and now["stats"]["skipped"] == 0  # generated again, not resumed
+
+    # an interrupted run with the same settings resumes (one with others starts over), and
+    # a finished one whose --limit rose resumes
+    (work / "regenerated" / "eyas.json").write_text(json.dumps({**now, "complete": False}))
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and not regen.start_over and "interrupted" in regen.reason
+    other = _write(tmp_path, {**spec, "regenerate": {**spec["regenerate"], "temperature": 0.5}})
+    regen = plan(RunConfig(pipeline=other, until_step="regenerate"))[0]
+    assert regen.start_over and "temperature (it ran with 0.0)" in regen.reason
+    pipeline = _write(tmp_path, spec)
+    (work / "regenerated" / "eyas.json").write_text(json.dumps(now))
+    forced = plan(RunConfig(pipeline=pipeline, until_step="regenerate", force=True))[0]
+    assert forced.start_over and "regenerate starts over (forced)" in forced.reason
+    spec["regenerate"]["limit"] = 10
+    pipeline = _write(tmp_path, spec)
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and not regen.start_over and "limit" in regen.reason
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    stats = json.loads((work / "regenerated" / "eyas.json").read_text())["stats"]
+    assert stats["skipped"] == stats["input"] == 3
+    assert json.loads((work / "regenerated.previous" / "eyas.json").read_text()) == was
+
+
 def test_a_half_saved_demo_target_is_trained_again(tmp_path):
     """A demo killed while saving its target left config.json alone, which every later run
     took for a trained target and then failed to load; the target is now saved beside and

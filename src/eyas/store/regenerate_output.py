@@ -105,10 +105,7 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
                             f"be resumed safely; pass a new --out or delete them")
         return
     old = read_manifest(out, step="regenerate")
-    new = json.loads(json.dumps(to_dict(cfg)))
-    was = {k: old["config"].get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
-    changed = [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
-               if was[k] != new[k]]
+    changed = setting_changes(cfg, old)
     if old.get("data_files") != sources:
         changed.append("data file contents")
     if changed:
@@ -116,6 +113,16 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
                         f"use the same settings to resume it, or pass a new --out")
     if old.get("complete") is False:
         log.info("resuming the interrupted run in %s", out)
+
+
+def setting_changes(cfg: RegenerateConfig, manifest: dict) -> list[str]:
+    """The settings a resumed run must keep (SAME_ON_RESUME) that `cfg` changes from the run
+    `manifest` records, each with the value it ran with. `eyas run` starts such a run over."""
+    new = json.loads(json.dumps(to_dict(cfg)))
+    ran = manifest.get("config") or {}
+    was = {k: ran.get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
+    return [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
+            if was[k] != new[k]]
 
 
 def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
