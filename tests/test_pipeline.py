@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,51 @@ def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resum
     stats = json.loads((work / "regenerated" / "eyas.json").read_text())["stats"]
     assert stats["skipped"] == stats["input"] == 3
     assert json.loads((work / "regenerated.previous" / "eyas.json").read_text()) == was
+
+
+def test_the_plan_reads_no_data_file_its_size_and_mtime_vouch_for(tmp_path, llama_dir,
+                                                                   monkeypatch):
+    """Every plan (`--dry-run` too) hashed all chat data, and prepare hashed it again: slow for
+    large data. A file at the size and mtime_ns its manifest recorded keeps the recorded sha256
+    unread; another mtime is hashed, so other rows under the same path are still noticed."""
+    from eyas.store import manifest as store
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    pipeline = _write(tmp_path, {"target": str(llama_dir), "data": str(data), "work_dir": "w"})
+    record = tmp_path / "w" / "prepared" / "eyas.json"
+    prepare = RunConfig(pipeline=pipeline, until_step="prepare")
+    run(prepare)
+    assert {"size", "mtime_ns", "sha256"} <= set(json.loads(record.read_text())["data_files"][0])
+    hashed, sha256 = [], store.file_sha256
+    monkeypatch.setattr(store, "file_sha256",
+                        lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+
+    assert plan(prepare)[0].action == "skip"
+    run(RunConfig(pipeline=pipeline, until_step="prepare", force=True))  # prepare itself too
+    assert data not in hashed
+
+    def move_mtime():  # by a whole second: a filesystem's clock may be coarse
+        st = data.stat()
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    # the same rows under another mtime (a copy, a checkout) are read, and the same data
+    move_mtime()
+    assert plan(prepare)[0].action == "skip" and hashed.count(data) == 1
+    # a manifest from before the stamps: read, and the same data
+    body = json.loads(record.read_text())
+    for r in body["data_files"]:
+        del r["size"], r["mtime_ns"]
+    record.write_text(json.dumps(body))
+    hashed.clear()
+    assert plan(prepare)[0].action == "skip" and hashed.count(data) == 1
+    # other rows of the same size: noticed (the write moved the mtime)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[::-1]))
+    move_mtime()
+    p = plan(prepare)[0]
+    assert p.action == "run" and f"its input data changed ({data} differs)" in p.reason
 
 
 def test_a_half_saved_demo_target_is_trained_again(tmp_path):

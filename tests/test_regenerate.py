@@ -568,6 +568,26 @@ def test_run_from_before_drop_truncated_resumes_as_it_ran(setup, local_run, tmp_
     assert regenerate(_cfg(setup, out, drop_truncated=True))["skipped"] == len(setup[2])
 
 
+def test_a_manifest_without_data_stamps_resumes_and_a_stamped_file_is_not_read(
+        setup, local_run, tmp_path, monkeypatch):
+    """data_files records gained each file's size and mtime_ns: an older manifest still
+    resumes on the same data (hashed), and a file at its recorded stamp is not read again."""
+    from eyas.store import manifest as store
+
+    out = tmp_path / "out"
+    shutil.copytree(local_run[0], out)
+    record = json.loads((out / "eyas.json").read_text())
+    assert {"size", "mtime_ns"} <= set(record["data_files"][0])
+    hashed, sha256 = [], store.file_sha256
+    monkeypatch.setattr(store, "file_sha256",
+                        lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+    assert regenerate(_cfg(setup, out))["skipped"] == len(setup[2]) and setup[1] not in hashed
+    for r in record["data_files"]:
+        del r["size"], r["mtime_ns"]
+    (out / "eyas.json").write_text(json.dumps(record))
+    assert regenerate(_cfg(setup, out))["skipped"] == len(setup[2]) and setup[1] in hashed
+
+
 def test_server_checks_fail_with_the_fix(setup, tmp_path):
     gen = load_generator(setup[0], device="cpu")
     with ChatServer(gen, "tiny") as server:

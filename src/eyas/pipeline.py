@@ -145,10 +145,12 @@ def _data_changes(cfg, manifest: dict) -> str:
     other rows is other data. EyasError if the data cannot be read."""
     if "data_files" not in manifest or not getattr(cfg, "data", None):
         return ""
+    from eyas.store.manifest import data_content
     from eyas.targets.chat import source_fingerprints
 
-    now = _normalise(source_fingerprints(cfg.data))
-    was = {json.dumps(x, sort_keys=True) for x in manifest["data_files"] or []}
+    recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
+    now = data_content(_normalise(source_fingerprints(cfg.data, recorded)))
+    was = {json.dumps(x, sort_keys=True) for x in data_content(recorded)}
     moved = [x.get("path") for x in now if json.dumps(x, sort_keys=True) not in was]
     if not moved and len(now) != len(was):
         return "a file of it is gone"

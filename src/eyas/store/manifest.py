@@ -39,9 +39,34 @@ def versions() -> dict[str, str]:
     return out
 
 
+# A data file's stamp in a manifest's `data_files` (eyas.targets.chat.source_fingerprints):
+# when to hash the file again, not what it holds.
+DATA_STAMP = ("size", "mtime_ns")
+
+
+def data_content(records) -> list[dict]:
+    """`data_files` records without their stamps: what two runs on the same data share (a
+    copy or a checkout of the same rows has another mtime)."""
+    return [{k: v for k, v in r.items() if k not in DATA_STAMP} for r in records or ()]
+
+
+def recorded_data(folder: str | Path, step: str) -> list[dict]:
+    """The `data_files` an earlier `step` recorded in `folder` ([] if none): the files still
+    at their recorded size and mtime need not be read again (source_fingerprints)."""
+    try:
+        body = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(body, dict) or body.get("step") != step:
+        return []
+    return body.get("data_files") or []
+
+
 def manifest_id(body: dict[str, Any]) -> str:
     """Content hash of a manifest body (time stamps excluded) used to chain steps."""
     stable = {k: v for k, v in body.items() if k not in ("id", "created", "versions", "stats")}
+    if "data_files" in stable:  # the same rows under another mtime are the same input
+        stable["data_files"] = data_content(stable["data_files"])
     blob = json.dumps(stable, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 
 from eyas.config import to_dict
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, read_manifest
+from eyas.store.manifest import MANIFEST, data_content, read_manifest
 
 # Job, RegenerateConfig, Regenerated, Rejected: from the step eyas.regenerate, named in annotations only (a layer never imports a step)
 
@@ -106,7 +106,7 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
         return
     old = read_manifest(out, step="regenerate")
     changed = setting_changes(cfg, old)
-    if old.get("data_files") != sources:
+    if data_content(old.get("data_files")) != data_content(sources):
         changed.append("data file contents")
     if changed:
         raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
