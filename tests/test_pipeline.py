@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,28 @@ def test_the_plan_reads_no_data_file_its_size_and_mtime_vouch_for(tmp_path, llam
     assert p.action == "run" and f"its input data changed ({data} differs)" in p.reason
 
 
+def test_a_failed_step_gets_the_pipeline_hint_when_it_refuses_a_flag_the_pipeline_set(
+        tmp_path, llama_dir, monkeypatch):
+    """The hint follows the error's `flag` (the option it refuses), not words of its message:
+    it was chosen by finding "--out" or "--resume" in the text."""
+    import eyas.prepare
+
+    pipeline = _write(tmp_path, {"target": str(llama_dir), "data": "chats.jsonl",
+                                 "work_dir": "w"})
+    hint = r"In `eyas run` this step's --out is .*prepared: to start it over, move that folder"
+    for error, hinted in ((EyasError("that folder is not yours", flag="--out"), True),
+                          (EyasError("no checkpoint there", flag="--resume"), True),
+                          (EyasError("pass the --out folder of `eyas vocab` as --vocab"), False)):
+        def refuse(cfg, error=error):
+            raise error
+
+        monkeypatch.setattr(eyas.prepare, "prepare", refuse)
+        with pytest.raises(EyasError, match="step prepare failed") as failed:
+            run(RunConfig(pipeline=pipeline, until_step="prepare"))
+        assert bool(re.search(hint, str(failed.value))) == hinted, failed.value
+        assert failed.value.__cause__ is error
+
+
 def test_a_half_saved_demo_target_is_trained_again(tmp_path):
     """A demo killed while saving its target left config.json alone, which every later run
     took for a trained target and then failed to load; the target is now saved beside and
@@ -261,7 +284,8 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     (mine / "report.md").write_text("notes")
     spec["eval"]["out"] = str(mine)
     open(pipeline, "w").write(yaml.safe_dump(spec))
-    with pytest.raises(EyasError, match=r"step eval failed: --out .*mine holds files eyas did "
-                                        r"not write.*In `eyas run` this step's --out is .*mine"):
+    with pytest.raises(EyasError, match=r"step eval failed: .*In `eyas run` this step's --out "
+                                        r"is .*mine") as failed:
         run(RunConfig(pipeline=pipeline))
+    assert failed.value.__cause__.flag == "--out"  # (eval's check_out refused the folder)
     assert (mine / "report.md").read_text() == "notes"

@@ -541,8 +541,9 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
 def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(local_run[0], out)
-    with pytest.raises(EyasError, match="different max_new_tokens"):
+    with pytest.raises(EyasError, match="different max_new_tokens") as refused:
         regenerate(replace(_cfg(setup, out), max_new_tokens=MAX_NEW + 1))
+    assert refused.value.flag == "--out"  # (eyas run's hint follows it)
     with pytest.raises(EyasError, match="different drop_truncated"):
         regenerate(replace(_cfg(setup, out), drop_truncated=True))
     with pytest.raises(EyasError, match=r"different max_length \(it ran with 2048\)"):

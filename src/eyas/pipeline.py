@@ -265,9 +265,9 @@ def run(cfg: RunConfig) -> list[Plan]:
         try:
             getattr(importlib.import_module(module), fn)(p.config)
         except EyasError as err:
-            # the step's own fixes name its flags (--out, --resume), which the pipeline sets
+            # a refused --out or --resume: the pipeline set them, so say where and how
             hint = (f" (In `eyas run` this step's --out is {p.out}: to start it over, move "
                     f"that folder away, or set the flag in the pipeline's '{p.step}' section.)"
-                    if any(f in str(err) for f in ("--out", "--resume")) else "")
+                    if err.flag in ("--out", "--resume") else "")
             raise EyasError(f"step {p.step} failed: {err}{hint}") from err
     return plans

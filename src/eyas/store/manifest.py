@@ -145,7 +145,8 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
     step's folder, and any entry no pattern covers, naming them; returns the folder."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).")
+        raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).",
+                        flag="--out")
     entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if not entries:
         return folder
@@ -158,7 +159,7 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
         if found != step:
             raise EyasError(f"--out {folder} holds the output of `eyas {found}`, not of `eyas "
                             f"{step}`; choose another --out (eyas never writes into another "
-                            f"step's folder).")
+                            f"step's folder).", flag="--out")
         allowed += own
     foreign = [n for n in entries if not any(fnmatch.fnmatchcase(n, p) for p in allowed)]
     if foreign:
@@ -167,7 +168,8 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
                 if MANIFEST in entries else "files eyas did not write")
         raise EyasError(f"--out {folder} holds {kind} ({shown}); eyas {step} writes only into "
                         f"an empty folder or its own earlier output, so nothing of yours is "
-                        f"overwritten or deleted. Move those away, or choose another --out.")
+                        f"overwritten or deleted. Move those away, or choose another --out.",
+                        flag="--out")
     return folder
 
 

@@ -102,7 +102,7 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
     if not (out / MANIFEST).is_file():
         if any((out / name).exists() for name in (OUTPUT, REJECTS)):
             raise EyasError(f"{out} holds {OUTPUT}/{REJECTS} but no {MANIFEST}, so they cannot "
-                            f"be resumed safely; pass a new --out or delete them")
+                            f"be resumed safely; pass a new --out or delete them", flag="--out")
         return
     old = read_manifest(out, step="regenerate")
     changed = setting_changes(cfg, old)
@@ -110,7 +110,7 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
         changed.append("data file contents")
     if changed:
         raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
-                        f"use the same settings to resume it, or pass a new --out")
+                        f"use the same settings to resume it, or pass a new --out", flag="--out")
     if old.get("complete") is False:
         log.info("resuming the interrupted run in %s", out)
 
