@@ -131,22 +131,26 @@ def test_check_out_is_one_policy(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
     (user / "vocab.safetensors").write_text("mine")  # a user's file of an eyas name
-    with pytest.raises(EyasError, match="files eyas did not write.*vocab.safetensors"):
+    with pytest.raises(EyasError, match="files eyas did not write.*vocab.safetensors") as e:
         check_out(user, "vocab", own=("vocab.safetensors",))
+    assert e.value.flag == "--out"  # each refusal names the option (eyas run's hint follows it)
     other = tmp_path / "other"
     write_manifest(other, "prepare", {})
-    with pytest.raises(EyasError, match="output of `eyas prepare`"):
+    with pytest.raises(EyasError, match="output of `eyas prepare`") as e:
         check_out(other, "vocab", own=("vocab.safetensors",))
+    assert e.value.flag == "--out"
     mine = tmp_path / "mine"
     write_manifest(mine, "vocab", {})
     (mine / "vocab.safetensors").write_text("x")
     check_out(mine, "vocab", own=("vocab.safetensors",))  # re-running the step: allowed
     (mine / "NOTES.md").write_text("mine")
-    with pytest.raises(EyasError, match="plus files it did not write.*NOTES.md"):
+    with pytest.raises(EyasError, match="plus files it did not write.*NOTES.md") as e:
         check_out(mine, "vocab", own=("vocab.safetensors",))
+    assert e.value.flag == "--out"
     (tmp_path / "file").write_text("x")
-    with pytest.raises(EyasError, match="is a file"):
+    with pytest.raises(EyasError, match="is a file") as e:
         check_out(tmp_path / "file", "vocab")
+    assert e.value.flag == "--out"
 
 
 def test_capture_refuses_a_foreign_folder_and_a_foreign_shard_state(llama_dir, prepared,

@@ -32,6 +32,20 @@ def test_write_read_roundtrip_and_step_check(tmp_path):
     assert downstream["id"] != m["id"]
 
 
+def test_a_data_files_stamp_leaves_the_manifest_id_alone(tmp_path):
+    """A data file's size and mtime say when to hash it again; the same rows under another
+    mtime (a copy, a checkout) are the same input, so capture, which resumes only on the same
+    prepared id, still resumes."""
+    rows = {"path": "chats.jsonl", "sha256": "ab" * 32}
+    old = write_manifest(tmp_path / "a", "prepare", Cfg(), data_files=[rows])
+    new = write_manifest(tmp_path / "b", "prepare", Cfg(),
+                         data_files=[{**rows, "size": 10, "mtime_ns": 1}])
+    assert new["id"] == old["id"] and new["data_files"][0]["mtime_ns"] == 1
+    other = write_manifest(tmp_path / "c", "prepare", Cfg(),
+                           data_files=[{**rows, "sha256": "cd" * 32}])
+    assert other["id"] != old["id"]
+
+
 def test_target_mismatch_is_refused(tiny_tok):
     rec = target_record("a", tokenizer=tiny_tok)
     other = dict(rec, name_or_path="b", tokenizer_hash="0" * 16)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,126 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
+
+
+def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resumes(
+        tmp_path, llama_dir, caplog):
+    """regenerate refuses to resume a folder made with other generation settings or data; in
+    `eyas run` that refusal used to end the pipeline. The old folder is now moved aside and
+    regenerate starts over (so the steps after it run again), as for train."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": "w",
+            "regenerate": {"enabled": True, "max_new_tokens": 4, "device": "cpu"}}
+    pipeline, work = _write(tmp_path, spec), tmp_path / "w"
+    run(RunConfig(pipeline=pipeline, until_step="prepare"))
+    assert [p.action for p in plan(RunConfig(pipeline=pipeline, until_step="prepare"))] == \
+        ["skip", "skip"]
+
+    spec["regenerate"]["max_new_tokens"] = 5
+    pipeline = _write(tmp_path, spec)
+    with caplog.at_level(logging.INFO, logger="eyas.pipeline"):
+        plans = run(RunConfig(pipeline=pipeline, until_step="prepare", dry_run=True))
+    regen, prepare = plans
+    assert regen.action == "run" and regen.start_over
+    assert "regenerate starts over (its config changed (max_new_tokens (it ran with 4)))" in \
+        regen.reason and "regenerated.previous" in caplog.text
+    assert prepare.action == "run" and not prepare.start_over
+    run(RunConfig(pipeline=pipeline, until_step="prepare"))
+    was = json.loads((work / "regenerated.previous" / "eyas.json").read_text())
+    now = json.loads((work / "regenerated" / "eyas.json").read_text())
+    assert (was["config"]["max_new_tokens"], now["config"]["max_new_tokens"]) == (4, 5)
+    assert now["complete"] and now["stats"]["skipped"] == 0  # generated again, not resumed
+
+    # an interrupted run with the same settings resumes (one with others starts over), and
+    # a finished one whose --limit rose resumes
+    (work / "regenerated" / "eyas.json").write_text(json.dumps({**now, "complete": False}))
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and not regen.start_over and "interrupted" in regen.reason
+    other = _write(tmp_path, {**spec, "regenerate": {**spec["regenerate"], "temperature": 0.5}})
+    regen = plan(RunConfig(pipeline=other, until_step="regenerate"))[0]
+    assert regen.start_over and "temperature (it ran with 0.0)" in regen.reason
+    pipeline = _write(tmp_path, spec)
+    (work / "regenerated" / "eyas.json").write_text(json.dumps(now))
+    forced = plan(RunConfig(pipeline=pipeline, until_step="regenerate", force=True))[0]
+    assert forced.start_over and "regenerate starts over (forced)" in forced.reason
+    spec["regenerate"]["limit"] = 10
+    pipeline = _write(tmp_path, spec)
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and not regen.start_over and "limit" in regen.reason
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    stats = json.loads((work / "regenerated" / "eyas.json").read_text())["stats"]
+    assert stats["skipped"] == stats["input"] == 3
+    assert json.loads((work / "regenerated.previous" / "eyas.json").read_text()) == was
+
+
+def test_the_plan_reads_no_data_file_its_size_and_mtime_vouch_for(tmp_path, llama_dir,
+                                                                   monkeypatch):
+    """Every plan (`--dry-run` too) hashed all chat data, and prepare hashed it again: slow for
+    large data. A file at the size and mtime_ns its manifest recorded keeps the recorded sha256
+    unread; another mtime is hashed, so other rows under the same path are still noticed."""
+    from eyas.store import manifest as store
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    pipeline = _write(tmp_path, {"target": str(llama_dir), "data": str(data), "work_dir": "w"})
+    record = tmp_path / "w" / "prepared" / "eyas.json"
+    prepare = RunConfig(pipeline=pipeline, until_step="prepare")
+    run(prepare)
+    assert {"size", "mtime_ns", "sha256"} <= set(json.loads(record.read_text())["data_files"][0])
+    hashed, sha256 = [], store.file_sha256
+    monkeypatch.setattr(store, "file_sha256",
+                        lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+
+    assert plan(prepare)[0].action == "skip"
+    run(RunConfig(pipeline=pipeline, until_step="prepare", force=True))  # prepare itself too
+    assert data not in hashed
+
+    def move_mtime():  # by a whole second: a filesystem's clock may be coarse
+        st = data.stat()
+        os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    # the same rows under another mtime (a copy, a checkout) are read, and the same data
+    move_mtime()
+    assert plan(prepare)[0].action == "skip" and hashed.count(data) == 1
+    # a manifest from before the stamps: read, and the same data
+    body = json.loads(record.read_text())
+    for r in body["data_files"]:
+        del r["size"], r["mtime_ns"]
+    record.write_text(json.dumps(body))
+    hashed.clear()
+    assert plan(prepare)[0].action == "skip" and hashed.count(data) == 1
+    # other rows of the same size: noticed (the write moved the mtime)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[::-1]))
+    move_mtime()
+    p = plan(prepare)[0]
+    assert p.action == "run" and f"its input data changed ({data} differs)" in p.reason
+
+
+def test_a_failed_step_gets_the_pipeline_hint_when_it_refuses_a_flag_the_pipeline_set(
+        tmp_path, llama_dir, monkeypatch):
+    """The hint follows the error's `flag` (the option it refuses), not words of its message:
+    it was chosen by finding "--out" or "--resume" in the text."""
+    import eyas.prepare
+
+    pipeline = _write(tmp_path, {"target": str(llama_dir), "data": "chats.jsonl",
+                                 "work_dir": "w"})
+    hint = r"In `eyas run` this step's --out is .*prepared: to start it over, move that folder"
+    for error, hinted in ((EyasError("that folder is not yours", flag="--out"), True),
+                          (EyasError("no checkpoint there", flag="--resume"), True),
+                          (EyasError("pass the --out folder of `eyas vocab` as --vocab"), False)):
+        def refuse(cfg, error=error):
+            raise error
+
+        monkeypatch.setattr(eyas.prepare, "prepare", refuse)
+        with pytest.raises(EyasError, match="step prepare failed") as failed:
+            run(RunConfig(pipeline=pipeline, until_step="prepare"))
+        assert bool(re.search(hint, str(failed.value))) == hinted, failed.value
+        assert failed.value.__cause__ is error
 
 
 def test_a_half_saved_demo_target_is_trained_again(tmp_path):
@@ -162,7 +284,8 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     (mine / "report.md").write_text("notes")
     spec["eval"]["out"] = str(mine)
     open(pipeline, "w").write(yaml.safe_dump(spec))
-    with pytest.raises(EyasError, match=r"step eval failed: --out .*mine holds files eyas did "
-                                        r"not write.*In `eyas run` this step's --out is .*mine"):
+    with pytest.raises(EyasError, match=r"step eval failed: .*In `eyas run` this step's --out "
+                                        r"is .*mine") as failed:
         run(RunConfig(pipeline=pipeline))
+    assert failed.value.__cause__.flag == "--out"  # (eval's check_out refused the folder)
     assert (mine / "report.md").read_text() == "notes"

@@ -541,8 +541,9 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
 def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(local_run[0], out)
-    with pytest.raises(EyasError, match="different max_new_tokens"):
+    with pytest.raises(EyasError, match="different max_new_tokens") as refused:
         regenerate(replace(_cfg(setup, out), max_new_tokens=MAX_NEW + 1))
+    assert refused.value.flag == "--out"  # (eyas run's hint follows it)
     with pytest.raises(EyasError, match="different drop_truncated"):
         regenerate(replace(_cfg(setup, out), drop_truncated=True))
     with pytest.raises(EyasError, match=r"different max_length \(it ran with 2048\)"):
@@ -566,6 +567,26 @@ def test_run_from_before_drop_truncated_resumes_as_it_ran(setup, local_run, tmp_
     with pytest.raises(EyasError, match=r"different drop_truncated \(it ran with true\)"):
         regenerate(_cfg(setup, out))
     assert regenerate(_cfg(setup, out, drop_truncated=True))["skipped"] == len(setup[2])
+
+
+def test_a_manifest_without_data_stamps_resumes_and_a_stamped_file_is_not_read(
+        setup, local_run, tmp_path, monkeypatch):
+    """data_files records gained each file's size and mtime_ns: an older manifest still
+    resumes on the same data (hashed), and a file at its recorded stamp is not read again."""
+    from eyas.store import manifest as store
+
+    out = tmp_path / "out"
+    shutil.copytree(local_run[0], out)
+    record = json.loads((out / "eyas.json").read_text())
+    assert {"size", "mtime_ns"} <= set(record["data_files"][0])
+    hashed, sha256 = [], store.file_sha256
+    monkeypatch.setattr(store, "file_sha256",
+                        lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+    assert regenerate(_cfg(setup, out))["skipped"] == len(setup[2]) and setup[1] not in hashed
+    for r in record["data_files"]:
+        del r["size"], r["mtime_ns"]
+    (out / "eyas.json").write_text(json.dumps(record))
+    assert regenerate(_cfg(setup, out))["skipped"] == len(setup[2]) and setup[1] in hashed
 
 
 def test_server_checks_fail_with_the_fix(setup, tmp_path):

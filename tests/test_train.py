@@ -279,8 +279,9 @@ def test_checkpoints_keep_last_n_and_best_and_restore_everything(tmp_path):
     checkpoint.clear_after(tmp_path, 4)
     assert checkpoint.read_pointer(tmp_path, "last") is None
     assert checkpoint.resolve_resume(tmp_path, "never") is None
-    with pytest.raises(EyasError, match="--resume auto"):
+    with pytest.raises(EyasError, match="--resume auto") as refused:
         checkpoint.resolve_resume(tmp_path, str(tmp_path / "nope"))
+    assert refused.value.flag == "--resume"  # (eyas run's hint follows it)
 
 
 # ----------------------------------------------------------------------------- the recipe

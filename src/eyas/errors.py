@@ -3,7 +3,12 @@ artifacts). The CLI prints its message without a traceback; the message says how
 
 
 class EyasError(RuntimeError):
-    pass
+    """`flag`: the option whose value is refused (`--out`, `--resume`), where the fix is to
+    change it. `eyas run` sets some options itself, so it adds where it put them."""
+
+    def __init__(self, message: str = "", *, flag: str | None = None):
+        super().__init__(message)
+        self.flag = flag
 
 
 class LosslessError(EyasError):

@@ -390,7 +390,7 @@ def _fresh_dir(out: Path) -> Path:
         if edited:
             raise EyasError(f"{out} is an earlier export, but {', '.join(edited)} changed since "
                             f"eyas wrote it (yours now); re-exporting would replace it. Move it "
-                            f"away, or choose another --out.")
+                            f"away, or choose another --out.", flag="--out")
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

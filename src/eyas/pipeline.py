@@ -58,7 +58,7 @@ class Plan:
     out: Path
     action: str  # "run" | "skip"
     reason: str
-    start_over: bool = False  # train only: the run in `out` is moved aside first
+    start_over: bool = False  # train, regenerate: the run in `out` is moved aside first
 
 
 def _step_config(step: str, spec: dict, work: Path):
@@ -124,30 +124,33 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     if not path.is_file():
         return False, "no finished output yet (or it was interrupted: the step resumes)"
     manifest = json.loads(path.read_text())
-    if manifest.get("complete") is False:
-        return False, "the previous run was interrupted: the step resumes"
+    # a change first: an interrupted run with other settings may not resume (_starts_over)
     changed = _config_changes(cfg, manifest)
     if changed:
         return False, f"config changed ({', '.join(changed)})"
-    moved = _data_changes(cfg, manifest)
+    try:
+        moved = _data_changes(cfg, manifest)
+    except EyasError as err:
+        moved = f"it cannot be read: {err}"
     if moved:
         return False, f"its input data changed ({moved})"
+    if manifest.get("complete") is False:
+        return False, "the previous run was interrupted: the step resumes"
     return True, "up to date"
 
 
 def _data_changes(cfg, manifest: dict) -> str:
     """For a step that records what its chat data held (prepare, regenerate: `data_files`),
     the first file whose content is not what it was then ("" if none): the same path with
-    other rows is other data."""
+    other rows is other data. EyasError if the data cannot be read."""
     if "data_files" not in manifest or not getattr(cfg, "data", None):
         return ""
+    from eyas.store.manifest import data_content
     from eyas.targets.chat import source_fingerprints
 
-    try:
-        now = _normalise(source_fingerprints(cfg.data))
-    except EyasError as err:
-        return f"it cannot be read: {err}"
-    was = {json.dumps(x, sort_keys=True) for x in manifest["data_files"] or []}
+    recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
+    now = data_content(_normalise(source_fingerprints(cfg.data, recorded)))
+    was = {json.dumps(x, sort_keys=True) for x in data_content(recorded)}
     moved = [x.get("path") for x in now if json.dumps(x, sort_keys=True) not in was]
     if not moved and len(now) != len(was):
         return "a file of it is gone"
@@ -165,23 +168,46 @@ def _config_changes(cfg, manifest: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))
 
 
-def _starts_over(cfg, out: Path, upstream_ran: bool, forced: bool) -> str:
-    """Why a train step that runs must not resume the run in `out` ("" if it may): a finished
-    run re-run (its config or inputs changed, or --force) would resume at its last step and
-    train nothing, and an interrupted one resumed on other inputs or settings would mix
-    them. The pipeline moves such a run aside first (`run`)."""
+def _starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> str:
+    """Why a train or regenerate step that runs must not resume the run in `out` ("" if it
+    may). The pipeline moves such a run aside first (`run`).
+
+    train: a finished run re-run (its config or inputs changed, or --force) would resume at
+    its last step and train nothing, and an interrupted one resumed on other inputs or
+    settings would mix them. regenerate: its own check refuses to resume on other data or
+    generation settings (store.regenerate_output.SAME_ON_RESUME), and a forced run would
+    generate nothing; other changes (a raised --limit, --retry-rejects, the backend) resume."""
     path = out / MANIFEST
     if not path.is_file():
         return ""
     if upstream_ran:
         return "its inputs changed"
     manifest = json.loads(path.read_text())
+    if manifest.get("step") != step:
+        return ""  # not this step's folder: the step's own --out check refuses it
+    if step == "regenerate":
+        return _regenerate_starts_over(cfg, manifest, forced)
     changed = _config_changes(cfg, manifest)
     if changed:
         return f"its config changed ({', '.join(changed)})"
     if manifest.get("complete") is not False:
         return "forced" if forced else "it finished"
     return ""
+
+
+def _regenerate_starts_over(cfg, manifest: dict, forced: bool) -> str:
+    from eyas.store.regenerate_output import setting_changes
+
+    changed = setting_changes(cfg, manifest)
+    if changed:
+        return f"its config changed ({', '.join(changed)})"
+    try:
+        moved = _data_changes(cfg, manifest)
+    except EyasError:
+        return ""  # the step says what is wrong with its data; its output stays where it is
+    if moved:
+        return f"its input data changed ({moved})"
+    return "forced" if forced else ""
 
 
 def plan(cfg: RunConfig) -> list[Plan]:
@@ -209,10 +235,10 @@ def plan(cfg: RunConfig) -> list[Plan]:
             ok, why = False, "forced" if cfg.force else "--from-step"
         else:
             ok, why = _up_to_date(step_cfg, out, upstream_ran)
-        again = "" if ok or step != "train" else \
-            _starts_over(step_cfg, out, upstream_ran, cfg.force or cfg.from_step == step)
+        again = "" if ok or step not in ("train", "regenerate") else \
+            _starts_over(step, step_cfg, out, upstream_ran, cfg.force or cfg.from_step == step)
         if again:
-            why += f"; training starts over ({again}), the old run moved to {out.name}.previous"
+            why += f"; {step} starts over ({again}), the old run moved to {out.name}.previous"
         plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
     return plans
@@ -235,13 +261,13 @@ def run(cfg: RunConfig) -> list[Plan]:
             if aside.exists():
                 shutil.rmtree(aside)
             p.out.rename(aside)
-            log.info("train: the earlier run moved to %s", aside)
+            log.info("%s: the earlier run moved to %s", p.step, aside)
         try:
             getattr(importlib.import_module(module), fn)(p.config)
         except EyasError as err:
-            # the step's own fixes name its flags (--out, --resume), which the pipeline sets
+            # a refused --out or --resume: the pipeline set them, so say where and how
             hint = (f" (In `eyas run` this step's --out is {p.out}: to start it over, move "
                     f"that folder away, or set the flag in the pipeline's '{p.step}' section.)"
-                    if any(f in str(err) for f in ("--out", "--resume")) else "")
+                    if err.flag in ("--out", "--resume") else "")
             raise EyasError(f"step {p.step} failed: {err}{hint}") from err
     return plans

@@ -27,8 +27,8 @@ from eyas.targets.chat import ChatFormatError
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out, target_record,
-                                 tokenizer_fingerprint, write_manifest)
+from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out, recorded_data,
+                                 target_record, tokenizer_fingerprint, write_manifest)
 from eyas.targets.masking import tokenize_conversation
 from eyas.targets.masking import render_prompt  # noqa: F401  (documented as eyas.prepare.render_prompt)
 from eyas.targets.chat import parse_template_kwargs
@@ -339,7 +339,8 @@ def _duplicate_ids(sample_ids: list[str]) -> int:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Tokenize `cfg.data` for `cfg.target` into `cfg.out` (see docs/architecture.md)."""
     out = Path(cfg.out)
-    data_record = chat.source_fingerprints(cfg.data)  # also fails early on a missing path
+    # also fails early on a missing path; files unchanged since the output in `out`: not read
+    data_record = chat.source_fingerprints(cfg.data, recorded_data(out, "prepare"))
     tok = load_tokenizer(cfg)
     config = _target_config(cfg)
     text_config = config.get_text_config() if config is not None else None

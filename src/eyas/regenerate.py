@@ -39,8 +39,8 @@ from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError
                               sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
-from eyas.store.manifest import (chat_template_fingerprint, check_out, target_record,
-                                 write_manifest)
+from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
+                                 target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
 from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
                                       RequestFailed, load_generator, render_prompt)
@@ -202,7 +202,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     mine = (OUTPUT, REJECTS, "*.tmp")
     out = check_out(cfg.out, "regenerate", own=mine, unfinished=mine)
     tokenizer, target = _target(cfg)
-    sources = source_fingerprints(cfg.data)  # also fails early on a missing path
+    # also fails early on a missing path; files unchanged since the run in `out`: not read
+    sources = source_fingerprints(cfg.data, recorded_data(out, "regenerate"))
     check_resume(cfg, out, sources)
     prior = read_previous(out, cfg.retry_rejects)
     extras = dict(data_files=sources, sampling=_sampling(cfg),

@@ -387,7 +387,7 @@ class Schedules:
         if len(states) != len(self.each):
             raise EyasError(f"the checkpoint holds {len(states)} optimizer schedule(s), this "
                             f"run has {len(self.each)}: resume with the checkpoint's "
-                            f"--optimizer or start over with --resume never")
+                            f"--optimizer or start over with --resume never", flag="--resume")
         for s, st in zip(self.each, states):
             s.load_state_dict(st)
 
@@ -430,7 +430,7 @@ def check_same_draft(resume: Path, record: dict) -> None:
     if family[0] != family[1]:
         raise EyasError(f"{resume} holds a {family[0]} draft and this run trains {family[1]}: "
                         f"resume it with --draft {family[0]}, or start over with --resume never "
-                        f"(or another --out).")
+                        f"(or another --out).", flag="--resume")
     flags = dict(_DRAFT_FLAGS, num_hidden_layers="--draft-layers" if family[0] == "eagle3"
                  else "--dflash-layers")
     if family[0] == "eagle3":  # saved before --draft-layers: one layer
@@ -445,7 +445,8 @@ def check_same_draft(resume: Path, record: dict) -> None:
                     + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in differ.items())
                     + (f". Resume it with {' '.join(fix)}" if fix else
                        ". Resume it with the settings it was started with")
-                    + ", or start over with --resume never (or another --out).")
+                    + ", or start over with --resume never (or another --out).",
+                    flag="--resume")
 
 
 def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
@@ -508,12 +509,13 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         f"; {err}): it was saved by another. Resume with the settings the run "
                         f"started with"
                         + (f" ({started})" if started else "")
-                        + ", or start over with --resume never.") from err
+                        + ", or start over with --resume never.", flag="--resume") from err
     check_same_vocab(path, draft, t2d)
     if state["plan"] != plan.fingerprint:
         raise EyasError(f"{path} was trained with other data or batching (samples, "
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
-                        f"--grad-accum); resume with the same settings or use --resume never.")
+                        f"--grad-accum); resume with the same settings or use --resume never.",
+                        flag="--resume")
     return state
 
 
@@ -524,7 +526,7 @@ def check_same_vocab(path: Path, draft, t2d: torch.Tensor | None) -> None:
         raise EyasError(f"{path} was trained with another draft vocabulary than --vocab's (same "
                         f"size, other tokens): give the --vocab folder the run started with "
                         f"(its eyas.json lists it under inputs), or start over with --resume "
-                        f"never (or a new --out).")
+                        f"never (or a new --out).", flag="--resume")
 
 
 def started_config(out: str | Path) -> dict:

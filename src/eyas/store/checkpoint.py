@@ -100,7 +100,8 @@ def read_pointer(run_dir: str | Path, name: str) -> Path | None:
         raise EyasError(f"{ptr} names {text!r}, not a step-NNNNNNNN folder beside it (eyas "
                         f"writes only such names there; the file was edited). Delete {ptr} "
                         f"(`last`: training then resumes from nothing, or pass --resume "
-                        f"{ptr.parent}/step-NNNNNNNN; `best`: export with --which step-N).")
+                        f"{ptr.parent}/step-NNNNNNNN; `best`: export with --which step-N).",
+                        flag="--resume")
     target = inside(ptr.parent, text, f"checkpoints/{name}")
     return target if (target / "trainer_state.pt").is_file() else None
 
@@ -115,7 +116,8 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if not (path / "trainer_state.pt").is_file():
         raise EyasError(f"--resume {resume}: no checkpoint there (expected a "
                         f"checkpoints/step-NNNNNNNN folder holding trainer_state.pt); use "
-                        f"--resume auto to continue the run in --out, or --resume never.")
+                        f"--resume auto to continue the run in --out, or --resume never.",
+                        flag="--resume")
     return path
 
 

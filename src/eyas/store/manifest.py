@@ -39,9 +39,34 @@ def versions() -> dict[str, str]:
     return out
 
 
+# A data file's stamp in a manifest's `data_files` (eyas.targets.chat.source_fingerprints):
+# when to hash the file again, not what it holds.
+DATA_STAMP = ("size", "mtime_ns")
+
+
+def data_content(records) -> list[dict]:
+    """`data_files` records without their stamps: what two runs on the same data share (a
+    copy or a checkout of the same rows has another mtime)."""
+    return [{k: v for k, v in r.items() if k not in DATA_STAMP} for r in records or ()]
+
+
+def recorded_data(folder: str | Path, step: str) -> list[dict]:
+    """The `data_files` an earlier `step` recorded in `folder` ([] if none): the files still
+    at their recorded size and mtime need not be read again (source_fingerprints)."""
+    try:
+        body = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(body, dict) or body.get("step") != step:
+        return []
+    return body.get("data_files") or []
+
+
 def manifest_id(body: dict[str, Any]) -> str:
     """Content hash of a manifest body (time stamps excluded) used to chain steps."""
     stable = {k: v for k, v in body.items() if k not in ("id", "created", "versions", "stats")}
+    if "data_files" in stable:  # the same rows under another mtime are the same input
+        stable["data_files"] = data_content(stable["data_files"])
     blob = json.dumps(stable, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -134,7 +159,8 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
     step's folder, and any entry no pattern covers, naming them; returns the folder."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).")
+        raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).",
+                        flag="--out")
     entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if not entries:
         return folder
@@ -147,7 +173,7 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
         if found != step:
             raise EyasError(f"--out {folder} holds the output of `eyas {found}`, not of `eyas "
                             f"{step}`; choose another --out (eyas never writes into another "
-                            f"step's folder).")
+                            f"step's folder).", flag="--out")
         allowed += own
     foreign = [n for n in entries if not any(fnmatch.fnmatchcase(n, p) for p in allowed)]
     if foreign:
@@ -156,7 +182,8 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
                 if MANIFEST in entries else "files eyas did not write")
         raise EyasError(f"--out {folder} holds {kind} ({shown}); eyas {step} writes only into "
                         f"an empty folder or its own earlier output, so nothing of yours is "
-                        f"overwritten or deleted. Move those away, or choose another --out.")
+                        f"overwritten or deleted. Move those away, or choose another --out.",
+                        flag="--out")
     return folder
 
 

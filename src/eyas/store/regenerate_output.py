@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 
 from eyas.config import to_dict
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, read_manifest
+from eyas.store.manifest import MANIFEST, data_content, read_manifest
 
 # Job, RegenerateConfig, Regenerated, Rejected: from the step eyas.regenerate, named in annotations only (a layer never imports a step)
 
@@ -102,20 +102,27 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
     if not (out / MANIFEST).is_file():
         if any((out / name).exists() for name in (OUTPUT, REJECTS)):
             raise EyasError(f"{out} holds {OUTPUT}/{REJECTS} but no {MANIFEST}, so they cannot "
-                            f"be resumed safely; pass a new --out or delete them")
+                            f"be resumed safely; pass a new --out or delete them", flag="--out")
         return
     old = read_manifest(out, step="regenerate")
-    new = json.loads(json.dumps(to_dict(cfg)))
-    was = {k: old["config"].get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
-    changed = [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
-               if was[k] != new[k]]
-    if old.get("data_files") != sources:
+    changed = setting_changes(cfg, old)
+    if data_content(old.get("data_files")) != data_content(sources):
         changed.append("data file contents")
     if changed:
         raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
-                        f"use the same settings to resume it, or pass a new --out")
+                        f"use the same settings to resume it, or pass a new --out", flag="--out")
     if old.get("complete") is False:
         log.info("resuming the interrupted run in %s", out)
+
+
+def setting_changes(cfg: RegenerateConfig, manifest: dict) -> list[str]:
+    """The settings a resumed run must keep (SAME_ON_RESUME) that `cfg` changes from the run
+    `manifest` records, each with the value it ran with. `eyas run` starts such a run over."""
+    new = json.loads(json.dumps(to_dict(cfg)))
+    ran = manifest.get("config") or {}
+    was = {k: ran.get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
+    return [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
+            if was[k] != new[k]]
 
 
 def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:

@@ -138,7 +138,7 @@ def all_states(folder: Path) -> list[dict[str, Any]]:
                 path.name != state_name(state.get("shard", -1), state.get("num_shards", -1)):
             raise EyasError(f"{path} is not a shard state written by `eyas capture` (no "
                             f"{FORMAT!r} format, or another shard's name); move it out of "
-                            f"{folder} or capture into another --out.")
+                            f"{folder} or capture into another --out.", flag="--out")
         states.append(state)
     return sorted(states, key=lambda s: (s["num_shards"], s["shard"]))
 
@@ -205,7 +205,7 @@ def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows:
             keys.append(f"shard count {old['num_shards']} vs {num_shards}")
         raise EyasError(f"{folder} already holds a capture made with other settings ({keys}); "
                         f"resume it with the same flags, use another --out, or pass --overwrite "
-                        f"to delete it.")
+                        f"to delete it.", flag="--out")
     for old in clash:
         prefix = f"shard-{old['shard']:05d}-of-{old['num_shards']:05d}"
         for path in [*folder.glob(prefix + ".*"), folder / report_name(old["shard"], old["num_shards"])]:
@@ -304,14 +304,15 @@ def build_index(folder: Path) -> dict[str, Any]:
     """Combine the shard state files into `index.json`'s content (every shard's finished files)."""
     states = all_states(folder)
     if not states:
-        raise EyasError(f"{folder} holds no capture shards; run `eyas capture --out {folder}`.")
+        raise EyasError(f"{folder} holds no capture shards; run `eyas capture --out {folder}`.",
+                        flag="--out")
     first = states[0]
     for s in states[1:]:
         if s["settings"] != first["settings"] or s["num_shards"] != first["num_shards"]:
             raise EyasError(f"{folder} mixes captures made with different settings or --shard "
                             f"counts ({state_name(s['shard'], s['num_shards'])} vs "
                             f"{state_name(first['shard'], first['num_shards'])}); capture into "
-                            f"an empty --out folder.")
+                            f"an empty --out folder.", flag="--out")
     n = first["num_shards"]
     complete = {i: False for i in range(n)}
     files: list[dict] = []

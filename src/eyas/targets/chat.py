@@ -102,18 +102,28 @@ def resolve_paths(paths: str | Path | tuple | list,
     return out
 
 
-def source_fingerprints(paths) -> list[dict]:
-    """What `paths` hold now, for manifests: sha256 per file, fingerprints per datasets folder."""
+def source_fingerprints(paths, recorded: Iterable[dict] = ()) -> list[dict]:
+    """What `paths` hold now, for manifests: per file its sha256, size and mtime_ns, per
+    datasets folder its fingerprints. A file still at the size and mtime_ns of its record in
+    `recorded` (an earlier manifest's `data_files`) keeps that sha256 and is not read: `eyas
+    run` plans on every start, and hashing large data each time was slow. A rewrite nearly
+    always moves the mtime; one that keeps both size and mtime is trusted."""
     from eyas.store.manifest import file_sha256
 
+    known = {r.get("path"): r for r in recorded}
     out, skipped = [], []
     for path in resolve_paths(paths, skipped):
         if path.is_dir():
             states = sorted(path.rglob("state.json"))
             prints = [json.loads(s.read_text()).get("_fingerprint") for s in states]
             out.append({"path": str(path), "fingerprints": prints})
-        else:
-            out.append({"path": str(path), "sha256": file_sha256(path)})
+            continue
+        st = path.stat()  # before reading: a write meanwhile moves the mtime, so is hashed later
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        was = known.get(str(path)) or {}
+        same = "sha256" in was and all(was.get(k) == v for k, v in stamp.items())
+        out.append({"path": str(path), "sha256": was["sha256"] if same else file_sha256(path),
+                    **stamp})
     if skipped:
         log.warning("not read as chat data (%d file(s) in --data folders: other suffixes than "
                     "%s, or eyas's own manifest / rejects): %s", len(skipped),
