@@ -89,6 +89,7 @@ def test_without_vllm_says_what_was_not_checked(model_dir, capsys):
 def test_a_gguf_target_is_pointed_at_eyas_convert(tiny_gguf, model_dir, tmp_path, capsys):
     """Not a problem (it works), a note: the GGUF is de-quantized at every load; its converted
     folder says where it came from; a plain folder has no note."""
+    from eyas.store.manifest import gguf_fingerprint, weights_fingerprint
     from eyas.targets.convert import convert_gguf
 
     gguf = tiny_gguf(0)
@@ -98,9 +99,17 @@ def test_a_gguf_target_is_pointed_at_eyas_convert(tiny_gguf, model_dir, tmp_path
     assert f"eyas convert --target {gguf} --out FOLDER" in report["notes"][0]
     assert f"note             {report['notes'][0]}" in capsys.readouterr().out
     folder = convert_gguf(gguf, tmp_path / "hf")
-    (note,) = doctor(DoctorConfig(target=str(folder)))["notes"]
+    converted = doctor(DoctorConfig(target=str(folder)))
+    (note,) = converted["notes"]
     assert note.startswith(f"converted from {gguf.resolve()} by `eyas convert`")
-    assert doctor(DoctorConfig(target=str(model_dir("llama"))))["notes"] == []
+    # the identity later steps compare: the GGUF's for both, the weights' for a plain folder
+    assert converted["identity"] == report["identity"] == {
+        "gguf_fingerprint": gguf_fingerprint(gguf)}
+    plain = doctor(DoctorConfig(target=str(model_dir("llama"))))
+    assert plain["notes"] == []
+    assert plain["identity"] == {"weights_fingerprint": weights_fingerprint(model_dir("llama"))}
+    assert f"identity         weights_fingerprint {weights_fingerprint(model_dir('llama'))}" \
+        in capsys.readouterr().out
 
 
 def test_cli_json(model_dir, capsys):

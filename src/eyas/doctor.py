@@ -28,7 +28,8 @@ from eyas.config import (ConfigError, option, required, revision_option,
                          trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.draft.formats import SERVED_SINCE
-from eyas.store.manifest import LAYER_ID_CONVENTION, MANIFEST, converted_from, versions
+from eyas.store.manifest import (LAYER_ID_CONVENTION, MANIFEST, converted_from, target_record,
+                                 versions)
 from eyas.targets.models import (ModelInfo, build_meta_model, inspect_model, is_gguf, load_config,
                                 load_tokenizer, submodule, validate_aux_layer_ids)
 
@@ -89,6 +90,10 @@ def doctor(cfg: DoctorConfig) -> dict:
         # the draft's heads are the target's by default (DraftConfig.from_target)
         "draft_attention": band_kernels.describe(info.num_attention_heads, info.head_dim),
     }
+    # what later steps compare to tell this checkpoint from another of its shape
+    record = target_record(str(cfg.target), cfg.revision)
+    report["identity"] = {k: record[k] for k in ("gguf_fingerprint", "weights_fingerprint")
+                          if k in record}
     report["problems"] = _problems(report, info)
     report["notes"] = _notes(str(cfg.target))
     report["ok"] = not report["problems"]
@@ -448,6 +453,8 @@ def render_text(r: dict) -> str:
                       f"max {m['max_position_embeddings']}"),
         ("weights", f"{_count(r['parameters'])} parameters, dtype {m['dtype']}, "
                     f"quantization {(m['quantization'] or {}).get('quant_method', 'none')}"),
+        ("identity", ", ".join(f"{k} {v}" for k, v in r["identity"].items())
+         or "none (no weights here: a config-only folder, or a hub name not cached yet)"),
         ("aux layer ids", f"{tuple(ids['ids'])} {ids['source']}"),
         ("  convention", ids["convention"]),
         ("bytes / token", f"{cap['bf16']} at bf16 (3 aux x {m['hidden_size']} x 2 + final x 2 "
