@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from eyas.store import manifest
+from hash_speed import drop_cache  # benchmarks/hash_speed.py
 
 
 def write_folder(folder: Path, files: int, tensors: int, kib: int) -> None:
@@ -47,19 +48,10 @@ def write_folder(folder: Path, files: int, tensors: int, kib: int) -> None:
         os.replace(path.with_suffix(".tmp"), path)
 
 
-def drop_cache(folder: Path) -> None:
-    for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def timed(folder: Path, cold: bool) -> tuple[float, str]:
     if cold:
-        drop_cache(folder)
+        for path in folder.glob("*.safetensors"):
+            drop_cache(path)
     manifest._WEIGHTS_SEEN.clear()
     t = time.perf_counter()
     fp = manifest.weights_fingerprint(folder)

@@ -103,3 +103,14 @@ def test_vllm_serve_memory_and_a_report_written_beside_it(tmp_path, monkeypatch)
     late.start()
     assert vllm_serve.wait_for(str(report), 30, poll=0.02) == {"primary": "eagle3"}
     late.join()
+
+
+def test_weights_fingerprint_benchmark_smoke(tmp_path):
+    out = tmp_path / "wfp.json"
+    _run("weights_fingerprint.py", "--dir", str(tmp_path / "w"), "--files", "2", "--tensors",
+         "40", "--kib", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["tensors"] == 80 and len(result["runs"]) == 4
+    # every way of reading gives one fingerprint, and a real one
+    assert len({r["fingerprint"] for r in result["runs"]}) == 1
+    assert result["runs"][0]["fingerprint"] is not None
