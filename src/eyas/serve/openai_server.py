@@ -498,24 +498,33 @@ class ChatClient:
         self._turn = itertools.count()  # next() on a count is atomic: safe across threads
 
     def check(self) -> None:
-        """Fail now, saying what to do, if no server answers or none serves the model."""
-        served, errors = set(), []
+        """Keep the servers that answer and serve the model, warning about the others (their
+        share would fail: a request to them is refused or retried until it runs out of tries);
+        fail now, saying what to do, if none does."""
+        served, usable, errors = set(), [], []
         for url in self.urls:
             try:
                 request = urllib.request.Request(url + "/v1/models", headers=self.headers)
                 with urllib.request.urlopen(request, timeout=min(self.timeout, 30)) as resp:
-                    served.update(m["id"] for m in json.load(resp)["data"])
+                    names = {m["id"] for m in json.load(resp)["data"]}
             except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as err:
                 errors.append(f"{url}: {err}")
-        if len(errors) == len(self.urls):
+                continue
+            served |= names
+            if self.model in names:
+                usable.append(url)
+            else:
+                errors.append(f"{url} serves {sorted(names)}, not {self.model!r}")
+        if not served:
             raise EyasError(f"no server answers ({'; '.join(errors)}); start one, e.g. "
                             f"`vllm serve {self.model} --port 8000`, and pass its URL as "
                             f"--server-url http://HOST:8000")
-        for err in errors:
-            log.warning("server %s does not answer now; its share goes to the others", err)
-        if self.model not in served:
+        if not usable:
             raise EyasError(f"the servers serve {sorted(served)}, not {self.model!r}; pass "
                             f"--served-model-name with one of those")
+        for err in errors:
+            log.warning("not using server %s in this run; the others take its share", err)
+        self.urls = usable
 
     def complete(self, messages: list[dict]) -> Generation:
         """The next assistant turn after `messages`; RequestFailed when it cannot be had."""
