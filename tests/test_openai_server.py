@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from eyas.errors import EyasError
 from eyas.serve.openai_server import ChatClient, ChatServer, Generation, RequestFailed, main
 
 
@@ -148,3 +149,14 @@ def test_check_leaves_out_the_servers_that_cannot_answer(monkeypatch, caplog):
         assert good.stats["completions"] == 8
         assert other.stats["requests"] == keyed.stats["requests"] == 0
     assert caplog.text.count("not using server") == 3
+
+
+def test_check_names_the_fix_for_a_wrong_key_or_path(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+    with ChatServer(EchoGenerator(), "m", api_key="k") as keyed:
+        with pytest.raises(EyasError, match=r"HTTP 401: .*set \$OPENAI_API_KEY"):
+            ChatClient([keyed.url], "m").check()
+    monkeypatch.delenv("OPENAI_API_KEY")
+    with ChatServer(EchoGenerator(), "m") as server:
+        with pytest.raises(EyasError, match="HTTP 404: .*give the server's base URL"):
+            ChatClient([server.url + "/v1/chat/completions"], "m").check()
