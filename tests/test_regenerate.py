@@ -484,6 +484,39 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
     _check_outputs(setup, out)
 
 
+def test_servers_that_die_mid_run_stop_it_and_the_same_command_resumes(setup, local_run,
+                                                                      tmp_path):
+    # A server killed mid-run turned every row left into a 'server' reject, marked the run
+    # complete (exit 0) and the same command, run again after a restart, did nothing.
+    gen = load_generator(setup[0], device="cpu")
+    server = ChatServer(gen, "tiny")
+    answer = gen.generate
+
+    def dies_after_two(*args, **kwargs):
+        if server.stats["completions"] >= 2:
+            server.fail_first = 10**9  # every request from now on is an HTTP 500
+        return answer(*args, **kwargs)
+
+    gen.generate = dies_after_two
+    out = tmp_path / "out"
+    def cfg(url):
+        return _cfg(setup, out, backend="openai", served_model_name="tiny", server_url=(url,),
+                    concurrency=1, retries=1, retry_backoff=0.01)
+
+    with server, pytest.raises(EyasError, match="servers stopped answering: 8 conversations"):
+        regenerate(cfg(server.url))
+    assert json.loads((out / "eyas.json").read_text())["complete"] is False
+    assert [r for r in _read(out / REJECTS) if r["kind"] == "server"] == []
+    before = len(_read(out / OUTPUT))
+    assert before >= 1
+    gen.generate = answer
+    with ChatServer(gen, "tiny") as restarted:  # the same command: no --retry-rejects
+        stats = regenerate(cfg(restarted.url))
+    assert stats["skipped"] == before
+    assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
+    _check_outputs(setup, out)
+
+
 def test_nothing_regenerated_fails_and_the_summary_counts_what_is_on_disk(setup, tmp_path,
                                                                           capsys, caplog):
     # Issue 34: a server that answered every request with HTTP 500 left an empty

@@ -484,6 +484,10 @@ class RequestFailed(Exception):
     """A chat request that failed for good: refused (4xx) or still failing after retries."""
 
 
+class OutOfRetries(RequestFailed):
+    """A chat request still failing (5xx, 429, timeout, lost connection) after every retry."""
+
+
 class ChatClient:
     """Calls OpenAI-compatible chat servers (vLLM, SGLang, ChatServer) round-robin, retrying
     overloads, server errors, timeouts and lost connections with exponential backoff.
@@ -558,7 +562,7 @@ class ChatClient:
                     TypeError) as err:
                 problem = f"{type(err).__name__} from {url}: {err}"
             log.debug("request attempt %d failed: %s", attempt + 1, problem)
-        raise RequestFailed(f"server error after {self.retries + 1} attempts: {problem}")
+        raise OutOfRetries(f"server error after {self.retries + 1} attempts: {problem}")
 
     def _post(self, url: str, body: bytes) -> dict:
         request = urllib.request.Request(url + "/v1/chat/completions", data=body,
