@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -569,6 +570,35 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
     assert stats["truncated_total"] == local_run[1]["truncated"]
     assert stats["ok_total"] == local_run[1]["ok"]
     _check_outputs(setup, out)
+
+
+def test_ctrl_c_exits_at_once_and_leaves_the_rows_in_flight_unwritten(setup, tmp_path):
+    # The request threads were joined at exit: after "interrupted; run the same command again"
+    # the process waited for every conversation in flight to end (72 s in a manual run).
+    model_dir, data = setup[0], setup[1]
+    out = tmp_path / "out"
+    with ChatServer(load_generator(model_dir, device="cpu"), "tiny",
+                    slow_requests=tuple(range(1, 100)), slow_seconds=60) as server:
+        args = [sys.executable, "-m", "eyas", "regenerate", "--backend", "openai",
+                "--target", str(model_dir), "--served-model-name", "tiny", "--data", str(data),
+                "--out", str(out), "--server-url", server.url, "--concurrency", "2"]
+        proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            for _ in range(600):  # until both requests in flight wait at the server
+                if server.stats["slowed"] >= 2 or proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=30)
+            waited = time.monotonic() - start
+        finally:
+            proc.kill()
+    assert "interrupted; run the same command again" in err, err
+    assert waited < 15, f"took {waited:.0f} s to exit after Ctrl-C"
+    assert _read(out / OUTPUT) == [] and all(r["kind"] == "input" for r in _read(out / REJECTS))
 
 
 def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
