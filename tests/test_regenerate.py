@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -617,6 +618,21 @@ def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     again = regenerate(_cfg(setup, out))  # same settings: nothing left to do
     assert again["skipped"] == again["input"] and again["ok"] == 0
     assert again["truncated_total"] == local_run[1]["truncated"]
+
+
+def test_a_run_that_wrote_no_row_may_start_again_with_other_settings(setup, tmp_path):
+    # The servers down at its start, a run left its manifest and two empty files; the next
+    # try with another --max-new-tokens was refused as a resume of it.
+    out = tmp_path / "out"
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{free.getsockname()[1]}"  # nothing listens there
+    with pytest.raises(EyasError, match="no server answers"):
+        regenerate(_cfg(setup, out, backend="openai", server_url=(down,)))
+    stats = regenerate(_cfg(setup, out, max_new_tokens=2, limit=2))
+    assert stats["input"] == 2 and stats["skipped"] == 0
+    with pytest.raises(EyasError, match="different max_new_tokens"):  # now it wrote rows
+        regenerate(_cfg(setup, out, max_new_tokens=3, limit=2))
 
 
 def test_run_from_before_drop_truncated_resumes_as_it_ran(setup, local_run, tmp_path):
