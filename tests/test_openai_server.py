@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from eyas.errors import EyasError
 from eyas.serve.openai_server import ChatClient, ChatServer, Generation, RequestFailed, main
 
 
@@ -129,3 +130,33 @@ def test_cli_warns_when_exposed_without_a_key(monkeypatch, caplog):
     with pytest.raises(Stop):
         main(["m", "--host", "0.0.0.0", "--device", "cpu", "--max-tokens-limit", "9"])
     assert started["api_key"] == "k" and started["max_tokens_limit"] == 9
+
+
+def test_check_leaves_out_the_servers_that_cannot_answer(monkeypatch, caplog):
+    # A server that is down, serves another model or wants another key got its round-robin
+    # share all the same: those rows came back refused (404, 401) or out of retries.
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{free.getsockname()[1]}"  # nothing listens there
+    with ChatServer(EchoGenerator(), "m") as good, ChatServer(EchoGenerator(), "other") as other, \
+            ChatServer(EchoGenerator(), "m", api_key="k") as keyed:
+        client = ChatClient([good.url, other.url, keyed.url, down], "m", retries=0)
+        client.check()
+        assert client.urls == [good.url]
+        for _ in range(8):
+            assert client.complete(CHAT["messages"]).text == "hi"
+        assert good.stats["completions"] == 8
+        assert other.stats["requests"] == keyed.stats["requests"] == 0
+    assert caplog.text.count("not using server") == 3
+
+
+def test_check_names_the_fix_for_a_wrong_key_or_path(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+    with ChatServer(EchoGenerator(), "m", api_key="k") as keyed:
+        with pytest.raises(EyasError, match=r"HTTP 401: .*set \$OPENAI_API_KEY"):
+            ChatClient([keyed.url], "m").check()
+    monkeypatch.delenv("OPENAI_API_KEY")
+    with ChatServer(EchoGenerator(), "m") as server:
+        with pytest.raises(EyasError, match="HTTP 404: .*give the server's base URL"):
+            ChatClient([server.url + "/v1/chat/completions"], "m").check()

@@ -15,8 +15,10 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -484,6 +486,39 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
     _check_outputs(setup, out)
 
 
+def test_servers_that_die_mid_run_stop_it_and_the_same_command_resumes(setup, local_run,
+                                                                      tmp_path):
+    # A server killed mid-run turned every row left into a 'server' reject, marked the run
+    # complete (exit 0) and the same command, run again after a restart, did nothing.
+    gen = load_generator(setup[0], device="cpu")
+    server = ChatServer(gen, "tiny")
+    answer = gen.generate
+
+    def dies_after_two(*args, **kwargs):
+        if server.stats["completions"] >= 2:
+            server.fail_first = 10**9  # every request from now on is an HTTP 500
+        return answer(*args, **kwargs)
+
+    gen.generate = dies_after_two
+    out = tmp_path / "out"
+    def cfg(url):
+        return _cfg(setup, out, backend="openai", served_model_name="tiny", server_url=(url,),
+                    concurrency=1, retries=1, retry_backoff=0.01)
+
+    with server, pytest.raises(EyasError, match="servers stopped answering: 8 conversations"):
+        regenerate(cfg(server.url))
+    assert json.loads((out / "eyas.json").read_text())["complete"] is False
+    assert [r for r in _read(out / REJECTS) if r["kind"] == "server"] == []
+    before = len(_read(out / OUTPUT))
+    assert before >= 1
+    gen.generate = answer
+    with ChatServer(gen, "tiny") as restarted:  # the same command: no --retry-rejects
+        stats = regenerate(cfg(restarted.url))
+    assert stats["skipped"] == before
+    assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
+    _check_outputs(setup, out)
+
+
 def test_nothing_regenerated_fails_and_the_summary_counts_what_is_on_disk(setup, tmp_path,
                                                                           capsys, caplog):
     # Issue 34: a server that answered every request with HTTP 500 left an empty
@@ -538,6 +573,35 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
     _check_outputs(setup, out)
 
 
+def test_ctrl_c_exits_at_once_and_leaves_the_rows_in_flight_unwritten(setup, tmp_path):
+    # The request threads were joined at exit: after "interrupted; run the same command again"
+    # the process waited for every conversation in flight to end (72 s in a manual run).
+    model_dir, data = setup[0], setup[1]
+    out = tmp_path / "out"
+    with ChatServer(load_generator(model_dir, device="cpu"), "tiny",
+                    slow_requests=tuple(range(1, 100)), slow_seconds=60) as server:
+        args = [sys.executable, "-m", "eyas", "regenerate", "--backend", "openai",
+                "--target", str(model_dir), "--served-model-name", "tiny", "--data", str(data),
+                "--out", str(out), "--server-url", server.url, "--concurrency", "2"]
+        proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            for _ in range(600):  # until both requests in flight wait at the server
+                if server.stats["slowed"] >= 2 or proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=30)
+            waited = time.monotonic() - start
+        finally:
+            proc.kill()
+    assert "interrupted; run the same command again" in err, err
+    assert waited < 15, f"took {waited:.0f} s to exit after Ctrl-C"
+    assert _read(out / OUTPUT) == [] and all(r["kind"] == "input" for r in _read(out / REJECTS))
+
+
 def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(local_run[0], out)
@@ -555,6 +619,21 @@ def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     again = regenerate(_cfg(setup, out))  # same settings: nothing left to do
     assert again["skipped"] == again["input"] and again["ok"] == 0
     assert again["truncated_total"] == local_run[1]["truncated"]
+
+
+def test_a_run_that_wrote_no_row_may_start_again_with_other_settings(setup, tmp_path):
+    # The servers down at its start, a run left its manifest and two empty files; the next
+    # try with another --max-new-tokens was refused as a resume of it.
+    out = tmp_path / "out"
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{free.getsockname()[1]}"  # nothing listens there
+    with pytest.raises(EyasError, match="no server answers"):
+        regenerate(_cfg(setup, out, backend="openai", server_url=(down,)))
+    stats = regenerate(_cfg(setup, out, max_new_tokens=2, limit=2))
+    assert stats["input"] == 2 and stats["skipped"] == 0
+    with pytest.raises(EyasError, match="different max_new_tokens"):  # now it wrote rows
+        regenerate(_cfg(setup, out, max_new_tokens=3, limit=2))
 
 
 def test_run_from_before_drop_truncated_resumes_as_it_ran(setup, local_run, tmp_path):

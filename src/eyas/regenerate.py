@@ -29,8 +29,9 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -42,7 +43,7 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
                                  target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
-from eyas.serve.openai_server import (BATCHING, ChatClient, Generation,
+from eyas.serve.openai_server import (BATCHING, ChatClient, Generation, OutOfRetries,
                                       RequestFailed, load_generator, render_prompt)
 from eyas.errors import EyasError
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
@@ -192,6 +193,13 @@ class Rejected(Exception):
     def __init__(self, reason: str, kind: str):
         super().__init__(reason)
         self.kind = kind
+
+
+class Unanswered(Rejected):
+    """A row whose request failed after every retry: the servers' fault, maybe not the row's."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason, "server")
 
 
 # ---------------------------------------------------------------- the step
@@ -557,13 +565,20 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
     def complete(messages: list[dict]) -> Generation:
         try:
             return client.complete(messages)
-        except RequestFailed as err:
+        except OutOfRetries as err:
+            raise Unanswered(str(err)) from None
+        except RequestFailed as err:  # refused (4xx): this row's request
             raise Rejected(str(err), "server") from None
 
     def render(messages: list[dict]) -> list[int]:  # as the server renders it (max_length)
         return render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning])
 
     pending: dict[Future, Job] = {}
+    # Rows out of retries since a server last answered. Written as rejects once one answers
+    # again; as many as the servers' share of a stretch (`down_after`), they are not: the
+    # servers went down, and the run stops, so the same command resumes them.
+    failing: list[tuple[Job, Rejected]] = []
+    down_after = max(8, cfg.concurrency)
 
     def collect() -> None:
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -571,17 +586,49 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
             job = pending.pop(future)
             try:
                 output.ok(job, future.result())
+            except Unanswered as err:
+                failing.append((job, err))
+                if len(failing) >= down_after:
+                    raise EyasError(
+                        f"the servers stopped answering: {len(failing)} conversations in a "
+                        f"row failed after {cfg.retries + 1} attempts each (the last: {err}). "
+                        f"They and the rows in flight are not written: once a server answers, "
+                        f"run the same command again and it resumes with them") from None
+                continue
             except Rejected as err:
                 output.reject(job.file, job.row, job.sample_id, err)
+            flush_failing()
 
-    pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="eyas-regenerate")
-    try:
-        for job in jobs:
-            pending[pool.submit(converse, job, complete, cfg, render)] = job
-            # A bounded queue keeps memory flat and the outputs close to the input position.
-            while len(pending) >= 2 * cfg.concurrency:
-                collect()
-        while pending:
+    def flush_failing() -> None:  # a server answered: those rows failed on their own
+        for job, err in failing:
+            output.reject(job.file, job.row, job.sample_id, err)
+        failing.clear()
+
+    slots = threading.Semaphore(cfg.concurrency)
+    for job in jobs:
+        pending[_in_daemon_thread(slots, converse, job, complete, cfg, render)] = job
+        # A bounded queue keeps memory flat and the outputs close to the input position.
+        while len(pending) >= 2 * cfg.concurrency:
             collect()
-    finally:
-        pool.shutdown(wait=not pending, cancel_futures=True)
+    while pending:
+        collect()
+    flush_failing()
+
+
+def _in_daemon_thread(slots: threading.Semaphore, fn, *args) -> Future:
+    """fn(*args) in a daemon thread of its own, once one of `slots` is free. An interrupted
+    run (Ctrl-C, the servers down) so exits at once and abandons the conversations in flight,
+    which are not written and so are redone on resume; a ThreadPoolExecutor's workers were
+    joined at exit, so Ctrl-C waited for every conversation in flight to end (72 s for 8 short
+    ones on the tiny test server)."""
+    future: Future = Future()
+
+    def run() -> None:
+        with slots:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 (the main thread re-raises it)
+                future.set_exception(err)
+
+    threading.Thread(target=run, daemon=True, name="eyas-regenerate").start()
+    return future

@@ -46,6 +46,11 @@ SOCKET_TIMEOUT_S = 60.0  # a client silent this long mid-request loses its conne
 API_KEY_ENV = "EYAS_API_KEY"  # the key `python -m eyas.serve.openai_server` requires, if set
 # HTTP statuses worth retrying (overload, timeouts, server faults); other 4xx are final.
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# What to do when GET /v1/models answers with these (ChatClient.check).
+CHECK_HINTS = {401: " (set $OPENAI_API_KEY to the key the server was started with, its --api-key)",
+               403: " (set $OPENAI_API_KEY to a key this server accepts)",
+               404: " (give the server's base URL, http://HOST:PORT or http://HOST:PORT/v1: "
+                    "eyas adds /v1/models and /v1/chat/completions)"}
 
 
 @dataclass(frozen=True)
@@ -479,6 +484,10 @@ class RequestFailed(Exception):
     """A chat request that failed for good: refused (4xx) or still failing after retries."""
 
 
+class OutOfRetries(RequestFailed):
+    """A chat request still failing (5xx, 429, timeout, lost connection) after every retry."""
+
+
 class ChatClient:
     """Calls OpenAI-compatible chat servers (vLLM, SGLang, ChatServer) round-robin, retrying
     overloads, server errors, timeouts and lost connections with exponential backoff.
@@ -498,24 +507,39 @@ class ChatClient:
         self._turn = itertools.count()  # next() on a count is atomic: safe across threads
 
     def check(self) -> None:
-        """Fail now, saying what to do, if no server answers or none serves the model."""
-        served, errors = set(), []
+        """Keep the servers that answer and serve the model, warning about the others (their
+        share would fail: a request to them is refused or retried until it runs out of tries);
+        fail now, saying what to do, if none does."""
+        served, usable, errors, refused = set(), [], [], []
         for url in self.urls:
             try:
                 request = urllib.request.Request(url + "/v1/models", headers=self.headers)
                 with urllib.request.urlopen(request, timeout=min(self.timeout, 30)) as resp:
-                    served.update(m["id"] for m in json.load(resp)["data"])
+                    names = {m["id"] for m in json.load(resp)["data"]}
+            except urllib.error.HTTPError as err:  # it answers, but not with its models
+                refused.append(f"{url}: HTTP {err.code}: {_error_message(err)}"
+                               f"{CHECK_HINTS.get(err.code, '')}")
+                continue
             except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as err:
                 errors.append(f"{url}: {err}")
-        if len(errors) == len(self.urls):
+                continue
+            served |= names
+            if self.model in names:
+                usable.append(url)
+            else:
+                errors.append(f"{url} serves {sorted(names)}, not {self.model!r}")
+        if not served and refused:
+            raise EyasError(f"no server lists its models: {'; '.join(refused + errors)}")
+        if not served:
             raise EyasError(f"no server answers ({'; '.join(errors)}); start one, e.g. "
                             f"`vllm serve {self.model} --port 8000`, and pass its URL as "
                             f"--server-url http://HOST:8000")
-        for err in errors:
-            log.warning("server %s does not answer now; its share goes to the others", err)
-        if self.model not in served:
+        if not usable:
             raise EyasError(f"the servers serve {sorted(served)}, not {self.model!r}; pass "
                             f"--served-model-name with one of those")
+        for err in refused + errors:
+            log.warning("not using server %s in this run; the others take its share", err)
+        self.urls = usable
 
     def complete(self, messages: list[dict]) -> Generation:
         """The next assistant turn after `messages`; RequestFailed when it cannot be had."""
@@ -538,7 +562,7 @@ class ChatClient:
                     TypeError) as err:
                 problem = f"{type(err).__name__} from {url}: {err}"
             log.debug("request attempt %d failed: %s", attempt + 1, problem)
-        raise RequestFailed(f"server error after {self.retries + 1} attempts: {problem}")
+        raise OutOfRetries(f"server error after {self.retries + 1} attempts: {problem}")
 
     def _post(self, url: str, body: bytes) -> dict:
         request = urllib.request.Request(url + "/v1/chat/completions", data=body,

@@ -108,6 +108,12 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
     changed = setting_changes(cfg, old)
     if data_content(old.get("data_files")) != data_content(sources):
         changed.append("data file contents")
+    wrote = any((out / name).is_file() and (out / name).stat().st_size
+                for name in (OUTPUT, REJECTS))
+    if changed and not wrote:
+        # e.g. the servers did not answer at its start: nothing to resume, nothing to keep
+        log.info("%s holds a regenerate run that wrote no row; starting it anew", out)
+        return
     if changed:
         raise EyasError(f"{out} holds a regenerate run made with different {', '.join(changed)}; "
                         f"use the same settings to resume it, or pass a new --out", flag="--out")
