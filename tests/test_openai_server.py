@@ -159,4 +159,9 @@ def test_check_names_the_fix_for_a_wrong_key_or_path(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY")
     with ChatServer(EchoGenerator(), "m") as server:
         with pytest.raises(EyasError, match="HTTP 404: .*give the server's base URL"):
-            ChatClient([server.url + "/v1/chat/completions"], "m").check()
+            ChatClient([server.url + "/api"], "m").check()
+        # an endpoint copied from the server's docs is read as its base URL
+        for endpoint in ("/v1/chat/completions", "/v1/models/", "/v1"):
+            client = ChatClient([server.url + endpoint], "m")
+            client.check()
+            assert client.urls == [server.url]

@@ -486,17 +486,22 @@ def test_server_errors_become_rejects_then_retry_rejects(setup, tmp_path):
     _check_outputs(setup, out)
 
 
+@pytest.mark.parametrize("how", ["500", "401"])
 def test_servers_that_die_mid_run_stop_it_and_the_same_command_resumes(setup, local_run,
-                                                                      tmp_path):
+                                                                      tmp_path, how):
     # A server killed mid-run turned every row left into a 'server' reject, marked the run
-    # complete (exit 0) and the same command, run again after a restart, did nothing.
+    # complete (exit 0) and the same command, run again after a restart, did nothing; so did
+    # one that began to refuse every request (its key rotated: HTTP 401)
     gen = load_generator(setup[0], device="cpu")
     server = ChatServer(gen, "tiny")
     answer = gen.generate
 
     def dies_after_two(*args, **kwargs):
         if server.stats["completions"] >= 2:
-            server.fail_first = 10**9  # every request from now on is an HTTP 500
+            if how == "500":
+                server.fail_first = 10**9  # every request from now on is an HTTP 500
+            else:
+                server.api_key = "rotated"
         return answer(*args, **kwargs)
 
     gen.generate = dies_after_two

@@ -44,7 +44,7 @@ from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_
                                  target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
 from eyas.serve.openai_server import (BATCHING, ChatClient, Generation, OutOfRetries,
-                                      RequestFailed, load_generator, render_prompt)
+                                      RefusedAll, RequestFailed, load_generator, render_prompt)
 from eyas.errors import EyasError
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
                                           reject_kinds, sort_by_input)
@@ -121,7 +121,8 @@ class RegenerateConfig:
                                            "serves (default: --target)")
     concurrency: int = option(64, "openai backend: requests in flight at once, all servers")
     timeout: float = option(600.0, "openai backend: seconds to wait for a response")
-    retries: int = option(5, "openai backend: retries after a 5xx/429/timeout/connection error")
+    retries: int = option(5, "openai backend: retries after HTTP 408, 429, 500, 502, 503 or "
+                             "504, a timeout or a dropped connection")
     retry_backoff: float = option(1.0, "openai backend: seconds before the first retry; doubles "
                                   "with each retry (at most 60)")
     retry_rejects: bool = option(False, "on resume, retry rows rejected for server errors")
@@ -196,7 +197,8 @@ class Rejected(Exception):
 
 
 class Unanswered(Rejected):
-    """A row whose request failed after every retry: the servers' fault, maybe not the row's."""
+    """A row whose request failed after every retry, or was refused as every request would be
+    (the key, the model name): the servers' fault, maybe not the row's."""
 
     def __init__(self, reason: str):
         super().__init__(reason, "server")
@@ -565,7 +567,7 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
     def complete(messages: list[dict]) -> Generation:
         try:
             return client.complete(messages)
-        except OutOfRetries as err:
+        except (OutOfRetries, RefusedAll) as err:
             raise Unanswered(str(err)) from None
         except RequestFailed as err:  # refused (4xx): this row's request
             raise Rejected(str(err), "server") from None
@@ -591,8 +593,9 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
                 if len(failing) >= down_after:
                     raise EyasError(
                         f"the servers stopped answering: {len(failing)} conversations in a "
-                        f"row failed after {cfg.retries + 1} attempts each (the last: {err}). "
-                        f"They and the rows in flight are not written: once a server answers, "
+                        f"row failed, out of retries or refused as every request would be "
+                        f"(the last: {err}). They and the rows in flight are not written: once "
+                        f"a server answers (with the key and model name it was started with), "
                         f"run the same command again and it resumes with them") from None
                 continue
             except Rejected as err:

@@ -488,6 +488,16 @@ class OutOfRetries(RequestFailed):
     """A chat request still failing (5xx, 429, timeout, lost connection) after every retry."""
 
 
+class RefusedAll(RequestFailed):
+    """A refusal that is the server's, not the request's (401, 403: the key; 404: the path or
+    model name): every request gets it, as when a key is rotated or the server reloads under
+    another name mid-run."""
+
+
+# refusals of every request, whatever it holds (RefusedAll)
+REFUSED_ALL_STATUS = (401, 403, 404)
+
+
 class ChatClient:
     """Calls OpenAI-compatible chat servers (vLLM, SGLang, ChatServer) round-robin, retrying
     overloads, server errors, timeouts and lost connections with exponential backoff.
@@ -498,7 +508,9 @@ class ChatClient:
 
     def __init__(self, urls, model: str, *, params: dict | None = None, timeout: float = 600.0,
                  retries: int = 5, retry_backoff: float = 1.0):
-        self.urls = [url.rstrip("/").removesuffix("/v1") for url in urls]
+        # the base URL, also from the endpoint a user copied from the server's docs
+        self.urls = [url.rstrip("/").removesuffix("/chat/completions").removesuffix("/models")
+                     .removesuffix("/v1") for url in urls]
         self.model, self.params = model, dict(params or {})
         self.timeout, self.retries, self.retry_backoff = timeout, retries, retry_backoff
         self.headers = {"Content-Type": "application/json"}
@@ -556,6 +568,8 @@ class ChatClient:
                 return _parse_choice(self._post(url, body))
             except urllib.error.HTTPError as err:
                 problem = f"HTTP {err.code} from {url}: {_error_message(err)}"
+                if err.code in REFUSED_ALL_STATUS:
+                    raise RefusedAll(f"server refused the request: {problem}") from None
                 if err.code not in RETRY_STATUS:
                     raise RequestFailed(f"server refused the request: {problem}") from None
             except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError,
