@@ -44,6 +44,9 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "traine": {}})))
     with pytest.raises(ConfigError, match="section 'train'.*'lrr'"):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"lrr": 1}})))
+    for section in (5, ["lr: 1"], "online"):  # an AttributeError traceback before
+        with pytest.raises(ConfigError, match=r"section 'train' must be a mapping of key: value"):
+            plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": section})))
     with pytest.raises(ConfigError, match="needs a top-level 'target'"):
         plan(RunConfig(pipeline=_write(tmp_path, {"data": "x", "work_dir": "w"})))
     # regenerate stops conversations at the length prepare keeps, unless its section says

@@ -219,6 +219,11 @@ def plan(cfg: RunConfig) -> list[Plan]:
     if unknown:
         raise ConfigError(f"pipeline {cfg.pipeline}: unknown top-level key(s) {sorted(unknown)}; "
                           f"valid: target, trust_remote_code, revision, data, work_dir, {STEPS}")
+    for step in STEPS:
+        if not isinstance(spec.get(step) or {}, dict):
+            raise ConfigError(f"pipeline {cfg.pipeline}: section '{step}' must be a mapping of "
+                              f"key: value (the options of `eyas {step}`), not "
+                              f"{spec[step]!r}")
     work = Path(spec["work_dir"])
     if not work.is_absolute():
         work = Path(cfg.pipeline).resolve().parent / work
