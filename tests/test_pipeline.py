@@ -59,6 +59,15 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
+    # a step this pipeline skips, or an empty range: a ValueError traceback before
+    for flags, want in (({"from_step": "capture"}, r"--from-step capture: this pipeline has no "
+                                                   r"capture step \(its steps: prepare, vocab"),
+                        ({"until_step": "regenerate"}, r"--until-step regenerate: .*no regen"),
+                        ({"from_step": "eval", "until_step": "prepare", "pipeline":
+                          _write(tmp_path, spec)}, r"--from-step eval comes after --until-step")):
+        args = {"pipeline": _write(tmp_path, {**spec, "train": {"online": True}}), **flags}
+        with pytest.raises(ConfigError, match=want):
+            plan(RunConfig(**args))
 
 
 def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resumes(

@@ -228,6 +228,15 @@ def plan(cfg: RunConfig) -> list[Plan]:
     if not work.is_absolute():
         work = Path(cfg.pipeline).resolve().parent / work
     steps = [s for s in STEPS if _enabled(spec, s)]
+    for flag, step in (("--from-step", cfg.from_step), ("--until-step", cfg.until_step)):
+        if step and step not in steps:
+            raise ConfigError(f"{flag} {step}: this pipeline has no {step} step (its steps: "
+                              f"{', '.join(steps)}; regenerate runs only with enabled: true, "
+                              f"capture not with train.online: true)")
+    if cfg.from_step and cfg.until_step and \
+            steps.index(cfg.from_step) > steps.index(cfg.until_step):
+        raise ConfigError(f"--from-step {cfg.from_step} comes after --until-step "
+                          f"{cfg.until_step}; give steps in pipeline order ({', '.join(steps)})")
     if cfg.from_step:
         steps = steps[steps.index(cfg.from_step):]
     if cfg.until_step:
