@@ -40,6 +40,12 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     online = plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"online": True}})))
     assert "capture" not in [p.step for p in online]
     assert {p.step: p for p in online}["train"].config.data == str(work / "prepared")
+    # quoted booleans mean what they mean to the step's config (bool("false") is True)
+    for no in ("false", "no", "off"):
+        quoted = plan(RunConfig(pipeline=_write(tmp_path, {
+            **spec, "train": {"online": no}, "regenerate": {"enabled": no}})))
+        assert [p.step for p in quoted][:2] == ["prepare", "capture"]
+        assert {p.step: p for p in quoted}["train"].config.data == str(work / "captured")
     with pytest.raises(ConfigError, match="unknown top-level key.*'traine'"):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "traine": {}})))
     with pytest.raises(ConfigError, match="section 'train'.*'lrr'"):

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.config import ConfigError, from_dict, load_yaml, option, required, to_dict
+from eyas.config import ConfigError, coerce, from_dict, load_yaml, option, required, to_dict
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST
 
@@ -71,7 +71,7 @@ def _step_config(step: str, spec: dict, work: Path):
     values = {k: spec[k] for k in SHARED_KEYS if k in spec and k in names}
     prepared_from = (work / "regenerated" / "conversations.jsonl"
                      if _enabled(spec, "regenerate") else spec.get("data"))
-    online = bool((spec.get("train") or {}).get("online", False))
+    online = _flag(spec, "train", "online")
     train = spec.get("train") or {}
     dflash = train.get("draft") == "dflash"  # no draft vocabulary; DFlash's taps by default
     taps = {} if not dflash or "aux_layer_ids" in (spec.get("capture") or {}) else \
@@ -105,10 +105,16 @@ def _step_config(step: str, spec: dict, work: Path):
 
 def _enabled(spec: dict, step: str) -> bool:
     if step == "regenerate":
-        return bool((spec.get("regenerate") or {}).get("enabled", False))
+        return _flag(spec, "regenerate", "enabled")
     if step == "capture":
-        return not bool((spec.get("train") or {}).get("online", False))
+        return not _flag(spec, "train", "online")
     return True
+
+
+def _flag(spec: dict, section: str, key: str) -> bool:
+    """A boolean key of a section, read as the step's config reads it: a quoted "false" or
+    "no" is False (bool() of the string would be True)."""
+    return coerce(f"{section}.{key}", bool, (spec.get(section) or {}).get(key, False))
 
 
 def _normalise(value):
