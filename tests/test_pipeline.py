@@ -212,6 +212,37 @@ def test_a_half_saved_demo_target_is_trained_again(tmp_path):
     assert not (tmp_path / "target.tmp").exists()
 
 
+def test_demo_refuses_a_foreign_out_and_keeps_it(tmp_path):
+    """The demo wrote pipeline.yaml and data/chats.jsonl into any --out (and replaced a
+    target/ without weights), so a user's files of those names were lost; a file as --out was
+    a NotADirectoryError traceback. Only an earlier demo's folder is resumed."""
+    from eyas.demo import _check_out
+
+    cases = {"mine.txt": "x", "data/chats.jsonl": '{"mine": 1}\n',
+             "pipeline.yaml": "target: my/model\nwork_dir: elsewhere\n"}
+    for i, (name, text) in enumerate(cases.items()):
+        out = tmp_path / f"foreign{i}"
+        (out / name).parent.mkdir(parents=True)
+        (out / name).write_text(text)
+        with pytest.raises(EyasError, match=r"did not write .*Move those away, or choose "
+                                            r"another --out") as err:
+            demo(DemoConfig(out=str(out), fast=True))
+        assert err.value.flag == "--out"
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) \
+            == [name] and (out / name).read_text() == text
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(EyasError, match=r"--out .*file is a file; give a folder"):
+        demo(DemoConfig(out=str(tmp_path / "file"), fast=True))
+    # a demo killed while it trained its target: only its pipeline.yaml and data, resumed
+    killed = tmp_path / "killed"
+    (killed / "data").mkdir(parents=True)
+    (killed / "pipeline.yaml").write_text(f"work_dir: {killed / 'work'}\n")
+    _check_out(killed)
+    (killed / "notes.txt").write_text("mine")
+    with pytest.raises(EyasError, match=r"\(notes\.txt\)"):
+        _check_out(killed)
+
+
 def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tmp_path, caplog):
     out = tmp_path / "demo"
     report = demo(DemoConfig(out=str(out), fast=True))
