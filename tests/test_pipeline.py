@@ -40,10 +40,19 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     online = plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"online": True}})))
     assert "capture" not in [p.step for p in online]
     assert {p.step: p for p in online}["train"].config.data == str(work / "prepared")
+    # quoted booleans mean what they mean to the step's config (bool("false") is True)
+    for no in ("false", "no", "off"):
+        quoted = plan(RunConfig(pipeline=_write(tmp_path, {
+            **spec, "train": {"online": no}, "regenerate": {"enabled": no}})))
+        assert [p.step for p in quoted][:2] == ["prepare", "capture"]
+        assert {p.step: p for p in quoted}["train"].config.data == str(work / "captured")
     with pytest.raises(ConfigError, match="unknown top-level key.*'traine'"):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "traine": {}})))
     with pytest.raises(ConfigError, match="section 'train'.*'lrr'"):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {"lrr": 1}})))
+    for section in (5, ["lr: 1"], "online"):  # an AttributeError traceback before
+        with pytest.raises(ConfigError, match=r"section 'train' must be a mapping of key: value"):
+            plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": section})))
     with pytest.raises(ConfigError, match="needs a top-level 'target'"):
         plan(RunConfig(pipeline=_write(tmp_path, {"data": "x", "work_dir": "w"})))
     # regenerate stops conversations at the length prepare keeps, unless its section says
@@ -56,6 +65,15 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
+    # a step this pipeline skips, or an empty range: a ValueError traceback before
+    for flags, want in (({"from_step": "capture"}, r"--from-step capture: this pipeline has no "
+                                                   r"capture step \(its steps: prepare, vocab"),
+                        ({"until_step": "regenerate"}, r"--until-step regenerate: .*no regen"),
+                        ({"from_step": "eval", "until_step": "prepare", "pipeline":
+                          _write(tmp_path, spec)}, r"--from-step eval comes after --until-step")):
+        args = {"pipeline": _write(tmp_path, {**spec, "train": {"online": True}}), **flags}
+        with pytest.raises(ConfigError, match=want):
+            plan(RunConfig(**args))
 
 
 def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resumes(
@@ -192,6 +210,37 @@ def test_a_half_saved_demo_target_is_trained_again(tmp_path):
                           seed=0)
     assert (out / "tokenizer.json").is_file() and list(out.glob("*.safetensors"))
     assert not (tmp_path / "target.tmp").exists()
+
+
+def test_demo_refuses_a_foreign_out_and_keeps_it(tmp_path):
+    """The demo wrote pipeline.yaml and data/chats.jsonl into any --out (and replaced a
+    target/ without weights), so a user's files of those names were lost; a file as --out was
+    a NotADirectoryError traceback. Only an earlier demo's folder is resumed."""
+    from eyas.demo import _check_out
+
+    cases = {"mine.txt": "x", "data/chats.jsonl": '{"mine": 1}\n',
+             "pipeline.yaml": "target: my/model\nwork_dir: elsewhere\n"}
+    for i, (name, text) in enumerate(cases.items()):
+        out = tmp_path / f"foreign{i}"
+        (out / name).parent.mkdir(parents=True)
+        (out / name).write_text(text)
+        with pytest.raises(EyasError, match=r"did not write .*Move those away, or choose "
+                                            r"another --out") as err:
+            demo(DemoConfig(out=str(out), fast=True))
+        assert err.value.flag == "--out"
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) \
+            == [name] and (out / name).read_text() == text
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(EyasError, match=r"--out .*file is a file; give a folder"):
+        demo(DemoConfig(out=str(tmp_path / "file"), fast=True))
+    # a demo killed while it trained its target: only its pipeline.yaml and data, resumed
+    killed = tmp_path / "killed"
+    (killed / "data").mkdir(parents=True)
+    (killed / "pipeline.yaml").write_text(f"work_dir: {killed / 'work'}\n")
+    _check_out(killed)
+    (killed / "notes.txt").write_text("mine")
+    with pytest.raises(EyasError, match=r"\(notes\.txt\)"):
+        _check_out(killed)
 
 
 def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tmp_path, caplog):

@@ -259,6 +259,32 @@ def test_missing_or_foreign_gguf_names_the_fix(tmp_path):
             load(tmp_path / "model.gguf")
 
 
+def test_a_cut_or_tensorless_gguf_names_the_fix(tiny_gguf, tmp_path):
+    """A download cut short fails in transformers' reader with numpy's or struct's error
+    (a raw traceback, or advice to upgrade transformers); a GGUF of metadata only would load as
+    the default 7B Llama with random weights."""
+    import gguf
+
+    whole = tiny_gguf(0).read_bytes()
+    for size in (10, 100, len(whole) // 2, len(whole) - 16):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(whole[:size])
+        for load in (load_config, load_tokenizer):
+            with pytest.raises(EyasError, match=rf"damaged or cut short \({size:,} bytes.*"
+                                                r"download it again"):
+                load(cut)
+    vocab = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    vocab.add_token_list(["a", "b"])
+    for write in (vocab.write_header_to_file, vocab.write_kv_data_to_file,
+                  vocab.write_tensors_to_file, vocab.close):
+        write()
+    for load in (load_config, load_tokenizer, load_target):
+        with pytest.raises(EyasError, match=r"vocab\.gguf is a GGUF file without tensors.*not "
+                                            r"a model"):
+            load(tmp_path / "vocab.gguf")
+    assert main(["doctor", str(tmp_path / "vocab.gguf")]) == 2
+
+
 def test_gguf_without_the_gguf_package_says_pip_install(tmp_path, monkeypatch):
     path = _fake_gguf(tmp_path / "m.gguf", b"\0" * 64)
     real = importlib.util.find_spec

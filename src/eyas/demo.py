@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from eyas.config import option
+from eyas.errors import EyasError
 from eyas.targets.corpus import synthetic_chats
 
 log = logging.getLogger(__name__)
@@ -100,20 +101,46 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
     return out
 
 
+# what a demo writes in its --out (target.tmp: a target being saved)
+DEMO_ENTRIES = ("pipeline.yaml", "data", "target", "target.tmp", "work")
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out that is a file, or holds anything but an earlier demo (which the demo
+    resumes): the demo writes pipeline.yaml, data/chats.jsonl and target/ there, and would
+    overwrite a user's files of those names. A demo folder is known by its pipeline.yaml,
+    written first, whose work_dir is the folder's work/."""
+    if out.exists() and not out.is_dir():
+        raise EyasError(f"--out {out} is a file; give a folder (eyas demo writes a folder).",
+                        flag="--out")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return
+    try:
+        spec = yaml.safe_load((out / "pipeline.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        spec = None
+    ours = isinstance(spec, dict) and spec.get("work_dir") == str(out / "work")
+    foreign = [n for n in entries if not ours or n not in DEMO_ENTRIES]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                          else "")
+        raise EyasError(f"--out {out} holds files an earlier `eyas demo` did not write "
+                        f"({shown}); eyas demo writes only into a missing or empty folder or "
+                        f"its own earlier output, so nothing of yours is overwritten or "
+                        f"deleted. Move those away, or choose another --out.", flag="--out")
+
+
 def demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the eval report as a dict."""
     from eyas.pipeline import RunConfig, run
 
     size = SIZES[cfg.fast]
     out = Path(cfg.out).resolve()
-    (out / "data").mkdir(parents=True, exist_ok=True)
-    rows = synthetic_chats(size["chats"], seed=cfg.seed)
+    _check_out(out)
     data = out / "data" / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    target = pretrain_target(out / "target", rows, hidden=size["hidden"], layers=size["layers"],
-                             steps=size["target_steps"], seed=cfg.seed)
     pipeline = {
-        "target": str(target), "data": str(data), "work_dir": str(out / "work"),
+        "target": str(out / "target"), "data": str(data), "work_dir": str(out / "work"),
         "prepare": {"max_length": 512, "eval_fraction": 0.05, "seed": cfg.seed},
         # the target runs in fp32 here, in capture as in eval, so training sees what eval feeds
         "capture": {"dtype": "bf16", "model_dtype": "fp32", "batch_tokens": size["batch_tokens"]},
@@ -125,8 +152,15 @@ def demo(cfg: DemoConfig) -> dict:
         "eval": {"k": [1, 2, 3, 4, 5], "num_prompts": size["prompts"],
                  "max_new_tokens": size["new_tokens"], "seed": cfg.seed},
     }
+    # written first: it marks the folder as the demo's for a run that resumes a killed one
     yaml_path = out / "pipeline.yaml"
+    out.mkdir(parents=True, exist_ok=True)
     yaml_path.write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    data.parent.mkdir(exist_ok=True)
+    rows = synthetic_chats(size["chats"], seed=cfg.seed)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pretrain_target(out / "target", rows, hidden=size["hidden"], layers=size["layers"],
+                    steps=size["target_steps"], seed=cfg.seed)
     run(RunConfig(pipeline=str(yaml_path)))
     report = json.loads((out / "work" / "eval" / "report.json").read_text())
     md = out / "work" / "eval" / "report.md"

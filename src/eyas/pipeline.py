@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.config import ConfigError, from_dict, load_yaml, option, required, to_dict
+from eyas.config import ConfigError, coerce, from_dict, load_yaml, option, required, to_dict
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST
 
@@ -71,7 +71,7 @@ def _step_config(step: str, spec: dict, work: Path):
     values = {k: spec[k] for k in SHARED_KEYS if k in spec and k in names}
     prepared_from = (work / "regenerated" / "conversations.jsonl"
                      if _enabled(spec, "regenerate") else spec.get("data"))
-    online = bool((spec.get("train") or {}).get("online", False))
+    online = _flag(spec, "train", "online")
     train = spec.get("train") or {}
     dflash = train.get("draft") == "dflash"  # no draft vocabulary; DFlash's taps by default
     taps = {} if not dflash or "aux_layer_ids" in (spec.get("capture") or {}) else \
@@ -105,10 +105,16 @@ def _step_config(step: str, spec: dict, work: Path):
 
 def _enabled(spec: dict, step: str) -> bool:
     if step == "regenerate":
-        return bool((spec.get("regenerate") or {}).get("enabled", False))
+        return _flag(spec, "regenerate", "enabled")
     if step == "capture":
-        return not bool((spec.get("train") or {}).get("online", False))
+        return not _flag(spec, "train", "online")
     return True
+
+
+def _flag(spec: dict, section: str, key: str) -> bool:
+    """A boolean key of a section, read as the step's config reads it: a quoted "false" or
+    "no" is False (bool() of the string would be True)."""
+    return coerce(f"{section}.{key}", bool, (spec.get(section) or {}).get(key, False))
 
 
 def _normalise(value):
@@ -219,10 +225,24 @@ def plan(cfg: RunConfig) -> list[Plan]:
     if unknown:
         raise ConfigError(f"pipeline {cfg.pipeline}: unknown top-level key(s) {sorted(unknown)}; "
                           f"valid: target, trust_remote_code, revision, data, work_dir, {STEPS}")
+    for step in STEPS:
+        if not isinstance(spec.get(step) or {}, dict):
+            raise ConfigError(f"pipeline {cfg.pipeline}: section '{step}' must be a mapping of "
+                              f"key: value (the options of `eyas {step}`), not "
+                              f"{spec[step]!r}")
     work = Path(spec["work_dir"])
     if not work.is_absolute():
         work = Path(cfg.pipeline).resolve().parent / work
     steps = [s for s in STEPS if _enabled(spec, s)]
+    for flag, step in (("--from-step", cfg.from_step), ("--until-step", cfg.until_step)):
+        if step and step not in steps:
+            raise ConfigError(f"{flag} {step}: this pipeline has no {step} step (its steps: "
+                              f"{', '.join(steps)}; regenerate runs only with enabled: true, "
+                              f"capture not with train.online: true)")
+    if cfg.from_step and cfg.until_step and \
+            steps.index(cfg.from_step) > steps.index(cfg.until_step):
+        raise ConfigError(f"--from-step {cfg.from_step} comes after --until-step "
+                          f"{cfg.until_step}; give steps in pipeline order ({', '.join(steps)})")
     if cfg.from_step:
         steps = steps[steps.index(cfg.from_step):]
     if cfg.until_step:

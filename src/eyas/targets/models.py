@@ -26,6 +26,7 @@ import contextlib
 import copy
 import importlib.util
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,12 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
         return (f"{name} ships its own model code; re-run with --trust-remote-code "
                 f"(trust_remote_code=True) if you trust it")
     first = text.splitlines()[0] if text else repr(err)
+    damage = _gguf_damage(name) if is_gguf(name) else ""
+    if damage:
+        return (f"cannot load the {what} from the GGUF file {name}: the file is damaged or cut "
+                f"short ({Path(name).expanduser().stat().st_size:,} bytes; the gguf package "
+                f"cannot read it either: {damage}); download it again and compare its size "
+                f"and sha256 with the published ones")
     if is_gguf(name):
         return (f"cannot load the {what} from the GGUF file {name}: {first}. transformers reads "
                 f"GGUF files of the architectures its GGUF documentation lists; upgrade "
@@ -179,6 +186,19 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
             f"Check the hub name or folder; if this machine is offline, download it first "
             f"(`huggingface-cli download {name}`) and pass the local folder, or set "
             f"HF_HUB_OFFLINE=1 to use the cache; for a gated repo run `huggingface-cli login`")
+
+
+def _gguf_damage(name: str) -> str:
+    """Why the reference `gguf` reader fails on the GGUF file `name` ("" if it reads it): a file
+    cut short fails there too (with numpy's or struct's error, wherever the cut falls), while
+    one transformers does not support is read."""
+    import gguf
+
+    try:
+        gguf.GGUFReader(Path(name).expanduser())
+    except (ValueError, IndexError, OverflowError, struct.error) as err:
+        return str(err).splitlines()[0] if str(err) else repr(err)
+    return ""
 
 
 def _check_exists(name: str) -> str:
@@ -211,13 +231,19 @@ def _locate(name_or_path) -> tuple[str, dict]:
                         f"(a GGUF on the hub: `huggingface-cli download REPO FILE.gguf "
                         f"--local-dir DIR`, then --target DIR/FILE.gguf)")
     with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
+        head = f.read(24)  # magic, version (u32), tensor count, metadata count (u64 each)
+    if head[:4] != b"GGUF":
         raise EyasError(f"{name} is not a GGUF file (it does not start with the bytes 'GGUF'); "
                         f"download it again, or pass the model's Hugging Face folder instead")
     if importlib.util.find_spec("gguf") is None:
         raise EyasError(f"reading the GGUF file {name} needs the gguf package: pip install "
                         f"gguf, or pip install 'eyas[gguf]'")
+    if len(head) == 24 and int.from_bytes(head[8:16], "little") == 0:
+        # transformers would build the architecture's default config (Llama: 7B) and
+        # initialize every weight at random
+        raise EyasError(f"{name} is a GGUF file without tensors (metadata only, such as "
+                        f"llama.cpp's vocabulary files ggml-vocab-*.gguf), not a model; pass "
+                        f"the .gguf file that holds the model's weights")
     return str(path.parent.resolve()), {"gguf_file": str(path.resolve())}
 
 
@@ -255,7 +281,7 @@ def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool)
     try:
         loaded = auto.from_pretrained(name, revision=revision,
                                       trust_remote_code=trust_remote_code, **where)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
         raise EyasError(_explain_load_error(kind, str(name_or_path), err,
                                             trust_remote_code)) from err
     if key is not None:
