@@ -108,10 +108,19 @@ def test_the_folder_is_a_plain_checkpoint_that_names_its_gguf(gguf, folder):
 
 # ------------------------------------------------------------------ atomic, never overwrites
 
-def test_converting_again_does_nothing(gguf, folder):
+def test_converting_again_does_nothing(gguf, folder, tmp_path):
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert convert_gguf(gguf, folder) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    # ... unless a file of it went missing or changed size: then it says so
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    (damaged / "model.safetensors").unlink()
+    with pytest.raises(EyasError, match=r"holds this conversion, but model.safetensors is "
+                                        r"missing or of another size.*delete .* and convert"):
+        convert_gguf(gguf, damaged)
 
 
 def test_another_existing_folder_is_refused_and_kept(gguf, tiny_gguf, folder, tmp_path):

@@ -62,9 +62,20 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     regen["regenerate"]["max_length"] = 0
     by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
     assert by["regenerate"].max_length == 0
+    # --from-step skips steps that must have finished: said up front, not as a missing input
+    with pytest.raises(ConfigError, match=r"--from-step capture skips prepare, which has not "
+                                          r"finished in .*w/prepared; run without --from-step"):
+        plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture"))
+    (work / "prepared").mkdir(parents=True)
+    (work / "prepared" / "eyas.json").write_text('{"step": "prepare"}')
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
+    with pytest.raises(ConfigError, match=r"--from-step train skips capture"):
+        plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="train"))
+    # 'enabled' belongs to regenerate: anywhere else it was silently ignored
+    with pytest.raises(ConfigError, match=r"'enabled' in section 'prepare' would be ignored"):
+        plan(RunConfig(pipeline=_write(tmp_path, {**spec, "prepare": {"enabled": False}})))
     # a step this pipeline skips, or an empty range: a ValueError traceback before
     for flags, want in (({"from_step": "capture"}, r"--from-step capture: this pipeline has no "
                                                    r"capture step \(its steps: prepare, vocab"),

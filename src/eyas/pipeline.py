@@ -230,6 +230,10 @@ def plan(cfg: RunConfig) -> list[Plan]:
             raise ConfigError(f"pipeline {cfg.pipeline}: section '{step}' must be a mapping of "
                               f"key: value (the options of `eyas {step}`), not "
                               f"{spec[step]!r}")
+        if step != "regenerate" and "enabled" in (spec.get(step) or {}):
+            raise ConfigError(f"pipeline {cfg.pipeline}: 'enabled' in section '{step}' would be "
+                              f"ignored: only regenerate is optional; to run part of the "
+                              f"pipeline use --from-step / --until-step")
     work = Path(spec["work_dir"])
     if not work.is_absolute():
         work = Path(cfg.pipeline).resolve().parent / work
@@ -244,6 +248,7 @@ def plan(cfg: RunConfig) -> list[Plan]:
         raise ConfigError(f"--from-step {cfg.from_step} comes after --until-step "
                           f"{cfg.until_step}; give steps in pipeline order ({', '.join(steps)})")
     if cfg.from_step:
+        _check_done_before(steps[:steps.index(cfg.from_step)], spec, work, cfg.from_step)
         steps = steps[steps.index(cfg.from_step):]
     if cfg.until_step:
         steps = steps[: steps.index(cfg.until_step) + 1]
@@ -262,6 +267,21 @@ def plan(cfg: RunConfig) -> list[Plan]:
         plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
     return plans
+
+
+def _check_done_before(earlier: list[str], spec: dict, work: Path, start: str) -> None:
+    """--from-step skips the steps before it: each must have finished its folder, or the
+    started step fails on a missing input, naming an option the pipeline sets."""
+    for step in earlier:
+        out = Path(_step_config(step, spec, work).out)
+        try:
+            done = json.loads((out / "eyas.json").read_text()).get("complete") is not False
+        except (OSError, ValueError, AttributeError):
+            done = False
+        if not done:
+            raise ConfigError(f"--from-step {start} skips {step}, which has not finished in "
+                              f"{out}; run without --from-step (the pipeline runs what is "
+                              f"missing or changed), or --until-step {step} first")
 
 
 def run(cfg: RunConfig) -> list[Plan]:

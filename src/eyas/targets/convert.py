@@ -99,6 +99,13 @@ def _already_converted(out: Path, gguf: Path, dtype: str) -> bool:
                         f"empty --out (eyas convert never overwrites a folder)")
     had = body["target"]
     if had["gguf_fingerprint"] == gguf_fingerprint(gguf) and body["dtype"] == dtype:
+        files = body.get("files") or {}
+        broken = [f for f, size in files.items()
+                  if not (out / f).is_file() or (out / f).stat().st_size != size]
+        if broken:
+            raise EyasError(f"{out} holds this conversion, but {', '.join(sorted(broken))} "
+                            f"{'is' if len(broken) == 1 else 'are'} missing or of another size "
+                            f"than written; delete {out} and convert again")
         log.info("%s already holds %s de-quantized to %s; nothing to do", out, gguf.name, dtype)
         return True
     raise EyasError(f"{out} already holds another conversion: {had['name_or_path']} "
