@@ -87,6 +87,30 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
             plan(RunConfig(**args))
 
 
+def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eyas import pipeline
+    from eyas.store.manifest import target_record, write_manifest
+
+    target = tmp_path / "target"
+    shutil.copytree(llama_dir, target)
+    spec = {"target": str(target), "data": "chats.jsonl", "work_dir": "w"}
+    cfg = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, spec)))}["capture"]
+    out = Path(cfg.out)
+    write_manifest(out, "capture", cfg, target=target_record(str(target)))
+    assert pipeline._up_to_date(cfg, out, False) == (True, "up to date")
+    # fine-tuned in place: every config the same, so only the fingerprint tells
+    weights = load_file(str(target / "model.safetensors"))
+    weights["model.norm.weight"] += 0.5
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    ok, why = pipeline._up_to_date(cfg, out, False)
+    assert not ok and re.fullmatch(r"the target's weights changed \(weights_fingerprint "
+                                   r"\w{16} -> \w{16}\)", why), why
+
+
 def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resumes(
         tmp_path, llama_dir, caplog):
     """regenerate refuses to resume a folder made with other generation settings or data; in
@@ -221,6 +245,12 @@ def test_a_half_saved_demo_target_is_trained_again(tmp_path):
                           seed=0)
     assert (out / "tokenizer.json").is_file() and list(out.glob("*.safetensors"))
     assert not (tmp_path / "target.tmp").exists()
+    # the same settings again: kept; another size (the full demo after --fast): trained again
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    pretrain_target(half, synthetic_chats(20, seed=0), hidden=32, layers=1, steps=2, seed=0)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    pretrain_target(half, synthetic_chats(20, seed=0), hidden=48, layers=1, steps=2, seed=0)
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 48
 
 
 def test_demo_refuses_a_foreign_out_and_keeps_it(tmp_path):

@@ -51,6 +51,10 @@ def _render(tokenizer, rows) -> list[list[int]]:
             for r in rows]
 
 
+# how the demo's target was trained, beside its weights: another size or seed trains it again
+TARGET_RECORD = "demo_target.json"
+
+
 def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, steps: int,
                     seed: int) -> Path:
     """Train a small Llama on the corpus (next-token loss on whole chats) and save it."""
@@ -58,10 +62,20 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
 
     from eyas.targets.tiny import tiny_config, tiny_tokenizer
 
+    made = {"hidden": hidden, "layers": layers, "steps": steps, "seed": seed, "rows": len(rows)}
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file() and \
             any(out.glob("*.safetensors")):
-        log.info("target already trained at %s", out)
-        return out
+        try:
+            had = json.loads((out / TARGET_RECORD).read_text())
+        except (OSError, ValueError):
+            had = None
+        if had == made:
+            log.info("target already trained at %s", out)
+            return out
+        # (--fast and the full demo train other sizes): the pipeline then sees other weights
+        # behind the same path and runs its steps again
+        log.info("the target in %s was trained with %s, not %s: training it again", out, had,
+                 made)
     tokenizer = tiny_tokenizer()
     seqs = _render(tokenizer, rows)
     config = tiny_config("llama", vocab_size=1024, num_layers=layers, hidden=hidden)
@@ -95,7 +109,8 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if out.exists():  # (a half target left by an older eyas)
+    (tmp / TARGET_RECORD).write_text(json.dumps(made) + "\n")
+    if out.exists():  # (a half target, or one trained with other settings)
         shutil.rmtree(out)
     tmp.rename(out)
     return out

@@ -134,6 +134,9 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     changed = _config_changes(cfg, manifest)
     if changed:
         return False, f"config changed ({', '.join(changed)})"
+    swapped = _target_changes(cfg, manifest)
+    if swapped:
+        return False, f"the target's weights changed ({swapped})"
     try:
         moved = _data_changes(cfg, manifest)
     except EyasError as err:
@@ -143,6 +146,21 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     if manifest.get("complete") is False:
         return False, "the previous run was interrupted: the step resumes"
     return True, "up to date"
+
+
+def _target_changes(cfg, manifest: dict) -> str:
+    """The fingerprint of the step's target that is not the one its manifest recorded ("" if
+    none): the same path with other weights (a GGUF replaced, a folder fine-tuned in place)
+    would keep every config equal, and the next step would refuse the old outputs."""
+    from eyas.store.manifest import target_record
+
+    name = getattr(cfg, "target", None)
+    was = manifest.get("target") or {}
+    keys = [k for k in ("gguf_fingerprint", "weights_fingerprint") if was.get(k)]
+    if not name or not keys:
+        return ""
+    now = target_record(str(name), getattr(cfg, "revision", None))
+    return next((f"{k} {was[k]} -> {now.get(k)}" for k in keys if now.get(k) != was[k]), "")
 
 
 def _data_changes(cfg, manifest: dict) -> str:
