@@ -150,7 +150,7 @@ def to_dict(cfg) -> dict[str, Any]:
 # Fields shared by every step that touches the target. Declared through functions so
 # each config dataclass stays flat (no inheritance) yet spells them identically.
 
-def target_option(help: str = "target model: hub name or local folder"):
+def target_option(help: str = "target model: hub name, local folder or .gguf file"):
     return required(help)
 
 

@@ -50,7 +50,7 @@ DEFAULT_DRAFT_VOCAB = 32000
 class DoctorConfig:
     """What `eyas doctor` checks."""
 
-    target: str = required("model to check: hub name or local folder", positional=True)
+    target: str = required("model to check: hub name, local folder or .gguf file", positional=True)
     trust_remote_code: bool = trust_remote_code_option()
     revision: str | None = revision_option()
     json: bool = option(False, "print the report as JSON (for scripts) instead of text")
