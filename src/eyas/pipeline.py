@@ -75,7 +75,7 @@ def _step_config(step: str, spec: dict, work: Path):
     train = spec.get("train") or {}
     dflash = train.get("draft") == "dflash"  # no draft vocabulary; DFlash's taps by default
     taps = {} if not dflash or "aux_layer_ids" in (spec.get("capture") or {}) else \
-        {"dflash_taps": int(train.get("dflash_layers") or 5)}
+        {"dflash_taps": coerce("train.dflash_layers", int, train.get("dflash_layers") or 5)}
     # regenerate answers no turn past the length prepare keeps (its own section may say else)
     kept = (spec.get("prepare") or {}).get("max_length")
     wiring = {
