@@ -465,7 +465,9 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
     if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
         return cfg
     old = started_config(cfg.out)
-    if not old:
+    # a run of the other draft family: its recipe does not apply here, and resume() refuses
+    # the checkpoint naming --draft (check_same_draft)
+    if not old or old.get("draft", "eagle3") != cfg.draft:
         return cfg
     keep = {k: old.get(k, PREVIOUS_RECIPE[k]) for k in sorted(unset)}
     keep = {k: v for k, v in keep.items() if v != getattr(cfg, k)}
