@@ -549,6 +549,7 @@ def test_eyas_run_wires_a_dflash_pipeline(tmp_path, llama_dir):
     (dict(block_size=1), "--block-size"),
     (dict(cuda_graph=True, device="cuda"), "--cuda-graph"),
     (dict(compile=True), "--compile"),
+    (dict(mask_token_id=-2), "--mask-token-id must be >= 0 .or -1"),
 ])
 def test_dflash_config_errors_name_the_flag(kw, match):
     from eyas.train import TrainConfig
