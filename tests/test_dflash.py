@@ -4,6 +4,7 @@ it, its block training objective, `eyas train --draft dflash` and the exported f
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -455,6 +456,24 @@ def test_dflash_resume_continues_exactly(dflash_inputs, tmp_path):
     a = load_file(str(checkpoint.step_dir(tmp_path / "a", 6) / "draft.safetensors"))
     b = load_file(str(checkpoint.step_dir(part, 6) / "draft.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_block_longer_than_every_document_is_refused_before_training(dflash_inputs, tmp_path):
+    """A block must fit a document after one token of context, or its last slots never get a
+    loss and the draft is served with num_speculative_tokens it was never trained for: refused
+    with the largest block that fits, before the run folder is written; that block trains."""
+    from eyas.train import train
+
+    run = tmp_path / "run"
+    with pytest.raises(EyasError, match=r"--block-size 1000 .*longest training document has "
+                                        r"(\d+) tokens.*--block-size (\d+) or less") as err:
+        train(_dflash_train_cfg(dflash_inputs, run, block_size=1000, max_steps=1))
+    assert not (run / "checkpoints").exists() and not (run / "eyas.json").exists()
+    longest, fits = (int(x) for x in re.search(r"has (\d+) tokens.*--block-size (\d+)",
+                                                str(err.value)).groups())
+    assert fits == longest - 1
+    train(_dflash_train_cfg(dflash_inputs, run, block_size=fits, num_anchors=1, max_steps=1,
+                            eval_every=1))
 
 
 @pytest.mark.parametrize("eval_every", [100, 3])
