@@ -4,6 +4,7 @@ it, its block training objective, `eyas train --draft dflash` and the exported f
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -457,6 +458,24 @@ def test_dflash_resume_continues_exactly(dflash_inputs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_block_longer_than_every_document_is_refused_before_training(dflash_inputs, tmp_path):
+    """A block must fit a document after one token of context, or its last slots never get a
+    loss and the draft is served with num_speculative_tokens it was never trained for: refused
+    with the largest block that fits, before the run folder is written; that block trains."""
+    from eyas.train import train
+
+    run = tmp_path / "run"
+    with pytest.raises(EyasError, match=r"--block-size 1000 .*longest training document has "
+                                        r"(\d+) tokens.*--block-size (\d+) or less") as err:
+        train(_dflash_train_cfg(dflash_inputs, run, block_size=1000, max_steps=1))
+    assert not (run / "checkpoints").exists() and not (run / "eyas.json").exists()
+    longest, fits = (int(x) for x in re.search(r"has (\d+) tokens.*--block-size (\d+)",
+                                                str(err.value)).groups())
+    assert fits == longest - 1
+    train(_dflash_train_cfg(dflash_inputs, run, block_size=fits, num_anchors=1, max_steps=1,
+                            eval_every=1))
+
+
 @pytest.mark.parametrize("eval_every", [100, 3])
 def test_dflash_stops_on_sigterm_after_saving_and_resumes_exactly(dflash_inputs, tmp_path,
                                                                    monkeypatch, eval_every):
@@ -549,6 +568,7 @@ def test_eyas_run_wires_a_dflash_pipeline(tmp_path, llama_dir):
     (dict(block_size=1), "--block-size"),
     (dict(cuda_graph=True, device="cuda"), "--cuda-graph"),
     (dict(compile=True), "--compile"),
+    (dict(mask_token_id=-2), "--mask-token-id must be >= 0 .or -1"),
 ])
 def test_dflash_config_errors_name_the_flag(kw, match):
     from eyas.train import TrainConfig

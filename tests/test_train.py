@@ -1123,6 +1123,18 @@ def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tm
         train(_cfg(run_inputs, tmp_path, max_steps=3))
 
 
+def test_a_dflash_resume_of_an_eagle3_run_names_the_family_not_a_recipe_flag(run_inputs,
+                                                                             tmp_path):
+    """An EAGLE-3 run on eyas's default recipe resumed with --draft dflash: refused as another
+    draft family (resume with --draft eagle3), not with a complaint about an EAGLE-3 flag
+    (--norm-before-residual, ...) the user never gave, taken over from the run's recipe."""
+    train(_cfg(run_inputs, tmp_path, max_steps=1, save_every=1, optimizer="adamw"))
+    with pytest.raises(EyasError, match=r"holds a eagle3 draft and this run trains dflash: "
+                                        r"resume it with --draft eagle3"):
+        train(_cfg(run_inputs, tmp_path, max_steps=2, draft="dflash", vocab=None,
+                   lm_head="target", block_size=4, num_anchors=8))
+
+
 def test_two_layer_draft_trains_resumes_exactly_and_refuses_another_layer_count(
         run_inputs, tmp_path):
     """--draft-layers 2: the TTT trains both layers (eval loss falls), the checkpoint holds

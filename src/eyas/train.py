@@ -314,6 +314,8 @@ def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (cfg.num_anchors >= 1, f"--num-anchors must be >= 1, got {cfg.num_anchors}"),
         (cfg.loss_decay_gamma >= 0, f"--loss-decay-gamma must be >= 0, got {cfg.loss_decay_gamma}"),
         (cfg.dflash_layers >= 0, f"--dflash-layers must be >= 0, got {cfg.dflash_layers}"),
+        (cfg.mask_token_id >= -1, f"--mask-token-id must be >= 0 (or -1: the tokenizer's), got "
+                                  f"{cfg.mask_token_id}"),
         (cfg.vocab is None, "--vocab: a DFlash draft predicts over the target's whole vocabulary "
                             "with the target's own lm_head (what vLLM shares with it); drop --vocab"),
         (cfg.loss == "kl", f"--loss {cfg.loss}: {why} (DFlash trains on cross-entropy)"),
@@ -465,7 +467,9 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
     if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
         return cfg
     old = started_config(cfg.out)
-    if not old:
+    # a run of the other draft family: its recipe does not apply here, and resume() refuses
+    # the checkpoint naming --draft (check_same_draft)
+    if not old or old.get("draft", "eagle3") != cfg.draft:
         return cfg
     keep = {k: old.get(k, PREVIOUS_RECIPE[k]) for k in sorted(unset)}
     keep = {k: v for k, v in keep.items() if v != getattr(cfg, k)}

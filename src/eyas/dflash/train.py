@@ -94,6 +94,18 @@ def build_dflash(cfg: TrainConfig, inputs: data.Inputs, env) -> tuple[DFlashDraf
     return draft, dcfg
 
 
+def check_block_fits(block: int, lengths, row_tokens: int) -> None:
+    """A block [x_a, MASK x (B-1)] needs one token of context before its anchor and B tokens
+    from it on in the same document; in none of them, its last slots would never get a loss."""
+    longest = min(int(lengths.max()), row_tokens)
+    if block > longest - 1:
+        raise EyasError(f"--block-size {block} does not fit the data: the longest training "
+                        f"document has {longest} tokens (one of context, then the block), so "
+                        f"the last slots of every block would never be trained; use "
+                        f"--block-size {longest - 1} or less (the public recipes' 16)",
+                        flag="--block-size")
+
+
 class DFlashModule(torch.nn.Module):
     """The draft's training forward as one call, so DDP and FSDP2 see one per micro-batch."""
 
@@ -170,6 +182,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     model = wrap(DFlashModule(draft), cfg, env)
     plan = plan_data(cfg, inputs, env)
     total, row, b = plan.total_steps, plan.packing.row_tokens, dcfg.block_size
+    check_block_fits(b, inputs.train.lengths[inputs.train_ids], row)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizers(cfg, model)  # a list: AdamW, or Muon + AdamW
     scheduler = Schedules(optimizer, warmup_cosine(total, cfg.warmup_ratio, cfg.min_lr_ratio,
