@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eyas.config import ConfigError, coerce, from_dict, load_yaml, option, required, to_dict
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST
+from eyas.store.manifest import MANIFEST, peek_manifest
 
 log = logging.getLogger(__name__)
 
@@ -292,11 +292,8 @@ def _check_done_before(earlier: list[str], spec: dict, work: Path, start: str) -
     started step fails on a missing input, naming an option the pipeline sets."""
     for step in earlier:
         out = Path(_step_config(step, spec, work).out)
-        try:
-            done = json.loads((out / "eyas.json").read_text()).get("complete") is not False
-        except (OSError, ValueError, AttributeError):
-            done = False
-        if not done:
+        done = peek_manifest(out)
+        if done is None or done.get("complete") is False:
             raise ConfigError(f"--from-step {start} skips {step}, which has not finished in "
                               f"{out}; run without --from-step (the pipeline runs what is "
                               f"missing or changed), or --until-step {step} first")

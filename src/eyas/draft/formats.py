@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from eyas.draft.config import DraftConfig, draft_rope_scaling
 from eyas.errors import EyasError
-from eyas.store.manifest import inside
+from eyas.store.manifest import inside, peek_manifest
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -315,11 +315,8 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
 
 def _made_by(folder: Path) -> tuple[str, str] | None:
     """(step, the train folders it read) of an eyas step's folder, or None for any other."""
-    try:
-        body = json.loads((folder / "eyas.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(body, dict) or not body.get("step"):
+    body = peek_manifest(folder) or {}
+    if not body.get("step"):
         return None
     runs = [i.get("path") for i in body.get("inputs") or []
             if isinstance(i, dict) and i.get("step") == "train" and i.get("path")]

@@ -50,16 +50,21 @@ def data_content(records) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in DATA_STAMP} for r in records or ()]
 
 
-def recorded_data(folder: str | Path, step: str) -> list[dict]:
-    """The `data_files` an earlier `step` recorded in `folder` ([] if none): the files still
-    at their recorded size and mtime need not be read again (source_fingerprints)."""
+def peek_manifest(folder: str | Path) -> dict[str, Any] | None:
+    """`folder`'s manifest, or None where there is none or it is damaged: for looking at what
+    a folder may be, where read_manifest would refuse it."""
     try:
         body = json.loads((Path(folder) / MANIFEST).read_text())
     except (OSError, ValueError):
-        return []
-    if not isinstance(body, dict) or body.get("step") != step:
-        return []
-    return body.get("data_files") or []
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def recorded_data(folder: str | Path, step: str) -> list[dict]:
+    """The `data_files` an earlier `step` recorded in `folder` ([] if none): the files still
+    at their recorded size and mtime need not be read again (source_fingerprints)."""
+    body = peek_manifest(folder) or {}
+    return (body.get("data_files") or []) if body.get("step") == step else []
 
 
 def manifest_id(body: dict[str, Any]) -> str:
