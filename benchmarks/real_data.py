@@ -38,6 +38,9 @@ file is already there (then no network call is made), and read straight from the
   BIG-bench files carry a canary string asking that the data not appear in training corpora;
   a draft trained on these rows is a benchmark artifact, not a model to publish. The canary
   is written to sources.json.
+  PyPI's index no longer lists this sdist (2026-12-05): with no copy in --cache,
+  `--without bigbench` builds the other families and sources.json records it
+  (docs/benchmarks.md, "Without BIG-bench").
 
 Multi-turn chat sources, read only with `--chat-sources` (or `--scale`), after the others (so
 they change nothing the others keep) and into train and `indist_chat.jsonl` only:
