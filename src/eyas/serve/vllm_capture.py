@@ -208,6 +208,7 @@ class VLLMCapture:
         head = load_head(target, revision=revision, trust_remote_code=trust_remote_code,
                          dtype=getattr(torch, dtype), device=device)
         layer_ids = vllm_layer_ids(aux_layer_ids, head[2].num_layers)
+        engine = cpu_attention(engine, head[2], dtype, device)
         store = Path(tempfile.mkdtemp(prefix="eyas-vllm-hidden-states-"))
         log.info("starting vLLM %s on %s, extracting layers %s into %s (%s)", vllm.__version__,
                  target, layer_ids, store, engine or "defaults")
@@ -345,6 +346,18 @@ class VLLMCapture:
         self.llm = None
         gc.collect()
         shutil.rmtree(self.store, ignore_errors=True)
+
+
+def cpu_attention(engine: dict, info, dtype: str, device: str) -> dict:
+    """`engine` with vLLM's reference MLA backend asked for where its automatic choice fails:
+    on a CPU with AMX, vLLM's CPU build picks its AMX MLA backend, whose weights must be 16-bit
+    or quantized ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"), so an
+    MLA target (DeepSeek-V3, Kimi-K2) in float32 would not start. A backend the caller set
+    stays."""
+    if device != "cpu" or dtype != "float32" or not info.is_mla or "attention_backend" in engine:
+        return engine
+    log.info("float32 MLA on the CPU: asking vLLM for its CPU_MLA attention backend")
+    return {**engine, "attention_backend": "CPU_MLA"}
 
 
 def set_aside(folder: Path, state: dict, sample_index: int, sample_id: str, reason: str) -> None:
