@@ -518,6 +518,40 @@ def test_re_export_never_deletes_what_the_user_put_in_the_folder(tmp_path):
     assert (out / "README.md").read_text() == "my own README"
 
 
+def test_an_export_of_another_run_is_replaced_only_with_overwrite(tmp_path):
+    """--out holding another training run's export was replaced without a word. The same run
+    re-exports after more training; another run's export stays unless --overwrite."""
+    make_run(tmp_path / "run", draft_config())
+    make_run(tmp_path / "other", draft_config(), steps=(5, 20), best=20)
+    out = tmp_path / "draft"
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    make_run(tmp_path / "run", draft_config(), steps=(5, 10, 15), best=15)  # trained on
+    assert read_manifest(tmp_path / "run")["id"] != read_manifest(out)["inputs"][0]["id"]
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    export(ExportConfig(checkpoint=str(tmp_path / "run" / "checkpoints" / "step-00000005"),
+                        out=str(out)))  # a step folder of the same run
+    before = read_manifest(out)["checkpoint"]
+    with pytest.raises(EyasError, match=r"holds an export of another training run \(.*run\), "
+                                        r"not of .*other.*another --out, or pass --overwrite") as e:
+        export(ExportConfig(checkpoint=str(tmp_path / "other"), out=str(out)))
+    assert e.value.flag == "--out" and read_manifest(out)["checkpoint"] == before
+    export(ExportConfig(checkpoint=str(tmp_path / "other"), out=str(out), overwrite=True))
+    assert read_manifest(out)["inputs"][0]["path"] == str((tmp_path / "other").resolve())
+    # a run folder without a manifest is known by its folder too
+    make_run(tmp_path / "bare", draft_config(), manifest=False)
+    export(ExportConfig(checkpoint=str(tmp_path / "bare"), out=str(tmp_path / "b")))
+    export(ExportConfig(checkpoint=str(tmp_path / "bare"), out=str(tmp_path / "b"),
+                        which="step-5"))
+    with pytest.raises(EyasError, match="another training run"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "b")))
+    # a draft folder eyas did not write (no eyas.json) is the user's: --overwrite keeps it
+    (tmp_path / "b" / "eyas.json").unlink()
+    with pytest.raises(EyasError, match="files eyas did not write.*config.json"):
+        export(ExportConfig(checkpoint=str(tmp_path / "bare"), out=str(tmp_path / "b"),
+                            overwrite=True))
+    assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
 def test_checkpoint_pointers_stay_inside_the_run(tmp_path):
     """Issue 34: best/last name a step folder beside them, never ../ or an absolute path."""
     make_run(tmp_path / "run", draft_config(), steps=(5, 10), best=5)
