@@ -647,6 +647,46 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
                             acceptance_report=str(tmp_path / "report")))
 
 
+def test_acceptance_report_of_another_checkpoint_is_refused(tmp_path, caplog):
+    """An eval of step 5 was quoted in the README of step 10 as its acceptance. The step an
+    eval measured: the checkpoint it records (`draft_checkpoint`), else the export it measured
+    (still on disk, unchanged) or a --draft naming a step folder; else a warning."""
+    make_run(tmp_path / "run", draft_config())  # steps 5 and 10, best 10
+    run = read_manifest(tmp_path / "run", step="train")
+    step5 = read_manifest(export(ExportConfig(checkpoint=str(tmp_path / "run"),
+                                              out=str(tmp_path / "d5"), which="step-5")))
+    report = tmp_path / "report"
+
+    def measured(draft: str, inputs: list, **recorded) -> str:
+        report.mkdir(exist_ok=True)
+        (report / "report.json").write_text(json.dumps(
+            {"draft": draft, "primary": "eagle3", "mean_acceptance_length": {"3": 2.0}}))
+        write_manifest(report, "eval", {"draft": draft}, target=TARGET, inputs=inputs,
+                       **recorded)
+        return str(report)
+
+    def exported(which: str, acceptance_report: str):
+        return export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                                   which=which, acceptance_report=acceptance_report))
+
+    fix = r"measured step 5, but this export is step 10.*`eyas eval.*--which step-5"
+    for quoted in (measured(str(tmp_path / "d5"), [step5]),  # the export it measured
+                   measured(str(tmp_path / "d5"), [step5], draft_checkpoint=step5["checkpoint"]),
+                   measured(step5["checkpoint"], [run])):  # a step folder as --draft
+        with pytest.raises(EyasError, match=fix):
+            exported("best", quoted)
+        exported("step-5", quoted)
+    ten = str(tmp_path / "run" / "checkpoints" / "step-00000010")
+    exported("best", measured(str(tmp_path / "run"), [run], draft_checkpoint=ten))
+    with pytest.raises(EyasError, match="measured step 10, but this export is step 5"):
+        exported("step-5", str(report))
+    # an older eval of the run folder (its best then) cannot tell: a warning, not a refusal
+    with caplog.at_level(logging.WARNING):
+        exported("best", measured(str(tmp_path / "run"), [run]))
+    assert "cannot tell whether it measured step-00000010" in caplog.text
+    assert "| 3 | 2.000 |" in (tmp_path / "d" / "README.md").read_text()
+
+
 def test_cli_runs_export(tmp_path, capsys):
     make_run(tmp_path / "run", draft_config())
     code = cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--out",

@@ -304,7 +304,7 @@ def export(cfg: ExportConfig) -> Path:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
-    report = _read_report(cfg.acceptance_report, target, train)
+    report = _read_report(cfg.acceptance_report, target, train, step)
     out = Path(cfg.out)
     tmp = _fresh_dir(out, run or step, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -342,7 +342,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
-    report = _read_report(cfg.acceptance_report, target, train, "dflash")
+    report = _read_report(cfg.acceptance_report, target, train, step, "dflash")
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
@@ -425,13 +425,14 @@ def _exported_from(made: dict) -> Path | None:
     return (step.parent.parent if step.parent.name == "checkpoints" else step).resolve()
 
 
-def _read_report(path: str | None, target: dict, train: dict | None,
+def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
                  family: str = "eagle3") -> dict | None:
     """The `eyas eval` report to quote: one that measured a draft of `family` (eagle3, dflash)
-    from this training run (`train`'s manifest), as far as the eval's manifest tells, on this
-    target (the README would otherwise quote n-gram's, another draft's or another target's
-    acceptance as this draft's). A report made on the same model in another precision
-    (`--accept-other-weights`) is what serving it gives, so it may be quoted."""
+    from this training run (`train`'s manifest) at checkpoint `step`, as far as the eval's
+    manifest tells, on this target (the README would otherwise quote n-gram's, another draft's,
+    another step's or another target's acceptance as this draft's). A report made on the same
+    model in another precision (`--accept-other-weights`) is what serving it gives, so it may
+    be quoted."""
     if path is None:
         return None
     p = Path(path)
@@ -447,6 +448,7 @@ def _read_report(path: str | None, target: dict, train: dict | None,
         raise EyasError(f"{p} measured {report.get('primary')}, not {name} draft (an eval "
                         f"without --draft measures n-gram); quote the report of `eyas eval "
                         f"--draft` on this draft")
+    evaluated = {}
     if (p.parent / MANIFEST).is_file():
         evaluated = read_manifest(p.parent, step="eval")
         check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
@@ -457,7 +459,44 @@ def _read_report(path: str | None, target: dict, train: dict | None,
             raise EyasError(f"--acceptance-report {path} measured a draft of another training "
                             f"run than {train.get('path')}; measure this one (`eyas eval "
                             f"--draft` on this export or on the run) and quote that report")
+    _check_step_measured(path, _step_measured(evaluated, report), step)
     return report
+
+
+def _step_number(checkpoint: str | Path | None) -> int | None:
+    """N of a checkpoints/step-N folder, None for any other path."""
+    name = Path(checkpoint or "").name
+    return int(name.removeprefix("step-")) if re.fullmatch(r"step-\d+", name) else None
+
+
+def _step_measured(evaluated: dict, report: dict) -> int | None:
+    """The training step whose draft an eval measured: the checkpoint it recorded
+    (`draft_checkpoint`); for an eval from before it did, the `checkpoint` of the export it
+    measured while that folder still holds the same export, or a --draft that names a step
+    folder. None where none tells (an older eval of a run folder, or one without eyas.json)."""
+    named = [evaluated.get("draft_checkpoint")]
+    for item in evaluated.get("inputs") or []:
+        made = peek_manifest(item["path"]) if item.get("step") == "export" and \
+            item.get("path") else None
+        if made and made.get("id") == item.get("id"):
+            named.append(made.get("checkpoint"))
+    named.append(report.get("draft"))
+    return next((n for n in map(_step_number, named) if n is not None), None)
+
+
+def _check_step_measured(path: str, measured: int | None, step: Path) -> None:
+    exported = _step_number(step)
+    if measured is None or exported is None:
+        log.warning("--acceptance-report %s: cannot tell whether it measured %s, the "
+                    "checkpoint exported (an eval by an eyas from before evals recorded their "
+                    "checkpoint, of a run folder or of an export replaced since, does not "
+                    "say); the README quotes it as this draft's: make sure it is", path,
+                    step.name)
+    elif measured != exported:
+        raise EyasError(f"--acceptance-report {path} measured step {measured}, but this export "
+                        f"is step {exported}; re-run `eyas eval --draft` on this export and "
+                        f"quote that report, or export the step it measured (--which "
+                        f"step-{measured})")
 
 
 def _runs_measured(evaluated: dict) -> set[str]:
