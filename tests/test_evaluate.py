@@ -20,7 +20,7 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
 from eyas.serve.eval_report import write_report
-from eyas.evaluate import EvalConfig, evaluate, load_draft
+from eyas.evaluate import EvalConfig, evaluate, load_draft, measured_checkpoint
 from eyas.export import export_state_dict
 from eyas.draft.formats import to_vllm_config
 from eyas.store.manifest import read_manifest
@@ -336,6 +336,35 @@ def test_load_draft_from_training_checkpoint(target, tmp_path):
     with pytest.raises(EyasError, match="not a draft"):
         load_draft(tmp_path, submodule(model, info.embed_path))
 
+
+
+def test_eval_records_the_checkpoint_it_measured(target, llama_dir, chats, tmp_path):
+    """`eyas export --acceptance-report` refuses an eval of another step (an eval of step 5
+    quoted as step 10's), so the eval records which checkpoint its --draft held or named."""
+    from eyas.store.manifest import write_manifest
+
+    _, info = target
+    draft = _random_draft(info, seed=1)
+    ckpt = tmp_path / "run" / "checkpoints"
+    for n in (5, 10):
+        (ckpt / f"step-{n:08d}").mkdir(parents=True)
+        (ckpt / f"step-{n:08d}" / "draft_config.json").write_text(json.dumps(draft.cfg.to_dict()))
+        save_file({k: v.contiguous() for k, v in draft.state_dict().items()},
+                  str(ckpt / f"step-{n:08d}" / "draft.safetensors"))
+    (ckpt / "last").write_text("step-00000010\n")
+    (ckpt / "best").write_text("step-00000005\n")
+    assert measured_checkpoint(ckpt / "step-00000010") == str((ckpt / "step-00000010").resolve())
+    assert measured_checkpoint(tmp_path / "run") == str((ckpt / "step-00000005").resolve())
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    assert measured_checkpoint(tmp_path / "export") is None  # not written by eyas export
+    write_manifest(tmp_path / "export", "export", {}, checkpoint="run/checkpoints/step-00000010")
+    assert measured_checkpoint(tmp_path / "export") == "run/checkpoints/step-00000010"
+    (ckpt / "best").unlink()  # no eval during training: the last step
+    evaluate(EvalConfig(target=str(llama_dir), data=str(chats), draft=str(tmp_path / "run"),
+                        out=str(tmp_path / "eval"), k=(1,), **{**SMALL, "num_prompts": 1}))
+    assert read_manifest(tmp_path / "eval")["draft_checkpoint"] == \
+        str((ckpt / "step-00000010").resolve())
 
 
 def test_load_draft_names_a_damaged_file(target, tmp_path):

@@ -518,6 +518,40 @@ def test_re_export_never_deletes_what_the_user_put_in_the_folder(tmp_path):
     assert (out / "README.md").read_text() == "my own README"
 
 
+def test_an_export_of_another_run_is_replaced_only_with_overwrite(tmp_path):
+    """--out holding another training run's export was replaced without a word. The same run
+    re-exports after more training; another run's export stays unless --overwrite."""
+    make_run(tmp_path / "run", draft_config())
+    make_run(tmp_path / "other", draft_config(), steps=(5, 20), best=20)
+    out = tmp_path / "draft"
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    make_run(tmp_path / "run", draft_config(), steps=(5, 10, 15), best=15)  # trained on
+    assert read_manifest(tmp_path / "run")["id"] != read_manifest(out)["inputs"][0]["id"]
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(out)))
+    export(ExportConfig(checkpoint=str(tmp_path / "run" / "checkpoints" / "step-00000005"),
+                        out=str(out)))  # a step folder of the same run
+    before = read_manifest(out)["checkpoint"]
+    with pytest.raises(EyasError, match=r"holds an export of another training run \(.*run\), "
+                                        r"not of .*other.*another --out, or pass --overwrite") as e:
+        export(ExportConfig(checkpoint=str(tmp_path / "other"), out=str(out)))
+    assert e.value.flag == "--out" and read_manifest(out)["checkpoint"] == before
+    export(ExportConfig(checkpoint=str(tmp_path / "other"), out=str(out), overwrite=True))
+    assert read_manifest(out)["inputs"][0]["path"] == str((tmp_path / "other").resolve())
+    # a run folder without a manifest is known by its folder too
+    make_run(tmp_path / "bare", draft_config(), manifest=False)
+    export(ExportConfig(checkpoint=str(tmp_path / "bare"), out=str(tmp_path / "b")))
+    export(ExportConfig(checkpoint=str(tmp_path / "bare"), out=str(tmp_path / "b"),
+                        which="step-5"))
+    with pytest.raises(EyasError, match="another training run"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "b")))
+    # a draft folder eyas did not write (no eyas.json) is the user's: --overwrite keeps it
+    (tmp_path / "b" / "eyas.json").unlink()
+    with pytest.raises(EyasError, match="files eyas did not write.*config.json"):
+        export(ExportConfig(checkpoint=str(tmp_path / "bare"), out=str(tmp_path / "b"),
+                            overwrite=True))
+    assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
 def test_checkpoint_pointers_stay_inside_the_run(tmp_path):
     """Issue 34: best/last name a step folder beside them, never ../ or an absolute path."""
     make_run(tmp_path / "run", draft_config(), steps=(5, 10), best=5)
@@ -611,6 +645,46 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
         write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[measured])
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "report")))
+
+
+def test_acceptance_report_of_another_checkpoint_is_refused(tmp_path, caplog):
+    """An eval of step 5 was quoted in the README of step 10 as its acceptance. The step an
+    eval measured: the checkpoint it records (`draft_checkpoint`), else the export it measured
+    (still on disk, unchanged) or a --draft naming a step folder; else a warning."""
+    make_run(tmp_path / "run", draft_config())  # steps 5 and 10, best 10
+    run = read_manifest(tmp_path / "run", step="train")
+    step5 = read_manifest(export(ExportConfig(checkpoint=str(tmp_path / "run"),
+                                              out=str(tmp_path / "d5"), which="step-5")))
+    report = tmp_path / "report"
+
+    def measured(draft: str, inputs: list, **recorded) -> str:
+        report.mkdir(exist_ok=True)
+        (report / "report.json").write_text(json.dumps(
+            {"draft": draft, "primary": "eagle3", "mean_acceptance_length": {"3": 2.0}}))
+        write_manifest(report, "eval", {"draft": draft}, target=TARGET, inputs=inputs,
+                       **recorded)
+        return str(report)
+
+    def exported(which: str, acceptance_report: str):
+        return export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                                   which=which, acceptance_report=acceptance_report))
+
+    fix = r"measured step 5, but this export is step 10.*`eyas eval.*--which step-5"
+    for quoted in (measured(str(tmp_path / "d5"), [step5]),  # the export it measured
+                   measured(str(tmp_path / "d5"), [step5], draft_checkpoint=step5["checkpoint"]),
+                   measured(step5["checkpoint"], [run])):  # a step folder as --draft
+        with pytest.raises(EyasError, match=fix):
+            exported("best", quoted)
+        exported("step-5", quoted)
+    ten = str(tmp_path / "run" / "checkpoints" / "step-00000010")
+    exported("best", measured(str(tmp_path / "run"), [run], draft_checkpoint=ten))
+    with pytest.raises(EyasError, match="measured step 10, but this export is step 5"):
+        exported("step-5", str(report))
+    # an older eval of the run folder (its best then) cannot tell: a warning, not a refusal
+    with caplog.at_level(logging.WARNING):
+        exported("best", measured(str(tmp_path / "run"), [run]))
+    assert "cannot tell whether it measured step-00000010" in caplog.text
+    assert "| 3 | 2.000 |" in (tmp_path / "d" / "README.md").read_text()
 
 
 def test_cli_runs_export(tmp_path, capsys):

@@ -27,8 +27,8 @@ from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
                                     mismatch_message, summarize, write_report)
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
-from eyas.store.manifest import (MANIFEST, check_out, check_same_target, read_manifest,
-                                 target_record, write_manifest)
+from eyas.store.manifest import (MANIFEST, check_out, check_same_target, peek_manifest,
+                                 read_manifest, target_record, write_manifest)
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
 from eyas.dflash.model import DFlashDraft
@@ -334,21 +334,10 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
     None)."""
     from eyas.draft.eagle3 import Eagle3Draft
     from eyas.dflash.formats import dflash_checkpoint_config, is_dflash_folder
-    from eyas.draft.formats import (PICK_ANOTHER, find_checkpoint, load_checkpoint, read_json,
-                                    read_weights)
+    from eyas.draft.formats import PICK_ANOTHER, load_checkpoint, read_json, read_weights
 
-    folder, step = Path(folder), None
-    if (folder / "config.json").is_file():
-        manifest_dir = folder
-    elif (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
-        try:
-            step, manifest_dir = find_checkpoint(folder, "best")
-        except EyasError:  # a run without eval during training has no best
-            step, manifest_dir = find_checkpoint(folder, "last")
-    else:
-        raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
-                        f"(config.json + model.safetensors) or an `eyas train` run or "
-                        f"checkpoint folder")
+    folder = Path(folder)
+    step, manifest_dir = _draft_source(folder)
     manifest = None
     if manifest_dir is not None and (Path(manifest_dir) / MANIFEST).is_file():
         manifest = read_manifest(manifest_dir)
@@ -369,6 +358,33 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
             draft.load_state_dict(state)
     w = embedding.weight
     return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
+
+
+def _draft_source(folder: Path) -> tuple[Path | None, Path | None]:
+    """(the training checkpoint a --draft folder is or picks, None for an export folder; the
+    folder whose eyas.json describes the draft, or None)."""
+    from eyas.draft.formats import find_checkpoint
+
+    if (folder / "config.json").is_file():
+        return None, folder
+    if (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
+        try:
+            return find_checkpoint(folder, "best")
+        except EyasError:  # a run without eval during training has no best
+            return find_checkpoint(folder, "last")
+    raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
+                    f"(config.json + model.safetensors) or an `eyas train` run or "
+                    f"checkpoint folder")
+
+
+def measured_checkpoint(folder: str | Path) -> str | None:
+    """The training checkpoint (its step-N folder) an eval of --draft `folder` measures: the
+    step folder itself, a run's best (else last), or the checkpoint an export recorded (None
+    for a folder eyas did not export). `eyas export --acceptance-report` compares it."""
+    step, _ = _draft_source(Path(folder))
+    if step is not None:
+        return str(step.resolve())
+    return (peek_manifest(folder) or {}).get("checkpoint")
 
 
 def _head(lm_head: torch.nn.Module | None, folder) -> torch.Tensor:
@@ -399,6 +415,9 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     from eyas.targets.models import load_config, load_tokenizer, text_config
 
     out = _claim_out(Path(cfg.out), cfg)
+    # the checkpoint load_draft picks, read now, not after measuring: a run still training
+    # may have moved its best on by then
+    checkpoint = measured_checkpoint(cfg.draft) if cfg.draft else None
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
@@ -432,6 +451,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None],
                    complete=report.lossless is not False, primary=report.primary,
+                   draft_checkpoint=checkpoint,
                    lossless=report.lossless, mean_acceptance_length=report.mean_acceptance_length)
     if report.lossless is False:
         raise LosslessError(mismatch_message(report))

@@ -46,7 +46,7 @@ from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # no
                                 sglang_layer_ids)
 from eyas.serve.export_readme import render_readme
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
-                                 read_manifest, write_manifest)
+                                 peek_manifest, read_manifest, write_manifest)
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
                                 read_vllm_folder, read_weights, find_checkpoint,
                                 load_checkpoint)
@@ -90,6 +90,8 @@ class ExportConfig:
                                                  "to quote in the README")
     target: str | None = option(None, "target name for the README commands and the speculators "
                                       "verifier (default: the one the run was trained on)")
+    overwrite: bool = option(False, "replace an export in --out that came from another "
+                                    "training run (otherwise that is an error)")
 
     def __post_init__(self):
         if not re.fullmatch(r"best|last|step-\d+", self.which):
@@ -266,7 +268,9 @@ def validate_folder(path: str | Path) -> DraftConfig:
 
 def export(cfg: ExportConfig) -> Path:
     """Write the draft folder `cfg.out` (validated first) and return its path."""
-    step, run = find_checkpoint(cfg.checkpoint, cfg.which)
+    # resolved: the manifest records the run by its folder, which tells a re-export of the
+    # same run from another run's export in --out (_fresh_dir)
+    step, run = find_checkpoint(Path(cfg.checkpoint).resolve(), cfg.which)
     train = read_manifest(run, step="train") if run and (run / MANIFEST).is_file() else None
     if train is not None and train.get("complete") is False:
         log.warning("the run in %s is unfinished (killed, or still training): exporting its "
@@ -275,7 +279,7 @@ def export(cfg: ExportConfig) -> Path:
     dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER)) \
         if (step / "draft_config.json").is_file() else None
     if dflash is not None:
-        return _export_dflash(cfg, dflash, step, train)
+        return _export_dflash(cfg, dflash, step, run or step, train)
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or 3)
     dcfg, state = load_checkpoint(step)
     if train is None:
@@ -300,9 +304,9 @@ def export(cfg: ExportConfig) -> Path:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
-    report = _read_report(cfg.acceptance_report, target, train)
+    report = _read_report(cfg.acceptance_report, target, train, step)
     out = Path(cfg.out)
-    tmp = _fresh_dir(out)
+    tmp = _fresh_dir(out, run or step, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "README.md").write_text(render_readme(cfg, dcfg, out, target_name, train, step, report))
@@ -320,7 +324,8 @@ def export(cfg: ExportConfig) -> Path:
     return out
 
 
-def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> Path:
+def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
+                   train: dict | None) -> Path:
     """A DFlash checkpoint -> the folder vLLM's `dflash` and SGLang's DFLASH both read (one
     format: --format vllm or sglang; SGLang takes the taps from dflash_config itself)."""
     if cfg.format == "speculators":
@@ -337,12 +342,12 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, train: dict | None) -> P
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
     target_name = cfg.target or target.get("name_or_path") or "TARGET"
-    report = _read_report(cfg.acceptance_report, target, train, "dflash")
+    report = _read_report(cfg.acceptance_report, target, train, step, "dflash")
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
     out = Path(cfg.out)
-    tmp = _fresh_dir(out)
+    tmp = _fresh_dir(out, source, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
@@ -378,32 +383,56 @@ def _architectures(target_name: str | None) -> list[str]:
     return list(json.loads(path.read_text()).get("architectures") or []) if path.is_file() else []
 
 
-def _fresh_dir(out: Path) -> Path:
+def _fresh_dir(out: Path, source: Path, overwrite: bool) -> Path:
     """A temp folder beside `out`. `out` is replaced later, so it must be missing, empty or an
     earlier export holding only the files eyas wrote there, unedited (check_out, and the
-    sha256 each file had when it was written); anything else is refused by name."""
+    sha256 each file had when it was written), made from `source` (the run folder, or the
+    checkpoint exported when it has none) unless `overwrite`; anything else is refused by name."""
     check_out(out, "export", own=FILES)
-    if (out / MANIFEST).is_file():
-        recorded = json.loads((out / MANIFEST).read_text()).get("files") or {}
+    earlier = peek_manifest(out)
+    if earlier is not None:
+        recorded = earlier.get("files") or {}
         edited = [f for f, digest in recorded.items()
                   if (out / f).is_file() and file_sha256(inside(out, f, MANIFEST)) != digest]
         if edited:
             raise EyasError(f"{out} is an earlier export, but {', '.join(edited)} changed since "
                             f"eyas wrote it (yours now); re-exporting would replace it. Move it "
                             f"away, or choose another --out.", flag="--out")
+        theirs = _exported_from(earlier)
+        if theirs != source and not overwrite:
+            what = f"another training run ({theirs})" if theirs else \
+                "a training run its eyas.json does not name"
+            raise EyasError(f"--out {out} holds an export of {what}, not of {source}; "
+                            f"exporting would replace it. Choose another --out, or pass "
+                            f"--overwrite to replace it.", flag="--out")
     tmp = out.with_name(out.name + ".tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
 
 
-def _read_report(path: str | None, target: dict, train: dict | None,
+def _exported_from(made: dict) -> Path | None:
+    """The folder an export's manifest says it came from: the `eyas train` run it read, else
+    the run folder around its checkpoint, or the checkpoint itself (a step folder elsewhere);
+    None if it records neither."""
+    runs = [i["path"] for i in made.get("inputs") or []
+            if isinstance(i, dict) and i.get("step") == "train" and i.get("path")]
+    if runs:
+        return Path(runs[0]).resolve()
+    if not made.get("checkpoint"):
+        return None
+    step = Path(made["checkpoint"])
+    return (step.parent.parent if step.parent.name == "checkpoints" else step).resolve()
+
+
+def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
                  family: str = "eagle3") -> dict | None:
     """The `eyas eval` report to quote: one that measured a draft of `family` (eagle3, dflash)
-    from this training run (`train`'s manifest), as far as the eval's manifest tells, on this
-    target (the README would otherwise quote n-gram's, another draft's or another target's
-    acceptance as this draft's). A report made on the same model in another precision
-    (`--accept-other-weights`) is what serving it gives, so it may be quoted."""
+    from this training run (`train`'s manifest) at checkpoint `step`, as far as the eval's
+    manifest tells, on this target (the README would otherwise quote n-gram's, another draft's,
+    another step's or another target's acceptance as this draft's). A report made on the same
+    model in another precision (`--accept-other-weights`) is what serving it gives, so it may
+    be quoted."""
     if path is None:
         return None
     p = Path(path)
@@ -419,6 +448,7 @@ def _read_report(path: str | None, target: dict, train: dict | None,
         raise EyasError(f"{p} measured {report.get('primary')}, not {name} draft (an eval "
                         f"without --draft measures n-gram); quote the report of `eyas eval "
                         f"--draft` on this draft")
+    evaluated = {}
     if (p.parent / MANIFEST).is_file():
         evaluated = read_manifest(p.parent, step="eval")
         check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
@@ -429,7 +459,44 @@ def _read_report(path: str | None, target: dict, train: dict | None,
             raise EyasError(f"--acceptance-report {path} measured a draft of another training "
                             f"run than {train.get('path')}; measure this one (`eyas eval "
                             f"--draft` on this export or on the run) and quote that report")
+    _check_step_measured(path, _step_measured(evaluated, report), step)
     return report
+
+
+def _step_number(checkpoint: str | Path | None) -> int | None:
+    """N of a checkpoints/step-N folder, None for any other path."""
+    name = Path(checkpoint or "").name
+    return int(name.removeprefix("step-")) if re.fullmatch(r"step-\d+", name) else None
+
+
+def _step_measured(evaluated: dict, report: dict) -> int | None:
+    """The training step whose draft an eval measured: the checkpoint it recorded
+    (`draft_checkpoint`); for an eval from before it did, the `checkpoint` of the export it
+    measured while that folder still holds the same export, or a --draft that names a step
+    folder. None where none tells (an older eval of a run folder, or one without eyas.json)."""
+    named = [evaluated.get("draft_checkpoint")]
+    for item in evaluated.get("inputs") or []:
+        made = peek_manifest(item["path"]) if item.get("step") == "export" and \
+            item.get("path") else None
+        if made and made.get("id") == item.get("id"):
+            named.append(made.get("checkpoint"))
+    named.append(report.get("draft"))
+    return next((n for n in map(_step_number, named) if n is not None), None)
+
+
+def _check_step_measured(path: str, measured: int | None, step: Path) -> None:
+    exported = _step_number(step)
+    if measured is None or exported is None:
+        log.warning("--acceptance-report %s: cannot tell whether it measured %s, the "
+                    "checkpoint exported (an eval by an eyas from before evals recorded their "
+                    "checkpoint, of a run folder or of an export replaced since, does not "
+                    "say); the README quotes it as this draft's: make sure it is", path,
+                    step.name)
+    elif measured != exported:
+        raise EyasError(f"--acceptance-report {path} measured step {measured}, but this export "
+                        f"is step {exported}; re-run `eyas eval --draft` on this export and "
+                        f"quote that report, or export the step it measured (--which "
+                        f"step-{measured})")
 
 
 def _runs_measured(evaluated: dict) -> set[str]:
