@@ -26,6 +26,8 @@ def _write(tmp_path, spec) -> str:
 
 
 def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
+    from eyas.store.manifest import write_manifest
+
     spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w",
             "vocab": {"draft_vocab_size": 256}}
     plans = plan(RunConfig(pipeline=_write(tmp_path, spec), dry_run=True))
@@ -66,8 +68,9 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     with pytest.raises(ConfigError, match=r"--from-step capture skips prepare, which has not "
                                           r"finished in .*w/prepared; run without --from-step"):
         plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture"))
-    (work / "prepared").mkdir(parents=True)
-    (work / "prepared" / "eyas.json").write_text('{"step": "prepare"}')
+    # (a manifest of prepare's own config: one of other settings is out of date, refused too)
+    prepared = plan(RunConfig(pipeline=_write(tmp_path, spec)))[0].config
+    write_manifest(work / "prepared", "prepare", prepared)
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
@@ -210,6 +213,107 @@ def test_the_plan_reads_no_data_file_its_size_and_mtime_vouch_for(tmp_path, llam
     move_mtime()
     p = plan(prepare)[0]
     assert p.action == "run" and f"its input data changed ({data} differs)" in p.reason
+
+
+def test_from_step_refuses_a_skipped_step_the_plan_would_run_again(tmp_path, llama_dir,
+                                                                   caplog):
+    """--from-step checked only that the steps it skips had finished: after an edit of
+    prepare's section, `--from-step vocab` counted tokens of the old prepared rows. A skipped
+    step that is out of date is now refused with the plan's reason, unless --allow-stale."""
+    from eyas import pipeline as planner
+    from eyas.store.manifest import read_manifest, write_manifest
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(4)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": "w"}
+    pipeline, work = _write(tmp_path, spec), tmp_path / "w"
+
+    def finish_capture():  # (a capture manifest of the plan's own config: no model run)
+        cfg = {p.step: p.config for p in plan(RunConfig(pipeline=pipeline))}["capture"]
+        write_manifest(cfg.out, "capture", cfg, inputs=[read_manifest(work / "prepared")])
+
+    run(RunConfig(pipeline=pipeline, until_step="prepare"))
+    finish_capture()
+    vocab = RunConfig(pipeline=pipeline, from_step="vocab", until_step="vocab")
+    assert [(p.step, p.action) for p in plan(vocab)] == [("vocab", "run")]  # all current
+
+    # prepare's settings changed: the plan would run prepare again, so --from-step refuses
+    pipeline = _write(tmp_path, {**spec, "prepare": {"max_length": 64}})
+    assert plan(RunConfig(pipeline=pipeline))[0].reason == "config changed (max_length)"
+    with pytest.raises(EyasError, match=r"--from-step vocab skips prepare, which is out of "
+                                        r"date: config changed \(max_length\)\. .*run without "
+                                        r"--from-step .*or with --from-step prepare.*--allow-stale"
+                       ) as refused:
+        plan(vocab)
+    assert refused.value.flag == "--from-step"
+    # I know: the old prepared rows are used as they are, and the log says so
+    with caplog.at_level(logging.WARNING, logger="eyas.pipeline"):
+        stale = plan(dataclasses.replace(vocab, allow_stale=True))
+    assert [p.step for p in stale] == ["vocab"]
+    assert "--allow-stale: prepare is out of date (config changed (max_length))" in caplog.text
+    with pytest.raises(ConfigError, match=r"--allow-stale is for --from-step"):
+        RunConfig(pipeline=pipeline, allow_stale=True)
+
+    # other rows in the data file: the reason is the plan's, for the data
+    pipeline = _write(tmp_path, spec)
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(5)))
+    with pytest.raises(EyasError, match=rf"skips prepare, which is out of date: its input "
+                                        rf"data changed \({re.escape(str(data))} differs\)"):
+        plan(vocab)
+    # prepare ran again on them (--until-step prepare): capture holds the old rows' states
+    run(RunConfig(pipeline=pipeline, until_step="prepare"))
+    why = r"its input from prepare changed since it ran \(.*w/prepared\)"
+    assert re.fullmatch(why, {p.step: p for p in plan(RunConfig(pipeline=pipeline))}[
+        "capture"].reason)
+    with pytest.raises(EyasError, match=rf"skips capture, which is out of date: {why}\. .*"
+                                        r"or with --from-step capture"):
+        plan(vocab)
+    # an interrupted train on that old capture starts over, not resumed on the new one
+    train = {p.step: p.config for p in plan(RunConfig(pipeline=pipeline))}["train"]
+    write_manifest(train.out, "train", train, inputs=[read_manifest(work / "captured")],
+                   complete=False)
+    finish_capture()
+    assert [p.step for p in plan(vocab)] == ["vocab"]
+    assert re.fullmatch(r"its input from capture changed since it ran \(.*w/captured\)",
+                        planner._starts_over("train", train, Path(train.out), False, False))
+
+
+def test_a_touched_data_file_is_read_once_not_at_every_plan(tmp_path, llama_dir, monkeypatch):
+    """A data file whose mtime moved but whose rows did not (`touch`, a copy) was hashed by
+    every plan until prepare ran again: the new stamp was recorded only by prepare. The plan
+    that finds the same sha256 now records the stamp in prepare's manifest (the id, which
+    leaves stamps out, is unchanged), so the next plan does not read the file."""
+    from eyas.store import manifest as store
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    pipeline = _write(tmp_path, {"target": str(llama_dir), "data": str(data), "work_dir": "w"})
+    record = tmp_path / "w" / "prepared" / "eyas.json"
+    prepare = RunConfig(pipeline=pipeline, until_step="prepare")
+    run(prepare)
+    before = json.loads(record.read_text())
+    hashed, sha256 = [], store.file_sha256
+    monkeypatch.setattr(store, "file_sha256",
+                        lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+
+    st = data.stat()  # touched, by a whole second: a filesystem's clock may be coarse
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert plan(prepare)[0].action == "skip" and hashed.count(data) == 1
+    assert plan(prepare)[0].action == "skip" and hashed.count(data) == 1  # not read again
+    after = json.loads(record.read_text())
+    assert after["data_files"][0]["mtime_ns"] == st.st_mtime_ns + 10**9
+    assert {k: v for k, v in after.items() if k != "data_files"} == \
+        {k: v for k, v in before.items() if k != "data_files"}  # (the id and all else kept)
+    assert not list(record.parent.glob("*.tmp"))
+    # other rows, touched again: read, and prepare runs, at every plan until it has
+    data.write_text(data.read_text().replace("a", "b", 1))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    for _ in range(2):
+        p = plan(prepare)[0]
+        assert p.action == "run" and f"its input data changed ({data} differs)" in p.reason
+    assert hashed.count(data) == 3 and json.loads(record.read_text()) == after
 
 
 def test_a_failed_step_gets_the_pipeline_hint_when_it_refuses_a_flag_the_pipeline_set(

@@ -44,11 +44,19 @@ class RunConfig:
 
     pipeline: str = required("pipeline YAML (target, data, work_dir, one section per step)",
                              positional=True)
-    from_step: str | None = option(None, "start at this step (earlier ones must be done)",
-                                   choices=STEPS)
+    from_step: str | None = option(None, "start at this step (earlier ones must be finished "
+                                         "and up to date)", choices=STEPS)
     until_step: str | None = option(None, "stop after this step", choices=STEPS)
     dry_run: bool = option(False, "print what would run and why, run nothing")
     force: bool = option(False, "re-run steps even when their outputs are up to date")
+    allow_stale: bool = option(False, "with --from-step: use the outputs of the steps it skips "
+                                      "even where they are out of date (a warning names them)")
+
+    def __post_init__(self):
+        if self.allow_stale and not self.from_step:
+            raise ConfigError("--allow-stale is for --from-step (it lets the steps that one "
+                              "skips be out of date); without --from-step every out-of-date "
+                              "step runs again: drop --allow-stale")
 
 
 @dataclass(frozen=True)
@@ -138,11 +146,14 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     if swapped:
         return False, f"the target's weights changed ({swapped})"
     try:
-        moved = _data_changes(cfg, manifest)
+        moved = _data_changes(cfg, manifest, out)
     except EyasError as err:
         moved = f"it cannot be read: {err}"
     if moved:
         return False, f"its input data changed ({moved})"
+    replaced = _input_changes(manifest)
+    if replaced:
+        return False, replaced
     if manifest.get("complete") is False:
         return False, "the previous run was interrupted: the step resumes"
     return True, "up to date"
@@ -163,22 +174,52 @@ def _target_changes(cfg, manifest: dict) -> str:
     return next((f"{k} {was[k]} -> {now.get(k)}" for k in keys if now.get(k) != was[k]), "")
 
 
-def _data_changes(cfg, manifest: dict) -> str:
+def _input_changes(manifest: dict) -> str:
+    """Why the output folders a step read are not the ones it ran on ("" if they are): a
+    step re-run alone (`--until-step prepare` after its data changed) leaves the steps after
+    it made from its old output. An input folder without a manifest is left to the plan (its
+    step runs: no finished output)."""
+    for item in manifest.get("inputs") or []:
+        now = peek_manifest(item.get("path") or "")
+        if item.get("path") and now is not None and now.get("id") != item.get("id"):
+            return f"its input from {item.get('step')} changed since it ran ({item['path']})"
+    return ""
+
+
+def _data_changes(cfg, manifest: dict, folder: Path) -> str:
     """For a step that records what its chat data held (prepare, regenerate: `data_files`),
     the first file whose content is not what it was then ("" if none): the same path with
-    other rows is other data. EyasError if the data cannot be read."""
+    other rows is other data. EyasError if the data cannot be read. A file whose stamp moved
+    with its content the same gets its new stamp recorded in `folder`'s manifest, so it is
+    read once, not at every plan until the step runs again."""
     if "data_files" not in manifest or not getattr(cfg, "data", None):
         return ""
     from eyas.store.manifest import data_content
     from eyas.targets.chat import source_fingerprints
 
     recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
-    now = data_content(_normalise(source_fingerprints(cfg.data, recorded)))
+    fresh = _normalise(source_fingerprints(cfg.data, recorded))
+    _remember_stamps(folder, manifest, fresh)
+    now = data_content(fresh)
     was = {json.dumps(x, sort_keys=True) for x in data_content(recorded)}
     moved = [x.get("path") for x in now if json.dumps(x, sort_keys=True) not in was]
     if not moved and len(now) != len(was):
         return "a file of it is gone"
     return f"{moved[0]} differs" if moved else ""
+
+
+def _remember_stamps(folder: Path, manifest: dict, fresh: list[dict]) -> None:
+    """Best effort (see store.manifest.restamp_data): a folder that cannot be written only
+    has its touched files read again at the next plan. --dry-run writes these stamps too:
+    they say when to read a file, not what the step ran on."""
+    from eyas.store.manifest import restamp_data
+
+    try:
+        if restamp_data(folder, manifest.get("id"), fresh):
+            log.debug("%s: recorded the new stamps of data files read unchanged", folder)
+    except OSError as err:
+        log.info("cannot record data file stamps in %s (%s): they are read again next time",
+                 folder, err)
 
 
 def _config_changes(cfg, manifest: dict) -> list[str]:
@@ -210,23 +251,26 @@ def _starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) ->
     if manifest.get("step") != step:
         return ""  # not this step's folder: the step's own --out check refuses it
     if step == "regenerate":
-        return _regenerate_starts_over(cfg, manifest, forced)
+        return _regenerate_starts_over(cfg, manifest, out, forced)
     changed = _config_changes(cfg, manifest)
     if changed:
         return f"its config changed ({', '.join(changed)})"
+    replaced = _input_changes(manifest)
+    if replaced:
+        return replaced
     if manifest.get("complete") is not False:
         return "forced" if forced else "it finished"
     return ""
 
 
-def _regenerate_starts_over(cfg, manifest: dict, forced: bool) -> str:
+def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str:
     from eyas.store.regenerate_output import setting_changes
 
     changed = setting_changes(cfg, manifest)
     if changed:
         return f"its config changed ({', '.join(changed)})"
     try:
-        moved = _data_changes(cfg, manifest)
+        moved = _data_changes(cfg, manifest, out)
     except EyasError:
         return ""  # the step says what is wrong with its data; its output stays where it is
     if moved:
@@ -266,7 +310,7 @@ def plan(cfg: RunConfig) -> list[Plan]:
         raise ConfigError(f"--from-step {cfg.from_step} comes after --until-step "
                           f"{cfg.until_step}; give steps in pipeline order ({', '.join(steps)})")
     if cfg.from_step:
-        _check_done_before(steps[:steps.index(cfg.from_step)], spec, work, cfg.from_step)
+        _check_skipped(steps[:steps.index(cfg.from_step)], spec, work, cfg)
         steps = steps[steps.index(cfg.from_step):]
     if cfg.until_step:
         steps = steps[: steps.index(cfg.until_step) + 1]
@@ -287,16 +331,35 @@ def plan(cfg: RunConfig) -> list[Plan]:
     return plans
 
 
-def _check_done_before(earlier: list[str], spec: dict, work: Path, start: str) -> None:
-    """--from-step skips the steps before it: each must have finished its folder, or the
-    started step fails on a missing input, naming an option the pipeline sets."""
+def _check_skipped(earlier: list[str], spec: dict, work: Path, cfg: RunConfig) -> None:
+    """--from-step skips the steps before it. Each must have finished its folder, or the
+    started step fails on a missing input, naming an option the pipeline sets; and each must
+    be up to date, one the plan would not run again, or the started step silently works on
+    an old output (prepared rows from before an edit of prepare's section). --allow-stale
+    takes the old outputs anyway, with a warning."""
+    start = cfg.from_step
     for step in earlier:
-        out = Path(_step_config(step, spec, work).out)
+        step_cfg = _step_config(step, spec, work)
+        out = Path(step_cfg.out)
         done = peek_manifest(out)
         if done is None or done.get("complete") is False:
             raise ConfigError(f"--from-step {start} skips {step}, which has not finished in "
                               f"{out}; run without --from-step (the pipeline runs what is "
                               f"missing or changed), or --until-step {step} first")
+        # each on its own manifest: with --allow-stale, a later one is not stale only
+        # because an earlier one is
+        current, why = _up_to_date(step_cfg, out, upstream_ran=False)
+        if current:
+            continue
+        if cfg.allow_stale:
+            log.warning("--allow-stale: %s is out of date (%s); its output in %s is used as "
+                        "it is", step, why, out)
+            continue
+        raise EyasError(f"--from-step {start} skips {step}, which is out of date: {why}. Its "
+                        f"old output in {out} would be used as it is. To bring it up to date, "
+                        f"run without --from-step (the plan runs {step} again and the steps "
+                        f"after it) or with --from-step {step}; to use the old output anyway, "
+                        f"add --allow-stale.", flag="--from-step")
 
 
 def run(cfg: RunConfig) -> list[Plan]:

@@ -98,10 +98,39 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
     body["id"] = manifest_id(body)
     body["versions"] = versions()
     body["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    _replace(folder, body)
+    return body
+
+
+def _replace(folder: Path, body: dict[str, Any]) -> None:
+    """Write `folder/eyas.json` whole or not at all: a kill mid-write leaves the old one."""
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(body, indent=2, default=str) + "\n")
     os.replace(tmp, folder / MANIFEST)
-    return body
+
+
+def restamp_data(folder: str | Path, expect_id: str | None, now: list[dict]) -> bool:
+    """Record in `folder`'s manifest the present stamps of its `data_files` whose sha256 `now`
+    (source_fingerprints' records) found unchanged: a file touched but not edited is then read
+    once, not at every later plan. Only stamps change, and they are out of the id, so the
+    steps that consumed this manifest still match it. Nothing is written unless the manifest
+    is still the one with id `expect_id` (another run may have replaced it since). Returns
+    whether it wrote; OSError where it cannot (a read-only folder)."""
+    body = peek_manifest(folder)
+    if body is None or body.get("id") != expect_id:
+        return False
+    fresh = {r.get("path"): r for r in now if "sha256" in r}
+    moved = False
+    for record in body.get("data_files") or []:
+        seen = fresh.get(record.get("path"))
+        if seen is None or seen["sha256"] != record.get("sha256"):
+            continue  # other content: the step runs again and records it
+        stamp = {k: seen[k] for k in DATA_STAMP if k in seen}
+        moved = moved or any(record.get(k) != v for k, v in stamp.items())
+        record.update(stamp)
+    if moved:
+        _replace(Path(folder), body)
+    return moved
 
 
 def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None) -> dict[str, Any]:
