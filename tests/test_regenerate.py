@@ -524,6 +524,34 @@ def test_servers_that_die_mid_run_stop_it_and_the_same_command_resumes(setup, lo
     _check_outputs(setup, out)
 
 
+def test_only_an_answer_to_a_request_sent_after_a_failure_makes_it_the_rows_own(tmp_path):
+    # With requests in flight, a long answer to one sent before a server's key was rotated
+    # came after its first 401s and counted as "a server answers again": the rows refused
+    # meanwhile were written as final rejects, which the same command does not redo.
+    from eyas.regenerate import Job, Unanswered, _Failing
+    from eyas.store.regenerate_output import Output
+
+    def failed(row: int):
+        return Job("chats.jsonl", row, f"id-{row}", [], [1]), Unanswered(f"HTTP 401 ({row})")
+
+    failing = _Failing(down_after=3)
+    with Output(tmp_path, 1) as output:
+        sent_before = time.monotonic()
+        failing.rows.append(failed(1))
+        failing.answered(sent_before)
+        failing.settle(output)
+        assert [job.row for job, _ in failing.rows] == [1]  # held back
+        failing.answered(time.monotonic())  # sent after row 1 failed: that failure was its own
+        failing.rows += [failed(2), failed(3)]
+        failing.settle(output)
+        assert [job.row for job, _ in failing.rows] == [2, 3]
+        failing.answered(sent_before)
+        failing.rows.append(failed(4))
+        with pytest.raises(EyasError, match="servers stopped answering: 3 conversations"):
+            failing.settle(output)
+    assert [r["row"] for r in _read(tmp_path / REJECTS)] == [1]
+
+
 def test_nothing_regenerated_fails_and_the_summary_counts_what_is_on_disk(setup, tmp_path,
                                                                           capsys, caplog):
     # Issue 34: a server that answered every request with HTTP 500 left an empty
