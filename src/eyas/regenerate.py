@@ -600,14 +600,20 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
             failing.settle(output)
 
     slots = threading.Semaphore(cfg.concurrency)
-    for job in jobs:
-        pending[_in_daemon_thread(slots, converse, job, complete, cfg, render)] = job
-        # A bounded queue keeps memory flat and the outputs close to the input position.
-        while len(pending) >= 2 * cfg.concurrency:
+    try:
+        for job in jobs:
+            pending[_in_daemon_thread(slots, converse, job, complete, cfg, render)] = job
+            # A bounded queue keeps memory flat and the outputs close to the input position.
+            while len(pending) >= 2 * cfg.concurrency:
+                collect()
+        while pending:
             collect()
-    while pending:
-        collect()
-    failing.settle(output, everything=True)
+        failing.settle(output, everything=True)
+    finally:
+        # However this ends (done, the servers down, Ctrl-C, an error), the threads still
+        # at work send nothing more: their requests in flight are cut, and their rows, never
+        # collected, are not written (the same command redoes them).
+        client.close()
 
 
 class _Failing:
@@ -657,7 +663,8 @@ def _in_daemon_thread(slots: threading.Semaphore, fn, *args) -> Future:
     run (Ctrl-C, the servers down) so exits at once and abandons the conversations in flight,
     which are not written and so are redone on resume; a ThreadPoolExecutor's workers were
     joined at exit, so Ctrl-C waited for every conversation in flight to end (72 s for 8 short
-    ones on the tiny test server)."""
+    ones on the tiny test server). The threads left behind stop on their own once the run
+    closes its ChatClient (_run_openai)."""
     future: Future = Future()
 
     def run() -> None:
