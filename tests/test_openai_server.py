@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 
 from eyas.errors import EyasError
-from eyas.serve.openai_server import ChatClient, ChatServer, Generation, RequestFailed, main
+from eyas.serve.openai_server import (ChatClient, ChatServer, ClientClosed, Generation,
+                                      RequestFailed, main)
 
 
 class EchoGenerator:
@@ -165,3 +166,34 @@ def test_check_names_the_fix_for_a_wrong_key_or_path(monkeypatch):
             client = ChatClient([server.url + endpoint], "m")
             client.check()
             assert client.urls == [server.url]
+
+
+def test_a_closed_client_sends_nothing_more_and_drops_what_is_in_flight():
+    # Request 1 is held 5 s (in flight at close); request 2 fails, so its thread waits to retry.
+    with ChatServer(EchoGenerator(), "m", slow_requests=(1,), slow_seconds=5,
+                    fail_every=2) as server:
+        client = ChatClient([server.url], "m", retries=3, retry_backoff=2.0)
+        errors: list[BaseException] = []
+
+        def ask():
+            try:
+                client.complete(CHAT["messages"])
+            except BaseException as err:  # noqa: BLE001 (checked below)
+                errors.append(err)
+
+        threads = []
+        for seen in ("slowed", "failed"):
+            threads.append(threading.Thread(target=ask))
+            threads[-1].start()
+            while server.stats[seen] < 1:
+                time.sleep(0.01)
+        start = time.monotonic()
+        client.close()
+        for thread in threads:
+            thread.join(timeout=5)
+        assert time.monotonic() - start < 1  # neither waited for its answer or its retry
+        assert [type(err) for err in errors] == [ClientClosed, ClientClosed]
+        with pytest.raises(ClientClosed):
+            client.complete(CHAT["messages"])
+        time.sleep(2.5)  # past the retry the failed request would have made
+        assert server.stats["requests"] == 2

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -520,6 +521,95 @@ def test_servers_that_die_mid_run_stop_it_and_the_same_command_resumes(setup, lo
     with ChatServer(gen, "tiny") as restarted:  # the same command: no --retry-rejects
         stats = regenerate(cfg(restarted.url))
     assert stats["skipped"] == before
+    assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
+    _check_outputs(setup, out)
+
+
+def test_only_an_answer_to_a_request_sent_after_a_failure_makes_it_the_rows_own(tmp_path):
+    # With requests in flight, a long answer to one sent before a server's key was rotated
+    # came after its first 401s and counted as "a server answers again": the rows refused
+    # meanwhile were written as final rejects, which the same command does not redo.
+    from eyas.regenerate import Job, Unanswered, _Failing
+    from eyas.store.regenerate_output import Output
+
+    def failed(row: int):
+        return Job("chats.jsonl", row, f"id-{row}", [], [1]), Unanswered(f"HTTP 401 ({row})")
+
+    failing = _Failing(down_after=3)
+    with Output(tmp_path, 1) as output:
+        sent_before = time.monotonic()
+        failing.rows.append(failed(1))
+        failing.answered(sent_before)
+        failing.settle(output)
+        assert [job.row for job, _ in failing.rows] == [1]  # held back
+        failing.answered(time.monotonic())  # sent after row 1 failed: that failure was its own
+        failing.rows += [failed(2), failed(3)]
+        failing.settle(output)
+        assert [job.row for job, _ in failing.rows] == [2, 3]
+        failing.answered(sent_before)
+        failing.rows.append(failed(4))
+        with pytest.raises(EyasError, match="servers stopped answering: 3 conversations"):
+            failing.settle(output)
+    assert [r["row"] for r in _read(tmp_path / REJECTS)] == [1]
+
+
+class _Breaking(ChatServer):
+    """A ChatServer that answers its first `answered` chat requests, then breaks: `how` 500,
+    every later request gets HTTP 500; 401, HTTP 401 (a rotated key); ctrl-c, the next request
+    sends SIGINT to the main thread (the run's) and every later one is answered after `hold`
+    seconds. `posts` counts every chat request that arrived."""
+
+    def __init__(self, gen, how: str, answered: int = 2, hold: float = 1.0):
+        super().__init__(gen, "tiny")
+        self.how, self.answered, self.hold = how, answered, hold
+        self.posts = 0
+
+    def chat(self, raw: bytes):
+        with self._stats_lock:
+            self.posts += 1
+            number = self.posts
+        if number <= self.answered:
+            return super().chat(raw)
+        # Broken answers come slowly enough for the run to stop among them. The first 8
+        # refusals stop it (8 rows in a row); those then in flight are slow, so that the rows
+        # waiting for a free slot would send theirs well after it stopped.
+        time.sleep(1.0 if self.how == "401" and number > self.answered + 8 else 0.05)
+        if self.how == "500":
+            return 500, {"error": {"message": "induced failure", "code": 500}}
+        if self.how == "401":
+            return 401, {"error": {"message": "a valid API key is required", "code": 401}}
+        if number == self.answered + 1:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(self.hold)
+        return super().chat(raw)
+
+
+@pytest.mark.parametrize("how", ["500", "401", "ctrl-c"])
+def test_a_run_that_stops_sends_and_writes_nothing_after(setup, local_run, tmp_path, how):
+    # regenerate() called in-process (`eyas run`, a notebook) raised, but its request threads
+    # went on: rows in retry and conversations between turns sent requests to the servers
+    # for as long as they had retries and turns left.
+    gen = load_generator(setup[0], device="cpu")
+    out = tmp_path / "out"
+
+    def cfg(url):
+        return _cfg(setup, out, backend="openai", served_model_name="tiny", server_url=(url,),
+                    concurrency=4, retries=3, retry_backoff=0.2)
+
+    stopped = (KeyboardInterrupt if how == "ctrl-c" else EyasError)
+    with _Breaking(gen, how) as server:
+        with pytest.raises(stopped):
+            regenerate(cfg(server.url))
+        files = {name: (out / name).read_bytes() for name in (OUTPUT, REJECTS)}
+        time.sleep(0.5)  # a request sent just before it raised reaches the server's count
+        posts = server.posts
+        time.sleep(3)  # longer than the retries left (1.4 s of backoff) and slow answers
+        assert server.posts == posts, "requests sent after regenerate() raised"
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert json.loads((out / "eyas.json").read_text())["complete"] is False
+    assert not [t for t in threading.enumerate() if t.name == "eyas-regenerate"]
+    with ChatServer(gen, "tiny") as restarted:  # the same command resumes
+        regenerate(cfg(restarted.url))
     assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
     _check_outputs(setup, out)
 

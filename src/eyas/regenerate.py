@@ -30,6 +30,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -198,10 +199,12 @@ class Rejected(Exception):
 
 class Unanswered(Rejected):
     """A row whose request failed after every retry, or was refused as every request would be
-    (the key, the model name): the servers' fault, maybe not the row's."""
+    (the key, the model name): the servers' fault, maybe not the row's. `at`: when
+    (time.monotonic())."""
 
     def __init__(self, reason: str):
         super().__init__(reason, "server")
+        self.at = time.monotonic()
 
 
 # ---------------------------------------------------------------- the step
@@ -564,23 +567,24 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
                         timeout=cfg.timeout, retries=cfg.retries, retry_backoff=cfg.retry_backoff)
     client.check()
 
+    failing = _Failing(max(8, cfg.concurrency))
+
     def complete(messages: list[dict]) -> Generation:
+        sent = time.monotonic()  # of the first attempt: a retry that is answered was later
         try:
-            return client.complete(messages)
+            answer = client.complete(messages)
         except (OutOfRetries, RefusedAll) as err:
             raise Unanswered(str(err)) from None
         except RequestFailed as err:  # refused (4xx): this row's request
+            failing.answered(sent)
             raise Rejected(str(err), "server") from None
+        failing.answered(sent)
+        return answer
 
     def render(messages: list[dict]) -> list[int]:  # as the server renders it (max_length)
         return render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning])
 
     pending: dict[Future, Job] = {}
-    # Rows out of retries since a server last answered. Written as rejects once one answers
-    # again; as many as the servers' share of a stretch (`down_after`), they are not: the
-    # servers went down, and the run stops, so the same command resumes them.
-    failing: list[tuple[Job, Rejected]] = []
-    down_after = max(8, cfg.concurrency)
 
     def collect() -> None:
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -589,33 +593,69 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
             try:
                 output.ok(job, future.result())
             except Unanswered as err:
-                failing.append((job, err))
-                if len(failing) >= down_after:
-                    raise EyasError(
-                        f"the servers stopped answering: {len(failing)} conversations in a "
-                        f"row failed, out of retries or refused as every request would be "
-                        f"(the last: {err}). They and the rows in flight are not written: once "
-                        f"a server answers (with the key and model name it was started with), "
-                        f"run the same command again and it resumes with them") from None
-                continue
+                failing.rows.append((job, err))
             except Rejected as err:
                 output.reject(job.file, job.row, job.sample_id, err)
-            flush_failing()
-
-    def flush_failing() -> None:  # a server answered: those rows failed on their own
-        for job, err in failing:
-            output.reject(job.file, job.row, job.sample_id, err)
-        failing.clear()
+            # By the answer times the threads recorded, whatever order `done` comes in.
+            failing.settle(output)
 
     slots = threading.Semaphore(cfg.concurrency)
-    for job in jobs:
-        pending[_in_daemon_thread(slots, converse, job, complete, cfg, render)] = job
-        # A bounded queue keeps memory flat and the outputs close to the input position.
-        while len(pending) >= 2 * cfg.concurrency:
+    try:
+        for job in jobs:
+            pending[_in_daemon_thread(slots, converse, job, complete, cfg, render)] = job
+            # A bounded queue keeps memory flat and the outputs close to the input position.
+            while len(pending) >= 2 * cfg.concurrency:
+                collect()
+        while pending:
             collect()
-    while pending:
-        collect()
-    flush_failing()
+        failing.settle(output, everything=True)
+    finally:
+        # However this ends (done, the servers down, Ctrl-C, an error), the threads still
+        # at work send nothing more: their requests in flight are cut, and their rows, never
+        # collected, are not written (the same command redoes them).
+        client.close()
+
+
+class _Failing:
+    """Rows Unanswered (out of retries, or refused as every request would be) that no answer
+    has shown to be their own fault yet, held back from the rejects.
+
+    A row that failed before a request that a server answered was sent failed on its own, and
+    `settle` writes it as a reject. As many as `down_after` held at once, the servers went
+    down: `settle` raises, and the rows are not written, so that the same command resumes
+    them. (An answer to a request sent before the failures proves nothing: a long answer that
+    a server finished after its key was rotated had counted as "a server answers again", and
+    the rows refused meanwhile were written as final rejects.)
+    """
+
+    def __init__(self, down_after: int):
+        self.down_after = down_after
+        self.rows: list[tuple[Job, Unanswered]] = []
+        self.last_sent = float("-inf")  # when the latest request answered was sent
+        self._lock = threading.Lock()
+
+    def answered(self, sent: float) -> None:
+        """A request sent at `sent` (time.monotonic()) was answered; from any thread."""
+        with self._lock:
+            self.last_sent = max(self.last_sent, sent)
+
+    def settle(self, output: Output, everything: bool = False) -> None:
+        """Write the rows that failed on their own (all of them: `everything`, at the end of
+        a run) as rejects; EyasError if the servers went down."""
+        held = []
+        for job, err in self.rows:
+            if everything or err.at < self.last_sent:
+                output.reject(job.file, job.row, job.sample_id, err)
+            else:
+                held.append((job, err))
+        self.rows = held
+        if len(held) >= self.down_after:
+            raise EyasError(
+                f"the servers stopped answering: {len(held)} conversations in a row failed, "
+                f"out of retries or refused as every request would be (the last: "
+                f"{held[-1][1]}). They and the rows in flight are not written: once a server "
+                f"answers (with the key and model name it was started with), run the same "
+                f"command again and it resumes with them")
 
 
 def _in_daemon_thread(slots: threading.Semaphore, fn, *args) -> Future:
@@ -623,7 +663,8 @@ def _in_daemon_thread(slots: threading.Semaphore, fn, *args) -> Future:
     run (Ctrl-C, the servers down) so exits at once and abandons the conversations in flight,
     which are not written and so are redone on resume; a ThreadPoolExecutor's workers were
     joined at exit, so Ctrl-C waited for every conversation in flight to end (72 s for 8 short
-    ones on the tiny test server)."""
+    ones on the tiny test server). The threads left behind stop on their own once the run
+    closes its ChatClient (_run_openai)."""
     future: Future = Future()
 
     def run() -> None:

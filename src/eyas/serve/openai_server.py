@@ -24,10 +24,10 @@ import json
 import logging
 import os
 import random
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -488,6 +488,11 @@ class OutOfRetries(RequestFailed):
     """A chat request still failing (5xx, 429, timeout, lost connection) after every retry."""
 
 
+class ClientClosed(Exception):
+    """The ChatClient was closed (its user stopped): the request was not sent, or its answer
+    is dropped. Not a RequestFailed: it says nothing of the row or the server."""
+
+
 class RefusedAll(RequestFailed):
     """A refusal that is the server's, not the request's (401, 403: the key; 404: the path or
     model name): every request gets it, as when a key is rotated or the server reloads under
@@ -503,7 +508,9 @@ class ChatClient:
     overloads, server errors, timeouts and lost connections with exponential backoff.
 
     `params` go into every request body (max_tokens, temperature, chat_template_kwargs, ...).
-    The key in $OPENAI_API_KEY, if set, is sent as a bearer token. Thread-safe.
+    The key in $OPENAI_API_KEY, if set, is sent as a bearer token. Thread-safe. Each request
+    opens its own connection straight to the server (no proxy from $http_proxy), so that
+    `close()` can cut it.
     """
 
     def __init__(self, urls, model: str, *, params: dict | None = None, timeout: float = 600.0,
@@ -517,6 +524,9 @@ class ChatClient:
         if os.environ.get("OPENAI_API_KEY"):
             self.headers["Authorization"] = "Bearer " + os.environ["OPENAI_API_KEY"]
         self._turn = itertools.count()  # next() on a count is atomic: safe across threads
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # close() against requests about to send
+        self._sockets: set[socket.socket] = set()  # of the requests in flight
 
     def check(self) -> None:
         """Keep the servers that answer and serve the model, warning about the others (their
@@ -525,13 +535,13 @@ class ChatClient:
         served, usable, errors, refused = set(), [], [], []
         for url in self.urls:
             try:
-                request = urllib.request.Request(url + "/v1/models", headers=self.headers)
-                with urllib.request.urlopen(request, timeout=min(self.timeout, 30)) as resp:
-                    names = {m["id"] for m in json.load(resp)["data"]}
-            except urllib.error.HTTPError as err:  # it answers, but not with its models
-                refused.append(f"{url}: HTTP {err.code}: {_error_message(err)}"
-                               f"{CHECK_HINTS.get(err.code, '')}")
-                continue
+                status, data = self._request("GET", url + "/v1/models", None,
+                                             min(self.timeout, 30))
+                if not 200 <= status < 300:  # it answers, but not with its models
+                    refused.append(f"{url}: HTTP {status}: {_error_message(data)}"
+                                   f"{CHECK_HINTS.get(status, '')}")
+                    continue
+                names = {m["id"] for m in json.loads(data)["data"]}
             except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as err:
                 errors.append(f"{url}: {err}")
                 continue
@@ -554,7 +564,8 @@ class ChatClient:
         self.urls = usable
 
     def complete(self, messages: list[dict]) -> Generation:
-        """The next assistant turn after `messages`; RequestFailed when it cannot be had."""
+        """The next assistant turn after `messages`; RequestFailed when it cannot be had,
+        ClientClosed once the client is closed."""
         body = json.dumps({"model": self.model, "messages": messages, "n": 1,
                            "stream": False, **self.params}).encode()
         problem = ""
@@ -562,27 +573,70 @@ class ChatClient:
             if attempt:
                 # Jitter, so that the many threads hit by one outage do not retry in lockstep.
                 delay = min(60.0, self.retry_backoff * 2 ** (attempt - 1))
-                time.sleep(delay * random.uniform(0.5, 1.0))
+                self._closed.wait(delay * random.uniform(0.5, 1.0))  # close() ends the wait
             url = self.urls[next(self._turn) % len(self.urls)]
             try:
-                return _parse_choice(self._post(url, body))
-            except urllib.error.HTTPError as err:
-                problem = f"HTTP {err.code} from {url}: {_error_message(err)}"
-                if err.code in REFUSED_ALL_STATUS:
-                    raise RefusedAll(f"server refused the request: {problem}") from None
-                if err.code not in RETRY_STATUS:
-                    raise RequestFailed(f"server refused the request: {problem}") from None
+                status, data = self._request("POST", url + "/v1/chat/completions", body,
+                                             self.timeout)
+                if 200 <= status < 300:
+                    return _parse_choice(json.loads(data))
             except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError,
                     TypeError) as err:
                 problem = f"{type(err).__name__} from {url}: {err}"
+                log.debug("request attempt %d failed: %s", attempt + 1, problem)
+                continue
+            problem = f"HTTP {status} from {url}: {_error_message(data)}"
+            if status in REFUSED_ALL_STATUS:
+                raise RefusedAll(f"server refused the request: {problem}")
+            if status not in RETRY_STATUS:
+                raise RequestFailed(f"server refused the request: {problem}")
             log.debug("request attempt %d failed: %s", attempt + 1, problem)
         raise OutOfRetries(f"server error after {self.retries + 1} attempts: {problem}")
 
-    def _post(self, url: str, body: bytes) -> dict:
-        request = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                         headers=self.headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout) as resp:
-            return json.load(resp)
+    def close(self) -> None:
+        """Stop for good: no request is sent after this returns, and the connections of the
+        requests in flight are cut, so that every complete() running or called later raises
+        ClientClosed at once (answers that were on their way are lost)."""
+        with self._lock:
+            self._closed.set()
+            for sock in self._sockets:
+                try:
+                    # socket.socket's shutdown, not SSLSocket's: that one drops the TLS state,
+                    # and the thread reading the socket would then read raw TLS bytes
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:  # closed meanwhile
+                    pass
+
+    def _request(self, method: str, url: str, body: bytes | None,
+                 timeout: float) -> tuple[int, bytes]:
+        """(status, body) of one request on a connection of its own. It is sent only while
+        the client is open: its socket is registered after connecting and before sending,
+        under the lock close() takes, so close() either cuts it or came first."""
+        if self._closed.is_set():  # saves a connection; the check that counts is below
+            raise ClientClosed("the client was closed; the request was not sent")
+        parts = urllib.parse.urlsplit(url)
+        kind = (http.client.HTTPSConnection if parts.scheme == "https"
+                else http.client.HTTPConnection)
+        conn = kind(parts.hostname, parts.port, timeout=timeout)
+        sock = None
+        try:
+            conn.connect()
+            with self._lock:
+                if self._closed.is_set():
+                    raise ClientClosed("the client was closed; the request was not sent")
+                sock = conn.sock
+                self._sockets.add(sock)
+            conn.request(method, parts.path, body, {**self.headers, "Connection": "close"})
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException):
+            if self._closed.is_set():  # close() cut it, or came while it connected
+                raise ClientClosed("the client was closed; the answer is dropped") from None
+            raise
+        finally:
+            with self._lock:
+                self._sockets.discard(sock)
+            conn.close()
 
 
 def _parse_choice(response: dict) -> Generation:
@@ -598,11 +652,9 @@ def _parse_choice(response: dict) -> Generation:
                       int(usage.get("completion_tokens") or 0))
 
 
-def _error_message(err: urllib.error.HTTPError) -> str:
-    try:
-        text = err.read().decode("utf-8", "replace")
-    except OSError:
-        return str(err.reason)
+def _error_message(data: bytes) -> str:
+    """The message of an error answer's body (OpenAI's {"error": {"message": ...}} or text)."""
+    text = data.decode("utf-8", "replace")
     try:
         body = json.loads(text)
         detail = body.get("error", body)
