@@ -170,24 +170,37 @@ def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resum
     assert json.loads((work / "regenerated.previous" / "eyas.json").read_text()) == was
 
 
-def test_the_plan_reads_no_data_file_its_size_and_mtime_vouch_for(tmp_path, llama_dir,
-                                                                   monkeypatch):
-    """Every plan (`--dry-run` too) hashed all chat data, and prepare hashed it again: slow for
-    large data. A file at the size and mtime_ns its manifest recorded keeps the recorded sha256
-    unread; another mtime is hashed, so other rows under the same path are still noticed."""
-    from eyas.store import manifest as store
+def _prepared(tmp_path, llama_dir):
+    """Three chats prepared by `eyas run --until-step prepare`: (the data file, the pipeline
+    YAML, prepare's eyas.json, that RunConfig)."""
     from eyas.targets.corpus import synthetic_chats
 
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
     pipeline = _write(tmp_path, {"target": str(llama_dir), "data": str(data), "work_dir": "w"})
-    record = tmp_path / "w" / "prepared" / "eyas.json"
     prepare = RunConfig(pipeline=pipeline, until_step="prepare")
     run(prepare)
-    assert {"size", "mtime_ns", "sha256"} <= set(json.loads(record.read_text())["data_files"][0])
+    return data, pipeline, tmp_path / "w" / "prepared" / "eyas.json", prepare
+
+
+def _count_hashing(monkeypatch) -> list[Path]:
+    """The paths store.manifest.file_sha256 reads from now on, in order."""
+    from eyas.store import manifest as store
+
     hashed, sha256 = [], store.file_sha256
     monkeypatch.setattr(store, "file_sha256",
                         lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+    return hashed
+
+
+def test_the_plan_reads_no_data_file_its_size_and_mtime_vouch_for(tmp_path, llama_dir,
+                                                                   monkeypatch):
+    """Every plan (`--dry-run` too) hashed all chat data, and prepare hashed it again: slow for
+    large data. A file at the size and mtime_ns its manifest recorded keeps the recorded sha256
+    unread; another mtime is hashed, so other rows under the same path are still noticed."""
+    data, pipeline, record, prepare = _prepared(tmp_path, llama_dir)
+    assert {"size", "mtime_ns", "sha256"} <= set(json.loads(record.read_text())["data_files"][0])
+    hashed = _count_hashing(monkeypatch)
 
     assert plan(prepare)[0].action == "skip"
     run(RunConfig(pipeline=pipeline, until_step="prepare", force=True))  # prepare itself too
@@ -284,19 +297,9 @@ def test_a_touched_data_file_is_read_once_not_at_every_plan(tmp_path, llama_dir,
     every plan until prepare ran again: the new stamp was recorded only by prepare. The plan
     that finds the same sha256 now records the stamp in prepare's manifest (the id, which
     leaves stamps out, is unchanged), so the next plan does not read the file."""
-    from eyas.store import manifest as store
-    from eyas.targets.corpus import synthetic_chats
-
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
-    pipeline = _write(tmp_path, {"target": str(llama_dir), "data": str(data), "work_dir": "w"})
-    record = tmp_path / "w" / "prepared" / "eyas.json"
-    prepare = RunConfig(pipeline=pipeline, until_step="prepare")
-    run(prepare)
+    data, _, record, prepare = _prepared(tmp_path, llama_dir)
     before = json.loads(record.read_text())
-    hashed, sha256 = [], store.file_sha256
-    monkeypatch.setattr(store, "file_sha256",
-                        lambda path, *a: hashed.append(Path(path)) or sha256(path, *a))
+    hashed = _count_hashing(monkeypatch)
 
     st = data.stat()  # touched, by a whole second: a filesystem's clock may be coarse
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
