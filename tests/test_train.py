@@ -1180,3 +1180,38 @@ def test_eval_log_names_the_draft_lengths_it_prints(run_inputs, tmp_path, caplog
     line = next(r.getMessage() for r in caplog.records if "replayed chain AL" in r.getMessage())
     values = line.split("replayed chain AL ")[1].split(" (k=")[0].split("/")
     assert line.endswith(f"(k={ks})") and len(values) == len(ks.split("/"))
+
+
+def test_a_run_keeps_one_run_id_while_its_manifest_id_moves_and_export_quotes_its_eval(
+        run_inputs, tmp_path):
+    """An eval of a run's step-2 export, made before the run was lengthened to step 4 (its
+    manifest id changes as it trains: complete, best, steps), was refused at the export of
+    step 2 as "another training run". The run's `run` stays one from first step to last; a
+    run started afresh in the same folder, or elsewhere, is another."""
+    from eyas.export import ExportConfig, export
+    from eyas.store.manifest import read_manifest, write_manifest
+
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, max_steps=2, save_every=1, keep_last=5))
+    early = read_manifest(run, step="train")
+    measured = read_manifest(export(ExportConfig(checkpoint=str(run), out=str(tmp_path / "e2"),
+                                                 which="step-2")))
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.json").write_text(json.dumps(
+        {"draft": str(tmp_path / "e2"), "primary": "eagle3", "mean_acceptance_length": {"3": 2.0}}))
+    write_manifest(report, "eval", {}, target=early["target"], inputs=[measured],
+                   draft_checkpoint=measured["checkpoint"])
+    train(_cfg(run_inputs, run, max_steps=4, save_every=1, keep_last=5))  # lengthened
+    late = read_manifest(run, step="train")
+    assert late["id"] != early["id"] and late["run"] == early["run"]
+    out = export(ExportConfig(checkpoint=str(run), out=str(tmp_path / "d"), which="step-2",
+                              acceptance_report=str(report)))
+    assert "| 3 | 2.000 |" in (out / "README.md").read_text()
+    train(_cfg(run_inputs, tmp_path / "other", max_steps=1))
+    train(_cfg(run_inputs, run, max_steps=2, save_every=1, keep_last=5, resume="never"))
+    for again in (tmp_path / "other", run):
+        assert read_manifest(again, step="train")["run"] != early["run"]
+        with pytest.raises(EyasError, match="measured a draft of another training run than"):
+            export(ExportConfig(checkpoint=str(again), out=str(tmp_path / "d"), overwrite=True,
+                                acceptance_report=str(report)))

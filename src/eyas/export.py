@@ -455,7 +455,7 @@ def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
                           fix="measure this draft with `eyas eval` on the target it was "
                               "trained for", weights=False)
         runs = _runs_measured(evaluated)
-        if train is not None and runs and train.get("id") not in runs:
+        if train is not None and runs and not runs & ({train.get("run"), train.get("id")} - {None}):
             raise EyasError(f"--acceptance-report {path} measured a draft of another training "
                             f"run than {train.get('path')}; measure this one (`eyas eval "
                             f"--draft` on this export or on the run) and quote that report")
@@ -500,14 +500,16 @@ def _check_step_measured(path: str, measured: int | None, step: Path) -> None:
 
 
 def _runs_measured(evaluated: dict) -> set[str]:
-    """Ids of the train runs whose draft an eval measured: its draft input, a run folder, or
-    an export folder (still on disk) and the run that export came from."""
-    runs = set()
+    """The training runs whose draft an eval measured (their `run`, which stays one while a
+    run trains, and for an eyas from before runs recorded one, the run's manifest id then):
+    its draft input, a run folder, or an export folder (still on disk) and the run that
+    export came from."""
+    trains = []
     for item in evaluated.get("inputs") or []:
         if item.get("step") == "train":
-            runs.add(item.get("id"))
+            trains.append(item)
         elif item.get("step") == "export" and item.get("path") and \
                 (Path(item["path"]) / MANIFEST).is_file():
             made = read_manifest(item["path"])
-            runs |= {i.get("id") for i in made.get("inputs") or [] if i.get("step") == "train"}
-    return runs
+            trains += [i for i in made.get("inputs") or [] if i.get("step") == "train"]
+    return {i.get("run") or i.get("id") for i in trains}

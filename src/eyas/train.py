@@ -36,7 +36,7 @@ from eyas.config import (ConfigError, accept_other_weights_option, option, out_o
                          required, revision_option, trust_remote_code_option)
 from eyas.dflash.objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
-from eyas.store.manifest import check_out, write_manifest
+from eyas.store.manifest import check_out, train_run, write_manifest
 from eyas.draft.train_setup import (Env, Schedules, StopOnSignal, TTTModule, all_sum,
                                     autocast, build_draft, build_optimizers, check_gradients,
                                     compute_dtype, finish_env, grad_sync, init_env, peak_gib,
@@ -522,6 +522,7 @@ def train(cfg: TrainConfig) -> dict:
     state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft)
     if state is not None:
         start, best = state["step"], state["best"]
+    run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
     pin = env.device.type == "cuda" and not cfg.online
@@ -567,7 +568,7 @@ def train(cfg: TrainConfig) -> dict:
 
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
-                       aux_layer_ids=list(inputs.aux_layer_ids), complete=False)
+                       aux_layer_ids=list(inputs.aux_layer_ids), run=run, complete=False)
         log.info("training steps %d..%d on %d samples: %d micro-batch(es) of %d x %d tokens "
                  "per step over %d rank(s) on %s", start + 1, total, len(inputs.train_ids),
                  plan.per_step, plan.packing.rows, row, env.world_size, env.device.type)
@@ -660,8 +661,8 @@ def train(cfg: TrainConfig) -> dict:
         metrics.close()
         checkpoint.plot_curves(run_dir)
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
-                       aux_layer_ids=list(inputs.aux_layer_ids), complete=True, best=best,
-                       steps=total, draft_config=record)
+                       aux_layer_ids=list(inputs.aux_layer_ids), run=run, complete=True,
+                       best=best, steps=total, draft_config=record)
         log.info("done: best step %s (replayed chain AL %s at k=%d) in %s", best["step"],
                  best.get("chain_acceptance_length"), steps, run_dir / "checkpoints")
     finish_env(env)

@@ -33,7 +33,7 @@ from eyas.draft.train_setup import (Schedules, StopOnSignal, all_sum, autocast, 
                                     warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
-from eyas.store.manifest import write_manifest
+from eyas.store.manifest import train_run, write_manifest
 
 # TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
 
@@ -192,6 +192,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
     state = resume(cfg, env, model, optimizer, scheduler, plan, config_record)
     if state is not None:
         start, best = state["step"], state["best"]
+    run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers
     pin = env.device.type == "cuda" and not cfg.online
@@ -226,7 +227,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
 
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
-                       aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", complete=False)
+                       aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", run=run,
+                       complete=False)
         log.info("DFlash training steps %d..%d on %d samples: %d micro-batch(es) of %d x %d "
                  "tokens per step, blocks of %d, mask token %d, %d layer(s) over taps %s",
                  start + 1, total, len(inputs.train_ids), plan.per_step, plan.packing.rows, row,
@@ -311,8 +313,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
         metrics.close()
         checkpoint.plot_curves(run_dir)
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
-                       aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", complete=True,
-                       best=best, steps=total, draft_config=config_record)
+                       aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", run=run,
+                       complete=True, best=best, steps=total, draft_config=config_record)
         log.info("done: best step %s (acceptance length %s at k=%d) in %s", best["step"],
                  best.get("acceptance_length"), b - 1, run_dir / "checkpoints")
     finish_env(env)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
         "step": step,
         "config": to_dict(config) if config is not None and not isinstance(config, dict) else config,
         "target": target,
-        "inputs": [{"step": m["step"], "id": m["id"], "path": m.get("path")} for m in inputs],
+        "inputs": [_input(m) for m in inputs],
     }
     body.update(extra)
     if "aux_layer_ids" in body and "layer_id_convention" not in body:
@@ -100,6 +101,25 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
     body["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _replace(folder, body)
     return body
+
+
+def _input(manifest: dict[str, Any]) -> dict[str, Any]:
+    """How a step records a manifest it consumed: its step, id and folder, and for a training
+    run the `run` that stays one while the run's id moves on (train_run)."""
+    item = {"step": manifest["step"], "id": manifest["id"], "path": manifest.get("path")}
+    if manifest.get("run"):
+        item["run"] = manifest["run"]
+    return item
+
+
+def train_run(folder: str | Path, resumed: bool) -> str:
+    """The `run` of a training run's manifests: one id for the run from its first step to its
+    last, where the manifest's own id changes as it trains (complete, best, steps). A resumed
+    run keeps the one its folder records; a fresh run, or one from an eyas that recorded none,
+    gets a new one."""
+    earlier = peek_manifest(folder) if resumed else None
+    kept = (earlier or {}).get("run") if (earlier or {}).get("step") == "train" else None
+    return kept if isinstance(kept, str) and kept else secrets.token_hex(8)
 
 
 def _replace(folder: Path, body: dict[str, Any]) -> None:
