@@ -44,8 +44,8 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
                                  target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
-from eyas.serve.openai_server import (BATCHING, ChatClient, Generation, OutOfRetries,
-                                      RefusedAll, RequestFailed, load_generator, render_prompt)
+from eyas.serve.generator import BATCHING, Generation, load_generator, render_prompt
+from eyas.serve.openai_client import ChatClient, OutOfRetries, RefusedAll, RequestFailed
 from eyas.errors import EyasError
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
                                           reject_kinds, sort_by_input)
@@ -349,7 +349,7 @@ def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
     return redo if turns == "all" else redo[-1:]
 
 
-# The form eyas writes a server's separate reasoning in (eyas.serve.openai_server._parse_choice).
+# The form eyas writes a server's separate reasoning in (eyas.serve.openai_client._parse_choice).
 _INLINE_CLOSE = f"\n{THINK_CLOSE}\n\n"
 
 
