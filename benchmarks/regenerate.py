@@ -32,7 +32,7 @@ import torch
 import transformers
 
 from eyas.regenerate import RegenerateConfig, regenerate
-from eyas.serve.openai_server import load_generator
+from eyas.serve.generator import load_generator
 from eyas.targets import chat
 
 

@@ -13,8 +13,9 @@ import urllib.request
 import pytest
 
 from eyas.errors import EyasError
-from eyas.serve.openai_server import (ChatClient, ChatServer, ClientClosed, Generation,
-                                      RequestFailed, main)
+from eyas.serve.generator import Generation
+from eyas.serve.openai_client import ChatClient, ClientClosed, RequestFailed
+from eyas.serve.openai_server import ChatServer, main
 
 
 class EchoGenerator:

@@ -31,7 +31,8 @@ from eyas.cli import main
 from eyas.config import ConfigError
 from eyas.targets.corpus import synthetic_chats
 from eyas.errors import EyasError
-from eyas.serve.openai_server import ChatServer, load_generator
+from eyas.serve.generator import load_generator
+from eyas.serve.openai_server import ChatServer
 from eyas.regenerate import RegenerateConfig, regenerate
 from eyas.store.regenerate_output import KILL_ENV, OUTPUT, REJECTS
 
@@ -391,8 +392,10 @@ def test_max_length_ends_a_conversation_before_a_prompt_that_long(setup, local_r
 
 
 def test_accept_keeps_a_cut_answer_as_the_target_wrote_it():
-    from eyas.serve.openai_server import Generation, _parse_choice
-    from eyas.regenerate import Rejected, accept
+    from eyas.serve.generator import Generation
+    from eyas.serve.openai_client import _parse_choice
+    from eyas.regenerate import accept
+    from eyas.store.regenerate_output import Rejected
 
     cfg = RegenerateConfig(target="m", data=("d",), out="o")
     assert accept(Generation("caf\ufffd", "length"), 1, cfg)["content"] == "caf"
@@ -529,13 +532,12 @@ def test_only_an_answer_to_a_request_sent_after_a_failure_makes_it_the_rows_own(
     # With requests in flight, a long answer to one sent before a server's key was rotated
     # came after its first 401s and counted as "a server answers again": the rows refused
     # meanwhile were written as final rejects, which the same command does not redo.
-    from eyas.regenerate import Job, Unanswered, _Failing
-    from eyas.store.regenerate_output import Output
+    from eyas.store.regenerate_output import Failing, Job, Output, Unanswered
 
     def failed(row: int):
         return Job("chats.jsonl", row, f"id-{row}", [], [1]), Unanswered(f"HTTP 401 ({row})")
 
-    failing = _Failing(down_after=3)
+    failing = Failing(down_after=3)
     with Output(tmp_path, 1) as output:
         sent_before = time.monotonic()
         failing.rows.append(failed(1))
@@ -801,7 +803,7 @@ def test_config_errors_name_the_fix(setup, tmp_path):
 
 
 def test_separate_reasoning_from_a_server_is_kept_inline():
-    from eyas.serve.openai_server import _parse_choice
+    from eyas.serve.openai_client import _parse_choice
 
     answer = {"choices": [{"finish_reason": "stop", "message": {
         "role": "assistant", "content": "\n\n42.", "reasoning_content": " 6 times 7. "}}],
@@ -825,7 +827,7 @@ def test_a_batch_out_of_gpu_memory_is_split_after_its_memory_is_freed():
     frames, and so its activations, alive: each half would then fail too)."""
     import weakref
 
-    from eyas.serve.openai_server import Generation, LocalGenerator
+    from eyas.serve.generator import Generation, LocalGenerator
 
     gen = LocalGenerator.__new__(LocalGenerator)  # no model: only the splitting is tested
     failed, sizes = [], []

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from eyas.regenerate import RegenerateConfig, regenerate
-from eyas.serve.openai_server import load_generator
+from eyas.serve.generator import load_generator
 from eyas.store.regenerate_output import OUTPUT, REJECTS
 
 from test_regenerate import INPUT_REJECTS, MAX_NEW, SYNTHETIC, TEMPLATE, _greedy, _rows

@@ -236,7 +236,7 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from eyas.evaluate import EvalConfig, evaluate, load_prompts
-    from eyas.serve.openai_server import render_prompt
+    from eyas.serve.generator import render_prompt
     from eyas.store.manifest import target_record
     from eyas.serve.speculate import Sampling, TargetRunner, generate_plain
     from eyas.targets.models import inspect_model, load_tokenizer

@@ -13,9 +13,15 @@ hundred turns is not answered turn by turn for text no step reads. The result,
 `out/conversations.jsonl` (OpenAI `messages` form, with each input row's id), is input for
 `eyas prepare`.
 
-Backends: `transformers` generates here in left-padded batches with a KV cache; `openai`
-calls OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang) with many requests in
-flight, retries with exponential backoff, and several servers used round-robin.
+Backends: `transformers` generates in this process in left-padded batches with a KV cache
+(eyas.serve.generator), `vllm` in a vLLM engine in this process (eyas.serve.vllm_generate);
+`openai` calls OpenAI-compatible `/v1/chat/completions` servers (vLLM, SGLang) with many
+requests in flight, retries with exponential backoff, and several servers used round-robin
+(eyas.serve.openai_client). This module holds the step: its config, the jobs it reads, what
+makes an answer usable and when a conversation ends (`accept`, `stop_at_length`,
+`Conversation`), and how each backend is set up. Which conversations go to an engine together
+is eyas.serve.chat_scheduling's; the records it writes (`Job`, `Regenerated`, `Rejected`) are
+eyas.store.regenerate_output's.
 
 Resume (`eyas.store.regenerate_output`): both output files are append-only and fsynced every
 `batch_size` rows, and every line names its input position (file, row). A restarted run skips
@@ -29,12 +35,10 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import threading
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
@@ -44,11 +48,13 @@ from eyas.config import (ConfigError, option, out_option, required, revision_opt
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
                                  target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
-from eyas.serve.openai_server import (BATCHING, ChatClient, Generation, OutOfRetries,
-                                      RefusedAll, RequestFailed, load_generator, render_prompt)
+from eyas.serve.generator import BATCHING, Generation, load_generator, render_prompt
+from eyas.serve.openai_client import ChatClient, OutOfRetries, RefusedAll, RequestFailed
+from eyas.serve.chat_scheduling import run_in_threads, run_rolling, run_windows
 from eyas.errors import EyasError
-from eyas.store.regenerate_output import (OUTPUT, REJECTS, Output, check_resume, read_previous,
-                                          reject_kinds, sort_by_input)
+from eyas.store.regenerate_output import (OUTPUT, REJECTS, Failing, Job, Output, Regenerated,
+                                          Rejected, Unanswered, check_resume, read_previous,
+                                          reject_kinds, sort_by_input, what_to_do)
 
 log = logging.getLogger(__name__)
 
@@ -162,51 +168,6 @@ class RegenerateConfig:
                 raise ConfigError(f"server_url {url!r} must start with http:// or https://")
 
 
-@dataclass
-class Job:
-    """One input conversation and the positions of the assistant turns to regenerate.
-
-    A conversation that ends with a user or tool turn carries an empty assistant turn at the
-    end, the slot for the answer to generate.
-    """
-
-    file: str
-    row: int
-    sample_id: str
-    messages: list[dict]
-    turns: list[int]
-
-
-@dataclass
-class Regenerated:
-    """A conversation in the target's words. `truncated`: its last message is an answer cut at
-    max_new_tokens; `cut_short`: turns after that answer were left out; `at_length`: left out
-    because the next turn's prompt reached max_length."""
-
-    messages: list[dict]
-    truncated: bool = False
-    cut_short: bool = False
-    at_length: bool = False
-
-
-class Rejected(Exception):
-    """A row that cannot be regenerated; `kind` is input, server, length, empty or memory."""
-
-    def __init__(self, reason: str, kind: str):
-        super().__init__(reason)
-        self.kind = kind
-
-
-class Unanswered(Rejected):
-    """A row whose request failed after every retry, or was refused as every request would be
-    (the key, the model name): the servers' fault, maybe not the row's. `at`: when
-    (time.monotonic())."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason, "server")
-        self.at = time.monotonic()
-
-
 # ---------------------------------------------------------------- the step
 
 def regenerate(cfg: RegenerateConfig) -> dict:
@@ -263,29 +224,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         # An empty conversations.jsonl is not a result: say so before prepare finds it empty.
         raise EyasError(f"no conversation was regenerated: all {stats['input']} input rows "
                         f"failed ({', '.join(f'{k} {n}' for k, n in sorted(on_disk.items()))}); "
-                        f"the reason of each is in {out / REJECTS}. {_what_to_do(cfg, on_disk)}")
+                        f"the reason of each is in {out / REJECTS}. {what_to_do(cfg, on_disk)}")
     return stats
-
-
-def _what_to_do(cfg: RegenerateConfig, kinds: Counter) -> str:
-    """What a run whose every row failed should try next, for the kinds of its rejects."""
-    hints = []
-    if kinds.get("server"):
-        hints.append(f"kind server: is the server up and serving "
-                     f"{cfg.served_model_name or cfg.target}? Then run the same command with "
-                     f"--retry-rejects, which retries those rows")
-    if kinds.get("input"):
-        hints.append("kind input: the rows themselves (their format, or a chat template that "
-                     "refuses them); fix the data, then run with a new --out (an --out holds "
-                     "one input)")
-    if kinds.get("length"):
-        hints.append("kind length: raise --max-length or --max-new-tokens")
-    if kinds.get("empty"):
-        hints.append("kind empty: the target answered nothing; check its chat template and "
-                     "--reasoning")
-    if kinds.get("memory"):
-        hints.append("kind memory: lower --max-new-tokens or --batch-size")
-    return "; ".join(hints) or "Fix the cause and run again."
 
 
 def _target(cfg: RegenerateConfig):
@@ -349,7 +289,7 @@ def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
     return redo if turns == "all" else redo[-1:]
 
 
-# The form eyas writes a server's separate reasoning in (eyas.serve.openai_server._parse_choice).
+# The form eyas writes a server's separate reasoning in (eyas.serve.openai_client._parse_choice).
 _INLINE_CLOSE = f"\n{THINK_CLOSE}\n\n"
 
 
@@ -444,8 +384,8 @@ def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> No
     """The transformers and vllm backends. Engines that schedule a whole call themselves
     (vLLM, transformers' continuous batching) keep --batch-size x 8 conversations in flight:
     each call answers the next turn of every one of them, and a conversation that ends is
-    written and replaced by the next at once (`_run_rolling`). Padded and lookup batching take
-    windows of that many, sorted by length, in batches of --batch-size (`_run_windows`)."""
+    written and replaced by the next at once (`run_rolling`). Padded and lookup batching take
+    windows of that many, sorted by length, in batches of --batch-size (`run_windows`)."""
     import torch
 
     torch.manual_seed(cfg.seed)
@@ -454,55 +394,20 @@ def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> No
         return  # a finished run resumes without loading the target
     gen = _load_generator(cfg)
     try:
-        run = _run_rolling if gen.batching in ("continuous", "engine") else _run_windows
-        run(gen, itertools.chain([first], jobs), cfg, output)
+        render = functools.partial(gen.render, template_kwargs=TEMPLATE_KWARGS[cfg.reasoning])
+        chats = (Conversation(job, cfg) for job in itertools.chain([first], jobs))
+        run = run_rolling if gen.batching in ("continuous", "engine") else run_windows
+        run(gen, chats, render, cfg, functools.partial(_write, output), output.sync)
     finally:
         if cfg.backend == "vllm":
             gen.close()  # its GPU memory back before the next step of `eyas run`
 
 
-def _write(output: Output, job: Job, result: Regenerated | Rejected) -> None:
-    if isinstance(result, Rejected):
-        output.reject(job.file, job.row, job.sample_id, result)
+def _write(output: Output, c: Conversation) -> None:
+    if isinstance(c.result, Rejected):
+        output.reject(c.job.file, c.job.row, c.job.sample_id, c.result)
     else:
-        output.ok(job, result)
-
-
-def _run_windows(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output) -> None:
-    while window := list(itertools.islice(jobs, cfg.batch_size * 8)):
-        # Conversations of similar length share a batch, so left padding wastes little.
-        window.sort(key=lambda job: sum(len(m["content"]) for m in job.messages))
-        for start in range(0, len(window), cfg.batch_size):
-            batch = window[start:start + cfg.batch_size]
-            for job, result in zip(batch, regenerate_batch(gen, batch, cfg)):
-                _write(output, job, result)
-            output.sync()
-
-
-def _run_rolling(gen, jobs: Iterator[Job], cfg: RegenerateConfig, output: Output) -> None:
-    """A pool of conversations in flight, one generate call per round over the next turn of
-    each; whoever ends leaves the pool and a new conversation takes its place. (With whole
-    windows instead, a window's last rounds ran a handful of long chats on an idle engine.)"""
-    size = cfg.batch_size * 8
-    render = functools.partial(gen.render, template_kwargs=TEMPLATE_KWARGS[cfg.reasoning])
-    live: list[Conversation] = []
-    more = True
-    while live or more:
-        if more:
-            new = [Conversation(job, cfg) for job in itertools.islice(jobs, size - len(live))]
-            more = len(new) == size - len(live)
-            live += new
-        asked = [(c, p) for c in live if (p := c.next_prompt(render)) is not None]
-        for c in live:
-            if c.result is not None:
-                _write(output, c.job, c.result)
-        live = [c for c, _ in asked]
-        if asked:
-            outs = gen.generate([p for _, p in asked], cfg.max_new_tokens, cfg.temperature,
-                                cfg.top_p)
-            for (c, _), out in zip(asked, outs):
-                c.take(out)
-        output.sync()
+        output.ok(c.job, c.result)
 
 
 class Conversation:
@@ -540,22 +445,6 @@ class Conversation:
             self.result = err
 
 
-def regenerate_batch(gen, jobs: list[Job], cfg: RegenerateConfig) -> list:
-    """Regenerate `jobs` together with `gen` (a LocalGenerator or a VLLMGenerator): round r
-    generates the r-th turn of every job that has one.
-
-    Returns, per job, its Regenerated conversation or the Rejected that stopped it.
-    """
-    convs = [Conversation(job, cfg) for job in jobs]
-    render = functools.partial(gen.render, template_kwargs=TEMPLATE_KWARGS[cfg.reasoning])
-    while asked := [(c, p) for c in convs if (p := c.next_prompt(render)) is not None]:
-        outs = gen.generate([p for _, p in asked], cfg.max_new_tokens, cfg.temperature,
-                            cfg.top_p)
-        for (c, _), out in zip(asked, outs):
-            c.take(out)
-    return [c.result for c in convs]
-
-
 # ---------------------------------------------------------------- openai backend
 
 def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, tokenizer) -> None:
@@ -567,7 +456,7 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
                         timeout=cfg.timeout, retries=cfg.retries, retry_backoff=cfg.retry_backoff)
     client.check()
 
-    failing = _Failing(max(8, cfg.concurrency))
+    failing = Failing(max(8, cfg.concurrency))
 
     def complete(messages: list[dict]) -> Generation:
         sent = time.monotonic()  # of the first attempt: a retry that is answered was later
@@ -584,95 +473,22 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
     def render(messages: list[dict]) -> list[int]:  # as the server renders it (max_length)
         return render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning])
 
-    pending: dict[Future, Job] = {}
+    def collect(job: Job, future: Future) -> None:
+        try:
+            output.ok(job, future.result())
+        except Unanswered as err:
+            failing.rows.append((job, err))
+        except Rejected as err:
+            output.reject(job.file, job.row, job.sample_id, err)
+        # By the answer times the threads recorded, whatever order they end in.
+        failing.settle(output)
 
-    def collect() -> None:
-        done, _ = wait(pending, return_when=FIRST_COMPLETED)
-        for future in done:
-            job = pending.pop(future)
-            try:
-                output.ok(job, future.result())
-            except Unanswered as err:
-                failing.rows.append((job, err))
-            except Rejected as err:
-                output.reject(job.file, job.row, job.sample_id, err)
-            # By the answer times the threads recorded, whatever order `done` comes in.
-            failing.settle(output)
-
-    slots = threading.Semaphore(cfg.concurrency)
     try:
-        for job in jobs:
-            pending[_in_daemon_thread(slots, converse, job, complete, cfg, render)] = job
-            # A bounded queue keeps memory flat and the outputs close to the input position.
-            while len(pending) >= 2 * cfg.concurrency:
-                collect()
-        while pending:
-            collect()
+        run_in_threads(jobs, lambda job: converse(job, complete, cfg, render), cfg.concurrency,
+                       collect)
         failing.settle(output, everything=True)
     finally:
         # However this ends (done, the servers down, Ctrl-C, an error), the threads still
         # at work send nothing more: their requests in flight are cut, and their rows, never
         # collected, are not written (the same command redoes them).
         client.close()
-
-
-class _Failing:
-    """Rows Unanswered (out of retries, or refused as every request would be) that no answer
-    has shown to be their own fault yet, held back from the rejects.
-
-    A row that failed before a request that a server answered was sent failed on its own, and
-    `settle` writes it as a reject. As many as `down_after` held at once, the servers went
-    down: `settle` raises, and the rows are not written, so that the same command resumes
-    them. (An answer to a request sent before the failures proves nothing: a long answer that
-    a server finished after its key was rotated had counted as "a server answers again", and
-    the rows refused meanwhile were written as final rejects.)
-    """
-
-    def __init__(self, down_after: int):
-        self.down_after = down_after
-        self.rows: list[tuple[Job, Unanswered]] = []
-        self.last_sent = float("-inf")  # when the latest request answered was sent
-        self._lock = threading.Lock()
-
-    def answered(self, sent: float) -> None:
-        """A request sent at `sent` (time.monotonic()) was answered; from any thread."""
-        with self._lock:
-            self.last_sent = max(self.last_sent, sent)
-
-    def settle(self, output: Output, everything: bool = False) -> None:
-        """Write the rows that failed on their own (all of them: `everything`, at the end of
-        a run) as rejects; EyasError if the servers went down."""
-        held = []
-        for job, err in self.rows:
-            if everything or err.at < self.last_sent:
-                output.reject(job.file, job.row, job.sample_id, err)
-            else:
-                held.append((job, err))
-        self.rows = held
-        if len(held) >= self.down_after:
-            raise EyasError(
-                f"the servers stopped answering: {len(held)} conversations in a row failed, "
-                f"out of retries or refused as every request would be (the last: "
-                f"{held[-1][1]}). They and the rows in flight are not written: once a server "
-                f"answers (with the key and model name it was started with), run the same "
-                f"command again and it resumes with them")
-
-
-def _in_daemon_thread(slots: threading.Semaphore, fn, *args) -> Future:
-    """fn(*args) in a daemon thread of its own, once one of `slots` is free. An interrupted
-    run (Ctrl-C, the servers down) so exits at once and abandons the conversations in flight,
-    which are not written and so are redone on resume; a ThreadPoolExecutor's workers were
-    joined at exit, so Ctrl-C waited for every conversation in flight to end (72 s for 8 short
-    ones on the tiny test server). The threads left behind stop on their own once the run
-    closes its ChatClient (_run_openai)."""
-    future: Future = Future()
-
-    def run() -> None:
-        with slots:
-            try:
-                future.set_result(fn(*args))
-            except BaseException as err:  # noqa: BLE001 (the main thread re-raises it)
-                future.set_exception(err)
-
-    threading.Thread(target=run, daemon=True, name="eyas-regenerate").start()
-    return future

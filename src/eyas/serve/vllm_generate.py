@@ -17,7 +17,7 @@ import time
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.serve.openai_server import Generation, cut_at_stop, render_prompt, stop_token_ids
+from eyas.serve.generator import Generation, cut_at_stop, render_prompt, stop_token_ids
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,12 @@
 """The outputs of `eyas regenerate` and resuming them after an interruption.
 
+The records: a `Job` (an input conversation and the turns to regenerate) ends as a
+`Regenerated` conversation, written to `conversations.jsonl`, or a `Rejected` one (with its
+kind), written to `rejects.jsonl` (`Output`). A row the servers left `Unanswered` is held back
+by `Failing` until an answer shows the failure was the row's own; if the servers went down
+instead, it is not written at all, so that the same command redoes it. `what_to_do` tells a
+run whose every row failed what to try, by the kinds of its rejects.
+
 Both files, `conversations.jsonl` and `rejects.jsonl`, are append-only and fsynced every
 `batch_size` rows, and every line names its input position (file, row). A restarted run
 first checks that the folder was made with the same generation settings and inputs
@@ -15,8 +22,10 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -24,7 +33,8 @@ from eyas.config import to_dict
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST, data_content, read_manifest
 
-# Job, RegenerateConfig, Regenerated, Rejected: from the step eyas.regenerate, named in annotations only (a layer never imports a step)
+# RegenerateConfig: from the step eyas.regenerate, named in annotations only (a layer never
+# imports a step)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +47,51 @@ SAME_ON_RESUME = ("target", "revision", "data", "format", "turns", "max_new_toke
                   "system_prompt", "seed")
 # Settings added later, as runs made before they existed behaved: such a run resumes with them.
 BEFORE_SETTING = {"drop_truncated": True, "max_length": 0}
+
+
+@dataclass
+class Job:
+    """One input conversation and the positions of the assistant turns to regenerate.
+
+    A conversation that ends with a user or tool turn carries an empty assistant turn at the
+    end, the slot for the answer to generate.
+    """
+
+    file: str
+    row: int
+    sample_id: str
+    messages: list[dict]
+    turns: list[int]
+
+
+@dataclass
+class Regenerated:
+    """A conversation in the target's words. `truncated`: its last message is an answer cut at
+    max_new_tokens; `cut_short`: turns after that answer were left out; `at_length`: left out
+    because the next turn's prompt reached max_length."""
+
+    messages: list[dict]
+    truncated: bool = False
+    cut_short: bool = False
+    at_length: bool = False
+
+
+class Rejected(Exception):
+    """A row that cannot be regenerated; `kind` is input, server, length, empty or memory."""
+
+    def __init__(self, reason: str, kind: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+class Unanswered(Rejected):
+    """A row whose request failed after every retry, or was refused as every request would be
+    (the key, the model name): the servers' fault, maybe not the row's. `at`: when
+    (time.monotonic())."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason, "server")
+        self.at = time.monotonic()
 
 
 class Output:
@@ -97,6 +152,48 @@ class Output:
             f.close()
 
 
+class Failing:
+    """Rows Unanswered (out of retries, or refused as every request would be) that no answer
+    has shown to be their own fault yet, held back from the rejects.
+
+    A row that failed before a request that a server answered was sent failed on its own, and
+    `settle` writes it as a reject. As many as `down_after` held at once, the servers went
+    down: `settle` raises, and the rows are not written, so that the same command resumes
+    them. (An answer to a request sent before the failures proves nothing: a long answer that
+    a server finished after its key was rotated had counted as "a server answers again", and
+    the rows refused meanwhile were written as final rejects.)
+    """
+
+    def __init__(self, down_after: int):
+        self.down_after = down_after
+        self.rows: list[tuple[Job, Unanswered]] = []
+        self.last_sent = float("-inf")  # when the latest request answered was sent
+        self._lock = threading.Lock()
+
+    def answered(self, sent: float) -> None:
+        """A request sent at `sent` (time.monotonic()) was answered; from any thread."""
+        with self._lock:
+            self.last_sent = max(self.last_sent, sent)
+
+    def settle(self, output: Output, everything: bool = False) -> None:
+        """Write the rows that failed on their own (all of them: `everything`, at the end of
+        a run) as rejects; EyasError if the servers went down."""
+        held = []
+        for job, err in self.rows:
+            if everything or err.at < self.last_sent:
+                output.reject(job.file, job.row, job.sample_id, err)
+            else:
+                held.append((job, err))
+        self.rows = held
+        if len(held) >= self.down_after:
+            raise EyasError(
+                f"the servers stopped answering: {len(held)} conversations in a row failed, "
+                f"out of retries or refused as every request would be (the last: "
+                f"{held[-1][1]}). They and the rows in flight are not written: once a server "
+                f"answers (with the key and model name it was started with), run the same "
+                f"command again and it resumes with them")
+
+
 def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
     """Refuse to continue a run in `out` that generated with other settings or inputs."""
     if not (out / MANIFEST).is_file():
@@ -155,6 +252,27 @@ def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
 def reject_kinds(out: Path) -> Counter:
     """Rows in `out`'s rejects.jsonl per kind: what is on disk, from every run."""
     return Counter(rec["kind"] for _, _, rec in _records(out / REJECTS))
+
+
+def what_to_do(cfg: RegenerateConfig, kinds: Counter) -> str:
+    """What a run whose every row failed should try next, for the kinds of its rejects."""
+    hints = []
+    if kinds.get("server"):
+        hints.append(f"kind server: is the server up and serving "
+                     f"{cfg.served_model_name or cfg.target}? Then run the same command with "
+                     f"--retry-rejects, which retries those rows")
+    if kinds.get("input"):
+        hints.append("kind input: the rows themselves (their format, or a chat template that "
+                     "refuses them); fix the data, then run with a new --out (an --out holds "
+                     "one input)")
+    if kinds.get("length"):
+        hints.append("kind length: raise --max-length or --max-new-tokens")
+    if kinds.get("empty"):
+        hints.append("kind empty: the target answered nothing; check its chat template and "
+                     "--reasoning")
+    if kinds.get("memory"):
+        hints.append("kind memory: lower --max-new-tokens or --batch-size")
+    return "; ".join(hints) or "Fix the cause and run again."
 
 
 def _cut_torn_tail(path: Path) -> None:
