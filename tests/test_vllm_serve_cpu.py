@@ -8,12 +8,15 @@ continuations (so that acceptance is neither 0 nor 1 at each position), exported
 export` and read back by eval's own loader:
 - vLLM's greedy tokens with speculation equal its tokens without, and equal eyas's target;
 - vLLM's counters (`spec_decode_num_drafts`, `..._num_accepted_tokens_per_pos`) equal the
-  counts of eyas eval's speculative loop on the same prompts, draft for draft.
+  counts of eyas eval's speculative loop on the same prompts, draft for draft;
+- the EAGLE-3 draft served at tensor parallel 2 (two worker processes, the target's matrices
+  split between them) gives the same tokens and the same counters.
 Off by default (`-m vllm`); docs/export.md, "A real vLLM on the CPU", says how to run it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -104,9 +107,11 @@ def vllm_counts(llm) -> tuple[int, list[int]]:
     return drafts, per_pos
 
 
-def served_as_eyas_counts(vllm, llama_dir, target, folder, drafter, method: str, k: int):
+def served_as_eyas_counts(vllm, llama_dir, target, folder, drafter, method: str, k: int,
+                          tensor_parallel: tuple[int, ...] = (1,)):
     """eyas eval's loop with `drafter` on the prompts, then vLLM without and with `method`
-    from the export `folder`: the same tokens everywhere and vLLM's counters equal to eyas's."""
+    from the export `folder` (at each of `tensor_parallel`'s sizes): the same tokens
+    everywhere and vLLM's counters equal to eyas's."""
     llama, prompts, refs = target
     runner = TargetRunner(llama, llama.model.layers, llama.model.norm, drafter.aux_layer_ids)
     mine = [generate_speculative(runner, drafter, p, k, NEW_TOKENS, frozenset(), Sampling())
@@ -124,11 +129,38 @@ def served_as_eyas_counts(vllm, llama_dir, target, folder, drafter, method: str,
     want = [list(o.outputs[0].token_ids) for o in plain.generate(inputs, params)]
     del plain
     assert want == refs  # vLLM's target is eyas's target
-    llm = vllm.LLM(**common, disable_log_stats=False, speculative_config={
-        "method": method, "model": folder, "num_speculative_tokens": k})
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params)]
-    assert got == want
-    assert vllm_counts(llm) == (drafts, per_pos)
+    for tp in tensor_parallel:
+        with _cores_per_worker(tp):
+            llm = vllm.LLM(**common, disable_log_stats=False, tensor_parallel_size=tp,
+                           speculative_config={"method": method, "model": folder,
+                                               "num_speculative_tokens": k})
+            got = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, params)]
+            assert got == want, tp
+            assert vllm_counts(llm) == (drafts, per_pos), tp
+            del llm
+
+
+@contextlib.contextmanager
+def _cores_per_worker(tp: int):
+    """vLLM's CPU build binds each worker's threads to a NUMA node of its own and refuses
+    tensor parallel 2 on a machine of one node ("Not enough allowed NUMA nodes"): at TP > 1,
+    one core each (VLLM_CPU_OMP_THREADS_BIND "0|1|..."), read when the engine starts."""
+    from vllm.platforms import current_platform
+
+    if tp == 1 or not current_platform.is_cpu():
+        yield
+        return
+    if (os.cpu_count() or 1) < tp:
+        pytest.skip(f"tensor parallel {tp} on the CPU needs {tp} cores")
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
 def test_vllm_serves_the_eagle3_export_and_counts_what_eyas_counts(vllm, llama_dir, target,
@@ -139,7 +171,7 @@ def test_vllm_serves_the_eagle3_export_and_counts_what_eyas_counts(vllm, llama_d
                         best={"step": 60, "sim_acceptance_length": 2.0})
     draft, _ = load_draft(folder, llama.model.embed_tokens)  # as `eyas eval --draft` loads it
     served_as_eyas_counts(vllm, llama_dir, target, folder, Eagle3Drafter(draft, "cpu"),
-                          "eagle3", 3)
+                          "eagle3", 3, tensor_parallel=(1, 2))
 
 
 def test_vllm_serves_the_dflash_export_and_counts_what_eyas_counts(vllm, llama_dir, target,
