@@ -667,16 +667,40 @@ def test_float32_mla_on_the_cpu_asks_for_vllms_reference_mla_backend():
 SITE_STUBS = Path(__file__).parent / "vllm_cpu_site"  # sitecustomize: the stand-ins, per process
 
 
+def _cli_capture(model_dir, prepared, out, tp: int) -> dict:
+    """`eyas capture --backend vllm --tensor-parallel-size tp`, the CLI in a process of its own
+    on vLLM's CPU build, the connector's stand-ins in each of its processes and one core per
+    worker; returns the capture's manifest."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "EYAS_CPU_CONNECTOR_STUBS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp))),
+           "PYTHONPATH": os.pathsep.join([str(SITE_STUBS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "eyas", "capture", "--target", str(model_dir), "--data",
+         str(prepared), "--out", str(out), "--model-dtype", "fp32", "--batch-tokens", "96",
+         "--file-mb", "0.02", "--backend", "vllm", "--tensor-parallel-size", str(tp),
+         "--max-model-len", "64", "--gpu-memory-utilization", "0.2"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    made = read_manifest(out, step="capture")
+    assert made["config"]["tensor_parallel_size"] == tp and made["engine"]["backend"] == "vllm"
+    return made
+
+
 @pytest.mark.vllm
-def test_vllm_cpu_capture_at_tensor_parallel_2_equals_tp1_and_transformers(tmp_path_factory):
-    """`eyas capture --backend vllm --tensor-parallel-size 2`, the CLI in a process of its own,
-    on vLLM's CPU build: two worker processes, each with half of every attention and MLP
-    matrix, their partial sums all-reduced. Its shards equal the same capture at TP 1 and the
-    transformers capture: ids, loss mask and top-1 exactly, states within bf16 storage.
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_vllm_cpu_capture_at_tensor_parallel_2_equals_tp1_and_transformers(arch,
+                                                                           tmp_path_factory):
+    """`eyas capture --backend vllm --tensor-parallel-size 2` as a user runs it (the CLI in a
+    process of its own) on vLLM's CPU build: two worker processes, each with half of every
+    attention and MLP matrix (DeepSeek-V3: its MLA heads and each expert's matrices), their
+    partial sums all-reduced. The shards equal the transformers capture's (ids, loss mask and
+    top-1 exactly, states within bf16 storage), and for the Llama the same capture at TP 1.
     The connector's CUDA-only lines run as stand-ins in every process (tests/vllm_cpu_site);
     each worker gets one core of its own (VLLM_CPU_OMP_THREADS_BIND)."""
     import os
-    import subprocess
 
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
@@ -685,26 +709,23 @@ def test_vllm_cpu_capture_at_tensor_parallel_2_equals_tp1_and_transformers(tmp_p
         pytest.skip("the stand-ins are for vLLM's CPU build; on GPUs: benchmarks/capture_backends.py")
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallel 2 on the CPU binds one core to each of two workers")
-    root = tmp_path_factory.mktemp("capture-vllm-tp")
-    model_dir, prepared, hf = _tiny_target_captured(root, n_train=8)
-    env = {**os.environ, "EYAS_CPU_CONNECTOR_STUBS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(SITE_STUBS), os.environ.get("PYTHONPATH", "")])}
-    for tp in (1, 2):
-        binds = {1: "0", 2: "0|1"}[tp]
-        proc = subprocess.run(
-            [sys.executable, "-m", "eyas", "capture", "--target", str(model_dir),
-             "--data", str(prepared), "--out", str(root / f"tp{tp}"), "--model-dtype", "fp32",
-             "--batch-tokens", "96", "--file-mb", "0.02", "--backend", "vllm",
-             "--tensor-parallel-size", str(tp), "--max-model-len", "64",
-             "--gpu-memory-utilization", "0.2"],
-            env={**env, "VLLM_CPU_OMP_THREADS_BIND": binds}, capture_output=True, text=True,
-            timeout=900)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        made = read_manifest(root / f"tp{tp}", step="capture")
-        assert made["config"]["tensor_parallel_size"] == tp and made["engine"]["backend"] == "vllm"
-        assert made["stats"]["samples"] == hf["samples"] == 8
-    for tp in (1, 2):
-        _same_rows(root / "hf", root / f"tp{tp}", rtol=8e-3, atol=1e-5)
-    # TP 2 against TP 1: the same rounding of the same fp32 states, summed in another order
-    # (measured: aux states at most 4.9e-4 apart, final states 3.9e-3, every top-1 equal)
-    _same_rows(root / "tp1", root / "tp2", rtol=8e-3, atol=1e-5)
+    root = tmp_path_factory.mktemp(f"capture-vllm-tp-{arch}")
+    if arch == "llama":
+        model_dir, prepared, hf = _tiny_target_captured(root, n_train=8)
+        sizes = (1, 2)
+    else:  # MLA dims vLLM runs, V3's router (test_vllm_cpu_capture_of_a_deepseek_v3_moe)
+        from eyas.targets.quantized import build_tiny_deepseek
+
+        model_dir = build_tiny_deepseek(root / "model", vllm_mla=True)
+        prepared = make_prepared(root / "prepared", model_dir, n_train=4, n_eval=2)
+        hf = capture(_cfg(model_dir, prepared, root / "hf"))
+        sizes = (2,)  # TP 1: that test, in one process
+    for tp in sizes:
+        made = _cli_capture(model_dir, prepared, root / f"tp{tp}", tp)
+        assert made["stats"]["samples"] == hf["samples"] and made["stats"]["nonfinite"] == 0
+        shards.verify(root / f"tp{tp}")
+        _same_rows(root / "hf", root / f"tp{tp}", rtol=2**-6, atol=1e-5)
+    if arch == "llama":
+        # the same rounding of the same fp32 states, summed in another order (measured on 8
+        # rows: aux states at most 4.9e-4 apart, final states 3.9e-3, every top-1 equal)
+        _same_rows(root / "tp1", root / "tp2", rtol=8e-3, atol=1e-5)
