@@ -1,20 +1,21 @@
 """The training data loader alone: tokens/s of `eyas train`'s offline loader (mmap read,
 packing, collate) over a synthetic capture of a target's shape, stored in bf16 and in fp8,
-with 0, 1 and 2 workers: eyas's reading threads (`eyas.draft.data.Prefetch`) and, beside
-them in the same run, torch DataLoader worker processes (the loader before session 25);
+with 0, 1 and 2 workers: eyas's reading threads (`eyas.draft.data_loader.Prefetch`) and,
+beside them in the same run, torch DataLoader worker processes (the loader before session 25);
 `--intra-threads` adds reader threads with other intra-op thread counts.
 
     python benchmarks/loader.py                    # SmolLM2-135M's shape (hidden 576), CPU
     python benchmarks/loader.py --shape llama-8b --capture-tokens 100000
 
 Each fp8 row is measured twice: `kept` is the loader as eyas train runs it (aux states stay
-fp8 through collate and are dequantized where the step runs, `eyas.draft.data.on_device`:
-timed with `--device cuda`; with the default `--device none` on a machine without a GPU the
-loop stops at the host batch, as the training process's loop hands it to the GPU) and `host`
-dequantizes each sample in the worker (`sample(dequantize=True)`, the loader before session
-25). The loader's tokens/s is the ceiling of eyas train's when the
-GPU's step is shorter than a batch's loading, as with small targets (SmolLM2-135M trained at
-~138 K tokens/s with the GPU 20-28 % busy and three busy processes, session 22's lease).
+fp8 through collate and are dequantized where the step runs,
+`eyas.draft.data_loader.on_device`: timed with `--device cuda`; with the default
+`--device none` on a machine without a GPU the loop stops at the host batch, as the training
+process's loop hands it to the GPU) and `host` dequantizes each sample in the worker
+(`sample(dequantize=True)`, the loader before session 25). The loader's tokens/s is the
+ceiling of eyas train's when the GPU's step is shorter than a batch's loading, as with small
+targets (SmolLM2-135M trained at ~138 K tokens/s with the GPU 20-28 % busy and three busy
+processes, session 22's lease).
 
 Prints a markdown table and writes JSON (--out).
 """
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from train import LLAMA_8B, make_capture, make_target  # noqa: E402
 
-from eyas.draft import data  # noqa: E402
+from eyas.draft import data, data_loader, data_plan  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -56,30 +57,31 @@ def process_loader(source, plan, batch_tokens: int, workers: int, pin: bool):
     """The loader before session 25: torch's DataLoader, `workers` worker processes (each
     batch handed over through shared memory), pinned by its pin-memory thread."""
     return torch.utils.data.DataLoader(
-        data.MicroBatches(source, plan, batch_tokens, torch.bfloat16, False), batch_size=None,
-        shuffle=False, num_workers=workers, pin_memory=pin,
+        data_loader.MicroBatches(source, plan, batch_tokens, torch.bfloat16, False),
+        batch_size=None, shuffle=False, num_workers=workers, pin_memory=pin,
         prefetch_factor=2 if workers else None)
 
 
 def bench(source, batch_tokens: int, workers: int, batches: int, device,
           processes: bool = False, intra: int | None = None) -> float:
-    packing = data.Packing(batch_tokens, 1, False)
-    plan = data.epoch_batches(np.arange(len(source.lengths)), source.lengths, packing, seed=0,
-                              epoch=0)
+    packing = data_plan.Packing(batch_tokens, 1, False)
+    plan = data_plan.epoch_batches(np.arange(len(source.lengths)), source.lengths, packing,
+                                   seed=0, epoch=0)
     plan = (plan * (batches // max(1, len(plan)) + 1))[:batches]
     pin = device is not None and device.type == "cuda"
     if processes:
         loader = process_loader(source, plan, batch_tokens, workers, pin)
     elif intra is not None and workers:  # reader threads with `intra` intra-op threads each
-        loader = data.Prefetch(data.MicroBatches(source, plan, batch_tokens, torch.bfloat16,
-                                                 False), workers, pin, intra_threads=intra)
+        loader = data_loader.Prefetch(data_loader.MicroBatches(source, plan, batch_tokens,
+                                                               torch.bfloat16, False),
+                                      workers, pin, intra_threads=intra)
     else:
-        loader = data.loader(source, plan, batch_tokens, torch.bfloat16, num_workers=workers,
-                             pin_memory=pin, static=False)
+        loader = data_loader.loader(source, plan, batch_tokens, torch.bfloat16,
+                                    num_workers=workers, pin_memory=pin, static=False)
     t0, tokens = time.perf_counter(), 0
     for mb in loader:
         if device is not None:
-            mb = data.on_device(mb, device)  # what the training step receives
+            mb = data_loader.on_device(mb, device)  # what the training step receives
         tokens += int((mb["doc_ids"] >= 0).sum())
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize()
@@ -99,7 +101,7 @@ def main(argv=None) -> dict:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--intra-threads", default="",
                    help="also reader threads with these intra-op threads each (e.g. 1,4), "
-                        "beside eyas's default share (data.reader_threads)")
+                        "beside eyas's default share (data_loader.reader_threads)")
     p.add_argument("--out", default="benchmarks/results/loader-cpu.json")
     a = p.parse_args(argv)
     shape = SHAPES[a.shape]
@@ -127,7 +129,7 @@ def main(argv=None) -> dict:
                         rows.append({"capture": dtype,
                                      "dequantized": way if dtype == "fp8" else "-",
                                      "workers": w, "kind": kind if kind != "threads" else
-                                     f"threads ({data.reader_threads(w)} intra-op each)",
+                                     f"threads ({data_loader.reader_threads(w)} intra-op each)",
                                      "tokens_per_s": round(tps)})
                         print(rows[-1], flush=True)
     finally:

@@ -40,7 +40,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from eyas.draft import data
+from eyas.draft import data, data_loader, data_plan
 from eyas.store.manifest import target_record, write_manifest
 from eyas.store.shard_writer import write_part
 from eyas.store.shards import part_name, quantize_fp8
@@ -134,11 +134,12 @@ def make_vocab(folder: Path, target: dict, vocab_size: int, draft_vocab: int) ->
 def bench_loader(capture: Path, batch_tokens: int, workers: int, batches: int) -> float:
     """Tokens/s of the training data loader alone (mmap read + packing + collate)."""
     src = data.OfflineSource(capture)
-    packing = data.Packing(batch_tokens, 1, False)
-    plan = data.epoch_batches(np.arange(len(src.lengths)), src.lengths, packing, seed=0, epoch=0)
+    packing = data_plan.Packing(batch_tokens, 1, False)
+    plan = data_plan.epoch_batches(np.arange(len(src.lengths)), src.lengths, packing, seed=0,
+                                   epoch=0)
     plan = (plan * (batches // max(1, len(plan)) + 1))[:batches]
-    loader = data.loader(src, plan, batch_tokens, torch.bfloat16, num_workers=workers,
-                         pin_memory=torch.cuda.is_available())
+    loader = data_loader.loader(src, plan, batch_tokens, torch.bfloat16, num_workers=workers,
+                                pin_memory=torch.cuda.is_available())
     t0, tokens = time.perf_counter(), 0
     for mb in loader:
         tokens += int((mb["doc_ids"] >= 0).sum())

@@ -270,24 +270,24 @@ def test_fp8_aux_states_reach_the_step_as_the_host_would_dequantize_them(
     # host bound eyas train at ~138 K tokens/s on the H200, session 25); on_device gives
     # the very values the loader before gave (each sample dequantized to bf16 on the host,
     # then collated into hidden_dtype), padding included, in bf16 and in fp32 runs
-    from eyas.draft import data
+    from eyas.draft import data, data_loader
 
     capture(_cfg(llama_dir, llama_prepared, tmp_path / "fp8", split="all", dtype="fp8"))
     source = data.OfflineSource(tmp_path / "fp8")
     plan = [[0, 1], [2]]  # two rows: two samples packed, then one sample and padding
     width = int(max(source.lengths[0] + source.lengths[1], source.lengths[2])) + 5
     for dtype in (torch.bfloat16, torch.float32):
-        mb = data.MicroBatches(source, [plan], width, dtype)[0]
+        mb = data_loader.MicroBatches(source, [plan], width, dtype)[0]
         assert mb["aux_hidden"].dtype == torch.float8_e4m3fn
         assert mb["aux_scale"].shape == mb["aux_hidden"].shape[:2] + (3,)
-        got = data.on_device(mb, torch.device("cpu"))
+        got = data_loader.on_device(mb, torch.device("cpu"))
         host = [[source.capture.sample(i) for i in row] for row in plan]  # as before
-        want = data.collate(host, width, dtype)
+        want = data_loader.collate(host, width, dtype)
         assert set(got) == set(want) and "aux_scale" not in got
         for key in want:
             assert got[key].dtype == want[key].dtype, key
             assert torch.equal(got[key], want[key]), key
-        assert data.host_fields(mb).keys() == want.keys()
+        assert data_loader.host_fields(mb).keys() == want.keys()
 
 
 def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path):

@@ -116,13 +116,15 @@ def test_broken_configs_and_a_fake_gguf_are_one_line_errors(tmp_path, capsys):
 
 
 def _build_draft(cfg):
-    """eyas.draft.train_setup.build_draft on a tiny target: only what it reads of eyas.draft.data.Inputs."""
+    """eyas.draft.train_setup.build_draft on a tiny target: only what it reads of
+    eyas.draft.data.Inputs."""
     import types
 
     import torch
     from transformers import LlamaConfig
 
-    from eyas.draft.train_setup import Env, build_draft
+    from eyas.draft.processes import Env
+    from eyas.draft.train_setup import build_draft
 
     inputs = types.SimpleNamespace(
         info=LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -91,7 +91,7 @@ def test_capture_stores_n_taps_equal_to_hidden_states(dflash_inputs):
     output_hidden_states[k] (id L: the final norm's input); training collates (T, 5*Ht)."""
     from transformers import AutoModelForCausalLM
 
-    from eyas.draft import data
+    from eyas.draft import data, data_loader
     from eyas.store.manifest import read_manifest
 
     man = read_manifest(dflash_inputs["captured"], step="capture")
@@ -115,7 +115,7 @@ def test_capture_stores_n_taps_equal_to_hidden_states(dflash_inputs):
             # bf16 tolerance here, so a tap one layer off would pass the check above alone
             dist = [float((got - h[0].float()).abs().max()) for h in out.hidden_states[:8]]
             assert min(range(8), key=dist.__getitem__) == k, (k, dist)
-    batch = data.collate([[sample]], 256, torch.float32)
+    batch = data_loader.collate([[sample]], 256, torch.float32)
     assert batch["aux_hidden"].shape == (1, 256, len(TAPS) * 64)
     assert torch.equal(batch["aux_hidden"][0, :n].view(n, len(TAPS), 64),
                        sample["aux_hidden"].float())

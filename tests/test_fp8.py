@@ -170,7 +170,7 @@ def test_train_refuses_fp8_on_a_gpu_without_fp8_units(monkeypatch):
     """The compute-capability threshold: an A100 (8.0) is refused with the fix, an L4 (8.9)
     and an H100 (9.0) pass."""
     from eyas.errors import EyasError
-    from eyas.draft.train_setup import check_fp8
+    from eyas.draft.processes import check_fp8
 
     for capability, ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)

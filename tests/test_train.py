@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.store import checkpoint
-from eyas.draft import data
+from eyas.draft import data, data_loader, data_plan
 from eyas.config import ConfigError, to_dict
 from eyas.errors import EyasError
 from eyas.train import TrainConfig, train, warmup_cosine
@@ -99,15 +99,15 @@ def _fake_sample(n: int, ht: int = 4, start: int = 0) -> dict[str, torch.Tensor]
 
 def test_packing_fills_rows_without_crossing_samples():
     lengths = np.array([5, 9, 3, 7, 7, 2, 8, 1, 6])
-    packing = data.Packing(row_tokens=12, rows=2, truncate=False)
-    batches = data.pack(np.arange(len(lengths)), lengths, packing)
+    packing = data_plan.Packing(row_tokens=12, rows=2, truncate=False)
+    batches = data_plan.pack(np.arange(len(lengths)), lengths, packing)
     rows = [row for b in batches for row in b]
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in row) <= 12 for row in rows)
     assert all(len(b) <= 2 for b in batches)
     # collate: positions restart at 0 in every sample, doc ids count samples, padding is -1
     samples = [_fake_sample(int(lengths[i]), start=100 * i) for i in rows[0]]
-    out = data.collate([samples], 12, torch.float32)
+    out = data_loader.collate([samples], 12, torch.float32)
     at = 0
     for d, s in enumerate(samples):
         n = s["input_ids"].shape[0]
@@ -121,35 +121,37 @@ def test_packing_fills_rows_without_crossing_samples():
 def test_plan_is_deterministic_shuffled_per_epoch_and_split_by_rank():
     lengths = np.random.default_rng(0).integers(3, 30, size=50)
     ids = np.arange(50)
-    packing = data.Packing(64, 1, False)
-    plan, epoch_of = data.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=2,
-                                   max_steps=0)
-    again, _ = data.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=2, max_steps=0)
+    packing = data_plan.Packing(64, 1, False)
+    plan, epoch_of = data_plan.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=2,
+                                        max_steps=0)
+    again, _ = data_plan.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=2,
+                                  max_steps=0)
     assert plan == again and len(plan) % 4 == 0
     first = [i for b, e in zip(plan, epoch_of) if e == 0 for r in b for i in r]
     second = [i for b, e in zip(plan, epoch_of) if e == 1 for r in b for i in r]
     assert first != second  # each epoch has its own order...
     assert len(set(first)) == len(first)  # ...and no sample twice within it
     # two ranks: disjoint, together exactly the global stream; a resumed slice continues it
-    r0 = data.rank_slice(plan, rank=0, world_size=2, start=0)
-    r1 = data.rank_slice(plan, rank=1, world_size=2, start=0)
+    r0 = data_plan.rank_slice(plan, rank=0, world_size=2, start=0)
+    r1 = data_plan.rank_slice(plan, rank=1, world_size=2, start=0)
     assert r0 + r1 == plan[0::2] + plan[1::2]
-    assert data.rank_slice(plan, rank=1, world_size=2, start=4) == r1[2:]
+    assert data_plan.rank_slice(plan, rank=1, world_size=2, start=4) == r1[2:]
     # max_steps runs over as many epochs as needed
-    long, epochs = data.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=0,
-                                 max_steps=40)
+    long, epochs = data_plan.plan_run(ids, lengths, packing, seed=3, per_step=4, epochs=0,
+                                      max_steps=40)
     assert len(long) == 160 and max(epochs) >= 2
     # eval batches: every rank gets the same count (FSDP forwards are collective)
-    ev = data.eval_rank_batches(plan[:5], rank=1, world_size=2)
+    ev = data_plan.eval_rank_batches(plan[:5], rank=1, world_size=2)
     assert len(ev) == 3 and ev[-1] is None
 
 
 def test_too_long_sample_names_its_length_and_the_flags():
     lengths = np.array([10, 300, 20])
     with pytest.raises(EyasError, match=r"sample 1 has 300 tokens.*--batch-tokens.*--truncate"):
-        data.check_lengths(lengths, np.arange(3), data.Packing(256, 1, False), "the data")
-    data.check_lengths(lengths, np.arange(3), data.Packing(256, 1, True), "the data")
-    out = data.collate([[_fake_sample(300)]], 256, torch.float32)
+        data_plan.check_lengths(lengths, np.arange(3), data_plan.Packing(256, 1, False),
+                                "the data")
+    data_plan.check_lengths(lengths, np.arange(3), data_plan.Packing(256, 1, True), "the data")
+    out = data_loader.collate([[_fake_sample(300)]], 256, torch.float32)
     assert out["position_ids"][0, -1] == 255  # cut to the row, not dropped
 
 
@@ -521,7 +523,7 @@ def test_a_stop_on_an_eval_step_saves_first_and_the_resumed_run_evaluates_it(run
 
 REPEATER = """
 import os, signal, sys, time
-from eyas.draft.train_setup import StopOnSignal
+from eyas.draft.processes import StopOnSignal
 
 StopOnSignal.REPEAT_S = 0.5
 stop = StopOnSignal()
@@ -570,7 +572,7 @@ def test_an_error_with_workers_ends_the_process(run_inputs, tmp_path):
 def test_stop_on_signal_keeps_an_ignored_signal_ignored_and_restores_a_foreign_handler():
     """SIGINT ignored by whoever started the job (`cmd &` in a script) stays ignored; a
     handler set outside Python (getsignal gives None) comes back as the default."""
-    from eyas.draft.train_setup import StopOnSignal
+    from eyas.draft.processes import StopOnSignal
 
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -597,7 +599,8 @@ def test_the_data_loaders_threads_outlive_a_stop_meant_for_the_loop(run_inputs):
     old = {s: signal.signal(s, lambda n, f: seen.append(n))
            for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        it = data.loader(source, plan, 256, torch.float32, num_workers=2, pin_memory=False)
+        it = data_loader.loader(source, plan, 256, torch.float32, num_workers=2,
+                                pin_memory=False)
         got = [next(it), next(it)]
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
@@ -606,7 +609,8 @@ def test_the_data_loaders_threads_outlive_a_stop_meant_for_the_loop(run_inputs):
         for s, h in old.items():
             signal.signal(s, h)
     assert sorted(seen) == sorted([signal.SIGTERM, signal.SIGINT])
-    want = list(data.loader(source, plan, 256, torch.float32, num_workers=0, pin_memory=False))
+    want = list(data_loader.loader(source, plan, 256, torch.float32, num_workers=0,
+                                   pin_memory=False))
     assert len(got) == len(want) == len(plan)
     for a, b in zip(got, want):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -615,11 +619,11 @@ def test_the_data_loaders_threads_outlive_a_stop_meant_for_the_loop(run_inputs):
 def test_a_loader_threads_error_reaches_the_loop_and_closing_waits_for_its_reads(run_inputs):
     source = data.OfflineSource(run_inputs["captured"])
     plan = [[[i]] for i in range(len(source.lengths))]
-    it = data.loader(source, plan + [[[len(source.lengths) + 7]]], 256, torch.float32,
-                     num_workers=2, pin_memory=False)
+    it = data_loader.loader(source, plan + [[[len(source.lengths) + 7]]], 256, torch.float32,
+                            num_workers=2, pin_memory=False)
     with pytest.raises(IndexError):
         list(it)  # the bad id's batch fails in a thread; its error is the loop's
-    it = data.loader(source, plan, 256, torch.float32, num_workers=2, pin_memory=False)
+    it = data_loader.loader(source, plan, 256, torch.float32, num_workers=2, pin_memory=False)
     next(it)
     it.close()  # e.g. a stopped run's: the reads under way end, none begins
     assert not it.pending and it.pool._shutdown
@@ -635,7 +639,7 @@ def test_each_reader_thread_gets_its_share_of_the_intra_op_threads(run_inputs):
     source = data.OfflineSource(run_inputs["captured"])
     plan = [[[i]] for i in range(len(source.lengths))]
 
-    class Seen(data.MicroBatches):  # the intra-op threads each read ran on
+    class Seen(data_loader.MicroBatches):  # the intra-op threads each read ran on
         threads: list = []
 
         def __getitem__(self, k):
@@ -645,11 +649,11 @@ def test_each_reader_thread_gets_its_share_of_the_intra_op_threads(run_inputs):
     before = torch.get_num_threads()
     torch.set_num_threads(6)
     try:
-        assert [data.reader_threads(n) for n in (1, 2, 5, 6)] == [3, 2, 1, 1]
+        assert [data_loader.reader_threads(n) for n in (1, 2, 5, 6)] == [3, 2, 1, 1]
         for intra, want in ((None, 2), (1, 1), (4, 4)):
             Seen.threads = []
-            it = data.Prefetch(Seen(source, plan, 256, torch.float32), 2, False,
-                               intra_threads=intra)
+            it = data_loader.Prefetch(Seen(source, plan, 256, torch.float32), 2, False,
+                                      intra_threads=intra)
             assert len(list(it)) == len(plan)
             assert Seen.threads == [want] * len(plan)
         assert torch.get_num_threads() == 6  # the loop's own pool is left as it was

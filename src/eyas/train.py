@@ -3,8 +3,9 @@
 Setup (inputs, draft, DDP/FSDP2, optimizer, schedule, resume), then per optimizer step:
 load `grad_accum` micro-batches -> forward (TTT, `ttt_steps` chained draft passes) -> loss
 -> backward -> clip -> AdamW step -> log -> eval -> checkpoint. One process or `torchrun`
-with any number of ranks and nodes runs the same code; eyas.draft.train_setup holds what runs
-before the loop (only its `wrap` differs between DDP and FSDP2).
+with any number of ranks and nodes runs the same code; eyas.draft's processes, data,
+data_plan, train_setup and resume modules hold what runs before the loop (only train_setup's
+`wrap` differs between DDP and FSDP2).
 
 The loss of an optimizer step is  sum_j w^j * (summed soft-CE of step j) / N_j  where N_j
 counts the positions carrying a step-j loss in the WHOLE step (every micro-batch on every
@@ -31,17 +32,18 @@ import torch
 
 from eyas.kernels import band_kernels
 from eyas.store import checkpoint
-from eyas.draft import data
+from eyas.draft import data, data_loader
 from eyas.config import (ConfigError, accept_other_weights_option, option, out_option,
                          required, revision_option, trust_remote_code_option)
 from eyas.dflash.objective import LABELS as DFLASH_LABELS
 from eyas.draft.loss import OBJECTIVES, Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import check_out, train_run, write_manifest
-from eyas.draft.train_setup import (Env, Schedules, StopOnSignal, TTTModule, all_sum,
-                                    autocast, build_draft, build_optimizers, check_gradients,
-                                    compute_dtype, finish_env, grad_sync, init_env, peak_gib,
-                                    plan_data, resume, save_step, started_config,
-                                    warmup_cosine, wrap)
+from eyas.draft.data_plan import plan_data, rank_slice
+from eyas.draft.processes import (Env, StopOnSignal, all_sum, autocast, compute_dtype,
+                                  finish_env, init_env, peak_gib)
+from eyas.draft.resume import resume, save_step, started_config
+from eyas.draft.train_setup import (Schedules, TTTModule, build_draft, build_optimizers,
+                                    check_gradients, grad_sync, warmup_cosine, wrap)
 from eyas.draft.ttt import LOSS_MASK_AT, TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
 
@@ -380,7 +382,7 @@ def _item(t: torch.Tensor) -> float:
 def _on(mb: dict, env: Env):
     """A micro-batch on the draft's device. Online, captured states arrive on the device of
     the target's final norm, which --target-device-map may put on another GPU."""
-    return TTTBatch(**data.on_device(mb, env.device))
+    return TTTBatch(**data_loader.on_device(mb, env.device))
 
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
@@ -526,21 +528,21 @@ def train(cfg: TrainConfig) -> dict:
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
     pin = env.device.type == "cuda" and not cfg.online
-    mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
-                           start=start * plan.per_step)
+    mine = rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
+                      start=start * plan.per_step)
     # fixed shapes only where a replay or compiled graph needs them; else a micro-batch is as
     # wide as its longest row (a small dataset is not padded to --batch-tokens)
     static = cfg.cuda_graph or cfg.compile
-    batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
-                               pin_memory=pin, static=static))
+    batches = iter(data_loader.loader(inputs.train, mine, row, dtype, num_workers=workers,
+                                      pin_memory=pin, static=static))
     metrics = checkpoint.MetricsLog(run_dir, start, eval_due) if env.main else None
     weights = cfg.step_weight ** torch.arange(steps, dtype=torch.float32, device=env.device)
     t2d_host = draft.t2d.cpu()
     graphed = GraphedTTT(model, params) if cfg.cuda_graph else None
 
     def run_eval(step: int) -> dict:
-        loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
-                             pin_memory=pin, static=static)
+        loader = data_loader.loader(inputs.eval, plan.eval_batches, row, dtype,
+                                    num_workers=workers, pin_memory=pin, static=static)
         record = {"kind": "eval", "step": step, **evaluate(model, loader, env, steps, weights)}
         if metrics:
             metrics.write(record)
@@ -589,7 +591,7 @@ def train(cfg: TrainConfig) -> dict:
             # plans made from the host batch need no GPU sync per forward (ttt_plan; online, the
             # batch is on the GPU already and its plan syncs as before); not under --compile,
             # whose graphs would be specialised on each plan's row counts
-            plans = [None if cfg.compile else ttt_plan(TTTBatch(**data.host_fields(mb)),
+            plans = [None if cfg.compile else ttt_plan(TTTBatch(**data_loader.host_fields(mb)),
                                                         t2d_host, steps, device=env.device,
                                                         static=cfg.cuda_graph, **positions)
                      for mb in micro]

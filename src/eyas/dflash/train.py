@@ -1,12 +1,12 @@
 """`eyas train --draft dflash`: the DFlash recipe, one function with one visible loop.
 
-The same setup as EAGLE-3's (`eyas.draft.train_setup`: processes, the data plan over the same
-capture shards, AdamW + warmup/cosine, DDP/FSDP2, checkpoints with exact resume, keep-last-N +
-best), then per optimizer step: load `grad_accum` micro-batches -> draw each one's blocks
-(eyas.dflash.objective.sample_blocks, seeded by the global micro-batch index, so a
-resumed run draws the same blocks, and N ranks x accumulation A the same as one process x N*A)
--> one block-parallel forward each -> cross-entropy on slots 1..B-1 -> backward -> clip ->
-step -> log -> eval -> checkpoint.
+The same setup as EAGLE-3's (eyas.draft's processes, data, data_plan, train_setup and resume
+modules: processes, the data plan over the same capture shards, AdamW + warmup/cosine,
+DDP/FSDP2, checkpoints with exact resume, keep-last-N + best), then per optimizer step: load
+`grad_accum` micro-batches -> draw each one's blocks (eyas.dflash.objective.sample_blocks,
+seeded by the global micro-batch index, so a resumed run draws the same blocks, and N ranks x
+accumulation A the same as one process x N*A) -> one block-parallel forward each ->
+cross-entropy on slots 1..B-1 -> backward -> clip -> step -> log -> eval -> checkpoint.
 
 The loss of a step is  sum(weight * CE) / sum(weight)  over every block of the whole step
 (all micro-batches, all ranks), so accumulation and ranks do not change the update. The best
@@ -23,13 +23,15 @@ from pathlib import Path
 
 import torch
 
-from eyas.draft import data
+from eyas.draft import data, data_loader
 from eyas.dflash.config import DFlashConfig
 from eyas.dflash.model import DFlashDraft
 from eyas.dflash.objective import dflash_forward, sample_blocks
-from eyas.draft.train_setup import (Schedules, StopOnSignal, all_sum, autocast, build_optimizers,
-                                    check_gradients, compute_dtype, finish_env, grad_sync,
-                                    init_env, peak_gib, plan_data, resume, save_step,
+from eyas.draft.data_plan import plan_data, rank_slice
+from eyas.draft.processes import (StopOnSignal, all_sum, autocast, compute_dtype, finish_env,
+                                  init_env, peak_gib)
+from eyas.draft.resume import resume, save_step
+from eyas.draft.train_setup import (Schedules, build_optimizers, check_gradients, grad_sync,
                                     warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
@@ -168,7 +170,7 @@ def evaluate(model, loader, cfg: TrainConfig, dcfg: DFlashConfig, env) -> dict:
 
 
 def _on(mb: dict, env) -> dict:
-    return data.on_device(mb, env.device)
+    return data_loader.on_device(mb, env.device)
 
 
 def train_dflash(cfg: TrainConfig) -> dict:
@@ -196,15 +198,15 @@ def train_dflash(cfg: TrainConfig) -> dict:
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers
     pin = env.device.type == "cuda" and not cfg.online
-    mine = data.rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
-                           start=start * plan.per_step)
-    batches = iter(data.loader(inputs.train, mine, row, dtype, num_workers=workers,
-                               pin_memory=pin, static=False))
+    mine = rank_slice(plan.batches, rank=env.rank, world_size=env.world_size,
+                      start=start * plan.per_step)
+    batches = iter(data_loader.loader(inputs.train, mine, row, dtype, num_workers=workers,
+                                      pin_memory=pin, static=False))
     metrics = checkpoint.MetricsLog(run_dir, start, eval_due) if env.main else None
 
     def run_eval(step: int) -> dict:
-        loader = data.loader(inputs.eval, plan.eval_batches, row, dtype, num_workers=workers,
-                             pin_memory=pin, static=False)
+        loader = data_loader.loader(inputs.eval, plan.eval_batches, row, dtype,
+                                    num_workers=workers, pin_memory=pin, static=False)
         record = {"kind": "eval", "step": step, **evaluate(model, loader, cfg, dcfg, env)}
         if metrics:
             metrics.write(record)

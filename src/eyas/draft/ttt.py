@@ -26,7 +26,8 @@ from eyas.draft.loss import (Objective, mean_acceptance, row_logsumexp,
 
 @dataclass
 class TTTBatch:
-    """A packed micro-batch (see eyas.draft.data.collate). Every tensor is (B, T) unless noted."""
+    """A packed micro-batch (see eyas.draft.data_loader.collate). Every tensor is (B, T) unless
+    noted."""
 
     input_ids: torch.Tensor  # long
     aux_hidden: torch.Tensor  # (B, T, 3*Ht) any float dtype

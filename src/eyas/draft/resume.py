@@ -1,0 +1,183 @@
+"""Saving a training run and resuming it, for both draft families: which checkpoint a run
+continues (`resume_path`: rank 0 decides), restoring it (`resume`) after refusing one of another
+draft, draft vocabulary or data plan and warning about a changed recipe (`check_same_draft`,
+`check_same_vocab`, the run's `started_config`), and saving a step (`save_step`). The files
+themselves are eyas.store.checkpoint's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from eyas.draft.processes import Env
+from eyas.errors import EyasError
+from eyas.store import checkpoint
+
+# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+
+log = logging.getLogger(__name__)
+
+
+# draft_config.json keys a train flag sets, for the message that refuses another draft
+_DRAFT_FLAGS = {"norm_before_fc": "--norm-before-fc", "fc_norm": "--fc-norm",
+                "norm_output": "--norm-output", "norm_before_residual": "--norm-before-residual",
+                "block_size": "--block-size", "mask_token_id": "--mask-token-id"}
+
+
+def check_same_draft(resume: Path, record: dict) -> None:
+    """Refuse to resume `resume` when the draft it holds differs from this run's (`record`, the
+    draft_config.json this run writes), naming what differs and the flags that resume it: e.g.
+    a run started before EAGLE 3.1 became the default resumes with --no-norm-before-fc
+    --no-norm-output, a DFlash run with its --block-size and --mask-token-id."""
+    saved_file = Path(resume) / "draft_config.json"
+    if not saved_file.is_file():
+        return
+    saved, now = json.loads(saved_file.read_text()), json.loads(json.dumps(record))
+    family = saved.get("draft", "eagle3"), now.get("draft", "eagle3")
+    if family[0] != family[1]:
+        raise EyasError(f"{resume} holds a {family[0]} draft and this run trains {family[1]}: "
+                        f"resume it with --draft {family[0]}, or start over with --resume never "
+                        f"(or another --out).", flag="--resume")
+    flags = dict(_DRAFT_FLAGS, num_hidden_layers="--draft-layers" if family[0] == "eagle3"
+                 else "--dflash-layers")
+    if family[0] == "eagle3":  # saved before --draft-layers: one layer
+        saved.setdefault("num_hidden_layers", 1)
+    differ = {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+    if not differ:
+        return
+    fix = [(f"{flags[k]}" if old else f"--no-{flags[k][2:]}")
+           if isinstance(old, bool) else f"{flags[k]} {old}"
+           for k, (old, _) in differ.items() if k in flags]
+    raise EyasError(f"{resume} holds a draft with other settings than this run's: "
+                    + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in differ.items())
+                    + (f". Resume it with {' '.join(fix)}" if fix else
+                       ". Resume it with the settings it was started with")
+                    + ", or start over with --resume never (or another --out).",
+                    flag="--resume")
+
+
+def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
+    """Rank 0 decides (only it needs the run folder) and tells the others."""
+    path = None
+    if env.main:
+        path = checkpoint.resolve_resume(cfg.out, cfg.resume)
+        if cfg.resume == "never" and (Path(cfg.out) / "checkpoints").is_dir():
+            log.warning("--resume never: deleting the old checkpoints in %s", cfg.out)
+            checkpoint.clear_after(cfg.out, -1)
+        elif path is not None:
+            checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
+    if dist.is_initialized():
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    return path
+
+
+def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
+           record: dict, draft=None) -> dict | None:
+    """The trainer state of the checkpoint this run continues (weights, optimizer, schedule
+    and RNG restored into the given objects), or None for a fresh run. A checkpoint of another
+    draft (`record`: this run's draft_config.json), of another draft vocabulary than `draft`'s
+    (its d2t/t2d, from --vocab) or of another data plan is refused; another --epochs or
+    --max-steps is warned about."""
+    path = resume_path(cfg, env)
+    if path is None:
+        return None
+    check_same_draft(path, record)
+    t2d = None if draft is None else draft.t2d.clone()  # (--vocab's, before the load)
+    if env.main:
+        _warn_recipe_changes(cfg)
+    try:
+        state = checkpoint.load(path, model, optimizer, scheduler)
+    except (KeyError, RuntimeError, ValueError) as err:  # torch names only the missing state
+        started = _started_with(cfg)
+        raise EyasError(f"the optimizer state in {path} does not fit this run's trained "
+                        f"parameters and optimizer (--optimizer {cfg.optimizer}, "
+                        f"{'--freeze-lm-head' if cfg.freeze_lm_head else '--no-freeze-lm-head'}"
+                        f"; {err}): it was saved by another. Resume with the settings the run "
+                        f"started with"
+                        + (f" ({started})" if started else "")
+                        + ", or start over with --resume never.", flag="--resume") from err
+    check_same_vocab(path, draft, t2d)
+    if state["plan"] != plan.fingerprint:
+        raise EyasError(f"{path} was trained with other data or batching (samples, "
+                        f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
+                        f"--grad-accum); resume with the same settings or use --resume never.",
+                        flag="--resume")
+    return state
+
+
+def check_same_vocab(path: Path, draft, t2d: torch.Tensor | None) -> None:
+    """Refuse a checkpoint whose draft vocabulary (restored with its weights) is not the one
+    of --vocab (`t2d`, this run's): its head rows and the teacher's would be other tokens."""
+    if t2d is not None and not torch.equal(draft.t2d.cpu(), t2d.cpu()):
+        raise EyasError(f"{path} was trained with another draft vocabulary than --vocab's (same "
+                        f"size, other tokens): give the --vocab folder the run started with "
+                        f"(its eyas.json lists it under inputs), or start over with --resume "
+                        f"never (or a new --out).", flag="--resume")
+
+
+def started_config(out: str | Path) -> dict:
+    """The train config the run in `out` was started with (its eyas.json), or {} for none."""
+    try:
+        return json.loads((Path(out) / "eyas.json").read_text()).get("config") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _started_with(cfg: TrainConfig) -> str:
+    """The optimizer and lm_head flags of the run this one continues, or ''."""
+    old = started_config(cfg.out)
+    flags = []
+    if "optimizer" in old:
+        flags.append(f"--optimizer {old['optimizer']}")
+    if "freeze_lm_head" in old:
+        flags.append("--freeze-lm-head" if old["freeze_lm_head"] else "--no-freeze-lm-head")
+    return " ".join(flags)
+
+
+# what a resumed run may change, but then trains the rest of the run another way
+_RECIPE = ("lr", "muon_lr", "betas", "weight_decay", "lr_decay", "warmup_ratio", "min_lr_ratio",
+           "grad_clip", "ttt_steps", "step_weight", "loss", "loss_mask_at", "vocab_filter",
+           "freeze_lm_head")
+
+
+def _warn_recipe_changes(cfg: TrainConfig) -> None:
+    """Say which recipe options differ from the run this one continues (its eyas.json): the
+    steps before the checkpoint were trained the old way; and a new --epochs / --max-steps (a
+    run may be lengthened, but its learning-rate schedule then jumps to the new length's)."""
+    old = started_config(cfg.out)
+    new = dataclasses.asdict(cfg)
+    changed = [f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in _RECIPE
+               if k in old and json.loads(json.dumps(new[k])) != old[k]]
+    if changed:
+        log.warning("resuming %s with another recipe than it was started with (%s): the steps "
+                    "before the checkpoint were trained the old way", cfg.out, "; ".join(changed))
+    for name in ("epochs", "max_steps"):
+        if name in old and old[name] != new[name]:
+            flag = name.replace("_", "-")
+            log.warning("the run in %s was started with --%s %s, resumed with %s: the learning "
+                        "rate follows the new length's schedule from here (it jumps); resume "
+                        "with --%s %s to keep the old one, or start over with --resume never",
+                        cfg.out, flag, old[name], new[name], flag, old[name])
+
+
+def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: TrainConfig,
+              env: Env, plan, best: dict, record: dict, last_train, last_eval,
+              eval_due: bool = False) -> None:
+    """Checkpoint `step`: weights, optimizer, schedule, data position, RNG, this run's
+    draft_config.json (`record`) and metrics; keep the last --keep-last and the best.
+    `eval_due`: the step's eval was left for the resumed run (a stop on an eval step saves
+    first: torchrun kills a rank 30 s after passing a SIGTERM on)."""
+    checkpoint.save(run_dir, step, model, optimizer, scheduler, draft_config=record,
+                    keep_last=cfg.keep_last,
+                    state={"step": step, "data_position": step * plan.per_step,
+                           "plan": plan.fingerprint, "best": best,
+                           "world_size": env.world_size, "eval_due": eval_due},
+                    metrics={"train": last_train, "eval": last_eval}, best_step=best["step"])
