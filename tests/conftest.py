@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile
@@ -14,6 +15,13 @@ import pytest
 import torch
 
 from eyas.targets.tiny import TINY_ARCHS, build_tiny_model, tiny_tokenizer
+
+# A suite started in the background of a shell without job control (`make test &`) inherits
+# SIGINT ignored, and so does every process it starts: the Ctrl-C tests then saw no
+# KeyboardInterrupt (six failed so, session 32). Python's own handler, as in a foreground run;
+# processes the tests start get SIGINT's default back at exec and install it themselves.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
