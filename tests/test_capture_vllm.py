@@ -35,6 +35,7 @@ from eyas.store.manifest import read_manifest, target_record
 from eyas.targets.models import load_target, load_tokenizer
 
 from test_capture import make_prepared
+from vllm_cpu_site.sitecustomize import Event as _Event, Stream as _Stream  # CUDA stand-ins
 
 AUX = (2, 4, 5)      # the tiny Llama's default ids (L = 8)
 LAYERS = [2, 4, 5, 8]  # what vLLM is asked for: the aux ids and L
@@ -435,25 +436,6 @@ def test_real_vllm_capture_equals_the_transformers_capture(tmp_path_factory, cap
                                        atol=2**-10 * ref.float().abs().max().item())
 
 
-class _Event:
-    """torch.cuda.Event for the connector on the CPU: its copies are synchronous there."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, *args):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _Stream(_Event):
-    def wait_event(self, *args):
-        pass
 
 
 @pytest.fixture
