@@ -688,7 +688,8 @@ def test_vllm_cpu_capture_at_tensor_parallel_2_equals_tp1_and_transformers(arch,
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        pytest.skip("the stand-ins are for vLLM's CPU build; on GPUs: benchmarks/capture_backends.py")
+        pytest.skip("the stand-ins are for vLLM's CPU build; on GPUs: "
+                    "benchmarks/capture_backends.py")
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallel 2 on the CPU binds one core to each of two workers")
     root = tmp_path_factory.mktemp(f"capture-vllm-tp-{arch}")

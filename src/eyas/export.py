@@ -454,8 +454,9 @@ def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
         check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
                           fix="measure this draft with `eyas eval` on the target it was "
                               "trained for", weights=False)
-        runs = _runs_measured(evaluated)
-        if train is not None and runs and not runs & ({train.get("run"), train.get("id")} - {None}):
+        runs = _runs_measured(evaluated)  # each run's `run`, or its id for an older eyas
+        ours = {train.get("run"), train.get("id")} - {None} if train is not None else set()
+        if train is not None and runs and not runs & ours:
             raise EyasError(f"--acceptance-report {path} measured a draft of another training "
                             f"run than {train.get('path')}; measure this one (`eyas eval "
                             f"--draft` on this export or on the run) and quote that report")

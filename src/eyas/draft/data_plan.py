@@ -133,11 +133,6 @@ def eval_rank_batches(batches: list, *, rank: int, world_size: int) -> list:
     return mine + [None] * (per_rank - len(mine))
 
 
-def count_tokens(batches: list, lengths: np.ndarray, row_tokens: int) -> int:
-    """Real (non-padding) tokens in planned micro-batches, for throughput figures."""
-    return sum(min(int(lengths[i]), row_tokens) for b in batches for row in b for i in row)
-
-
 @dataclass(frozen=True)
 class Plan:
     """The run's data order (see this module's docstring): every global micro-batch, and the

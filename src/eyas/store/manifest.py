@@ -117,8 +117,8 @@ def train_run(folder: str | Path, resumed: bool) -> str:
     last, where the manifest's own id changes as it trains (complete, best, steps). A resumed
     run keeps the one its folder records; a fresh run, or one from an eyas that recorded none,
     gets a new one."""
-    earlier = peek_manifest(folder) if resumed else None
-    kept = (earlier or {}).get("run") if (earlier or {}).get("step") == "train" else None
+    earlier = (peek_manifest(folder) or {}) if resumed else {}
+    kept = earlier.get("run") if earlier.get("step") == "train" else None
     return kept if isinstance(kept, str) and kept else secrets.token_hex(8)
 
 
