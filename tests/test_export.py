@@ -685,6 +685,11 @@ def test_acceptance_report_of_another_checkpoint_is_refused(tmp_path, caplog):
         exported("best", measured(str(tmp_path / "run"), [run]))
     assert "cannot tell whether it measured step-00000010" in caplog.text
     assert "| 3 | 2.000 |" in (tmp_path / "d" / "README.md").read_text()
+    # a folder that only looks like a step (not eyas's eight digits) names no step either
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        exported("best", measured(str(tmp_path / "copies" / "step-5"), [run]))
+    assert "cannot tell whether it measured step-00000010" in caplog.text
 
 
 def test_cli_runs_export(tmp_path, capsys):

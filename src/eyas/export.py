@@ -45,6 +45,7 @@ from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
 from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
                                 sglang_layer_ids)
 from eyas.serve.export_readme import render_readme
+from eyas.store.checkpoint import STEP_DIR
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
                                  peek_manifest, read_manifest, write_manifest)
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
@@ -465,9 +466,9 @@ def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
 
 
 def _step_number(checkpoint: str | Path | None) -> int | None:
-    """N of a checkpoints/step-N folder, None for any other path."""
-    name = Path(checkpoint or "").name
-    return int(name.removeprefix("step-")) if re.fullmatch(r"step-\d+", name) else None
+    """N of a checkpoints/step-N folder (N in eyas's eight digits), None for any other path."""
+    match = STEP_DIR.match(Path(checkpoint or "").name)
+    return int(match.group(1)) if match else None
 
 
 def _step_measured(evaluated: dict, report: dict) -> int | None:
