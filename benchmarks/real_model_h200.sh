@@ -347,6 +347,17 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
       # 8,612 chat rows; an id in both keeps the first file's row)
       gunzip -c $(echo "$SERVED_CONVERSATIONS" | tr , ' ') > $W/qwen-conversations.jsonl || \
         continue
+      # SERVED_DROP_SOURCES (e.g. bigbench): the carried rows of those sources left out, by the
+      # id eyas regenerate writes first in a row ("SOURCE/..."); e.g. session 29's 12,000
+      # chat-first conversations out of sessions 26's and 29's files, with no regeneration
+      if [ -n "${SERVED_DROP_SOURCES:-}" ]; then
+        all=$(wc -l < $W/qwen-conversations.jsonl)
+        grep -v -E "^\{\"id\": \"($(echo "$SERVED_DROP_SOURCES" | tr , '|'))/" \
+          $W/qwen-conversations.jsonl > $W/qwen-conversations.kept
+        mv $W/qwen-conversations.kept $W/qwen-conversations.jsonl
+        stage "served: $(wc -l < $W/qwen-conversations.jsonl) of $all carried conversations \
+kept, those of $SERVED_DROP_SOURCES left out"
+      fi
       conv=(--conversations $W/qwen-conversations.jsonl ${SERVED_TOP_UP:+--top-up})
     fi
     # the target's answers go home first (results.tgz), as soon as they are regenerated, in

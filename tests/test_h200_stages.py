@@ -93,6 +93,15 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     with gzip.open(parts[0], "rt") as a, gzip.open(parts[1], "rt") as b:
         rows = a.read() + b.read()
     assert (tmp_path / "w/qwen-conversations.jsonl").read_text() == rows
+    # a source left out of what is carried: session 29's 12,000 chat-first conversations
+    shutil.rmtree(tmp_path / "w")
+    calls, stages = _stage(tmp_path, SERVED_CONVERSATIONS=",".join(map(str, parts)),
+                           SERVED_DROP_SOURCES="bigbench,nosuchsource")
+    # (split at newlines only: answers hold U+2028, which str.splitlines also splits at)
+    kept = (tmp_path / "w/qwen-conversations.jsonl").read_text().split("\n")[:-1]
+    assert len(kept) == 12000 and not any("bigbench/" in line.split(",")[0] for line in kept)
+    assert kept == [x for x in rows.split("\n")[:-1] if not x.startswith('{"id": "bigbench/')]
+    assert "served: 12000 of 16612 carried conversations kept" in stages
 
 
 def test_ngram_steps_measures_the_curve_s_sets_at_its_eval_settings(tmp_path):
