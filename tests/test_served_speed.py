@@ -432,6 +432,7 @@ def test_served_shape_serves_its_draft_at_each_k(tmp_path):
         step = eagle[0]["tpot_ms"]["mean"] * eagle[0]["vllm"]["acceptance_length"]
         assert s["eagle3_step_ms"] == round(step, 3) > 0
         assert s["eagle3_break_even_al"] == round(step / none[0]["tpot_ms"]["mean"], 3)
+        assert s["eagle3_step_ms"] > s["tpot_p50_ms_none"] * 0.5
 
 
 def test_served_shape_qwen_shapes_have_the_targets_size():
