@@ -21,8 +21,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.manifest import check_same_target, read_manifest, target_record
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
