@@ -132,7 +132,7 @@ def test_steps_agree_with_each_other(plans, name):
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_notes_match_doctor_and_config(plans, name):
     from eyas.doctor import capture_bytes_per_token
-    from eyas.targets.models import default_aux_layer_ids
+    from eyas.targets.taps import default_aux_layer_ids
 
     doc = _doctor_block(name)
     num_layers = int(re.search(r": (\d+) x ", doc["decoder layers"]).group(1))

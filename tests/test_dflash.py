@@ -11,7 +11,7 @@ import torch
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.targets.models import dflash_aux_layer_ids, validate_aux_layer_ids
+from eyas.targets.taps import dflash_aux_layer_ids, validate_aux_layer_ids
 
 # ----------------------------------------------------------------------------- fixtures
 
