@@ -56,7 +56,8 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 TRAIN_RUNNER = """
 import json, sys
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 train(TrainConfig(**json.loads(sys.argv[1])))
 """
 CAPTURE_RUNNER = """
@@ -120,7 +121,7 @@ def _one_train(root: Path, name: str, base: dict, nproc: int | None, timeout: fl
     checkpoint."""
     from eyas.store import checkpoint
     from eyas.config import to_dict
-    from eyas.train import TrainConfig
+    from eyas.draft.train_config import TrainConfig
 
     if start:
         overrides["resume"] = str(checkpoint.step_dir(root / name, start))

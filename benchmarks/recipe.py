@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from real_model import _best_eval, run  # noqa: E402  (the same CLI runner and records)
 
-from eyas.train import PREVIOUS_RECIPE  # noqa: E402
+from eyas.draft.train_config import PREVIOUS_RECIPE  # noqa: E402
 
 
 def _flags(recipe: dict) -> list[str]:

@@ -44,7 +44,8 @@ from eyas.draft import data, data_loader, data_plan
 from eyas.store.manifest import target_record, write_manifest
 from eyas.store.shard_writer import write_part
 from eyas.store.shards import part_name, quantize_fp8
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

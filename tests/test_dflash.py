@@ -11,7 +11,7 @@ import torch
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.targets.models import dflash_aux_layer_ids, validate_aux_layer_ids
+from eyas.targets.taps import dflash_aux_layer_ids, validate_aux_layer_ids
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -133,7 +133,8 @@ def test_capture_dflash_taps_default(dflash_inputs, tmp_path):
 
 
 def test_eagle3_training_refuses_a_five_tap_capture_with_the_fix(dflash_inputs, tmp_path):
-    from eyas.train import TrainConfig, train
+    from eyas.draft.train_config import TrainConfig
+    from eyas.train import train
 
     cfg = TrainConfig(data=dflash_inputs["captured"], out=str(tmp_path / "run"), max_steps=1,
                       batch_tokens=256, num_workers=0, lm_head="scratch")
@@ -396,7 +397,7 @@ def test_forward_counts_accepted_chains():
 
 
 def _dflash_train_cfg(inputs, out, **kw):
-    from eyas.train import TrainConfig
+    from eyas.draft.train_config import TrainConfig
 
     base = dict(data=inputs["captured"], out=str(out), draft="dflash", block_size=4,
                 num_anchors=16, dflash_layers=1, batch_tokens=256, max_steps=12, lr=3e-3,
@@ -571,7 +572,7 @@ def test_eyas_run_wires_a_dflash_pipeline(tmp_path, llama_dir):
     (dict(mask_token_id=-2), "--mask-token-id must be >= 0 .or -1"),
 ])
 def test_dflash_config_errors_name_the_flag(kw, match):
-    from eyas.train import TrainConfig
+    from eyas.draft.train_config import TrainConfig
 
     with pytest.raises(ConfigError, match=match):
         TrainConfig(data="d", out="o", draft="dflash", **kw)
@@ -581,7 +582,7 @@ def test_dflash_config_errors_name_the_flag(kw, match):
                                 dict(loss_decay_gamma=0.0), dict(dflash_layers=2),
                                 dict(mask_token_id=3), dict(dflash_labels="target")])
 def test_an_eagle3_run_refuses_a_dflash_option_instead_of_ignoring_it(kw):
-    from eyas.train import TrainConfig
+    from eyas.draft.train_config import TrainConfig
 
     flag = "--" + next(iter(kw)).replace("_", "-")
     with pytest.raises(ConfigError, match=f"{flag} is a DFlash option.*add --draft dflash"):

@@ -11,9 +11,9 @@ from torch import nn
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
-from eyas.targets.models import (build_meta_model, default_aux_layer_ids, inspect_model, load_config,
-                                load_target, load_tokenizer, submodule, text_config,
-                                validate_aux_layer_ids)
+from eyas.targets.models import (build_meta_model, inspect_model, load_config, load_target,
+                                load_tokenizer, submodule, text_config)
+from eyas.targets.taps import default_aux_layer_ids, validate_aux_layer_ids
 from eyas.targets.tiny import TINY_ARCHS, tiny_config
 
 FIXTURES = (*TINY_ARCHS, "kimi_like")

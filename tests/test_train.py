@@ -25,7 +25,8 @@ from eyas.store import checkpoint
 from eyas.draft import data, data_loader, data_plan
 from eyas.config import ConfigError, to_dict
 from eyas.errors import EyasError
-from eyas.train import TrainConfig, train, warmup_cosine
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train, warmup_cosine
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -195,7 +196,7 @@ def test_unset_recipe_options_take_the_recipe_of_the_draft_family(monkeypatch, c
     given to it with another value is refused; --lm-head scratch is not frozen; a torch without
     Muon trains with AdamW alone, warned."""
     from eyas.config import ConfigError
-    from eyas.train import EAGLE3_RECIPE, PREVIOUS_RECIPE
+    from eyas.draft.train_config import EAGLE3_RECIPE, PREVIOUS_RECIPE
 
     def recipe(cfg):
         return {k: getattr(cfg, k) for k in EAGLE3_RECIPE}
@@ -363,7 +364,8 @@ def test_batch_4_accum_1_equals_batch_1_accum_4(run_inputs, tmp_path):
 KILLER = """
 import json, os, signal, sys
 from eyas.store import checkpoint
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 
 kill_at = int(sys.argv[2])
 save = checkpoint.save
@@ -389,7 +391,8 @@ def test_resume_after_sigkill_continues_exactly(run_inputs, tmp_path):
 TERMINATOR = """
 import json, os, signal, sys
 import torch
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 
 calls, clip = [0], torch.nn.utils.clip_grad_norm_
 
@@ -1100,7 +1103,7 @@ def test_a_run_started_under_the_previous_defaults_resumes_with_its_own_recipe(
     """eyas's defaults changed (issue 31: speculators' recipe); a run started before, resumed
     with no recipe flags, keeps the recipe it started with (its eyas.json) instead of being
     refused or changed halfway; a flag given on resume still wins."""
-    from eyas.train import PREVIOUS_RECIPE
+    from eyas.draft.train_config import PREVIOUS_RECIPE
 
     old = dict(PREVIOUS_RECIPE, lm_head="target", save_every=2)
     train(_cfg(run_inputs, tmp_path, max_steps=2, **old))

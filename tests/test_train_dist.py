@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from eyas.store import checkpoint
 from eyas.config import to_dict
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 
 from test_train import run_inputs  # noqa: F401  (the module-scoped pipeline fixture)
 
@@ -27,7 +28,8 @@ from test_train import run_inputs  # noqa: F401  (the module-scoped pipeline fix
 RUNNER = """
 import json, sys
 import torch.distributed as dist
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 train(TrainConfig(**json.loads(sys.argv[1])))
 assert not dist.is_initialized(), "train() left the process group joined"
 """
@@ -142,7 +144,8 @@ import json, os, signal, sys
 import torch
 import torch.distributed as dist
 import eyas.train
-from eyas.train import TrainConfig, train
+from eyas.draft.train_config import TrainConfig
+from eyas.train import train
 
 calls, clip, save = [0], torch.nn.utils.clip_grad_norm_, eyas.train.save_step
 

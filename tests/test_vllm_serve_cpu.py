@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from eyas.evaluate import load_draft
+from eyas.serve.draft_loading import load_draft
 from eyas.export import ExportConfig, export
 from eyas.serve.speculate import (Eagle3Drafter, Sampling, TargetRunner, generate_plain,
                                   generate_speculative)

@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def eyas_split(capture: Path, eval_fraction: float | None, seed: int | None):
     """(source, train ids, eval ids) exactly as `eyas train` splits this capture."""
     from eyas.draft.data import OfflineSource, split_eval, split_ids
-    from eyas.train import TrainConfig
+    from eyas.draft.train_config import TrainConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     fraction = defaults["eval_fraction"] if eval_fraction is None else eval_fraction

@@ -18,7 +18,7 @@ _EXPORTS = {
     "convert": "eyas.convert", "ConvertConfig": "eyas.convert",
     "capture": "eyas.capture", "CaptureConfig": "eyas.capture",
     "vocab": "eyas.vocab", "VocabConfig": "eyas.vocab",
-    "train": "eyas.train", "TrainConfig": "eyas.train",
+    "train": "eyas.train", "TrainConfig": "eyas.draft.train_config",
     "export": "eyas.export", "ExportConfig": "eyas.export",
     "evaluate": "eyas.evaluate", "EvalConfig": "eyas.evaluate",
     "regenerate": "eyas.regenerate", "RegenerateConfig": "eyas.regenerate",

@@ -112,7 +112,7 @@ class CaptureConfig:
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"limit must be >= 1 (or unset), got {self.limit}")
         if self.aux_layer_ids:
-            from eyas.targets.models import validate_aux_layer_ids
+            from eyas.targets.taps import validate_aux_layer_ids
 
             validate_aux_layer_ids(self.aux_layer_ids, None, count=None)
         if self.dflash_taps < 0 or (self.dflash_taps and self.aux_layer_ids):
@@ -176,7 +176,8 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
     """`capture` through a vLLM engine (eyas.serve.vllm_capture): the same shards, resume and
     manifest; what vLLM's files fail is set aside with its reason."""
     from eyas.serve.vllm_capture import VLLMCapture
-    from eyas.targets.models import inspect_model, load_config, validate_aux_layer_ids
+    from eyas.targets.models import inspect_model, load_config
+    from eyas.targets.taps import validate_aux_layer_ids
 
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
@@ -224,7 +225,7 @@ def vllm_engine_args(text: str) -> dict:
 
 
 def _aux_ids(cfg: CaptureConfig, info) -> tuple[int, ...]:
-    from eyas.targets.models import default_aux_layer_ids, dflash_aux_layer_ids
+    from eyas.targets.taps import default_aux_layer_ids, dflash_aux_layer_ids
 
     return tuple(cfg.aux_layer_ids) or (
         dflash_aux_layer_ids(info.num_layers, cfg.dflash_taps) if cfg.dflash_taps else
@@ -246,7 +247,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
     """Capture with an already loaded target (what `capture` does after loading; benchmarks
     call it directly; with --backend vllm `model` is the VLLMCapture). Resumes this shard's
     previous run; returns summary stats."""
-    from eyas.targets.models import validate_aux_layer_ids
+    from eyas.targets.taps import validate_aux_layer_ids
 
     aux_ids = _aux_ids(cfg, info)
     validate_aux_layer_ids(aux_ids, info.num_layers, count=None)

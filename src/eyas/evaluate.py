@@ -27,12 +27,12 @@ from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
                                     mismatch_message, summarize, write_report)
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
-from eyas.store.manifest import (MANIFEST, check_out, check_same_target, peek_manifest,
-                                 read_manifest, target_record, write_manifest)
+from eyas.store.manifest import check_out, check_same_target, target_record, write_manifest
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
 from eyas.dflash.model import DFlashDraft
 from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
+from eyas.serve.draft_loading import check_draft, load_draft, measured_checkpoint
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
 # Prompt and load_prompts: also used as eyas.evaluate.* by benchmarks and tests
@@ -313,97 +313,13 @@ def _logit_margin(runner, prompts, reference, mismatch: dict) -> dict:
     return {"margin": want - got, "logit": want}
 
 
-# ---------------------------------------------------------------- target and draft
+# ---------------------------------------------------------------- the target
 
 def _load_target(cfg: EvalConfig):
     from eyas.targets.models import load_target
 
     return load_target(cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
                        dtype=cfg.dtype, device=cfg.device)
-
-
-def load_draft(folder: str | Path, embedding: torch.nn.Module,
-               lm_head: torch.nn.Module | None = None, target: dict | None = None, *,
-               weights: bool = True):
-    """An `eyas export` folder (config.json + safetensors, any export format; EAGLE-3 or
-    DFlash), a training step folder or a run folder (its best, else last, checkpoint), on the
-    embedding's device and dtype. A DFlash draft reads the target's `lm_head` too. `target`:
-    the target's manifest record; a draft whose manifest names another target (with
-    `weights`, also one of the same shape with other weights) is refused, naming it, before
-    it is built. Returns (draft, manifest of the export or run folder, or
-    None)."""
-    from eyas.draft.eagle3 import Eagle3Draft
-    from eyas.dflash.formats import dflash_checkpoint_config, is_dflash_folder
-    from eyas.draft.formats import PICK_ANOTHER, load_checkpoint, read_json, read_weights
-
-    folder = Path(folder)
-    step, manifest_dir = _draft_source(folder)
-    manifest = None
-    if manifest_dir is not None and (Path(manifest_dir) / MANIFEST).is_file():
-        manifest = read_manifest(manifest_dir)
-        check_same_target(manifest.get("target"), target, f"draft {folder}", weights=weights)
-    if step is None:
-        draft = (DFlashDraft.from_pretrained(folder, embedding.weight, _head(lm_head, folder))
-                 if is_dflash_folder(folder) else
-                 Eagle3Draft.from_pretrained(folder, embed_tokens=embedding))
-    else:
-        dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER))
-        if dflash is not None:
-            draft = DFlashDraft(dflash)
-            draft.load_state_dict(read_weights(step / "draft.safetensors", PICK_ANOTHER))
-            draft.set_target(embedding.weight, _head(lm_head, folder))
-        else:
-            dcfg, state = load_checkpoint(step)
-            draft = Eagle3Draft(dcfg, embedding)
-            draft.load_state_dict(state)
-    w = embedding.weight
-    return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
-
-
-def _draft_source(folder: Path) -> tuple[Path | None, Path | None]:
-    """(the training checkpoint a --draft folder is or picks, None for an export folder; the
-    folder whose eyas.json describes the draft, or None)."""
-    from eyas.draft.formats import find_checkpoint
-
-    if (folder / "config.json").is_file():
-        return None, folder
-    if (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
-        try:
-            return find_checkpoint(folder, "best")
-        except EyasError:  # a run without eval during training has no best
-            return find_checkpoint(folder, "last")
-    raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
-                    f"(config.json + model.safetensors) or an `eyas train` run or "
-                    f"checkpoint folder")
-
-
-def measured_checkpoint(folder: str | Path) -> str | None:
-    """The training checkpoint (its step-N folder) an eval of --draft `folder` measures: the
-    step folder itself, a run's best (else last), or the checkpoint an export recorded (None
-    for a folder eyas did not export). `eyas export --acceptance-report` compares it."""
-    step, _ = _draft_source(Path(folder))
-    if step is not None:
-        return str(step.resolve())
-    return (peek_manifest(folder) or {}).get("checkpoint")
-
-
-def _head(lm_head: torch.nn.Module | None, folder) -> torch.Tensor:
-    if lm_head is None:
-        raise EyasError(f"{folder} is a DFlash draft: it needs the target's lm_head, and this "
-                        f"target has no output head eyas can find; evaluate it with the "
-                        f"causal-LM target it was trained for (eyas doctor TARGET shows the "
-                        f"head it finds)")
-    return lm_head.weight
-
-
-def _check_draft(draft, info, folder: str) -> None:
-    c = draft.cfg
-    width = c.hidden_size if isinstance(draft, DFlashDraft) else c.target_hidden_size
-    if c.vocab_size != info.vocab_size or width != info.hidden_size:
-        raise EyasError(f"draft {folder} expects a target with vocab_size {c.vocab_size} and "
-                        f"hidden_size {width}, but {info.architecture} has "
-                        f"{info.vocab_size} and {info.hidden_size}; evaluate it with the "
-                        f"target it was trained for")
 
 
 # ---------------------------------------------------------------- the step
@@ -535,7 +451,7 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
         draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path),
                                            model.get_output_embeddings(), record,
                                            weights=not cfg.accept_other_weights)
-        _check_draft(draft, info, cfg.draft)
+        check_draft(draft, info, cfg.draft)
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
                         _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)

@@ -28,8 +28,6 @@ import torch
 
 from eyas.dflash.model import DFlashDraft
 
-LABELS = ("data", "target")
-
 
 @dataclass
 class Blocks:

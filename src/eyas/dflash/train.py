@@ -36,8 +36,7 @@ from eyas.draft.train_setup import (Schedules, build_optimizers, check_gradients
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import train_run, write_manifest
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

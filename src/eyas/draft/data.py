@@ -21,8 +21,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.manifest import check_same_target, read_manifest, target_record
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +166,8 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
 
 def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inputs:
     from eyas.store.prepared import load_split
-    from eyas.targets.models import load_target, load_tokenizer, submodule, validate_aux_layer_ids
+    from eyas.targets.models import load_target, load_tokenizer, submodule
+    from eyas.targets.taps import validate_aux_layer_ids
 
     dmap = cfg.target_device_map
     prepared = read_manifest(cfg.data, step="prepare")
@@ -185,7 +185,7 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}",
                       weights=False)
     if cfg.draft == "dflash":  # any number of taps; default: DFlash's layout, one per layer
-        from eyas.targets.models import dflash_aux_layer_ids
+        from eyas.targets.taps import dflash_aux_layer_ids
 
         aux = validate_aux_layer_ids(cfg.aux_layer_ids or dflash_aux_layer_ids(
             info.num_layers, cfg.dflash_layers or 5), info.num_layers, count=None)

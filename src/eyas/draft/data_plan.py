@@ -23,8 +23,7 @@ import numpy as np
 from eyas.draft.data import Inputs
 from eyas.draft.processes import Env
 from eyas.errors import EyasError
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 
 @dataclass(frozen=True)

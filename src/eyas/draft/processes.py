@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from eyas.errors import EyasError
 from eyas.kernels import fp8
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ import torch.distributed as dist
 from eyas.draft.processes import Env
 from eyas.errors import EyasError
 from eyas.store import checkpoint
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,7 @@ from eyas.draft.processes import Env, compute_dtype
 from eyas.draft.ttt import ttt_forward
 from eyas.draft.ttt_graph import GraphedTTT
 from eyas.errors import EyasError
-
-# TrainConfig: from the step eyas.train, named in annotations only (a layer never imports a step)
+from eyas.draft.train_config import TrainConfig
 
 
 def build_draft(cfg: TrainConfig, inputs: Inputs, env: Env):

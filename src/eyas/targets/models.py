@@ -17,7 +17,7 @@ step that loads a target through `load_config` / `load_tokenizer` / `load_target
 
 Layer ids follow vLLM: aux id `k` is the residual stream entering decoder layer `k`
 (= HF `output_hidden_states[k]` for `k < L`); id `L` is the last layer's output before the
-final norm.
+final norm (their defaults and checks: eyas.targets.taps).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from torch import nn
 from eyas.config import ConfigError
 from eyas.errors import EyasError
 from eyas.targets.quantized import check_fp8_blocks
+from eyas.targets.taps import default_aux_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -78,72 +79,6 @@ class ModelInfo:
     dtype: str  # parameter dtype of a loaded model, or the config's dtype
     quantization: dict | None  # config.quantization_config as a dict
     default_aux_layer_ids: tuple[int, int, int]
-
-
-# ----------------------------------------------------------------------------- aux layer ids
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """vLLM's default aux ids `(2, L//2, L-3)`: early, middle and late residual streams.
-
-    For a 61-layer DeepSeek-V3 / Kimi-K2.5 that is (2, 30, 58); for 32-layer Llama-3.1-8B
-    (2, 16, 29). Below L = 7 those three collide, so tiny test models get the same early /
-    middle / late spread from what exists: (1, L//2, L-1) for L = 4..6 and (0, 1, 2) for
-    L = 2..3. Every result is strictly ascending and within [0, L].
-    """
-    if num_layers >= 7:
-        return (2, num_layers // 2, num_layers - 3)
-    if num_layers >= 4:
-        return (1, num_layers // 2, num_layers - 1)
-    if num_layers >= 2:
-        return (0, 1, 2)
-    raise ConfigError(f"a target with {num_layers} decoder layer(s) has no 3 distinct aux "
-                      f"layers; EAGLE-3 needs num_hidden_layers >= 2")
-
-
-def dflash_aux_layer_ids(num_layers: int, taps: int) -> tuple[int, ...]:
-    """DFlash's default taps in vLLM's convention: SpecForge / z-lab / SGLang spread `taps`
-    layer OUTPUTS evenly from layer 1 to layer L-3 (`round(1 + i*(L-4)/(taps-1))`, `L//2` for
-    one tap); output of layer t is vLLM's aux id t+1 (docs/dflash.md section 7). Qwen3-8B
-    (L = 36), 5 taps: (2, 10, 18, 26, 34). A target too shallow for `taps` distinct ids is
-    refused with the most it can take."""
-    if taps < 1:
-        raise ConfigError(f"a DFlash capture needs at least 1 tap, got {taps}")
-    if taps == 1:
-        return (num_layers // 2 + 1,)
-    span = num_layers - 4
-    if span < taps - 1:
-        raise ConfigError(f"a target with {num_layers} decoder layers has no {taps} distinct "
-                          f"DFlash default taps (it has {max(span + 1, 1)}); use fewer "
-                          f"--dflash-taps or give --aux-layer-ids explicitly")
-    # Python's round (half to even), as the reference helpers compute it
-    return tuple(round(1 + i * span / (taps - 1)) + 1 for i in range(taps))
-
-
-def validate_aux_layer_ids(ids, num_layers: int | None, count: int | None = 3) -> tuple[int, ...]:
-    """Check aux ids: `count` ints (EAGLE-3's 3; None = any number >= 1, e.g. DFlash's taps),
-    strictly ascending, each in [0, L].
-
-    `num_layers=None` checks everything but the upper bound (for config validation before the
-    target is known). Returns the ids as a tuple of ints.
-    """
-    ids = tuple(ids)
-    hint = ("" if num_layers is None or num_layers < 2 else
-            f" (this target has L = {num_layers}; its default is "
-            f"--aux-layer-ids {','.join(map(str, default_aux_layer_ids(num_layers)))})")
-    ints = all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-    if count is None and not (ints and ids):
-        raise ConfigError(f"aux_layer_ids must be integers (at least one), got {ids!r}{hint}")
-    if count is not None and (len(ids) != count or not ints):
-        raise ConfigError(f"aux_layer_ids must be exactly {count} integers, got {ids!r}; EAGLE-3 "
-                          f"fuses three target layers{hint}")
-    if any(i < 0 for i in ids) or (num_layers is not None and any(i > num_layers for i in ids)):
-        raise ConfigError(f"aux_layer_ids {ids} out of range: each id must be in [0, L] "
-                          f"(vLLM convention: id k = input of decoder layer k, id L = last "
-                          f"layer output){hint}")
-    if any(a >= b for a, b in zip(ids, ids[1:])):
-        raise ConfigError(f"aux_layer_ids {ids} must be strictly ascending with no "
-                          f"duplicates{hint}")
-    return ids
 
 
 # ----------------------------------------------------------------------------- configs
