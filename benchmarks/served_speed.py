@@ -43,7 +43,9 @@ Timing per request from this process: time to first token, and time per output t
 it). Output tokens/s = all output tokens of a measurement over its wall time. Acceptance as
 vLLM counts it: its spec-decode counters (read as benchmarks/vllm_serve.py reads them),
 taken before and after each measurement; beside it `eyas eval`'s acceptance on the same
-prompts from each --eyas-report (matched by temperature and prompt set).
+prompts from each --eyas-report (matched by temperature and prompt set, and at T > 0 by how
+the drafts were drawn: --draft-sampling greedy, vLLM's default, or probabilistic, which this
+run passes to vLLM as the eagle3 ways' draft_sample_method).
 
 Prompts: eyas eval's own (eyas.evaluate.load_prompts: the target's chat template with
 `add_generation_prompt`, as `eyas regenerate --backend vllm` renders a user turn), handed to
@@ -75,6 +77,8 @@ for key, value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"), ("VLLM_NO_USAGE_STATS",
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_serve import counters, hf_folder  # noqa: E402  (read as vllm_serve.py reads them)
+
+from eyas.serve.export_readme import draft_sampling as report_draft_sampling  # noqa: E402
 
 WARMUP_TOKENS = 8
 
@@ -147,13 +151,17 @@ class Way:
         way = self.name if self.name == "none" else f"{self.method or self.name} k={self.k}"
         return way + (f" ({self.attention} attention)" if self.attention else "")
 
-    def speculative_config(self, draft: str, lookup: tuple[int, int]) -> dict | None:
+    def speculative_config(self, draft: str, lookup: tuple[int, int],
+                           draft_sampling: str = "greedy") -> dict | None:
         if self.name == "none":
             return None
         if self.name == "ngram":
             return {"method": self.method or "ngram", "num_speculative_tokens": self.k,
                     "prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
-        return {"method": "eagle3", "model": draft, "num_speculative_tokens": self.k}
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": self.k}
+        if draft_sampling != "greedy":  # vLLM's default left unsaid
+            spec["draft_sample_method"] = draft_sampling
+        return spec
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -206,12 +214,16 @@ def spec_delta(before: dict, after: dict) -> dict | None:
             "per_position": [round(x / n, 4) for x in per_pos]}
 
 
-def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float) -> dict | None:
+def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float,
+                 draft_sampling: str = "greedy") -> dict | None:
     """`eyas eval`'s acceptance for `way` on prompt set `group` at `temperature` from the
     reports given: a --bench report's result for that set first, else the overall result of
     a report that measured one set (the --data prompts; whatever the order of the reports);
-    the 95 % interval where the report has one (its primary method)."""
-    same_t = [rep for rep in reports if abs(rep["temperature"] - temperature) <= 1e-6]
+    the 95 % interval where the report has one (its primary method). At T > 0 only reports
+    that drew their drafts as this run serves them (`draft_sampling`) count: greedy and
+    probabilistic drafts accept differently."""
+    same_t = [rep for rep in reports if abs(rep["temperature"] - temperature) <= 1e-6
+              and (not temperature or report_draft_sampling(rep) == draft_sampling)]
     for rep in [r for r in same_t if group in (r.get("by_set") or {})] + \
             [r for r in same_t if not r.get("by_set")]:
         per_set = rep.get("by_set") or {}
@@ -260,7 +272,7 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
            "ttft_ms": percentiles([r["first"] - r["added"] for r in done if r["first"]]),
            "vllm": spec_delta(before, counters(llm)) if before else None,
            "same_outputs_as_no_speculation": None,
-           "eyas_eval": eyas_eval_al(reports, way, group, temperature)
+           "eyas_eval": eyas_eval_al(reports, way, group, temperature, a.draft_sampling)
            if way.name != "none" else None}
     if temperature == 0 and not (way.name == "none" and way.attention):  # (not a reference)
         key = (group, batch)
@@ -448,6 +460,9 @@ def parse_args(argv):
     p.add_argument("--ngram-max", type=int, default=4, help="vLLM's prompt_lookup_max")
     p.add_argument("--batches", default="1,8,32,64", help="concurrencies")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--draft-sampling", choices=("greedy", "probabilistic"), default="greedy",
+                   help="at T > 0, how the eagle3 ways draw drafts (vLLM's draft_sample_method; "
+                        "greedy is its default); --eyas-report rows are matched to it")
     p.add_argument("--eyas-report", action="append", default=[],
                    help="an `eyas eval` report.json on the same prompts (once per temperature)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
@@ -485,7 +500,7 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
     from eyas.serve.vllm_generate import VLLMGenerator
 
     batches = result["batches"]
-    spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max))
+    spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max), a.draft_sampling)
     if a.runner != "auto":  # read by vLLM when it builds this engine's config
         v2 = a.runner == "v2" and way.name != "ngram"  # (vLLM 0.24's V2 refuses n-gram)
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
@@ -553,7 +568,9 @@ def attach_reports(result: dict, report_paths: list[str]) -> dict:
     for row in result["rows"]:  # a row these reports do not cover keeps what it had
         if row["way"] != "none":
             row["eyas_eval"] = eyas_eval_al(reports, Way(row["way"], row["k"]), row["set"],
-                                            row["temperature"]) or row.get("eyas_eval")
+                                            row["temperature"],
+                                            result.get("draft_sampling", "greedy")) \
+                or row.get("eyas_eval")
     result["eyas_reports"] = list(dict.fromkeys(result.get("eyas_reports", []) + report_paths))
     result["summary"] = speedups(result["rows"])
     return result
@@ -616,6 +633,7 @@ def main(argv=None) -> dict:
         "max_new_tokens": a.max_new_tokens, "ignore_eos": a.ignore_eos, "batches": batches,
         "temperatures": temps, "ways": [w.label for w in ways],
         "ngram_lookup": [a.ngram_min, a.ngram_max], "eyas_reports": a.eyas_report,
+        "draft_sampling": a.draft_sampling,
         "model_runner": a.runner,  # as asked; each engine's record says which vLLM used
         # set once one starts eagle3 (without a draft, a list's first serves the run)
         "attention": tries[0] if len(tries) == 1 or not a.draft else None,

@@ -669,6 +669,15 @@ def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tm
     assert '"num_speculative_tokens": 2' in readme
     assert "--speculative-num-draft-tokens 3" in readme  # SGLang counts the bonus token
     assert "| 2 | 1.750 | 0.50, 0.25 | - |" in readme
+    assert "draft_sample_method" not in readme.split("## SGLang")[0].split("```")[1]
+    # measured at T = 1 with sampled drafts: served so
+    report.write_text(json.dumps({"primary": "dflash", "mean_acceptance_length": {"2": 1.5},
+                                  "temperature": 1.0, "draft_sampling": "probabilistic",
+                                  "num_prompts": 8, "results": []}))
+    readme = (export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "b"),
+                                  num_speculative_tokens=2, acceptance_report=str(report))) /
+              "README.md").read_text()
+    assert '"draft_sample_method": "probabilistic"' in readme
     with pytest.raises(EyasError, match=rf"drafts at most {most} per step"):
         export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "c"),
                             num_speculative_tokens=most + 1))

@@ -259,6 +259,8 @@ def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, cha
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
                                  draft=str(draft_dir), k=(2,), temperature=1.0, **SMALL))
     assert report.lossless is None
+    # how the drafts were chosen goes into report.json, for export's serve command
+    assert json.loads((tmp_path / "report.json").read_text())["draft_sampling"] == "greedy"
     for r in report.results:
         assert r.new_tokens == 3 * 10 or r.method == "target"  # tiny target rarely hits eos
         if r.method != "target":

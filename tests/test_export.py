@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -608,6 +609,8 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
     assert "| 3 | 3.000 | 0.90, 0.70, 0.40 | 1.80x |" in text
     assert "eagle_config` ids [0, 2, 4]" in text  # SGLang's convention, explained
     assert "simulated acceptance length 2.500" in text and "- ttt_steps: 7" in text
+    assert "draft_sample_method" not in text.split("## Training")[0].split("```")[1]
+    assert "To serve at temperature > 0" in text  # a T = 0 report: how to measure T > 0
     # step 5 of a run whose best is step 10
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                               which="step-5"))
@@ -1009,3 +1012,34 @@ def test_vllm_readme_warns_against_speculators_convert_of_an_eagle31_draft(tmp_p
     make_run(tmp_path / "plain", draft_config())
     out = export(ExportConfig(checkpoint=str(tmp_path / "plain"), out=str(tmp_path / "p")))
     assert "speculators convert" not in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("way", ["probabilistic", "greedy", "unrecorded"])
+def test_readme_serves_the_draft_sampling_its_report_measured(tmp_path, way):
+    """A report measured at T > 0 with probabilistic drafts: vLLM's command carries
+    "draft_sample_method": "probabilistic", so the draft is served as it was measured; with
+    greedy drafts (vLLM's default) it does not. Reports from before the field name the
+    setting in their settings line."""
+    from eyas.serve.eval_report import EvalReport
+
+    make_run(tmp_path / "run", draft_config())
+    report = EvalReport(target="tiny/llama", draft="d", primary="eagle3", temperature=1.0, k=[3],
+                        num_prompts=8, max_new_tokens=32, device="cpu", dtype="float32",
+                        mean_acceptance_length={"3": 1.4},
+                        per_position_acceptance={"3": [0.3, 0.1, 0.0]}, lossless=None,
+                        mismatches=[], draft_sampling=None if way == "unrecorded" else way,
+                        settings="chain drafts, batch size 64, probabilistic drafts (vLLM "
+                                 "draft_sample_method)" if way == "unrecorded" else "")
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.json").write_text(json.dumps(report.to_dict()))
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              acceptance_report=str(tmp_path / "report")))
+    text = (out / "README.md").read_text()
+    spec = json.loads(re.search(r"--speculative-config '(.*)'", text).group(1))
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
+    if way == "greedy":
+        assert "draft_sample_method" not in spec
+        assert "measured at temperature 1 with greedy drafts" in text
+    else:
+        assert spec["draft_sample_method"] == "probabilistic"
+        assert "measured at temperature 1 with probabilistic drafts" in text

@@ -189,6 +189,18 @@ def test_eyas_report_is_matched_by_temperature_set_method_and_k():
     assert served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 1),
                                      "humaneval", 1.0)["acceptance_length"] == 2.1
     assert served_speed.eyas_eval_al([flat], served_speed.Way("ngram", 3), "data", 0.0) is None
+    # at T > 0 a report counts only for the draft sampling it measured
+    assert served_speed.eyas_eval_al([sets], served_speed.Way("eagle3", 1), "humaneval", 1.0,
+                                     "probabilistic") is None
+    sampled = {**sets, "draft_sampling": "probabilistic"}
+    assert served_speed.eyas_eval_al([sets, sampled], served_speed.Way("eagle3", 1),
+                                     "humaneval", 1.0, "probabilistic") is not None
+    assert served_speed.eyas_eval_al([sampled], served_speed.Way("eagle3", 1), "humaneval",
+                                     1.0) is None
+    way = served_speed.Way("eagle3", 2)
+    assert "draft_sample_method" not in way.speculative_config("d", (2, 4))
+    assert way.speculative_config("d", (2, 4), "probabilistic")["draft_sample_method"] == \
+        "probabilistic"
 
 
 def test_the_first_draft_serves_first():

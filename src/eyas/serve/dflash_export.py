@@ -15,7 +15,7 @@ from eyas.dflash.config import DFlashConfig
 from eyas.dflash.formats import from_dflash_config, to_dflash_config
 from eyas.draft.formats import DTYPES
 from eyas.errors import EyasError
-from eyas.serve.export_readme import acceptance_lines
+from eyas.serve.export_readme import acceptance_lines, sampling_lines, speculative_config
 
 
 def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -62,8 +62,7 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: d
     tokens, at most the block's), and, given `eyas eval`'s report, its measured acceptance."""
     k = cfg.block_size - 1
     remote = " --trust-remote-code" if trust_remote_code else ""
-    spec = json.dumps({"method": "dflash", "model": draft,
-                       "num_speculative_tokens": served_k or k})
+    spec = speculative_config("dflash", draft, served_k or k, report)
     al = (best or {}).get("acceptance_length")
     if al and not step.endswith(f"step-{best['step']:08d}"):  # the best's, not this step's
         al = f"{al} at the run's best step {best['step']}, not this one"
@@ -79,7 +78,7 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: d
         "## vLLM (`method: dflash`; the draft's non-causal attention needs the FLASH_ATTN "
         "backend)", "", "```bash", f"vllm serve {target}{remote} \\",
         f"    --speculative-config '{spec}'", "```", "",
-        f"`num_speculative_tokens` may be anything up to {k}.", "",
+        f"`num_speculative_tokens` may be anything up to {k}.", "", *sampling_lines(report),
         "## SGLang (`--speculative-num-draft-tokens` counts the bonus token)", "", "```bash",
         f"python -m sglang.launch_server --model-path {target}{remote} \\",
         f"    --speculative-algorithm DFLASH --speculative-draft-model-path {draft} \\",

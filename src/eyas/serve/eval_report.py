@@ -93,6 +93,10 @@ class EvalReport:
     # rows of --data and the prompt sets left out of the prompts, by reason (malformed, no user
     # turn, chat template failed, too long): each is logged with its row or id
     skipped_prompts: dict[str, int] = field(default_factory=dict)
+    # at temperature > 0, how the drafts were chosen (vLLM's draft_sample_method: greedy or
+    # probabilistic); None at temperature 0, where both are the argmax. `eyas export` writes
+    # it into the serve command so that the draft is served as it was measured
+    draft_sampling: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -306,7 +310,8 @@ def _report(cfg, results, mismatches, num_prompts: int,
         mean_acceptance_length={str(r.k): r.mean_acceptance_length for r in mine},
         per_position_acceptance={str(r.k): r.per_position_acceptance for r in mine},
         lossless=(not mismatches) if cfg.lossless_check else None,
-        mismatches=mismatches, results=results, ties=ties)
+        mismatches=mismatches, results=results, ties=ties,
+        draft_sampling=cfg.draft_sampling if cfg.temperature else None)
 
 
 TIE_ULPS = 2

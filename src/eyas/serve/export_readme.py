@@ -16,10 +16,53 @@ TRAIN_KEYS = ("data", "vocab", "epochs", "max_steps", "lr", "batch_tokens", "gra
               "ttt_steps", "step_weight", "lm_head", "precision", "seed")
 
 
-def serve_commands(fmt: str, target: str, draft: str, k: int, trust_remote_code: bool) -> list[str]:
-    """Exact command lines for the format (chain drafting with k tokens)."""
+def draft_sampling(report: dict | None) -> str | None:
+    """How the quoted `eyas eval` report chose drafts at temperature > 0 (vLLM's
+    draft_sample_method), or None: no report, or one at temperature 0, where both ways take the
+    argmax. Reports from before the `draft_sampling` field name it in their settings line."""
+    if not report or not report.get("temperature"):
+        return None
+    way = report.get("draft_sampling")
+    if way is None:
+        way = "probabilistic" if "probabilistic drafts" in str(report.get("settings")) else "greedy"
+    return way
+
+
+def speculative_config(method: str, draft: str, k: int, report: dict | None) -> str:
+    """vLLM's --speculative-config for the draft, with the draft_sample_method the report
+    measured when it is not vLLM's default (greedy): served as it was measured."""
+    spec = {"method": method, "model": draft, "num_speculative_tokens": k}
+    if draft_sampling(report) == "probabilistic":
+        spec["draft_sample_method"] = "probabilistic"
+    return json.dumps(spec)
+
+
+def sampling_lines(report: dict | None) -> list[str]:
+    """What the serve commands mean for temperature > 0 (docs/eval.md, "Temperature")."""
+    way = draft_sampling(report)
+    if way == "probabilistic":
+        return [f"The acceptance below was measured at temperature {report['temperature']:g} "
+                "with probabilistic drafts, so the vLLM command carries `\"draft_sample_method\": "
+                "\"probabilistic\"`; the SGLang command does not: measure it there before "
+                "quoting this acceptance for it.", ""]
+    if way == "greedy":
+        return [f"The acceptance below was measured at temperature {report['temperature']:g} "
+                "with greedy drafts, vLLM's default `draft_sample_method`. Probabilistic drafts "
+                "usually accept more at temperature > 0 (docs/eval.md): measure them with `eyas "
+                "eval --draft-sampling probabilistic` and export with that report.", ""]
+    return ["To serve at temperature > 0, measure at that temperature with `eyas eval "
+            "--temperature T --draft-sampling probabilistic` and export with that report: the "
+            "vLLM command then carries `\"draft_sample_method\": \"probabilistic\"`, which "
+            "accepted 14-18 % more than vLLM's default greedy drafts at T = 1 where it was "
+            "measured (docs/eval.md).", ""]
+
+
+def serve_commands(fmt: str, target: str, draft: str, k: int, trust_remote_code: bool,
+                   report: dict | None = None) -> list[str]:
+    """Exact command lines for the format (chain drafting with k tokens; the draft sampling
+    of the quoted report, if any)."""
     remote = " --trust-remote-code" if trust_remote_code else ""
-    spec = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
+    spec = speculative_config("eagle3", draft, k, report)
     vllm = f"vllm serve {target}{remote} \\\n    --speculative-config '{spec}'"
     if fmt == "vllm":
         return [vllm]
@@ -41,8 +84,10 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
     lines = [f"# EAGLE-3 draft for {name}", "",
              f"Format **{cfg.format}** (`{cfg.resolved_layout}.*` weights, {cfg.dtype}), written "
              f"by eyas {__version__} from `{step}`.", "", "## Serve", ""]
-    for cmd in serve_commands(cfg.format, name, draft, cfg.num_speculative_tokens, remote):
+    for cmd in serve_commands(cfg.format, name, draft, cfg.num_speculative_tokens, remote,
+                              report):
         lines += ["```bash", cmd, "```", ""]
+    lines += sampling_lines(report)
     lines += [f"Replace `{draft}` with where this folder lives (or its hub name). If vLLM says "
               "\"Model does not support EAGLE3 interface\", install eyas in the serving "
               "environment: its vLLM plugin adds the interface to wrapper models (see "
