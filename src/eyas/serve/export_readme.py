@@ -38,13 +38,13 @@ def speculative_config(method: str, draft: str, k: int, report: dict | None) -> 
 
 
 def sampling_lines(report: dict | None) -> list[str]:
-    """What the serve commands mean for temperature > 0 (docs/eval.md, "Temperature")."""
+    """What the serve commands mean for temperature > 0 (docs/eval.md, "Numbers, and how they compare with vLLM")."""
     way = draft_sampling(report)
     if way == "probabilistic":
         return [f"The acceptance below was measured at temperature {report['temperature']:g} "
-                "with probabilistic drafts, so the vLLM command carries `\"draft_sample_method\": "
-                "\"probabilistic\"`; the SGLang command does not: measure it there before "
-                "quoting this acceptance for it.", ""]
+                "with probabilistic drafts, so the vLLM command with `--speculative-config` "
+                "carries `\"draft_sample_method\": \"probabilistic\"`; the SGLang command does "
+                "not: measure it there before quoting this acceptance for it.", ""]
     if way == "greedy":
         return [f"The acceptance below was measured at temperature {report['temperature']:g} "
                 "with greedy drafts, vLLM's default `draft_sample_method`. Probabilistic drafts "
