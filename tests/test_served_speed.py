@@ -235,8 +235,10 @@ def export_draft(folder, model, target: dict, target_dir) -> str:
                                    dtype="fp32", target=str(target_dir))))
 
 
-@pytest.mark.vllm
-def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkeypatch):
+def _served_tiny(tmp_path, fit_draft):
+    """A tiny Llama (head dim 32: vLLM's CPU attention runs it), 6 held-out prompts, eyas
+    eval's config for them and an EAGLE-3 draft fitted to its greedy answers, exported:
+    (target, data, cfg, draft). Skips without a vLLM that can run here."""
     pytest.importorskip("vllm")
     import os
 
@@ -247,7 +249,7 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from eyas.evaluate import EvalConfig, evaluate, load_prompts
+    from eyas.evaluate import EvalConfig, load_prompts
     from eyas.serve.generator import render_prompt
     from eyas.store.manifest import target_record
     from eyas.serve.speculate import Sampling, TargetRunner, generate_plain
@@ -277,8 +279,16 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
     fitted = fit_draft(llama, inspect_model(llama), [p.ids for p in prompts], refs)
     draft = export_draft(tmp_path, fitted, target_record(str(target), config=llama.config,
                                                          tokenizer=tokenizer), target)
+    return target, data, cfg, draft
+
+
+@pytest.mark.vllm
+def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkeypatch):
     import dataclasses
 
+    from eyas.evaluate import evaluate
+
+    target, data, cfg, draft = _served_tiny(tmp_path, fit_draft)
     evaluate(dataclasses.replace(cfg, draft=draft))  # eyas eval's report on the same prompts
 
     out = tmp_path / "served.json"
@@ -460,3 +470,37 @@ def test_served_shape_qwen_shapes_have_the_targets_size():
                 transformers.LlamaConfig(**served_shape.SHAPES[name]))
         n = sum(p.numel() for p in model.parameters()) / 1e6  # tied: counted once
         assert abs(n - millions) < 0.5, (name, n)
+
+
+@pytest.mark.vllm
+def test_probabilistic_drafts_are_served_so_beside_their_eval(tmp_path, fit_draft):
+    """--draft-sampling probabilistic reaches vLLM's speculative config (the engine starts
+    and drafts with it at T = 1), and the eagle3 row is set beside the `eyas eval` report
+    that drew its drafts the same way, not beside a greedy one."""
+    import dataclasses
+
+    from eyas.evaluate import evaluate
+
+    target, data, cfg, draft = _served_tiny(tmp_path, fit_draft)
+    for way in ("greedy", "probabilistic"):
+        evaluate(dataclasses.replace(cfg, draft=draft, k=(3,), temperature=1.0,
+                                     draft_sampling=way, out=str(tmp_path / way)))
+    out = tmp_path / "served.json"
+    r = served_speed.main([
+        "--target", str(target), "--draft", draft, "--data", str(data), "--num-prompts", "6",
+        "--batch1-prompts", "6", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+        "--k", "3", "--ngram-k", "", "--batches", "1", "--temperatures", "1",
+        "--draft-sampling", "probabilistic", "--no-default-baseline",
+        "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
+        "--max-model-len", "256", "--json", str(out),
+        "--eyas-report", str(tmp_path / "greedy" / "report.json"),
+        "--eyas-report", str(tmp_path / "probabilistic" / "report.json")])
+    assert r["failed"] == [] and r["draft_sampling"] == "probabilistic"
+    spec = [e["speculative_config"] for e in r["engines"] if e["way"] == "eagle3 k=3"]
+    assert spec == [{"method": "eagle3", "model": draft, "num_speculative_tokens": 3,
+                     "draft_sample_method": "probabilistic"}]
+    row = next(x for x in r["rows"] if x["way"] == "eagle3")
+    assert row["vllm"]["drafts"] > 0 and len(row["vllm"]["per_position"]) == 3
+    sampled = json.loads((tmp_path / "probabilistic" / "report.json").read_text())
+    assert row["eyas_eval"]["acceptance_length"] == \
+        sampled["mean_acceptance_length"]["3"]  # the probabilistic report's, not greedy's
