@@ -79,6 +79,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vllm_serve import counters, hf_folder  # noqa: E402  (read as vllm_serve.py reads them)
 
 from eyas.serve.export_readme import draft_sampling as report_draft_sampling  # noqa: E402
+from eyas.serve.export_readme import speculative_config  # noqa: E402
 
 WARMUP_TOKENS = 8
 
@@ -158,10 +159,7 @@ class Way:
         if self.name == "ngram":
             return {"method": self.method or "ngram", "num_speculative_tokens": self.k,
                     "prompt_lookup_min": lookup[0], "prompt_lookup_max": lookup[1]}
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": self.k}
-        if draft_sampling != "greedy":  # vLLM's default left unsaid
-            spec["draft_sample_method"] = draft_sampling
-        return spec
+        return speculative_config("eagle3", draft, self.k, draft_sampling)
 
 
 def percentiles(xs: list[float]) -> dict:

@@ -15,7 +15,8 @@ from eyas.dflash.config import DFlashConfig
 from eyas.dflash.formats import from_dflash_config, to_dflash_config
 from eyas.draft.formats import DTYPES
 from eyas.errors import EyasError
-from eyas.serve.export_readme import acceptance_lines, sampling_lines, speculative_config
+from eyas.serve.export_readme import (acceptance_lines, draft_sampling, sampling_lines,
+                                      speculative_config)
 
 
 def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -62,7 +63,7 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: d
     tokens, at most the block's), and, given `eyas eval`'s report, its measured acceptance."""
     k = cfg.block_size - 1
     remote = " --trust-remote-code" if trust_remote_code else ""
-    spec = speculative_config("dflash", draft, served_k or k, report)
+    spec = json.dumps(speculative_config("dflash", draft, served_k or k, draft_sampling(report)))
     al = (best or {}).get("acceptance_length")
     if al and not step.endswith(f"step-{best['step']:08d}"):  # the best's, not this step's
         al = f"{al} at the run's best step {best['step']}, not this one"

@@ -24,21 +24,23 @@ def draft_sampling(report: dict | None) -> str | None:
         return None
     way = report.get("draft_sampling")
     if way is None:
-        way = "probabilistic" if "probabilistic drafts" in str(report.get("settings")) else "greedy"
+        sampled = "probabilistic drafts" in str(report.get("settings"))
+        way = "probabilistic" if sampled else "greedy"
     return way
 
 
-def speculative_config(method: str, draft: str, k: int, report: dict | None) -> str:
-    """vLLM's --speculative-config for the draft, with the draft_sample_method the report
-    measured when it is not vLLM's default (greedy): served as it was measured."""
+def speculative_config(method: str, draft: str, k: int, sampling: str | None) -> dict:
+    """vLLM's --speculative-config for the draft, with `sampling` as its draft_sample_method
+    when that is not vLLM's default (greedy; None: not measured at T > 0)."""
     spec = {"method": method, "model": draft, "num_speculative_tokens": k}
-    if draft_sampling(report) == "probabilistic":
-        spec["draft_sample_method"] = "probabilistic"
-    return json.dumps(spec)
+    if sampling not in (None, "greedy"):
+        spec["draft_sample_method"] = sampling
+    return spec
 
 
 def sampling_lines(report: dict | None) -> list[str]:
-    """What the serve commands mean for temperature > 0 (docs/eval.md, "Numbers, and how they compare with vLLM")."""
+    """What the serve commands mean for temperature > 0 (docs/eval.md, "Numbers, and how they
+    compare with vLLM")."""
     way = draft_sampling(report)
     if way == "probabilistic":
         return [f"The acceptance below was measured at temperature {report['temperature']:g} "
@@ -62,7 +64,7 @@ def serve_commands(fmt: str, target: str, draft: str, k: int, trust_remote_code:
     """Exact command lines for the format (chain drafting with k tokens; the draft sampling
     of the quoted report, if any)."""
     remote = " --trust-remote-code" if trust_remote_code else ""
-    spec = speculative_config("eagle3", draft, k, report)
+    spec = json.dumps(speculative_config("eagle3", draft, k, draft_sampling(report)))
     vllm = f"vllm serve {target}{remote} \\\n    --speculative-config '{spec}'"
     if fmt == "vllm":
         return [vllm]
