@@ -27,7 +27,8 @@
 #              copied into /tmp/gparts; once every part is there, checked, joined into $W/FILE
 #              and the whole checked
 #   keep SRC NAME  pack the folder SRC (a size's, its job stopped) once with benchmarks/keep.py,
-#              then send its next 7 parts of 15 MB to $OUT per call (docs/benchmarks.md, "A size
+#              then send its next parts of 15 MB to $OUT per call, as many as fit what the
+#              call has left of its 8 files and 64 MiB (four) (docs/benchmarks.md, "A size
 #              over two leases"; KEEP_WHOLE=1: every file of SRC, for a folder that is not a
 #              training run, e.g. an exported draft, unpacked by kpart with KEEP_INTO=FOLDER's
 #              parent). A call that failed lost its $OUT: run it again with
@@ -47,11 +48,13 @@
 #              output in $W/results/NAME.out, pid in $W/NAME.pid
 #   monitor    record GPU, memory and disk use every 10 s into $W/results/monitor.txt, in the
 #              background (pid in $W/monitor.pidm: poll does not wait for it)
-#   poll S     wait up to S seconds while any started job runs, then pack $W/results into
-#              $OUT/results.tgz (with every part's rejects, the live one's as
-#              partial-rejects-regen-pNN.jsonl) and the scale corpus parts made here, finished
-#              or growing, into $OUT (split at 15 MB: join with cat; parts that were carried
-#              here are not sent back; POLL_CORPUS=0 poll: none); prints the stages
+#   poll S     wait up to S seconds while any started job runs (POLL_UNTIL=PATH: or until
+#              PATH exists, e.g. /tmp/w/qrun/draft/config.json once the draft is exported),
+#              then pack $W/results into $OUT/results.tgz (with every part's rejects, the
+#              live one's as partial-rejects-regen-pNN.jsonl) and the scale corpus parts made
+#              here, finished or growing, into $OUT (split at 15 MB: join with cat; parts
+#              that were carried here are not sent back; POLL_CORPUS=0 poll: none); prints
+#              the stages
 set -u
 W=${W:-/tmp/w}
 R=$W/results
@@ -127,7 +130,8 @@ gpart)
   echo "joined $W/$name" ;;
 keep)
   # keep SRC NAME: the folder SRC (a size of the curve, its job stopped first) packed once by
-  # benchmarks/keep.py into /tmp/keep, then each call sends the next 7 parts of 15 MB to $OUT
+  # benchmarks/keep.py into /tmp/keep, then each call sends the next parts of 15 MB to $OUT (as
+  # many as fit beside what is there: a poll's results.tgz in the same call counts; four)
   # (`python benchmarks/keep.py carry NAME .carry DIRS...` here makes kN folders of them);
   # KEEP_RESEND=last|all|3,4,5 sends parts again (the header above)
   src=${1:?"keep SRC NAME"}; name=${2:?"keep SRC NAME"}
@@ -135,8 +139,8 @@ keep)
   whole=(); [ "${KEEP_WHOLE:-0}" = 1 ] && whole=(--whole)
   [ -f $store/$name.json ] || python3 benchmarks/keep.py pack "$src" "$name" $store \
       --part-bytes ${KEEP_PART_BYTES:-15000000} "${whole[@]}" || exit 1
-  python3 benchmarks/keep.py send $store "$name" "$OUT" --max-files ${KEEP_MAX_FILES:-7} \
-      --resend "${KEEP_RESEND:-}" ;;
+  python3 benchmarks/keep.py send $store "$name" "$OUT" --resend "${KEEP_RESEND:-}" \
+      ${KEEP_MAX_FILES:+--max-files $KEEP_MAX_FILES} ;;
 kpart)
   # kpart DIR: one part of a kept folder (.carry/kN from keep.py carry); the last one joins,
   # checks and unpacks it into ${KEEP_INTO:-$W/scale}, where scale.py resumes it; NAME comes
@@ -195,7 +199,10 @@ poll)
     for p in $W/*.pid; do [ -f "$p" ] && kill -0 "$(cat "$p")" 2>/dev/null && return 0; done
     return 1
   }
-  while running && [ $SECONDS -lt $end ]; do sleep 10; done
+  # (POLL_UNTIL=PATH: return as soon as PATH exists, e.g. an exported draft's config.json,
+  # so that the next call can send it home while the job goes on)
+  until_there() { [ -n "${POLL_UNTIL:-}" ] && [ -e "$POLL_UNTIL" ]; }
+  while running && [ $SECONDS -lt $end ] && ! until_there; do sleep 10; done
   for p in $W/*.pid; do
     kill -0 "$(cat "$p")" 2>/dev/null && s=running || s=ended
     echo "$(basename "$p" .pid): $s"
@@ -235,7 +242,7 @@ poll)
   tar czf "$OUT/results.tgz" --exclude='conversations*.jsonl.gz' -C $W results 2>/dev/null
   ls -la "$OUT"
   tail -n 25 $R/stages.txt 2>/dev/null
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader || true ;;
 *)
   echo "unknown step $step"; exit 2 ;;
 esac

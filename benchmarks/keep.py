@@ -16,6 +16,8 @@ their optimizer state).
                                                          # every file, e.g. an exported draft)
     python keep.py send STORE NAME OUT [--max-files N] [--resend last|all|3,4,5]
                                                          # on the device: the next parts to OUT
+                                                         # (as many as fit a call's 8 files
+                                                         # and 64 MiB)
     python keep.py carry NAME DEST DIR...                # here: join what came back, check it,
                                                          # and cut it into DEST/k0, k1, ... for
                                                          # `h200_lease.sh kpart`
@@ -42,6 +44,10 @@ from pathlib import Path
 
 REMADE = ("captured", "prepared")  # made again in the next lease, deterministically
 SEND_PART = 15_000_000  # under the device's 16 MiB per file that comes back
+# What one call's $OUT may bring back at most (the device tool's README, "Limits"): 8 files,
+# 64 MiB together. A send fits its parts into what the call has left of both.
+OUT_FILES = 8
+OUT_BYTES = 64 * 2**20
 CARRY_PART = 36_000_000  # one per call beside the tree (22 MB in session 27), under its 64 MiB
 
 
@@ -119,9 +125,13 @@ def pack(src: Path, name: str, store: Path, part_bytes: int = SEND_PART,
     return info
 
 
-def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = "") -> list[str]:
-    """The next parts not yet sent (at most max_files) copied into OUT, with NAME.SHA256SUMS and
-    the record; STORE/NAME.sent lists what each call sent. `resend` first marks parts as not
+def send(store: Path, name: str, out: Path, max_files: int | None = None, resend: str = "",
+         out_files: int = OUT_FILES, out_bytes: int = OUT_BYTES) -> list[str]:
+    """The next parts not yet sent copied into OUT, with NAME.SHA256SUMS and the record: as many
+    as fit in what OUT has left of the call's out_files and out_bytes (what a poll of the same
+    call put there counts), and at most max_files. A part that would not fit waits for the next
+    call; a call with room for none stops with what fills OUT.
+    STORE/NAME.sent lists what each call sent. `resend` first marks parts as not
     sent, so that they go again: "last" (what the call before sent), "all", or part numbers
     "3,4,5" (the ones carry names). An older send's NAME.sent (one flat list of the parts sent,
     space-separated or JSON) counts as one call: those parts count as sent, and "last" sends
@@ -132,8 +142,25 @@ def send(store: Path, name: str, out: Path, max_files: int = 7, resend: str = ""
     again = resent(resend, name, info["parts"], calls)
     calls = [[p for p in c if p not in again] for c in calls]
     sent = {p for c in calls for p in c}
-    todo = [p for p in info["parts"] if p not in sent][:max_files]
     out.mkdir(parents=True, exist_ok=True)
+    records = [store / f"{name}.SHA256SUMS", store / f"{name}.json"]
+    there = [f for f in out.rglob("*") if f.is_file() and f.name not in {r.name for r in records}]
+    files_left = out_files - len(there) - len(records)
+    bytes_left = out_bytes - sum(f.stat().st_size for f in there + records)
+    if max_files is not None:
+        files_left = min(files_left, max_files)
+    todo = []
+    for p in (p for p in info["parts"] if p not in sent):
+        size = (store / p).stat().st_size
+        if len(todo) >= files_left or size > bytes_left:
+            break
+        todo.append(p)
+        bytes_left -= size
+    if not todo and len(sent) < len(info["parts"]):
+        raise SystemExit(f"{name}: no room in {out} for a part: it holds {len(there)} files "
+                         f"({sum(f.stat().st_size for f in there) / 2**20:.1f} MiB) of the "
+                         f"{out_files} files and {out_bytes / 2**20:.0f} MiB a call brings "
+                         f"back; send from a call that puts less there")
     for p in todo:
         shutil.copy(store / p, out / p)
     shutil.copy(store / f"{name}.SHA256SUMS", out / f"{name}.SHA256SUMS")
@@ -303,7 +330,9 @@ def main(argv=None) -> None:
     a.add_argument("store", type=Path)
     a.add_argument("name")
     a.add_argument("out", type=Path)
-    a.add_argument("--max-files", type=int, default=7)
+    a.add_argument("--max-files", type=int, default=None,
+                   help="at most this many parts (default: as many as fit in what OUT has "
+                        "left of a call's 8 files and 64 MiB)")
     a.add_argument("--resend", default="", help="last, all, or part numbers such as 3,4,5: "
                    "send these again (a failed call's $OUT never came back)")
     a = sub.add_parser("carry")

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,7 @@ def test_two_sizes_kept_in_one_store_keep_their_own_checksums(tmp_path):
         keep.pack(s, s.name, store, part_bytes=10_000)
     for s in sizes:
         out = tmp_path / f"out-{s.name}"
-        keep.send(store, s.name, out, max_files=50)
+        keep.send(store, s.name, out, out_files=100)
         folders = keep.carry(s.name, tmp_path / f"carry-{s.name}", [out], part_bytes=20_000)
         assert all((k / f"{s.name}.SHA256SUMS").is_file() for k in folders)
         joined = tmp_path / f"{s.name}.tar"
@@ -222,7 +223,7 @@ def test_kpart_takes_the_name_from_the_parts_and_leaves_nothing_behind(tmp_path)
     for n in ("size-24000", "size-45000"):
         s = _size(tmp_path / "scale" / n, 50_000)
         keep.pack(s, n, store, part_bytes=20_000)
-        keep.send(store, n, tmp_path / f"out-{n}", max_files=50)
+        keep.send(store, n, tmp_path / f"out-{n}", out_files=100)
         folders[n] = keep.carry(n, tmp_path / f"carry-{n}", [tmp_path / f"out-{n}"],
                                 part_bytes=30_000)
         assert len(folders[n]) >= 2
@@ -358,7 +359,7 @@ def test_kpart_joins_the_current_pack_past_stale_parts_of_the_same_name(tmp_path
         s = _size(tmp_path / run / "scale" / n, nbytes)
         keep.pack(s, n, tmp_path / f"store-{run}", part_bytes=20_000)
         out = tmp_path / f"out-{run}-{n}"
-        keep.send(tmp_path / f"store-{run}", n, out, max_files=50)
+        keep.send(tmp_path / f"store-{run}", n, out, out_files=100)
         return s, keep.carry(n, tmp_path / f"carry-{run}-{n}", [out], part_bytes=30_000)
 
     _, old = carried("size-80", 150_000, "old")  # an earlier pack, more parts, never finished
@@ -384,7 +385,7 @@ def test_carry_again_into_one_dest_leaves_no_folder_of_the_earlier_carry(tmp_pat
     def carried(nbytes: int, run: str) -> list[Path]:
         s = _size(tmp_path / run / "size-80", nbytes)
         keep.pack(s, "size-80", tmp_path / f"store-{run}", part_bytes=20_000)
-        keep.send(tmp_path / f"store-{run}", "size-80", tmp_path / f"out-{run}", max_files=50)
+        keep.send(tmp_path / f"store-{run}", "size-80", tmp_path / f"out-{run}", out_files=100)
         return keep.carry("size-80", tmp_path / "carry", [tmp_path / f"out-{run}"],
                           part_bytes=30_000)
 
@@ -422,3 +423,70 @@ def test_carry_check_names_a_folder_too_big_beside_the_tree(tmp_path):
     r = subprocess.run(["bash", "benchmarks/h200_carry.sh", "check"], cwd=repo,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_send_fits_its_parts_into_what_one_call_brings_back(tmp_path):
+    # the device brings back at most 8 files and 64 MiB a call (its README, "Limits"): seven
+    # parts of 15 MB, as send gave before, were 105 MB and 9 files with the records
+    assert keep.SEND_PART <= 16 * 2**20 and 4 * keep.SEND_PART < keep.OUT_BYTES
+    store = tmp_path / "store"
+    parts = keep.pack(_size(tmp_path / "scale/size-80", 80_000), "size-80", store,
+                      part_bytes=10_000)["parts"]
+    assert len(parts) >= 8
+    records = sum((store / f"size-80.{x}").stat().st_size for x in ("SHA256SUMS", "json"))
+    limits = {"out_files": 8, "out_bytes": records + 35_000}
+
+    def brought(out: Path) -> tuple[int, int]:
+        files = [f for f in out.rglob("*") if f.is_file()]
+        return len(files), sum(f.stat().st_size for f in files)
+
+    # by bytes: three parts of 10,000 and the records fit 35,000 and the records, a fourth not
+    out0 = tmp_path / "out0"
+    assert keep.send(store, "size-80", out0, **limits) == parts[:3]
+    assert brought(out0) == (5, records + 30_000)
+    # what a poll of the same call put there first counts: 20,000 of results leave room for one
+    out1 = tmp_path / "out1"
+    out1.mkdir()
+    (out1 / "results.tgz").write_bytes(b"r" * 20_000)
+    assert keep.send(store, "size-80", out1, **limits) == parts[3:4]
+    assert brought(out1) == (4, records + 30_000)
+    # by files: five small files there leave one of the eight for a part (two go to records)
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    for i in range(5):
+        (out2 / f"f{i}").write_bytes(b"x")
+    assert keep.send(store, "size-80", out2, out_files=8, out_bytes=10**9) == parts[4:5]
+    assert brought(out2)[0] == 8
+    # no room at all (six files and the part sent there before): stopped, saying what fills
+    # the folder, and nothing more counted as sent
+    (out2 / "f5").write_bytes(b"x")
+    with pytest.raises(SystemExit, match=r"no room in .*out2 for a part: it holds 7 files"):
+        keep.send(store, "size-80", tmp_path / "out2", out_files=8, out_bytes=10**9)
+    assert json.loads((store / "size-80.sent").read_text()) == [parts[:3], parts[3:4],
+                                                                 parts[4:5]]
+    # every part goes in the end, each call within the limits
+    n = 3
+    while keep.send(store, "size-80", tmp_path / f"out{n}", **limits):  # [] once all went
+        assert brought(tmp_path / f"out{n}")[1] <= limits["out_bytes"]
+        n += 1
+    sent = [p for c in json.loads((store / "size-80.sent").read_text()) for p in c]
+    assert sorted(sent) == parts
+
+
+def test_poll_returns_once_the_file_it_waits_for_is_there(tmp_path):
+    # POLL_UNTIL: the next call sends the exported draft home while the job goes on serving
+    w = tmp_path / "w"
+    (w / "repo").mkdir(parents=True)
+    env = {"W": str(w), "OUT": str(tmp_path / "out"), "POLL_CORPUS": "0"}
+    (tmp_path / "out").mkdir()
+    said = _lease("start", "job", "sleep", "60", **env)
+    assert said.returncode == 0, said.stdout + said.stderr
+    try:
+        (tmp_path / "config.json").write_text("{}")
+        start = time.monotonic()
+        said = _lease("poll", "50", POLL_UNTIL=str(tmp_path / "config.json"), **env)
+        assert said.returncode == 0 and "job: running" in said.stdout, said.stdout + said.stderr
+        assert time.monotonic() - start < 20
+        assert (tmp_path / "out/results.tgz").is_file()
+    finally:
+        _lease("stop", "job", **env)
