@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import datasets
 import pytest
@@ -336,6 +337,34 @@ def test_auto_dtype_is_float32_on_cpu_and_the_checkpoints_on_gpu(tmp_path):
 def test_auto_dtype_loads_the_gguf_in_bfloat16_on_gpu(smollm2_gguf):
     model, info = load_target(smollm2_gguf, dtype="auto", device="cuda")
     assert info.dtype == "bfloat16" and next(model.parameters()).is_cuda
+
+
+def test_config_and_tokenizer_share_one_parse_of_the_gguf(tiny_gguf, tmp_path, monkeypatch):
+    """AutoConfig and AutoTokenizer each parse a GGUF's metadata (the tokenizer twice: its
+    config, then its vocabulary; ~11 s a parse for Qwen2.5-Coder's 151,936 tokens): one
+    parse serves them all, while a load with tensors and other files still read their own."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    parse = gguf_utils.load_gguf_checkpoint
+    calls = []
+
+    def counted(path, return_tensors=False, *args, **kwargs):
+        calls.append((Path(path).name, return_tensors))
+        return parse(path, return_tensors, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
+    path = tmp_path / "fresh.gguf"  # a file no other test has loaded in this process
+    shutil.copy(tiny_gguf(0), path)
+    config, tok = load_config(path), load_tokenizer(path)
+    assert calls == [("fresh.gguf", False)]
+    assert config.num_hidden_layers == 2 and tok("hello").input_ids
+    assert gguf_utils.load_gguf_checkpoint is counted  # the library's function is back
+    other = tmp_path / "other.gguf"
+    shutil.copy(tiny_gguf(1), other)
+    load_config(other)
+    assert calls == [("fresh.gguf", False), ("other.gguf", False)]
+    load_target(path, dtype="float32")
+    assert calls[-1] == ("fresh.gguf", True)
 
 
 def test_gguf_config_and_tokenizer_are_parsed_once_and_handed_out_as_copies(smollm2_gguf):

@@ -195,10 +195,41 @@ def load_tokenizer(name_or_path, *, revision=None, trust_remote_code=False):
 
 
 # A GGUF file's metadata is parsed again at every from_pretrained (for SmolLM2-135M, ~5 s of
-# pure Python on a CPU core), and a step asks for config and tokenizer several times (its
-# own use, the manifest record): parse each once per process and hand out copies, keyed by
-# the file's path, size and modification time.
+# pure Python on a CPU core; ~11 s for Qwen2.5-Coder's 151,936 tokens), and a step asks for
+# config and tokenizer several times (its own use, the manifest record): load each once per
+# process and hand out copies, keyed by the file's path, size and modification time. The
+# parse itself is shared too: AutoConfig and AutoTokenizer each call transformers'
+# load_gguf_checkpoint for the same metadata (the tokenizer once more for its config), so
+# the first parse is kept and handed to the later ones (_gguf_parsed_once).
 _GGUF_LOADED: dict[tuple, Any] = {}
+_GGUF_PARSED: dict[tuple, dict] = {}
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once(gguf_file: str, stat_key: tuple):
+    """While loading from `gguf_file`: transformers' metadata-only `load_gguf_checkpoint`
+    (return_tensors=False) of that file parses it once per process and returns copies; any
+    other call (tensors, another file) goes through unchanged. Without that function (another
+    transformers), nothing changes."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    parse = getattr(gguf_utils, "load_gguf_checkpoint", None)
+    if parse is None:
+        yield
+        return
+
+    def parsed_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs or str(Path(path).resolve()) != gguf_file:
+            return parse(path, return_tensors, *args, **kwargs)
+        if stat_key not in _GGUF_PARSED:
+            _GGUF_PARSED[stat_key] = parse(path, return_tensors=False)
+        return copy.deepcopy(_GGUF_PARSED[stat_key])
+
+    gguf_utils.load_gguf_checkpoint = parsed_once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = parse
 
 
 def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool):
@@ -214,8 +245,10 @@ def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool)
         if key in _GGUF_LOADED:
             return copy.deepcopy(_GGUF_LOADED[key])
     try:
-        loaded = auto.from_pretrained(name, revision=revision,
-                                      trust_remote_code=trust_remote_code, **where)
+        with _gguf_parsed_once(where["gguf_file"], key[1:4]) if where else \
+                contextlib.nullcontext():
+            loaded = auto.from_pretrained(name, revision=revision,
+                                          trust_remote_code=trust_remote_code, **where)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
         raise EyasError(_explain_load_error(kind, str(name_or_path), err,
                                             trust_remote_code)) from err
