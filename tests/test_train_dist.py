@@ -24,11 +24,13 @@ from eyas.train import train
 from test_train import run_inputs  # noqa: F401  (the module-scoped pipeline fixture)
 
 # after the run, the process group train() joined is left: a rank exiting still in a gloo group
-# can abort in its destructor and fail a finished run (seen once on the CI machine). A rank
-# that returned says so, then skips the interpreter's teardown: an FSDP2 resume whose ranks
-# had left the group still aborted once in it on the CI machine (session 35: "terminate
-# called without an active exception", SIGABRT, under a full `make test` beside other work),
-# where torch destroys what gloo's threads held; what these tests check is train()'s files
+# can abort in its destructor and fail a finished run (seen once on the CI machine). An FSDP2
+# resume aborted once more on this machine after that (session 35: rank 1, "terminate called
+# without an active exception", SIGABRT, in a full `make test` run beside other work; not
+# reproduced alone or under CPU load, 7 runs), and its log could not say whether train() had
+# returned. So a rank that returned says so, then skips the interpreter's teardown (where
+# torch may destroy what gloo's threads held: pytorch#179291); what these tests check is
+# train()'s files, and a failure now shows which ranks had not returned
 RUNNER = """
 import json, os, sys
 import torch.distributed as dist
