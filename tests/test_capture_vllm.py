@@ -35,6 +35,7 @@ from eyas.store.manifest import read_manifest, target_record
 from eyas.targets.models import load_target, load_tokenizer
 
 from test_capture import make_prepared
+from test_vllm_serve_cpu import threads_bind
 from vllm_cpu_site.sitecustomize import Event as _Event, Stream as _Stream  # CUDA stand-ins
 
 AUX = (2, 4, 5)      # the tiny Llama's default ids (L = 8)
@@ -657,7 +658,7 @@ def _cli_capture(model_dir, prepared, out, tp: int) -> dict:
     import subprocess
 
     env = {**os.environ, "EYAS_CPU_CONNECTOR_STUBS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp))),
+           "VLLM_CPU_OMP_THREADS_BIND": threads_bind(tp),
            "PYTHONPATH": os.pathsep.join([str(SITE_STUBS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "eyas", "capture", "--target", str(model_dir), "--data",

@@ -140,6 +140,12 @@ def served_as_eyas_counts(vllm, llama_dir, target, folder, drafter, method: str,
             del llm
 
 
+def threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers, one core each: "0|1|..." (vLLM's CPU
+    build otherwise wants a NUMA node per worker; tests/test_capture_vllm.py uses it too)."""
+    return "|".join(map(str, range(tp)))
+
+
 @contextlib.contextmanager
 def _cores_per_worker(tp: int):
     """vLLM's CPU build binds each worker's threads to a NUMA node of its own and refuses
@@ -153,7 +159,7 @@ def _cores_per_worker(tp: int):
     if (os.cpu_count() or 1) < tp:
         pytest.skip(f"tensor parallel {tp} on the CPU needs {tp} cores")
     before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(tp)
     try:
         yield
     finally:
