@@ -144,7 +144,8 @@ def send(store: Path, name: str, out: Path, max_files: int | None = None, resend
     sent = {p for c in calls for p in c}
     out.mkdir(parents=True, exist_ok=True)
     records = [store / f"{name}.SHA256SUMS", store / f"{name}.json"]
-    there = [f for f in out.rglob("*") if f.is_file() and f.name not in {r.name for r in records}]
+    replaced = {r.name for r in records}  # (written again below: they do not add up)
+    there = [f for f in out.rglob("*") if f.is_file() and f.name not in replaced]
     files_left = out_files - len(there) - len(records)
     bytes_left = out_bytes - sum(f.stat().st_size for f in there + records)
     if max_files is not None:

@@ -206,9 +206,10 @@ _GGUF_PARSED: dict[tuple, dict] = {}
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once(gguf_file: str, stat_key: tuple):
-    """While loading from `gguf_file`: transformers' metadata-only `load_gguf_checkpoint`
-    (return_tensors=False) of that file parses it once per process and returns copies; any
+def _gguf_parsed_once(file_key: tuple):
+    """While loading from the GGUF file of `file_key` (its resolved path, size and modification
+    time): transformers' metadata-only `load_gguf_checkpoint` (return_tensors=False) of that
+    file parses it once per process and returns copies; any
     other call (tensors, another file) goes through unchanged. Without that function (another
     transformers), nothing changes."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
@@ -219,11 +220,11 @@ def _gguf_parsed_once(gguf_file: str, stat_key: tuple):
         return
 
     def parsed_once(path, return_tensors=False, *args, **kwargs):
-        if return_tensors or args or kwargs or str(Path(path).resolve()) != gguf_file:
+        if return_tensors or args or kwargs or str(Path(path).resolve()) != file_key[0]:
             return parse(path, return_tensors, *args, **kwargs)
-        if stat_key not in _GGUF_PARSED:
-            _GGUF_PARSED[stat_key] = parse(path, return_tensors=False)
-        return copy.deepcopy(_GGUF_PARSED[stat_key])
+        if file_key not in _GGUF_PARSED:
+            _GGUF_PARSED[file_key] = parse(path, return_tensors=False)
+        return copy.deepcopy(_GGUF_PARSED[file_key])
 
     gguf_utils.load_gguf_checkpoint = parsed_once
     try:
@@ -237,16 +238,16 @@ def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool)
 
     auto = {"config": transformers.AutoConfig, "tokenizer": transformers.AutoTokenizer}[kind]
     name, where = _locate(name_or_path)
-    key = None
+    key, parsing = None, contextlib.nullcontext()
     if where:
         stat = Path(where["gguf_file"]).stat()
-        key = (kind, where["gguf_file"], stat.st_size, stat.st_mtime_ns, revision,
-               trust_remote_code)
+        file_key = (where["gguf_file"], stat.st_size, stat.st_mtime_ns)
+        key = (kind, *file_key, revision, trust_remote_code)
         if key in _GGUF_LOADED:
             return copy.deepcopy(_GGUF_LOADED[key])
+        parsing = _gguf_parsed_once(file_key)
     try:
-        with _gguf_parsed_once(where["gguf_file"], key[1:4]) if where else \
-                contextlib.nullcontext():
+        with parsing:
             loaded = auto.from_pretrained(name, revision=revision,
                                           trust_remote_code=trust_remote_code, **where)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
