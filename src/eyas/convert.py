@@ -15,7 +15,7 @@ from pathlib import Path
 from eyas.config import ConfigError, option, out_option, required
 from eyas.store.manifest import MANIFEST, check_out
 from eyas.targets.convert import CONVERT_DTYPES, convert_gguf
-from eyas.targets.models import is_gguf
+from eyas.targets.gguf import is_gguf
 
 
 @dataclass(frozen=True)

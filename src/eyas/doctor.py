@@ -30,8 +30,9 @@ from eyas.errors import EyasError
 from eyas.draft.formats import SERVED_SINCE
 from eyas.store.manifest import (LAYER_ID_CONVENTION, MANIFEST, converted_from, target_record,
                                  versions)
-from eyas.targets.models import (ModelInfo, build_meta_model, inspect_model, is_gguf, load_config,
-                                load_tokenizer, submodule)
+from eyas.targets.gguf import is_gguf
+from eyas.targets.models import (ModelInfo, build_meta_model, inspect_model, load_config,
+                                 load_tokenizer, submodule)
 from eyas.targets.taps import validate_aux_layer_ids
 
 # Every member name vLLM's SupportsEagle3 protocol has had (vLLM renamed the default-layer

@@ -236,7 +236,8 @@ def target_head_weights(name: str, *, revision: str | None = None,
     tensors from its safetensors files: the module paths come from building the model on the
     meta device, the file holding each tensor from the safetensors index. Offline training
     never loads the whole target."""
-    from eyas.targets.models import inspect_model, is_gguf, load_config, text_config
+    from eyas.targets.gguf import is_gguf
+    from eyas.targets.models import inspect_model, load_config, text_config
     from eyas.targets.weights import TargetWeights
 
     config = load_config(name, revision=revision, trust_remote_code=trust_remote_code)

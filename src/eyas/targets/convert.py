@@ -27,7 +27,8 @@ from pathlib import Path
 
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST, gguf_fingerprint, target_record, write_manifest
-from eyas.targets.models import is_gguf, load_target, load_tokenizer
+from eyas.targets.gguf import is_gguf
+from eyas.targets.models import load_target, load_tokenizer
 
 log = logging.getLogger(__name__)
 

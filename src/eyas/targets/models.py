@@ -36,6 +36,7 @@ from torch import nn
 
 from eyas.config import ConfigError
 from eyas.errors import EyasError
+from eyas.targets.gguf import check_gguf_file, gguf_damage, is_gguf, load_once
 from eyas.targets.quantized import check_fp8_blocks
 from eyas.targets.taps import default_aux_layer_ids
 
@@ -104,7 +105,7 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
         return (f"{name} ships its own model code; re-run with --trust-remote-code "
                 f"(trust_remote_code=True) if you trust it")
     first = text.splitlines()[0] if text else repr(err)
-    damage = _gguf_damage(name) if is_gguf(name) else ""
+    damage = gguf_damage(name) if is_gguf(name) else ""
     if damage:
         return (f"cannot load the {what} from the GGUF file {name}: the file is damaged or cut "
                 f"short ({Path(name).expanduser().stat().st_size:,} bytes; the gguf package "
@@ -123,19 +124,6 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
             f"HF_HUB_OFFLINE=1 to use the cache; for a gated repo run `huggingface-cli login`")
 
 
-def _gguf_damage(name: str) -> str:
-    """Why the reference `gguf` reader fails on the GGUF file `name` ("" if it reads it): a file
-    cut short fails there too (with numpy's or struct's error, wherever the cut falls), while
-    one transformers does not support is read."""
-    import gguf
-
-    try:
-        gguf.GGUFReader(Path(name).expanduser())
-    except (ValueError, IndexError, OverflowError, struct.error) as err:
-        return str(err).splitlines()[0] if str(err) else repr(err)
-    return ""
-
-
 def _check_exists(name: str) -> str:
     name = str(name)
     if not Path(name).expanduser().exists() and _looks_like_path(name):
@@ -149,37 +137,11 @@ def _check_exists(name: str) -> str:
     return str(path) if path.exists() else name
 
 
-def is_gguf(name_or_path) -> bool:
-    return str(name_or_path).lower().endswith(".gguf")
-
-
 def _locate(name_or_path) -> tuple[str, dict]:
     """(what to pass to `from_pretrained`, extra kwargs): a hub name or folder as is; a `.gguf`
-    file as its folder plus `gguf_file=` (an absolute path, so a same-named file in the working
-    directory is never picked instead)."""
+    file as its folder plus `gguf_file=` (eyas.targets.gguf)."""
     name = str(name_or_path)
-    if not is_gguf(name):
-        return _check_exists(name), {}
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise EyasError(f"GGUF file {name} does not exist; pass the path of a local .gguf file "
-                        f"(a GGUF on the hub: `huggingface-cli download REPO FILE.gguf "
-                        f"--local-dir DIR`, then --target DIR/FILE.gguf)")
-    with open(path, "rb") as f:
-        head = f.read(24)  # magic, version (u32), tensor count, metadata count (u64 each)
-    if head[:4] != b"GGUF":
-        raise EyasError(f"{name} is not a GGUF file (it does not start with the bytes 'GGUF'); "
-                        f"download it again, or pass the model's Hugging Face folder instead")
-    if importlib.util.find_spec("gguf") is None:
-        raise EyasError(f"reading the GGUF file {name} needs the gguf package: pip install "
-                        f"gguf, or pip install 'eyas[gguf]'")
-    if len(head) == 24 and int.from_bytes(head[8:16], "little") == 0:
-        # transformers would build the architecture's default config (Llama: 7B) and
-        # initialize every weight at random
-        raise EyasError(f"{name} is a GGUF file without tensors (metadata only, such as "
-                        f"llama.cpp's vocabulary files ggml-vocab-*.gguf), not a model; pass "
-                        f"the .gguf file that holds the model's weights")
-    return str(path.parent.resolve()), {"gguf_file": str(path.resolve())}
+    return check_gguf_file(name) if is_gguf(name) else (_check_exists(name), {})
 
 
 def load_config(name_or_path, *, revision=None, trust_remote_code=False):
@@ -194,68 +156,23 @@ def load_tokenizer(name_or_path, *, revision=None, trust_remote_code=False):
     return _from_pretrained("tokenizer", name_or_path, revision, trust_remote_code)
 
 
-# A GGUF file's metadata is parsed again at every from_pretrained (for SmolLM2-135M, ~5 s of
-# pure Python on a CPU core; ~11 s for Qwen2.5-Coder's 151,936 tokens), and a step asks for
-# config and tokenizer several times (its own use, the manifest record): load each once per
-# process and hand out copies, keyed by the file's path, size and modification time. The
-# parse itself is shared too: AutoConfig and AutoTokenizer each call transformers'
-# load_gguf_checkpoint for the same metadata (the tokenizer once more for its config), so
-# the first parse is kept and handed to the later ones (_gguf_parsed_once).
-_GGUF_LOADED: dict[tuple, Any] = {}
-_GGUF_PARSED: dict[tuple, dict] = {}
-
-
-@contextlib.contextmanager
-def _gguf_parsed_once(file_key: tuple):
-    """While loading from the GGUF file of `file_key` (its resolved path, size and modification
-    time): transformers' metadata-only `load_gguf_checkpoint` (return_tensors=False) of that
-    file parses it once per process and returns copies; any
-    other call (tensors, another file) goes through unchanged. Without that function (another
-    transformers), nothing changes."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    parse = getattr(gguf_utils, "load_gguf_checkpoint", None)
-    if parse is None:
-        yield
-        return
-
-    def parsed_once(path, return_tensors=False, *args, **kwargs):
-        if return_tensors or args or kwargs or str(Path(path).resolve()) != file_key[0]:
-            return parse(path, return_tensors, *args, **kwargs)
-        if file_key not in _GGUF_PARSED:
-            _GGUF_PARSED[file_key] = parse(path, return_tensors=False)
-        return copy.deepcopy(_GGUF_PARSED[file_key])
-
-    gguf_utils.load_gguf_checkpoint = parsed_once
-    try:
-        yield
-    finally:
-        gguf_utils.load_gguf_checkpoint = parse
-
-
 def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool):
     import transformers
 
     auto = {"config": transformers.AutoConfig, "tokenizer": transformers.AutoTokenizer}[kind]
     name, where = _locate(name_or_path)
-    key, parsing = None, contextlib.nullcontext()
-    if where:
-        stat = Path(where["gguf_file"]).stat()
-        file_key = (where["gguf_file"], stat.st_size, stat.st_mtime_ns)
-        key = (kind, *file_key, revision, trust_remote_code)
-        if key in _GGUF_LOADED:
-            return copy.deepcopy(_GGUF_LOADED[key])
-        parsing = _gguf_parsed_once(file_key)
+
+    def load():
+        return auto.from_pretrained(name, revision=revision,
+                                    trust_remote_code=trust_remote_code, **where)
+
     try:
-        with parsing:
-            loaded = auto.from_pretrained(name, revision=revision,
-                                          trust_remote_code=trust_remote_code, **where)
+        if where:  # a GGUF: parsed once per process (eyas.targets.gguf)
+            return load_once(kind, where["gguf_file"], load, revision, trust_remote_code)
+        return load()
     except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
         raise EyasError(_explain_load_error(kind, str(name_or_path), err,
                                             trust_remote_code)) from err
-    if key is not None:
-        _GGUF_LOADED[key] = copy.deepcopy(loaded)
-    return loaded
 
 
 # ----------------------------------------------------------------------------- model classes
