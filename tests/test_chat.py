@@ -77,7 +77,7 @@ def test_normalize_text_parts_and_reasoning_field():
         {"role": "assistant", "content": "Hello.", "reasoning_content": "greet back"},
     ]}
     assert chat.normalize(row) == [
-        {"role": "user", "content": "Hi you"},
+        {"role": "user", "content": "Hi \nyou"},  # joined as vLLM joins them (newline)
         {"role": "assistant", "content": "<think>\ngreet back\n</think>\n\nHello."}]
 
 
@@ -275,3 +275,92 @@ def test_tool_calls_surrogates_and_byte_order_marks(tmp_path):
 
 
 MESSAGE_ROW = {"id": "m", "messages": MESSAGES}
+
+
+def test_a_broken_json_list_keeps_the_rows_before_its_syntax_error(tmp_path):
+    # one stray comma in a pretty-printed list was one "invalid JSON line" per physical line
+    # (67 rejects for 5 rows) and never said where the error was
+    first = "[\n" + json.dumps(MESSAGE_ROW, indent=2) + ",\n"
+    (tmp_path / "list.json").write_text(first + ",\n" + json.dumps(SHAREGPT, indent=2) + ",\n"
+                                        + json.dumps(SHAREGPT, indent=2) + "\n]\n")
+    got = rows_of(tmp_path / "list.json")
+    assert [r.row for r in got] == [0, 1] and got[0].data == MESSAGE_ROW
+    assert isinstance(got[1].data, ChatFormatError)
+    assert f"breaks at line {first.count(chr(10)) + 1} column 1" in str(got[1].data)
+    assert "no row from here on is read" in str(got[1].data)
+    (tmp_path / "tail.json").write_text(json.dumps([SHAREGPT]) + " trailing")
+    got = rows_of(tmp_path / "tail.json")
+    assert got[0].data == SHAREGPT and "Extra data" in str(got[1].data)
+
+
+def test_json_lines_in_a_json_file_lose_only_their_bad_lines(tmp_path):
+    # a Latin-1 byte made the whole file one reject; U+2028 / U+0085 inside a string split
+    # rows apart (str.splitlines)
+    odd = {"messages": [{"role": "user", "content": "a\u2028b"},
+                        {"role": "assistant", "content": "c\x85d"}]}
+    lines = [json.dumps(SHAREGPT).encode(), '{"x": "caf\xe9"}'.encode("latin-1"),
+             json.dumps(odd, ensure_ascii=False).encode(), json.dumps(SHAREGPT).encode()]
+    (tmp_path / "lines.json").write_bytes(b"\n".join(lines) + b"\n")
+    got = rows_of(tmp_path / "lines.json")
+    assert [r.row for r in got] == [1, 2, 3, 4]
+    assert "not UTF-8" in str(got[1].data)
+    assert got[2].data == odd and got[0].data == got[3].data == SHAREGPT
+    (tmp_path / "odd.json").write_text("\n".join(json.dumps(r, ensure_ascii=False)
+                                                 for r in (odd, odd)), encoding="utf-8")
+    assert [r.data for r in rows_of(tmp_path / "odd.json")] == [odd, odd]
+
+
+def test_utf16_files_are_read(tmp_path, caplog):
+    text = "\n".join(json.dumps(r) for r in (SHAREGPT, MESSAGE_ROW)) + "\n"
+    (tmp_path / "ps.jsonl").write_bytes(text.encode("utf-16"))  # with its byte-order mark
+    (tmp_path / "ps.json").write_bytes(json.dumps([SHAREGPT]).encode("utf-16"))
+    with caplog.at_level("WARNING", logger="eyas"):
+        assert [r.data for r in rows_of(tmp_path / "ps.jsonl")] == [SHAREGPT, MESSAGE_ROW]
+    assert "UTF-16 text" in caplog.text
+    assert [r.data for r in rows_of(tmp_path / "ps.json")] == [SHAREGPT]
+
+
+def test_an_empty_tool_calls_list_is_a_turn_without_calls():
+    got = chat.normalize({"messages": [{"role": "user", "content": "q"},
+                                       {"role": "assistant", "content": "a", "tool_calls": []}]})
+    assert got == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(ChatFormatError, match="no content"):
+        chat.normalize({"messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": None, "tool_calls": []}]})
+
+
+def _regenerate_folder(folder, complete=True):
+    from eyas.store.manifest import write_manifest
+
+    folder.mkdir()
+    write_jsonl(folder / "conversations.jsonl", [MESSAGE_ROW, SHAREGPT])
+    write_jsonl(folder / "rejects.jsonl", [{"row": 3, "reason": "x"}])
+    write_manifest(folder, "regenerate", {"data": ["in.jsonl"]}, complete=complete)
+    return folder
+
+
+def test_a_source_named_twice_is_read_once_and_globs_skip_eyas_files(tmp_path, caplog):
+    write_jsonl(tmp_path / "a.jsonl", [SHAREGPT])
+    with caplog.at_level("WARNING", logger="eyas"):
+        got = rows_of((str(tmp_path / "a.jsonl"), str(tmp_path / "*.jsonl")))
+    assert len(got) == 1 and "named more than once" in caplog.text
+    regen = _regenerate_folder(tmp_path / "regen")
+    by_glob = rows_of(str(regen / "*"))  # its manifest and rejects are not rows
+    assert [r.data for r in by_glob] == [MESSAGE_ROW, SHAREGPT]
+    (tmp_path / "prep").mkdir()
+    from eyas.store.manifest import write_manifest
+
+    write_jsonl(tmp_path / "prep" / "rejects.jsonl", [{"row": 1}])
+    write_manifest(tmp_path / "prep", "prepare", {})
+    with pytest.raises(EyasError, match="is an `eyas prepare` output, not chat data"):
+        rows_of(str(tmp_path / "prep" / "*"))
+
+
+def test_an_unfinished_regenerate_folder_is_refused_its_file_is_read(tmp_path):
+    regen = _regenerate_folder(tmp_path / "regen", complete=False)
+    with pytest.raises(EyasError, match=r"unfinished `eyas regenerate` run \(2 conversations "
+                                        r"written so far\): run the same `eyas regenerate`"):
+        rows_of(regen)
+    assert len(rows_of(regen / "conversations.jsonl")) == 2  # the way to use what it has
+    assert chat.regenerate_outputs([str(regen), str(regen / "conversations.jsonl")])[0][
+        "path"] == str(regen)

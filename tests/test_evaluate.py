@@ -255,6 +255,26 @@ def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
     assert (mine / "report.md").read_text() == "my notes" and not (mine / "eyas.json").exists()
 
 
+def test_a_regenerate_folder_gives_the_prompts_of_its_conversations(llama_dir, chats, tmp_path):
+    # --data "in any format `eyas prepare` reads": a regenerate folder was refused as not
+    # being a prepare output
+    import shutil
+
+    from eyas.evaluate import load_prompts
+    from eyas.store.manifest import write_manifest
+    from eyas.targets.models import load_tokenizer
+
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    shutil.copy(chats, regen / "conversations.jsonl")
+    write_manifest(regen, "regenerate", {}, complete=True)
+    tok = load_tokenizer(str(llama_dir))
+    got = [load_prompts(EvalConfig(target=str(llama_dir), data=str(data),
+                                   out=str(tmp_path / "r"), k=(2,), **SMALL), tok)[0]
+           for data in (regen, regen / "conversations.jsonl")]
+    assert got[0] and [p.ids.tolist() for p in got[0]] == [p.ids.tolist() for p in got[1]]
+
+
 def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path):
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
                                  draft=str(draft_dir), k=(2,), temperature=1.0, **SMALL))

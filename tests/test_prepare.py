@@ -443,6 +443,9 @@ def test_length_policy(tok_dir, tmp_path, tok):
     limit = (short + lengths[0]) // 2  # the PLAIN rows (1 jsonl + 2 ds) are too long
     drop = run_prepare(tok_dir, [root], tmp_path / "drop", max_length=limit)
     assert (drop.kept, drop.dropped_too_long, drop.truncated) == (5, 3, 0)
+    reasons = [json.loads(line)["reason"] for line in open(tmp_path / "drop/rejects.jsonl")]
+    assert f"> max_length {limit} (--max-length; --length-policy truncate keeps the first " \
+        f"{limit})" in reasons[-1]  # the flags that keep such rows
     cut = run_prepare(tok_dir, [root], tmp_path / "cut", max_length=limit,
                       length_policy="truncate")
     assert (cut.kept, cut.dropped_too_long, cut.truncated) == (8, 0, 3)
@@ -563,6 +566,72 @@ def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(EyasError, match="no rows in .*empty"):
         run_prepare(tok_dir, [tmp_path / "empty.jsonl"], tmp_path / "out2")
+
+
+def test_a_failed_or_stopped_rerun_leaves_the_earlier_output_as_it_was(tok_dir, tmp_path):
+    # the earlier dataset, manifest and counts were deleted before the new run had made
+    # anything: a re-run that found no usable row (or was stopped) left only rejects.jsonl
+    (tmp_path / "ok.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    out = tmp_path / "out"
+    first = run_prepare(tok_dir, [tmp_path / "ok.jsonl"], out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(EyasError, match=r"no usable conversations.*reasons in .*\.work/new/"
+                                        r"rejects.jsonl; the earlier output in this folder is "
+                                        r"kept as it was"):
+        run_prepare(tok_dir, [tmp_path / "bad.jsonl"], out)
+    assert "invalid JSON" in (out / ".work/new/rejects.jsonl").read_text()
+    assert all(out.joinpath(k).read_bytes() == v for k, v in before.items())
+    assert read_manifest(out, "prepare")["stats"]["kept"] == first.kept
+    # stopped while tokenizing: nothing of the earlier output is touched either
+    import eyas.prepare as prep
+
+    real = prep._tokenized
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    prep._tokenized = stopped
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_prepare(tok_dir, [tmp_path / "ok.jsonl"], out, max_length=100)
+    finally:
+        prep._tokenized = real
+    assert all(out.joinpath(k).read_bytes() == v for k, v in before.items())
+    assert not (out / ".work").exists()
+    again = run_prepare(tok_dir, [tmp_path / "ok.jsonl"], out, max_length=100)
+    assert again.kept == 1 and read_manifest(out, "prepare")["config"]["max_length"] == 100
+    assert not (out / ".work").exists()
+
+
+def test_regenerate_folders_are_inputs_of_their_own_target_only(tok_dir, tmp_path):
+    # a killed regenerate's prefix, or another model's answers, were prepared without a word
+    from eyas.store.manifest import target_record, write_manifest
+
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "conversations.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
+    record = target_record(str(tok_dir), tokenizer=load_tok(tok_dir), weights=False)
+    write_manifest(regen, "regenerate", {}, target=record, complete=False)
+    with pytest.raises(EyasError, match="unfinished `eyas regenerate` run"):
+        run_prepare(tok_dir, [regen], tmp_path / "p0")
+    made = write_manifest(regen, "regenerate", {}, target=record, complete=True)
+    run_prepare(tok_dir, [regen], tmp_path / "p1")
+    inputs = read_manifest(tmp_path / "p1", "prepare")["inputs"]
+    assert inputs == [{"step": "regenerate", "id": made["id"], "path": str(regen)}]
+    other = {**record, "name_or_path": "other-model", "tokenizer_hash": "0" * 16}
+    write_manifest(regen, "regenerate", {}, target=other, complete=True)
+    with pytest.raises(EyasError, match=r"regenerate` output .*regen in --data was made for "
+                                        r"target other-model .*regenerate its prompts with "
+                                        r"--target"):
+        run_prepare(tok_dir, [regen], tmp_path / "p2")
+    assert run_prepare(tok_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
+
+
+def load_tok(folder):
+    from eyas.targets.models import load_tokenizer
+
+    return load_tokenizer(str(folder))
 
 
 def test_empty_answers_are_counted_and_named(tok_dir, tmp_path, caplog):

@@ -27,7 +27,8 @@ from eyas.targets.chat import ChatFormatError
 from eyas.config import (ConfigError, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
-from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out, recorded_data,
+from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out,
+                                 check_same_target, recorded_data,
                                  target_record, tokenizer_fingerprint, write_manifest)
 from eyas.targets.masking import tokenize_conversation
 from eyas.targets.masking import render_prompt  # noqa: F401  (documented as eyas.prepare.render_prompt)
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 # What a prepare output folder holds; an earlier prepare run's copies are replaced.
 PAYLOAD = ("dataset", "token_counts.safetensors", "rejects.jsonl", MANIFEST, ".work")
+NEW_FILES = ("dataset", "token_counts.safetensors", "rejects.jsonl")  # made in .work/new
 
 
 @dataclass(frozen=True)
@@ -148,23 +150,33 @@ def _target_config(cfg: PrepareConfig):
 
 
 def _claim_out(out: Path, cfg: PrepareConfig) -> None:
-    """Make `out` ready: refuse another step's (or a user's) files (store.manifest.check_out,
-    every step's one --out policy), replace an earlier prepare output."""
+    """Make sure `out` may be written: refuse another step's (or a user's) files
+    (store.manifest.check_out, every step's one --out policy). An earlier prepare output is
+    replaced only once the new one is complete (_replace): a run that fails or is stopped
+    leaves it as it was."""
     check_out(out, "prepare", own=PAYLOAD, unfinished=PAYLOAD)
     if (out / MANIFEST).is_file():
         old = json.loads((out / MANIFEST).read_text())
         changed = sorted(k for k, v in to_dict(cfg).items()
                          if (old.get("config") or {}).get(k) != v and k != "num_proc")
         if changed:
-            log.warning("replacing the prepare output in %s (config changed: %s)", out,
-                        ", ".join(changed))
-    for name in (MANIFEST, *PAYLOAD):  # the manifest first: a half-replaced folder has none
+            log.warning("replacing the prepare output in %s once this run ends (config "
+                        "changed: %s)", out, ", ".join(changed))
+    shutil.rmtree(out / ".work", ignore_errors=True)  # a killed run's
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _replace(out: Path, new: Path) -> None:
+    """Move the complete new output in `new` into `out`, over an earlier one: its manifest
+    goes first, so a folder caught half-replaced has none and is not taken as complete."""
+    for name in (MANIFEST, *NEW_FILES):
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    for name in NEW_FILES:
+        (new / name).rename(out / name)
 
 
 def _truncated(data: dict) -> bool:
@@ -221,7 +233,8 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
         return out
     status = "ok"
     if len(ids) > max_length:
-        out["reason"] = f"{len(ids)} tokens > max_length {max_length}"
+        out["reason"] = (f"{len(ids)} tokens > max_length {max_length} (--max-length; "
+                         f"--length-policy truncate keeps the first {max_length})")
         ids, mask = ids[:max_length], mask[:max_length]
         # A cut that leaves nothing to learn from is as useless as a dropped sample.
         status = "truncated" if truncate and any(mask) else "too_long"
@@ -275,6 +288,22 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path, max_length: int):
                    "truncate": cfg.length_policy == "truncate",
                    "mask_kwargs": {"last_turn_only": cfg.last_turn_only,
                                    "template_kwargs": template_kwargs}})
+
+
+def _regenerated_for(cfg: PrepareConfig, target: dict) -> list[dict]:
+    """The `eyas regenerate` folders in --data (their manifests, recorded as this output's
+    inputs), each refused if another target answered it: the draft learns the answers of the
+    model it drafts for. (An unfinished one is refused where its files are read:
+    chat.resolve_paths.)"""
+    found = chat.regenerate_outputs(cfg.data)
+    for manifest in found:
+        folder = manifest["path"]
+        check_same_target(
+            manifest.get("target"), target, f"the `eyas regenerate` output {folder} in --data",
+            fix=f"regenerate its prompts with --target {cfg.target}, or, to train on another "
+                f"model's answers knowingly, pass its file {folder}/conversations.jsonl",
+            weights=False)
+    return found
 
 
 def _split(kept: np.ndarray, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -347,39 +376,75 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     # Count over the model's (possibly padded) vocabulary, which the draft's t2d spans.
     vocab_size = max(len(tok), getattr(text_config, "vocab_size", 0) or 0)
     max_length = _max_length(cfg, text_config)
+    target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tok,
+                           weights=False)
+    regenerated = _regenerated_for(cfg, target)
     _claim_out(out, cfg)
+    work, keep_work = out / ".work", False
     try:
-        summary = _write_dataset(cfg, tok, out, vocab_size, max_length)
+        summary = _write_dataset(cfg, tok, work, vocab_size, max_length)
+        _replace(out, work / "new")
+    except NoUsableRows as err:
+        # the reasons must stay readable: in `out` if it held no earlier output, else beside
+        # that output (which is kept), in .work (the next run clears it)
+        shown = out / "rejects.jsonl"
+        if (out / MANIFEST).is_file():
+            shown, keep_work = err.rejects, True
+        else:
+            err.rejects.rename(shown)
+        raise EyasError(f"{err} (reasons in {shown}"
+                        + ("; the earlier output in this folder is kept as it was)"
+                           if keep_work else ")")) from None
     finally:
-        shutil.rmtree(out / ".work", ignore_errors=True)
+        if not keep_work:
+            shutil.rmtree(work, ignore_errors=True)
     stats = {k: v for k, v in asdict(summary).items() if k not in ("out", "max_length")}
-    write_manifest(out, "prepare", cfg,
-                   target=target_record(cfg.target, cfg.revision, config=config, tokenizer=tok,
-                                        weights=False),
+    write_manifest(out, "prepare", cfg, target=target, inputs=regenerated,
                    stats=stats, chat_template_hash=chat_template_fingerprint(tok),
                    max_length=max_length,
                    max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
                    vocab_size=vocab_size, data_files=data_record)
-    _log_summary(summary, out)
+    _log_summary(summary, out, cfg)
     return summary
 
 
-def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int,
+def _length_fix(cfg: PrepareConfig, max_length: int) -> str:
+    """The flags that keep rows longer than `max_length` (the limit applied), for messages."""
+    if cfg.length_policy == "truncate":
+        return ""
+    raise_it = ("--max-length raises the limit, " if max_length == cfg.max_length else
+                "the target's max_position_embeddings caps it, ")
+    return f" ({raise_it}--length-policy truncate keeps their first {max_length} tokens)"
+
+
+class NoUsableRows(EyasError):
+    """Not one input row can be kept; `rejects` is the file that says why, row by row."""
+
+    def __init__(self, message: str, rejects: Path):
+        super().__init__(message)
+        self.rejects = rejects
+
+
+def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
                    max_length: int) -> PrepareSummary:
-    """Tokenize, then write rejects.jsonl, dataset/ and token_counts.safetensors."""
+    """Tokenize (cache in `work`), then write rejects.jsonl, dataset/ and
+    token_counts.safetensors into `work`/new."""
     import datasets
     from safetensors.numpy import save_file
 
-    ds = _tokenized(cfg, tok, out / ".work", max_length)
+    ds = _tokenized(cfg, tok, work, max_length)
+    out = work / "new"
+    out.mkdir(parents=True, exist_ok=True)
     status = np.asarray(ds["status"], dtype=object)
     _write_rejects(out / "rejects.jsonl", ds, status)
     kept = np.flatnonzero((status == "ok") | (status == "truncated"))
     if len(kept) == 0:
-        raise EyasError(f"no usable conversations in {list(cfg.data)}: {len(status)} rows, "
-                        f"{int((status == 'rejected').sum())} rejected (reasons in "
-                        f"{out / 'rejects.jsonl'}), {int((status == 'too_long').sum())} longer "
-                        f"than max_length {max_length}, {int((status == 'blank').sum())} "
-                        f"blank lines")
+        raise NoUsableRows(f"no usable conversations in {list(cfg.data)}: {len(status)} rows, "
+                           f"{int((status == 'rejected').sum())} rejected, "
+                           f"{int((status == 'too_long').sum())} longer than max_length "
+                           f"{max_length}{_length_fix(cfg, max_length)}, "
+                           f"{int((status == 'blank').sum())} blank lines",
+                           out / "rejects.jsonl")
     train_rows, eval_rows = _split(kept, cfg.eval_fraction, cfg.seed)
     columns = ["input_ids", "loss_mask", "sample_id", "num_tokens", "messages_json"]
     splits = datasets.DatasetDict({
@@ -405,13 +470,13 @@ def _write_dataset(cfg: PrepareConfig, tok, out: Path, vocab_size: int,
         truncated=int((status == "truncated").sum()),
         truncated_answers=int(cut_answer.sum()), rejected=int((status == "rejected").sum()),
         tokens=int(num_tokens.sum()), masked_tokens=int(num_masked.sum()),
-        train=len(train_rows), eval=len(eval_rows), out=str(out),
+        train=len(train_rows), eval=len(eval_rows), out=str(work.parent),
         blank_lines=int((status == "blank").sum()), rows=len(status),
         duplicate_ids=_duplicate_ids(ds.select(kept.tolist())["sample_id"]),
         max_length=max_length, empty_answers=int(empty.sum()))
 
 
-def _log_summary(s: PrepareSummary, out: Path) -> None:
+def _log_summary(s: PrepareSummary, out: Path, cfg: PrepareConfig) -> None:
     log.info("prepare: %d input rows = kept %d conversations (train %d, eval %d; %d truncated "
              "to max_length %d; %d end in a truncated answer, its end-of-turn not supervised) "
              "+ dropped %d too long + rejected %d + %d blank lines; %d tokens, %d supervised "
@@ -419,6 +484,8 @@ def _log_summary(s: PrepareSummary, out: Path) -> None:
              s.truncated_answers, s.dropped_too_long, s.rejected, s.blank_lines, s.tokens,
              s.masked_tokens, out)
     if s.rejected or s.dropped_too_long or s.blank_lines:
-        log.warning("%d rows set aside (%d malformed, %d too long, %d blank lines): file, row "
-                    "and reason of each in %s", s.rejected + s.dropped_too_long + s.blank_lines,
-                    s.rejected, s.dropped_too_long, s.blank_lines, out / "rejects.jsonl")
+        log.warning("%d rows set aside (%d malformed, %d too long%s, %d blank lines): file, "
+                    "row and reason of each in %s",
+                    s.rejected + s.dropped_too_long + s.blank_lines, s.rejected,
+                    s.dropped_too_long, _length_fix(cfg, s.max_length) if s.dropped_too_long
+                    else "", s.blank_lines, out / "rejects.jsonl")

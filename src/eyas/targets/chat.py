@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST
+from eyas.store.manifest import MANIFEST, peek_manifest
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def resolve_paths(paths: str | Path | tuple | list,
             matches = sorted(glob.glob(spec, recursive=True))
             if not matches:
                 raise EyasError(f"no files match {spec!r}; check the --data glob")
-            out.extend(Path(m) for m in matches if _is_source(Path(m)))
+            out.extend(Path(m) for m in matches if _is_source(Path(m))
+                       and Path(m).name not in _eyas_own_files(Path(m).parent))
             continue
         path = Path(spec)
         if not path.exists():
@@ -99,6 +100,22 @@ def resolve_paths(paths: str | Path | tuple | list,
                             f"a datasets folder (save_to_disk) in --data")
     if not out:
         raise EyasError(f"no chat data found in {list(paths)}; check --data")
+    return _once(out)
+
+
+def _once(paths: list[Path]) -> list[Path]:
+    """`paths` without a source named again (overlapping --data entries, such as a file and
+    a glob that matches it): read twice, its rows would be trained twice and could land in
+    both the train and the eval split."""
+    seen: set[Path] = set()
+    out = []
+    for path in paths:
+        key = path.resolve()
+        if key in seen:
+            log.warning("%s is named more than once in --data: read once", path)
+            continue
+        seen.add(key)
+        out.append(path)
     return out
 
 
@@ -164,7 +181,34 @@ def _eyas_own_files(folder: Path) -> tuple[str, ...]:
         raise EyasError(f"{folder} is an `eyas {manifest['step']}` output, not chat data: give "
                         f"--data the conversations it was made from (its {MANIFEST} names "
                         f"them), or an `eyas regenerate` output folder")
+    if manifest.get("complete") is False:
+        # a killed (or still running) regenerate: what it holds is a prefix of its input
+        done = _count_lines(folder / "conversations.jsonl")
+        raise EyasError(f"{folder} is an unfinished `eyas regenerate` run ({done} conversations "
+                        f"written so far): run the same `eyas regenerate` command again to "
+                        f"finish it (it resumes where it stopped), or, to use only what it has "
+                        f"now, pass its file {folder / 'conversations.jsonl'} in --data")
     return (MANIFEST, "rejects.jsonl")
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
+    """The manifests (with their folder as "path") of the `eyas regenerate` output folders
+    named in `paths`. A file inside one, named by itself, is read as a plain file."""
+    out = []
+    for spec in [paths] if isinstance(paths, (str, Path)) else paths:
+        folder = Path(str(spec))
+        manifest = peek_manifest(folder) if folder.is_dir() else None
+        if manifest and manifest.get("step") == "regenerate":
+            out.append({**manifest, "path": str(folder)})
+    return out
 
 
 def _is_datasets_folder(path: Path) -> bool:
@@ -191,7 +235,7 @@ def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False) -> Iterato
             yield from _read_datasets_folder(path)
         elif path.name.endswith(".parquet"):
             yield from _guarded(path, _read_parquet(path), first=0)
-        elif path.name.endswith((".json", ".json.gz")) or _holds_an_array(path):
+        elif path.name.endswith((".json", ".json.gz")) or _read_whole(path):
             yield from _guarded(path, _read_json(path, blank_lines), first=0)
         else:
             yield from _guarded(path, _read_jsonl(path, _binary_lines(path), blank_lines),
@@ -211,16 +255,21 @@ def _guarded(path: Path, rows: Iterator[RawRow], first: int) -> Iterator[RawRow]
             f"file unreadable from here on ({type(err).__name__}: {err})"))
 
 
-def _holds_an_array(path: Path) -> bool:
-    """Whether a JSON Lines file starts with `[`: a JSON list saved as .jsonl, which read line
-    by line would be one reject per line (one per pretty-printed line). Read as JSON instead,
-    and said so (its rows are then numbered from 0, as in a .json file)."""
+def _read_whole(path: Path) -> bool:
+    """Whether a JSON Lines file is read as one JSON text instead, line by line after that
+    where it is JSON Lines: one that starts with `[` (a JSON list saved as .jsonl, which read
+    line by line would be one reject per line, one per pretty-printed line; its rows are then
+    numbered from 0, as in a .json file), or UTF-16 text (whose bytes do not split at b"\n")."""
     try:
         with _open_binary(path) as f:
-            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+            head = f.read(4096)
     except (OSError, EOFError):
         return False  # read as JSON Lines, where the error becomes a reject
-    if head.startswith(b"["):
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        log.warning("%s is UTF-16 text (as Windows PowerShell writes it): read as such; UTF-8 "
+                    "is what other tools expect", path)
+        return True
+    if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
         log.warning("%s starts with '[': a JSON list, not JSON Lines; read as JSON (rows "
                     "numbered from 0; rename it to .json to say so)", path)
         return True
@@ -292,12 +341,24 @@ def _read_jsonl(path: Path, lines: Iterable[bytes | str],
 
 
 def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
-    text = b"".join(_binary_lines(path)).decode("utf-8-sig")  # not UTF-8: ValueError, guarded
+    data = b"".join(_binary_lines(path))
+    try:
+        text = _decode(data)
+    except UnicodeDecodeError as err:
+        if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+            raise  # a list with a bad byte: one reject from row 0 (_guarded)
+        # JSON Lines in a .json file: line by line, so a bad byte costs its own line only
+        yield from _read_jsonl(path, data.split(b"\n"), blank_lines)
+        return
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
-        # `Dataset.to_json` and many tools write JSON Lines into *.json files.
-        yield from _read_jsonl(path, text.splitlines(), blank_lines)
+    except json.JSONDecodeError as err:
+        if text.lstrip("\ufeff \t\r\n").startswith("["):
+            yield from _list_items(path, text, err)
+            return
+        # `Dataset.to_json` and many tools write JSON Lines into *.json files. Split on "\n"
+        # only: str.splitlines would also cut at U+2028, U+0085 and the like inside strings.
+        yield from _read_jsonl(path, text.split("\n"), blank_lines)
         return
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
@@ -316,6 +377,37 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
         return
     for i, item in enumerate(value):
         yield _check_dict(str(path), i, item)
+
+
+def _decode(data: bytes) -> str:
+    """A JSON file's text: UTF-8 (a byte-order mark dropped), or UTF-16 where it starts with
+    that encoding's byte-order mark (Windows PowerShell's `>` and Out-File write it)."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return data.decode("utf-16")
+    return data.decode("utf-8-sig")
+
+
+def _list_items(path: Path, text: str, whole: json.JSONDecodeError) -> Iterator[RawRow]:
+    """The rows of a JSON list that does not parse as a whole, one by one up to the syntax
+    error, then one reject that says where it is (nothing after it can be told apart)."""
+    decoder = json.JSONDecoder()
+    space = re.compile(r"[\s\ufeff]*")
+    pos, index = space.match(text, text.index("[") + 1).end(), 0
+    try:
+        while pos < len(text) and text[pos] != "]":
+            value, pos = decoder.raw_decode(text, pos)
+            yield _check_dict(str(path), index, value)
+            index += 1
+            pos = space.match(text, pos).end()
+            if pos < len(text) and text[pos] == ",":
+                pos = space.match(text, pos + 1).end()
+            elif pos >= len(text) or text[pos] != "]":
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+    except json.JSONDecodeError as err:
+        whole = err
+    yield RawRow(str(path), index, ChatFormatError(
+        f"the JSON list breaks at line {whole.lineno} column {whole.colno} ({whole.msg}); "
+        f"no row from here on is read: fix the file there"))
 
 
 def _read_parquet(path: Path) -> Iterator[RawRow]:
@@ -395,7 +487,8 @@ def _normalize_turn(i: int, turn: Any) -> dict[str, str]:
         raise ChatFormatError(f"turn {i} has unknown role {raw_role!r} "
                               f"(known: {', '.join(sorted(ROLES))})")
     raw_content = _first_present(turn, ("content", "value"))
-    tool_calls = turn.get("tool_calls") if role == "assistant" else None
+    # `[]` is what many exporters write for a turn without calls: the same as none
+    tool_calls = (turn.get("tool_calls") or None) if role == "assistant" else None
     if tool_calls is not None:
         _check_tool_calls(i, tool_calls)
         if raw_content is None:
@@ -431,7 +524,9 @@ def _first_present(turn: dict, keys: tuple[str, ...]):
 
 
 def _text(i: int, content: Any) -> str:
-    """Content as a string; a list of OpenAI text parts is joined, anything else refused."""
+    """Content as a string; a list of OpenAI text parts is joined with newlines, as vLLM's
+    chat endpoint joins them for a template that takes string content (so the draft trains on
+    the prompt vLLM serves); anything else refused."""
     if isinstance(content, str):
         return content
     if content is None:
@@ -439,7 +534,7 @@ def _text(i: int, content: Any) -> str:
     if isinstance(content, list) and all(
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     raise ChatFormatError(f"turn {i} content is a {type(content).__name__}, not a string "
                           f"(only text conversations are supported)")
 

@@ -20,7 +20,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
-from eyas.store.manifest import MANIFEST, check_template_hash, read_manifest
+from eyas.store.manifest import check_template_hash, peek_manifest, read_manifest
 from eyas.targets import chat
 from eyas.targets.masking import render_prompt
 
@@ -168,8 +168,11 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None
     `cfg`: an eyas.evaluate.EvalConfig."""
     skipped = Counter() if skipped is None else skipped
     path = Path(cfg.data) if cfg.data else None
+    # a prepared folder (its eval split by default); any other eyas folder is read as chat
+    # data by chat.read_rows (a regenerate output: its conversations; other steps' refused)
     prepared = (read_manifest(path, step="prepare")
-                if path is not None and (path / MANIFEST).is_file() else None)
+                if path is not None and (peek_manifest(path) or {}).get("step") == "prepare"
+                else None)
     template_kwargs = chat_template(cfg, tokenizer, prepared)
     prompts = []
     if path is not None:
