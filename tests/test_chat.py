@@ -83,6 +83,7 @@ def test_normalize_text_parts_and_reasoning_field():
 
 @pytest.mark.parametrize("row, reason", [
     ({"messages": []}, "empty conversation"),
+    ({"id": "x", "messages": None}, "'messages' is null: the row holds no conversation"),
     ({"messages": "hi"}, "not a list"),
     ({"messages": [{"role": "narrator", "content": "x"}]}, "unknown role 'narrator'"),
     ({"messages": [{"content": "x"}]}, "turn 0 has no 'role'"),

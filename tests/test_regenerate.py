@@ -327,7 +327,7 @@ def test_empty_input_and_every_row_refused_say_what_to_do(setup, tmp_path):
         regenerate(_cfg(setup, tmp_path / "a", data=(str(empty),)))
     assert json.loads((tmp_path / "a/eyas.json").read_text())["complete"] is False
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('[{"messages": [{"role": "user", "content": "hi"}]}]\nnot json\n')
+    bad.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\nnot json\n')
     with pytest.raises(EyasError) as err:
         regenerate(_cfg(setup, tmp_path / "b", data=(str(bad),)))
     assert "kind input" in str(err.value) and "new --out" in str(err.value)

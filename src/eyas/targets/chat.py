@@ -439,6 +439,9 @@ def detect_format(row: dict) -> str:
         return "messages"
     if any(row.get(c) is not None for c in TURN_COLUMNS["sharegpt"]):
         return "sharegpt"
+    empty = [c for c in ("messages", *TURN_COLUMNS["sharegpt"]) if c in row]
+    if empty:  # the column is there, its value null (a Parquet or datasets gap, say)
+        raise ChatFormatError(f"'{empty[0]}' is null: the row holds no conversation")
     keys = ", ".join(sorted(map(str, row))) or "none"
     raise ChatFormatError(f"no 'conversations' or 'messages' column (row has: {keys})")
 
