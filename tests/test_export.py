@@ -6,6 +6,7 @@ and its `Eagle3LlamaForCausalLM` weights and logits); see docs/export.md for how
 from __future__ import annotations
 
 import json
+import os
 import logging
 import re
 
@@ -276,7 +277,15 @@ def test_a_whole_vocabulary_draft_whose_map_is_not_the_identity_is_refused(tmp_p
 def test_bf16_export_keeps_vocab_maps_and_stays_close(tmp_path):
     cfg = draft_config(**VARIANTS["eagle-3.1"])
     trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
-    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    mask = os.umask(0o022)
+    try:
+        out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    finally:
+        os.umask(mask)
+    # every file as the umask says (safetensors alone writes 0600): a server running as
+    # another user reads the weights too
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()} == {
+        f.name: "0o644" for f in out.iterdir()}
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}

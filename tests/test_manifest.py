@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from eyas.config import option
 from eyas.errors import EyasError
@@ -136,3 +138,21 @@ def test_damaged_manifest_is_named_with_the_fix(tmp_path, text, why):
         read_manifest(tmp_path / "a", step="capture")
     with pytest.raises(EyasError, match="is damaged"):  # a --target folder that has one
         target_record(str(tmp_path / "a"))
+
+
+def test_owner_only_files_get_the_umasks_mode_and_others_are_left(tmp_path):
+    from safetensors.torch import save_file
+
+    from eyas.store.permissions import as_umask
+
+    (tmp_path / "sub").mkdir()
+    save_file({"a": torch.zeros(1)}, str(tmp_path / "sub" / "w.safetensors"))
+    (tmp_path / "private.txt").write_text("x")
+    (tmp_path / "private.txt").chmod(0o400)  # a mode someone chose: not 0600, left alone
+    mask = os.umask(0o027)
+    try:
+        as_umask(tmp_path)
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "sub" / "w.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "private.txt").stat().st_mode & 0o777 == 0o400

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from eyas.store.permissions import as_umask
 from eyas.config import option
 from eyas.errors import EyasError
 from eyas.targets.corpus import synthetic_chats
@@ -110,6 +111,7 @@ def pretrain_target(out: Path, rows: list[dict], *, hidden: int, layers: int, st
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / TARGET_RECORD).write_text(json.dumps(made) + "\n")
+    as_umask(tmp)  # safetensors writes owner-only
     if out.exists():  # (a half target, or one trained with other settings)
         shutil.rmtree(out)
     tmp.rename(out)

@@ -48,6 +48,7 @@ from eyas.serve.export_readme import render_readme
 from eyas.store.checkpoint import STEP_DIR
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
                                  peek_manifest, read_manifest, write_manifest)
+from eyas.store.permissions import as_umask
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
                                 read_vllm_folder, read_weights, find_checkpoint,
                                 load_checkpoint)
@@ -317,6 +318,7 @@ def export(cfg: ExportConfig) -> Path:
                    checkpoint=str(step), aux_layer_ids=list(dcfg.aux_layer_ids),
                    draft_config=dcfg.to_dict(),
                    files={f: file_sha256(tmp / f) for f in FILES})
+    as_umask(tmp)  # safetensors wrote its file owner-only: a server may run as another user
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -359,6 +361,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),
                    files={f: file_sha256(tmp / f) for f in FILES})
+    as_umask(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

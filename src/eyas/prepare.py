@@ -30,6 +30,7 @@ from eyas.errors import EyasError
 from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out,
                                  check_same_target, recorded_data,
                                  target_record, tokenizer_fingerprint, write_manifest)
+from eyas.store.permissions import as_umask
 from eyas.targets.masking import tokenize_conversation
 from eyas.targets.masking import render_prompt  # noqa: F401  (documented as eyas.prepare.render_prompt)
 from eyas.targets.chat import parse_template_kwargs
@@ -455,6 +456,7 @@ def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
                         num_shards={k: None if len(v) else 1 for k, v in splits.items()})
     save_file({"counts": _token_counts(splits["train"], vocab_size)},
               str(out / "token_counts.safetensors"))
+    as_umask(out / "token_counts.safetensors")  # safetensors writes owner-only
     num_tokens = np.asarray(ds["num_tokens"], dtype=np.int64)[kept]
     num_masked = np.asarray(ds["num_masked"], dtype=np.int64)[kept]
     cut_answer = np.asarray(ds["truncated"], dtype=bool)[kept]

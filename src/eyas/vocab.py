@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from eyas.config import ConfigError, option, out_option, required
 from eyas.errors import EyasError
 from eyas.store.manifest import check_out, check_same_target, read_manifest, write_manifest
+from eyas.store.permissions import as_umask
 from eyas.store.vocab import VOCAB_FILE, check_vocab, load_vocab
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def vocab(cfg: VocabConfig) -> dict:
     d2t, t2d, coverage = build_vocab(counts, size)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / VOCAB_FILE))
+    as_umask(out / VOCAB_FILE)  # safetensors writes owner-only
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of %d assistant tokens "
              "(%d distinct ids seen)", size, counts.numel(), 100 * coverage, seen,
              int((counts > 0).sum()))

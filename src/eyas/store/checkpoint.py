@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from eyas.errors import EyasError
 from eyas.store.manifest import inside
+from eyas.store.permissions import as_umask
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, sche
     (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     torch.save({**state, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs},
                tmp / "trainer_state.pt")
+    as_umask(tmp)  # safetensors writes owner-only; export reads these as any other user may
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _write_text(final.parent / "last", final.name + "\n")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST, gguf_fingerprint, target_record, write_manifest
+from eyas.store.permissions import as_umask
 from eyas.targets.gguf import is_gguf
 from eyas.targets.models import load_target, load_tokenizer
 
@@ -80,6 +81,7 @@ def _write(gguf: Path, folder: Path, out: Path, dtype: str) -> None:
         del model.config.quantization_config
     model.save_pretrained(folder)  # safetensors, config.json, generation_config.json
     tokenizer.save_pretrained(folder)  # tokenizer files and the chat template
+    as_umask(folder)  # safetensors writes owner-only: a vLLM server may run as another user
     files = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
     write_manifest(folder, "convert", {"target": str(gguf), "out": str(out), "dtype": dtype},
                    target=target_record(str(gguf), config=model.config, tokenizer=tokenizer),
