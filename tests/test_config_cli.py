@@ -181,3 +181,26 @@ def test_train_refuses_both_fc_norm_variants():
 def test_dflash_refuses_eagle3_flags_it_would_ignore(flag):
     with pytest.raises(ConfigError, match=flag[0] + ": an EAGLE-3 option"):
         cli.parse_config("train", ["--data", "c/", "--out", "r/", "--draft", "dflash", *flag])
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_a_value_outside_a_fields_choices_is_refused_however_given(command):
+    # argparse checked choices for flags only: from a YAML file, a pipeline section or a
+    # library call `optimizer: adam` trained Muon, `parallel: FSDP` ran DDP, and
+    # `format: vlm` failed with a KeyError after training
+    import dataclasses
+    import importlib
+
+    from eyas.config import ConfigError, field_types
+
+    module, _, name, _ = cli.COMMANDS[command]
+    cls = getattr(importlib.import_module(module), name)
+    needed = {f.name: "x" for f in dataclasses.fields(cls)
+              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    hints = field_types(cls)
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("choices"):
+            continue
+        bad = ("bogus",) if "tuple" in str(hints[f.name]) else "bogus"
+        with pytest.raises(ConfigError, match=f"{f.name} 'bogus' is not one of"):
+            cls(**{**needed, f.name: bad})

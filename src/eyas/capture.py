@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.config import (ConfigError, option, out_option, required, revision_option,
+from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
@@ -103,6 +103,7 @@ class CaptureConfig:
                                     "(otherwise that is an error)")
 
     def __post_init__(self):
+        check_choices(self)
         if self.batch_tokens < 1:
             raise ConfigError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
         if self.file_mb <= 0:

@@ -92,6 +92,22 @@ def coerce(name: str, tp, value):
     return value
 
 
+def check_choices(config) -> None:
+    """Every field of `config` declared with `choices` holds one of them (each item of a tuple
+    field; None where the field may be unset). The CLI's flags are checked by argparse; this is
+    for a YAML file, a pipeline section and a library call, where a typo (`optimizer: adam`)
+    would otherwise run another recipe or fail hours later. Each config with choices calls it
+    first in its __post_init__."""
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        bad = [v for v in (value if isinstance(value, tuple) else (value,))
+               if choices and v is not None and v not in choices]
+        if bad:
+            raise ConfigError(f"{f.name} {bad[0]!r} is not one of {', '.join(map(str, choices))} "
+                              f"(--{f.name.replace('_', '-')})")
+
+
 def from_dict(cls, values: dict[str, Any]):
     """Build config `cls` from a plain dict; unknown keys are an error naming the key."""
     names = {f.name for f in dataclasses.fields(cls)}

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.config import ConfigError, option, out_option, required
+from eyas.config import ConfigError, check_choices, option, out_option, required
 from eyas.store.manifest import MANIFEST, check_out
 from eyas.targets.convert import CONVERT_DTYPES, convert_gguf
 from eyas.targets.gguf import is_gguf
@@ -29,6 +29,7 @@ class ConvertConfig:
                         choices=CONVERT_DTYPES)
 
     def __post_init__(self):
+        check_choices(self)
         if not is_gguf(self.target):
             raise ConfigError(f"--target {self.target} is not a .gguf file: only a GGUF target "
                               f"needs converting (a Hugging Face folder or hub name loads as "

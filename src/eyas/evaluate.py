@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.config import (ConfigError, accept_other_weights_option, option, out_option,
-                         required, revision_option, target_option, trust_remote_code_option)
+from eyas.config import (ConfigError, accept_other_weights_option, check_choices, option,
+                         out_option, required, revision_option, target_option, trust_remote_code_option)
 from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
                                     mismatch_message, summarize, write_report)
@@ -106,6 +106,7 @@ class EvalConfig:
     accept_other_weights: bool = accept_other_weights_option("a draft")
 
     def __post_init__(self):
+        check_choices(self)
         if not self.k or any(not 1 <= k <= MAX_K for k in self.k):
             raise ConfigError(f"k {self.k}: give draft lengths between 1 and {MAX_K}, e.g. 3 "
                               f"or 1,2,3,5,7")

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eyas.config import ConfigError, option, out_option, required
+from eyas.config import ConfigError, check_choices, option, out_option, required
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
@@ -96,6 +96,7 @@ class ExportConfig:
                                     "training run (otherwise that is an error)")
 
     def __post_init__(self):
+        check_choices(self)
         if not re.fullmatch(r"best|last|step-\d+", self.which):
             raise ConfigError(f"--which {self.which!r}: use best, last or step-N (e.g. step-2000)")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:

@@ -17,7 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.config import ConfigError, coerce, from_dict, load_yaml, option, required, to_dict
+from eyas.config import (ConfigError, check_choices, coerce, from_dict, load_yaml, option,
+                         required, to_dict)
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST, peek_manifest
 
@@ -53,6 +54,7 @@ class RunConfig:
                                       "even where they are out of date (a warning names them)")
 
     def __post_init__(self):
+        check_choices(self)
         if self.allow_stale and not self.from_step:
             raise ConfigError("--allow-stale is for --from-step (it lets the steps that one "
                               "skips be out of date); without --from-step every out-of-date "

@@ -24,7 +24,7 @@ import numpy as np
 
 from eyas.targets import chat
 from eyas.targets.chat import ChatFormatError
-from eyas.config import (ConfigError, option, out_option, required, revision_option,
+from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
                          target_option, to_dict, trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out,
@@ -71,6 +71,7 @@ class PrepareConfig:
     num_proc: int = option(1, "processes for tokenization")
 
     def __post_init__(self):
+        check_choices(self)
         if not self.data:
             raise ConfigError("data is empty; give --data FILE_OR_GLOB")
         if self.format not in chat.FORMATS:

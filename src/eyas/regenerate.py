@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 
 from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
                               sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
-from eyas.config import (ConfigError, option, out_option, required, revision_option,
+from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
                                  target_record, write_manifest)
@@ -137,6 +137,7 @@ class RegenerateConfig:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        check_choices(self)
         for name, choices in (("format", FORMATS), ("backend", BACKENDS), ("batching", BATCHING),
                               ("turns", ("all", "last")), ("reasoning", tuple(TEMPLATE_KWARGS))):
             if getattr(self, name) not in choices:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.config import (ConfigError, accept_other_weights_option, option, out_option,
-                         required, revision_option, trust_remote_code_option)
+from eyas.config import (ConfigError, accept_other_weights_option, check_choices, option,
+                         out_option, required, revision_option, trust_remote_code_option)
 from eyas.draft.loss import OBJECTIVES
 from eyas.draft.ttt import LOSS_MASK_AT
 
@@ -195,6 +195,7 @@ class TrainConfig:
                                  "never = start over; or a checkpoints/step-N folder")
 
     def __post_init__(self):
+        check_choices(self)
         eagle3 = self.draft != "dflash"  # unset EAGLE 3.1 norms take the recipe's default
         if self.norm_before_fc is None:
             object.__setattr__(self, "norm_before_fc", eagle3 and not self.fc_norm)
