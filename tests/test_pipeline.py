@@ -168,6 +168,15 @@ def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resum
     stats = json.loads((work / "regenerated" / "eyas.json").read_text())["stats"]
     assert stats["skipped"] == stats["input"] == 3
     assert json.loads((work / "regenerated.previous" / "eyas.json").read_text()) == was
+    # a second start over keeps the first generation (it was deleted): the plan names where
+    spec["regenerate"]["max_new_tokens"] = 6
+    pipeline = _write(tmp_path, spec)
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.start_over and "the old run moved to regenerated.previous-2" in regen.reason
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    assert json.loads((work / "regenerated.previous" / "eyas.json").read_text()) == was
+    kept = json.loads((work / "regenerated.previous-2" / "eyas.json").read_text())
+    assert kept["config"]["max_new_tokens"] == 5
 
 
 def _prepared(tmp_path, llama_dir):

@@ -13,7 +13,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,7 +326,7 @@ def plan(cfg: RunConfig) -> list[Plan]:
         again = "" if ok or step not in ("train", "regenerate") else \
             _starts_over(step, step_cfg, out, upstream_ran, cfg.force or cfg.from_step == step)
         if again:
-            why += f"; {step} starts over ({again}), the old run moved to {out.name}.previous"
+            why += f"; {step} starts over ({again}), the old run moved to {_aside(out).name}"
         plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
     return plans
@@ -364,6 +363,17 @@ def _check_skipped(earlier: list[str], spec: dict, work: Path, cfg: RunConfig) -
                         f"add --allow-stale.", flag="--from-step")
 
 
+def _aside(out: Path) -> Path:
+    """Where a run that starts over moves its earlier one: `NAME.previous`, or where that is
+    taken `NAME.previous-2`, -3, ...: an earlier generation may be the one whose config comes
+    back (a regenerated corpus costs hours), so none is deleted."""
+    aside, n = out.with_name(out.name + ".previous"), 1
+    while aside.exists():
+        n += 1
+        aside = out.with_name(f"{out.name}.previous-{n}")
+    return aside
+
+
 def run(cfg: RunConfig) -> list[Plan]:
     """Run (or with dry_run, describe) the pipeline; returns the plan that was executed."""
     plans = plan(cfg)
@@ -377,9 +387,7 @@ def run(cfg: RunConfig) -> list[Plan]:
         module, fn, _ = STEP_FUNCS[p.step]
         log.info("== eyas %s ==", p.step)
         if p.start_over:  # (see _starts_over)
-            aside = p.out.with_name(p.out.name + ".previous")
-            if aside.exists():
-                shutil.rmtree(aside)
+            aside = _aside(p.out)
             p.out.rename(aside)
             log.info("%s: the earlier run moved to %s", p.step, aside)
         try:
