@@ -192,6 +192,23 @@ def _prepared(tmp_path, llama_dir):
     return data, pipeline, tmp_path / "w" / "prepared" / "eyas.json", prepare
 
 
+def test_a_second_run_in_the_same_work_dir_is_refused_while_the_first_runs(tmp_path,
+                                                                           llama_dir):
+    # two `eyas run` on one work_dir planned from the same folders and ran the same steps
+    # into them side by side
+    from eyas.pipeline import RUN_LOCK
+    from eyas.store import locks
+
+    data, pipeline, manifest, prepare = _prepared(tmp_path, llama_dir)
+    with locks.exclusive(tmp_path / "w" / RUN_LOCK, "held by the test"):
+        with pytest.raises(EyasError, match=r"another `eyas run` is running the pipeline in "
+                                            r".*w \(its process id is in .*eyas-run.lock\)"):
+            run(prepare)
+        assert [p.action for p in run(RunConfig(pipeline=pipeline, until_step="prepare",
+                                                dry_run=True))] == ["skip"]  # a look is fine
+    assert [p.action for p in run(prepare)] == ["skip"]
+
+
 def _count_hashing(monkeypatch) -> list[Path]:
     """The paths store.manifest.file_sha256 reads from now on, in order."""
     from eyas.store import manifest as store

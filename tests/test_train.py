@@ -1222,3 +1222,19 @@ def test_a_run_keeps_one_run_id_while_its_manifest_id_moves_and_export_quotes_it
         with pytest.raises(EyasError, match="measured a draft of another training run than"):
             export(ExportConfig(checkpoint=str(again), out=str(tmp_path / "d"), overwrite=True,
                                 acceptance_report=str(report)))
+
+
+def test_a_second_training_into_the_same_folder_is_refused_while_the_first_runs(run_inputs,
+                                                                                  tmp_path):
+    # two runs on one --out (a requeued job beside the old one) trained side by side and
+    # overwrote each other's checkpoints and metrics
+    from eyas.store import locks
+
+    out = tmp_path / "run"
+    with locks.exclusive(out / ".train.lock", "held by the test"):
+        with pytest.raises(EyasError, match=r"another eyas train is writing into .*run .*wait "
+                                            r"for it to end or stop it"):
+            train(_cfg(run_inputs, out, max_steps=2))
+    assert not (out / "checkpoints").exists()
+    train(_cfg(run_inputs, out, max_steps=2))  # the lock goes with its holder
+    assert (out / "eyas.json").is_file()

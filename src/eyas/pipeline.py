@@ -19,12 +19,14 @@ from pathlib import Path
 from eyas.config import (ConfigError, check_choices, coerce, from_dict, load_yaml, option,
                          required, to_dict)
 from eyas.errors import EyasError
+from eyas.store import locks
 from eyas.store.manifest import MANIFEST, peek_manifest
 
 log = logging.getLogger(__name__)
 
 # regenerate (optional) comes first: prepare then reads its conversations.jsonl.
 STEPS = ("regenerate", "prepare", "capture", "vocab", "train", "export", "eval")
+RUN_LOCK = ".eyas-run.lock"  # in work_dir, held by the `eyas run` that runs there
 # step -> (module, function, config class)
 STEP_FUNCS = {
     "prepare": ("eyas.prepare", "prepare", "PrepareConfig"),
@@ -279,6 +281,12 @@ def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str
     return "forced" if forced else ""
 
 
+def _work_dir(cfg: RunConfig, spec: dict) -> Path:
+    """The pipeline's work_dir: as given, or relative to the pipeline YAML's folder."""
+    work = Path(spec["work_dir"])
+    return work if work.is_absolute() else Path(cfg.pipeline).resolve().parent / work
+
+
 def plan(cfg: RunConfig) -> list[Plan]:
     spec = load_yaml(cfg.pipeline)
     for key in ("target", "data", "work_dir"):
@@ -297,9 +305,7 @@ def plan(cfg: RunConfig) -> list[Plan]:
             raise ConfigError(f"pipeline {cfg.pipeline}: 'enabled' in section '{step}' would be "
                               f"ignored: only regenerate is optional; to run part of the "
                               f"pipeline use --from-step / --until-step")
-    work = Path(spec["work_dir"])
-    if not work.is_absolute():
-        work = Path(cfg.pipeline).resolve().parent / work
+    work = _work_dir(cfg, spec)
     steps = [s for s in STEPS if _enabled(spec, s)]
     for flag, step in (("--from-step", cfg.from_step), ("--until-step", cfg.until_step)):
         if step and step not in steps:
@@ -376,6 +382,22 @@ def _aside(out: Path) -> Path:
 
 def run(cfg: RunConfig) -> list[Plan]:
     """Run (or with dry_run, describe) the pipeline; returns the plan that was executed."""
+    if cfg.dry_run:
+        return _run(cfg)
+    spec = load_yaml(cfg.pipeline)
+    if "work_dir" not in spec:
+        return _run(cfg)  # plan() says what is missing
+    work = _work_dir(cfg, spec)
+    # one `eyas run` at a time in a work_dir, planning included: a second one would plan from
+    # folders the first is writing, then run the same steps into them
+    busy = (f"another `eyas run` is running the pipeline in {work} (its process id is in "
+            f"{work / RUN_LOCK}); wait for it to end or stop it (its steps resume), or give "
+            f"this pipeline another work_dir")
+    with locks.exclusive(work / RUN_LOCK, busy):
+        return _run(cfg)
+
+
+def _run(cfg: RunConfig) -> list[Plan]:
     plans = plan(cfg)
     for p in plans:
         log.info("%-10s %-4s  %s  -> %s", p.step, p.action, p.reason, p.out)

@@ -23,6 +23,7 @@ target found the learning rate to be what made speculators' drafts better than e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from eyas.kernels import band_kernels
-from eyas.store import checkpoint
+from eyas.store import checkpoint, locks
 from eyas.draft import data, data_loader
 from eyas.draft.loss import Objective, chain_acceptance, simulated_acceptance_length
 from eyas.store.manifest import check_out, train_run, write_manifest
@@ -128,7 +129,7 @@ def _progress(rec: dict, total: int, elapsed: float, start: int) -> str:
 
 
 # what a run folder holds besides its eyas.json (docs/train.md, "The run folder")
-RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "tensorboard")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "tensorboard", ".train.lock")
 
 
 def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
@@ -164,11 +165,22 @@ def train(cfg: TrainConfig) -> dict:
     # --out: empty, new, or an earlier run of this step (resumed); never a user's files. A
     # killed run can leave its files before its manifest, so they count as its own then too
     check_out(cfg.out, "train", own=RUN_FILES, unfinished=RUN_FILES)
-    cfg = keep_run_recipe(cfg)
-    if cfg.draft == "dflash":  # its own loop, on the same setup pieces (docs/dflash.md)
-        from eyas.dflash.train import train_dflash
+    # one run at a time in a folder (rank 0 holds it for a torchrun job's ranks)
+    busy = (f"another eyas train is writing into {cfg.out} (its process id is in "
+            f"{Path(cfg.out) / '.train.lock'}); wait for it to end or stop it (it saves its "
+            f"step and resumes), or give another --out")
+    with locks.exclusive(Path(cfg.out) / ".train.lock", busy) if locks.main_process() \
+            else contextlib.nullcontext():
+        cfg = keep_run_recipe(cfg)
+        if cfg.draft == "dflash":  # its own loop, on the same setup pieces (docs/dflash.md)
+            from eyas.dflash.train import train_dflash
 
-        return train_dflash(cfg)
+            return train_dflash(cfg)
+        return _train_eagle3(cfg)
+
+
+def _train_eagle3(cfg: TrainConfig) -> dict:
+    """`train` for an EAGLE-3 draft: set-up, the loop, the finish."""
     # ---- setup: processes, inputs, draft, parallelism, data plan, optimizer, resume
     band_kernels.attention_choice()  # a bad EYAS_ATTENTION stops here, not at the first step
     env = init_env(cfg)

@@ -1,0 +1,44 @@
+"""One writer per output folder: an exclusive, non-blocking flock held while a process writes.
+
+Two `eyas train` runs on one --out (a scheduler's requeue while the old job still runs, a
+command started twice) trained side by side and overwrote each other's checkpoints and
+metrics, and a resume could delete the live run's newer checkpoints. A flock goes with the
+process that holds it, SIGKILL included, so a killed run never leaves a stale lock behind.
+(Capture's shards have their own locks: eyas.capture.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from eyas.errors import EyasError
+
+
+@contextlib.contextmanager
+def exclusive(path: str | Path, busy: str):
+    """Hold an exclusive flock on `path` (created, with its folder, if missing) for the block;
+    EyasError(`busy`) at once if another process holds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EyasError(busy) from None
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")  # who holds it, for a user who looks
+            f.flush()
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def main_process() -> bool:
+    """Whether this process writes for its job: not a torchrun rank other than 0 (a job's ranks
+    share one --out, and only rank 0 writes there)."""
+    return int(os.environ.get("RANK", "0")) == 0
