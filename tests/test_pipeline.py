@@ -115,6 +115,13 @@ def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llam
     ok, why = pipeline._up_to_date(cfg, out, False)
     assert not ok and re.fullmatch(r"the target's weights changed \(weights_fingerprint "
                                    r"\w{16} -> \w{16}\)", why), why
+    # a relative target, planned from another directory: not "weights changed ... -> None"
+    write_manifest(out, "capture", cfg, target=target_record(str(target)))
+    moved = tmp_path / "elsewhere"
+    target.rename(moved)
+    ok, why = pipeline._up_to_date(cfg, out, False)
+    assert not ok and why.startswith("its target cannot be checked against the one it ran "
+                                     "with; ") and "does not exist from" in why, why
 
 
 def test_regenerate_with_other_settings_starts_over_and_an_interrupted_one_resumes(
