@@ -408,7 +408,7 @@ def test_load_draft_names_a_damaged_file(target, tmp_path):
 
 
 def test_a_draft_of_another_target_is_refused_naming_that_target(target, llama_dir, chats,
-                                                                 tmp_path):
+                                                                 tmp_path, monkeypatch):
     """eval --draft with an export made for another target: the draft was built first and
     failed on the embedding's shape ("the draft config was made for another target"), so the
     check naming the draft's target and the fix never ran."""
@@ -426,6 +426,13 @@ def test_a_draft_of_another_target_is_refused_naming_that_target(target, llama_d
     write_manifest(folder, "export", {}, target={
         "name_or_path": "org/other-model", "model_type": "llama", "num_hidden_layers": 8,
         "hidden_size": 64, "vocab_size": 1024, "tokenizer_hash": "elsewhere"})
+    # refused from the manifests, before the target is loaded (minutes for a large one)
+    import eyas.evaluate as evaluate_module
+
+    def no_load(cfg):
+        raise AssertionError("the target was loaded before the draft was checked")
+
+    monkeypatch.setattr(evaluate_module, "_load_target", no_load)
     with pytest.raises(EyasError, match=r"draft .* made for target org/other-model "
                                         r"\(tokenizer_hash=elsewhere\).*--target"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), draft=str(folder),

@@ -32,7 +32,8 @@ from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarg
                                 generate_batch)
 from eyas.dflash.model import DFlashDraft
 from eyas.serve.dflash_drafter import BatchDFlashDrafter, DFlashDrafter
-from eyas.serve.draft_loading import check_draft, load_draft, measured_checkpoint
+from eyas.serve.draft_loading import (check_draft, check_draft_target, load_draft,
+                                      measured_checkpoint)
 from eyas.serve.speculate import (Eagle3Drafter, NgramDrafter, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)
 # Prompt and load_prompts: also used as eyas.evaluate.* by benchmarks and tests
@@ -343,6 +344,14 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
     prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg, skipped)
+    # the prepared folder and the draft must be this target's: said now, from their
+    # manifests, not after loading the target (again where each worker measures)
+    record = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
+    if prepared is not None:
+        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}",
+                          weights=False)
+    if cfg.draft:
+        check_draft_target(cfg.draft, record, weights=not cfg.accept_other_weights)
     if skipped:
         log.warning("eval: rows left out of the prompts, by reason: %s (each is logged above)",
                     ", ".join(f"{k} {n}" for k, n in sorted(skipped.items())))

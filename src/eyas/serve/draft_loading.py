@@ -54,6 +54,15 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
     return draft.to(device=w.device, dtype=w.dtype).eval(), manifest
 
 
+def check_draft_target(folder: str | Path, target: dict, *, weights: bool = True) -> None:
+    """Refuse a --draft made for another target, as load_draft does, from its manifest alone:
+    before a large target is loaded (minutes, for a 70B) only to find the draft is not its."""
+    _, manifest_dir = _draft_source(Path(folder))
+    manifest = peek_manifest(manifest_dir) if manifest_dir is not None else None
+    if manifest is not None:
+        check_same_target(manifest.get("target"), target, f"draft {folder}", weights=weights)
+
+
 def _draft_source(folder: Path) -> tuple[Path | None, Path | None]:
     """(the training checkpoint a --draft folder is or picks, None for an export folder; the
     folder whose eyas.json describes the draft, or None)."""
