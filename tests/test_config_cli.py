@@ -77,6 +77,26 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_a_wrong_flag_gets_the_commands_usage_and_a_pipeline_yaml_its_place(tmp_path, capsys):
+    # the top-level usage answered a misspelt step flag; `eyas run --config pipe.yaml` said
+    # "unknown config key(s) ['capture', ...] for RunConfig"
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["prepare", "--target", "t", "--data", "d", "--max-lenght", "512"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("usage: eyas prepare ")
+    assert "unrecognized arguments: --max-lenght (did you mean --max-length?) 512" in err
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text("target: t\ndata: d\nwork_dir: w\n")
+    assert cli.main(["run", "--config", str(pipe)]) == 2
+    assert f"is a pipeline YAML: give it as the argument, `eyas run {pipe}`" in \
+        capsys.readouterr().err
+    # -v after the command, as `eyas STEP --help` lists it, and before it
+    for argv in (["doctor", "x", "-v"], ["-v", "doctor", "x"]):
+        args = cli.build_parser("doctor").parse_args(argv)
+        assert args.verbose is True and args.target == "x"
+    assert cli.build_parser("doctor").parse_args(["doctor", "x"]).verbose is False
+
+
 def test_ctrl_c_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
     """Ctrl-C in a step other than train (which stops itself) printed ~40 lines of traceback
     ending in KeyboardInterrupt; it is one line and exit code 130, as train's own stop."""

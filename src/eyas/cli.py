@@ -86,6 +86,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=summary, description=summary)
         sp.add_argument("--config", dest="_config_file", metavar="FILE.yaml", default=None,
                         help="read settings from a YAML file; flags given here override it")
+        # also after the command (`eyas doctor MODEL -v`); SUPPRESS keeps one given before it
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging")
+        sp.set_defaults(_parser=sp)  # a wrong flag is answered with this command's usage
         if name != command:
             continue
         try:
@@ -112,6 +116,10 @@ def parse_config(command: str, argv: list[str]):
 def _config_from_args(command: str, args: argparse.Namespace):
     _, cls = _load(command)
     values = load_yaml(args._config_file) if args._config_file else {}
+    if command == "run" and {"target", "work_dir"} & set(values):
+        raise ConfigError(f"{args._config_file} is a pipeline YAML: give it as the argument, "
+                          f"`eyas run {args._config_file}` (--config takes `eyas run`'s own "
+                          f"options, such as until_step or dry_run)")
     cli = {k: v for k, v in vars(args).items()
            if not k.startswith("_") and k not in ("command", "verbose")}
     values.update(cli)
@@ -121,7 +129,9 @@ def _config_from_args(command: str, args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_of(argv))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # answered by the command's own parser: its usage, and the flag meant
+        _unrecognized(getattr(args, "_parser", parser), extra)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
@@ -143,6 +153,19 @@ def main(argv: list[str] | None = None) -> int:
               f"it stopped", file=sys.stderr)
         return 130
     return 0
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit 2 with `parser`'s usage, naming the arguments it does not take and, for a
+    misspelt flag, the ones it may have meant."""
+    import difflib
+
+    flags = [o for a in parser._actions for o in a.option_strings]
+    hints = [f"{x} (did you mean {', '.join(close)}?)" if close else x
+             for x in extra
+             for close in [difflib.get_close_matches(x.split("=")[0], flags, n=2, cutoff=0.75)
+                           if x.startswith("--") else []]]
+    parser.error(f"unrecognized arguments: {' '.join(hints)}")
 
 
 def _exit_code(err: BaseException | None) -> int:
