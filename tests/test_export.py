@@ -595,7 +595,7 @@ def test_speculators_needs_a_verifier_name(tmp_path):
     assert spec["transformer_layer_config"]["vocab_size"] == 100
 
 
-def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
+def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkeypatch):
     from eyas.serve.eval_report import EvalReport, MethodResult
 
     make_run(tmp_path / "run", draft_config())
@@ -626,6 +626,12 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path):
     text = (out / "README.md").read_text()
     assert "exported step 10" not in text  # it said so of step 5, quoting step 10's acceptance
     assert "exported step 5, not the best step 10, which had simulated acceptance" in text
+    # a local target given relative to here: absolute in the commands, like the draft's path
+    (tmp_path / "tgt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                              target="tgt"))
+    assert f"vllm serve {tmp_path / 'tgt'} " in (out / "README.md").read_text()
     with pytest.raises(EyasError, match="no report.json there"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "missing")))

@@ -27,8 +27,12 @@ def test_write_read_roundtrip_and_step_check(tmp_path):
     assert "torch" in back["versions"]
     with pytest.raises(EyasError, match="output of `eyas capture`.*run `eyas train`"):
         read_manifest(tmp_path / "a", step="train")
-    with pytest.raises(EyasError, match="no eyas.json"):
+    with pytest.raises(EyasError, match="missing does not exist. Point this option at the "
+                                        "output folder of `eyas prepare`"):
         read_manifest(tmp_path / "missing", step="prepare")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EyasError, match="no eyas.json"):
+        read_manifest(tmp_path / "empty", step="prepare")
     downstream = write_manifest(tmp_path / "b", "train", Cfg(x=2), inputs=[back])
     assert json.loads((tmp_path / "b" / "eyas.json").read_text())["inputs"][0]["id"] == m["id"]
     assert downstream["id"] != m["id"]

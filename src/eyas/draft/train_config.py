@@ -192,7 +192,8 @@ class TrainConfig:
     save_every: int = option(1000, "checkpoint every N steps (and at the end and at each new best)")
     keep_last: int = option(2, "checkpoints to keep besides the best")
     resume: str = option("auto", "auto = continue the run in --out if it has a checkpoint; "
-                                 "never = start over; or a checkpoints/step-N folder")
+                                 "never = delete the run's checkpoints and start over; or a "
+                                 "checkpoints/step-N folder (newer ones are removed)")
 
     def __post_init__(self):
         check_choices(self)

@@ -68,6 +68,9 @@ def _draft_source(folder: Path) -> tuple[Path | None, Path | None]:
     folder whose eyas.json describes the draft, or None)."""
     from eyas.draft.formats import find_checkpoint
 
+    if not folder.exists():
+        raise EyasError(f"--draft {folder} does not exist; give an `eyas export` folder or an "
+                        f"`eyas train` run or checkpoint folder")
     if (folder / "config.json").is_file():
         return None, folder
     if (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():

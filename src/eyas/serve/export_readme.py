@@ -81,6 +81,8 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
     """cfg: ExportConfig; dcfg: DraftConfig; train: the run's manifest (or None)."""
     target = (train or {}).get("target") or {}
     name = target_name or "TARGET"
+    if Path(name).expanduser().exists():  # a local folder or file: absolute, as the draft's
+        name = str(Path(name).expanduser().resolve())  # (the commands run from anywhere)
     remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
     draft = str(Path(out).resolve())
     lines = [f"# EAGLE-3 draft for {name}", "",

@@ -159,6 +159,9 @@ def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None)
     path = folder / MANIFEST
     if not path.is_file():
         want = f"`eyas {step if isinstance(step, str) else step[0]}`" if step else "an eyas step"
+        if not folder.exists():
+            raise EyasError(f"{folder} does not exist. Point this option at the output folder "
+                            f"of {want}.")
         raise EyasError(f"{folder} has no {MANIFEST}: it was not written by {want}. "
                         f"Point this option at the output folder of {want}.")
     body = _load(path)

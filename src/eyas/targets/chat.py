@@ -475,7 +475,8 @@ def normalize(row: dict, fmt: str = "auto", *,
         raise ChatFormatError("empty conversation")
     messages = [_normalize_turn(i, turn) for i, turn in enumerate(turns)]
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise ChatFormatError("no assistant turn")
+        raise ChatFormatError("no assistant turn (a prompt-only row: `eyas regenerate` answers "
+                              "it with the target first)")
     return messages
 
 
