@@ -110,6 +110,28 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
         "eyas prepare: interrupted; run the same command again to resume where it stopped")
 
 
+def test_sigterm_says_the_step_stopped_and_ends_as_sigterm_does(tmp_path):
+    # capture and regenerate ended on SIGTERM with no word, where train says how to resume
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import sys, time\nfrom eyas import cli\nreal = cli._load\n"
+        "def step(cfg):\n    print('started', flush=True)\n    time.sleep(60)\n"
+        "cli._load = lambda c: (step, real(c)[1])\n"
+        "sys.exit(cli.main(['prepare', '--target', 't', '--data', 'd', '--out', 'o']))\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM  # killed by it, as before: a shell says 143
+    assert err.strip().endswith("eyas prepare: stopped by SIGTERM; run the same command again "
+                                "to resume where it stopped")
+
+
 def test_broken_configs_and_a_fake_gguf_are_one_line_errors(tmp_path, capsys):
     # Issue 34: malformed YAML and a !!python tag (refused by safe_load, never run) ended in
     # raw tracebacks; a text file named x.gguf must be a clear error too.

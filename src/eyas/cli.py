@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import os
+import signal
 import sys
 import typing
 
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {args.command} is not available: {args._unavailable}", file=sys.stderr)
         return 2
     fn, _ = _load(args.command)
+    before = _say_on_sigterm(args.command)
     try:
         cfg = _config_from_args(args.command, args)
         fn(cfg)
@@ -152,7 +155,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {args.command}: interrupted; run the same command again to resume where "
               f"it stopped", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
     return 0
+
+
+def _say_on_sigterm(command: str):
+    """SIGTERM (a scheduler's preemption, `kill`) ended a step with no word (exit 143): say
+    that it stopped and how to go on, then end as SIGTERM does (every step resumes after a
+    kill, so the same command goes on from there). `eyas train` installs its own handlers
+    while it trains (it saves the step under way first). Returns the handler it replaced."""
+    def stopped(signum, frame):
+        print(f"eyas {command}: stopped by SIGTERM; run the same command again to resume "
+              f"where it stopped", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return signal.signal(signal.SIGTERM, stopped)
 
 
 def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> None:
