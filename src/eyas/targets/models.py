@@ -286,8 +286,8 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
             kwargs["trust_remote_code"] = trust_remote_code
         return cls.from_pretrained(name, config=config, **kwargs)
 
-    log.info("loading %s (%s) in %s", name_or_path, (config.architectures or ["?"])[0],
-             torch_dtype)
+    log.info("loading %s (%s) in %s", name_or_path,
+             (config.architectures or [config.model_type])[0], torch_dtype)  # a GGUF: no arch
     try:
         model = _instantiate(config, trust_remote_code, make)
     except OSError as err:
