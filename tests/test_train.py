@@ -1238,3 +1238,20 @@ def test_a_second_training_into_the_same_folder_is_refused_while_the_first_runs(
     assert not (out / "checkpoints").exists()
     train(_cfg(run_inputs, out, max_steps=2))  # the lock goes with its holder
     assert (out / "eyas.json").is_file()
+
+
+def test_a_run_is_not_resumed_on_another_targets_capture(run_inputs, tmp_path):
+    # the same samples captured from a fine-tune of the target passed every resume check, and
+    # the run's manifest then named the new target over checkpoints of the old one
+    out = tmp_path / "run"
+    train(_cfg(run_inputs, out, max_steps=2, save_every=1))
+    manifest = json.loads((out / "eyas.json").read_text())
+    was = manifest["target"]
+    manifest["target"] = {**was, "name_or_path": "base-model",
+                          "weights_fingerprint": "0" * 16}
+    (out / "eyas.json").write_text(json.dumps(manifest))
+    with pytest.raises(EyasError, match=r"the training run in .*run was made with the weights of "
+                                        r"base-model .*[Rr]esume it on the data of the target it "
+                                        r"was started with"):
+        train(_cfg(run_inputs, out, max_steps=4, save_every=1))
+    assert json.loads((out / "eyas.json").read_text())["target"]["name_or_path"] == "base-model"

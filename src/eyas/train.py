@@ -206,7 +206,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                                                    cfg.lr_decay))
     start, best = 0, {"step": None, "sim_acceptance_length": None}
     record = dcfg.to_dict()  # the run's draft_config.json
-    state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft)
+    state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft, inputs.target)
     if state is not None:
         start, best = state["step"], state["best"]
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last

@@ -190,7 +190,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
                                                    cfg.lr_decay))
     start, best = 0, {"step": None, "acceptance_length": None}
     config_record = {"draft": "dflash", **dcfg.to_dict()}  # the run's draft_config.json
-    state = resume(cfg, env, model, optimizer, scheduler, plan, config_record)
+    state = resume(cfg, env, model, optimizer, scheduler, plan, config_record,
+                   target=inputs.target)
     if state is not None:
         start, best = state["step"], state["best"]
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last

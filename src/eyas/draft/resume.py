@@ -18,6 +18,7 @@ import torch.distributed as dist
 from eyas.draft.processes import Env
 from eyas.errors import EyasError
 from eyas.store import checkpoint
+from eyas.store.manifest import check_same_target, peek_manifest
 from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -79,15 +80,23 @@ def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
 
 
 def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
-           record: dict, draft=None) -> dict | None:
+           record: dict, draft=None, target: dict | None = None) -> dict | None:
     """The trainer state of the checkpoint this run continues (weights, optimizer, schedule
-    and RNG restored into the given objects), or None for a fresh run. A checkpoint of another
-    draft (`record`: this run's draft_config.json), of another draft vocabulary than `draft`'s
-    (its d2t/t2d, from --vocab) or of another data plan is refused; another --epochs or
-    --max-steps is warned about."""
+    and RNG restored into the given objects), or None for a fresh run. A run of another
+    target than `target` (this run's inputs'), a checkpoint of another draft (`record`: this
+    run's draft_config.json), of another draft vocabulary than `draft`'s (its d2t/t2d, from
+    --vocab) or of another data plan is refused; another --epochs or --max-steps is warned
+    about."""
     path = resume_path(cfg, env)
     if path is None:
         return None
+    # the same samples captured from another target (a fine-tune, base for instruct) pass
+    # every check below, and the run's manifest would then name the new target
+    check_same_target((peek_manifest(cfg.out) or {}).get("target"), target,
+                      f"the training run in {cfg.out}",
+                      fix="resume it on the data of the target it was started with, or start "
+                          "over with --resume never (or a new --out)",
+                      weights=not cfg.accept_other_weights)
     check_same_draft(path, record)
     t2d = None if draft is None else draft.t2d.clone()  # (--vocab's, before the load)
     if env.main:
