@@ -241,6 +241,25 @@ def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
     assert [r.method for r in report.results] == ["target", "ngram"]
     assert report.mean_acceptance_length == {"2": report.result("ngram", 2).mean_acceptance_length}
 
+    # a re-run stopped while it measures leaves the earlier report and its manifest as they
+    # were, and agreeing (the manifest said "unfinished" beside the old report, which export
+    # then quoted for another draft)
+    import eyas.evaluate as evaluate_module
+
+    before = {f: (tmp_path / "r" / f).read_bytes() for f in ("report.json", "eyas.json")}
+    real = evaluate_module._measure_here
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    evaluate_module._measure_here = stopped
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            evaluate(EvalConfig(target=str(llama_dir), data=str(prepared),
+                                out=str(tmp_path / "r"), k=(3,), **SMALL))
+    finally:
+        evaluate_module._measure_here = real
+    assert {f: (tmp_path / "r" / f).read_bytes() for f in before} == before
     # --out: an earlier eval's folder is written again; a user's own report.md (no manifest)
     # and another step's folder are refused, and left as they were (they were overwritten)
     evaluate(EvalConfig(target=str(llama_dir), data=str(prepared), out=str(tmp_path / "r"),

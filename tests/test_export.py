@@ -663,6 +663,12 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkey
         write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[measured])
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "report")))
+    # ... but not one whose eval did not finish: its report.json may be an earlier eval's
+    write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[run],
+                   complete=False)
+    with pytest.raises(EyasError, match=r"that eval did not finish .*complete: false"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "report")))
 
 
 def test_acceptance_report_of_another_checkpoint_is_refused(tmp_path, caplog):

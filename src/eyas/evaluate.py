@@ -27,7 +27,8 @@ from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
                                     mismatch_message, summarize, write_report)
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
-from eyas.store.manifest import check_out, check_same_target, target_record, write_manifest
+from eyas.store.manifest import (MANIFEST, check_out, check_same_target, target_record,
+                                 write_manifest)
 from eyas.serve.batched import (BatchEagle3Drafter, BatchNgramDrafter, BatchTarget,
                                 generate_batch)
 from eyas.dflash.model import DFlashDraft
@@ -371,6 +372,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     if cfg.bench:
         report.by_set = by_set(sets)
         report.bench = {name: provenance(name) for name in cfg.bench}
+    write_manifest(out, "eval", cfg, complete=False)  # the report below is no longer the old one's
     write_report(out, report)
     # a failed lossless check leaves the step unfinished, so `eyas run` runs it again (and
     # fails again) instead of taking the report as done
@@ -495,9 +497,13 @@ EVAL_FILES = ("report.json", "report.md", "al_vs_k.png", "acceptance_by_position
 
 def _claim_out(out: Path, cfg: EvalConfig) -> Path:
     """--out: missing, empty or an earlier eval's (never a user's own report.md, nor another
-    step's folder: eyas' one --out policy), marked as eval's at once, unfinished, so that an
-    eval killed while writing its report is its own output the next time."""
+    step's folder: eyas' one --out policy). A new folder is marked as eval's at once,
+    unfinished, so that an eval killed while writing its report is its own output the next
+    time. An earlier eval's report and manifest stay as they are, and agree, while this one
+    measures (a stopped re-run leaves them so); `evaluate` marks the folder unfinished just
+    before it replaces the report."""
     check_out(out, "eval", own=EVAL_FILES)
     out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, "eval", cfg, complete=False)
+    if not (out / MANIFEST).is_file():
+        write_manifest(out, "eval", cfg, complete=False)
     return out

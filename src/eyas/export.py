@@ -456,6 +456,11 @@ def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
     evaluated = {}
     if (p.parent / MANIFEST).is_file():
         evaluated = read_manifest(p.parent, step="eval")
+        if evaluated.get("complete") is False:
+            raise EyasError(f"--acceptance-report {path}: that eval did not finish (its "
+                            f"{MANIFEST} says complete: false; a lossless check that failed "
+                            f"leaves it so too), so its report.json may be another eval's: run "
+                            f"`eyas eval` there again, or quote a finished one")
         check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
                           fix="measure this draft with `eyas eval` on the target it was "
                               "trained for", weights=False)
