@@ -628,6 +628,26 @@ def test_regenerate_folders_are_inputs_of_their_own_target_only(tok_dir, tmp_pat
     assert run_prepare(tok_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
 
 
+def test_answers_of_the_same_shape_with_other_weights_are_refused(llama_dir, tmp_path):
+    # a fine-tune or the base model (same tokenizer and shape) passed: regenerate recorded no
+    # weights, and prepare compared none
+    from eyas.store.manifest import target_record, write_manifest
+
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "conversations.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
+    mine = target_record(str(llama_dir), config=None, tokenizer=load_tok(llama_dir))
+    assert mine["weights_fingerprint"]
+    write_manifest(regen, "regenerate", {}, target=mine, complete=True)
+    assert run_prepare(llama_dir, [regen], tmp_path / "p1").kept == 1
+    other = {**mine, "name_or_path": "base-model", "weights_fingerprint": "0" * 16}
+    write_manifest(regen, "regenerate", {}, target=other, complete=True)
+    with pytest.raises(EyasError, match=r"holds the answers of base-model .*same tokenizer and "
+                                        r"shape but other weights.*pass its file .*"
+                                        r"conversations.jsonl"):
+        run_prepare(llama_dir, [regen], tmp_path / "p2")
+
+
 def load_tok(folder):
     from eyas.targets.models import load_tokenizer
 

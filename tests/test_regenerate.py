@@ -207,6 +207,9 @@ def _check_outputs(setup, out: Path, expected: dict | None = None) -> dict:
     assert _outcomes(out) == _with_input_rejects(setup, expected or setup[3])
     manifest = json.loads((out / "eyas.json").read_text())
     assert manifest["complete"] is True
+    # the weights it ran, where it ran them (prepare refuses these answers for others)
+    assert bool(manifest["target"].get("weights_fingerprint")) == \
+        (manifest["config"]["backend"] != "openai")
     stats = manifest["stats"]
     assert stats["ok"] + stats["failed"] + stats["skipped"] == stats["input"] == len(rows)
     assert stats["ok_total"] == len(ok) and stats["failed_total"] == len(rejects)

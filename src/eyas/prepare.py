@@ -292,19 +292,35 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path, max_length: int):
                                    "template_kwargs": template_kwargs}})
 
 
-def _regenerated_for(cfg: PrepareConfig, target: dict) -> list[dict]:
+def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict]:
     """The `eyas regenerate` folders in --data (their manifests, recorded as this output's
-    inputs), each refused if another target answered it: the draft learns the answers of the
-    model it drafts for. (An unfinished one is refused where its files are read:
-    chat.resolve_paths.)"""
+    inputs), each refused if another target answered it (another tokenizer, shape or GGUF, or
+    the same shape with other weights: a fine-tune, the base model): the draft learns the
+    answers of the model it drafts for. (An unfinished one is refused where its files are
+    read: chat.resolve_paths.)"""
     found = chat.regenerate_outputs(cfg.data)
+    weighed = any((m.get("target") or {}).get("weights_fingerprint") for m in found)
+    # this target's weights fingerprint only where an answer's is there to compare with
+    mine = target_record(cfg.target, cfg.revision, config=config, tokenizer=tok) \
+        if weighed else target
     for manifest in found:
         folder = manifest["path"]
+        knowingly = f"pass its file {folder}/conversations.jsonl"
         check_same_target(
             manifest.get("target"), target, f"the `eyas regenerate` output {folder} in --data",
             fix=f"regenerate its prompts with --target {cfg.target}, or, to train on another "
-                f"model's answers knowingly, pass its file {folder}/conversations.jsonl",
-            weights=False)
+                f"model's answers knowingly, {knowingly}", weights=False)
+        a = (manifest.get("target") or {}).get("weights_fingerprint")
+        b = mine.get("weights_fingerprint")
+        if a and b and a != b:
+            raise EyasError(
+                f"the `eyas regenerate` output {folder} in --data holds the answers of "
+                f"{manifest['target'].get('name_or_path')} (weights_fingerprint={a}), and "
+                f"--target {cfg.target} has the same tokenizer and shape but other weights "
+                f"({b}): another checkpoint or a fine-tune, which answers otherwise when "
+                f"served. Regenerate its prompts with --target {cfg.target}, or, to train on "
+                f"those answers knowingly (the same model saved in another precision, say), "
+                f"{knowingly}")
     return found
 
 
@@ -380,7 +396,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     max_length = _max_length(cfg, text_config)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tok,
                            weights=False)
-    regenerated = _regenerated_for(cfg, target)
+    regenerated = _regenerated_for(cfg, target, config, tok)
     _claim_out(out, cfg)
     work, keep_work = out / ".work", False
     try:

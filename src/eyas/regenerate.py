@@ -237,8 +237,10 @@ def _target(cfg: RegenerateConfig):
                                trust_remote_code=cfg.trust_remote_code)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
+    # the weights' fingerprint where this process runs them (not a server's, unknown here):
+    # prepare refuses these answers for a target of the same shape with other weights
     return tokenizer, target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer,
-                                    weights=False)  # its output is text
+                                    weights=cfg.backend != "openai")
 
 
 def _sampling(cfg: RegenerateConfig) -> dict:
