@@ -290,7 +290,7 @@ def test_fp8_aux_states_reach_the_step_as_the_host_would_dequantize_them(
         assert data_loader.host_fields(mb).keys() == want.keys()
 
 
-def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path):
+def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path, caplog):
     out = tmp_path / "cap"
     capture(_cfg(llama_dir, llama_prepared, out, shard="1/2"))
     assert read_manifest(out, step="capture")["complete"] is False
@@ -304,7 +304,8 @@ def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path):
     weights = load_file(str(tuned / "model.safetensors"))
     weights["model.layers.1.mlp.up_proj.weight"] *= 1.01
     save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(EyasError, match=r"other settings \(\['target'\]\)"):
+    with pytest.raises(EyasError, match=r"other settings \(target weights_fingerprint '\w+' "
+                                        r"there, '\w+' now\)"):
         capture(_cfg(tuned, llama_prepared, out, shard="0/2"))
     capture(_cfg(llama_dir, llama_prepared, out, shard="0/2"))
     index = shards.verify(out)
@@ -315,9 +316,12 @@ def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path):
     for row in whole:
         torch.testing.assert_close(split[row]["aux_hidden"], whole[row]["aux_hidden"],
                                    rtol=1e-2, atol=1e-3)
-    with pytest.raises(EyasError, match="other settings"):
+    with pytest.raises(EyasError, match=r"other settings \(aux_layer_ids: \[.*\] there, "
+                                        r"\[1, 2, 3\] now; shard count 2 there, 1 now\)"):
         capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 2, 3)))
-    capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 2, 3), overwrite=True))
+    with caplog.at_level("WARNING", logger="eyas"):
+        capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 2, 3), overwrite=True))
+    assert "--overwrite: deleting the capture in" in caplog.text
     assert shards.verify(out)["settings"]["aux_layer_ids"] == [1, 2, 3]
 
 

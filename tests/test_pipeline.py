@@ -216,6 +216,19 @@ def test_a_second_run_in_the_same_work_dir_is_refused_while_the_first_runs(tmp_p
     assert [p.action for p in run(prepare)] == ["skip"]
 
 
+def test_the_plan_says_an_earlier_capture_is_deleted_first(tmp_path, llama_dir):
+    # eyas run captures with --overwrite: a capture of other inputs was deleted (it can be
+    # TBs) with no word in the plan or the log
+    data, pipeline, manifest, prepare = _prepared(tmp_path, llama_dir)
+    captured = tmp_path / "w" / "captured"
+    captured.mkdir()
+    (captured / "shard-00000-of-00001.state.json").write_text("{}")
+    capture = plan(RunConfig(pipeline=pipeline, until_step="capture"))[-1]
+    assert capture.step == "capture" and capture.action == "run"
+    assert "an earlier capture there made from other inputs or settings is deleted first" in \
+        capture.reason
+
+
 def _count_hashing(monkeypatch) -> list[Path]:
     """The paths store.manifest.file_sha256 reads from now on, in order."""
     from eyas.store import manifest as store

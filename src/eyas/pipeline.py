@@ -342,6 +342,10 @@ def plan(cfg: RunConfig) -> list[Plan]:
             _starts_over(step, step_cfg, out, upstream_ran, cfg.force or cfg.from_step == step)
         if again:
             why += f"; {step} starts over ({again}), the old run moved to {_aside(out).name}"
+        elif step == "capture" and not ok and any(out.glob("shard-*")):
+            # capture runs with overwrite (its wiring): said here, since it can be TBs
+            why += ("; an earlier capture there made from other inputs or settings is deleted "
+                    "first (one interrupted with the same ones resumes)")
         plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
     return plans

@@ -198,14 +198,18 @@ def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows:
     folder = Path(folder)
     clash = [s for s in all_states(folder)
              if s["settings"] != settings or s["num_shards"] != num_shards]
-    if clash and not overwrite:
+    if clash:
         old = clash[0]
-        keys = [k for k in settings if old["settings"].get(k) != settings[k]]
+        keys = [_differs(k, old["settings"].get(k), settings[k])
+                for k in settings if old["settings"].get(k) != settings[k]]
         if old["num_shards"] != num_shards:
-            keys.append(f"shard count {old['num_shards']} vs {num_shards}")
-        raise EyasError(f"{folder} already holds a capture made with other settings ({keys}); "
-                        f"resume it with the same flags, use another --out, or pass --overwrite "
-                        f"to delete it.", flag="--out")
+            keys.append(f"shard count {old['num_shards']} there, {num_shards} now")
+        if not overwrite:
+            raise EyasError(f"{folder} already holds a capture made with other settings "
+                            f"({'; '.join(keys)}); resume it with the same flags, use another "
+                            f"--out, or pass --overwrite to delete it.", flag="--out")
+        log.warning("--overwrite: deleting the capture in %s made with other settings (%s): "
+                    "%d shard(s)", folder, "; ".join(keys), len(clash))
     for old in clash:
         prefix = f"shard-{old['shard']:05d}-of-{old['num_shards']:05d}"
         for path in [*folder.glob(prefix + ".*"), folder / report_name(old["shard"], old["num_shards"])]:
@@ -221,6 +225,20 @@ def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows:
     state["complete"] = False
     write_json_atomic(folder / state_name(shard, num_shards), state)
     return state
+
+
+def _differs(key: str, there: Any, now: Any) -> str:
+    """How setting `key` differs, for a message: each differing entry of a record (the
+    target's: weights_fingerprint, ...), or the two values, cut to a line."""
+    def short(value: Any) -> str:
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    if isinstance(there, dict) and isinstance(now, dict):
+        return f"{key} " + ", ".join(
+            f"{k} {short(there.get(k))} there, {short(now.get(k))} now"
+            for k in sorted(set(there) | set(now)) if there.get(k) != now.get(k))
+    return f"{key}: {short(there)} there, {short(now)} now"
 
 
 def drop_damaged(folder: Path, state: dict) -> None:
