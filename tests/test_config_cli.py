@@ -244,5 +244,6 @@ def test_a_value_outside_a_fields_choices_is_refused_however_given(command):
         if not f.metadata.get("choices"):
             continue
         bad = ("bogus",) if "tuple" in str(hints[f.name]) else "bogus"
-        with pytest.raises(ConfigError, match=f"{f.name} 'bogus' is not one of"):
+        flag = "--" + f.name.replace("_", "-")
+        with pytest.raises(ConfigError, match=f"{flag} 'bogus': use one of"):
             cls(**{**needed, f.name: bad})

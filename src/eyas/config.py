@@ -104,8 +104,8 @@ def check_choices(config) -> None:
         bad = [v for v in (value if isinstance(value, tuple) else (value,))
                if choices and v is not None and v not in choices]
         if bad:
-            raise ConfigError(f"{f.name} {bad[0]!r} is not one of {', '.join(map(str, choices))} "
-                              f"(--{f.name.replace('_', '-')})")
+            raise ConfigError(f"--{f.name.replace('_', '-')} {bad[0]!r}: use one of "
+                              f"{', '.join(map(str, choices))}")
 
 
 def from_dict(cls, values: dict[str, Any]):

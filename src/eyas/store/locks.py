@@ -20,9 +20,22 @@ from eyas.errors import EyasError
 @contextlib.contextmanager
 def exclusive(path: str | Path, busy: str):
     """Hold an exclusive flock on `path` (created, with its folder, if missing) for the block;
-    EyasError(`busy`) at once if another process holds it."""
+    EyasError(`busy`) at once if another process holds it. A folder made here that holds
+    nothing but the lock afterwards (a run refused before writing) is removed again."""
     path = Path(path)
+    made = not path.parent.exists()  # removed again if the block leaves nothing else there
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _held(path, busy):
+            yield
+    finally:
+        if made and [p.name for p in path.parent.iterdir()] == [path.name]:
+            path.unlink(missing_ok=True)
+            path.parent.rmdir()
+
+
+@contextlib.contextmanager
+def _held(path: Path, busy: str):
     with open(path, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
