@@ -1064,3 +1064,12 @@ def test_readme_serves_the_draft_sampling_its_report_measured(tmp_path, way):
     else:
         assert spec["draft_sample_method"] == "probabilistic"
         assert "measured at temperature 1 with probabilistic drafts" in text
+
+
+def test_export_into_the_current_folder(tmp_path, monkeypatch):
+    # `--out .` ended in "ValueError: PosixPath('.') has an empty name"
+    make_run(tmp_path / "run", draft_config(), steps=(10,), best=10)
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out="."))
+    assert out == tmp_path / "here" and (out / "model.safetensors").is_file()

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +161,16 @@ def test_owner_only_files_get_the_umasks_mode_and_others_are_left(tmp_path):
         os.umask(mask)
     assert (tmp_path / "sub" / "w.safetensors").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "private.txt").stat().st_mode & 0o777 == 0o400
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_that_cannot_be_written_is_refused_before_the_step_starts():
+    # a read-only --out ended prepare, capture, train, export and eval in an OSError
+    # traceback, capture and train only after loading the target (root ignores chmod, so
+    # /proc, where no file can be made, stands for a read-only file system)
+    from eyas.store.manifest import check_out
+
+    with pytest.raises(EyasError, match=r"--out /proc/eyas-test/out: eyas capture cannot "
+                                        r"write there \(/proc: .*\); give a folder it can "
+                                        r"write into"):
+        check_out("/proc/eyas-test/out", "capture")

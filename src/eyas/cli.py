@@ -47,6 +47,13 @@ COMMANDS = {
 }
 
 
+# what running a stopped command again does
+RESUMES = "run the same command again to resume where it stopped"
+AGAIN = {"eval": "eval does not resume: run it again to measure from the start (a report "
+                 "already in --out is left as it was meanwhile)",
+         "doctor": "run it again"}
+
+
 def _load(command: str):
     module, fn, cls, _ = COMMANDS[command]
     mod = importlib.import_module(module)
@@ -152,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {args.command}: error: {err}", file=sys.stderr)
         return _exit_code(err)
     except KeyboardInterrupt:  # Ctrl-C: what was written stays, and every step resumes
-        print(f"eyas {args.command}: interrupted; run the same command again to resume where "
-              f"it stopped", file=sys.stderr)
+        print(f"eyas {args.command}: interrupted; {AGAIN.get(args.command, RESUMES)}",
+              file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -166,8 +173,8 @@ def _say_on_sigterm(command: str):
     kill, so the same command goes on from there). `eyas train` installs its own handlers
     while it trains (it saves the step under way first). Returns the handler it replaced."""
     def stopped(signum, frame):
-        print(f"eyas {command}: stopped by SIGTERM; run the same command again to resume "
-              f"where it stopped", file=sys.stderr, flush=True)
+        print(f"eyas {command}: stopped by SIGTERM; {AGAIN.get(command, RESUMES)}",
+              file=sys.stderr, flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 

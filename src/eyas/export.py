@@ -308,7 +308,7 @@ def export(cfg: ExportConfig) -> Path:
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
     report = _read_report(cfg.acceptance_report, target, train, step)
-    out = Path(cfg.out)
+    out = Path(cfg.out).resolve()  # `--out .` too: its folder is written beside, then renamed
     tmp = _fresh_dir(out, run or step, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -350,7 +350,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
-    out = Path(cfg.out)
+    out = Path(cfg.out).resolve()  # `--out .` too: its folder is written beside, then renamed
     tmp = _fresh_dir(out, source, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -162,6 +162,12 @@ def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None)
         if not folder.exists():
             raise EyasError(f"{folder} does not exist. Point this option at the output folder "
                             f"of {want}.")
+        if folder.is_dir() and any(folder.iterdir()):  # files, but no manifest (yet)
+            raise EyasError(f"{folder} has no {MANIFEST}: it was not written by {want}, or "
+                            f"{want} was stopped there before it finished (a capture writes "
+                            f"its {MANIFEST} at the end): then run the same command again, "
+                            f"which resumes. Otherwise point this option at the output folder "
+                            f"of {want}.")
         raise EyasError(f"{folder} has no {MANIFEST}: it was not written by {want}. "
                         f"Point this option at the output folder of {want}.")
     body = _load(path)
@@ -218,6 +224,7 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
     if folder.exists() and not folder.is_dir():
         raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).",
                         flag="--out")
+    _check_writable(folder, step)
     entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if not entries:
         return folder
@@ -242,6 +249,23 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
                         f"overwritten or deleted. Move those away, or choose another --out.",
                         flag="--out")
     return folder
+
+
+def _check_writable(folder: Path, step: str) -> None:
+    """Refuse an --out that cannot be written (a read-only file system or folder) now, before
+    a step loads its target for minutes and then fails on its first file with a traceback."""
+    import tempfile
+
+    where = folder
+    while not where.exists() and where != where.parent:
+        where = where.parent  # the folder is made later, inside its nearest existing parent
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as err:
+        raise EyasError(f"--out {folder}: eyas {step} cannot write there ({where}: "
+                        f"{err.strerror or err}); give a folder it can write into.",
+                        flag="--out") from None
 
 
 # Bytes hashed at each end of a GGUF target (see gguf_fingerprint).
