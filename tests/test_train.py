@@ -1255,3 +1255,28 @@ def test_a_run_is_not_resumed_on_another_targets_capture(run_inputs, tmp_path):
                                         r"was started with"):
         train(_cfg(run_inputs, out, max_steps=4, save_every=1))
     assert json.loads((out / "eyas.json").read_text())["target"]["name_or_path"] == "base-model"
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_error_that_says_how_to_go_on(run_inputs,
+                                                                                 tmp_path,
+                                                                                 monkeypatch):
+    # a full disk ended training in safetensors' "No space left on device" traceback
+    import safetensors.torch
+
+    from eyas.store import checkpoint as store
+
+    out = tmp_path / "run"
+    train(_cfg(run_inputs, out, max_steps=2, save_every=1))
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "save_file", full)
+    with pytest.raises(EyasError, match=r"cannot write checkpoint step-00000003 into .*No space "
+                                        r"left on device.*resumes from the last checkpoint "
+                                        r"saved \(step-00000002\)"):
+        train(_cfg(run_inputs, out, max_steps=4, save_every=1))
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    monkeypatch.setattr(store, "save_file", safetensors.torch.save_file)
+    train(_cfg(run_inputs, out, max_steps=4, save_every=1))  # space again: it resumes
+    assert (out / "checkpoints" / "step-00000004").is_dir()

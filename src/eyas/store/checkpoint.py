@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -142,13 +143,22 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer, sche
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k.removeprefix(prefix): v.detach().contiguous() for k, v in weights.items()},
-              tmp / "draft.safetensors", metadata={"format": "pt", "step": str(step)})
-    (tmp / "draft_config.json").write_text(json.dumps(draft_config, indent=2) + "\n")
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    torch.save({**state, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rngs},
-               tmp / "trainer_state.pt")
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k.removeprefix(prefix): v.detach().contiguous() for k, v in weights.items()},
+                  tmp / "draft.safetensors", metadata={"format": "pt", "step": str(step)})
+        (tmp / "draft_config.json").write_text(json.dumps(draft_config, indent=2) + "\n")
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        torch.save({**state, "optimizer": optim, "scheduler": scheduler.state_dict(),
+                    "rng": rngs}, tmp / "trainer_state.pt")
+    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, a quota
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (final.parent / "last").read_text().strip() if (final.parent / "last").is_file() \
+            else "none yet"
+        raise EyasError(f"cannot write checkpoint {final.name} into {final.parent} ("
+                        f"{str(err).splitlines()[0] if str(err) else type(err).__name__}): "
+                        f"free space there (or make it writable) and run the same command "
+                        f"again; it resumes from the last checkpoint saved ({last})") from err
     as_umask(tmp)  # safetensors writes owner-only; export reads these as any other user may
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
