@@ -229,7 +229,11 @@ def test_two_layer_draft_eval_is_lossless_and_its_replay_agrees(llama_dir, two_l
         assert lo <= measured.mean_acceptance_length <= hi
 
 
-def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path, monkeypatch):
     from eyas.prepare import PrepareConfig, prepare
 
     prepared = tmp_path / "prepared"
@@ -247,18 +251,11 @@ def test_eval_from_prepared_folder_without_draft(llama_dir, chats, tmp_path):
     import eyas.evaluate as evaluate_module
 
     before = {f: (tmp_path / "r" / f).read_bytes() for f in ("report.json", "eyas.json")}
-    real = evaluate_module._measure_here
-
-    def stopped(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    evaluate_module._measure_here = stopped
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(evaluate_module, "_measure_here", _interrupted)
         with pytest.raises(KeyboardInterrupt):
             evaluate(EvalConfig(target=str(llama_dir), data=str(prepared),
                                 out=str(tmp_path / "r"), k=(3,), **SMALL))
-    finally:
-        evaluate_module._measure_here = real
     assert {f: (tmp_path / "r" / f).read_bytes() for f in before} == before
     # --out: an earlier eval's folder is written again; a user's own report.md (no manifest)
     # and another step's folder are refused, and left as they were (they were overwritten)

@@ -568,7 +568,12 @@ def test_nothing_usable_is_an_error_but_rejects_are_written(tok_dir, tmp_path):
         run_prepare(tok_dir, [tmp_path / "empty.jsonl"], tmp_path / "out2")
 
 
-def test_a_failed_or_stopped_rerun_leaves_the_earlier_output_as_it_was(tok_dir, tmp_path):
+def _interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_a_failed_or_stopped_rerun_leaves_the_earlier_output_as_it_was(tok_dir, tmp_path,
+                                                                       monkeypatch):
     # the earlier dataset, manifest and counts were deleted before the new run had made
     # anything: a re-run that found no usable row (or was stopped) left only rejects.jsonl
     (tmp_path / "ok.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
@@ -583,20 +588,13 @@ def test_a_failed_or_stopped_rerun_leaves_the_earlier_output_as_it_was(tok_dir, 
     assert "invalid JSON" in (out / ".work/new/rejects.jsonl").read_text()
     assert all(out.joinpath(k).read_bytes() == v for k, v in before.items())
     assert read_manifest(out, "prepare")["stats"]["kept"] == first.kept
-    # stopped while tokenizing: nothing of the earlier output is touched either
+    # stopped while tokenizing (Ctrl-C): nothing of the earlier output is touched either
     import eyas.prepare as prep
 
-    real = prep._tokenized
-
-    def stopped(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    prep._tokenized = stopped
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(prep, "_tokenized", _interrupted)
         with pytest.raises(KeyboardInterrupt):
             run_prepare(tok_dir, [tmp_path / "ok.jsonl"], out, max_length=100)
-    finally:
-        prep._tokenized = real
     assert all(out.joinpath(k).read_bytes() == v for k, v in before.items())
     assert not (out / ".work").exists()
     again = run_prepare(tok_dir, [tmp_path / "ok.jsonl"], out, max_length=100)
@@ -604,48 +602,52 @@ def test_a_failed_or_stopped_rerun_leaves_the_earlier_output_as_it_was(tok_dir, 
     assert not (out / ".work").exists()
 
 
-def test_regenerate_folders_are_inputs_of_their_own_target_only(tok_dir, tmp_path):
-    # a killed regenerate's prefix, or another model's answers, were prepared without a word
+def test_an_unfinished_regenerate_folder_is_refused_a_finished_one_recorded(tok_dir, tmp_path):
+    # a killed regenerate's prefix was prepared without a word, and nothing linked them
     from eyas.store.manifest import target_record, write_manifest
 
-    regen = tmp_path / "regen"
-    regen.mkdir()
-    (regen / "conversations.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
     record = target_record(str(tok_dir), tokenizer=load_tok(tok_dir), weights=False)
-    write_manifest(regen, "regenerate", {}, target=record, complete=False)
+    regen = _regenerated(tmp_path, record, complete=False)
     with pytest.raises(EyasError, match="unfinished `eyas regenerate` run"):
         run_prepare(tok_dir, [regen], tmp_path / "p0")
     made = write_manifest(regen, "regenerate", {}, target=record, complete=True)
     run_prepare(tok_dir, [regen], tmp_path / "p1")
     inputs = read_manifest(tmp_path / "p1", "prepare")["inputs"]
     assert inputs == [{"step": "regenerate", "id": made["id"], "path": str(regen)}]
-    other = {**record, "name_or_path": "other-model", "tokenizer_hash": "0" * 16}
-    write_manifest(regen, "regenerate", {}, target=other, complete=True)
-    with pytest.raises(EyasError, match=r"regenerate` output .*regen in --data was made for "
-                                        r"target other-model .*regenerate its prompts with "
-                                        r"--target"):
-        run_prepare(tok_dir, [regen], tmp_path / "p2")
-    assert run_prepare(tok_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
 
 
-def test_answers_of_the_same_shape_with_other_weights_are_refused(llama_dir, tmp_path):
-    # a fine-tune or the base model (same tokenizer and shape) passed: regenerate recorded no
-    # weights, and prepare compared none
+@pytest.mark.parametrize("change, why", [
+    ({"tokenizer_hash": "0" * 16}, r"regenerate` output .*regen in --data was made for target "
+                                   r"other-model .*regenerate its prompts with --target"),
+    # a fine-tune or the base model (same tokenizer and shape) passed: regenerate recorded
+    # no weights, and prepare compared none
+    ({"weights_fingerprint": "0" * 16}, r"holds the answers of other-model .*same tokenizer "
+                                        r"and shape but other weights.*pass its file"),
+])
+def test_answers_of_another_target_are_refused_unless_given_as_a_file(llama_dir, tmp_path,
+                                                                      change, why):
     from eyas.store.manifest import target_record, write_manifest
+
+    mine = target_record(str(llama_dir), tokenizer=load_tok(llama_dir))
+    assert mine["weights_fingerprint"]
+    regen = _regenerated(tmp_path, mine)
+    assert run_prepare(llama_dir, [regen], tmp_path / "p1").kept == 1
+    write_manifest(regen, "regenerate", {}, target={**mine, "name_or_path": "other-model",
+                                                   **change}, complete=True)
+    with pytest.raises(EyasError, match=why):
+        run_prepare(llama_dir, [regen], tmp_path / "p2")
+    assert run_prepare(llama_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
+
+
+def _regenerated(tmp_path, target: dict, complete: bool = True):
+    """A regenerate output folder of one conversation, answered by `target` (its record)."""
+    from eyas.store.manifest import write_manifest
 
     regen = tmp_path / "regen"
     regen.mkdir()
     (regen / "conversations.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
-    mine = target_record(str(llama_dir), config=None, tokenizer=load_tok(llama_dir))
-    assert mine["weights_fingerprint"]
-    write_manifest(regen, "regenerate", {}, target=mine, complete=True)
-    assert run_prepare(llama_dir, [regen], tmp_path / "p1").kept == 1
-    other = {**mine, "name_or_path": "base-model", "weights_fingerprint": "0" * 16}
-    write_manifest(regen, "regenerate", {}, target=other, complete=True)
-    with pytest.raises(EyasError, match=r"holds the answers of base-model .*same tokenizer and "
-                                        r"shape but other weights.*pass its file .*"
-                                        r"conversations.jsonl"):
-        run_prepare(llama_dir, [regen], tmp_path / "p2")
+    write_manifest(regen, "regenerate", {}, target=target, complete=complete)
+    return regen
 
 
 def load_tok(folder):
