@@ -65,9 +65,12 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> Non
     tp, _ = base_type(tp)
     default = None if f.default is dataclasses.MISSING else f.default
     if default is not None and default != ():
-        help_text += f" (default: {default})"
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        help_text += f" (default: {shown})"  # as the flag takes it: 0.9,0.999, not a tuple
     elif f.default is dataclasses.MISSING:
-        help_text += " (required)"
+        # a positional is optional to argparse only because --config FILE may give it
+        help_text += " (required; or in --config)" if f.metadata.get("positional") else \
+            " (required)"
     kwargs: dict = {"help": help_text, "default": argparse.SUPPRESS}
     if f.metadata.get("choices"):
         kwargs["choices"] = f.metadata["choices"]

@@ -23,7 +23,8 @@ class ConvertConfig:
     """Which GGUF file to de-quantize, where to, in which dtype."""
 
     target: str = required("the .gguf file to convert")
-    out: str = out_option("the Hugging Face folder to write (must not exist, or be empty)")
+    out: str = out_option("the Hugging Face folder to write (must not exist, be empty, or hold "
+                          "this same conversion: then nothing is done)")
     dtype: str = option("float32", "dtype of the written weights: float32 holds the "
                         "de-quantized values exactly; bfloat16 / float16 halve the folder",
                         choices=CONVERT_DTYPES)

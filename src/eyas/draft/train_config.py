@@ -65,7 +65,9 @@ class TrainConfig:
     online: bool = option(False, "run the target inside this job (capture on the fly) "
                                  "instead of reading capture shards")
     aux_layer_ids: tuple[int, ...] = option((), "--online only: aux layers in vLLM's "
-                                                "convention; empty = (2, L//2, L-3)")
+                                                "convention; empty = EAGLE-3's (2, L//2, L-3), "
+                                                "or with --draft dflash the layout of "
+                                                "--dflash-layers (else 5) taps")
     target_device_map: str | None = option(
         None, "--online only: place the target with transformers' device_map (needs "
               "accelerate): auto spreads it over the visible GPUs, balanced_low_0 also but keeps "
