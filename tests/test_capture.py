@@ -290,7 +290,7 @@ def test_fp8_aux_states_reach_the_step_as_the_host_would_dequantize_them(
         assert data_loader.host_fields(mb).keys() == want.keys()
 
 
-def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path, caplog):
+def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path, caplog, monkeypatch):
     out = tmp_path / "cap"
     capture(_cfg(llama_dir, llama_prepared, out, shard="1/2"))
     assert read_manifest(out, step="capture")["complete"] is False
@@ -304,9 +304,13 @@ def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path, caplog)
     weights = load_file(str(tuned / "model.safetensors"))
     weights["model.layers.1.mlp.up_proj.weight"] *= 1.01
     save_file(weights, str(tuned / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(EyasError, match=r"other settings \(target weights_fingerprint '\w+' "
-                                        r"there, '\w+' now\)"):
-        capture(_cfg(tuned, llama_prepared, out, shard="0/2"))
+    from eyas.targets import models
+
+    with monkeypatch.context() as patch:  # refused from the config, before the weights load
+        patch.setattr(models, "load_target", lambda *a, **k: pytest.fail("target loaded"))
+        with pytest.raises(EyasError, match=r"other settings \(target weights_fingerprint "
+                                            r"'\w+' there, '\w+' now\)"):
+            capture(_cfg(tuned, llama_prepared, out, shard="0/2"))
     capture(_cfg(llama_dir, llama_prepared, out, shard="0/2"))
     index = shards.verify(out)
     assert index["complete"] and index["num_samples"] == 14

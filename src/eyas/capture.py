@@ -161,6 +161,7 @@ def capture(cfg: CaptureConfig) -> dict:
     dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
     if cfg.backend == "vllm":
         return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)
+    _check_settings_before_loading(cfg, tokenizer, prepared)
     model, info = load_target(cfg.target, revision=cfg.revision,
                               trust_remote_code=cfg.trust_remote_code,
                               dtype=MODEL_DTYPES[cfg.model_dtype], device_map=cfg.device_map,
@@ -171,6 +172,21 @@ def capture(cfg: CaptureConfig) -> dict:
     check_same_target(prepared.get("target"), target, what, weights=False)
     return capture_loaded(cfg, model, info, dataset, target=target, inputs=[prepared],
                           split_rows=split_rows)
+
+
+def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict) -> None:
+    """A --out holding a capture of other settings (another target, aux ids, dtype, ...) is
+    refused from the target's config, before its weights load (minutes, for a large one)."""
+    from eyas.targets.models import inspect_model, load_config
+
+    if cfg.overwrite or not Path(cfg.out).is_dir():
+        return
+    config = load_config(cfg.target, revision=cfg.revision,
+                         trust_remote_code=cfg.trust_remote_code)
+    info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
+    target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
+    settings = _settings(cfg, target, [prepared], _aux_ids(cfg, info), info.hidden_size)
+    shards.check_settings(Path(cfg.out), settings, cfg.shard_index()[1])
 
 
 def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_rows) -> dict:

@@ -191,23 +191,34 @@ def read_report(folder: Path, shard: int | None = None, num_shards: int | None =
     return rows
 
 
+def check_settings(folder: Path, settings: dict, num_shards: int, *,
+                   overwrite: bool = False) -> tuple[list[dict], list[str]]:
+    """The shard states in `folder` made with other settings or another shard count, and how
+    they differ; EyasError naming the differences unless `overwrite` (they are deleted then).
+    Capture asks before it loads the target too (from the target's config)."""
+    clash = [s for s in all_states(folder)
+             if s["settings"] != settings or s["num_shards"] != num_shards]
+    if not clash:
+        return [], []
+    old = clash[0]
+    keys = [_differs(k, old["settings"].get(k), settings[k])
+            for k in settings if old["settings"].get(k) != settings[k]]
+    if old["num_shards"] != num_shards:
+        keys.append(f"shard count {old['num_shards']} there, {num_shards} now")
+    if not overwrite:
+        raise EyasError(f"{folder} already holds a capture made with other settings "
+                        f"({'; '.join(keys)}); resume it with the same flags, use another "
+                        f"--out, or pass --overwrite to delete it.", flag="--out")
+    return clash, keys
+
+
 def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows: int, *,
                 overwrite: bool = False) -> dict[str, Any]:
     """This shard's state, with its finished parts recovered from disk, after checking that
     `folder` holds nothing captured with other settings (deleted instead if `overwrite`)."""
     folder = Path(folder)
-    clash = [s for s in all_states(folder)
-             if s["settings"] != settings or s["num_shards"] != num_shards]
+    clash, keys = check_settings(folder, settings, num_shards, overwrite=overwrite)
     if clash:
-        old = clash[0]
-        keys = [_differs(k, old["settings"].get(k), settings[k])
-                for k in settings if old["settings"].get(k) != settings[k]]
-        if old["num_shards"] != num_shards:
-            keys.append(f"shard count {old['num_shards']} there, {num_shards} now")
-        if not overwrite:
-            raise EyasError(f"{folder} already holds a capture made with other settings "
-                            f"({'; '.join(keys)}); resume it with the same flags, use another "
-                            f"--out, or pass --overwrite to delete it.", flag="--out")
         log.warning("--overwrite: deleting the capture in %s made with other settings (%s): "
                     "%d shard(s)", folder, "; ".join(keys), len(clash))
     for old in clash:
