@@ -266,14 +266,25 @@ def _read_whole(path: Path) -> bool:
     except (OSError, EOFError):
         return False  # read as JSON Lines, where the error becomes a reject
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        log.warning("%s is UTF-16 text (as Windows PowerShell writes it): read as such; UTF-8 "
-                    "is what other tools expect", path)
+        _warn_once(path, "%s is UTF-16 text (as Windows PowerShell writes it): read as such; "
+                         "UTF-8 is what other tools expect")
         return True
     if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
-        log.warning("%s starts with '[': a JSON list, not JSON Lines; read as JSON (rows "
-                    "numbered from 0; rename it to .json to say so)", path)
+        _warn_once(path, "%s starts with '[': a JSON list, not JSON Lines; read as JSON (rows "
+                         "numbered from 0; rename it to .json to say so)")
         return True
     return False
+
+
+_WARNED: set[tuple] = set()  # (path, size, mtime): a step reads its data more than once
+
+
+def _warn_once(path: Path, message: str) -> None:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, message)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, path)
 
 
 def _open_binary(path: Path):
