@@ -169,7 +169,8 @@ def test_a_failed_run_leaves_no_folder_and_the_next_clears_its_leftover(gguf, tm
 
 # ------------------------------------------------------------------ one target, in every check
 
-def test_the_folder_is_its_ggufs_target_and_no_other(gguf, tiny_gguf, folder, other_folder):
+def test_the_folder_is_its_ggufs_target_and_no_other(gguf, tiny_gguf, folder, other_folder,
+                                                      tmp_path):
     from_gguf, from_folder = _record(gguf), _record(folder)
     assert from_folder["gguf_fingerprint"] == from_gguf["gguf_fingerprint"]
     assert from_folder["converted_from"] == str(gguf.resolve())
@@ -178,12 +179,18 @@ def test_the_folder_is_its_ggufs_target_and_no_other(gguf, tiny_gguf, folder, ot
     other = _record(other_folder)
     # the test's point: shapes and tokenizer alone cannot tell these two targets apart
     assert {k: v for k, v in other.items() if "gguf" not in k and k not in (
-        "name_or_path", "converted_from")} == {k: v for k, v in from_gguf.items() if
-                                              "gguf" not in k and k != "name_or_path"}
+        "name_or_path", "converted_from", "weights_fingerprint")} == {
+            k: v for k, v in from_gguf.items() if "gguf" not in k and k != "name_or_path"}
     for made, used in ((from_gguf, other), (other, from_gguf), (from_folder, other),
                        (_record(tiny_gguf(1)), from_folder)):
         with pytest.raises(EyasError, match="gguf_fingerprint=.*re-run that step"):
             check_same_target(made, used, "the prepared folder")
+    # a bf16 conversion is the GGUF's target, but not the fp32 conversion's: a capture
+    # resumed on it mixed hidden states of two precisions without a word
+    half = _record(convert_gguf(gguf, tmp_path / "tiny-bf16", dtype="bfloat16"))
+    check_same_target(from_gguf, half, "the prepared folder")
+    with pytest.raises(EyasError, match="same tokenizer and shape but other weights"):
+        check_same_target(from_folder, half, "the capture")
 
 
 def _chats(path):

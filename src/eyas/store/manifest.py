@@ -283,8 +283,9 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     """Identify a target: name, revision/commit if known, and fingerprints that let
     later steps detect a different model or tokenizer behind the same name (for a .gguf
     file: its name, size and `gguf_fingerprint`; for a folder `eyas convert` wrote, those of
-    the GGUF it came from, plus `converted_from`: the two are one target; for another folder
-    `weights_fingerprint`, unless `weights` is False: steps whose output is tokens only)."""
+    the GGUF it came from, plus `converted_from`: the two are one target; for any folder,
+    converted or not, `weights_fingerprint`, unless `weights` is False: steps whose output is
+    tokens only)."""
     rec: dict[str, Any] = {"name_or_path": str(name_or_path), "revision": revision}
     commit = getattr(config, "_commit_hash", None) if config is not None else None
     rec["commit"] = commit
@@ -296,8 +297,11 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     elif (source := converted_from(path)) is not None:
         rec.update({k: source[k] for k in ("gguf_file", "gguf_bytes", "gguf_fingerprint")})
         rec["converted_from"] = source["name_or_path"]
-    elif weights and (folder := weights_folder(name_or_path, revision)) is not None:
-        rec["weights_fingerprint"] = weights_fingerprint(folder)
+    if "gguf_file" not in rec or "converted_from" in rec:
+        # a converted folder has its own weights too: an fp32 and a bf16 conversion of one GGUF
+        # are one target to the GGUF, but not to each other (a capture must not mix them)
+        if weights and (folder := weights_folder(name_or_path, revision)) is not None:
+            rec["weights_fingerprint"] = weights_fingerprint(folder)
     if config is not None:
         text = getattr(config, "get_text_config", lambda: config)()
         rec["model_type"] = getattr(config, "model_type", None)
