@@ -102,14 +102,26 @@ def test_a_gguf_target_is_pointed_at_eyas_convert(tiny_gguf, model_dir, tmp_path
     converted = doctor(DoctorConfig(target=str(folder)))
     (note,) = converted["notes"]
     assert note.startswith(f"converted from {gguf.resolve()} by `eyas convert`")
-    # the identity later steps compare: the GGUF's for both, the weights' for a plain folder
-    assert converted["identity"] == report["identity"] == {
-        "gguf_fingerprint": gguf_fingerprint(gguf)}
+    # the identity later steps compare: the GGUF's for both (and the folder's own weights, which
+    # tell conversions in other dtypes apart), the weights' for a plain folder
+    assert report["identity"] == {"gguf_fingerprint": gguf_fingerprint(gguf)}
+    assert converted["identity"] == {"gguf_fingerprint": gguf_fingerprint(gguf),
+                                     "weights_fingerprint": weights_fingerprint(folder)}
     plain = doctor(DoctorConfig(target=str(model_dir("llama"))))
     assert plain["notes"] == []
     assert plain["identity"] == {"weights_fingerprint": weights_fingerprint(model_dir("llama"))}
     assert f"identity         weights_fingerprint {weights_fingerprint(model_dir('llama'))}" \
         in capsys.readouterr().out
+    # a config-only folder: no identity (it printed "weights_fingerprint None"), and the
+    # serve advice names the revision checked, quoted for a shell
+    bare = tmp_path / "config only"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((model_dir("llama") / name).read_bytes())
+    empty = doctor(DoctorConfig(target=str(bare)))
+    assert empty["identity"] == {}
+    assert "identity         none (no weights here" in capsys.readouterr().out
+    assert empty["plan"]["serve"].startswith(f"vllm serve '{bare}' --speculative-config")
 
 
 def test_cli_json(model_dir, capsys):
@@ -343,3 +355,20 @@ def test_a_broken_vllm_is_one_line_not_a_traceback(model_dir, tmp_path, monkeypa
         assert len(section.splitlines()) == 1 and "imports but fails further in" in section
         assert not report["vllm_checked"] and report["ok"]
         assert "vLLM side not checked" in out
+
+
+def test_a_folder_without_config_json_and_an_offline_hub_name_are_named_as_such(
+        model_dir, tmp_path, monkeypatch):
+    # "Unrecognized model ... Should have a `model_type` key in its config.json", and advice
+    # to set HF_HUB_OFFLINE=1 where it was set
+    from eyas.errors import EyasError
+
+    folder = tmp_path / "no-config"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((model_dir("llama") / "tokenizer.json").read_bytes())
+    with pytest.raises(EyasError, match=r"from the folder .*no-config: it has no config.json"):
+        doctor(DoctorConfig(target=str(folder)))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EyasError) as err:
+        doctor(DoctorConfig(target="nobody/no-such-model"))
+    assert "download it first" in str(err.value) and "HF_HUB_OFFLINE" not in str(err.value)

@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import logging.handlers
+import shlex
 import sys
 import typing
 from dataclasses import asdict, dataclass
@@ -95,7 +96,7 @@ def doctor(cfg: DoctorConfig) -> dict:
     # what later steps compare to tell this checkpoint from another of its shape
     record = target_record(str(cfg.target), cfg.revision)
     report["identity"] = {k: record[k] for k in ("gguf_fingerprint", "weights_fingerprint")
-                          if k in record}
+                          if record.get(k)}  # none without weights here
     report["problems"] = _problems(report, info)
     report["notes"] = _notes(str(cfg.target))
     report["ok"] = not report["problems"]
@@ -152,7 +153,8 @@ def _plan(info: ModelInfo, ids: tuple[int, ...], cfg: DoctorConfig) -> dict:
     L, layers = info.num_layers, info.layers_path
     taps = [f"input of {layers}[{k}]" if k < L else f"output of {layers}[{L - 1}]" for k in ids]
     vocab = min(DEFAULT_DRAFT_VOCAB, info.vocab_size)
-    remote = " --trust-remote-code" if cfg.trust_remote_code else ""
+    remote = (" --trust-remote-code" if cfg.trust_remote_code else "") + \
+        (f" --revision {shlex.quote(cfg.revision)}" if cfg.revision else "")  # the one checked
     return {
         "capture": (f"run {info.architecture} in transformers on text-only input_ids; aux ids "
                     f"{list(ids)} = " + ", ".join(taps) + f"; final hidden = output of "
@@ -173,7 +175,7 @@ def _plan(info: ModelInfo, ids: tuple[int, ...], cfg: DoctorConfig) -> dict:
                    + "; ".join(f"--format {fmt}: " + ", ".join(f"{k} {v}+" for k, v in
                                                                since.items())
                                for fmt, since in SERVED_SINCE.items())),
-        "serve": (f"vllm serve {cfg.target}{remote} --speculative-config "
+        "serve": (f"vllm serve {shlex.quote(str(cfg.target))}{remote} --speculative-config "
                   "'{\"method\":\"eagle3\",\"model\":\"DRAFT\",\"num_speculative_tokens\":3}'"),
     }
 
@@ -384,8 +386,8 @@ def _notes(target: str) -> list[str]:
     """Advice that is not a problem: how a GGUF target's load time goes away."""
     if is_gguf(target):
         return [f"a .gguf target is parsed and de-quantized at every load, in every step; "
-                f"`eyas convert --target {target} --out FOLDER` does it once, then pass "
-                f"--target FOLDER (artifacts made with the GGUF are accepted with its folder)"]
+                f"`eyas convert --target {shlex.quote(target)} --out FOLDER` does it once, then "
+                f"pass --target FOLDER (artifacts made with the GGUF are accepted with its folder)"]
     source = converted_from(Path(target).expanduser())
     if source is not None:
         return [f"converted from {source['name_or_path']} by `eyas convert` (gguf_fingerprint "

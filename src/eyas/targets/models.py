@@ -26,6 +26,7 @@ import contextlib
 import copy
 import importlib.util
 import logging
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,12 +117,17 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
                 f"GGUF files of the architectures its GGUF documentation lists; upgrade "
                 f"transformers and gguf, or pass the model's Hugging Face folder instead")
     if Path(name).expanduser().exists():
+        if Path(name).expanduser().is_dir() and not (Path(name).expanduser() / "config.json"
+                                                     ).is_file():
+            first = "it has no config.json"  # transformers says "Unrecognized model"
         return (f"cannot load the {what} from the folder {name}: {first}. Check that it holds "
                 f"the model's files as published (config.json, tokenizer files, weights)")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     return (f"cannot load the {what} of {name!r}: {first}. "
             f"Check the hub name or folder; if this machine is offline, download it first "
-            f"(`huggingface-cli download {name}`) and pass the local folder, or set "
-            f"HF_HUB_OFFLINE=1 to use the cache; for a gated repo run `huggingface-cli login`")
+            f"(`huggingface-cli download {name}`) and pass the local folder"
+            + ("" if offline else ", or set HF_HUB_OFFLINE=1 to use the cache")
+            + "; for a gated repo run `huggingface-cli login`")
 
 
 def _check_exists(name: str) -> str:
