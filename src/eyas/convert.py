@@ -35,8 +35,6 @@ class ConvertConfig:
             raise ConfigError(f"--target {self.target} is not a .gguf file: only a GGUF target "
                               f"needs converting (a Hugging Face folder or hub name loads as "
                               f"it is)")
-        if self.dtype not in CONVERT_DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r}: use one of {CONVERT_DTYPES}")
 
 
 def convert(cfg: ConvertConfig) -> Path:

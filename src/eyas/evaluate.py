@@ -124,8 +124,6 @@ class EvalConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ngram_max < self.ngram_min:
             raise ConfigError(f"ngram_max {self.ngram_max} < ngram_min {self.ngram_min}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r}: use one of {DTYPES}")
         if not self.draft and not self.ngram:
             raise ConfigError("nothing to measure: give --draft, or leave --ngram on")
         if not self.data and not self.bench:
@@ -346,7 +344,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
                          trust_remote_code=cfg.trust_remote_code)
     prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg, skipped)
     # the prepared folder and the draft must be this target's: said now, from their
-    # manifests, not after loading the target (again where each worker measures)
+    # manifests, not after loading the target (load_draft checks the draft again, as it loads)
     record = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
     if prepared is not None:
         check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}",
@@ -362,10 +360,9 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
              f"draft {cfg.draft}" if cfg.draft else "no draft (n-gram only)",
              f", {cfg.workers} processes" if cfg.workers > 1 else "")
     if cfg.workers > 1 and len(prompts) > 1:
-        sets, record, draft_manifest = _measure_in_workers(cfg, prompts, prepared)
+        sets, draft_manifest = _measure_in_workers(cfg, prompts, record)
     else:
-        sets, record, draft_manifest = _measure_here(cfg, prompts, prepared,
-                                                     tokenizer=tokenizer)
+        sets, draft_manifest = _measure_here(cfg, prompts, record, tokenizer=tokenizer)
     measured = concat(list(sets.values()))
     report = summarize(cfg, measured, len(measured.prompt_ids), measured.prompt_ids)
     report.skipped_prompts = dict(sorted(skipped.items()))
@@ -444,20 +441,17 @@ def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: E
     return out
 
 
-def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
+def _measure_here(cfg: EvalConfig, prompts: list[Prompt], record: dict,
                   index: list[int] | None = None, tokenizer=None):
     """Load target and draft in this process and measure `prompts` (`measure_sets`); (group
-    -> Measured, the target's manifest record, the draft's manifest or None)."""
+    -> Measured, the draft's manifest or None). `record`: the target's manifest record, which
+    the draft must match."""
     from eyas.targets.models import load_tokenizer, submodule
 
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                    trust_remote_code=cfg.trust_remote_code)
     model, info = _load_target(cfg)
-    record = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
-    if prepared is not None:
-        check_same_target(prepared.get("target"), record, f"prepared folder {cfg.data}",
-                          weights=False)
     draft, draft_manifest = None, None
     if cfg.draft:
         draft, draft_manifest = load_draft(cfg.draft, submodule(model, info.embed_path),
@@ -467,10 +461,10 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None,
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
                         _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)
-    return {g: m for g, (_, m) in sets.items()}, record, draft_manifest
+    return {g: m for g, (_, m) in sets.items()}, draft_manifest
 
 
-def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict | None):
+def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
     """`cfg.workers` spawned processes, each measuring every workers-th prompt with its own
     target and draft (the same code path as one process); merged per group in prompt order.
     With one GPU they share it: a small target's batch-1 decoding is bound by the host
@@ -483,12 +477,12 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], prepared: dict |
     shards = [list(range(w, len(prompts), n)) for w in range(n)]
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     with ProcessPoolExecutor(n, mp_context=ctx) as pool:
-        futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], prepared,
+        futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], record,
                                shard) for shard in shards]
         parts = [f.result() for f in futures]
-    groups = list(dict.fromkeys(g for sets, _, _ in parts for g in sets))  # first-seen order
+    groups = list(dict.fromkeys(g for sets, _ in parts for g in sets))  # first-seen order
     sets = {g: merge([p[0][g] for p in parts if g in p[0]]) for g in groups}
-    return sets, parts[0][1], parts[0][2]
+    return sets, parts[0][1]
 
 
 # what `eyas eval` writes into --out

@@ -147,8 +147,7 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
         return False, f"config changed ({', '.join(changed)})"
     swapped = _target_changes(cfg, manifest)
     if swapped:
-        return False, (swapped if swapped.startswith("its target") else
-                       f"the target's weights changed ({swapped})")
+        return False, swapped
     try:
         moved = _data_changes(cfg, manifest, out)
     except EyasError as err:
@@ -164,10 +163,10 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
 
 
 def _target_changes(cfg, manifest: dict) -> str:
-    """The fingerprint of the step's target that is not the one its manifest recorded ("" if
-    none): the same path with other weights (a GGUF replaced, a folder fine-tuned in place)
-    would keep every config equal, and the next step would refuse the old outputs. Where no
-    fingerprint can be made now, a sentence that starts "its target" and says why."""
+    """Why the step's target is not the one its manifest recorded ("" if it is): the same path
+    with other weights (a GGUF replaced, a folder fine-tuned in place) would keep every config
+    equal, and the next step would refuse the old outputs; or no fingerprint can be made
+    from here to tell."""
     from eyas.store.manifest import target_record
 
     name = getattr(cfg, "target", None)
@@ -183,7 +182,8 @@ def _target_changes(cfg, manifest: dict) -> str:
             f"; {name} does not exist from {Path.cwd()} (the target and data paths resolve " \
             f"from the directory eyas runs in, work_dir from the YAML's)"
         return f"its target cannot be checked against the one it ran with{where}"
-    return next((f"{k} {was[k]} -> {now.get(k)}" for k in keys if now.get(k) != was[k]), "")
+    return next((f"the target's weights changed ({k} {was[k]} -> {now.get(k)})" for k in keys
+                 if now.get(k) != was[k]), "")
 
 
 def _input_changes(manifest: dict) -> str:

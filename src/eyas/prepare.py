@@ -74,12 +74,6 @@ class PrepareConfig:
         check_choices(self)
         if not self.data:
             raise ConfigError("data is empty; give --data FILE_OR_GLOB")
-        if self.format not in chat.FORMATS:
-            raise ConfigError(f"format {self.format!r}: use one of {chat.FORMATS}")
-        if self.reasoning not in ("keep", "strip"):
-            raise ConfigError(f"reasoning {self.reasoning!r}: use keep or strip")
-        if self.length_policy not in ("drop", "truncate"):
-            raise ConfigError(f"length_policy {self.length_policy!r}: use drop or truncate")
         if self.max_length < 2:
             raise ConfigError(f"max_length must be >= 2, got {self.max_length}")
         if not 0.0 <= self.eval_fraction < 1.0:

@@ -137,11 +137,7 @@ class RegenerateConfig:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
-        check_choices(self)
-        for name, choices in (("format", FORMATS), ("backend", BACKENDS), ("batching", BATCHING),
-                              ("turns", ("all", "last")), ("reasoning", tuple(TEMPLATE_KWARGS))):
-            if getattr(self, name) not in choices:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: use one of {choices}")
+        check_choices(self)  # format, backend, batching, turns, reasoning, dtype
         if not self.data:
             raise ConfigError("data is empty: give --data with the chat files to regenerate")
         for name in ("max_new_tokens", "batch_size", "concurrency"):

@@ -245,7 +245,6 @@ class TrainConfig:
             (self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}"),
             (self.draft_layers >= 1, f"--draft-layers must be >= 1, got {self.draft_layers}"),
             (0 < self.step_weight <= 1, f"--step-weight must be in (0, 1], got {self.step_weight}"),
-            (self.loss in OBJECTIVES, f"--loss {self.loss!r}: use one of {OBJECTIVES}"),
             (0 <= self.lk_kl_scale <= 1 and self.lk_kl_decay >= 0,
              f"--lk-kl-scale must be in [0, 1] and --lk-kl-decay >= 0 (the KL weight stays in "
              f"[0, 1]), got {self.lk_kl_scale}, {self.lk_kl_decay}"),

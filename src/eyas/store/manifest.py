@@ -294,10 +294,10 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
         rec["gguf_file"] = path.name
         rec["gguf_bytes"] = path.stat().st_size
         rec["gguf_fingerprint"] = gguf_fingerprint(path)
-    elif (source := converted_from(path)) is not None:
-        rec.update({k: source[k] for k in ("gguf_file", "gguf_bytes", "gguf_fingerprint")})
-        rec["converted_from"] = source["name_or_path"]
-    if "gguf_file" not in rec or "converted_from" in rec:
+    else:
+        if (source := converted_from(path)) is not None:
+            rec.update({k: source[k] for k in ("gguf_file", "gguf_bytes", "gguf_fingerprint")})
+            rec["converted_from"] = source["name_or_path"]
         # a converted folder has its own weights too: an fp32 and a bf16 conversion of one GGUF
         # are one target to the GGUF, but not to each other (a capture must not mix them)
         if weights and (folder := weights_folder(name_or_path, revision)) is not None:

@@ -27,6 +27,7 @@ from eyas.store.manifest import MANIFEST, peek_manifest
 log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "sharegpt", "messages")
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # little- and big-endian byte-order marks
 # Column that holds the turns, per format; the first one a row has is used.
 TURN_COLUMNS = {"sharegpt": ("conversations", "conversation"), "messages": ("messages",)}
 # Input role spelling -> OpenAI role. ShareGPT says human/gpt, OpenAI says user/assistant.
@@ -265,18 +266,23 @@ def _read_whole(path: Path) -> bool:
             head = f.read(4096)
     except (OSError, EOFError):
         return False  # read as JSON Lines, where the error becomes a reject
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+    if head.startswith(UTF16_BOMS):
         _warn_once(path, "%s is UTF-16 text (as Windows PowerShell writes it): read as such; "
                          "UTF-8 is what other tools expect")
         return True
-    if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+    if _opens_a_list(head):
         _warn_once(path, "%s starts with '[': a JSON list, not JSON Lines; read as JSON (rows "
                          "numbered from 0; rename it to .json to say so)")
         return True
     return False
 
 
-_WARNED: set[tuple] = set()  # (path, size, mtime): a step reads its data more than once
+def _opens_a_list(data: bytes) -> bool:
+    """Whether JSON text starts with `[` (after a UTF-8 byte-order mark and white space)."""
+    return data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
+_WARNED: set[tuple] = set()  # (path, size, mtime, message): a step reads its data twice
 
 
 def _warn_once(path: Path, message: str) -> None:
@@ -356,7 +362,7 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
     try:
         text = _decode(data)
     except UnicodeDecodeError as err:
-        if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        if _opens_a_list(data):
             raise  # a list with a bad byte: one reject from row 0 (_guarded)
         # JSON Lines in a .json file: line by line, so a bad byte costs its own line only
         yield from _read_jsonl(path, data.split(b"\n"), blank_lines)
@@ -393,7 +399,7 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
 def _decode(data: bytes) -> str:
     """A JSON file's text: UTF-8 (a byte-order mark dropped), or UTF-16 where it starts with
     that encoding's byte-order mark (Windows PowerShell's `>` and Out-File write it)."""
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+    if data.startswith(UTF16_BOMS):
         return data.decode("utf-16")
     return data.decode("utf-8-sig")
 
