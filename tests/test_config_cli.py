@@ -247,3 +247,16 @@ def test_a_value_outside_a_fields_choices_is_refused_however_given(command):
         flag = "--" + f.name.replace("_", "-")
         with pytest.raises(ConfigError, match=f"{flag} 'bogus': use one of"):
             cls(**{**needed, f.name: bad})
+
+
+def test_a_list_value_that_starts_with_a_minus_reaches_the_configs_own_check(capsys):
+    # argparse took `-1,2,4` for a flag and answered "expected one argument"
+    argv = ["capture", "--target", "t", "--data", "d", "--out", "o", "--aux-layer-ids", "-1,2,4"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "aux_layer_ids (-1, 2, 4) out of range" in err and "expected one" not in err
+    with pytest.raises(ConfigError, match=r"\(-1, 2, 4\) out of range"):
+        cli.parse_config("capture", argv[1:])
+    # a flag after a flag that takes a value is still a flag
+    with pytest.raises(SystemExit):
+        cli.parse_config("capture", ["--target", "t", "--out", "--data", "d"])

@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 import typing
@@ -121,8 +122,31 @@ def _command_of(argv: list[str]) -> str | None:
 
 def parse_config(command: str, argv: list[str]):
     """Parse `argv` (without the subcommand) into the step's config object."""
-    args = build_parser(command).parse_args([command, *argv])
+    parser = build_parser(command)
+    args = parser.parse_args(_negative_values(parser, [command, *argv]))
     return _config_from_args(command, args)
+
+
+NEGATIVE = re.compile(r"-\d[\d.eE+-]*(,-?\d[\d.eE+-]*)+")  # -1,2,4 (a single -1 argparse takes)
+
+
+def _negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--aux-layer-ids -1,2,4` as `--aux-layer-ids=-1,2,4`: argparse reads a value that
+    starts with '-' and is not one number as a flag, and answers "expected one argument"."""
+    takes_value = {o for sp in _subparsers(parser) for a in sp._actions
+                   if a.nargs is None and a.option_strings for o in a.option_strings}
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in takes_value and NEGATIVE.fullmatch(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(p for a in subs for p in a.choices.values())]
 
 
 def _config_from_args(command: str, args: argparse.Namespace):
@@ -141,7 +165,7 @@ def _config_from_args(command: str, args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command_of(argv))
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(_negative_values(parser, argv))
     if extra:  # answered by the command's own parser: its usage, and the flag meant
         _unrecognized(getattr(args, "_parser", parser), extra)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
