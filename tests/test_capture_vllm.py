@@ -280,6 +280,17 @@ def test_an_engine_that_writes_no_file_stops_the_capture(llama, llama_dir, prepa
         assert len(missing) == 1 and stats["samples"] > 0, (out, missing)
 
 
+def test_vllm_capture_into_a_capture_of_other_settings_is_refused_before_the_engine(
+        llama_dir, prepared, tmp_path, monkeypatch):
+    # it was refused only once the engine had started (minutes, for a large target)
+    out = tmp_path / "cap"
+    capture(_cfg(llama_dir, prepared, out))
+    monkeypatch.setattr(VLLMCapture, "start", lambda *a, **k: pytest.fail("engine started"))
+    with pytest.raises(EyasError, match=r"other settings \(aux_layer_ids: \[2, 4, 5\] there, "
+                                        r"\[1, 2, 3\] now\)"):
+        capture(_cfg(llama_dir, prepared, out, backend="vllm", aux_layer_ids=(1, 2, 3)))
+
+
 def _by_row(folder) -> dict[int, dict]:
     cs = shards.open_capture(folder)
     return {int(cs.sample_index[i]): cs.sample(i, dtype=torch.float32)

@@ -174,15 +174,17 @@ def capture(cfg: CaptureConfig) -> dict:
                           split_rows=split_rows)
 
 
-def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict) -> None:
+def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict,
+                                   config=None) -> None:
     """A --out holding a capture of other settings (another target, aux ids, dtype, ...) is
-    refused from the target's config, before its weights load (minutes, for a large one)."""
+    refused from the target's config, before its weights load or the vLLM engine starts
+    (minutes, for a large one)."""
     from eyas.targets.models import inspect_model, load_config
 
     if cfg.overwrite or not Path(cfg.out).is_dir():
         return
-    config = load_config(cfg.target, revision=cfg.revision,
-                         trust_remote_code=cfg.trust_remote_code)
+    config = config or load_config(cfg.target, revision=cfg.revision,
+                                   trust_remote_code=cfg.trust_remote_code)
     info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
     settings = _settings(cfg, target, [prepared], _aux_ids(cfg, info), info.hidden_size)
@@ -204,6 +206,7 @@ def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_
     engine = dict(vllm_engine_args(cfg.vllm_args), **engine_options(cfg))
     info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
     aux_ids = validate_aux_layer_ids(_aux_ids(cfg, info), info.num_layers, count=None)
+    _check_settings_before_loading(cfg, tokenizer, prepared, config)
     states = VLLMCapture.start(cfg.target, aux_ids, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code,
                                dtype=MODEL_DTYPES[cfg.model_dtype], **engine)
