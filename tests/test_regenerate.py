@@ -349,7 +349,10 @@ def test_truncated_answers_are_kept_marked_and_end_the_conversation(setup, tmp_p
     rows = {r["id"]: _messages(r) for r in setup[2][:-INPUT_REJECTS]}
     short = [sid for sid, v in expected.items() if not isinstance(v, str)
              and len(v["messages"]) < len(rows[sid]) + (rows[sid][-1]["role"] == "user")]
-    assert stats["cut_short"] == len(short) >= 1
+    assert stats["cut_short"] == stats["cut_short_total"] == len(short) >= 1
+    assert {r["id"] for r in _read(tmp_path / OUTPUT) if r.get("cut_short")} == set(short)
+    again = regenerate(_cfg(setup, tmp_path, max_new_tokens=1))  # every row done before
+    assert again["cut_short"] == 0 and again["cut_short_total"] == len(short)
 
 
 def test_drop_truncated_rejects_them(setup, tmp_path):
@@ -670,6 +673,7 @@ def test_resume_after_kill_has_no_duplicates_or_losses(setup, local_run, tmp_pat
     assert _read(out / OUTPUT) == _read(local_run[0] / OUTPUT)
     assert stats["truncated_total"] == local_run[1]["truncated"]
     assert stats["ok_total"] == local_run[1]["ok"]
+    assert stats["cut_short_total"] == local_run[1]["cut_short"]
     _check_outputs(setup, out)
 
 

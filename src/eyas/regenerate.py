@@ -54,7 +54,8 @@ from eyas.serve.chat_scheduling import run_in_threads, run_rolling, run_windows
 from eyas.errors import EyasError
 from eyas.store.regenerate_output import (OUTPUT, REJECTS, Failing, Job, Output, Regenerated,
                                           Rejected, Unanswered, check_resume, read_previous,
-                                          reject_kinds, sort_by_input, what_to_do)
+                                          cut_counts, reject_kinds, sort_by_input,
+                                          what_to_do)
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +198,16 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         sort_by_input(out / name, order)
     totals = Counter(prior.values())  # "truncated" rows are ok rows too
     on_disk = reject_kinds(out)  # this run's rejects and every earlier run's
+    cut = cut_counts(out)  # the same for the rows whose later turns were left out
     stats = {"input": counts["input"], "ok": counts["ok"], "failed": counts["failed"],
              "skipped": counts["skipped"],
              "ok_total": totals["ok"] + totals["truncated"] + counts["ok"],
              "failed_total": totals["failed"] + counts["failed"],
              "truncated": counts["truncated"],
              "truncated_total": totals["truncated"] + counts["truncated"],
-             "cut_short": counts["cut_short"], "cut_at_length": counts["cut_at_length"],
+             "cut_short": counts["cut_short"], "cut_short_total": cut["cut_short"],
+             "cut_at_length": counts["cut_at_length"],
+             "cut_at_length_total": cut["cut_at_length"],
              "failed_by_kind": {k[7:]: v for k, v in counts.items() if k.startswith("failed_")},
              "failed_by_kind_total": dict(on_disk)}
     nothing = stats["ok_total"] == 0  # not a result: `eyas run` retries

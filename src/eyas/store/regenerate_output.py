@@ -111,7 +111,9 @@ class Output:
         self.counts["cut_at_length"] += result.at_length
         record = {"id": job.sample_id, "messages": result.messages,
                   "truncated": result.truncated, "source": {"file": job.file, "row": job.row}}
-        if result.at_length:  # the turns after these were left out (--max-length)
+        if result.cut_short:  # the turns after the last answer were left out
+            record["cut_short"] = True
+        if result.at_length:  # ... because the next prompt reached --max-length
             record["cut_at_length"] = True
         self._write("ok", record)
 
@@ -252,6 +254,15 @@ def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
 def reject_kinds(out: Path) -> Counter:
     """Rows in `out`'s rejects.jsonl per kind: what is on disk, from every run."""
     return Counter(rec["kind"] for _, _, rec in _records(out / REJECTS))
+
+
+def cut_counts(out: Path) -> Counter:
+    """Rows in `out`'s conversations.jsonl marked cut_short / cut_at_length: every run's."""
+    counts: Counter = Counter()
+    for _, _, rec in _records(out / OUTPUT):
+        counts["cut_short"] += bool(rec.get("cut_short") or rec.get("cut_at_length"))
+        counts["cut_at_length"] += bool(rec.get("cut_at_length"))
+    return counts
 
 
 def what_to_do(cfg: RegenerateConfig, kinds: Counter) -> str:
