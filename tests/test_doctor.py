@@ -368,7 +368,11 @@ def test_a_folder_without_config_json_and_an_offline_hub_name_are_named_as_such(
     (folder / "tokenizer.json").write_bytes((model_dir("llama") / "tokenizer.json").read_bytes())
     with pytest.raises(EyasError, match=r"from the folder .*no-config: it has no config.json"):
         doctor(DoctorConfig(target=str(folder)))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what eyas reads
+    # what the hub client reads (at import: the environment alone would retry 23 s online)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(EyasError) as err:
         doctor(DoctorConfig(target="nobody/no-such-model"))
     assert "download it first" in str(err.value) and "HF_HUB_OFFLINE" not in str(err.value)
