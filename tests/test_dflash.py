@@ -690,12 +690,20 @@ def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tm
 def test_dflash_readme_quotes_the_best_steps_acceptance_as_that_steps():
     """--which last or step-N: the README quoted the run's best acceptance as this step's."""
     from eyas.serve.dflash_export import dflash_readme
+    from eyas.serve.export_readme import served_target
 
-    best = {"step": 10, "acceptance_length": 2.5}
-    text = dflash_readme(tiny_dflash_cfg(), "d", "t", "run/checkpoints/step-00000010", best, False)
-    assert "at k = 3: 2.5." in text
-    text = dflash_readme(tiny_dflash_cfg(), "d", "t", "run/checkpoints/step-00000005", best, False)
+    best, t = {"step": 10, "acceptance_length": 2.5}, served_target("t")
+    text = dflash_readme(tiny_dflash_cfg(), "d", t, "run/checkpoints/step-00000010", best)
+    assert "at k = 3: 2.5." in text and "unfinished" not in text
+    text = dflash_readme(tiny_dflash_cfg(), "d", t, "run/checkpoints/step-00000005", best,
+                         unfinished=True)
     assert "2.5 at the run's best step 10, not this one" in text
+    assert "(**unfinished**: the run had not ended" in text  # the export's warning said so
+    # a path with a space and a quote, and a revision: commands that run as pasted
+    t = served_target("my models/it's", revision="v1.0")
+    text = dflash_readme(tiny_dflash_cfg(), "/d r/x", t, "s", None)
+    assert "vllm serve 'my models/it'\"'\"'s' --revision v1.0 \\" in text
+    assert "--speculative-draft-model-path '/d r/x'" in text
 
 
 def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):

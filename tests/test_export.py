@@ -9,6 +9,7 @@ import json
 import os
 import logging
 import re
+import shutil
 
 import pytest
 import torch
@@ -627,11 +628,21 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkey
     assert "exported step 10" not in text  # it said so of step 5, quoting step 10's acceptance
     assert "exported step 5, not the best step 10, which had simulated acceptance" in text
     # a local target given relative to here: absolute in the commands, like the draft's path
-    (tmp_path / "tgt").mkdir()
+    # (its config checked against the run's target: another shape is refused)
+    from transformers import LlamaConfig
+
+    shape = dict(num_hidden_layers=6, hidden_size=32, vocab_size=100, num_attention_heads=4,
+                 intermediate_size=64)
+    LlamaConfig(**shape).save_pretrained(tmp_path / "tgt")
+    LlamaConfig(**{**shape, "num_hidden_layers": 2}).save_pretrained(tmp_path / "other")
     monkeypatch.chdir(tmp_path)
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                               target="tgt"))
     assert f"vllm serve {tmp_path / 'tgt'} " in (out / "README.md").read_text()
+    with pytest.raises(EyasError, match=r"num_hidden_layers.*give --target the model the run "
+                                        r"was trained on \(tiny/llama\)"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            target="other", format="speculators"))
     with pytest.raises(EyasError, match="no report.json there"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "missing")))
@@ -1073,3 +1084,77 @@ def test_export_into_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "here")
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out="."))
     assert out == tmp_path / "here" and (out / "model.safetensors").is_file()
+
+
+def test_readme_commands_run_as_pasted_and_name_what_the_run_trained_on(tmp_path, caplog):
+    """From a review: paths with spaces or quotes broke the commands; the target's revision
+    was dropped; a GGUF target was named to vLLM, which reads none; --which was ignored for a
+    step folder; a user's folder named like export's temp folder was deleted; a lone step
+    folder's SGLang ids went out unchecked."""
+    import shlex
+    import subprocess
+
+    run = tmp_path / "my runs" / "r"
+    make_run(run, draft_config())
+    manifest = json.loads((run / "eyas.json").read_text())
+    manifest["target"]["revision"] = "v1.0"
+    (run / "eyas.json").write_text(json.dumps(manifest))
+    out = export(ExportConfig(checkpoint=str(run), out=str(tmp_path / "it's a draft"),
+                              format="sglang"))
+    text = (out / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    assert len(blocks) == 2 and all("--revision v1.0" in b for b in blocks)
+    for block in blocks:  # the shell parses every command, and each path is one word
+        assert subprocess.run(["bash", "-n"], input=block, text=True).returncode == 0, block
+        words = shlex.split(block.replace("\\\n", " "))
+        where = "--speculative-config" in words and words.index("--speculative-config")
+        if where:
+            assert json.loads(words[where + 1])["model"] == str(out)
+        else:
+            assert words[words.index("--speculative-draft-model-path") + 1] == str(out)
+    assert "--revision v1.0" in text.split("Not measured yet")[1]  # the eval command too
+    # a GGUF target: served as the folder `eyas convert` writes, converted first
+    manifest["target"].update(name_or_path=str(tmp_path / "t.gguf"), revision=None)
+    (run / "eyas.json").write_text(json.dumps(manifest))
+    out = export(ExportConfig(checkpoint=str(run), out=str(tmp_path / "g"), format="speculators"))
+    text = (out / "README.md").read_text()
+    assert f"eyas convert --target {tmp_path / 't.gguf'} --out {tmp_path / 't-hf'}" in text
+    assert f"vllm serve {tmp_path / 't-hf'} " in text and "t.gguf \\" not in text
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "t-hf")
+    # --which names another step than the step folder given
+    with pytest.raises(EyasError, match="--which last picks a checkpoint of a run folder"):
+        export(ExportConfig(checkpoint=str(run / "checkpoints" / "step-00000005"),
+                            out=str(tmp_path / "w"), which="last"))
+    export(ExportConfig(checkpoint=str(run / "checkpoints" / "step-00000005"),
+                        out=str(tmp_path / "w"), which="step-5"))  # the same step: fine
+    # a folder of the user's where export writes its temp folder
+    (tmp_path / "keep.tmp-export").mkdir()
+    (tmp_path / "keep.tmp-export" / "notes.txt").write_text("precious")
+    with pytest.raises(EyasError, match="holds files eyas did not write there"):
+        export(ExportConfig(checkpoint=str(run), out=str(tmp_path / "keep")))
+    assert (tmp_path / "keep.tmp-export" / "notes.txt").read_text() == "precious"
+    # a lone step folder exported for SGLang: its ids cannot be checked against L
+    lone = tmp_path / "lone"
+    shutil.copytree(run / "checkpoints" / "step-00000010", lone / "step-00000010")
+    with caplog.at_level("WARNING", logger="eyas"):
+        export(ExportConfig(checkpoint=str(lone / "step-00000010"), out=str(tmp_path / "s"),
+                            format="sglang"))
+    assert "the target's layer count is not recorded" in caplog.text
+
+
+def test_a_report_of_an_export_replaced_since_is_not_quoted_for_another_run(tmp_path):
+    """The eval measured run A's export; that folder now holds run B's export. Its report was
+    quoted for B (the eval's export input was read from the folder as it is now)."""
+    from eyas.export import _runs_measured
+
+    make_run(tmp_path / "a", draft_config())
+    make_run(tmp_path / "b", draft_config())
+    export(ExportConfig(checkpoint=str(tmp_path / "a"), out=str(tmp_path / "d")))
+    measured = read_manifest(tmp_path / "d")
+    run_a = read_manifest(tmp_path / "a")
+    evaluated = {"inputs": [{"step": "export", "path": str(tmp_path / "d"),
+                             "id": measured["id"]}],
+                 "draft_checkpoint": str(tmp_path / "a" / "checkpoints" / "step-00000010")}
+    export(ExportConfig(checkpoint=str(tmp_path / "b"), out=str(tmp_path / "d"), overwrite=True))
+    assert _runs_measured(evaluated) == {run_a.get("run") or run_a["id"]}

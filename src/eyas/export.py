@@ -44,10 +44,10 @@ from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
 # Documented as eyas.export API (docs/export.md); they live in eyas.draft.formats.
 from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
                                 sglang_layer_ids)
-from eyas.serve.export_readme import render_readme
+from eyas.serve.export_readme import ServedTarget, render_readme, served_target
 from eyas.store.checkpoint import STEP_DIR
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
-                                 peek_manifest, read_manifest, write_manifest)
+                                 peek_manifest, read_manifest, target_record, write_manifest)
 from eyas.store.permissions import as_umask
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
                                 read_vllm_folder, read_weights, find_checkpoint,
@@ -274,6 +274,12 @@ def export(cfg: ExportConfig) -> Path:
     # resolved: the manifest records the run by its folder, which tells a re-export of the
     # same run from another run's export in --out (_fresh_dir)
     step, run = find_checkpoint(Path(cfg.checkpoint).resolve(), cfg.which)
+    if (Path(cfg.checkpoint) / "draft.safetensors").is_file() and cfg.which != "best" and \
+            cfg.which != f"step-{_step_number(step)}":
+        raise EyasError(f"--which {cfg.which} picks a checkpoint of a run folder, but "
+                        f"--checkpoint {cfg.checkpoint} is one checkpoint already ({step.name}): "
+                        f"pass the run folder{f' ({run})' if run else ''} with --which, or "
+                        f"drop --which", flag="--which")
     train = read_manifest(run, step="train") if run and (run / MANIFEST).is_file() else None
     if train is not None and train.get("complete") is False:
         log.warning("the run in %s is unfinished (killed, or still training): exporting its "
@@ -289,11 +295,11 @@ def export(cfg: ExportConfig) -> Path:
         log.warning("no train manifest found next to %s: the README cannot say how the draft "
                     "was trained", step)
     target = (train or {}).get("target") or {}
-    target_name = cfg.target or target.get("name_or_path")
-    if cfg.format == "speculators" and not target_name:
+    served = _served_target(cfg, train)
+    if cfg.format == "speculators" and not (cfg.target or target.get("name_or_path")):
         raise EyasError("--format speculators names the verifier, but the run records no "
                         "target; give --target MODEL")
-    config = _format_config(cfg, dcfg, target_name, target)  # refuses what a format cannot run
+    config = _format_config(cfg, dcfg, served, target)  # refuses what a format cannot run
     variants = [k for k in EAGLE31_KEYS if getattr(dcfg, k)]
     if variants:
         since = SERVED_SINCE[cfg.format]
@@ -312,7 +318,7 @@ def export(cfg: ExportConfig) -> Path:
     tmp = _fresh_dir(out, run or step, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / "README.md").write_text(render_readme(cfg, dcfg, out, target_name, train, step, report))
+    (tmp / "README.md").write_text(render_readme(cfg, dcfg, out, served, train, step, report))
     # the config as given (unset k stays unset), so `eyas run` sees the step unchanged
     write_manifest(tmp, "export", asked, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, layout=cfg.resolved_layout, dtype=cfg.dtype,
@@ -345,7 +351,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
                         f"drafts), so it drafts at most {most} per step; give {most} or less")
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
-    target_name = cfg.target or target.get("name_or_path") or "TARGET"
+    served = _served_target(cfg, train)
     report = _read_report(cfg.acceptance_report, target, train, step, "dflash")
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
@@ -354,10 +360,9 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     tmp = _fresh_dir(out, source, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
-    (tmp / "README.md").write_text(dflash_readme(dcfg, str(out.resolve()), target_name,
-                                                 str(step), (train or {}).get("best"), remote,
-                                                 cfg.num_speculative_tokens, report))
+    (tmp / "README.md").write_text(dflash_readme(
+        dcfg, str(out.resolve()), served, str(step), (train or {}).get("best"),
+        cfg.num_speculative_tokens, report, unfinished=(train or {}).get("complete") is False))
     write_manifest(tmp, "export", asked, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),
@@ -370,15 +375,57 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     return out
 
 
-def _format_config(cfg: ExportConfig, dcfg: DraftConfig, target_name: str | None,
+def _format_config(cfg: ExportConfig, dcfg: DraftConfig, served: ServedTarget,
                    target: dict) -> dict:
     if cfg.format == "vllm":
         return to_vllm_config(dcfg, cfg.dtype)
     if cfg.format == "sglang":
-        return to_sglang_config(dcfg, cfg.dtype, target.get("num_hidden_layers"))
-    return to_speculators_config(dcfg, verifier=target_name,
-                                 verifier_architectures=_architectures(target_name),
+        layers = target.get("num_hidden_layers")
+        if layers is None:
+            log.warning("the target's layer count is not recorded (a checkpoint without its "
+                        "run): SGLang cannot capture vLLM's id L (the last layer's output), and "
+                        "whether %s holds it is not checked; export from the run folder, or "
+                        "check that every id is below the target's layer count",
+                        list(dcfg.aux_layer_ids))
+        return to_sglang_config(dcfg, cfg.dtype, layers)
+    return to_speculators_config(dcfg, verifier=served.name,
+                                 verifier_architectures=_architectures(served.name),
                                  num_speculative_tokens=cfg.num_speculative_tokens, dtype=cfg.dtype)
+
+
+def _maybe_relative_path(name: str) -> bool:
+    """A name that does not exist here and may be a relative path rather than a hub name
+    (org/model): no slash or several, a leading . or ~, or a .gguf file."""
+    path = Path(name).expanduser()
+    if path.is_absolute() or path.exists():
+        return False
+    return name.count("/") != 1 or name.startswith((".", "~")) or \
+        path.suffix.lower() == ".gguf"
+
+
+def _served_target(cfg: ExportConfig, train: dict | None) -> ServedTarget:
+    """The target the serve commands (and the speculators verifier) name: --target, checked
+    against the run's target where it is a local folder or file, else the run's own (with its
+    revision), as a server loads it from anywhere."""
+    target = (train or {}).get("target") or {}
+    remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
+    recorded = target.get("name_or_path")
+    if cfg.target is None or cfg.target == recorded:
+        if recorded and _maybe_relative_path(recorded):
+            log.warning("the run recorded its target as %s, which is no path from here: if it "
+                        "is a path relative to where the run trained, give --target with its "
+                        "path, or the serve commands name a model that is not there (a hub "
+                        "name is served as it is)", recorded)
+        return served_target(recorded, target.get("revision"), remote)
+    if Path(cfg.target).expanduser().exists() and target:
+        from eyas.targets.models import load_config
+
+        given = target_record(cfg.target, config=load_config(cfg.target, trust_remote_code=remote),
+                              weights=False)
+        check_same_target(target, given, f"the run in {cfg.checkpoint} (trained on "
+                          f"{recorded})", fix=f"give --target the model the run was trained on "
+                          f"({recorded}), or leave --target out", weights=False)
+    return served_target(cfg.target, None, remote)
 
 
 def _architectures(target_name: str | None) -> list[str]:
@@ -411,6 +458,10 @@ def _fresh_dir(out: Path, source: Path, overwrite: bool) -> Path:
                             f"exporting would replace it. Choose another --out, or pass "
                             f"--overwrite to replace it.", flag="--out")
     tmp = out.with_name(out.name + ".tmp-export")
+    if tmp.is_dir() and {p.name for p in tmp.iterdir()} - {*FILES, MANIFEST}:
+        raise EyasError(f"{tmp}, where export writes the new folder before it replaces --out, "
+                        f"holds files eyas did not write there; move it away, or choose "
+                        f"another --out", flag="--out")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -519,8 +570,14 @@ def _runs_measured(evaluated: dict) -> set[str]:
     for item in evaluated.get("inputs") or []:
         if item.get("step") == "train":
             trains.append(item)
-        elif item.get("step") == "export" and item.get("path") and \
-                (Path(item["path"]) / MANIFEST).is_file():
-            made = read_manifest(item["path"])
-            trains += [i for i in made.get("inputs") or [] if i.get("step") == "train"]
-    return {i.get("run") or i.get("id") for i in trains}
+        elif item.get("step") == "export" and item.get("path"):
+            made = peek_manifest(item["path"])  # while it holds the export measured
+            if made and made.get("id") == item.get("id"):
+                trains += [i for i in made.get("inputs") or [] if i.get("step") == "train"]
+    # the checkpoint it recorded measuring, in its run folder (an export replaced since)
+    step = Path(evaluated.get("draft_checkpoint") or "")
+    if _step_number(step) is not None and (step.parent.parent / MANIFEST).is_file():
+        made = peek_manifest(step.parent.parent)
+        if made and made.get("step") == "train":
+            trains.append(made)
+    return {i.get("run") or i.get("id") for i in trains} - {None}

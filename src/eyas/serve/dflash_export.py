@@ -8,6 +8,7 @@ before it is written (docs/dflash.md, sections 2-3)."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import torch
 
@@ -15,8 +16,8 @@ from eyas.dflash.config import DFlashConfig
 from eyas.dflash.formats import from_dflash_config, to_dflash_config
 from eyas.draft.formats import DTYPES
 from eyas.errors import EyasError
-from eyas.serve.export_readme import (acceptance_lines, draft_sampling, sampling_lines,
-                                      speculative_config)
+from eyas.serve.export_readme import (ServedTarget, acceptance_lines, convert_lines,
+                                      draft_sampling, sampling_lines, speculative_config)
 
 
 def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -56,32 +57,37 @@ def dflash_config_json(cfg: DFlashConfig, dtype: str, num_target_layers: int | N
     return config
 
 
-def dflash_readme(cfg: DFlashConfig, draft: str, target: str, step: str, best: dict | None,
-                  trust_remote_code: bool, served_k: int | None = None,
-                  report: dict | None = None) -> str:
+def dflash_readme(cfg: DFlashConfig, draft: str, target: ServedTarget, step: str,
+                  best: dict | None, served_k: int | None = None, report: dict | None = None,
+                  unfinished: bool = False) -> str:
     """The export's README: what the draft is, how vLLM and SGLang serve it (`served_k` draft
-    tokens, at most the block's), and, given `eyas eval`'s report, its measured acceptance."""
+    tokens, at most the block's), and, given `eyas eval`'s report, its measured acceptance.
+    `unfinished`: the run had not ended when `step` was exported."""
     k = cfg.block_size - 1
-    remote = " --trust-remote-code" if trust_remote_code else ""
     spec = json.dumps(speculative_config("dflash", draft, served_k or k, draft_sampling(report)))
     al = (best or {}).get("acceptance_length")
     if al and not step.endswith(f"step-{best['step']:08d}"):  # the best's, not this step's
         al = f"{al} at the run's best step {best['step']}, not this one"
+    name = shlex.quote(target.name)
     return "\n".join([
         "# DFlash draft (eyas)", "",
-        f"Block-parallel draft for `{target}`: {cfg.num_hidden_layers} Qwen3-style layer(s) "
-        f"over target layers {list(cfg.aux_layer_ids)} (vLLM's aux ids; DFlash "
+        f"Block-parallel draft for `{target.name}`: {cfg.num_hidden_layers} Qwen3-style "
+        f"layer(s) over target layers {list(cfg.aux_layer_ids)} (vLLM's aux ids; DFlash "
         f"`target_layer_ids` {list(cfg.target_layer_ids)}), blocks of {cfg.block_size} "
         f"(bonus + {k} drafts), mask token {cfg.mask_token_id}. It uses the target's "
         f"embedding and lm_head (not in this folder).", "",
-        f"Trained checkpoint: `{step}`" + (f"; acceptance length on the training run's eval "
-                                           f"set at k = {k}: {al}" if al else "") + ".", "",
+        f"Trained checkpoint: `{step}`" + (
+            " (**unfinished**: the run had not ended when this step was exported; its "
+            "schedule had steps left)" if unfinished else "")
+        + (f"; acceptance length on the training run's eval set at k = {k}: {al}" if al else "")
+        + ".", "", *convert_lines(target),
         "## vLLM (`method: dflash`; the draft's non-causal attention needs the FLASH_ATTN "
-        "backend)", "", "```bash", f"vllm serve {target}{remote} \\",
-        f"    --speculative-config '{spec}'", "```", "",
+        "backend)", "", "```bash", f"vllm serve {name}{target.flags()} \\",
+        f"    --speculative-config {shlex.quote(spec)}", "```", "",
         f"`num_speculative_tokens` may be anything up to {k}.", "", *sampling_lines(report),
         "## SGLang (`--speculative-num-draft-tokens` counts the bonus token)", "", "```bash",
-        f"python -m sglang.launch_server --model-path {target}{remote} \\",
-        f"    --speculative-algorithm DFLASH --speculative-draft-model-path {draft} \\",
+        f"python -m sglang.launch_server --model-path {name}{target.flags()} \\",
+        f"    --speculative-algorithm DFLASH --speculative-draft-model-path "
+        f"{shlex.quote(draft)} \\",
         f"    --speculative-num-draft-tokens {(served_k or k) + 1}", "```", ""]
         + (acceptance_lines(report, draft, target) if report is not None else []))

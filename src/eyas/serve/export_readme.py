@@ -5,6 +5,8 @@ README says nothing the folder cannot back up."""
 from __future__ import annotations
 
 import json
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from eyas import __version__
@@ -14,6 +16,50 @@ from eyas.store.manifest import LAYER_ID_CONVENTION
 # Train config keys quoted in the README (the whole config stays in eyas.json).
 TRAIN_KEYS = ("data", "vocab", "epochs", "max_steps", "lr", "batch_tokens", "grad_accum",
               "ttt_steps", "step_weight", "lm_head", "precision", "seed")
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """The target as the serve commands name it: `name` a hub name or an absolute local path,
+    `revision` the branch or commit the draft was trained on, `gguf` the .gguf file that
+    `name` (a folder) is to be converted from first: vLLM and SGLang read no GGUF."""
+
+    name: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+    gguf: str | None = None
+
+    def flags(self, revision_flag: str = "--revision") -> str:
+        """The target's own flags on a server's command line."""
+        return (f" {revision_flag} {shlex.quote(self.revision)}" if self.revision else "") + \
+            (" --trust-remote-code" if self.trust_remote_code else "")
+
+
+def served_target(name: str | None, revision: str | None = None,
+                  trust_remote_code: bool = False) -> ServedTarget:
+    """`name` as a server loads it from anywhere: a local folder absolute, a .gguf file as the
+    folder `eyas convert` writes beside it (its README says to convert first)."""
+    if not name:
+        return ServedTarget("TARGET", revision, trust_remote_code)
+    path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        path = path.resolve()
+        return ServedTarget(str(path.with_name(path.stem + "-hf")), None, trust_remote_code,
+                            gguf=str(path))
+    if path.exists():
+        name = str(path.resolve())
+    return ServedTarget(name, revision, trust_remote_code)
+
+
+def convert_lines(served: ServedTarget) -> list[str]:
+    """For a GGUF target: the conversion the serve commands below need, first."""
+    if served.gguf is None:
+        return []
+    return [f"The target is a GGUF file, which vLLM and SGLang do not serve: convert it once "
+            f"into the folder the commands below name (the same weights; a draft trained on "
+            f"either serves on both):", "", "```bash",
+            f"eyas convert --target {shlex.quote(served.gguf)} --out {shlex.quote(served.name)}",
+            "```", ""]
 
 
 def draft_sampling(report: dict | None) -> str | None:
@@ -59,38 +105,44 @@ def sampling_lines(report: dict | None) -> list[str]:
             "measured (docs/eval.md).", ""]
 
 
-def serve_commands(fmt: str, target: str, draft: str, k: int, trust_remote_code: bool,
+def serve_commands(fmt: str, target: ServedTarget, draft: str, k: int,
                    report: dict | None = None) -> list[str]:
     """Exact command lines for the format (chain drafting with k tokens; the draft sampling
-    of the quoted report, if any)."""
-    remote = " --trust-remote-code" if trust_remote_code else ""
+    of the quoted report, if any), every path and JSON shell-quoted."""
     spec = json.dumps(speculative_config("eagle3", draft, k, draft_sampling(report)))
-    vllm = f"vllm serve {target}{remote} \\\n    --speculative-config '{spec}'"
+    vllm = (f"vllm serve {shlex.quote(target.name)}{target.flags()} \\\n"
+            f"    --speculative-config {shlex.quote(spec)}")
     if fmt == "vllm":
         return [vllm]
-    if fmt == "speculators":  # the verifier is read from config.json
-        return [f"vllm serve {draft}{remote}", vllm]
-    return [f"python -m sglang.launch_server --model-path {target}{remote} \\\n"
-            f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\\n"
+    if fmt == "speculators":  # the verifier is read from config.json (it has no revision)
+        alone = f"vllm serve {shlex.quote(draft)}" + \
+            (" --trust-remote-code" if target.trust_remote_code else "")
+        return [vllm] if target.revision else [alone, vllm]
+    return [f"python -m sglang.launch_server --model-path {shlex.quote(target.name)}"
+            f"{target.flags()} \\\n"
+            f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+            f"{shlex.quote(draft)} \\\n"
             f"    --speculative-num-steps {k} --speculative-eagle-topk 1 "
             f"--speculative-num-draft-tokens {k + 1}", vllm]
 
 
-def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | None,
+def render_readme(cfg, dcfg, out: Path, served: ServedTarget, train: dict | None,
                   step: Path, report: dict | None) -> str:
-    """cfg: ExportConfig; dcfg: DraftConfig; train: the run's manifest (or None)."""
+    """cfg: ExportConfig; dcfg: DraftConfig; served: the target as the commands name it;
+    train: the run's manifest (or None)."""
     target = (train or {}).get("target") or {}
-    name = target_name or "TARGET"
-    if Path(name).expanduser().exists():  # a local folder or file: absolute, as the draft's
-        name = str(Path(name).expanduser().resolve())  # (the commands run from anywhere)
-    remote = bool(((train or {}).get("config") or {}).get("trust_remote_code"))
+    name = served.name
     draft = str(Path(out).resolve())
     lines = [f"# EAGLE-3 draft for {name}", "",
              f"Format **{cfg.format}** (`{cfg.resolved_layout}.*` weights, {cfg.dtype}), written "
              f"by eyas {__version__} from `{step}`.", "", "## Serve", ""]
-    for cmd in serve_commands(cfg.format, name, draft, cfg.num_speculative_tokens, remote,
-                              report):
+    lines += convert_lines(served)
+    for cmd in serve_commands(cfg.format, served, draft, cfg.num_speculative_tokens, report):
         lines += ["```bash", cmd, "```", ""]
+    if cfg.format == "speculators" and served.revision:
+        lines += [f"The verifier record in config.json has no revision, so `vllm serve` of this "
+                  f"folder alone would load the target's default branch, not revision "
+                  f"{served.revision} that the draft was trained on: serve it as above.", ""]
     lines += sampling_lines(report)
     lines += [f"Replace `{draft}` with where this folder lives (or its hub name). If vLLM says "
               "\"Model does not support EAGLE3 interface\", install eyas in the serving "
@@ -137,7 +189,7 @@ def render_readme(cfg, dcfg, out: Path, target_name: str | None, train: dict | N
                      + ", ".join(f"{since[k]} or later ({k})" for k in variants)
                      + "; older servers do not build these norms")
     lines.append("")
-    lines += _training_lines(train, step) + acceptance_lines(report, draft, name)
+    lines += _training_lines(train, step) + acceptance_lines(report, draft, served)
     return "\n".join(lines) + "\n"
 
 
@@ -163,11 +215,12 @@ def _training_lines(train: dict | None, step: Path) -> list[str]:
     return out
 
 
-def acceptance_lines(report: dict | None, draft: str, target: str) -> list[str]:
+def acceptance_lines(report: dict | None, draft: str, target: ServedTarget) -> list[str]:
     if report is None:
+        name = shlex.quote(target.gguf or target.name)  # eyas reads the GGUF itself
         return ["## Measured acceptance", "", "Not measured yet: `eyas eval --target "
-                f"{target} --draft {draft} --data PROMPTS --out REPORT --k 1,2,3,5,7`, then "
-                "re-export with `--acceptance-report REPORT`.", ""]
+                f"{name}{target.flags()} --draft {shlex.quote(draft)} --data PROMPTS --out "
+                "REPORT --k 1,2,3,5,7`, then re-export with `--acceptance-report REPORT`.", ""]
     al, per = report.get("mean_acceptance_length") or {}, report.get("per_position_acceptance") or {}
     speed = {str(r.get("k")): r.get("speedup") for r in report.get("results") or []
              if r.get("method") == report.get("primary")}
