@@ -1280,3 +1280,30 @@ def test_a_checkpoint_that_cannot_be_written_is_an_error_that_says_how_to_go_on(
     monkeypatch.setattr(store, "save_file", safetensors.torch.save_file)
     train(_cfg(run_inputs, out, max_steps=4, save_every=1))  # space again: it resumes
     assert (out / "checkpoints" / "step-00000004").is_dir()
+
+
+def test_a_refused_resume_keeps_the_later_steps_and_a_shorter_length_is_refused(run_inputs,
+                                                                                  tmp_path):
+    """From a review: a resume from step 2 refused for another --batch-tokens had already
+    deleted steps 4 and 6 and the last/best pointers; a resume with fewer steps than the run
+    had done "finished" at step 4 with best and last at step 6."""
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, max_steps=6, save_every=2, keep_last=5))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(EyasError, match="other data or batching"):
+        train(_cfg(run_inputs, run, max_steps=6, batch_tokens=512,
+                   resume=str(run / "checkpoints" / "step-00000002")))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert checkpoint.read_pointer(run, "last").name == "step-00000006"
+    with pytest.raises(EyasError, match=r"step-00000006 is step 6, past the 4 steps"):
+        train(_cfg(run_inputs, run, max_steps=4))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_a_diverging_run_stops_with_the_step_and_the_fix(run_inputs, tmp_path):
+    # it ended "done" with NaN weights as its best checkpoint
+    with pytest.raises(EyasError, match=r"training diverged at step \d+ \((loss|grad_norm) "
+                                        r"(nan|inf).*Lower --lr \(now 1e\+30\)"):
+        train(_cfg(run_inputs, tmp_path / "run", max_steps=6, lr=1e30, optimizer="adamw"))
+    with pytest.raises(ConfigError, match="--lr must be > 0 and finite"):
+        _cfg(run_inputs, tmp_path / "x", lr=float("inf"))

@@ -70,8 +70,6 @@ def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
         if cfg.resume == "never" and (Path(cfg.out) / "checkpoints").is_dir():
             log.warning("--resume never: deleting the old checkpoints in %s", cfg.out)
             checkpoint.clear_after(cfg.out, -1)
-        elif path is not None:
-            checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
     if dist.is_initialized():
         box = [path]
         dist.broadcast_object_list(box, src=0)
@@ -118,6 +116,12 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
                         f"--grad-accum); resume with the same settings or use --resume never.",
                         flag="--resume")
+    if state["step"] > plan.total_steps:
+        raise EyasError(f"{path} is step {state['step']}, past the {plan.total_steps} steps "
+                        f"this run's --epochs / --max-steps give: resume with the length it "
+                        f"was started with (or longer), or export it as it is", flag="--resume")
+    if env.main:  # only now that it resumes: a refused resume deleted the later steps
+        checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
     return state
 
 

@@ -7,6 +7,7 @@ pieces of eyas.draft and eyas.dflash take this config.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -227,7 +228,13 @@ class TrainConfig:
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
             (self.max_steps >= 0 and self.epochs >= 0, "--epochs and --max-steps must be >= 0"),
             (self.max_steps > 0 or self.epochs > 0, "give --epochs > 0 or --max-steps > 0"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0 and finite, got "
+                                                     f"{self.lr}"),
+            (math.isfinite(self.muon_lr) and (self.weight_decay is None or (
+                math.isfinite(self.weight_decay) and self.weight_decay >= 0)),
+             f"--muon-lr must be finite and --weight-decay >= 0, got "
+                                     f"{self.muon_lr}, {self.weight_decay}"),
+            (self.seed >= 0, f"--seed must be >= 0, got {self.seed}"),
             (self.optimizer != "muon" or hasattr(torch.optim, "Muon"),
              f"--optimizer muon needs torch >= 2.9 (torch.optim.Muon); this is torch "
              f"{torch.__version__}: upgrade torch or use --optimizer adamw"),
