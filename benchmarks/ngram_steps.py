@@ -71,9 +71,10 @@ def add(state: dict, report: dict, where: str, name: str | None, tolerance: floa
         if not steps:
             raise SystemExit(f"{where}: no tokens per step, nor the counts to make them")
         for k, al in entry["ngram"].items():
-            if abs(al / rec["al"][k] - 1) > tolerance:
-                raise SystemExit(f"{where}: {s} n-gram AL {al:.3f} at k={k} against the "
-                                 f"JSON's {rec['al'][k]:.3f}: not the same outputs")
+            if (al is None) != (rec["al"][k] is None) or (  # None: n-gram never drafted
+                    al is not None and abs(al / rec["al"][k] - 1) > tolerance):
+                raise SystemExit(f"{where}: {s} n-gram AL {al} at k={k} against the "
+                                 f"JSON's {rec['al'][k]}: not the same outputs")
         rec["tokens_per_step"] = steps
         rec["tokens_per_step_run"] = {"device": report["device"], "al_there": entry["ngram"],
                                       "date": datetime.date.today().isoformat()}

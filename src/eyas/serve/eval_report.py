@@ -117,9 +117,13 @@ def _result(method: str, k: int, outputs: list[list[int]], stats: SpecStats, sec
         tokens_per_s=round(tps, 3), speedup=round(tps / base_tps, 4) if base_tps else 1.0,
         target_forwards=stats.target_forwards, drafts=stats.drafts,
         draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted,
-        mean_acceptance_length=round(stats.mean_acceptance_length, 4) if spec else None,
-        draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec else None,
-        per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance],
+        # a method that never drafted (n-gram found no match) has no acceptance: None, not 1.0
+        mean_acceptance_length=round(stats.mean_acceptance_length, 4)
+        if spec and stats.drafts else None,
+        draft_acceptance_rate=round(stats.draft_acceptance_rate, 4) if spec and stats.drafts
+        else None,
+        per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance]
+        if stats.drafts else [],
         tokens_per_step=tokens_per_step(tokens, stats.target_forwards, len(outputs)))
     return result
 
@@ -217,8 +221,9 @@ def summarize(cfg, measured: Measured, num_prompts: int,
         if r.method == "target":
             log.info("no speculation: %.1f tokens/s", r.tokens_per_s)
         else:
-            log.info("%s k=%d: mean acceptance length %.3f, per position %s, %s tokens per "
-                     "step, %.1f tokens/s (x%.2f)", r.method, r.k, r.mean_acceptance_length,
+            log.info("%s k=%d: mean acceptance length %s, per position %s, %s tokens per "
+                     "step, %.1f tokens/s (x%.2f)", r.method, r.k,
+                     _fmt(r.mean_acceptance_length, 3),
                      r.per_position_acceptance, _fmt(r.tokens_per_step, 3), r.tokens_per_s,
                      r.speedup)
     report = _report(cfg, results, measured.mismatches, num_prompts, measured)
@@ -278,7 +283,7 @@ def bootstrap_ci(rows: list[tuple[int, list[int]]], k: int, n: int = 1000,
     (the rounds of one prompt are not independent draws)."""
     import numpy as np
 
-    if not rows:
+    if not rows or not sum(d for d, _ in rows):  # nothing drafted: no interval
         return {}
     drafts = np.array([d for d, _ in rows], dtype=np.float64)  # (P,)
     acc = np.array([list(a)[:k] + [0] * (k - len(a)) for _, a in rows],
@@ -425,10 +430,10 @@ def markdown(report: EvalReport) -> str:
             ci = report.ci95.get(k, {})
             lines.append(f"| {k} | {_fmt(report.mean_acceptance_length.get(k))} "
                          f"{_interval(ci.get('mean_acceptance_length'))} | "
-                         f"{_fmt(rep['mean_acceptance_length'])} "
-                         f"{_interval(rep['ci95']['mean_acceptance_length'])} | "
+                         f"{_fmt(rep.get('mean_acceptance_length'))} "
+                         f"{_interval((rep.get('ci95') or {}).get('mean_acceptance_length'))} | "
                          f"{_rates(report.per_position_acceptance.get(k))} | "
-                         f"{_rates(rep['per_position_acceptance'])} |")
+                         f"{_rates(rep.get('per_position_acceptance'))} |")
     if report.by_source:
         cols = list(next(iter(report.by_source.values()))["mean_acceptance_length"])
         lines += ["", "Mean acceptance length by prompt source:", "",
@@ -483,6 +488,7 @@ def _plot(out: Path, report: EvalReport) -> None:
     for method in ("eagle3", "dflash", "ngram"):
         rs = [r for r in report.results if r.method == method]
         if rs:
+            rs = [r for r in rs if r.mean_acceptance_length is not None]  # (none drafted)
             ax.plot([r.k for r in rs], [r.mean_acceptance_length for r in rs], "o-", label=method)
     ax.set(xlabel="k (draft tokens per step)", ylabel="mean acceptance length",
            title=f"T={report.temperature:g}, {report.num_prompts} prompts")
@@ -494,7 +500,7 @@ def _plot(out: Path, report: EvalReport) -> None:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in report.results:
-        if r.method == report.primary:
+        if r.method == report.primary and r.per_position_acceptance:  # (none drafted: [])
             ax.plot(range(1, r.k + 1), r.per_position_acceptance, "o-", label=f"k={r.k}")
     ax.set_xticks(range(1, max(report.k) + 1))
     ax.set(xlabel="draft position", ylabel="acceptance rate (per draft)", ylim=(0, 1.02),

