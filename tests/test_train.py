@@ -1307,3 +1307,21 @@ def test_a_diverging_run_stops_with_the_step_and_the_fix(run_inputs, tmp_path):
         train(_cfg(run_inputs, tmp_path / "run", max_steps=6, lr=1e30, optimizer="adamw"))
     with pytest.raises(ConfigError, match="--lr must be > 0 and finite"):
         _cfg(run_inputs, tmp_path / "x", lr=float("inf"))
+
+
+def test_the_logged_lr_is_the_steps_own_and_a_run_started_over_drops_its_old_events(
+        run_inputs, tmp_path, caplog):
+    """From a review: each train record logged the next step's lr (the last step logged 0);
+    --resume never kept the old run's TensorBoard events beside the new ones; Muon options
+    given with AdamW were ignored without a word."""
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, max_steps=3, optimizer="adamw", warmup_ratio=0.0,
+               lr_decay="linear", min_lr_ratio=0.0))
+    lrs = [r["lr"] for r in _records(run, "train")]
+    assert lrs[0] == pytest.approx(1e-2) and lrs[-1] > 0 and lrs == sorted(lrs, reverse=True)
+    if (run / "tensorboard").is_dir():
+        with caplog.at_level(logging.WARNING):
+            train(_cfg(run_inputs, run, max_steps=2, optimizer="adamw", resume="never",
+                       muon_lr=0.5))
+        assert len(list((run / "tensorboard").glob("events.*"))) == 1
+        assert "--muon-lr 0.5: not used with --optimizer adamw" in caplog.text

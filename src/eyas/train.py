@@ -319,6 +319,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                 check_gradients(model, cfg, graphed)
             # 3. Clip the global gradient norm, step the optimizer(s) and the schedule.
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+            lr = scheduler.get_last_lr()[0]  # this step's (after the step: the next one's)
             for opt in optimizer:
                 opt.step()
                 opt.zero_grad(set_to_none=graphed is None)  # a graph keeps its .grad tensors
@@ -331,7 +332,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                 last_train = {"kind": "train", "step": step,
                               "epoch": plan.epoch_of[(step - 1) * plan.per_step],
                               **_summary(torch.tensor(stats[:-1]), steps, weights.double().cpu()),
-                              "lr": scheduler.get_last_lr()[0], "grad_norm": _item(norm),
+                              "lr": lr, "grad_norm": _item(norm),
                               "tokens": int(stats[-1]),
                               "tokens_per_s": stats[-1] / (now - t_window),
                               "elapsed_s": round(now - t_start, 2)}

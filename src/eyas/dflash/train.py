@@ -265,6 +265,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                 check_gradients(model, cfg)
             # 3. Clip, step the optimizer(s) and the schedule.
             norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))
+            lr = scheduler.get_last_lr()[0]  # this step's (after the step: the next one's)
             for opt in optimizer:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -276,7 +277,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                 stats, now = all_sum(window).tolist(), time.perf_counter()
                 last_train = {"kind": "train", "step": step,
                               "epoch": plan.epoch_of[(step - 1) * plan.per_step],
-                              **_summary(stats[:-1], b), "lr": scheduler.get_last_lr()[0],
+                              **_summary(stats[:-1], b), "lr": lr,
                               "grad_norm": float(norm), "tokens": int(stats[-1]),
                               "tokens_per_s": stats[-1] / (now - t_window),
                               "elapsed_s": round(now - t_start, 2)}

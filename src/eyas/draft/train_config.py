@@ -134,7 +134,9 @@ class TrainConfig:
     freeze_lm_head: bool | None = option(None, "keep the lm_head fixed at the target's rows; "
                                                "unset: on with --lm-head target (speculators'), "
                                                "off with scratch")
-    draft_hidden_size: int = option(0, "draft hidden size; 0 = the target's")
+    draft_hidden_size: int = option(0, "draft hidden size: must stay 0, the target's (the "
+                                       "draft shares the target's embedding and reads its "
+                                       "states; docs/train.md)")
     draft_intermediate_size: int = option(0, "draft MLP size; 0 = the target's")
     draft_num_attention_heads: int = option(0, "draft attention heads; 0 = the target's")
     draft_num_key_value_heads: int = option(0, "draft kv heads; 0 = the target's")
@@ -288,6 +290,20 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        ignored = [*(_changed(self, ("muon_lr", "muon_momentum", "muon_weight_decay"))
+                     if self.optimizer != "muon" else []),
+                   *(_changed(self, ("lk_kl_scale", "lk_kl_decay"))
+                     if self.loss != "lk-lambda" else [])]
+        if ignored:
+            log.warning("%s: not used with --optimizer %s --loss %s (the Muon options need "
+                        "--optimizer muon, the KL-weight options --loss lk-lambda)",
+                        ", ".join(ignored), self.optimizer, self.loss)
+
+
+def _changed(cfg: "TrainConfig", names) -> list[str]:
+    """The flags of `names` given a value other than their default."""
+    return [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in names
+            if getattr(cfg, n) != _default(n)]
 
 
 def _dflash_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:

@@ -257,6 +257,8 @@ class MetricsLog:
 
             # purge_step: on resume, TensorBoard drops the events of the steps lost with the
             # kill (the same cut as metrics.jsonl above)
+            if resume_step == 0:  # a run started over: the old run's events go with it
+                shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
             self.tb = SummaryWriter(str(run_dir / "tensorboard"),
                                     purge_step=resume_step + 1 if resume_step > 0 else None)
         except ImportError:
