@@ -64,6 +64,10 @@ def test_detect_format():
     assert chat.detect_format({"conversation": []}) == "sharegpt"
     with pytest.raises(ChatFormatError, match="no 'conversations' or 'messages'.*text"):
         chat.detect_format({"text": "hello"})
+    # MT-bench's own file, as docs/eval.md once showed it given to --data
+    with pytest.raises(ChatFormatError, match="MT-bench's question.jsonl: `eyas eval --bench "
+                                              "mt-bench` reads it"):
+        chat.detect_format({"question_id": 81, "category": "writing", "turns": ["a", "b"]})
 
 
 def test_normalize_forced_format_needs_its_column():

@@ -460,7 +460,10 @@ def detect_format(row: dict) -> str:
     if empty:  # the column is there, its value null (a Parquet or datasets gap, say)
         raise ChatFormatError(f"'{empty[0]}' is null: the row holds no conversation")
     keys = ", ".join(sorted(map(str, row))) or "none"
-    raise ChatFormatError(f"no 'conversations' or 'messages' column (row has: {keys})")
+    hint = ("; a 'turns' list of questions is MT-bench's question.jsonl: `eyas eval --bench "
+            "mt-bench` reads it, second turns after the target's own answers") \
+        if isinstance(row.get("turns"), list) else ""
+    raise ChatFormatError(f"no 'conversations' or 'messages' column (row has: {keys}){hint}")
 
 
 def normalize(row: dict, fmt: str = "auto", *,
