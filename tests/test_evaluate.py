@@ -465,6 +465,11 @@ def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monke
     assert "no plots" in caplog.text
     assert (tmp_path / "b" / "report.json").is_file()
     assert not (tmp_path / "b" / "al_vs_k.png").exists()
+    # an earlier eval's plots in the folder go: they showed another draft and k
+    assert (tmp_path / "a" / "al_vs_k.png").is_file()
+    write_report(tmp_path / "a", report)
+    assert not (tmp_path / "a" / "al_vs_k.png").exists()
+    assert not (tmp_path / "a" / "acceptance_by_position.png").exists()
 
 
 def test_acceptance_by_source_groups_prompts_by_id_prefix():

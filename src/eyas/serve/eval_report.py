@@ -378,10 +378,12 @@ def write_report(out: Path, report: EvalReport) -> None:
     try:
         import matplotlib
     except ImportError:
+        for old in ("al_vs_k.png", "acceptance_by_position.png"):  # an earlier eval's
+            (out / old).unlink(missing_ok=True)
         log.info("matplotlib is not installed: no plots (pip install matplotlib)")
-        return
-    matplotlib.use("Agg")
-    _plot(out, report)
+    else:
+        matplotlib.use("Agg")
+        _plot(out, report)
     log.info("report written to %s", out)
 
 
