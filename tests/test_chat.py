@@ -369,3 +369,12 @@ def test_an_unfinished_regenerate_folder_is_refused_its_file_is_read(tmp_path):
     assert len(rows_of(regen / "conversations.jsonl")) == 2  # the way to use what it has
     assert chat.regenerate_outputs([str(regen), str(regen / "conversations.jsonl")])[0][
         "path"] == str(regen)
+
+
+def test_a_template_kwarg_that_is_not_yaml_is_a_config_error():
+    from eyas.config import ConfigError
+
+    assert chat.parse_template_kwargs(("enable_thinking=false", "n=2")) == \
+        {"enable_thinking": False, "n": 2}
+    with pytest.raises(ConfigError, match=r"chat_template_kwargs 'x=\[1': the value is not YAML"):
+        chat.parse_template_kwargs(("x=[1",))  # a yaml.parser.ParserError traceback before

@@ -634,8 +634,15 @@ def parse_template_kwargs(pairs: tuple[str, ...]) -> dict:
     """("enable_thinking=false",) -> {"enable_thinking": False} (values read as YAML)."""
     import yaml
 
+    from eyas.config import ConfigError
+
     out = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"chat_template_kwargs {pair!r}: the value is not YAML "
+                              f"({str(err).splitlines()[0]}); quote it, e.g. "
+                              f"{key.strip()}='\"text\"'") from None
     return out
