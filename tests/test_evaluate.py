@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 import sys
 
 import pytest
@@ -668,3 +669,24 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_loads(tmp_path):
         with pytest.raises(EyasError, match="--device cuda:3: this machine has no CUDA GPU"):
             evaluate(EvalConfig(target="t", data="d", out=str(tmp_path / "o"),
                                 device="cuda:3"))
+
+
+def test_split_picks_the_split_of_a_datasets_dict_folder(tmp_path, caplog):
+    """From a review: --split test read every split of a DatasetDict folder (train first)."""
+    import datasets
+
+    from eyas.targets.prompts import _dict_split, _file_conversations
+
+    rows = lambda tag: datasets.Dataset.from_list(  # noqa: E731
+        [{"id": f"{tag}-{i}", "messages": [{"role": "user", "content": f"{tag} {i}"}]}
+         for i in range(2)])
+    folder = tmp_path / "dd"
+    datasets.DatasetDict({"train": rows("train"), "test": rows("test")}).save_to_disk(folder)
+    read = lambda split: [sid for sid, _ in _file_conversations(  # noqa: E731
+        str(folder), Counter(), _dict_split(folder, split))]
+    assert read("test") == ["test-0", "test-1"]
+    with caplog.at_level("WARNING"):
+        assert len(read("eval")) == 4  # the default names a prepared folder's split: all, said
+    assert "without an 'eval' split: every split is read" in caplog.text
+    with pytest.raises(EyasError, match=r"has no 'valid' split \(it has \['test', 'train'\]\)"):
+        read("valid")

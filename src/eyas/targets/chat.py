@@ -221,19 +221,21 @@ def _is_source(path: Path) -> bool:
     return _is_datasets_folder(path) or (path.is_file() and path.name.endswith(FILE_SUFFIXES))
 
 
-def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False) -> Iterator[RawRow]:
+def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False,
+              split: str | None = None) -> Iterator[RawRow]:
     """Yield every row of every source in order; unreadable rows come as `ChatFormatError`.
 
     `fmt` is accepted for symmetry with `normalize` (rows are read the same way in every
     format); it is checked here so a typo fails before any file is read. Blank lines of JSON
     Lines files are not rows; with `blank_lines` they come as `BlankLine` errors, so that a
-    caller can account for every line.
+    caller can account for every line. `split`: of a `datasets` DatasetDict folder, that split
+    only (an EyasError if it has none); else every split.
     """
     if fmt not in FORMATS:
         raise EyasError(f"unknown chat format {fmt!r}; use one of {FORMATS}")
     for path in resolve_paths(paths):
         if _is_datasets_folder(path):
-            yield from _read_datasets_folder(path)
+            yield from _read_datasets_folder(path, split)
         elif path.name.endswith(".parquet"):
             yield from _guarded(path, _read_parquet(path), first=0)
         elif path.name.endswith((".json", ".json.gz")) or _read_whole(path):
@@ -437,11 +439,16 @@ def _read_parquet(path: Path) -> Iterator[RawRow]:
             index += 1
 
 
-def _read_datasets_folder(path: Path) -> Iterator[RawRow]:
+def _read_datasets_folder(path: Path, only: str | None = None) -> Iterator[RawRow]:
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
     splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
+    if only is not None and isinstance(loaded, datasets.DatasetDict):
+        if only not in loaded:
+            raise EyasError(f"{path} has no '{only}' split (it has {sorted(loaded)}); pass "
+                            f"--split with one of them")
+        splits = [(only, loaded[only])]
     for split, ds in splits:
         name = str(path) if split is None else f"{path}/{split}"
         for i, item in enumerate(ds):

@@ -79,11 +79,25 @@ def _prepared_conversations(folder: Path, split: str):
         yield sid, json.loads(text)
 
 
-def _file_conversations(data: str, skipped: Counter):
+def _dict_split(path: Path, split: str) -> str | None:
+    """--split for a `datasets` DatasetDict folder: the split to read. Its default (eval) names
+    a prepared folder's split; a DatasetDict without one is read whole, as before, with a
+    word, and any other --split must exist there."""
+    if not (path / "dataset_dict.json").is_file():
+        return None
+    names = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+    if split == "eval" and split not in names:
+        log.warning("%s: a datasets folder without an 'eval' split: every split is read (%s); "
+                    "pass --split to read one", path, ", ".join(names))
+        return None
+    return split
+
+
+def _file_conversations(data: str, skipped: Counter, split: str | None = None):
     """(sample id, messages) of every usable row; bad rows are logged with file and row and
     counted in `skipped` ("malformed"). Prompt-only rows (no assistant turn, e.g. MT-bench
     questions) are fine."""
-    for file, row, item in chat.read_rows(data):
+    for file, row, item in chat.read_rows(data, split=split):
         try:
             if isinstance(item, chat.ChatFormatError):
                 raise item
@@ -177,7 +191,7 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None
     prompts = []
     if path is not None:
         rows = (_prepared_conversations(path, cfg.split) if prepared
-                else _file_conversations(cfg.data, skipped))
+                else _file_conversations(cfg.data, skipped, _dict_split(path, cfg.split)))
         prompts = render(tokenizer, rows, cfg.num_prompts, template_kwargs,
                          "data" if cfg.bench else "", skipped)
         if not prompts:
