@@ -690,3 +690,17 @@ def test_split_picks_the_split_of_a_datasets_dict_folder(tmp_path, caplog):
     assert "without an 'eval' split: every split is read" in caplog.text
     with pytest.raises(EyasError, match=r"has no 'valid' split \(it has \['test', 'train'\]\)"):
         read("valid")
+
+
+def test_a_broken_chat_template_is_named_not_the_data(llama_dir, chats, tmp_path):
+    """From a review: a template with a syntax error, or one that refuses every row, gave a
+    warning per row and then "no usable prompt ...; check --data"."""
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(EyasError, match=r"bad.jinja\) is not valid Jinja: .* at its line 1"):
+        evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "a"),
+                            chat_template=str(bad), **SMALL))
+    bad.write_text("{{ raise_exception('no system role') }}")
+    with pytest.raises(EyasError, match="the chat template failed on every row"):
+        evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "b"),
+                            chat_template=str(bad), **SMALL))

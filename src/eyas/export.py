@@ -574,9 +574,11 @@ def _runs_measured(evaluated: dict) -> set[str]:
             made = peek_manifest(item["path"])  # while it holds the export measured
             if made and made.get("id") == item.get("id"):
                 trains += [i for i in made.get("inputs") or [] if i.get("step") == "train"]
-    # the checkpoint it recorded measuring, in its run folder (an export replaced since)
+    # where its inputs no longer tell (an export replaced since): the run folder around the
+    # checkpoint it recorded measuring (a run started over there since is another run)
     step = Path(evaluated.get("draft_checkpoint") or "")
-    if _step_number(step) is not None and (step.parent.parent / MANIFEST).is_file():
+    if not trains and _step_number(step) is not None and \
+            (step.parent.parent / MANIFEST).is_file():
         made = peek_manifest(step.parent.parent)
         if made and made.get("step") == "train":
             trains.append(made)

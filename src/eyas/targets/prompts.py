@@ -64,6 +64,15 @@ def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
                         f"target is served with as --chat-template FILE.jinja")
+    if isinstance(tokenizer.chat_template, str):  # once, not as one reject per row
+        import jinja2
+
+        try:
+            jinja2.Environment().parse(tokenizer.chat_template)
+        except jinja2.TemplateSyntaxError as err:
+            raise EyasError(f"the chat template ({template or f'{cfg.target} tokenizer'}) is "
+                            f"not valid Jinja: {err.message} at its line {err.lineno}; fix it "
+                            f"or pass another with --chat-template") from None
     return chat.parse_template_kwargs(cfg.chat_template_kwargs
                                       or tuple(trained.get("chat_template_kwargs") or ()))
 
@@ -194,6 +203,11 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None
                 else _file_conversations(cfg.data, skipped, _dict_split(path, cfg.split)))
         prompts = render(tokenizer, rows, cfg.num_prompts, template_kwargs,
                          "data" if cfg.bench else "", skipped)
+        if not prompts and skipped.get("chat template failed"):
+            raise EyasError(f"no usable prompt in {cfg.data}: the chat template failed on "
+                            f"every row ({skipped['chat template failed']}; the first reason is "
+                            f"logged above); check the template (--chat-template, "
+                            f"--chat-template-kwargs) before the data")
         if not prompts:
             raise EyasError(f"no usable prompt in {cfg.data}; check --data (and --split for a "
                             f"prepared folder)")
