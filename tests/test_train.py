@@ -1326,16 +1326,3 @@ def test_the_logged_lr_is_the_steps_own_and_a_run_started_over_drops_its_old_eve
         assert len(list((run / "tensorboard").glob("events.*"))) == 1
         assert "--muon-lr 0.5: not used with --optimizer adamw" in caplog.text
 
-
-def test_checkpoints_without_a_last_pointer_are_not_overwritten_by_a_fresh_start(run_inputs,
-                                                                                   tmp_path):
-    # `auto` read only the pointer: with it gone, the run started at step 1 over its steps
-    run = tmp_path / "run"
-    train(_cfg(run_inputs, run, max_steps=2, save_every=2))
-    (run / "checkpoints" / "last").unlink()
-    with pytest.raises(EyasError, match=r"holds 1 checkpoint\(s\), the latest step-00000002, "
-                                        r"but no `last` pointer.*--resume never"):
-        train(_cfg(run_inputs, run, max_steps=4))
-    train(_cfg(run_inputs, run, max_steps=4,
-               resume=str(run / "checkpoints" / "step-00000002")))
-    assert checkpoint.read_pointer(run, "last").name == "step-00000004"

@@ -113,16 +113,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        last = read_pointer(run_dir, "last")
-        folder = Path(run_dir) / "checkpoints"
-        saved = sorted(p for p in folder.iterdir() if STEP_DIR.match(p.name) and
-                       (p / "trainer_state.pt").is_file()) if folder.is_dir() else []
-        if last is None and saved:  # starting over would overwrite them step by step
-            raise EyasError(f"{folder} holds {len(saved)} checkpoint(s), the latest "
-                            f"{saved[-1].name}, but no `last` pointer to resume from: resume "
-                            f"one with --resume {saved[-1]}, or start over with --resume "
-                            f"never (which deletes them)", flag="--resume")
-        return last
+        return read_pointer(run_dir, "last")
     path = Path(resume)
     if not (path / "trainer_state.pt").is_file():
         raise EyasError(f"--resume {resume}: no checkpoint there (expected a "
