@@ -179,8 +179,9 @@ def test_the_folder_is_its_ggufs_target_and_no_other(gguf, tiny_gguf, folder, ot
     other = _record(other_folder)
     # the test's point: shapes and tokenizer alone cannot tell these two targets apart
     assert {k: v for k, v in other.items() if "gguf" not in k and k not in (
-        "name_or_path", "converted_from", "weights_fingerprint")} == {
-            k: v for k, v in from_gguf.items() if "gguf" not in k and k != "name_or_path"}
+        "name_or_path", "path", "converted_from", "weights_fingerprint")} == {
+            k: v for k, v in from_gguf.items() if "gguf" not in k and k not in (
+                "name_or_path", "path")}
     for made, used in ((from_gguf, other), (other, from_gguf), (from_folder, other),
                        (_record(tiny_gguf(1)), from_folder)):
         with pytest.raises(EyasError, match="gguf_fingerprint=.*re-run that step"):

@@ -1158,3 +1158,35 @@ def test_a_report_of_an_export_replaced_since_is_not_quoted_for_another_run(tmp_
                  "draft_checkpoint": str(tmp_path / "a" / "checkpoints" / "step-00000010")}
     export(ExportConfig(checkpoint=str(tmp_path / "b"), out=str(tmp_path / "d"), overwrite=True))
     assert _runs_measured(evaluated) == {run_a.get("run") or run_a["id"]}
+
+
+def test_a_relative_target_is_served_from_where_the_run_found_it(tmp_path, monkeypatch, caplog):
+    # a run given --target tgt in work/ and exported from elsewhere: the serve commands named
+    # "tgt", which is no model there; the run's record keeps where it was
+    from transformers import LlamaConfig
+
+    from eyas.store.manifest import target_record
+
+    cfg = draft_config()
+    make_run(tmp_path / "run", cfg, manifest=False)
+    (tmp_path / "elsewhere").mkdir()
+    config = LlamaConfig(num_hidden_layers=6, hidden_size=32, vocab_size=100,
+                         num_attention_heads=4, intermediate_size=64)
+    config.save_pretrained(tmp_path / "work" / "tgt")
+    monkeypatch.chdir(tmp_path / "work")
+    target = target_record("tgt", config=config, weights=False)
+    assert target["name_or_path"] == "tgt" and target["path"] == str(tmp_path / "work" / "tgt")
+    write_manifest(tmp_path / "run", "train", {"ttt_steps": 7, "trust_remote_code": False},
+                   target=target, aux_layer_ids=list(cfg.aux_layer_ids), steps=10,
+                   best={"step": 10, "sim_acceptance_length": 2.5})
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    assert f"vllm serve {tmp_path / 'work' / 'tgt'} " in (out / "README.md").read_text()
+    # moved since: named as recorded, and the warning says where it was
+    (tmp_path / "work" / "tgt").rename(tmp_path / "work" / "moved")
+    with caplog.at_level("WARNING"):
+        out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+    assert "vllm serve tgt " in (out / "README.md").read_text()
+    assert f"it was {tmp_path / 'work' / 'tgt'}, gone since" in caplog.text
+    assert target_record("tiny/llama")["name_or_path"] == "tiny/llama"
+    assert "path" not in target_record("tiny/llama")  # a hub name: no local path

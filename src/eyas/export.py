@@ -412,10 +412,16 @@ def _served_target(cfg: ExportConfig, train: dict | None) -> ServedTarget:
     recorded = target.get("name_or_path")
     if cfg.target is None or cfg.target == recorded:
         if recorded and _maybe_relative_path(recorded):
-            log.warning("the run recorded its target as %s, which is no path from here: if it "
-                        "is a path relative to where the run trained, give --target with its "
-                        "path, or the serve commands name a model that is not there (a hub "
-                        "name is served as it is)", recorded)
+            where = target.get("path")
+            if where and Path(where).exists():
+                # a path relative to where the run trained: the serve commands name it whole
+                log.info("the run's target %s is %s", recorded, where)
+                return served_target(where, target.get("revision"), remote)
+            log.warning("the run recorded its target as %s, which is no path from here%s: if "
+                        "it is a path relative to where the run trained, give --target with "
+                        "its path, or the serve commands name a model that is not there (a hub "
+                        "name is served as it is)", recorded,
+                        f" (it was {where}, gone since)" if where else "")
         return served_target(recorded, target.get("revision"), remote)
     if Path(cfg.target).expanduser().exists() and target:
         from eyas.targets.models import load_config

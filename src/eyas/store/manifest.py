@@ -285,11 +285,14 @@ def target_record(name_or_path: str, revision: str | None = None, *, config=None
     file: its name, size and `gguf_fingerprint`; for a folder `eyas convert` wrote, those of
     the GGUF it came from, plus `converted_from`: the two are one target; for any folder,
     converted or not, `weights_fingerprint`, unless `weights` is False: steps whose output is
-    tokens only)."""
+    tokens only). A local target's absolute path is `path` (name_or_path is as given, which
+    may be relative to where the step ran)."""
     rec: dict[str, Any] = {"name_or_path": str(name_or_path), "revision": revision}
     commit = getattr(config, "_commit_hash", None) if config is not None else None
     rec["commit"] = commit
     path = Path(name_or_path).expanduser()
+    if path.exists():  # a local target, named as given: where it was, for a step run elsewhere
+        rec["path"] = str(path.resolve())
     if path.suffix.lower() == ".gguf" and path.is_file():
         rec["gguf_file"] = path.name
         rec["gguf_bytes"] = path.stat().st_size
