@@ -292,6 +292,30 @@ def test_a_regenerate_folder_gives_the_prompts_of_its_conversations(llama_dir, c
     assert got[0] and [p.ids.tolist() for p in got[0]] == [p.ids.tolist() for p in got[1]]
 
 
+def test_num_prompts_are_usable_ones_the_too_long_skipped_and_counted(llama_dir, tmp_path,
+                                                                       caplog):
+    """From a review: --num-prompts 3 took the first 3 rows, then dropped the 2 too long for
+    the target's context: 1 prompt was measured where the data had 4 that fit."""
+    long = [{"id": f"long-{i}", "messages": [{"role": "user", "content": "word " * 4200}]}
+            for i in range(2)]  # ~4,200 tokens: more than the context (4,096) less the answer
+    short = [{"id": f"short-{i}", "messages": [{"role": "user", "content": f"Say {i}."}]}
+             for i in range(4)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in long + short))
+    cfg = dict(target=str(llama_dir), data=str(data), **SMALL)
+    report = evaluate(EvalConfig(out=str(tmp_path / "a"), **cfg))
+    assert report.num_prompts == 3 and report.skipped_prompts == {"too long": 2}
+    with caplog.at_level("WARNING"):
+        report = evaluate(EvalConfig(out=str(tmp_path / "b"), **{**cfg, "num_prompts": 5}))
+    assert report.num_prompts == 4
+    assert "has 4 usable prompts, fewer than --num-prompts 5 (rows left out: too long 2)" in \
+        caplog.text
+    data.write_text("".join(json.dumps(r) + "\n" for r in long))
+    with pytest.raises(EyasError, match="every prompt of .* is too long .* lower "
+                                        "--max-new-tokens"):
+        evaluate(EvalConfig(out=str(tmp_path / "c"), **cfg))
+
+
 def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path):
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
                                  draft=str(draft_dir), k=(2,), temperature=1.0, **SMALL))

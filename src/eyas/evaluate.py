@@ -74,8 +74,9 @@ class EvalConfig:
                   "draft, accepted with min(1, p/q)); serve with the same setting",
         choices=("greedy", "probabilistic"))
     max_new_tokens: int = option(256, "tokens generated per prompt")
-    num_prompts: int = option(80, "prompts to use (the first N of --data and of each --bench "
-                              "set)")
+    num_prompts: int = option(80, "prompts to measure: the first N usable ones of --data and "
+                              "of each --bench set (rows left out, e.g. too long for the "
+                              "target's context, are counted in the report and not in N)")
     check_lossless: bool | None = option(
         None, "check every speculative output equals the target's greedy output token for "
               "token and fail if not (default: on at temperature 0; needs temperature 0)")
@@ -347,11 +348,17 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
-    skipped: Counter = Counter()  # rows left out, by reason: in the report
-    prompts, prepared = load_prompts(cfg, tokenizer, skipped)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
-    prompts = _fitting(prompts, int(text_config(config).max_position_embeddings), cfg, skipped)
+    skipped: Counter = Counter()  # rows left out, by reason: in the report
+    # prompts too long for the context are skipped while reading, so the rows after them fill
+    # --num-prompts
+    prompts, prepared = load_prompts(
+        cfg, tokenizer, skipped, _room(int(text_config(config).max_position_embeddings), cfg))
+    if not prompts:  # only --bench sets get here: an empty --data is refused as it is read
+        raise EyasError(f"no prompt to measure: every row was left out (by reason: "
+                        f"{', '.join(f'{k} {n}' for k, n in sorted(skipped.items()))}; each is "
+                        f"logged above); too long: lower --max-new-tokens")
     # the prepared folder and the draft must be this target's: said now, from their
     # manifests, not after loading the target (load_draft checks the draft again, as it loads)
     record = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
@@ -395,25 +402,6 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
 def _room(max_positions: int, cfg: EvalConfig) -> int:
     """The longest prompt that leaves room for max_new_tokens + k in the target's context."""
     return max_positions - cfg.max_new_tokens - max(cfg.k) - 1
-
-
-def _fitting(prompts: list[Prompt], max_positions: int, cfg: EvalConfig,
-             skipped: Counter | None = None) -> list[Prompt]:
-    """The prompts that leave room for max_new_tokens + k in the target's context (the others
-    counted in `skipped` as "too long")."""
-    room = _room(max_positions, cfg)
-    long = [p.id for p in prompts if len(p.ids) > room]
-    if long:
-        if skipped is not None:
-            skipped["too long"] += len(long)
-        log.warning("%d prompt(s) longer than %d tokens skipped (max_position_embeddings %d "
-                    "minus --max-new-tokens and k): %s", len(long), room, max_positions,
-                    long[:5])
-        prompts = [p for p in prompts if len(p.ids) <= room]
-        if not prompts:
-            raise EyasError("every prompt is too long for the target's context; lower "
-                            "--max-new-tokens or use shorter prompts")
-    return prompts
 
 
 def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,

@@ -119,12 +119,13 @@ def _file_conversations(data: str, skipped: Counter, split: str | None = None):
 
 
 def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "",
-           skipped: Counter | None = None) -> list[Prompt]:
-    """The first `limit` renderable rows of (id, messages[, next questions]) as Prompts; the
+           skipped: Counter | None = None, max_len: int | None = None) -> list[Prompt]:
+    """The first `limit` usable rows of (id, messages[, next questions]) as Prompts; the
     others are logged and counted in `skipped` by reason ("no user turn": nothing asks for
-    the answer, e.g. a lone greeting; "chat template failed")."""
+    the answer, e.g. a lone greeting; "chat template failed"; "too long": more than `max_len`
+    tokens), and the rows after them fill their places."""
     skipped = Counter() if skipped is None else skipped
-    prompts = []
+    prompts, long = [], []
     for sid, messages, *more in rows:
         if len(prompts) == limit:
             break
@@ -142,10 +143,18 @@ def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "",
             log.warning("prompt %s skipped: %s", sid, err)
             skipped["chat template failed"] += 1
             continue
+        if max_len is not None and len(ids) > max_len:
+            long.append(str(sid))
+            continue
         questions = tuple(more[0]) if more else ()
         follow = FollowUp(tuple(messages), questions, tokenizer.chat_template,
                           template_kwargs) if questions else None
         prompts.append(Prompt(str(sid), torch.tensor(ids, dtype=torch.long), group, follow))
+    if long:
+        skipped["too long"] += len(long)
+        log.warning("%d prompt(s) longer than %d tokens skipped (the target's context less "
+                    "--max-new-tokens and k; lower --max-new-tokens to keep them): %s",
+                    len(long), max_len, long[:5])
     return prompts
 
 
@@ -169,9 +178,11 @@ def next_turn(prompt: Prompt, answer: list[int], tokenizer) -> Prompt:
 
 
 def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs: dict,
-                  cache: Path | None = None, skipped: Counter | None = None) -> list[Prompt]:
-    """The first `limit` prompts of each named standard set (eyas.store.benchsets). Sets
-    with next turns (MT-bench) are grouped as turn 1 (`mt-bench/turn-1`)."""
+                  cache: Path | None = None, skipped: Counter | None = None,
+                  max_len: int | None = None) -> list[Prompt]:
+    """The first `limit` usable prompts (at most `max_len` tokens) of each named standard set
+    (eyas.store.benchsets). Sets with next turns (MT-bench) are grouped as turn 1
+    (`mt-bench/turn-1`)."""
     prompts = []
     for name in names:
         rows = bench_rows(name, cache)
@@ -179,16 +190,20 @@ def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs
         group = f"{name}/turn-1" if turns else name
         listed = [(f"{group}/{r['id'].rsplit('/', 1)[-1]}", r["messages"],
                    r.get("next_turns") or ()) for r in rows]
-        prompts += render(tokenizer, listed, limit, template_kwargs, group, skipped)
+        got = render(tokenizer, listed, limit, template_kwargs, group, skipped, max_len)
+        if len(got) < limit:
+            log.warning("%s: %d usable prompts of its %d rows, fewer than --num-prompts %d: "
+                        "all are measured", name, len(got), len(rows), limit)
+        prompts += got
     return prompts
 
 
-def load_prompts(cfg, tokenizer, skipped: Counter | None = None
+def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | None = None
                  ) -> tuple[list[Prompt], dict | None]:
-    """The first `cfg.num_prompts` prompts of `cfg.data` and of each of `cfg.bench`'s sets,
-    rendered with the training chat template (`chat_template`), and the prepared folder's
-    manifest if `cfg.data` is one; the rows left out, by reason, are added to `skipped`.
-    `cfg`: an eyas.evaluate.EvalConfig."""
+    """The first `cfg.num_prompts` usable prompts of `cfg.data` and of each of `cfg.bench`'s
+    sets, rendered with the training chat template (`chat_template`), and the prepared
+    folder's manifest if `cfg.data` is one; the rows left out (prompts longer than `max_len`
+    tokens too), by reason, are added to `skipped`. `cfg`: an eyas.evaluate.EvalConfig."""
     skipped = Counter() if skipped is None else skipped
     path = Path(cfg.data) if cfg.data else None
     # a prepared folder (its eval split by default); any other eyas folder is read as chat
@@ -202,17 +217,23 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None
         rows = (_prepared_conversations(path, cfg.split) if prepared
                 else _file_conversations(cfg.data, skipped, _dict_split(path, cfg.split)))
         prompts = render(tokenizer, rows, cfg.num_prompts, template_kwargs,
-                         "data" if cfg.bench else "", skipped)
+                         "data" if cfg.bench else "", skipped, max_len)
         if not prompts and skipped.get("chat template failed"):
             raise EyasError(f"no usable prompt in {cfg.data}: the chat template failed on "
                             f"every row ({skipped['chat template failed']}; the first reason is "
                             f"logged above); check the template (--chat-template, "
                             f"--chat-template-kwargs) before the data")
+        if not prompts and skipped.get("too long"):
+            raise EyasError(f"every prompt of {cfg.data} is too long for the target's context "
+                            f"(more than {max_len} tokens); lower --max-new-tokens or use "
+                            f"shorter prompts")
         if not prompts:
             raise EyasError(f"no usable prompt in {cfg.data}; check --data (and --split for a "
                             f"prepared folder)")
         if len(prompts) < cfg.num_prompts:
-            log.info("using all %d prompts of %s (fewer than --num-prompts %d)", len(prompts),
-                     cfg.data, cfg.num_prompts)
+            left = ", ".join(f"{k} {n}" for k, n in sorted(skipped.items()))
+            log.warning("%s has %d usable prompts, fewer than --num-prompts %d%s: all are "
+                        "measured", cfg.data, len(prompts), cfg.num_prompts,
+                        f" (rows left out: {left})" if left else "")
     return prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts, template_kwargs,
-                                   skipped=skipped), prepared
+                                   skipped=skipped, max_len=max_len), prepared
