@@ -609,6 +609,30 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
     assert saved["by_set"]["gsm8k"]["results"][0]["method"] == "target"
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_next_turns_too_long_are_counted_in_skipped_prompts(llama_dir, tmp_path, workers):
+    """From a review: MT-bench second turns too long for the target's context were skipped
+    with a log line only, not counted in skipped_prompts (with one process or several)."""
+    import shutil
+
+    from test_benchsets import cached_archives
+
+    cached_archives()
+    target = tmp_path / "short-context"
+    shutil.copytree(llama_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 210}))
+    # questions 81-83 in the tiny tokenizer: turn 1 85, 160 and 177 tokens, turn 2 after an
+    # answer of 8 tokens ~150, ~225 and ~245; room for a prompt 210 - 8 - 2 - 1 = 199
+    report = evaluate(EvalConfig(target=str(target), bench=("mt-bench",), k=(2,),
+                                 out=str(tmp_path / "r"), workers=workers, ignore_eos=True,
+                                 **{**SMALL, "max_new_tokens": 8}))
+    assert [s["prompts"] for s in report.by_set.values()] == [4, 3, 1]
+    assert report.skipped_prompts == {"next turn too long": 2}
+    assert "rows left out of the prompts: next turn too long 2" in \
+        (tmp_path / "r" / "report.md").read_text()
+
+
 # ---------------------------------------------------------------- lossless: ties
 
 def test_rounding_tie_is_two_ulps_of_the_logit_in_the_dtype():

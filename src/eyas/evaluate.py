@@ -376,9 +376,11 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
              f"draft {cfg.draft}" if cfg.draft else "no draft (n-gram only)",
              f", {cfg.workers} processes" if cfg.workers > 1 else "")
     if cfg.workers > 1 and len(prompts) > 1:
-        sets, draft_manifest = _measure_in_workers(cfg, prompts, record)
+        sets, draft_manifest, turns_skipped = _measure_in_workers(cfg, prompts, record)
     else:
-        sets, draft_manifest = _measure_here(cfg, prompts, record, tokenizer=tokenizer)
+        sets, draft_manifest, turns_skipped = _measure_here(cfg, prompts, record,
+                                                            tokenizer=tokenizer)
+    skipped += turns_skipped
     measured = concat(list(sets.values()))
     report = summarize(cfg, measured, len(measured.prompt_ids), measured.prompt_ids)
     report.skipped_prompts = dict(sorted(skipped.items()))
@@ -406,12 +408,13 @@ def _room(max_positions: int, cfg: EvalConfig) -> int:
 
 def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalConfig,
                  stop_ids: frozenset[int], tokenizer,
-                 index: list[int] | None = None
+                 index: list[int] | None = None, skipped: Counter | None = None
                  ) -> dict[str, tuple[list[Prompt], Measured]]:
     """`measure` on each group of prompts on its own (so each set has its own speed), in
     order: group -> (its prompts, Measured). After a group whose prompts ask a next question (MT-bench), that turn is measured
     as its own group, its prompts built from the target's own answers (its plain decoding,
-    the greedy reference at T=0), as FastChat asks MT-bench's second turn."""
+    the greedy reference at T=0), as FastChat asks MT-bench's second turn. A next turn too
+    long for the target's context is skipped, counted in `skipped` ("next turn too long")."""
     from eyas.targets.models import text_config
 
     index = list(range(len(prompts))) if index is None else index
@@ -430,9 +433,14 @@ def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: E
         asked = [(next_turn(p, a, tokenizer), j) for p, j, a in zip(ps, idx, answers)
                  if p.follow_up is not None]
         fit = [(p, j) for p, j in asked if len(p.ids) <= room]
-        if len(fit) < len(asked):
-            log.warning("%d next-turn prompt(s) of %s longer than %d tokens skipped",
-                        len(asked) - len(fit), group, room)
+        long = [p.id for p, _ in asked if len(p.ids) > room]
+        if long:
+            if skipped is not None:
+                skipped["next turn too long"] += len(long)
+            log.warning("%d next-turn prompt(s) after %s longer than %d tokens skipped (the "
+                        "target's context less --max-new-tokens and k; a lower "
+                        "--max-new-tokens shortens the answer they hold too): %s", len(long),
+                        group, room, long[:5])
         if fit:
             pending.insert(0, (fit[0][0].group, [p for p, _ in fit], [j for _, j in fit]))
     return out
@@ -441,8 +449,8 @@ def measure_sets(model, layers, final_norm, draft, prompts: list[Prompt], cfg: E
 def _measure_here(cfg: EvalConfig, prompts: list[Prompt], record: dict,
                   index: list[int] | None = None, tokenizer=None):
     """Load target and draft in this process and measure `prompts` (`measure_sets`); (group
-    -> Measured, the draft's manifest or None). `record`: the target's manifest record, which
-    the draft must match."""
+    -> Measured, the draft's manifest or None, the next turns skipped by reason). `record`:
+    the target's manifest record, which the draft must match."""
     from eyas.targets.models import load_tokenizer, submodule
 
     if tokenizer is None:
@@ -455,18 +463,20 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], record: dict,
                                            model.get_output_embeddings(), record,
                                            weights=not cfg.accept_other_weights)
         check_draft(draft, info, cfg.draft)
+    skipped = Counter()
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
-                        _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index)
-    return {g: m for g, (_, m) in sets.items()}, draft_manifest
+                        _stop_ids(model, tokenizer, cfg.ignore_eos), tokenizer, index, skipped)
+    return {g: m for g, (_, m) in sets.items()}, draft_manifest, skipped
 
 
 def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
     """`cfg.workers` spawned processes, each measuring every workers-th prompt with its own
-    target and draft (the same code path as one process); merged per group in prompt order.
-    With one GPU they share it: a small target's batch-1 decoding is bound by the host
-    launching kernels, so streams side by side fill the GPU. Speeds are per stream under
-    that shared load, for every method alike."""
+    target and draft (the same code path as one process); merged per group in prompt order,
+    the next turns each skipped added up (what `_measure_here` returns). With one GPU they
+    share it: a small target's batch-1 decoding is bound by the host launching kernels, so
+    streams side by side fill the GPU. Speeds are per stream under that shared load, for
+    every method alike."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -477,9 +487,9 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
         futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], record,
                                shard) for shard in shards]
         parts = [f.result() for f in futures]
-    groups = list(dict.fromkeys(g for sets, _ in parts for g in sets))  # first-seen order
+    groups = list(dict.fromkeys(g for sets, _, _ in parts for g in sets))  # first-seen order
     sets = {g: merge([p[0][g] for p in parts if g in p[0]]) for g in groups}
-    return sets, parts[0][1]
+    return sets, parts[0][1], sum((p[2] for p in parts), Counter())
 
 
 # what `eyas eval` writes into --out

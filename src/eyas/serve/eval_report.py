@@ -91,7 +91,8 @@ class EvalReport:
     by_set: dict[str, dict] = field(default_factory=dict)
     bench: dict[str, dict] = field(default_factory=dict)  # set -> package, sha256, license, ...
     # rows of --data and the prompt sets left out of the prompts, by reason (malformed, no user
-    # turn, chat template failed, too long): each is logged with its row or id
+    # turn, chat template failed, too long; next turn too long: an MT-bench second turn): each
+    # is logged with its row or id
     skipped_prompts: dict[str, int] = field(default_factory=dict)
     # at temperature > 0, how the drafts were chosen (vLLM's draft_sample_method: greedy or
     # probabilistic); None at temperature 0, where both are the argmax. `eyas export` writes
