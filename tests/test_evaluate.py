@@ -499,28 +499,60 @@ def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monke
 
 def test_acceptance_by_source_groups_prompts_by_id_prefix():
     """Rows are in `index` order (a worker's share, or the merged whole): each row counts for
-    the source of the prompt it belongs to."""
+    the source of the prompt it belongs to. From a review: ids naming no source were grouped
+    as a source "(all)", which read as the total of every prompt; there was no total."""
     from eyas.serve.eval_report import Measured, by_source, source_of
 
     assert source_of("bigbench/known_unknowns/16") == "bigbench/known_unknowns"
-    assert source_of("row-3") == "(all)"
-    ids = ["humaneval/HumanEval/0", "chatterbot/conversations/4", "humaneval/HumanEval/1"]
-    rows = {("eagle3", 3): [(10, [5, 2, 1]), (4, [0, 0, 0]), (6, [3, 0, 0])],
-            ("target", 0): [(0, []), (0, []), (0, [])]}
-    # index [2, 0, 1]: row 0 is prompt 2 (humaneval), row 1 prompt 0 (humaneval), row 2
-    # prompt 1 (chatterbot)
-    m = Measured(index=[2, 0, 1], stats={}, outputs={}, seconds={}, per_prompt=rows,
+    assert source_of("row-3") is None
+    assert source_of("data/chats.jsonl:7") == "data/chats.jsonl"  # a row without an id column
+    ids = ["humaneval/HumanEval/0", "chatterbot/conversations/4", "humaneval/HumanEval/1",
+           "row-3"]
+    rows = {("eagle3", 3): [(10, [5, 2, 1]), (4, [0, 0, 0]), (6, [3, 0, 0]), (2, [2, 2, 0])],
+            ("target", 0): [(0, []), (0, []), (0, []), (0, [])]}
+    # index [2, 0, 1, 3]: row 0 is prompt 2 (humaneval), row 1 prompt 0 (humaneval), row 2
+    # prompt 1 (chatterbot), row 3 prompt 3 (no source)
+    m = Measured(index=[2, 0, 1, 3], stats={}, outputs={}, seconds={}, per_prompt=rows,
                  replayed={}, mismatches=[])
     got = by_source(m, ids)
     assert got == {
-        "chatterbot/conversations": {"prompts": 1,
-                                     "mean_acceptance_length": {"eagle3 k=3": 1.5}},
-        "humaneval/HumanEval": {"prompts": 2,
-                                "mean_acceptance_length": {"eagle3 k=3": round(1 + 8 / 14, 4)}}}
+        "sources": {
+            "chatterbot/conversations": {"prompts": 1,
+                                         "mean_acceptance_length": {"eagle3 k=3": 1.5}},
+            "humaneval/HumanEval": {"prompts": 2, "mean_acceptance_length": {
+                "eagle3 k=3": round(1 + 8 / 14, 4)}}},
+        "without_source": {"prompts": 1, "mean_acceptance_length": {"eagle3 k=3": 3.0}},
+        "all": {"prompts": 4, "mean_acceptance_length": {"eagle3 k=3": round(1 + 15 / 22, 4)}}}
     one_source = Measured(index=[0, 1], stats={}, outputs={}, seconds={},
                           per_prompt={("eagle3", 3): rows["eagle3", 3][:2]}, replayed={},
                           mismatches=[])
-    assert by_source(one_source, ids[:1] + ids[2:]) == {}
+    assert by_source(one_source, ids[:1] + ids[2:3]) == {}
+    # a real source may be called anything, "(all)" or "all" too: the total is not a source
+    m = Measured(index=[0, 1], stats={}, outputs={}, seconds={},
+                 per_prompt={("eagle3", 3): rows["eagle3", 3][:2]}, replayed={}, mismatches=[])
+    got = by_source(m, ["all/0", "(all)/1"])
+    assert set(got["sources"]) == {"all", "(all)"} and got["all"]["prompts"] == 2
+
+
+def test_report_md_names_the_sources_and_the_total(llama_dir, tmp_path):
+    """--data rows of several sources and rows whose id names none: a row per source, one
+    for the ids naming none and the total, each called what it is."""
+    rows = [{"id": f"{src}/{i}", "messages": [{"role": "user", "content": f"Say {i}."}]}
+            for src in ("alpha", "beta") for i in range(2)]
+    rows.append({"id": "lone", "messages": [{"role": "user", "content": "Say 9."}]})
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(data), out=str(tmp_path / "r"),
+                                 k=(2,), **{**SMALL, "num_prompts": 5}))
+    assert {s: r["prompts"] for s, r in report.by_source["sources"].items()} == \
+        {"alpha": 2, "beta": 2}
+    assert (report.by_source["without_source"]["prompts"], report.by_source["all"]["prompts"]) \
+        == (1, 5)
+    md = (tmp_path / "r" / "report.md").read_text()
+    table = md[md.index("by prompt source"):].split("\n\n")[1].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == [
+        "| alpha", "| beta", "| *ids naming no source*", "| **all prompts**"]
+    assert "(all)" not in md
 
 
 # ---------------------------------------------------------------- standard prompt sets

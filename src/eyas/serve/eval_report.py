@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,8 +81,10 @@ class EvalReport:
     replayed: dict[str, dict] = field(default_factory=dict)
     workers: int = 1  # processes that shared the prompts
     batch_size: int = 1  # prompts decoded at once (eyas.serve.batched when > 1)
-    # source (a prompt id without its last "/" part, e.g. bigbench/known_unknowns) ->
-    # {"prompts": n, "mean_acceptance_length": {"METHOD k=K": AL}}; only with several sources
+    # only with several sources: "sources": source (a prompt id without its last "/" part,
+    # e.g. bigbench/known_unknowns; the file of a FILE:ROW id) -> {"prompts": n,
+    # "mean_acceptance_length": {"METHOD k=K": AL}}; "without_source": the same for the
+    # prompts whose id names none (if any); "all": every prompt
     by_source: dict[str, dict] = field(default_factory=dict)
     # divergences at a tie of the target's two logits within the dtype's rounding
     # (`rounding_tie`): counted and listed, not failures
@@ -252,28 +255,35 @@ def pooled(rows: list[tuple[int, list[int]]], k: int) -> dict:
                                         for a in accepted]}
 
 
-def source_of(prompt_id: str) -> str:
+def source_of(prompt_id: str) -> str | None:
     """A prompt's source: its id without the last "/" part (real_data.py's ids are
-    SOURCE/TASK/N); ids without one share the source "(all)"."""
-    return prompt_id.rsplit("/", 1)[0] if "/" in prompt_id else "(all)"
+    SOURCE/TASK/N, the prompt sets' SET/N), or the file of a `FILE:ROW` id (a row without an
+    id column, eyas.targets.chat.sample_id); None for an id that names no source."""
+    file = re.fullmatch(r"(.+):\d+", prompt_id)
+    if file and "/" in prompt_id:
+        return file[1]
+    return prompt_id.rsplit("/", 1)[0] if "/" in prompt_id else None
 
 
 def by_source(measured: Measured, prompt_ids: list[str]) -> dict[str, dict]:
     """Mean acceptance length of every drafting method and k per prompt source (prompts in
-    `measured.index` order), when the prompts come from more than one source."""
+    `measured.index` order), when the prompts come from more than one: "sources" (source ->
+    row), "without_source" (the prompts whose id names none, if any) and "all" (every
+    prompt); a row is {"prompts": n, "mean_acceptance_length": {"METHOD k=K": AL}}."""
     sources = [source_of(prompt_ids[j]) for j in measured.index]
     if len(set(sources)) < 2:
         return {}
-    out = {}
-    for src in sorted(set(sources)):
-        rows = [i for i, s in enumerate(sources) if s == src]
-        als = {}
-        for (name, k), per_prompt in measured.per_prompt.items():
-            if name == "target":
-                continue
-            als[f"{name} k={k}"] = pooled([per_prompt[i] for i in rows],
-                                          k)["mean_acceptance_length"]
-        out[src] = {"prompts": len(rows), "mean_acceptance_length": als}
+
+    def row(rows: list[int]) -> dict:
+        als = {f"{name} k={k}": pooled([per_prompt[i] for i in rows], k)["mean_acceptance_length"]
+               for (name, k), per_prompt in measured.per_prompt.items() if name != "target"}
+        return {"prompts": len(rows), "mean_acceptance_length": als}
+
+    out = {"sources": {src: row([i for i, s in enumerate(sources) if s == src])
+                       for src in sorted(set(sources) - {None})}}
+    if None in sources:
+        out["without_source"] = row([i for i, s in enumerate(sources) if s is None])
+    out["all"] = row(list(range(len(sources))))
     return out
 
 
@@ -438,11 +448,16 @@ def markdown(report: EvalReport) -> str:
                          f"{_rates(report.per_position_acceptance.get(k))} | "
                          f"{_rates(rep.get('per_position_acceptance'))} |")
     if report.by_source:
-        cols = list(next(iter(report.by_source.values()))["mean_acceptance_length"])
-        lines += ["", "Mean acceptance length by prompt source:", "",
+        rows = [*report.by_source["sources"].items()]
+        if "without_source" in report.by_source:
+            rows.append(("*ids naming no source*", report.by_source["without_source"]))
+        rows.append(("**all prompts**", report.by_source["all"]))
+        cols = list(report.by_source["all"]["mean_acceptance_length"])
+        lines += ["", "Mean acceptance length by prompt source (a prompt id without its last "
+                  "\"/\" part, or the file of a FILE:ROW id):", "",
                   "| source | prompts | " + " | ".join(cols) + " |",
                   "|---|---:|" + "---:|" * len(cols)]
-        for src, row in report.by_source.items():
+        for src, row in rows:
             als = row["mean_acceptance_length"]
             lines.append(f"| {src} | {row['prompts']} | "
                          + " | ".join(_fmt(als.get(c)) for c in cols) + " |")
