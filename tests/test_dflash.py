@@ -983,7 +983,7 @@ def test_batched_dflash_drafter_gives_the_batch_one_distributions(fitted):
         ends = ends if more is None else [e + m for e, m in zip(ends, more)]
         rows = [s[:e + 1].tolist() for s, e in zip(seqs, ends)]
         new = [a[s:e] for a, s, e in zip(auxs, starts, ends)]
-        got = batch.propose(rows, new, 3, t1)
+        got = batch.propose(rows, new, 3, [t1] * 4)
         for d, row, aux, g in zip(singles, rows, new, got):
             want = d.propose(torch.tensor(row), aux, 3, t1)
             torch.testing.assert_close(g.probs, want.probs, atol=1e-6, rtol=1e-5)

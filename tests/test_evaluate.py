@@ -205,6 +205,27 @@ def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, 
     assert "replayed on training's TTT forward" in (tmp_path / "one" / "report.md").read_text()
 
 
+def test_sampling_is_the_same_whatever_the_workers_and_batches(llama_dir, draft_dir, chats,
+                                                               tmp_path):
+    """From a review: at T > 0 each process (and batch) drew from one generator seeded with
+    --seed, so --workers 2 sampled other tokens than --workers 1 (each process's first prompt
+    the same stream). Each prompt now samples from its own generator, seeded from --seed and
+    its id: the same counts whatever the processes and batches (float32)."""
+    kw = dict(target=str(llama_dir), data=str(chats), draft=str(draft_dir), k=(2,),
+              temperature=1.0, draft_sampling="probabilistic", **SMALL)
+    one = evaluate(EvalConfig(out=str(tmp_path / "one"), batch_size=1, **kw))
+    assert one.result("eagle3", 2).accepted_tokens > 0  # rejection sampling did accept some
+    strip = ("seconds", "tokens_per_s", "speedup")
+    for name, workers, batch_size in [("two", 2, 1), ("two-batched", 2, 2), ("batch", 1, 3)]:
+        other = evaluate(EvalConfig(out=str(tmp_path / name), workers=workers,
+                                    batch_size=batch_size, **kw))
+        for a, b in zip(one.results, other.results, strict=True):
+            assert {f: v for f, v in vars(a).items() if f not in strip} == \
+                {f: v for f, v in vars(b).items() if f not in strip}, name
+    seed = evaluate(EvalConfig(out=str(tmp_path / "seed"), **{**kw, "seed": 1}))
+    assert [r.accepted_tokens for r in seed.results] != [r.accepted_tokens for r in one.results]
+
+
 def test_two_layer_draft_eval_is_lossless_and_its_replay_agrees(llama_dir, two_layer_draft_dir,
                                                                 chats, tmp_path):
     """A 2-layer draft through `eyas eval`, one prompt at a time (its KV cache per layer,

@@ -12,6 +12,7 @@ plots (docs/eval.md).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
@@ -90,7 +91,8 @@ class EvalConfig:
     chat_template_kwargs: tuple[str, ...] = option(
         (), "KEY=VALUE template variables, e.g. enable_thinking=false (default: the prepared "
             "folder's)")
-    seed: int = option(0, "random seed (sampling at temperature > 0)")
+    seed: int = option(0, "random seed (sampling at temperature > 0: each prompt samples "
+                          "from its own generator, seeded from it and the prompt's id)")
     device: str = option("auto", "auto (all GPUs through device_map, else CPU), cpu, cuda, cuda:N")
     dtype: str = option("auto", "target and draft weight dtype (auto = the checkpoint's; "
                         "float32 on CPU)", choices=DTYPES)
@@ -99,8 +101,9 @@ class EvalConfig:
                              "per-request speed servers report. Acceptance is the same at "
                              "any batch size; speedups are for this batch size")
     workers: int = option(1, "processes sharing the prompts, each loading target and draft "
-                          "and decoding its share (at --batch-size); results are the same "
-                          "as with one")
+                          "and decoding its share (at --batch-size); counts and tokens are "
+                          "those of one process, at temperature > 0 too (each prompt samples "
+                          "from its own generator)")
     replay: bool = option(True, "at temperature 0, also replay chain decoding on training's "
                           "forward over the same continuations (EAGLE-3's TTT forward, "
                           "eyas.draft.replay; DFlash's block forward, eyas.dflash.replay): the "
@@ -151,13 +154,21 @@ def _sync(device: torch.device) -> None:
             torch.cuda.synchronize(i)
 
 
-def _timed(generate, ids: list[torch.Tensor], device):
+def _timed(generate, batch: list[Prompt], device):
     """(Generations, seconds) of one batch of generations, the GPU work included."""
     _sync(device)
     start = time.perf_counter()
-    gen = generate(ids)
+    gen = generate(batch)
     _sync(device)
     return gen, time.perf_counter() - start
+
+
+def _prompt_generator(seed: int, prompt_id: str, device) -> torch.Generator:
+    """The generator a prompt samples from at T > 0: seeded from `seed` and the prompt's id
+    (a hash, so that seeds s and s+1 share no prompt's stream), not from its place in a
+    process's share or a batch."""
+    digest = hashlib.sha256(f"{seed}/{prompt_id}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
 def _stop_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
@@ -207,17 +218,22 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
         drafters.append(("eagle3", (BatchEagle3Drafter if batched else Eagle3Drafter)(
             draft, device)))
 
+    def sampling(batch: list[Prompt]) -> list[Sampling]:
+        # each prompt samples from its own generator, seeded from --seed and its id: the same
+        # for every method, and whichever process (--workers) or batch decodes the prompt
+        return [Sampling(cfg.temperature, _prompt_generator(cfg.seed, p.id, device)
+                         if cfg.temperature else None, cfg.draft_sampling) for p in batch]
+
     def decoder(drafter, k: int, n: int):
-        """A function: list of prompt ids -> their Generations."""
-        # each method samples from its own generator, all seeded alike
-        gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature else None
-        s = Sampling(cfg.temperature, gen, cfg.draft_sampling)
+        """A function: list of Prompts -> their Generations."""
         if batched:
-            return lambda ids: generate_batch(batch_target, drafter, ids, k, n, stop_ids, s)
+            return lambda batch: generate_batch(batch_target, drafter, [p.ids for p in batch],
+                                                k, n, stop_ids, sampling(batch))
         if drafter is None:
-            return lambda ids: [generate_plain(runner, i, n, stop_ids, s) for i in ids]
-        return lambda ids: [generate_speculative(runner, drafter, i, k, n, stop_ids, s)
-                            for i in ids]
+            return lambda batch: [generate_plain(runner, p.ids, n, stop_ids, s)
+                                  for p, s in zip(batch, sampling(batch))]
+        return lambda batch: [generate_speculative(runner, drafter, p.ids, k, n, stop_ids, s)
+                              for p, s in zip(batch, sampling(batch))]
 
     runs = [("target", 0, decoder(None, 0, cfg.max_new_tokens))]
     runs += [(name, k, decoder(d, k, cfg.max_new_tokens)) for name, d in drafters for k in cfg.k]
@@ -236,14 +252,14 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg: EvalCo
     try:
         with torch.inference_mode():
             # warm-up (kernels, allocator, lazy init) so the first method is not penalised
-            first = [prompts[i].ids for i in groups[0]]
+            first = [prompts[i] for i in groups[0]]
             for _, drafter in [("target", None), *drafters]:
                 decoder(drafter, max(cfg.k), 4)(first)
             # methods interleaved per batch: a drifting machine load hits all of them alike
             for group in groups:
-                ids = [prompts[i].ids for i in group]
+                batch = [prompts[i] for i in group]
                 for name, k, generate in runs:
-                    done, took = _timed(generate, ids, device)
+                    done, took = _timed(generate, batch, device)
                     out.seconds[name, k] += took
                     for i, g in zip(group, done):
                         gens[name, k][i] = g

@@ -19,7 +19,8 @@ that prompt alone, up to floating-point ties: batched matmuls round differently
 per row and position-indexed (slot p holds position p), so cutting it back is free.
 
 A batch drafter has `aux_layer_ids`, `begin(rows, capacity)`, `select(rows)` and
-`propose(seqs, new_aux, k, sampling) -> list[Proposal]`; the two below follow it.
+`propose(seqs, new_aux, k, sampling) -> list[Proposal]` (`sampling`: one per row, each row
+sampling from its own generator); the two below follow it.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class BatchNgramDrafter:
     def select(self, rows: list[int]) -> None:
         pass
 
-    def propose(self, seqs, new_aux, k: int, sampling: Sampling) -> list[Proposal]:
-        return [self.one.propose(torch.tensor(s), None, k, sampling) for s in seqs]
+    def propose(self, seqs, new_aux, k: int, sampling: list[Sampling]) -> list[Proposal]:
+        return [self.one.propose(torch.tensor(s), None, k, r) for s, r in zip(seqs, sampling)]
 
 
 class BatchEagle3Drafter:
@@ -173,17 +174,17 @@ class BatchEagle3Drafter:
             h = draft.finish(out.transpose(1, 2).reshape(q.shape), residual, w, layer=i)
         return h  # (N, H)
 
-    def _pick(self, logits: torch.Tensor, sampling: Sampling):
-        """(B, Vd) draft logits -> target ids (B,) and, when drafts are sampled, their
-        distributions."""
-        if not drafts_sampled(sampling):
+    def _pick(self, logits: torch.Tensor, sampling: list[Sampling]):
+        """(B, Vd) draft logits -> target ids (B,) and, when drafts are sampled (each row from
+        its own `sampling`), their distributions."""
+        if not drafts_sampled(sampling[0]):  # the rows differ in their generators only
             return self.one.draft_to_target[logits.argmax(-1)].tolist(), None
-        picked = [pick(self.one.target_logits(row), sampling) for row in logits]
+        picked = [pick(self.one.target_logits(row), r) for row, r in zip(logits, sampling)]
         return [t for t, _ in picked], [p for _, p in picked]
 
     @torch.inference_mode()
     def propose(self, seqs: list[list[int]], new_aux: list[torch.Tensor], k: int,
-                sampling: Sampling) -> list[Proposal]:
+                sampling: list[Sampling]) -> list[Proposal]:
         b = len(seqs)
         counts = [a.shape[0] for a in new_aux]
         ends = [len(s) - 1 for s in seqs]  # S-1: position of the pending token
@@ -221,7 +222,7 @@ class BatchEagle3Drafter:
                              positions, rows, everyone)
         out = []
         for r in range(b):
-            q = torch.stack([d[r] for d in dists]) if drafts_sampled(sampling) else None
+            q = torch.stack([d[r] for d in dists]) if drafts_sampled(sampling[r]) else None
             out.append(Proposal([d[r] for d in drafts], q))
         return out
 
@@ -241,14 +242,17 @@ def _accept_greedy(logits: torch.Tensor, proposals: list[Proposal]) -> list[tupl
 @torch.inference_mode()
 def generate_batch(target: BatchTarget, drafter, prompts: list[torch.Tensor], k: int,
                    max_new_tokens: int, stop_ids: frozenset[int],
-                   sampling: Sampling) -> list[Generation]:
+                   sampling: Sampling | list[Sampling]) -> list[Generation]:
     """Decode every prompt; `drafter` None = plain decoding (one token per row per step).
-    Returns one Generation per prompt, in order, counted as speculate.SpecStats counts."""
+    `sampling`: one for every row, or one per prompt (each with its own generator, a row then
+    samples as that prompt does alone, whatever the batch). Returns one Generation per
+    prompt, in order, counted as speculate.SpecStats counts."""
     aux = drafter is not None and bool(drafter.aux_layer_ids)
     if aux and tuple(drafter.aux_layer_ids) != tuple(target.aux_layer_ids):
         raise EyasError(f"the drafter reads target layers {drafter.aux_layer_ids} but the "
                         f"target captures {target.aux_layer_ids} (internal error)")
     b = len(prompts)
+    rows = sampling if isinstance(sampling, list) else [sampling] * b
     stats = [SpecStats(k=k if drafter is not None else 0) for _ in range(b)]
     logits, new_aux = target.start(prompts, aux=aux)
     if drafter is not None:
@@ -256,7 +260,7 @@ def generate_batch(target: BatchTarget, drafter, prompts: list[torch.Tensor], k:
     seqs, outs, news = [], [], []
     for r, p in enumerate(prompts):
         stats[r].observe(0, 0)
-        token, _ = pick(logits[r], sampling)
+        token, _ = pick(logits[r], rows[r])
         seqs.append(p.tolist() + [token])
         outs.append([token])
         news.append([token])
@@ -276,16 +280,17 @@ def generate_batch(target: BatchTarget, drafter, prompts: list[torch.Tensor], k:
         if drafter is None:
             proposals = [Proposal([]) for _ in live]
         else:
-            proposals = drafter.propose([seqs[r] for r in live], new_aux, k, sampling)
+            proposals = drafter.propose([seqs[r] for r in live], new_aux, k,
+                                        [rows[r] for r in live])
             if any(len(p.tokens) > k for p in proposals):
                 raise EyasError(f"drafter {type(drafter).__name__} proposed more than k={k}")
         logits, states = target.step([[seqs[r][-1], *p.tokens]
                                       for r, p in zip(live, proposals)], aux=aux)
-        if sampling.temperature == 0:
+        if rows[0].temperature == 0:
             verdicts = _accept_greedy(logits, proposals)
         else:
-            verdicts = [verify(logits[i, : len(p.tokens) + 1], p, sampling)
-                        for i, p in enumerate(proposals)]
+            verdicts = [verify(logits[i, : len(p.tokens) + 1], p, rows[r])
+                        for i, (r, p) in enumerate(zip(live, proposals))]
         target.commit([a + 1 for a, _ in verdicts])
         for i, (r, p, (accepted, token)) in enumerate(zip(live, proposals, verdicts)):
             stats[r].observe(len(p.tokens), accepted)

@@ -99,7 +99,7 @@ class BatchDFlashDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs: list[list[int]], new_aux: list[torch.Tensor], k: int,
-                sampling: Sampling) -> list[Proposal]:
+                sampling: list[Sampling]) -> list[Proposal]:
         draft, cfg, dev = self.draft, self.draft.cfg, self.device
         if k > cfg.block_size - 1:
             raise EyasError(f"k={k} drafts do not fit this DFlash draft's blocks of "
@@ -141,8 +141,7 @@ class BatchDFlashDrafter:
             x = layer.finish(x, out.transpose(1, 2).reshape(q.shape))
         logits = draft.logits(draft.norm(x)).float().view(b, n, -1)[:, 1:]  # (B, k, V)
         out = []
-        for row in logits:
-            drafts, dists = zip(*(draft_pick(r, sampling) for r in row))
-            out.append(Proposal(list(drafts),
-                                torch.stack(dists) if drafts_sampled(sampling) else None))
+        for row, s in zip(logits, sampling):  # each row from its own sampling (generator)
+            drafts, dists = zip(*(draft_pick(r, s) for r in row))
+            out.append(Proposal(list(drafts), torch.stack(dists) if drafts_sampled(s) else None))
         return out
