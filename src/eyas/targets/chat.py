@@ -439,15 +439,23 @@ def _read_parquet(path: Path) -> Iterator[RawRow]:
             index += 1
 
 
+def dict_splits(path: Path) -> list[str] | None:
+    """The split names of a `datasets` DatasetDict folder (its dataset_dict.json, without
+    loading the data); None for any other path, a single Dataset folder too."""
+    index = path / "dataset_dict.json"
+    return (json.loads(index.read_text()).get("splits") or []) if index.is_file() else None
+
+
 def _read_datasets_folder(path: Path, only: str | None = None) -> Iterator[RawRow]:
     import datasets
 
+    names = dict_splits(path)
+    if only is not None and names is not None and only not in names:
+        raise EyasError(f"{path} has no '{only}' split (it has {sorted(names)}); pass "
+                        f"--split with one of them")
     loaded = datasets.load_from_disk(str(path))
     splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
-    if only is not None and isinstance(loaded, datasets.DatasetDict):
-        if only not in loaded:
-            raise EyasError(f"{path} has no '{only}' split (it has {sorted(loaded)}); pass "
-                            f"--split with one of them")
+    if only is not None and names is not None:
         splits = [(only, loaded[only])]
     for split, ds in splits:
         name = str(path) if split is None else f"{path}/{split}"

@@ -91,10 +91,10 @@ def _prepared_conversations(folder: Path, split: str):
 def _dict_split(path: Path, split: str) -> str | None:
     """--split for a `datasets` DatasetDict folder: the split to read. Its default (eval) names
     a prepared folder's split; a DatasetDict without one is read whole, as before, with a
-    word, and any other --split must exist there."""
-    if not (path / "dataset_dict.json").is_file():
+    word, and any other --split must exist there (chat.read_rows refuses one it lacks)."""
+    names = chat.dict_splits(path)
+    if names is None:
         return None
-    names = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
     if split == "eval" and split not in names:
         log.warning("%s: a datasets folder without an 'eval' split: every split is read (%s); "
                     "pass --split to read one", path, ", ".join(names))
