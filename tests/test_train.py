@@ -1326,3 +1326,28 @@ def test_the_logged_lr_is_the_steps_own_and_a_run_started_over_drops_its_old_eve
         assert len(list((run / "tensorboard").glob("events.*"))) == 1
         assert "--muon-lr 0.5: not used with --optimizer adamw" in caplog.text
 
+
+
+def test_resume_auto_without_a_last_pointer_continues_from_the_latest_complete_step(
+        run_inputs, tmp_path, caplog):
+    """From a review: `auto` read only `checkpoints/last`; with it gone (a kill before the
+    first pointer was written, or the pointer removed) the run started over at step 1 over its
+    own checkpoints. It resumes from the newest complete step folder instead, and says so; a
+    newer folder that is not complete (its weights cut) is passed over and removed."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(_cfg(run_inputs, whole, max_steps=6, save_every=2))
+    train(_cfg(run_inputs, part, max_steps=6, save_every=2, keep_last=3))
+    run_id = json.loads((part / "eyas.json").read_text())["run"]
+    checkpoint.clear_after(part, 4)  # as if killed after step 4's folder, before any pointer
+    assert not (part / "checkpoints" / "last").exists()
+    cut = part / "checkpoints" / "step-00000004" / "draft.safetensors"
+    cut.write_bytes(cut.read_bytes()[:100])
+    assert checkpoint.resolve_resume(part, "auto").name == "step-00000002"
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(run_inputs, part, max_steps=6, save_every=2))
+    assert "resuming from its latest complete checkpoint step-00000002; step-00000004 " \
+           "(incomplete) will be removed" in caplog.text
+    assert json.loads((part / "eyas.json").read_text())["run"] == run_id  # the same run
+    assert [r["step"] for r in _records(part, "train")] == [1, 2, 3, 4, 5, 6]
+    a, b = _weights(whole, 6), _weights(part, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -67,6 +67,15 @@ def resume_path(cfg: TrainConfig, env: Env) -> Path | None:
     path = None
     if env.main:
         path = checkpoint.resolve_resume(cfg.out, cfg.resume)
+        if cfg.resume == "auto" and path is not None and \
+                checkpoint.read_pointer(cfg.out, "last") is None:
+            newer = sorted(p.name for p in path.parent.iterdir()
+                           if checkpoint.STEP_DIR.match(p.name) and p.name > path.name)
+            log.warning("%s has no `last` pointer to a checkpoint (the run was killed before "
+                        "writing it, or it was removed): resuming from its latest complete "
+                        "checkpoint %s%s",
+                        path.parent, path.name, f"; {', '.join(newer)} (incomplete) will be "
+                        f"removed" if newer else "")
         if cfg.resume == "never" and (Path(cfg.out) / "checkpoints").is_dir():
             log.warning("--resume never: deleting the old checkpoints in %s", cfg.out)
             checkpoint.clear_after(cfg.out, -1)

@@ -22,12 +22,13 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -101,19 +102,45 @@ def read_pointer(run_dir: str | Path, name: str) -> Path | None:
     if not STEP_DIR.match(text):
         raise EyasError(f"{ptr} names {text!r}, not a step-NNNNNNNN folder beside it (eyas "
                         f"writes only such names there; the file was edited). Delete {ptr} "
-                        f"(`last`: training then resumes from nothing, or pass --resume "
+                        f"(`last`: training then resumes from the latest complete step "
+                        f"folder, or pass --resume "
                         f"{ptr.parent}/step-NNNNNNNN; `best`: export with --which step-N).",
                         flag="--resume")
     target = inside(ptr.parent, text, f"checkpoints/{name}")
     return target if (target / "trainer_state.pt").is_file() else None
 
 
+def complete(path: Path) -> bool:
+    """Whether step folder `path` holds a whole checkpoint: its four files, the weights' header
+    and the trainer state's zip directory intact (both at the files' ends: a cut file fails)."""
+    files = ("draft.safetensors", "draft_config.json", "metrics.json", "trainer_state.pt")
+    if not all((path / f).is_file() for f in files):
+        return False
+    try:
+        with safe_open(path / "draft.safetensors", "pt"):
+            pass
+        json.loads((path / "draft_config.json").read_text())
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return zipfile.is_zipfile(path / "trainer_state.pt")
+
+
+def latest_complete(run_dir: str | Path) -> Path | None:
+    """The newest complete step folder of the run in `run_dir`, or None."""
+    ckpt = Path(run_dir) / "checkpoints"
+    steps = sorted((p for p in ckpt.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                   reverse=True) if ckpt.is_dir() else []
+    return next((p for p in steps if complete(p)), None)
+
+
 def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """`auto`: the last complete checkpoint of this run if any; `never`: none; else a path."""
+    """`auto`: the checkpoint `last` names, else (a run killed before its first `last` was
+    written, or with the pointer gone) its latest complete step folder, if any; `never`:
+    none; else a path."""
     if resume == "never":
         return None
     if resume == "auto":
-        return read_pointer(run_dir, "last")
+        return read_pointer(run_dir, "last") or latest_complete(run_dir)
     path = Path(resume)
     if not (path / "trainer_state.pt").is_file():
         raise EyasError(f"--resume {resume}: no checkpoint there (expected a "
