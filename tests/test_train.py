@@ -1120,6 +1120,41 @@ def test_a_run_started_under_the_previous_defaults_resumes_with_its_own_recipe(
     assert "--grad-clip 0.5 -> 1.0" in caplog.text
 
 
+def test_a_resumed_run_keeps_every_option_it_was_started_with_and_applies_one_given(
+        run_inputs, tmp_path, caplog):
+    """From a review: a resume kept only the 11 recipe options of EAGLE3_RECIPE; --lr, --betas,
+    --min-lr-ratio, --loss (and the run's length) left out of the command went back to
+    today's defaults (the loss and schedule changed, the manifest named the defaults), and an
+    --lr or --betas given on resume was warned about but not applied (the checkpoint's optimizer
+    state brought its own back). Left out, they are the run's own: the resumed run ends where an
+    uninterrupted one does; given, they are applied and warned about by name."""
+    run = dict(lr=5e-3, betas=(0.8, 0.9), min_lr_ratio=0.5, loss="lk-alpha", max_steps=4,
+               optimizer="adamw", save_every=2)
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(_cfg(run_inputs, whole, **run))
+    train(_cfg(run_inputs, part, **run))
+    checkpoint.clear_after(part, 2)  # as if killed after step 2
+    with caplog.at_level(logging.INFO):  # _cfg's lr and max_steps left out too
+        train(_cfg(run_inputs, part, lr=None, max_steps=None, optimizer="adamw", save_every=2))
+    assert "--lr 0.005, --max-steps 4, --min-lr-ratio 0.5" in caplog.text
+    config = json.loads((part / "eyas.json").read_text())["config"]
+    assert {k: config[k] for k in run} == {**run, "betas": [0.8, 0.9]}
+    a, b = _weights(whole, 4), _weights(part, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lrs = {r["step"]: r["lr"] for r in _records(whole, "train")}
+    assert {r["step"]: r["lr"] for r in _records(part, "train")} == lrs
+    # given on resume with other values: applied (half the lr at each step), warned by name
+    checkpoint.clear_after(part, 2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(run_inputs, part, **{**run, "lr": 2.5e-3, "betas": (0.9, 0.99)}))
+    assert "--lr 0.005 -> 0.0025" in caplog.text and "--betas [0.8, 0.9] -> " in caplog.text
+    resumed = {r["step"]: r["lr"] for r in _records(part, "train")}
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([lrs[3] / 2, lrs[4] / 2])
+    state = torch.load(checkpoint.step_dir(part, 4) / "trainer_state.pt", weights_only=True)
+    assert tuple(state["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.99)
+
+
 def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):
     dflash = dict(draft="dflash", vocab=None, lm_head="target", block_size=4, num_anchors=8)
     train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **dflash))

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.config import coerce, field_types
 from eyas.errors import EyasError
 from eyas.kernels import band_kernels
 from eyas.store import checkpoint, locks
@@ -150,11 +151,17 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "tensorboard", ".trai
 
 
 def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
-    """A resumed run keeps its own recipe: each recipe option left unset here takes the value
-    the run was started with (its eyas.json; a run from before an option existed trained with
-    the previous recipe's value), so that a change of eyas's defaults never changes a run
-    halfway. Options given here win (the change is warned about at resume)."""
+    """A resumed run keeps its own recipe: each option of it left unset here (RESUMED: the
+    learning rate and schedule, the optimizer's settings, the loss, the run's length, ...)
+    takes the value the run was started with (its eyas.json; a run from before a recipe
+    option existed trained with the previous recipe's value, one from before another option
+    with today's default), so that neither a change of eyas's defaults nor a flag left out of
+    the command changes a run halfway. Options given here win (warned about at resume); a
+    length given as --epochs or --max-steps is the run's whole length (the other keeps its
+    default)."""
     unset = getattr(cfg, "_unset", frozenset())
+    if {"epochs", "max_steps"} - unset:
+        unset -= {"epochs", "max_steps"}
     if cfg.resume == "never" or not unset:
         return cfg
     if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
@@ -164,13 +171,17 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
     # the checkpoint naming --draft (check_same_draft)
     if not old or old.get("draft", "eagle3") != cfg.draft:
         return cfg
-    keep = {k: old.get(k, PREVIOUS_RECIPE[k]) for k in sorted(unset)}
+    types = field_types(TrainConfig)
+    keep = {k: coerce(k, types[k], old[k] if k in old else PREVIOUS_RECIPE[k])
+            for k in sorted(unset) if k in old or k in PREVIOUS_RECIPE}
     keep = {k: v for k, v in keep.items() if v != getattr(cfg, k)}
     if not keep:
         return cfg
     log.info("resuming %s with the recipe it was started with for the options not given here "
              "(%s); give them to change them", cfg.out,
-             ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in keep.items()))
+             ", ".join(f"--{k.replace('_', '-')} "
+                       + (",".join(map(str, v)) if isinstance(v, tuple) else str(v))
+                       for k, v in keep.items()))
     return dataclasses.replace(cfg, **keep)
 
 

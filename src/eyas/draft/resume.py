@@ -19,7 +19,7 @@ from eyas.draft.processes import Env
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import check_same_target, peek_manifest
-from eyas.draft.train_config import TrainConfig
+from eyas.draft.train_config import RESUMED, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +163,11 @@ def _started_with(cfg: TrainConfig) -> str:
     return " ".join(flags)
 
 
-# what a resumed run may change, but then trains the rest of the run another way
-_RECIPE = ("lr", "muon_lr", "betas", "weight_decay", "lr_decay", "warmup_ratio", "min_lr_ratio",
-           "grad_clip", "ttt_steps", "step_weight", "loss", "loss_mask_at", "vocab_filter",
-           "freeze_lm_head")
+# what a resumed run may change, but then trains the rest of the run another way: the options
+# it keeps unless given (RESUMED), but for the optimizer (refused at load), the draft's norms
+# (check_same_draft) and the length (its own warning below)
+_RECIPE = tuple(k for k in RESUMED
+                if k not in ("optimizer", "norm_before_residual", "epochs", "max_steps"))
 
 
 def _warn_recipe_changes(cfg: TrainConfig) -> None:

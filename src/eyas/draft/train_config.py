@@ -44,6 +44,22 @@ PREVIOUS_RECIPE = {"optimizer": "adamw", "weight_decay": 0.0, "warmup_ratio": 0.
 # refused; freeze_lm_head and norm_before_residual have refusals of their own)
 EAGLE3_ONLY = ("ttt_steps", "step_weight", "loss_mask_at", "vocab_filter")
 RECIPE_NOTE = "unset: speculators' recipe for EAGLE-3 ({}), {} for dflash (docs/train.md)"
+# The other options a run trains by, with one default for both families (the peak lr has its
+# own: EAGLE3_LR, DFLASH_LR). Unset (None) until __post_init__, as the recipe's are, so that a
+# resumed run tells an option given again from one left out (eyas.train.keep_run_recipe).
+TRAINING_DEFAULTS = {"epochs": 10, "max_steps": 0, "betas": (0.9, 0.999), "muon_lr": 0.0,
+                     "muon_momentum": 0.95, "muon_weight_decay": 0.1, "min_lr_ratio": 0.0,
+                     "loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0, "num_anchors": 512,
+                     "loss_decay_gamma": 7.0, "dflash_labels": "data"}
+# what a resumed run keeps from its start (its eyas.json) where it is not given again
+RESUMED = ("lr", *EAGLE3_RECIPE, *TRAINING_DEFAULTS)
+
+
+def _unset_note(name: str) -> str:
+    """The help text's end for an option of TRAINING_DEFAULTS: what it is when left unset."""
+    value = TRAINING_DEFAULTS[name]
+    shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    return f" (unset: {shown}; a resumed run keeps its own)"
 
 
 @dataclass(frozen=True)
@@ -84,12 +100,15 @@ class TrainConfig:
     row_tokens: int = option(0, "tokens per packed row; 0 = one row of --batch-tokens")
     truncate: bool = option(False, "cut samples longer than a row instead of refusing them")
     grad_accum: int = option(1, "micro-batches per optimizer step on each rank")
-    epochs: int = option(10, "passes over the training data (SpecForge's default)")
-    max_steps: int = option(0, "optimizer steps; 0 = --epochs over the data")
+    epochs: int | None = option(None, "passes over the training data (SpecForge's default)"
+                                + _unset_note("epochs"))
+    max_steps: int | None = option(None, "optimizer steps; 0 = --epochs over the data"
+                                   + _unset_note("max_steps"))
     lr: float | None = option(None, "peak learning rate; unset: 1e-3 for EAGLE-3 (measured "
                                     "best on a real target, docs/train.md, issue 31; "
                                     "speculators' default), 6e-4 for dflash (SpecForge's)")
-    betas: tuple[float, ...] = option((0.9, 0.999), "AdamW betas (SpecForge; EAGLE used 0.9,0.95)")
+    betas: tuple[float, ...] | None = option(None, "AdamW betas (SpecForge; EAGLE used "
+                                                   "0.9,0.95)" + _unset_note("betas"))
     weight_decay: float | None = option(None, "AdamW weight decay; " +
                                         RECIPE_NOTE.format(0.01, 0.0))
     optimizer: str | None = option(
@@ -97,16 +116,20 @@ class TrainConfig:
               "2.9, update RMS matched to AdamW's) over the 2-D hidden matrices (fc, attention, "
               "MLP) and AdamW over the rest; " + RECIPE_NOTE.format(
                   "muon; adamw on a torch without Muon", "adamw"), choices=("adamw", "muon"))
-    muon_lr: float = option(0.0, "--optimizer muon: peak lr of the Muon group; 0 = --lr")
-    muon_momentum: float = option(0.95, "--optimizer muon: Muon's momentum")
-    muon_weight_decay: float = option(0.1, "--optimizer muon: Muon's weight decay")
+    muon_lr: float | None = option(None, "--optimizer muon: peak lr of the Muon group; 0 = "
+                                         "--lr" + _unset_note("muon_lr"))
+    muon_momentum: float | None = option(None, "--optimizer muon: Muon's momentum"
+                                         + _unset_note("muon_momentum"))
+    muon_weight_decay: float | None = option(None, "--optimizer muon: Muon's weight decay"
+                                             + _unset_note("muon_weight_decay"))
     warmup_ratio: float | None = option(None, "linear warmup as a share of all steps; " +
                                         RECIPE_NOTE.format(0.01, 0.015))
     lr_decay: str | None = option(None, "after warmup, decay the lr along a cosine or a "
                                         "straight line to --min-lr-ratio; " +
                                   RECIPE_NOTE.format("linear", "cosine"),
                                   choices=("cosine", "linear"))
-    min_lr_ratio: float = option(0.0, "lr floor at the last step, as a share of --lr")
+    min_lr_ratio: float | None = option(None, "lr floor at the last step, as a share of --lr"
+                                        + _unset_note("min_lr_ratio"))
     grad_clip: float | None = option(None, "clip the global gradient norm to this (0 = off); " +
                                      RECIPE_NOTE.format(1.0, 0.5))
     ttt_steps: int | None = option(None, "training-time-test steps (chained draft passes); "
@@ -121,14 +144,15 @@ class TrainConfig:
     vocab_filter: bool | None = option(None, "leave out of the loss the positions whose target "
                                              "top-1 is outside the draft vocab (EAGLE-3's rule); "
                                              "unset: off (speculators keeps them)")
-    loss: str = option("kl", "per-position objective of each TTT step: kl = soft cross-entropy "
-                       "against the target (EAGLE-3's); lk-alpha = -log of the expected "
-                       "acceptance rate; lk-lambda = KL and 1 - acceptance mixed by an "
-                       "adaptive weight (LK losses, arXiv 2602.23881; docs/train.md)",
-                       choices=OBJECTIVES)
-    lk_kl_scale: float = option(1.0, "lk-lambda: KL weight = scale * exp(-decay * mean "
-                                "acceptance of the step)")
-    lk_kl_decay: float = option(1.0, "lk-lambda: see --lk-kl-scale")
+    loss: str | None = option(None, "per-position objective of each TTT step: kl = soft "
+                              "cross-entropy against the target (EAGLE-3's); lk-alpha = -log of "
+                              "the expected acceptance rate; lk-lambda = KL and 1 - acceptance "
+                              "mixed by an adaptive weight (LK losses, arXiv 2602.23881; "
+                              "docs/train.md)" + _unset_note("loss"), choices=OBJECTIVES)
+    lk_kl_scale: float | None = option(None, "lk-lambda: KL weight = scale * exp(-decay * mean "
+                                       "acceptance of the step)" + _unset_note("lk_kl_scale"))
+    lk_kl_decay: float | None = option(None, "lk-lambda: see --lk-kl-scale"
+                                       + _unset_note("lk_kl_decay"))
     lm_head: str = option("target", "initialise the draft lm_head from the target's rows of "
                                     "the draft vocab, or randomly", choices=("target", "scratch"))
     freeze_lm_head: bool | None = option(None, "keep the lm_head fixed at the target's rows; "
@@ -162,18 +186,22 @@ class TrainConfig:
               "measured best recipe), off for dflash; --no-norm-output for older servers")
     block_size: int = option(16, "dflash: tokens per block, the bonus slot included (the public "
                                  "recipes' 16); serve with num_speculative_tokens <= block_size - 1")
-    num_anchors: int = option(512, "dflash: at most this many blocks per document per step, at "
-                                   "random loss-masked anchors (SpecForge's 512)")
-    loss_decay_gamma: float = option(7.0, "dflash: slot j's loss weight is exp(-(j-1)/gamma) (7 "
-                                          "in every DFlash recipe at block 16); 0 = uniform")
+    num_anchors: int | None = option(None, "dflash: at most this many blocks per document per "
+                                           "step, at random loss-masked anchors (SpecForge's "
+                                           "512)" + _unset_note("num_anchors"))
+    loss_decay_gamma: float | None = option(None, "dflash: slot j's loss weight is "
+                                                  "exp(-(j-1)/gamma) (7 in every DFlash recipe at "
+                                                  "block 16); 0 = uniform"
+                                            + _unset_note("loss_decay_gamma"))
     dflash_layers: int = option(0, "dflash: decoder layers; 0 = one per captured tap "
                                    "(SpecForge's rule)")
     mask_token_id: int = option(-1, "dflash: id of the mask token filling slots 1..B-1; -1 = the "
                                     "tokenizer's mask token, else its first unused embedding row, "
                                     "else pad, else eos (SpecForge's order)")
-    dflash_labels: str = option("data", "dflash: slot targets: the data tokens (SpecForge) or "
-                                        "the target's greedy tokens (its captured top-1)",
-                                choices=DFLASH_LABELS)
+    dflash_labels: str | None = option(None, "dflash: slot targets: the data tokens "
+                                             "(SpecForge) or the target's greedy tokens (its "
+                                             "captured top-1)" + _unset_note("dflash_labels"),
+                                       choices=DFLASH_LABELS)
     parallel: str = option("ddp", "data parallelism under torchrun: DDP replicates the draft, "
                                   "FSDP2 shards weights and optimizer state",
                           choices=("ddp", "fsdp"))
@@ -207,11 +235,14 @@ class TrainConfig:
             object.__setattr__(self, "norm_before_fc", eagle3 and not self.fc_norm)
         if self.norm_output is None:
             object.__setattr__(self, "norm_output", eagle3)
+        # the options this config left unset (a resumed run keeps its own: train())
+        object.__setattr__(self, "_unset", frozenset(k for k in RESUMED
+                                                     if getattr(self, k) is None))
         if self.lr is None:
             object.__setattr__(self, "lr", EAGLE3_LR if eagle3 else DFLASH_LR)
-        # the recipe options this config left unset (a resumed run keeps its own: train())
-        object.__setattr__(self, "_unset", frozenset(
-            k for k in EAGLE3_RECIPE if getattr(self, k) is None))
+        for name, value in TRAINING_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name, value in (EAGLE3_RECIPE if eagle3 else PREVIOUS_RECIPE).items():
             if getattr(self, name) is None:
                 if name == "optimizer" and value == "muon" and not hasattr(torch.optim, "Muon"):
@@ -355,7 +386,8 @@ def _left_at_default(cfg: TrainConfig, names, message: str) -> list[tuple[bool, 
 
 
 def _default(name: str):
-    return TrainConfig.__dataclass_fields__[name].default
+    """What option `name` is when not given (TRAINING_DEFAULTS' are unset until then)."""
+    return TRAINING_DEFAULTS.get(name, TrainConfig.__dataclass_fields__[name].default)
 
 
 # transformers' device_map strategies (accelerate computes the placement)

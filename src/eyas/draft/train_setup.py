@@ -194,6 +194,11 @@ class Schedules:
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], factor):
         self.each = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers]
+        # this run's settings of each param group (peak lr, betas, weight decay, momentum):
+        # loading a checkpoint's optimizer state brings back the settings it was saved with,
+        # and a resumed run trains on with these instead (load_state_dict)
+        self.settings = [[{k: v for k, v in g.items() if k not in ("params", "lr")}
+                          for g in o.param_groups] for o in optimizers]
 
     def step(self) -> None:
         for s in self.each:
@@ -214,5 +219,12 @@ class Schedules:
             raise EyasError(f"the checkpoint holds {len(states)} optimizer schedule(s), this "
                             f"run has {len(self.each)}: resume with the checkpoint's "
                             f"--optimizer or start over with --resume never", flag="--resume")
-        for s, st in zip(self.each, states):
-            s.load_state_dict(st)
+        for s, st, settings in zip(self.each, states, self.settings):
+            s.load_state_dict({k: v for k, v in st.items() if k != "base_lrs"})
+            # the schedule's position is the checkpoint's, the settings and peak lr this run's
+            # (the same when the run is resumed as it was started: the same lr, bit for bit)
+            for g, mine, base, f in zip(s.optimizer.param_groups, settings, s.base_lrs,
+                                        s.lr_lambdas):
+                g.update(mine)
+                g["lr"] = base * f(s.last_epoch)
+            s._last_lr = [g["lr"] for g in s.optimizer.param_groups]  # as LambdaLR.step sets it
