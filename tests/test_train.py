@@ -1155,6 +1155,38 @@ def test_a_resumed_run_keeps_every_option_it_was_started_with_and_applies_one_gi
     assert tuple(state["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.99)
 
 
+@pytest.mark.parametrize("before, after, by_k", [
+    (5, 2, {"1": 1.0, "2": 1.0, "3": 2.5, "4": 2.5, "5": 2.5}), (2, 3, {"1": 1.0, "2": 2.5})])
+def test_a_resume_with_another_ttt_steps_compares_the_best_at_its_own_k(run_inputs, tmp_path,
+                                                                          caplog, before, after,
+                                                                          by_k):
+    """From a review: the best checkpoint's replayed acceptance length at the run's k was
+    compared with evals at the resumed run's --ttt-steps, where a longer chain accepts more:
+    a best at k = 5 outranked every eval at k = 2. Fewer steps: the best is compared by its own
+    length at the new k (its eval replayed every k up to its own); more: it was never measured
+    there, so the next eval becomes the best, warned. The saved best (`by_k`) is made one that
+    the evals after the resume could beat only at the same k: 2.5 at its own k, where they
+    reach ~1.1."""
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, max_steps=4, eval_every=2, save_every=2, ttt_steps=before))
+    saved = checkpoint.step_dir(run, 4) / "trainer_state.pt"
+    state = torch.load(saved, weights_only=True)
+    state["best"] = {**state["best"], "step": 4, "chain_acceptance_length": by_k[str(before)],
+                     "chain_by_k": by_k}
+    torch.save(state, saved)
+    with caplog.at_level(logging.INFO):
+        summary = train(_cfg(run_inputs, run, max_steps=6, eval_every=2, save_every=2,
+                             ttt_steps=after))
+    ev = _records(run, "eval")[-1]
+    assert ev["step"] == 6 and ev["chain"]["acceptance_length"][str(after)] > 1.0
+    assert summary["best"]["step"] == 6  # above the best's 1.0 at k = 2; none known at k = 3
+    assert summary["best"]["chain_acceptance_length"] == \
+        summary["best"]["chain_by_k"][str(after)]
+    assert checkpoint.read_pointer(run, "best").name == "step-00000006"
+    assert ("has no replayed chain acceptance length at k = 3" if after > before else
+            "is compared at k = 2 (--ttt-steps) from here") in caplog.text
+
+
 def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):
     dflash = dict(draft="dflash", vocab=None, lm_head="target", block_size=4, num_anchors=8)
     train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **dflash))

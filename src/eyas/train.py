@@ -185,6 +185,29 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, **keep)
 
 
+def _best_at(best: dict, k: int, quiet: bool = False) -> dict:
+    """A resumed run's best record, compared at k = its --ttt-steps: replayed acceptance lengths
+    at another k do not compare (a longer chain accepts more tokens). Resumed with fewer TTT
+    steps than the best was chosen at, the best's own length at k comes from its eval (which
+    replayed every k up to its own: chain_by_k); with more, it was never measured at k, so the
+    next eval becomes the best."""
+    by_k = best.get("chain_by_k")
+    if best.get("step") is None or not by_k or best.get("chain_acceptance_length") == \
+            by_k.get(str(k)):
+        return best
+    al = by_k.get(str(k))
+    if not quiet and al is None:
+        reached = max(by_k, key=int)
+        log.warning("the run's best checkpoint (step %d) has no replayed chain acceptance "
+                    "length at k = %d, this run's --ttt-steps (its eval replayed k = 1..%s): "
+                    "the next eval becomes the best. Resume with --ttt-steps %s or fewer to "
+                    "keep comparing with it", best["step"], k, reached, reached)
+    elif not quiet:
+        log.info("the run's best checkpoint (step %d) is compared at k = %d (--ttt-steps) from "
+                 "here: its replayed chain acceptance length there is %s", best["step"], k, al)
+    return {**best, "chain_acceptance_length": al}
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train an EAGLE-3 draft (or with --draft dflash a DFlash one, eyas.dflash.train)
     into `cfg.out` (see docs/train.md). Returns the run summary:
@@ -235,8 +258,8 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
     start, best = 0, {"step": None, "sim_acceptance_length": None}
     record = dcfg.to_dict()  # the run's draft_config.json
     state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft, inputs.target)
-    if state is not None:
-        start, best = state["step"], state["best"]
+    if state is not None:  # (its best compared at this run's k: _best_at)
+        start, best = state["step"], _best_at(state["best"], steps, quiet=not env.main)
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
@@ -274,7 +297,8 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
         nonlocal best
         ev = run_eval(step)
         al = ev["chain"]["acceptance_length"][str(steps)] or 1.0
-        new = best["step"] is None or al > best.get("chain_acceptance_length", 0.0)
+        known = best.get("chain_acceptance_length")  # None: not measured at this k (_best_at)
+        new = best["step"] is None or known is None or al > known
         if new:
             best = {"step": step, "chain_acceptance_length": al,
                     "chain_by_k": ev["chain"]["acceptance_length"],
