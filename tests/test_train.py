@@ -1187,6 +1187,24 @@ def test_a_resume_with_another_ttt_steps_compares_the_best_at_its_own_k(run_inpu
             "is compared at k = 2 (--ttt-steps) from here") in caplog.text
 
 
+def test_eval_counts_a_target_token_outside_the_draft_vocab_as_a_miss(run_inputs, tmp_path):
+    """From a review: eval's per-step accuracy left out the positions whose target token is
+    outside the draft vocab, so a draft of one token scored acc 1.0 at every step and a simulated
+    acceptance length of 1 + ttt_steps: perfect. Such a position is a miss (the draft cannot
+    propose that token), as the chain replay counts it; the loss still leaves it out."""
+    from eyas.vocab import VocabConfig, vocab
+
+    vocab(VocabConfig(data=(run_inputs["prepared"],), out=str(tmp_path / "one"),
+                      draft_vocab_size=1))
+    ev = train(_cfg(run_inputs, tmp_path / "run", max_steps=1, vocab=str(tmp_path / "one"),
+                    ttt_steps=3))["eval"]
+    assert ev["positions"] > 0 and all(0 < a < 0.5 for a in ev["acc"])
+    assert ev["sim_acceptance_length"] < 1.5
+    assert 1.0 <= ev["chain"]["acceptance_length"]["3"] < 1.5
+    full = train(_cfg(run_inputs, tmp_path / "full", max_steps=1, ttt_steps=3))["eval"]
+    assert ev["positions"] < full["positions"]  # the loss's positions: in the vocab only
+
+
 def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):
     dflash = dict(draft="dflash", vocab=None, lm_head="target", block_size=4, num_anchors=8)
     train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **dflash))

@@ -79,15 +79,17 @@ def _check_finite(record: dict, cfg: TrainConfig, run_dir: Path) -> None:
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
     """stats = [loss sums (S), correct (S), counts (S)] summed over batches and ranks, then
-    (eval) the chain counts of _chain_stats."""
+    (eval) the positions scored (S: those counted plus those whose target token is outside the
+    draft vocab, misses) and the chain counts of _chain_stats."""
     sums, correct, counts = stats[:steps], stats[steps:2 * steps], stats[2 * steps:3 * steps]
-    acc = (correct / counts.clamp(min=1)).tolist()
+    scored = stats[3 * steps:4 * steps] if stats.shape[0] > 3 * steps else counts
+    acc = (correct / scored.clamp(min=1)).tolist()
     out = {"loss": float((weights * sums / counts.clamp(min=1)).sum()),
            "acc": [round(a, 5) for a in acc],
            "sim_acceptance_length": round(simulated_acceptance_length(acc), 5),
            "positions": int(counts[0])}
     if stats.shape[0] > 3 * steps:
-        out["chain"] = _chain_summary(stats[3 * steps:].tolist(), steps)
+        out["chain"] = _chain_summary(stats[4 * steps:].tolist(), steps)
     return out
 
 
@@ -122,17 +124,21 @@ def _chain_summary(counts: list[float], steps: int) -> dict:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, env: Env, steps: int,
-             weights: torch.Tensor) -> dict:
+             weights: torch.Tensor, t2d: torch.Tensor) -> dict:
     """Per-step accuracy, loss and simulated acceptance length over the whole eval set, and
-    chain decoding replayed on it for every k <= steps (`chain`: vLLM's counting)."""
+    chain decoding replayed on it for every k <= steps (`chain`: vLLM's counting). The loss
+    leaves out the positions whose target token is outside the draft vocab (`t2d`); accuracy
+    counts them as misses, since the draft cannot propose that token (a tiny vocab would
+    otherwise score perfect), as the chain replay does."""
     model.eval()
-    stats = torch.zeros(3 * steps + steps + steps * (steps + 1) // 2, dtype=torch.float64,
+    stats = torch.zeros(4 * steps + steps + steps * (steps + 1) // 2, dtype=torch.float64,
                         device=env.device)
     for mb in loader:
         batch = _on(mb, env)
         with autocast(env):
             out = model(batch, record_hits=True)
-        stats += torch.cat([_batch_stats(out, steps), _chain_stats(out, batch, steps)])
+        scored = ttt_positions(batch, t2d, steps, vocab_filter=False).sum(1).double()  # (S,)
+        stats += torch.cat([_batch_stats(out, steps), scored, _chain_stats(out, batch, steps)])
     model.train()
     return _summary(all_sum(stats), steps, weights.to(stats))
 
@@ -279,7 +285,8 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
     def run_eval(step: int) -> dict:
         loader = data_loader.loader(inputs.eval, plan.eval_batches, row, dtype,
                                     num_workers=workers, pin_memory=pin, static=static)
-        record = {"kind": "eval", "step": step, **evaluate(model, loader, env, steps, weights)}
+        record = {"kind": "eval", "step": step,
+                  **evaluate(model, loader, env, steps, weights, draft.t2d)}
         if metrics:
             metrics.write(record)
             chain = record["chain"]["acceptance_length"]
