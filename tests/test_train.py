@@ -1205,6 +1205,37 @@ def test_eval_counts_a_target_token_outside_the_draft_vocab_as_a_miss(run_inputs
     assert ev["positions"] < full["positions"]  # the loss's positions: in the vocab only
 
 
+def test_eval_samples_that_are_training_samples_are_counted_in_a_warning(run_inputs, tmp_path,
+                                                                         caplog):
+    """From a review: an --eval-data of the training conversations (a capture of the prepared
+    train split beside a --split all capture) was taken without a word, and eval, the best
+    checkpoint and the exported acceptance measured memorised data. Counted and warned: by the
+    prepared sample ids, or, where the prepared folder is gone, by prepared row; the capture's
+    own eval split (disjoint) is not warned about."""
+    from eyas.capture import CaptureConfig, capture
+
+    def capture_train_split(prepared, out):  # the first 10 training conversations
+        capture(CaptureConfig(target=run_inputs["target"], data=str(prepared), out=str(out),
+                              split="train", limit=10, model_dtype="fp32", batch_tokens=2048))
+
+    capture_train_split(run_inputs["prepared"], tmp_path / "seen")
+    moved = tmp_path / "prepared"  # a prepared folder that is gone by training time
+    shutil.copytree(run_inputs["prepared"], moved)
+    capture_train_split(moved, tmp_path / "seen-moved")
+    shutil.rmtree(moved)
+    with caplog.at_level(logging.WARNING):
+        train(_cfg(run_inputs, tmp_path / "own", max_steps=1))
+    assert "eval samples are training samples too" not in caplog.text
+    for seen, how in (("seen", "sample id in the prepared data"),
+                      ("seen-moved", "row of a prepared folder")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            train(_cfg(run_inputs, tmp_path / f"run-{seen}", max_steps=1,
+                       eval_data=str(tmp_path / seen)))
+        assert f"10 of the 10 eval samples are training samples too (the same {how})" in \
+            caplog.text
+
+
 def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):
     dflash = dict(draft="dflash", vocab=None, lm_head="target", block_size=4, num_anchors=8)
     train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **dflash))

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.store.manifest import check_same_target, read_manifest, target_record
+from eyas.store.locks import main_process
+from eyas.store.manifest import check_same_target, peek_manifest, read_manifest, target_record
 from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,36 @@ class OfflineSource:
         # collate copies them; an fp8 capture's aux states stay fp8 until on_device
         return [self.capture.sample(i, copy=False, dequantize=False) for i in ids]
 
+    def _prepared(self) -> dict:
+        """The prepared folder this was captured from, as the manifest records it."""
+        return next((m for m in self.manifest.get("inputs") or []
+                     if m.get("step") == "prepare"), {})
+
+    def sample_ids(self) -> list[str] | None:
+        """Each sample's id (its `sample_id` in the prepared folder it was captured from), by
+        sample number; None where that folder is gone or was prepared again since."""
+        from eyas.store.prepared import load_split
+
+        prepared = self._prepared()
+        path = prepared.get("path")
+        if not path or (peek_manifest(path) or {}).get("id") != prepared.get("id"):
+            return None
+        # the one column, read as arrow (walking the rows takes ~100x as long)
+        ids = load_split(path, self.manifest["split"])[0].with_format("arrow")["sample_id"]
+        ids = ids.to_pylist()
+        return [ids[i] for i in self.capture.sample_index.tolist()]
+
+    def rows(self) -> list[tuple]:
+        """Each sample's (prepared folder id, split, row in that split), by sample number."""
+        prepared = self._prepared().get("id") or str(self.folder.resolve())
+        at = self.capture.split_rows.items()
+        out = []
+        for i in self.capture.sample_index.tolist():
+            split, lo = next(((s, lo) for s, (lo, hi) in at if lo <= i < hi),
+                             (self.manifest["split"], 0))  # (a capture that names no rows)
+            out.append((prepared, split, i - lo))
+        return out
+
 
 class OnlineSource:
     """Samples of a prepared split, captured on the fly by the target inside the training job.
@@ -58,6 +89,10 @@ class OnlineSource:
         self.model, self.info, self.dataset = model, info, dataset
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.lengths = np.asarray(dataset["num_tokens"], dtype=np.int64)
+
+    def sample_ids(self) -> list[str]:
+        """Each sample's id (the prepared `sample_id`), by row."""
+        return self.dataset.with_format("arrow")["sample_id"].to_pylist()
 
     def fetch(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
         from eyas.targets.capture_forward import capture_samples
@@ -127,7 +162,30 @@ def open_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inp
                               f"vocab` on that folder: vocab has no --target)")
         inputs.d2t, inputs.t2d = d2t, t2d
         inputs.manifests.append(vman)
+    shared, how = shared_eval_samples(inputs) if main_process() else (0, "")
+    if shared:
+        log.warning("%d of the %d eval samples are training samples too (the same %s): eval, "
+                    "the best checkpoint and the acceptance quoted at export would measure "
+                    "conversations the draft trained on. Give --eval-data a capture of other "
+                    "conversations (e.g. `eyas capture --split eval` of the prepared folder), or "
+                    "leave it out: the capture's eval split or --eval-fraction is held out",
+                    shared, len(inputs.eval_ids), how)
     return inputs
+
+
+def shared_eval_samples(inputs: Inputs) -> tuple[int, str]:
+    """How many eval samples are training samples too, and what tells: the same id in the
+    prepared folders (where they can still be read: one column, not the data), else the same
+    row of the same prepared folder."""
+    if inputs.eval is None or not len(inputs.eval_ids):
+        return 0, ""
+    train = inputs.train.sample_ids()
+    ev = train if inputs.eval is inputs.train else inputs.eval.sample_ids()
+    how = "sample id in the prepared data"
+    if train is None or ev is None:
+        train, ev, how = inputs.train.rows(), inputs.eval.rows(), "row of a prepared folder"
+    seen = {train[i] for i in inputs.train_ids}
+    return sum(ev[i] in seen for i in inputs.eval_ids), how
 
 
 def _offline_inputs(cfg: TrainConfig) -> Inputs:
