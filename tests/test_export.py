@@ -27,7 +27,7 @@ from eyas.draft.formats import find_checkpoint, read_vllm_folder
 from eyas.draft.formats import (
     SERVED_SINCE, from_speculators_config, from_vllm_config, read_config, sglang_layer_ids,
     to_sglang_config, to_speculators_config, to_vllm_config)
-from eyas.store.manifest import read_manifest, write_manifest
+from eyas.store.manifest import read_manifest, target_record, write_manifest
 
 TARGET = {"name_or_path": "tiny/llama", "revision": None, "commit": "abc123", "model_type": "llama",
           "num_hidden_layers": 6, "hidden_size": 32, "vocab_size": 100, "tokenizer_hash": "t"}
@@ -69,9 +69,10 @@ def random_draft(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
 
 
 def make_run(folder, cfg: DraftConfig, *, steps=(5, 10), best: int | None = 10,
-             manifest: bool = True) -> Eagle3Draft:
-    """A run folder exactly as `eyas train` leaves it (checkpoint.save writes the checkpoints).
-    Returns the draft saved at the last step."""
+             manifest: bool = True, target: dict = TARGET) -> Eagle3Draft:
+    """A run folder exactly as `eyas train` leaves it (checkpoint.save writes the checkpoints),
+    trained on `target` (a record; TARGET: a made-up one). Returns the draft saved at the last
+    step."""
     for i, step in enumerate(steps):
         draft = random_draft(cfg, seed=i)
         opt = torch.optim.AdamW(draft.parameters())
@@ -82,7 +83,7 @@ def make_run(folder, cfg: DraftConfig, *, steps=(5, 10), best: int | None = 10,
     if manifest:
         write_manifest(folder, "train", {"lr": 1e-4, "ttt_steps": 7, "data": "captured/",
                                          "trust_remote_code": False},
-                       target=TARGET, aux_layer_ids=list(cfg.aux_layer_ids), steps=steps[-1],
+                       target=target, aux_layer_ids=list(cfg.aux_layer_ids), steps=steps[-1],
                        best={"step": best, "sim_acceptance_length": 2.5})
     return draft
 
@@ -975,7 +976,9 @@ def _vllm_against_eyas(tmp_path, llama_dir, builder, fmt: str, variant: dict):
     target = AutoConfig.from_pretrained(llama_dir)
     cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7),
                                   **variant)
-    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10)
+    # trained on llama_dir: export checks the --target it is given against the run's target
+    trained = make_run(tmp_path / "run", cfg, steps=(10,), best=10,
+                       target=target_record(str(llama_dir), config=target, weights=False))
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                               dtype="fp32", format=fmt, target=str(llama_dir)))
     vllm_draft = builder(llama_dir, out)
@@ -1017,9 +1020,10 @@ def test_vllm_serves_the_export_losslessly(tmp_path, llama_dir, fmt):
         pytest.skip("needs a CUDA GPU")
     from transformers import AutoConfig
 
-    cfg = DraftConfig.from_target(AutoConfig.from_pretrained(llama_dir), draft_vocab_size=512,
-                                  aux_layer_ids=(1, 4, 7))
-    make_run(tmp_path / "run", cfg)
+    target = AutoConfig.from_pretrained(llama_dir)
+    cfg = DraftConfig.from_target(target, draft_vocab_size=512, aux_layer_ids=(1, 4, 7))
+    make_run(tmp_path / "run", cfg,
+             target=target_record(str(llama_dir), config=target, weights=False))
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                               format=fmt, target=str(llama_dir)))
     params = vllm.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -1164,8 +1168,6 @@ def test_a_relative_target_is_served_from_where_the_run_found_it(tmp_path, monke
     # a run given --target tgt in work/ and exported from elsewhere: the serve commands named
     # "tgt", which is no model there; the run's record keeps where it was
     from transformers import LlamaConfig
-
-    from eyas.store.manifest import target_record
 
     cfg = draft_config()
     make_run(tmp_path / "run", cfg, manifest=False)
