@@ -1150,7 +1150,7 @@ def test_readme_commands_run_as_pasted_and_name_what_the_run_trained_on(tmp_path
 def test_a_report_of_an_export_replaced_since_is_not_quoted_for_another_run(tmp_path):
     """The eval measured run A's export; that folder now holds run B's export. Its report was
     quoted for B (the eval's export input was read from the folder as it is now)."""
-    from eyas.export import _runs_measured
+    from eyas.serve.quoted_report import _runs_measured
 
     make_run(tmp_path / "a", draft_config())
     make_run(tmp_path / "b", draft_config())

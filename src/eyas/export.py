@@ -45,7 +45,7 @@ from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
 from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # noqa: F401
                                 sglang_layer_ids)
 from eyas.serve.export_readme import ServedTarget, render_readme, served_target
-from eyas.store.checkpoint import STEP_DIR
+from eyas.serve.quoted_report import read_report, step_number
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
                                  peek_manifest, read_manifest, target_record, write_manifest)
 from eyas.store.permissions import as_umask
@@ -275,7 +275,7 @@ def export(cfg: ExportConfig) -> Path:
     # same run from another run's export in --out (_fresh_dir)
     step, run = find_checkpoint(Path(cfg.checkpoint).resolve(), cfg.which)
     if (Path(cfg.checkpoint) / "draft.safetensors").is_file() and cfg.which != "best" and \
-            cfg.which != f"step-{_step_number(step)}":
+            cfg.which != f"step-{step_number(step)}":
         raise EyasError(f"--which {cfg.which} picks a checkpoint of a run folder, but "
                         f"--checkpoint {cfg.checkpoint} is one checkpoint already ({step.name}): "
                         f"pass the run folder{f' ({run})' if run else ''} with --which, or "
@@ -313,7 +313,7 @@ def export(cfg: ExportConfig) -> Path:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
     validate_export(config, tensors, cfg.format)
-    report = _read_report(cfg.acceptance_report, target, train, step)
+    report = read_report(cfg.acceptance_report, target, train, step)
     out = Path(cfg.out).resolve()  # `--out .` too: its folder is written beside, then renamed
     tmp = _fresh_dir(out, run or step, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -352,7 +352,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or most)
     target = (train or {}).get("target") or {}
     served = _served_target(cfg, train)
-    report = _read_report(cfg.acceptance_report, target, train, step, "dflash")
+    report = read_report(cfg.acceptance_report, target, train, step, "dflash")
     tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
                              cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
@@ -485,107 +485,3 @@ def _exported_from(made: dict) -> Path | None:
         return None
     step = Path(made["checkpoint"])
     return (step.parent.parent if step.parent.name == "checkpoints" else step).resolve()
-
-
-def _read_report(path: str | None, target: dict, train: dict | None, step: Path,
-                 family: str = "eagle3") -> dict | None:
-    """The `eyas eval` report to quote: one that measured a draft of `family` (eagle3, dflash)
-    from this training run (`train`'s manifest) at checkpoint `step`, as far as the eval's
-    manifest tells, on this target (the README would otherwise quote n-gram's, another draft's,
-    another step's or another target's acceptance as this draft's). A report made on the same
-    model in another precision (`--accept-other-weights`) is what serving it gives, so it may
-    be quoted."""
-    if path is None:
-        return None
-    p = Path(path)
-    p = p / "report.json" if p.is_dir() else p
-    if not p.is_file():
-        raise EyasError(f"--acceptance-report {path}: no report.json there; pass the --out "
-                        f"folder of `eyas eval` or its report.json")
-    report = read_json(p, "pass the report.json `eyas eval` wrote")
-    if not isinstance(report.get("mean_acceptance_length"), dict):
-        raise EyasError(f"{p} is not an `eyas eval` report (no mean_acceptance_length)")
-    if report.get("primary") != family:
-        name = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}[family]
-        raise EyasError(f"{p} measured {report.get('primary')}, not {name} draft (an eval "
-                        f"without --draft measures n-gram); quote the report of `eyas eval "
-                        f"--draft` on this draft")
-    evaluated = {}
-    if (p.parent / MANIFEST).is_file():
-        evaluated = read_manifest(p.parent, step="eval")
-        if evaluated.get("complete") is False:
-            raise EyasError(f"--acceptance-report {path}: that eval did not finish (its "
-                            f"{MANIFEST} says complete: false; a lossless check that failed "
-                            f"leaves it so too), so its report.json may be another eval's: run "
-                            f"`eyas eval` there again, or quote a finished one")
-        check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
-                          fix="measure this draft with `eyas eval` on the target it was "
-                              "trained for", weights=False)
-        runs = _runs_measured(evaluated)  # each run's `run`, or its id for an older eyas
-        ours = {train.get("run"), train.get("id")} - {None} if train is not None else set()
-        if train is not None and runs and not runs & ours:
-            raise EyasError(f"--acceptance-report {path} measured a draft of another training "
-                            f"run than {train.get('path')}; measure this one (`eyas eval "
-                            f"--draft` on this export or on the run) and quote that report")
-    _check_step_measured(path, _step_measured(evaluated, report), step)
-    return report
-
-
-def _step_number(checkpoint: str | Path | None) -> int | None:
-    """N of a checkpoints/step-N folder (N in eyas's eight digits), None for any other path."""
-    match = STEP_DIR.match(Path(checkpoint or "").name)
-    return int(match.group(1)) if match else None
-
-
-def _step_measured(evaluated: dict, report: dict) -> int | None:
-    """The training step whose draft an eval measured: the checkpoint it recorded
-    (`draft_checkpoint`); for an eval from before it did, the `checkpoint` of the export it
-    measured while that folder still holds the same export, or a --draft that names a step
-    folder. None where none tells (an older eval of a run folder, or one without eyas.json)."""
-    named = [evaluated.get("draft_checkpoint")]
-    for item in evaluated.get("inputs") or []:
-        made = peek_manifest(item["path"]) if item.get("step") == "export" and \
-            item.get("path") else None
-        if made and made.get("id") == item.get("id"):
-            named.append(made.get("checkpoint"))
-    named.append(report.get("draft"))
-    return next((n for n in map(_step_number, named) if n is not None), None)
-
-
-def _check_step_measured(path: str, measured: int | None, step: Path) -> None:
-    exported = _step_number(step)
-    if measured is None or exported is None:
-        log.warning("--acceptance-report %s: cannot tell whether it measured %s, the "
-                    "checkpoint exported (an eval by an eyas from before evals recorded their "
-                    "checkpoint, of a run folder or of an export replaced since, does not "
-                    "say); the README quotes it as this draft's: make sure it is", path,
-                    step.name)
-    elif measured != exported:
-        raise EyasError(f"--acceptance-report {path} measured step {measured}, but this export "
-                        f"is step {exported}; re-run `eyas eval --draft` on this export and "
-                        f"quote that report, or export the step it measured (--which "
-                        f"step-{measured})")
-
-
-def _runs_measured(evaluated: dict) -> set[str]:
-    """The training runs whose draft an eval measured (their `run`, which stays one while a
-    run trains, and for an eyas from before runs recorded one, the run's manifest id then):
-    its draft input, a run folder, or an export folder (still on disk) and the run that
-    export came from."""
-    trains = []
-    for item in evaluated.get("inputs") or []:
-        if item.get("step") == "train":
-            trains.append(item)
-        elif item.get("step") == "export" and item.get("path"):
-            made = peek_manifest(item["path"])  # while it holds the export measured
-            if made and made.get("id") == item.get("id"):
-                trains += [i for i in made.get("inputs") or [] if i.get("step") == "train"]
-    # where its inputs no longer tell (an export replaced since): the run folder around the
-    # checkpoint it recorded measuring (a run started over there since is another run)
-    step = Path(evaluated.get("draft_checkpoint") or "")
-    if not trains and _step_number(step) is not None and \
-            (step.parent.parent / MANIFEST).is_file():
-        made = peek_manifest(step.parent.parent)
-        if made and made.get("step") == "train":
-            trains.append(made)
-    return {i.get("run") or i.get("id") for i in trains} - {None}
