@@ -1467,3 +1467,35 @@ def test_resume_auto_without_a_last_pointer_continues_from_the_latest_complete_s
     assert [r["step"] for r in _records(part, "train")] == [1, 2, 3, 4, 5, 6]
     a, b = _weights(whole, 6), _weights(part, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_on_other_eval_samples_does_not_compare_the_best_with_them(run_inputs,
+                                                                           tmp_path, caplog):
+    """A best chosen on one --eval-data outranked every eval of a resume on another set (its
+    acceptance length is another set's): on other eval samples the next eval becomes the best,
+    warned; on the same ones the best stands. The saved best is made one the evals after the
+    resume cannot beat (2.5 where they reach ~1.1)."""
+    from eyas.capture import CaptureConfig, capture
+
+    for name, limit in (("eval-a", 6), ("eval-b", 4)):
+        capture(CaptureConfig(target=run_inputs["target"], data=run_inputs["prepared"],
+                              out=str(tmp_path / name), split="train", limit=limit,
+                              model_dtype="fp32", batch_tokens=2048))
+    first = tmp_path / "first"
+    kw = dict(eval_every=2, save_every=2, ttt_steps=2)
+    train(_cfg(run_inputs, first, max_steps=4, eval_data=str(tmp_path / "eval-a"), **kw))
+    saved = checkpoint.step_dir(first, 4) / "trainer_state.pt"
+    state = torch.load(saved, weights_only=True)
+    assert state["eval"]  # the eval samples its best was measured on
+    state["best"] = {**state["best"], "step": 4, "chain_acceptance_length": 2.5,
+                     "chain_by_k": {"1": 1.9, "2": 2.5}}
+    torch.save(state, saved)
+    for name, best in (("eval-a", 4), ("eval-b", 6)):
+        run = tmp_path / f"resumed-{name}"
+        shutil.copytree(first, run)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            summary = train(_cfg(run_inputs, run, max_steps=6, eval_data=str(tmp_path / name),
+                                 **kw))
+        assert summary["best"]["step"] == best
+        assert ("was measured on other eval samples" in caplog.text) == (best == 6)

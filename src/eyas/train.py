@@ -42,7 +42,7 @@ from eyas.store.manifest import check_out, train_run, write_manifest
 from eyas.draft.data_plan import plan_data, rank_slice
 from eyas.draft.processes import (Env, StopOnSignal, all_sum, autocast, compute_dtype,
                                   finish_env, init_env, peak_gib)
-from eyas.draft.resume import resume, save_step, started_config
+from eyas.draft.resume import best_on_this_eval, resume, save_step, started_config
 from eyas.draft.train_setup import (Schedules, TTTModule, build_draft, build_optimizers,
                                     check_gradients, grad_sync, warmup_cosine, wrap)
 from eyas.draft.train_config import PREVIOUS_RECIPE, TrainConfig
@@ -265,7 +265,9 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
     record = dcfg.to_dict()  # the run's draft_config.json
     state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft, inputs.target)
     if state is not None:  # (its best compared at this run's k: _best_at)
-        start, best = state["step"], _best_at(state["best"], steps, quiet=not env.main)
+        best = best_on_this_eval(state, plan, "chain_acceptance_length", quiet=not env.main)
+        start, best = state["step"], best if best["chain_acceptance_length"] is None else \
+            _best_at(best, steps, quiet=not env.main)
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process

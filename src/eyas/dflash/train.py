@@ -30,7 +30,7 @@ from eyas.dflash.objective import dflash_forward, sample_blocks
 from eyas.draft.data_plan import plan_data, rank_slice
 from eyas.draft.processes import (StopOnSignal, all_sum, autocast, compute_dtype, finish_env,
                                   init_env, peak_gib)
-from eyas.draft.resume import resume, save_step
+from eyas.draft.resume import best_on_this_eval, resume, save_step
 from eyas.draft.train_setup import (Schedules, build_optimizers, check_gradients, grad_sync,
                                     warmup_cosine, wrap)
 from eyas.errors import EyasError
@@ -193,7 +193,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
     state = resume(cfg, env, model, optimizer, scheduler, plan, config_record,
                    target=inputs.target)
     if state is not None:
-        start, best = state["step"], state["best"]
+        start, best = state["step"], best_on_this_eval(state, plan, "acceptance_length",
+                                                        quiet=not env.main)
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers
@@ -222,7 +223,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
         nonlocal best
         ev = run_eval(step)
         al = ev["acceptance_length"][str(b - 1)]
-        new = best["step"] is None or al > best["acceptance_length"]
+        new = best["step"] is None or best["acceptance_length"] is None or \
+            al > best["acceptance_length"]
         if new:
             best = {"step": step, "acceptance_length": al, "by_k": ev["acceptance_length"]}
         return ev, new

@@ -144,6 +144,7 @@ class Plan:
     total_steps: int
     fingerprint: str
     eval_batches: list  # this rank's, padded with None to the same count on every rank
+    eval_fingerprint: str = ""  # the eval samples ("" without eval): a best compares within one
 
 
 def plan_data(cfg: TrainConfig, inputs: Inputs, env: Env) -> Plan:
@@ -160,4 +161,17 @@ def plan_data(cfg: TrainConfig, inputs: Inputs, env: Env) -> Plan:
                                          rank=env.rank, world_size=env.world_size)
     return Plan(packing, batches, epoch_of, per_step, len(batches) // per_step,
                 plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),
-                eval_batches)
+                eval_batches, eval_fingerprint(inputs))
+
+
+def eval_fingerprint(inputs: Inputs) -> str:
+    """Which samples the run's evals measure: their ids and lengths, and the capture they are
+    read from (its manifest id: --eval-data of the same size is other samples). "" without
+    eval."""
+    if inputs.eval is None or len(inputs.eval_ids) == 0:
+        return ""
+    source = (getattr(inputs.eval, "manifest", None) or {}).get("id")
+    lengths = np.asarray(inputs.eval.lengths)[np.asarray(inputs.eval_ids, np.int64)]
+    blob = json.dumps([source, hashlib.sha256(lengths.tobytes()).hexdigest(),
+                       hashlib.sha256(np.asarray(inputs.eval_ids, np.int64).tobytes()).hexdigest()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

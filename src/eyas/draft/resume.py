@@ -134,6 +134,25 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
     return state
 
 
+def best_on_this_eval(state: dict, plan, metric: str, quiet: bool = False) -> dict:
+    """The resumed run's best record, while its evals measure the samples the best was measured
+    on (`state["eval"]`, plan.eval_fingerprint); on other samples (another --eval-data,
+    --eval-fraction or capture) its `metric` does not compare, so it is cleared and the next
+    eval becomes the best. A checkpoint from before steps recorded their eval is kept as it
+    is."""
+    best = state["best"]
+    was = state.get("eval")
+    if was is None or was == plan.eval_fingerprint or best.get("step") is None:
+        return best
+    if not quiet:
+        log.warning("the run's best checkpoint (step %d) was measured on other eval samples "
+                    "than this run's (another --eval-data, --eval-fraction or capture): its "
+                    "acceptance does not compare with this run's evals, so the next eval "
+                    "becomes the best. Resume with the eval data the run was started with to "
+                    "keep comparing with it", best["step"])
+    return {**best, metric: None}
+
+
 def check_same_vocab(path: Path, draft, t2d: torch.Tensor | None) -> None:
     """Refuse a checkpoint whose draft vocabulary (restored with its weights) is not the one
     of --vocab (`t2d`, this run's): its head rows and the teacher's would be other tokens."""
@@ -200,6 +219,7 @@ def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: Tra
     checkpoint.save(run_dir, step, model, optimizer, scheduler, draft_config=record,
                     keep_last=cfg.keep_last,
                     state={"step": step, "data_position": step * plan.per_step,
-                           "plan": plan.fingerprint, "best": best,
+                           "plan": plan.fingerprint, "eval": plan.eval_fingerprint,
+                           "best": best,
                            "world_size": env.world_size, "eval_due": eval_due},
                     metrics={"train": last_train, "eval": last_eval}, best_step=best["step"])
