@@ -797,6 +797,11 @@ def test_split_picks_the_split_of_a_datasets_dict_folder(tmp_path, caplog):
     assert "without an 'eval' split: every split is read" in caplog.text
     with pytest.raises(EyasError, match=r"has no 'valid' split \(it has \['test', 'train'\]\)"):
         read("valid")
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # one Dataset: no splits, --split test not applied, said
+        assert _dict_split(tmp_path / "one", "test") is None
+        assert _dict_split(tmp_path / "one", "eval") is None  # the default: nothing to say
+    assert caplog.text.count("--split test is not applied and every row is read") == 1
 
 
 def test_a_broken_chat_template_is_named_not_the_data(llama_dir, chats, tmp_path):

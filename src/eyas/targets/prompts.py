@@ -91,9 +91,13 @@ def _prepared_conversations(folder: Path, split: str):
 def _dict_split(path: Path, split: str) -> str | None:
     """--split for a `datasets` DatasetDict folder: the split to read. Its default (eval) names
     a prepared folder's split; a DatasetDict without one is read whole, as before, with a
-    word, and any other --split must exist there (chat.read_rows refuses one it lacks)."""
+    word, and any other --split must exist there (chat.read_rows refuses one it lacks). A
+    single Dataset folder has no splits: another --split than the default is warned about."""
     names = chat.dict_splits(path)
     if names is None:
+        if split != "eval" and (path / "state.json").is_file():
+            log.warning("%s is one datasets Dataset, not a DatasetDict: it has no splits, so "
+                        "--split %s is not applied and every row is read", path, split)
         return None
     if split == "eval" and split not in names:
         log.warning("%s: a datasets folder without an 'eval' split: every split is read (%s); "
