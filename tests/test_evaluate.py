@@ -20,7 +20,7 @@ from eyas.targets.corpus import synthetic_chats
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
 from eyas.errors import EyasError
-from eyas.serve.eval_report import write_report
+from eyas.serve.report_files import write_report
 from eyas.evaluate import EvalConfig, evaluate
 from eyas.serve.draft_loading import load_draft, measured_checkpoint
 from eyas.export import export_state_dict

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from eyas.config import (ConfigError, accept_other_weights_option, check_choices, option,
-                         out_option, required, revision_option, target_option, trust_remote_code_option)
+                         out_option, revision_option, target_option, trust_remote_code_option)
 from eyas.errors import EyasError, LosslessError
 from eyas.serve.eval_report import (EvalReport, Measured, by_set, concat, merge,
-                                    mismatch_message, summarize, write_report)
+                                    mismatch_message, summarize)
+from eyas.serve.report_files import write_report
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, target_record,
                                  write_manifest)

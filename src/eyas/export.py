@@ -49,9 +49,8 @@ from eyas.serve.quoted_report import read_report, step_number
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
                                  peek_manifest, read_manifest, target_record, write_manifest)
 from eyas.store.permissions import as_umask
-from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, internal_state_dict, read_json,
-                                read_vllm_folder, read_weights, find_checkpoint,
-                                load_checkpoint)
+from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, find_checkpoint, load_checkpoint,
+                                read_json, read_weights)
 from eyas.dflash.formats import dflash_checkpoint_config
 from eyas.serve.dflash_export import dflash_config_json, dflash_readme, dflash_tensors
 
