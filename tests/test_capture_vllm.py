@@ -243,6 +243,36 @@ def test_vllm_backend_writes_the_transformers_shards_and_sets_bad_files_aside(
     assert engine.llm.asked == asked
 
 
+def test_rows_too_long_for_the_engine_are_captured_by_a_run_that_fits_them(
+        llama, llama_dir, prepared, tmp_path):
+    """The reason says "raise --max-model-len and capture again": that rerun captures them (they
+    stayed set aside as done, and the same command with a larger --max-model-len did nothing)."""
+    model, _ = llama
+    ds = datasets.load_from_disk(str(prepared / "dataset"))["train"]
+    target = target_record(str(llama_dir), config=model.config,
+                           tokenizer=load_tokenizer(str(llama_dir)))
+    prep = [read_manifest(prepared, step="prepare")]
+    out = tmp_path / "vllm"
+    engine = _stand_in(model, llama_dir, tmp_path)  # max_model_len 36
+    stats = capture_loaded(_cfg(llama_dir, prepared, out, backend="vllm"), engine, engine.info,
+                           ds, target=target, inputs=prep)
+    too_long = {r for r in range(len(ds)) if ds[r]["num_tokens"] >= 36}
+    assert too_long and stats["nonfinite"] == len(too_long)
+    assert all(r["max_model_len"] == 36 for r in shards.read_report(out))
+    # the same engine again: nothing to do, they stay set aside
+    stats = capture_loaded(_cfg(llama_dir, prepared, out, backend="vllm"), engine, engine.info,
+                           ds, target=target, inputs=prep)
+    assert stats["nonfinite"] == len(too_long)
+    bigger = _stand_in(model, llama_dir, tmp_path)
+    bigger.max_model_len = 64
+    stats = capture_loaded(_cfg(llama_dir, prepared, out, backend="vllm", max_model_len=64),
+                           bigger, bigger.info, ds, target=target, inputs=prep)
+    assert bigger.llm.asked == len(too_long)  # only those rows reached the engine
+    assert stats["nonfinite"] == 0 and stats["samples"] == len(ds)
+    assert shards.read_report(out) == []
+    assert shards.verify(out)["num_samples"] == len(ds)  # each row once, none left aside
+
+
 def test_an_engine_that_writes_no_file_stops_the_capture(llama, llama_dir, prepared, tmp_path):
     """No file for any request of a batch is the engine failing (vLLM's CPU build dies so),
     not a batch of bad rows: the capture stops with the reason, and no row is set aside for it."""

@@ -281,6 +281,9 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
             state = shards.start_shard(out, shard, num_shards, settings, len(rows),
                                        overwrite=cfg.overwrite)
         shards.drop_damaged(out, state)  # sha256 and headers: a damaged part is captured again
+        # rows an earlier vLLM run set aside as too long, where this run fits them
+        limit = model.max_model_len if cfg.backend == "vllm" else float("inf")
+        shards.retry_set_aside(out, state, lambda r: r.get("max_model_len", limit) < limit)
         done = shards.done_rows(out, state)
         todo = [r for r in rows if r not in done]
         if todo:
@@ -335,7 +338,7 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
             from eyas.serve.vllm_capture import set_aside
 
             source = model.batches(dataset, todo, cfg.batch_tokens,
-                                   lambda *row: set_aside(out, state, *row))
+                                   lambda *row, **extra: set_aside(out, state, *row, **extra))
         else:
             source = forward_batches(model, info, dataset, todo, aux_ids, cfg.batch_tokens,
                                      cfg.packing, True)

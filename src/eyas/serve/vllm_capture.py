@@ -289,7 +289,7 @@ class VLLMCapture:
     def batches(self, dataset, rows: list[int], batch_tokens: int,
                 reject) -> Iterator[tuple[dict, dict]]:
         """(outputs, host meta) per window of rows, as `forward_batches` yields them; rows whose
-        file failed a check go to `reject(sample_index, sample_id, reason)` instead."""
+        file failed a check go to `reject(sample_index, sample_id, reason, **extra)` instead."""
         from eyas.targets.capture_forward import batch_inputs, check_rows, plan_batches
 
         lengths = [int(n) for n in dataset["num_tokens"]]
@@ -302,7 +302,10 @@ class VLLMCapture:
         def set_aside(bad_rows: list[tuple[int, str, str]]) -> None:
             for r, sample_id, reason in bad_rows:
                 log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
-                reject(r, sample_id, reason)
+                # a row too long for this engine is captured again by a run that fits it
+                # (shards.retry_set_aside): the report says for which max_model_len
+                reject(r, sample_id, reason, **({"max_model_len": self.max_model_len}
+                                                if reason.startswith(TOO_LONG) else {}))
 
         for window in plan_batches(lengths, rows, batch_tokens, flat=True):
             data = dataset[window]
@@ -360,14 +363,16 @@ def cpu_attention(engine: dict, info, dtype: str, device: str) -> dict:
     return {**engine, "attention_backend": "CPU_MLA"}
 
 
-def set_aside(folder: Path, state: dict, sample_index: int, sample_id: str, reason: str) -> None:
+def set_aside(folder: Path, state: dict, sample_index: int, sample_id: str, reason: str,
+              **extra) -> None:
     """Record a rejected sample in the shard's set-aside report (the file and fields of the
-    transformers capture's NaN/Inf samples), fsynced, and count it in the shard state."""
+    transformers capture's NaN/Inf samples, plus `extra`), fsynced, and count it in the shard
+    state."""
     from eyas.store.shards import report_name
 
     with open(Path(folder) / report_name(state["shard"], state["num_shards"]), "a") as f:
         f.write(json.dumps({"sample_index": sample_index, "sample_id": sample_id,
-                            "reason": reason}) + "\n")
+                            "reason": reason, **extra}) + "\n")
         f.flush()
         os.fsync(f.fileno())
     state["nonfinite"] += 1
