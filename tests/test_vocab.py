@@ -137,3 +137,29 @@ def test_out_policy_keeps_a_users_vocab_file_and_reruns_its_own(tmp_path):
     assert load_vocab(out)[0].numel() == 2
     with pytest.raises(EyasError, match="output of `eyas prepare`"):
         vocab(VocabConfig(data=(str(a),), out=str(a), draft_vocab_size=3))
+
+
+def test_damaged_counts_or_vocab_file_is_an_error_naming_it(tmp_path):
+    """A token_counts or vocab.safetensors cut short, of another content or gone raised
+    safetensors' or Python's own error (a traceback from `eyas vocab` / `eyas train --vocab`)."""
+    a = fake_prepared(tmp_path / "a", [0, 4, 1, 0, 2, 0, 0, 6])
+    out = tmp_path / "v"
+    vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=3))
+    counts = a / "token_counts.safetensors"
+    counts.write_bytes(counts.read_bytes()[:40])
+    with pytest.raises(EyasError, match=r"token_counts.safetensors is not a readable safetensors "
+                                        r"file .*re-run `eyas prepare`"):
+        vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=3))
+    save_file({"other": torch.zeros(8, dtype=torch.int64)}, str(counts))
+    with pytest.raises(EyasError, match=r"holds no \['counts'\].*re-run `eyas prepare`"):
+        vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=3))
+    fix = f"make it again: eyas vocab --data {a} --out {out}"
+    vocab_file = out / "vocab.safetensors"
+    vocab_file.write_bytes(vocab_file.read_bytes()[:50])
+    with pytest.raises(EyasError, match="not a readable safetensors file") as err:
+        load_vocab(out)
+    assert fix in str(err.value)
+    vocab_file.unlink()
+    with pytest.raises(EyasError, match="vocab.safetensors is missing") as err:
+        load_vocab(out)
+    assert fix in str(err.value)

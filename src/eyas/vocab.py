@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.errors import EyasError
 from eyas.store.manifest import check_out, check_same_target, read_manifest, write_manifest
 from eyas.store.permissions import as_umask
-from eyas.store.vocab import VOCAB_FILE, check_vocab, load_vocab
+from eyas.store.vocab import VOCAB_FILE, check_vocab, load_vocab, read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,8 @@ def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:
     total = None
     for m in manifests:
         path = Path(m["path"]) / COUNTS_FILE
-        if not path.is_file():
-            raise EyasError(f"{path} is missing; re-run `eyas prepare` for {m['path']}")
-        counts = load_file(str(path))["counts"].to(torch.int64)
+        counts = read_tensors(path, ("counts",), f"re-run `eyas prepare` for {m['path']}"
+                              )["counts"].to(torch.int64)
         expected = m.get("vocab_size") or (m.get("target") or {}).get("vocab_size")
         if expected and counts.numel() != int(expected):
             raise EyasError(f"{path} counts {counts.numel()} ids but the target vocab has "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 import torch
 
@@ -32,10 +33,27 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int | None = N
                         "true entries of t2d, ascending); re-run `eyas vocab`")
 
 
+def read_tensors(path: Path, keys: tuple[str, ...], fix: str) -> dict[str, torch.Tensor]:
+    """The safetensors file `path`, holding at least `keys`; missing, unreadable (cut short,
+    another format) or without one of them is an EyasError naming the file and `fix`."""
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise EyasError(f"{path} is missing; {fix}") from None
+    except (SafetensorError, OSError) as err:
+        raise EyasError(f"{path} is not a readable safetensors file ({err}); {fix}") from None
+    missing = [k for k in keys if k not in tensors]
+    if missing:
+        raise EyasError(f"{path} holds no {missing} (it has {sorted(tensors)}); {fix}")
+    return tensors
+
+
 def load_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(d2t, t2d, manifest) of a folder written by `eyas vocab`, checked."""
     manifest = read_manifest(folder, step="vocab")
-    tensors = load_file(str(Path(folder) / VOCAB_FILE))
+    data = ",".join((manifest.get("config") or {}).get("data") or ["PREPARED"])
+    tensors = read_tensors(Path(folder) / VOCAB_FILE, ("d2t", "t2d"),
+                           f"make it again: eyas vocab --data {data} --out {folder}")
     check_vocab(tensors["d2t"], tensors["t2d"], manifest.get("vocab_size"),
                 manifest.get("draft_vocab_size"))
     return tensors["d2t"], tensors["t2d"], manifest
