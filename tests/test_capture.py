@@ -410,6 +410,29 @@ def test_capture_of_a_real_prepare_output(llama_dir, tmp_path):
     assert all(torch.equal(view[k], s[k]) for k in s)
 
 
+def test_malformed_prepared_rows_are_set_aside_and_the_rest_captured(llama_dir, llama_prepared,
+                                                                     tmp_path):
+    """A row with no tokens, or with lengths that disagree, stopped the capture at its batch
+    (after every longer row) with an error, and again at every rerun: it never completed."""
+    prepared = tmp_path / "prep"
+    shutil.copytree(llama_prepared, prepared)
+    dd = datasets.load_from_disk(str(llama_prepared / "dataset"))
+    train = dd["train"].to_dict()
+    train["input_ids"][5], train["loss_mask"][5], train["num_tokens"][5] = [], [], 0
+    train["loss_mask"][9] = train["loss_mask"][9][:-1]
+    shutil.rmtree(prepared / "dataset")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(train, features=dd["train"].features),
+                          "eval": dd["eval"]}).save_to_disk(str(prepared / "dataset"))
+    stats = capture(_cfg(llama_dir, prepared, tmp_path / "cap"))
+    assert stats["samples"] == 12 and stats["nonfinite"] == 2
+    report = {r["sample_index"]: r for r in shards.read_report(tmp_path / "cap")}
+    assert sorted(report) == [5, 9] and report[9]["sample_id"] == "train:9"
+    assert "num_tokens 0, 0 input_ids, 0 loss_mask values" in report[5]["reason"]
+    assert "malformed prepared row" in report[9]["reason"]
+    assert shards.verify(tmp_path / "cap")["num_samples"] == 12  # every row accounted for
+    assert capture(_cfg(llama_dir, prepared, tmp_path / "cap"))["nonfinite"] == 2  # not twice
+
+
 def test_refuses_prepared_folder_from_another_tokenizer(llama_dir, tmp_path):
     prepared = make_prepared(tmp_path / "prep", llama_dir, tokenizer_hash="0123456789abcdef")
     with pytest.raises(EyasError, match=r"tokenizer_hash.*--target"):

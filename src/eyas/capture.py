@@ -289,6 +289,8 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
         if todo:
             log.info("shard %d/%d: %d of %d samples to capture (%d done before)", shard,
                      num_shards, len(todo), len(rows), len(rows) - len(todo))
+            todo = _set_aside_malformed(dataset, todo, state, out)
+        if todo:
             _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out)
         state["complete"] = True
         shards.write_json_atomic(out / shards.state_name(shard, num_shards), state)
@@ -302,10 +304,28 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
                        shards=index["shards"], complete=index["complete"], stats=stats,
                        **({"engine": model.manifest} if cfg.backend == "vllm" else {}))
     log.info("capture %s: %d samples, %d tokens, %.1f GiB, %.0f bytes/token, %d set aside "
-             "(NaN/Inf); shards complete: %s", out, stats["samples"], stats["tokens"],
-             stats["bytes"] / 2**30, stats["bytes_per_token"], stats["nonfinite"],
+             "(set-aside-*.jsonl says why); shards complete: %s", out, stats["samples"],
+             stats["tokens"], stats["bytes"] / 2**30, stats["bytes_per_token"], stats["nonfinite"],
              "all" if index["complete"] else index["shards"])
     return stats
+
+
+def _set_aside_malformed(dataset, todo: list[int], state: dict, out: Path) -> list[int]:
+    """`todo` without the rows no forward can take (empty, or lengths that disagree): each is
+    set aside in the shard's report with why, counted, and the others are captured; they
+    stopped the capture at their batch, after every longer row, at every rerun."""
+    from eyas.serve.vllm_capture import set_aside
+    from eyas.store.prepared import malformed_rows
+
+    bad = malformed_rows(dataset, todo)
+    if not bad:
+        return todo
+    log.warning("%d malformed prepared row(s) set aside (rows %s%s): see %s", len(bad),
+                sorted(bad)[:10], " ..." if len(bad) > 10 else "",
+                out / shards.report_name(state["shard"], state["num_shards"]))
+    for r, why in sorted(bad.items()):
+        set_aside(out, state, r, str(dataset[r]["sample_id"]), why)
+    return [r for r in todo if r not in bad]
 
 
 def _settings(cfg, target, inputs, aux_ids, hidden_size) -> dict:

@@ -32,3 +32,22 @@ def load_split(prepared: str | Path, split: str, limit: int | None = None):
         ds = ds.select(range(limit))
         split_rows = {n: [min(a, limit), min(b, limit)] for n, (a, b) in split_rows.items()}
     return ds, split_rows
+
+
+def malformed_rows(dataset, rows, chunk: int = 1 << 16) -> dict[int, str]:
+    """The rows among `rows` of a prepared split that no forward can take, each with why: no
+    tokens, or `num_tokens`, `input_ids` and `loss_mask` of different lengths. Reads the
+    lists' lengths only (their arrow offsets), not the tokens."""
+    import pyarrow.compute as pc
+
+    wanted, bad = set(rows), {}
+    table = dataset.with_format("arrow")
+    for start in range(0, len(dataset), chunk):
+        part = table[start:start + chunk]
+        ids = pc.list_value_length(part["input_ids"]).to_pylist()
+        mask = pc.list_value_length(part["loss_mask"]).to_pylist()
+        for j, (n, a, b) in enumerate(zip(part["num_tokens"].to_pylist(), ids, mask)):
+            if start + j in wanted and (not a or a != n or a != b):
+                bad[start + j] = (f"malformed prepared row: num_tokens {n}, {a or 0} input_ids, "
+                                  f"{b or 0} loss_mask values; re-run `eyas prepare`")
+    return bad
