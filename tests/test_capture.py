@@ -433,6 +433,17 @@ def test_malformed_prepared_rows_are_set_aside_and_the_rest_captured(llama_dir, 
     assert capture(_cfg(llama_dir, prepared, tmp_path / "cap"))["nonfinite"] == 2  # not twice
 
 
+def test_aux_ids_beyond_the_target_are_refused_before_it_loads(llama_dir, llama_prepared,
+                                                               tmp_path, monkeypatch):
+    """They were refused once the target's weights had loaded (minutes, for a large one)."""
+    from eyas.targets import models
+
+    monkeypatch.setattr(models, "load_target", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(ConfigError, match=r"out of range.*this target has L = 8"):
+        capture(_cfg(llama_dir, llama_prepared, tmp_path / "cap", aux_layer_ids=(2, 4, 99)))
+    assert not (tmp_path / "cap").exists()
+
+
 def test_refuses_prepared_folder_from_another_tokenizer(llama_dir, tmp_path):
     prepared = make_prepared(tmp_path / "prep", llama_dir, tokenizer_hash="0123456789abcdef")
     with pytest.raises(EyasError, match=r"tokenizer_hash.*--target"):

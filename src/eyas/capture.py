@@ -176,16 +176,18 @@ def capture(cfg: CaptureConfig) -> dict:
 
 def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict,
                                    config=None) -> None:
-    """A --out holding a capture of other settings (another target, aux ids, dtype, ...) is
-    refused from the target's config, before its weights load or the vLLM engine starts
-    (minutes, for a large one)."""
+    """Aux ids outside the target's layers, and a --out holding a capture of other settings
+    (another target, aux ids, dtype, ...), are refused from the target's config, before its
+    weights load or the vLLM engine starts (minutes, for a large one)."""
     from eyas.targets.models import inspect_model, load_config
+    from eyas.targets.taps import validate_aux_layer_ids
 
-    if cfg.overwrite or not Path(cfg.out).is_dir():
-        return
     config = config or load_config(cfg.target, revision=cfg.revision,
                                    trust_remote_code=cfg.trust_remote_code)
     info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
+    validate_aux_layer_ids(_aux_ids(cfg, info), info.num_layers, count=None)
+    if cfg.overwrite or not Path(cfg.out).is_dir():
+        return
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
     settings = _settings(cfg, target, [prepared], _aux_ids(cfg, info), info.hidden_size)
     shards.check_settings(Path(cfg.out), settings, cfg.shard_index()[1])
