@@ -197,3 +197,25 @@ def test_a_recorded_chat_template_must_match_its_hash(tmp_path):
     tok.chat_template = "{{ messages }} changed"
     with pytest.raises(EyasError, match="t.jinja .* is not the one prepared was prepared with"):
         check_template_hash(tok, manifest, "t.jinja")
+
+
+def test_a_part_cut_short_or_replaced_is_named_and_redone_by_capture(llama_dir, prepared,
+                                                                     captured, caplog):
+    """A part of another size than its shard state records was re-read and, if it opened,
+    trusted with a new sha256 (a copy of another part: its rows twice, for train too); one that
+    did not open was deleted without a word."""
+    files = json.loads((captured / shards.INDEX).read_text())["files"]
+    victim, other = (captured / e["file"] for e in files[:2])
+    assert victim.stat().st_size != other.stat().st_size
+    victim.write_bytes(other.read_bytes())
+    with caplog.at_level(logging.WARNING):
+        capture(_cfg(llama_dir, prepared, captured))
+    assert victim.name in caplog.text and "captured again" in caplog.text
+    assert shards.verify(captured)["num_samples"] == 14  # every row exactly once
+    caplog.clear()
+    victim = _first_part(captured)
+    victim.write_bytes(victim.read_bytes()[:1000])
+    with caplog.at_level(logging.WARNING):
+        capture(_cfg(llama_dir, prepared, captured))
+    assert f"{victim.name}: it has 1000 bytes" in caplog.text and "captured again" in caplog.text
+    assert shards.verify(captured)["num_samples"] == 14

@@ -148,8 +148,9 @@ def recover_parts(folder: Path, shard: int, num_shards: int,
     """Index entries of this shard's complete part files, after removing unfinished `.tmp` files.
 
     `known` are the entries the state file lists; a part renamed just before a kill is not
-    listed yet and is hashed here instead. A part that cannot be opened is removed (its
-    samples are captured again).
+    listed yet and is hashed here instead. A listed part of another size than written (cut
+    short, replaced) and an unlisted one that cannot be opened are removed, named in a
+    warning (their samples are captured again).
     """
     folder = Path(folder)
     prefix = f"shard-{shard:05d}-of-{num_shards:05d}."
@@ -158,13 +159,18 @@ def recover_parts(folder: Path, shard: int, num_shards: int,
     by_name = {e["file"]: e for e in (known or [])}
     entries = []
     for path in sorted(folder.glob(prefix + "part-*.safetensors")):
-        entry = by_name.get(path.name)
-        if entry is None or entry["bytes"] != path.stat().st_size:
+        entry, why = by_name.get(path.name), None
+        if entry is not None and entry["bytes"] != path.stat().st_size:
+            why = f"it has {path.stat().st_size} bytes, {entry['bytes']} were written"
+        elif entry is None:
             try:
                 entry = _describe_existing(path)
-            except Exception:  # noqa: BLE001 - any unreadable file is redone, never trusted
-                path.unlink()
-                continue
+            except Exception as err:  # noqa: BLE001 - any unreadable file is redone, never trusted
+                why = f"it cannot be read ({str(err)[:120]})"
+        if why is not None:
+            log.warning("%s: %s; deleting it, its samples are captured again", path.name, why)
+            path.unlink()
+            continue
         entries.append(entry)
     return entries
 
