@@ -725,6 +725,22 @@ def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     assert again["truncated_total"] == local_run[1]["truncated"]
 
 
+@pytest.mark.parametrize("key,value,says", [
+    ("weights_fingerprint", "0123456789abcdef", "different target weights_fingerprint"),
+    ("chat_template_hash", "0123456789abcdef", "different chat template")])
+def test_resume_refuses_another_model_or_template_behind_the_same_target(
+        setup, local_run, tmp_path, key, value, says):
+    # The --target folder retrained in place (or its chat template edited) since the run: the
+    # rest of its rows would be another model's answers, under a manifest naming only the new one.
+    out = tmp_path / "out"
+    shutil.copytree(local_run[0], out)
+    manifest = json.loads((out / "eyas.json").read_text())
+    (manifest["target"] if key == "weights_fingerprint" else manifest)[key] = value
+    (out / "eyas.json").write_text(json.dumps(manifest))
+    with pytest.raises(EyasError, match=f"{says} \\(it ran with (hash )?{value}, now"):
+        regenerate(_cfg(setup, out))
+
+
 def test_a_run_that_wrote_no_row_may_start_again_with_other_settings(setup, tmp_path):
     # The servers down at its start, a run left its manifest and two empty files; the next
     # try with another --max-new-tokens was refused as a resume of it.

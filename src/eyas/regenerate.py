@@ -176,7 +176,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     tokenizer, target = _target(cfg)
     # also fails early on a missing path; files unchanged since the run in `out`: not read
     sources = source_fingerprints(cfg.data, recorded_data(out, "regenerate"))
-    check_resume(cfg, out, sources)
+    check_resume(cfg, out, sources, target, chat_template_fingerprint(tokenizer))
     prior = read_previous(out, cfg.retry_rejects)
     extras = dict(data_files=sources, sampling=_sampling(cfg),
                   chat_template_hash=chat_template_fingerprint(tokenizer))

@@ -196,15 +196,17 @@ class Failing:
                 f"command again and it resumes with them")
 
 
-def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict]) -> None:
-    """Refuse to continue a run in `out` that generated with other settings or inputs."""
+def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict], target: dict,
+                 template_hash: str) -> None:
+    """Refuse to continue a run in `out` that generated with other settings or inputs, or with
+    another model or chat template behind the same --target (`target`: this run's record)."""
     if not (out / MANIFEST).is_file():
         if any((out / name).exists() for name in (OUTPUT, REJECTS)):
             raise EyasError(f"{out} holds {OUTPUT}/{REJECTS} but no {MANIFEST}, so they cannot "
                             f"be resumed safely; pass a new --out or delete them", flag="--out")
         return
     old = read_manifest(out, step="regenerate")
-    changed = setting_changes(cfg, old)
+    changed = setting_changes(cfg, old) + target_changes(old, target, template_hash)
     if data_content(old.get("data_files")) != data_content(sources):
         changed.append("data file contents")
     wrote = any((out / name).is_file() and (out / name).stat().st_size
@@ -228,6 +230,25 @@ def setting_changes(cfg: RegenerateConfig, manifest: dict) -> list[str]:
     was = {k: ran.get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
     return [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
             if was[k] != new[k]]
+
+
+# What identifies the model behind --target; compared where both runs recorded it (the openai
+# backend records no weights: a server's are not known here).
+TARGET_KEYS = ("commit", "tokenizer_hash", "hidden_size", "num_hidden_layers", "vocab_size",
+               "gguf_fingerprint", "weights_fingerprint")
+
+
+def target_changes(manifest: dict, target: dict, template_hash: str) -> list[str]:
+    """The target's record and chat template against the run `manifest` records: a folder
+    retrained in place, a hub name whose main branch moved or an edited chat template would
+    answer the rest of the rows otherwise, and the manifest would name only the new one."""
+    was = manifest.get("target") or {}
+    changed = [f"target {k} (it ran with {was[k]}, now {target[k]})" for k in TARGET_KEYS
+               if was.get(k) is not None and target.get(k) is not None and was[k] != target[k]]
+    if manifest.get("chat_template_hash") not in (None, template_hash):
+        changed.append(f"chat template (it ran with hash {manifest['chat_template_hash']}, now "
+                       f"{template_hash})")
+    return changed
 
 
 def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
