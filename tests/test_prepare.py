@@ -639,6 +639,23 @@ def test_answers_of_another_target_are_refused_unless_given_as_a_file(llama_dir,
     assert run_prepare(llama_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
 
 
+def test_a_regenerate_folder_inside_a_data_folder_is_checked_and_recorded(llama_dir, tmp_path):
+    # parts regenerated apart under one folder, given as --data: read, but another model's
+    # answers were taken without a word and the folder was not recorded as an input
+    from eyas.store.manifest import target_record, write_manifest
+
+    mine = target_record(str(llama_dir), tokenizer=load_tok(llama_dir))
+    (tmp_path / "parts").mkdir()
+    regen = _regenerated(tmp_path / "parts", mine)
+    assert run_prepare(llama_dir, [tmp_path / "parts"], tmp_path / "p1").kept == 1
+    assert [i["path"] for i in read_manifest(tmp_path / "p1", "prepare")["inputs"]] == [str(regen)]
+    write_manifest(regen, "regenerate", {}, target={**mine, "name_or_path": "other-model",
+                                                   "weights_fingerprint": "0" * 16}, complete=True)
+    with pytest.raises(EyasError, match=r"output .*parts/regen in --data holds the answers of "
+                                        r"other-model"):
+        run_prepare(llama_dir, [tmp_path / "parts"], tmp_path / "p2")
+
+
 def _regenerated(tmp_path, target: dict, complete: bool = True):
     """A regenerate output folder of one conversation, answered by `target` (its record)."""
     from eyas.store.manifest import write_manifest
@@ -709,7 +726,9 @@ def test_every_input_line_is_accounted_for(tok_dir, tmp_path, tok, caplog):
     (root / "notes.txt").write_text("not chat data")
     regen = root / "regen"
     regen.mkdir()
-    (regen / "eyas.json").write_text(json.dumps({"step": "regenerate", "config": {}}))
+    from eyas.store.manifest import write_manifest
+
+    write_manifest(regen, "regenerate", {}, complete=True)  # (recorded as an input now)
     (regen / "conversations.jsonl").write_text(json.dumps({"id": "r-1", **short}) + "\n")
     (regen / "rejects.jsonl").write_text(json.dumps(
         {"file": "f", "row": 1, "sample_id": "s", "reason": "HTTP 500", "kind": "server"}) + "\n")

@@ -202,13 +202,17 @@ def _count_lines(path: Path) -> int:
 
 def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
     """The manifests (with their folder as "path") of the `eyas regenerate` output folders
-    named in `paths`. A file inside one, named by itself, is read as a plain file."""
+    named in `paths` or inside a folder named there (parts regenerated apart, under one
+    folder: read as data too). A file inside one, named by itself, is read as a plain file."""
     out = []
     for spec in [paths] if isinstance(paths, (str, Path)) else paths:
         folder = Path(str(spec))
-        manifest = peek_manifest(folder) if folder.is_dir() else None
-        if manifest and manifest.get("step") == "regenerate":
-            out.append({**manifest, "path": str(folder)})
+        if not folder.is_dir():
+            continue
+        for found in sorted(folder.rglob(MANIFEST)):  # the folder's own first
+            manifest = peek_manifest(found.parent)
+            if manifest and manifest.get("step") == "regenerate":
+                out.append({**manifest, "path": str(found.parent)})
     return out
 
 
