@@ -215,6 +215,23 @@ def test_globs_folders_and_gzip(tmp_path):
     assert [r.file.rsplit("/", 1)[-1] for r in both] == ["b.jsonl", "a.jsonl"]
 
 
+def test_a_glob_that_matches_a_folder_reads_its_files(tmp_path, caplog):
+    # `data/*` passed over data/sub/ without a word: its rows were never read
+    write_jsonl(tmp_path / "a.jsonl", [SHAREGPT])
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "b.jsonl", [SHAREGPT, SHAREGPT])
+    (tmp_path / "notes.txt").write_text("not data")
+    got = rows_of(str(tmp_path / "*"))
+    assert [r.file.rsplit("/", 1)[-1] for r in got] == ["a.jsonl", "b.jsonl", "b.jsonl"]
+    assert rows_of(str(tmp_path / "**")) == got  # a folder and its files: each read once
+    with caplog.at_level("WARNING", logger="eyas"):
+        chat.source_fingerprints([str(tmp_path / "*")])
+    assert "not read as chat data (1 file(s)" in caplog.text and "notes.txt" in caplog.text
+    assert "named more than once" not in caplog.text
+    regen = _regenerate_folder(tmp_path / "sub" / "regen")  # checked against --target by prepare
+    assert [m["path"] for m in chat.regenerate_outputs([str(tmp_path / "*")])] == [str(regen)]
+
+
 def test_broken_files_become_rejects_not_crashes(tmp_path):
     good = json.dumps(SHAREGPT).encode()
     (tmp_path / "latin1.jsonl").write_bytes(good + b"\n" + '{"x": "caf\xe9"}'.encode("latin-1")

@@ -82,8 +82,17 @@ def resolve_paths(paths: str | Path | tuple | list,
             matches = sorted(glob.glob(spec, recursive=True))
             if not matches:
                 raise EyasError(f"no files match {spec!r}; check the --data glob")
-            out.extend(Path(m) for m in matches if _is_source(Path(m))
-                       and Path(m).name not in _eyas_own_files(Path(m).parent))
+            found = []
+            for match in map(Path, matches):
+                if match.is_dir() and not _is_datasets_folder(match):
+                    # a folder matched stands for its files, as when named by itself
+                    found.extend(_sources_in(match, skipped if skipped is not None else []))
+                elif _is_source(match) and match.name not in _eyas_own_files(match.parent):
+                    found.append(match)
+                elif skipped is not None and match.name not in _eyas_own_files(match.parent):
+                    skipped.append(match)
+            # `**` matches a folder and the files inside it: each read once, without a word
+            out.extend(dict.fromkeys(found))
             continue
         path = Path(spec)
         if not path.exists():
@@ -142,6 +151,7 @@ def source_fingerprints(paths, recorded: Iterable[dict] = ()) -> list[dict]:
         same = "sha256" in was and all(was.get(k) == v for k, v in stamp.items())
         out.append({"path": str(path), "sha256": was["sha256"] if same else file_sha256(path),
                     **stamp})
+    skipped = list(dict.fromkeys(skipped))  # a folder and a `**` inside it name a file twice
     if skipped:
         log.warning("not read as chat data (%d file(s) in --data folders: other suffixes than "
                     "%s, or eyas's own manifest / rejects): %s", len(skipped),
@@ -204,16 +214,18 @@ def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
     """The manifests (with their folder as "path") of the `eyas regenerate` output folders
     named in `paths` or inside a folder named there (parts regenerated apart, under one
     folder: read as data too). A file inside one, named by itself, is read as a plain file."""
-    out = []
-    for spec in [paths] if isinstance(paths, (str, Path)) else paths:
-        folder = Path(str(spec))
-        if not folder.is_dir():
-            continue
+    folders = []
+    for spec in map(str, [paths] if isinstance(paths, (str, Path)) else paths):
+        globbed = any(ch in spec for ch in "*?[")
+        folders += [Path(m) for m in (sorted(glob.glob(spec, recursive=True)) if globbed
+                                      else [spec]) if Path(m).is_dir()]
+    out = {}
+    for folder in folders:
         for found in sorted(folder.rglob(MANIFEST)):  # the folder's own first
             manifest = peek_manifest(found.parent)
             if manifest and manifest.get("step") == "regenerate":
-                out.append({**manifest, "path": str(found.parent)})
-    return out
+                out.setdefault(str(found.parent), {**manifest, "path": str(found.parent)})
+    return list(out.values())
 
 
 def _is_datasets_folder(path: Path) -> bool:
