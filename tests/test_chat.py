@@ -332,6 +332,19 @@ def test_json_lines_in_a_json_file_lose_only_their_bad_lines(tmp_path):
     assert [r.data for r in rows_of(tmp_path / "odd.json")] == [odd, odd]
 
 
+def test_json_lines_in_a_json_file_have_no_blank_line_past_their_end(tmp_path):
+    # the newline that ends the last line was counted as a blank line after it (prepare: one
+    # "blank" reject and one more row than the file has, for every Dataset.to_json file)
+    text = json.dumps(SHAREGPT) + "\n\n" + json.dumps(MESSAGE_ROW) + "\n"
+    (tmp_path / "utf8.json").write_text(text)
+    (tmp_path / "latin1.json").write_bytes(text.encode() + b'{"x": "caf\xe9"}\n')
+    (tmp_path / "ps.jsonl").write_bytes(text.encode("utf-16"))
+    for name, rows in (("utf8.json", 3), ("latin1.json", 4), ("ps.jsonl", 3)):
+        got = list(chat.read_rows(tmp_path / name, blank_lines=True))
+        assert [r.row for r in got] == list(range(1, rows + 1)), name
+        assert [isinstance(r.data, chat.BlankLine) for r in got[:3]] == [False, True, False]
+
+
 def test_utf16_files_are_read(tmp_path, caplog):
     text = "\n".join(json.dumps(r) for r in (SHAREGPT, MESSAGE_ROW)) + "\n"
     (tmp_path / "ps.jsonl").write_bytes(text.encode("utf-16"))  # with its byte-order mark

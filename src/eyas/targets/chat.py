@@ -383,7 +383,7 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
         if _opens_a_list(data):
             raise  # a list with a bad byte: one reject from row 0 (_guarded)
         # JSON Lines in a .json file: line by line, so a bad byte costs its own line only
-        yield from _read_jsonl(path, data.split(b"\n"), blank_lines)
+        yield from _read_jsonl(path, _split_lines(data, b"\n"), blank_lines)
         return
     try:
         value = json.loads(text)
@@ -393,7 +393,7 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
             return
         # `Dataset.to_json` and many tools write JSON Lines into *.json files. Split on "\n"
         # only: str.splitlines would also cut at U+2028, U+0085 and the like inside strings.
-        yield from _read_jsonl(path, text.split("\n"), blank_lines)
+        yield from _read_jsonl(path, _split_lines(text, "\n"), blank_lines)
         return
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
@@ -412,6 +412,13 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
         return
     for i, item in enumerate(value):
         yield _check_dict(str(path), i, item)
+
+
+def _split_lines(text, newline):
+    """Lines as a JSON Lines reader sees them: the newline that ends the last line starts no
+    line after it (split alone made it a blank line past the end of the file)."""
+    lines = text.split(newline)
+    return lines[:-1] if lines[-1] in ("", b"") else lines
 
 
 def _decode(data: bytes) -> str:
