@@ -700,6 +700,19 @@ def test_an_output_of_another_step_is_refused_as_data(tok_dir, tmp_path):
                     chat_template=str(tmp_path / "p1"))
 
 
+def test_an_out_inside_a_data_folder_is_refused(tok_dir, tmp_path):
+    # the first run read the folder; the same command again found its own output there and
+    # refused it as "an `eyas prepare` output, not chat data"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "ok.jsonl").write_text(json.dumps({"messages": PLAIN}) + "\n")
+    for data in ([tmp_path / "data"], [str(tmp_path / "data" / "*")]):
+        with pytest.raises(EyasError, match=r"--out .*data/prepared is inside --data .*data"):
+            run_prepare(tok_dir, data, tmp_path / "data" / "prepared")
+    assert not (tmp_path / "data" / "prepared").exists()
+    s = run_prepare(tok_dir, [str(tmp_path / "data" / "*.jsonl")], tmp_path / "data" / "prepared")
+    assert s.kept == 1  # a glob that cannot match the output is fine
+
+
 # ---------------------------------------------------------------- nothing lost (issue 34)
 
 def test_every_input_line_is_accounted_for(tok_dir, tmp_path, tok, caplog):

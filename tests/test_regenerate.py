@@ -741,6 +741,17 @@ def test_resume_refuses_another_model_or_template_behind_the_same_target(
         regenerate(_cfg(setup, out))
 
 
+def test_an_out_inside_a_data_folder_is_refused(setup, tmp_path):
+    # it failed at once, calling its own new output an unfinished run to finish by running the
+    # same command again, which failed the same way
+    (tmp_path / "data").mkdir()
+    shutil.copy(setup[1], tmp_path / "data")
+    with pytest.raises(EyasError, match=r"--out .*data/out is inside --data .*data: eyas "
+                                        r"regenerate would read its own output") as refused:
+        regenerate(_cfg(setup, tmp_path / "data" / "out", data=(str(tmp_path / "data"),)))
+    assert refused.value.flag == "--out" and not (tmp_path / "data" / "out").exists()
+
+
 def test_a_run_that_wrote_no_row_may_start_again_with_other_settings(setup, tmp_path):
     # The servers down at its start, a run left its manifest and two empty files; the next
     # try with another --max-new-tokens was refused as a resume of it.

@@ -380,6 +380,7 @@ def _duplicate_ids(sample_ids: list[str]) -> int:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Tokenize `cfg.data` for `cfg.target` into `cfg.out` (see docs/architecture.md)."""
     out = Path(cfg.out)
+    chat.check_out_outside(cfg.data, out, "prepare")
     # also fails early on a missing path; files unchanged since the output in `out`: not read
     data_record = chat.source_fingerprints(cfg.data, recorded_data(out, "prepare"))
     tok = load_tokenizer(cfg)

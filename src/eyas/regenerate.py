@@ -41,8 +41,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, normalize, read_rows,
-                              sample_id, source_fingerprints, strip_reasoning, with_system_prompt)
+from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, check_out_outside,
+                              normalize, read_rows, sample_id, source_fingerprints,
+                              strip_reasoning, with_system_prompt)
 from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
@@ -171,6 +172,7 @@ class RegenerateConfig:
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Regenerate the assistant turns of `cfg.data` into `cfg.out`; returns the run's stats."""
     # --out: new, empty or this step's own (a killed run's files come before its manifest)
+    check_out_outside(cfg.data, cfg.out, "regenerate")
     mine = (OUTPUT, REJECTS, "*.tmp")
     out = check_out(cfg.out, "regenerate", own=mine, unfinished=mine)
     tokenizer, target = _target(cfg)

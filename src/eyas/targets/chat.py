@@ -13,10 +13,12 @@ caller can report it with its file and row number and carry on.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
@@ -111,6 +113,23 @@ def resolve_paths(paths: str | Path | tuple | list,
     if not out:
         raise EyasError(f"no chat data found in {list(paths)}; check --data")
     return _once(out)
+
+
+def check_out_outside(paths, out: str | Path, step: str) -> None:
+    """Refuse an --out inside a --data folder, or one a --data glob matches: the step would read
+    its own output as input (a regenerate run failed at once as "unfinished", and told to run
+    the same command again; a prepare run re-run found "an `eyas prepare` output" in its data)."""
+    given, out = out, Path(os.path.abspath(out))
+    for spec in map(str, [paths] if isinstance(paths, (str, Path)) else paths):
+        where = Path(os.path.abspath(spec))
+        if glob.has_magic(spec):
+            caught = any(fnmatch.fnmatchcase(str(p), str(where)) for p in (out, *out.parents))
+        else:
+            caught = where.is_dir() and (where == out or where in out.parents)
+        if caught:
+            raise EyasError(f"--out {given} is inside --data {spec}: eyas {step} would read its "
+                            f"own output as chat data; choose an --out outside the data "
+                            f"folders", flag="--out")
 
 
 def _once(paths: list[Path]) -> list[Path]:
