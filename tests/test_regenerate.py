@@ -834,6 +834,12 @@ def test_config_errors_name_the_fix(setup, tmp_path):
         RegenerateConfig(target="m", data=("d",), out="o", reasoning="maybe")
     with pytest.raises(ConfigError, match="top_p"):
         _cfg(setup, tmp_path, top_p=0.0)
+    # --backend openai forgotten: the target was loaded here, beside the server's copy
+    for backend in ("transformers", "vllm"):
+        with pytest.raises(ConfigError, match=r"are for --backend openai; add --backend openai"):
+            _cfg(setup, tmp_path, backend=backend, server_url=("http://localhost:8000",))
+    with pytest.raises(ConfigError, match=r"--served-model-name are for --backend openai"):
+        _cfg(setup, tmp_path, served_model_name="qwen")
 
 
 def test_separate_reasoning_from_a_server_is_kept_inline():

@@ -157,6 +157,11 @@ class RegenerateConfig:
         if self.backend == "openai" and not self.server_url:
             raise ConfigError("backend openai needs --server-url, e.g. http://localhost:8000 "
                               "(start a server with `vllm serve MODEL`)")
+        if self.backend != "openai" and (self.server_url or self.served_model_name):
+            # without --backend openai the target was loaded here, beside the server's copy
+            raise ConfigError(f"--server-url and --served-model-name are for --backend openai; "
+                              f"add --backend openai to call the server, or drop them to "
+                              f"generate with --backend {self.backend} here")
         check_engine_options(self)
         if self.backend == "vllm" and (self.batching != "padded" or self.device != "auto"):
             raise ConfigError("--batching and --device are transformers-backend options: the vllm "
