@@ -232,6 +232,20 @@ def test_a_glob_that_matches_a_folder_reads_its_files(tmp_path, caplog):
     assert [m["path"] for m in chat.regenerate_outputs([str(tmp_path / "*")])] == [str(regen)]
 
 
+def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
+    # `**` matched a DatasetDict folder and each split folder in it: every row was read twice
+    # (trained twice, maybe in both splits), and its .json metadata read as malformed rows
+    ds = datasets.Dataset.from_list([MESSAGE_ROW, MESSAGE_ROW])
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    got = rows_of(str(tmp_path / "**"))
+    assert [(r.file.rsplit("/", 1)[-1], r.row) for r in got] == [
+        ("train", 0), ("train", 1), ("test", 0)]
+    assert all(r.data == MESSAGE_ROW for r in got)
+    with caplog.at_level("WARNING", logger="eyas"):
+        chat.source_fingerprints([str(tmp_path / "**")])
+    assert "not read as chat data" not in caplog.text  # its own files are its, not skipped
+
+
 def test_broken_files_become_rejects_not_crashes(tmp_path):
     good = json.dumps(SHAREGPT).encode()
     (tmp_path / "latin1.jsonl").write_bytes(good + b"\n" + '{"x": "caf\xe9"}'.encode("latin-1")

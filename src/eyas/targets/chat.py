@@ -81,20 +81,7 @@ def resolve_paths(paths: str | Path | tuple | list,
     for spec in paths:
         spec = str(spec)
         if any(ch in spec for ch in "*?["):
-            matches = sorted(glob.glob(spec, recursive=True))
-            if not matches:
-                raise EyasError(f"no files match {spec!r}; check the --data glob")
-            found = []
-            for match in map(Path, matches):
-                if match.is_dir() and not _is_datasets_folder(match):
-                    # a folder matched stands for its files, as when named by itself
-                    found.extend(_sources_in(match, skipped if skipped is not None else []))
-                elif _is_source(match) and match.name not in _eyas_own_files(match.parent):
-                    found.append(match)
-                elif skipped is not None and match.name not in _eyas_own_files(match.parent):
-                    skipped.append(match)
-            # `**` matches a folder and the files inside it: each read once, without a word
-            out.extend(dict.fromkeys(found))
+            out.extend(_globbed(spec, skipped if skipped is not None else []))
             continue
         path = Path(spec)
         if not path.exists():
@@ -113,6 +100,28 @@ def resolve_paths(paths: str | Path | tuple | list,
     if not out:
         raise EyasError(f"no chat data found in {list(paths)}; check --data")
     return _once(out)
+
+
+def _globbed(spec: str, skipped: list[Path]) -> list[Path]:
+    """The sources a --data glob stands for: the files it matches and those in the folders it
+    matches (as when named by itself); the files passed over are appended to `skipped`. `**`
+    matches a folder and what is inside it: each source is read once, and nothing inside a
+    datasets folder that is read (a DatasetDict's splits were read again, its .json metadata
+    as malformed rows)."""
+    matches = sorted(glob.glob(spec, recursive=True))
+    if not matches:
+        raise EyasError(f"no files match {spec!r}; check the --data glob")
+    found, passed = [], []
+    for match in map(Path, matches):
+        if match.is_dir() and not _is_datasets_folder(match):
+            found.extend(_sources_in(match, passed))  # a folder stands for its files
+        elif _is_source(match) and match.name not in _eyas_own_files(match.parent):
+            found.append(match)
+        elif match.name not in _eyas_own_files(match.parent):
+            passed.append(match)
+    read = {p for p in found if _is_datasets_folder(p)}
+    skipped.extend(p for p in passed if read.isdisjoint(p.parents))
+    return [p for p in dict.fromkeys(found) if read.isdisjoint(p.parents)]
 
 
 def check_out_outside(paths, out: str | Path, step: str) -> None:
