@@ -93,6 +93,24 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
             plan(RunConfig(**args))
 
 
+def test_a_section_that_sets_its_out_is_where_the_next_steps_read(tmp_path, llama_dir):
+    # train's section moved its run elsewhere, and export still read work_dir/train: an older
+    # run left there was exported and evaluated as this one, without a word
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w",
+            "regenerate": {"enabled": True, "out": str(tmp_path / "regen")},
+            "prepare": {"out": str(tmp_path / "prep")}, "capture": {"out": "cap"},
+            "vocab": {"out": str(tmp_path / "voc")}, "train": {"out": str(tmp_path / "run")},
+            "export": {"out": str(tmp_path / "drafts")}}
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, spec)))}
+    assert by["prepare"].data == (str(tmp_path / "regen" / "conversations.jsonl"),)
+    assert by["capture"].data == by["eval"].data == str(tmp_path / "prep")
+    assert by["vocab"].data == (str(tmp_path / "prep"),)
+    assert by["train"].data == "cap" and by["train"].vocab == str(tmp_path / "voc")
+    assert by["export"].checkpoint == str(tmp_path / "run")
+    assert by["eval"].draft == str(tmp_path / "drafts")
+    assert by["eval"].out == str(tmp_path / "w" / "eval")  # (a section without out: work_dir)
+
+
 def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llama_dir):
     import shutil
 

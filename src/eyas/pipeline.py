@@ -80,7 +80,8 @@ def _step_config(step: str, spec: dict, work: Path):
     section = dict(spec.get(step) or {})
     section.pop("enabled", None)
     values = {k: spec[k] for k in SHARED_KEYS if k in spec and k in names}
-    prepared_from = (work / "regenerated" / "conversations.jsonl"
+    out = {s: _out(spec, s, work) for s in STEPS}
+    prepared_from = (out["regenerate"] / "conversations.jsonl"
                      if _enabled(spec, "regenerate") else spec.get("data"))
     online = _flag(spec, "train", "online")
     train = spec.get("train") or {}
@@ -90,18 +91,18 @@ def _step_config(step: str, spec: dict, work: Path):
     # regenerate answers no turn past the length prepare keeps (its own section may say else)
     kept = (spec.get("prepare") or {}).get("max_length")
     wiring = {
-        "prepare": {"data": prepared_from, "out": work / "prepared"},
-        "regenerate": {"data": spec.get("data"), "out": work / "regenerated",
+        "prepare": {"data": prepared_from, "out": out["prepare"]},
+        "regenerate": {"data": spec.get("data"), "out": out["regenerate"],
                        **({"max_length": kept} if kept is not None else {})},
         # overwrite: a re-run after an upstream change replaces the old capture; an interrupted
         # capture with the same settings still resumes. split all: train holds out the eval rows.
-        "capture": {"data": work / "prepared", "out": work / "captured", "overwrite": True,
+        "capture": {"data": out["prepare"], "out": out["capture"], "overwrite": True,
                     "split": "all", **taps},
-        "vocab": {"data": (str(work / "prepared"),), "out": work / "vocab"},
-        "train": {"data": work / ("prepared" if online else "captured"),
-                  **({} if dflash else {"vocab": work / "vocab"}), "out": work / "train"},
-        "export": {"checkpoint": work / "train", "out": work / "draft"},
-        "eval": {"draft": work / "draft", "data": work / "prepared", "out": work / "eval"},
+        "vocab": {"data": (str(out["prepare"]),), "out": out["vocab"]},
+        "train": {"data": out["prepare" if online else "capture"],
+                  **({} if dflash else {"vocab": out["vocab"]}), "out": out["train"]},
+        "export": {"checkpoint": out["train"], "out": out["export"]},
+        "eval": {"draft": out["export"], "data": out["prepare"], "out": out["eval"]},
     }[step]
     for key, value in wiring.items():
         if key in names and key not in section:
@@ -112,6 +113,20 @@ def _step_config(step: str, spec: dict, work: Path):
         return from_dict(cls, values)
     except ConfigError as err:
         raise ConfigError(f"section '{step}' of the pipeline: {err}") from None
+
+
+# step -> its output folder under work_dir, unless its section sets `out`
+FOLDERS = {"regenerate": "regenerated", "prepare": "prepared", "capture": "captured",
+           "vocab": "vocab", "train": "train", "export": "draft", "eval": "eval"}
+
+
+def _out(spec: dict, step: str, work: Path) -> Path:
+    """Where `step` writes: its section's `out` (as the step reads it, from the directory eyas
+    runs in), else its fixed folder under work_dir. The steps after it read it from there: a
+    section's `out` with the next step still wired to the fixed folder had export take an
+    older run left there (or fail on a missing one)."""
+    given = (spec.get(step) or {}).get("out")
+    return Path(str(given)) if given is not None else work / FOLDERS[step]
 
 
 def _enabled(spec: dict, step: str) -> bool:
