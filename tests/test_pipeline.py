@@ -111,6 +111,21 @@ def test_a_section_that_sets_its_out_is_where_the_next_steps_read(tmp_path, llam
     assert by["eval"].out == str(tmp_path / "w" / "eval")  # (a section without out: work_dir)
 
 
+def test_a_damaged_step_manifest_is_a_clear_error_not_a_traceback(tmp_path, llama_dir):
+    # a cut or edited eyas.json in a step's folder was a JSONDecodeError (or AttributeError)
+    # traceback from the plan, --dry-run included
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w"}
+    pipeline = _write(tmp_path, spec)
+    (tmp_path / "w" / "prepared").mkdir(parents=True)
+    for damaged, why in (('{"step": "prepare", ', "Expecting"), ("[1]", "a JSON list")):
+        (tmp_path / "w" / "prepared" / "eyas.json").write_text(damaged)
+        for cfg in (RunConfig(pipeline=pipeline, dry_run=True),
+                    RunConfig(pipeline=pipeline, from_step="capture")):
+            with pytest.raises(EyasError, match=rf"w/prepared/eyas.json is damaged \({why}.*In "
+                                                rf"`eyas run`, move .*w/prepared away"):
+                plan(cfg)
+
+
 def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llama_dir):
     import shutil
 

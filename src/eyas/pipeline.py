@@ -20,7 +20,7 @@ from eyas.config import (ConfigError, check_choices, coerce, from_dict, load_yam
                          required, to_dict)
 from eyas.errors import EyasError
 from eyas.store import locks
-from eyas.store.manifest import MANIFEST, peek_manifest
+from eyas.store.manifest import MANIFEST, peek_manifest, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
         return False, "an earlier step ran, so its inputs changed"
     if not path.is_file():
         return False, "no finished output yet (or it was interrupted: the step resumes)"
-    manifest = json.loads(path.read_text())
+    manifest = _manifest(out)
     # a change first: an interrupted run with other settings may not resume (_starts_over)
     changed = _config_changes(cfg, manifest)
     if changed:
@@ -175,6 +175,16 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     if manifest.get("complete") is False:
         return False, "the previous run was interrupted: the step resumes"
     return True, "up to date"
+
+
+def _manifest(out: Path) -> dict:
+    """The manifest of a step's folder, or EyasError naming it where it is damaged (a JSON
+    traceback before, --dry-run included) and how the pipeline gets past it."""
+    try:
+        return read_manifest(out)
+    except EyasError as err:
+        raise EyasError(f"{err} In `eyas run`, move {out} away (or delete it): the plan then "
+                        f"runs that step again.") from None
 
 
 def _target_changes(cfg, manifest: dict) -> str:
@@ -274,7 +284,7 @@ def _starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) ->
         return ""
     if upstream_ran:
         return "its inputs changed"
-    manifest = json.loads(path.read_text())
+    manifest = _manifest(out)
     if manifest.get("step") != step:
         return ""  # not this step's folder: the step's own --out check refuses it
     if step == "regenerate":
@@ -376,7 +386,7 @@ def _check_skipped(earlier: list[str], spec: dict, work: Path, cfg: RunConfig) -
     for step in earlier:
         step_cfg = _step_config(step, spec, work)
         out = Path(step_cfg.out)
-        done = peek_manifest(out)
+        done = _manifest(out) if (out / MANIFEST).is_file() else None
         if done is None or done.get("complete") is False:
             raise ConfigError(f"--from-step {start} skips {step}, which has not finished in "
                               f"{out}; run without --from-step (the pipeline runs what is "
