@@ -126,6 +126,22 @@ def test_a_damaged_step_manifest_is_a_clear_error_not_a_traceback(tmp_path, llam
                 plan(cfg)
 
 
+def test_a_work_dir_that_is_no_folder_path_is_a_clear_error(tmp_path, llama_dir):
+    # a list, a number, an empty value or a file was a TypeError / FileExistsError traceback
+    (tmp_path / "notes.txt").write_text("mine")
+    for work, want in (([1, 2], r"work_dir must be a folder path .* not \[1, 2\]"),
+                       (5, "not 5"), (None, "not None"), ("", "not ''"),
+                       ("notes.txt", r"work_dir .*notes.txt cannot be a folder: .*notes.txt is "
+                                     r"a file"),
+                       ("notes.txt/w", r"cannot be a folder: .*notes.txt is a file")):
+        pipeline = _write(tmp_path, {"target": str(llama_dir), "data": "c.jsonl",
+                                     "work_dir": work})
+        for cfg in (RunConfig(pipeline=pipeline), RunConfig(pipeline=pipeline, dry_run=True)):
+            with pytest.raises(ConfigError, match=want):
+                run(cfg)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llama_dir):
     import shutil
 

@@ -316,9 +316,19 @@ def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str
 
 
 def _work_dir(cfg: RunConfig, spec: dict) -> Path:
-    """The pipeline's work_dir: as given, or relative to the pipeline YAML's folder."""
-    work = Path(spec["work_dir"])
-    return work if work.is_absolute() else Path(cfg.pipeline).resolve().parent / work
+    """The pipeline's work_dir: as given, or relative to the pipeline YAML's folder. One that
+    is no path, or a file, is a ConfigError (a TypeError or FileExistsError traceback before)."""
+    given = spec["work_dir"]
+    if not isinstance(given, str) or not given.strip():
+        raise ConfigError(f"pipeline {cfg.pipeline}: work_dir must be a folder path (a string, "
+                          f"relative to the YAML's folder), not {given!r}")
+    work = Path(given)
+    work = work if work.is_absolute() else Path(cfg.pipeline).resolve().parent / work
+    file = next((p for p in (work, *work.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        raise ConfigError(f"pipeline {cfg.pipeline}: work_dir {work} cannot be a folder: {file} "
+                          f"is a file; give work_dir a folder path")
+    return work
 
 
 def plan(cfg: RunConfig) -> list[Plan]:
