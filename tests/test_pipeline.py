@@ -248,6 +248,33 @@ def _prepared(tmp_path, llama_dir):
     return data, pipeline, tmp_path / "w" / "prepared" / "eyas.json", prepare
 
 
+def test_a_chat_template_edited_in_place_prepares_again(tmp_path, llama_dir):
+    # every config equal, so the plan skipped prepare and the rows stayed rendered with the old
+    # template (`eyas prepare` by itself prepared again)
+    import shutil
+
+    from eyas.targets.corpus import synthetic_chats
+
+    target = tmp_path / "target"
+    shutil.copytree(llama_dir, target)
+    template = tmp_path / "chat.jinja"
+    template.write_text((target / "chat_template.jinja").read_text())
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    spec = {"target": str(target), "data": str(data), "work_dir": "w"}
+    for prepare in ({"chat_template": str(template)}, {}):  # a template file, the target's own
+        pipeline = _write(tmp_path, {**spec, "prepare": prepare})
+        run(RunConfig(pipeline=pipeline, until_step="prepare"))
+        assert [p.action for p in plan(RunConfig(pipeline=pipeline, until_step="prepare"))] == \
+            ["skip"]
+        edited = Path(prepare.get("chat_template") or target / "chat_template.jinja")
+        edited.write_text(edited.read_text().replace("<|eot_id|>", "<|eot_id|>\n"))
+        again = plan(RunConfig(pipeline=pipeline, until_step="prepare"))[0]
+        assert again.action == "run" and re.fullmatch(
+            r"its chat template changed \(chat_template_hash \w{16} -> \w{16}\)",
+            again.reason), again.reason
+
+
 def test_a_second_run_in_the_same_work_dir_is_refused_while_the_first_runs(tmp_path,
                                                                            llama_dir):
     # two `eyas run` on one work_dir planned from the same folders and ran the same steps

@@ -160,7 +160,7 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     changed = _config_changes(cfg, manifest)
     if changed:
         return False, f"config changed ({', '.join(changed)})"
-    swapped = _target_changes(cfg, manifest)
+    swapped = _target_changes(cfg, manifest) or _template_changes(cfg, manifest)
     if swapped:
         return False, swapped
     try:
@@ -209,6 +209,29 @@ def _target_changes(cfg, manifest: dict) -> str:
         return f"its target cannot be checked against the one it ran with{where}"
     return next((f"the target's weights changed ({k} {was[k]} -> {now.get(k)})" for k in keys
                  if now.get(k) != was[k]), "")
+
+
+def _template_changes(cfg, manifest: dict) -> str:
+    """For prepare, why the chat template it renders with now is not the one its manifest
+    recorded ("" if it is): a `chat_template` file, or the target folder's own template,
+    edited in place keeps every config equal, and the prepared rows stay rendered with the old
+    one (`eyas prepare` run by itself prepares again; the plan skipped it)."""
+    if manifest.get("step") != "prepare" or not manifest.get("chat_template_hash"):
+        return ""
+    from eyas.prepare import load_tokenizer
+    from eyas.store.manifest import chat_template_fingerprint
+    from eyas.targets.gguf import is_gguf
+
+    if is_gguf(cfg.target) and not cfg.chat_template and not cfg.tokenizer:
+        return ""  # its template is in the file (_target_changes: gguf_fingerprint), whose
+        # parse would cost every plan seconds
+
+    was = manifest["chat_template_hash"]
+    try:
+        now = chat_template_fingerprint(load_tokenizer(cfg))
+    except EyasError as err:
+        return f"its chat template cannot be checked against the one it ran with ({err})"
+    return "" if now == was else f"its chat template changed (chat_template_hash {was} -> {now})"
 
 
 def _input_changes(manifest: dict) -> str:
