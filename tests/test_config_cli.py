@@ -31,6 +31,12 @@ def test_from_dict_coerces_and_rejects_unknown_keys():
         from_dict(Demo, {"target": "m", "lr": "fast"})
     with pytest.raises(ConfigError, match="may not be null"):
         from_dict(Demo, {"target": None})
+    # YAML reads a bare off / yes as a bool: a text key got "False" / "True" (a system prompt
+    # "True" on every row; `reasoning: off` refused as 'False')
+    for bare in (False, True):
+        with pytest.raises(ConfigError, match=rf"'name': {bare} is how YAML reads a bare .*quote"):
+            from_dict(Demo, {"target": "m", "name": bare})
+    assert from_dict(Demo, {"target": "m", "name": "off"}).name == "off"
     # a list: commas or spaces, but an empty item is a typo, not a shorter list
     assert from_dict(Demo, {"target": "m", "ids": "1, 2"}).ids == (1, 2)
     assert from_dict(Demo, {"target": "m", "ids": "1 2 3"}).ids == (1, 2, 3)

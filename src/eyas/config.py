@@ -82,6 +82,10 @@ def coerce(name: str, tp, value):
         if tp is float:
             return float(value)
         if tp is str:
+            if isinstance(value, bool):  # str(False) is "False": a system prompt "True", say
+                raise ConfigError(f"config key '{name}': {value} is how YAML reads a bare "
+                                  f"yes/no/on/off/true/false, and this key takes text; quote "
+                                  f"the word (e.g. \"off\")")
             if isinstance(value, (dict, list)):
                 raise ValueError(value)
             return str(value)
