@@ -142,6 +142,24 @@ def test_a_work_dir_that_is_no_folder_path_is_a_clear_error(tmp_path, llama_dir)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_an_export_that_lost_a_file_it_wrote_runs_again(tmp_path, llama_dir):
+    # a draft folder whose model.safetensors was deleted was "up to date" at every plan
+    from eyas import pipeline
+    from eyas.store.manifest import write_manifest
+
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w"}
+    cfg = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, spec)))}["export"]
+    out = Path(cfg.out)
+    for name in ("config.json", "model.safetensors"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("{}")
+    write_manifest(out, "export", cfg, files={"config.json": "0", "model.safetensors": "0"})
+    assert pipeline._up_to_date(cfg, out, False) == (True, "up to date")
+    (out / "model.safetensors").unlink()
+    assert pipeline._up_to_date(cfg, out, False) == (
+        False, "its output lost model.safetensors since it ran")
+
+
 def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llama_dir):
     import shutil
 

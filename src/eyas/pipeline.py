@@ -174,6 +174,11 @@ def _up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
         return False, replaced
     if manifest.get("complete") is False:
         return False, "the previous run was interrupted: the step resumes"
+    # the files the manifest lists (export's draft): one deleted since left a broken draft
+    # that every later plan called up to date
+    gone = [f for f in manifest.get("files") or () if not (out / f).exists()]
+    if gone:
+        return False, f"its output lost {', '.join(sorted(gone))} since it ran"
     return True, "up to date"
 
 
