@@ -266,8 +266,8 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
     state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft, inputs.target)
     if state is not None:  # (its best compared at this run's k: _best_at)
         best = best_on_this_eval(state, plan, "chain_acceptance_length", quiet=not env.main)
-        start, best = state["step"], best if best["chain_acceptance_length"] is None else \
-            _best_at(best, steps, quiet=not env.main)
+        start, best = state["step"], best if best.get("chain_acceptance_length") is None \
+            else _best_at(best, steps, quiet=not env.main)
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers  # online: the target runs in this process
