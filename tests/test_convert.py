@@ -141,6 +141,32 @@ def test_another_existing_folder_is_refused_and_kept(gguf, tiny_gguf, folder, tm
     assert read_manifest(folder, step="convert")["dtype"] == "float32"
 
 
+def test_a_damaged_or_unreadable_manifest_is_refused_by_name(gguf, folder, tmp_path):
+    # A hand-edited eyas.json that still says step convert but lacks a key was a KeyError
+    # traceback; an unreadable one read "holds the output of `eyas an unknown step (...)`".
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    body = json.loads((damaged / "eyas.json").read_text())
+    del body["target"]["gguf_fingerprint"], body["dtype"]
+    (damaged / "eyas.json").write_text(json.dumps(body))
+    for run in (lambda: convert_gguf(gguf, damaged),
+                lambda: convert(ConvertConfig(target=str(gguf), out=str(damaged)))):
+        with pytest.raises(EyasError, match=r"eyas.json is a damaged `eyas convert` manifest "
+                                            r"\(target.gguf_fingerprint, dtype are missing.*"
+                                            r"move .*damaged away or pass another --out"):
+            run()
+    (damaged / "eyas.json").write_text("{not json")
+    with pytest.raises(EyasError, match=r"eyas.json is unreadable.*pass another --out"):
+        convert_gguf(gguf, damaged)
+    with pytest.raises(EyasError, match=r"holds an eyas.json that is unreadable or names no "
+                                        r"eyas step, not the output of `eyas convert`") as e:
+        convert(ConvertConfig(target=str(gguf), out=str(damaged)))
+    assert "an unknown step" not in str(e.value)
+    assert (damaged / "model.safetensors").is_file()  # refused and kept
+
+
 def test_an_empty_folder_is_filled(gguf, tmp_path):
     (tmp_path / "empty").mkdir()
     assert (convert_gguf(gguf, tmp_path / "empty") / "model.safetensors").is_file()

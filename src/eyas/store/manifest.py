@@ -233,11 +233,13 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
         try:
             found = json.loads((folder / MANIFEST).read_text()).get("step")
         except (OSError, ValueError, AttributeError):  # not JSON, not UTF-8, a folder
-            found = "an unknown step (its eyas.json is unreadable)"
+            found = None
         if found != step:
-            raise EyasError(f"--out {folder} holds the output of `eyas {found}`, not of `eyas "
-                            f"{step}`; choose another --out (eyas never writes into another "
-                            f"step's folder).", flag="--out")
+            holds = (f"the output of `eyas {found}`" if isinstance(found, str) and found else
+                     f"an {MANIFEST} that is unreadable or names no eyas step")
+            raise EyasError(f"--out {folder} holds {holds}, not the output of `eyas {step}`; "
+                            f"choose another --out (eyas never writes into another step's "
+                            f"folder).", flag="--out")
         allowed += own
     foreign = [n for n in entries if not any(fnmatch.fnmatchcase(n, p) for p in allowed)]
     if foreign:

@@ -96,11 +96,11 @@ def _already_converted(out: Path, gguf: Path, dtype: str) -> bool:
         raise EyasError(f"{out} exists and is a file; choose a new --out folder")
     if not any(out.iterdir()):
         return False
-    body = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else {}
+    body = _manifest(out) if (out / MANIFEST).is_file() else {}
     if body.get("step") != "convert":
         raise EyasError(f"{out} exists and is not an `eyas convert` folder; choose a new or "
                         f"empty --out (eyas convert never overwrites a folder)")
-    had = body["target"]
+    had = _recorded(out, body)
     if had["gguf_fingerprint"] == gguf_fingerprint(gguf) and body["dtype"] == dtype:
         files = body.get("files") or {}
         broken = [f for f, size in files.items()
@@ -114,3 +114,30 @@ def _already_converted(out: Path, gguf: Path, dtype: str) -> bool:
     raise EyasError(f"{out} already holds another conversion: {had['name_or_path']} "
                     f"(gguf_fingerprint {had['gguf_fingerprint']}) in {body['dtype']}, not "
                     f"{gguf} in {dtype}; choose another --out, or delete {out} to convert again")
+
+
+def _manifest(out: Path) -> dict:
+    """The body of `out`'s eyas.json; EyasError if it is not a JSON object."""
+    try:
+        body = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError) as e:  # not JSON, not UTF-8
+        body = e
+    if not isinstance(body, dict):
+        raise EyasError(f"{out / MANIFEST} is unreadable (not a JSON object); move {out} away "
+                        f"or pass another --out")
+    return body
+
+
+def _recorded(out: Path, body: dict) -> dict:
+    """The GGUF record of the convert manifest `body`, checked for every key read from it: a
+    hand-edited or damaged manifest is refused here, naming the keys, not with a KeyError."""
+    had = body["target"] if isinstance(body.get("target"), dict) else {}
+    bad = [f"target.{k}" for k in ("gguf_fingerprint", "name_or_path") if k not in had]
+    bad += [k for k in ("dtype",) if not isinstance(body.get(k), str)]
+    bad += [k for k in ("files",) if not isinstance(body.get(k) or {}, dict)]
+    if bad:
+        raise EyasError(f"{out / MANIFEST} is a damaged `eyas convert` manifest ({', '.join(bad)} "
+                        f"{'is' if len(bad) == 1 else 'are'} missing or malformed), so what {out} "
+                        f"holds is unknown; move {out} away or pass another --out, and convert "
+                        f"again")
+    return had
