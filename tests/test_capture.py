@@ -381,6 +381,30 @@ def test_nonfinite_samples_are_set_aside_and_reported(llama_dir, tmp_path):
     torch.testing.assert_close(online[0]["aux_hidden"].bfloat16().float(), got[2]["aux_hidden"])
 
 
+def test_an_empty_split_is_refused_before_the_target_loads(llama_dir, tmp_path, monkeypatch):
+    """A prepared folder without eval rows (--eval-fraction 0) captured with --split eval was a
+    complete capture of 0 samples, refused only by `eyas train`."""
+    from eyas.targets import models
+    from eyas.targets.corpus import synthetic_chats
+    from eyas.prepare import PrepareConfig, prepare
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(4, seed=3)))
+    prepare(PrepareConfig(target=str(llama_dir), data=(str(chats),), out=str(tmp_path / "prep"),
+                          eval_fraction=0.0))
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(models, "load_target", no_load)
+    with pytest.raises(EyasError, match=r"--split eval of .*prep has 0 rows, so its capture "
+                                        r"would hold no samples; prepare again with "
+                                        r"--eval-fraction above 0.*--split train or all") as e:
+        capture(_cfg(llama_dir, tmp_path / "prep", tmp_path / "cap", split="eval"))
+    assert e.value.flag == "--split"
+    assert not (tmp_path / "cap").exists()
+
+
 def test_capture_of_a_real_prepare_output(llama_dir, tmp_path):
     """The folder `eyas prepare` writes (its column types, its manifest) captures as is."""
     from eyas.targets.corpus import synthetic_chats

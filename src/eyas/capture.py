@@ -159,6 +159,7 @@ def capture(cfg: CaptureConfig) -> dict:
                                                             tokenizer=tokenizer, weights=False),
                       what, weights=False)
     dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
+    _check_rows(cfg, len(dataset))
     if cfg.backend == "vllm":
         return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)
     _check_settings_before_loading(cfg, tokenizer, prepared)
@@ -172,6 +173,21 @@ def capture(cfg: CaptureConfig) -> dict:
     check_same_target(prepared.get("target"), target, what, weights=False)
     return capture_loaded(cfg, model, info, dataset, target=target, inputs=[prepared],
                           split_rows=split_rows)
+
+
+def _check_rows(cfg: CaptureConfig, rows: int) -> None:
+    """Refuse an empty split before the target loads: its capture would be a complete folder
+    of 0 samples, refused only later by `eyas train`."""
+    if rows:
+        return
+    fix = {"eval": "prepare again with --eval-fraction above 0 (it holds out at least one "
+                   "eval row once 2 conversations are kept), or capture --split train or all",
+           "train": "capture --split eval or all, or prepare again with more conversations "
+                    "kept",
+           "all": "prepare again with data of which conversations are kept (its log says why "
+                  "rows were set aside)"}[cfg.split]
+    raise EyasError(f"--split {cfg.split} of {cfg.data} has 0 rows, so its capture would hold "
+                    f"no samples; {fix}.", flag="--split")
 
 
 def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict,
