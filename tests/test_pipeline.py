@@ -629,3 +629,32 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
         run(RunConfig(pipeline=pipeline))
     assert failed.value.__cause__.flag == "--out"  # (eval's check_out refused the folder)
     assert (mine / "report.md").read_text() == "notes"
+
+
+def test_regenerate_on_a_target_whose_weights_changed_starts_over(tmp_path, llama_dir):
+    """regenerate's resume refuses another model behind the same --target (two models' answers
+    in one folder); in `eyas run` that refusal ended the pipeline, where a changed setting
+    starts over. Other weights now start over too (the old answers moved aside)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eyas.targets.corpus import synthetic_chats
+
+    target = tmp_path / "target"
+    shutil.copytree(llama_dir, target)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(2)))
+    spec = {"target": str(target), "data": str(data), "work_dir": "w",
+            "regenerate": {"enabled": True, "max_new_tokens": 3, "device": "cpu"}}
+    pipeline = _write(tmp_path, spec)
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    weights = load_file(str(target / "model.safetensors"))
+    weights["model.norm.weight"] += 0.5  # fine-tuned in place
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and regen.start_over
+    assert "regenerate starts over (the target's weights changed (weights_fingerprint" in \
+        regen.reason
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()

@@ -334,6 +334,10 @@ def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str
     changed = setting_changes(cfg, manifest)
     if changed:
         return f"its config changed ({', '.join(changed)})"
+    # other weights behind the same target: its resume refuses them (two models' answers)
+    swapped = _target_changes(cfg, manifest)
+    if swapped.startswith("the target's weights changed"):
+        return swapped
     try:
         moved = _data_changes(cfg, manifest, out)
     except EyasError:
