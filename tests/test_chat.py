@@ -138,6 +138,16 @@ def test_strip_reasoning_and_system_prompt():
             {"role": "assistant", "content": "half plan</think>Final."}]
     assert chat.strip_reasoning(msgs) == [msgs[0], {"role": "assistant", "content": "Answer."},
                                           {"role": "assistant", "content": "Final."}]
+    # An answer cut inside its reasoning (regenerate writes it without </think>): kept by
+    # default (regenerate's empty-answer check); with unclosed, removed to the end of its turn,
+    # and a turn of nothing else is the row's reject, not a silently empty turn.
+    cut = [{"role": "assistant", "content": "Sure. <think>\nthe cow and"}]
+    assert chat.strip_reasoning(cut) == cut
+    assert chat.strip_reasoning(cut, unclosed=True) == [{"role": "assistant", "content": "Sure. "}]
+    assert chat.strip_reasoning(msgs, unclosed=True) == chat.strip_reasoning(msgs)
+    with pytest.raises(chat.ReasoningCutOff, match="--max-new-tokens.*--reasoning keep"):
+        chat.strip_reasoning([msgs[0], {"role": "assistant", "content": "<think>\nthe cow"}],
+                             unclosed=True)
     with_sys = chat.with_system_prompt(msgs, "SYS")
     assert with_sys[0] == {"role": "system", "content": "SYS"} and with_sys[1:] == msgs
     assert chat.with_system_prompt(MESSAGES, "SYS") == MESSAGES  # has its own

@@ -401,7 +401,7 @@ def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
                           "tokens": sum(train["num_tokens"]),
                           "masked_tokens": sum(map(sum, train["loss_mask"])),
                           "train": 2, "eval": 0, "blank_lines": 0, "rows": 2,
-                          "duplicate_ids": 0, "empty_answers": 0}
+                          "duplicate_ids": 0, "empty_answers": 0, "reasoning_cut_off": 0}
     assert m["max_position_embeddings"] == 4096  # the tiny llama's: 300 is below it
     assert len(m["chat_template_hash"]) == 16 and m["vocab_size"] == 2048
     assert m["data_files"][0]["path"] == str(tmp_path / "data" / "b.json")
@@ -487,6 +487,35 @@ def test_truncated_rows_from_regenerate(tok_dir, tmp_path, tok, caplog):
     assert cut["loss_mask"] == whole["loss_mask"][:-1] + [0]
     assert tok.decode(cut["input_ids"][:-1]).endswith("The cow and")
     assert s.masked_tokens == 3 * sum(whole["loss_mask"]) - 1
+
+
+def test_strip_removes_reasoning_cut_off(tok_dir, tmp_path, caplog):
+    # regenerate writes an answer cut inside its reasoning as "<think>\n..." with no
+    # </think>: --reasoning strip kept that reasoning as the answer's text. Now it is removed
+    # to the end of the turn; a turn left with nothing sets its row aside, counted and listed.
+    rows = [{"id": "cut", "truncated": True, "messages": [
+                *CUT[:-1], {"role": "assistant", "content": "<think>\nthe cow and the"}]},
+            {"id": "said-first", "truncated": True, "messages": [
+                *CUT[:-1], {"role": "assistant", "content": "The cow<think>\nand the"}]},
+            {"id": "whole", "messages": CONV}]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.INFO, logger="eyas.prepare"):
+        s = run_prepare(tok_dir, [data], tmp_path / "out", reasoning="strip")
+    assert (s.rows, s.kept, s.reasoning_cut_off, s.rejected) == (3, 2, 1, 0)
+    assert "1 rows set aside by --reasoning strip" in caplog.text
+    assert read_manifest(tmp_path / "out", "prepare")["stats"]["reasoning_cut_off"] == 1
+    [reject] = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").open()]
+    assert (reject["sample_id"], reject["kind"]) == ("cut", "reasoning_cut_off")
+    assert "--max-new-tokens" in reject["reason"] and "--reasoning keep" in reject["reason"]
+    train = {r["sample_id"]: json.loads(r["messages_json"]) for r in
+             datasets.load_from_disk(str(tmp_path / "out" / "dataset"))["train"]}
+    assert train["said-first"][-1]["content"] == "The cow"
+    assert train["whole"] == PLAIN
+    assert all("think>" not in m["content"] for conv in train.values() for m in conv)
+    # keep: the reasoning the target wrote is trained on, as before
+    keep = run_prepare(tok_dir, [data], tmp_path / "keep")
+    assert (keep.kept, keep.reasoning_cut_off) == (3, 0)
 
 
 def test_eval_split_is_deterministic(tok_dir, tmp_path):

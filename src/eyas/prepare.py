@@ -101,12 +101,17 @@ class PrepareSummary:
     eval: int
     out: str
     blank_lines: int = 0  # empty lines of JSON Lines inputs (listed in rejects.jsonl too)
-    rows: int = 0  # every input row and blank line: kept + dropped_too_long + rejected + blank
+    # every input row and blank line: kept + dropped_too_long + rejected + blank_lines
+    # + reasoning_cut_off
+    rows: int = 0
     duplicate_ids: int = 0  # kept rows whose sample id an earlier kept row has
     max_length: int = 0  # the limit applied: --max-length, or the target's, if smaller
     # kept rows with an assistant turn of no text (nor a tool call): only its end-of-turn
     # token is trained on there, which teaches the draft to end answers at once
     empty_answers: int = 0
+    # rows set aside by --reasoning strip: an assistant turn was only reasoning cut off
+    # before its </think> (regenerate's answer cut at max tokens), so nothing of it is left
+    reasoning_cut_off: int = 0
 
 
 # ---------------------------------------------------------------- the step
@@ -185,23 +190,26 @@ def _truncated(data: dict) -> bool:
 
 def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip: bool):
     """Dataset rows: the normalised conversation as JSON and its `truncated` mark, or the
-    reason it is unusable, or a blank line (so that every line is accounted for).
+    reason it is unusable (`cut_off`: reasoning cut off, which `strip` leaves nothing of), or
+    a blank line (so that every line is accounted for).
     (`chat.read_conversations` with the raw row's mark kept.)"""
     for file, row, data in chat.read_rows(paths, fmt, blank_lines=True):
         rec = {"file": file, "row": row, "sample_id": f"{file}:{row}", "messages_json": "",
-               "truncated": False, "error": "", "blank": isinstance(data, chat.BlankLine)}
+               "truncated": False, "error": "", "cut_off": False,
+               "blank": isinstance(data, chat.BlankLine)}
         try:
             if isinstance(data, ChatFormatError):
                 raise data
             rec["sample_id"] = chat.sample_id(data, file, row)
             messages = chat.normalize(data, fmt)
             rec["truncated"] = _truncated(data)
+            if strip:
+                messages = chat.strip_reasoning(messages, unclosed=True)
         except ChatFormatError as err:
             rec["error"] = str(err)
+            rec["cut_off"] = isinstance(err, chat.ReasoningCutOff)
             yield rec
             continue
-        if strip:
-            messages = chat.strip_reasoning(messages)
         messages = chat.with_system_prompt(messages, system_prompt)
         rec["messages_json"] = json.dumps(messages, ensure_ascii=False)
         yield rec
@@ -209,9 +217,11 @@ def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip:
 
 def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
              truncate: bool) -> dict:
-    """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected."""
+    """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected /
+    cut_off / blank."""
+    status = "blank" if rec["blank"] else "cut_off" if rec["cut_off"] else "rejected"
     out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
-           "status": "blank" if rec["blank"] else "rejected", "reason": rec["error"],
+           "status": status, "reason": rec["error"],
            "empty_answer": False}
     if rec["error"]:
         return out
@@ -249,7 +259,7 @@ def _features():
         "file": datasets.Value("string"), "row": datasets.Value("int64"),
         "sample_id": datasets.Value("string"), "messages_json": datasets.Value("string"),
         "truncated": datasets.Value("bool"), "error": datasets.Value("string"),
-        "blank": datasets.Value("bool"), "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
+        "cut_off": datasets.Value("bool"), "blank": datasets.Value("bool"), "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
         "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
         "status": datasets.Value("string"), "reason": datasets.Value("string"),
         "empty_answer": datasets.Value("bool"),
@@ -263,7 +273,7 @@ def _tokenized(cfg: PrepareConfig, tok, work: Path, max_length: int):
     features = _features()
     read_features = datasets.Features({k: features[k] for k in
                                        ("file", "row", "sample_id", "messages_json",
-                                        "truncated", "error", "blank")})
+                                        "truncated", "error", "cut_off", "blank")})
     if next(chat.read_rows(cfg.data, cfg.format), None) is None:  # datasets' own error is cryptic
         raise EyasError(f"no rows in {list(cfg.data)}: the input files are empty (an `eyas "
                         f"regenerate` whose rows were all rejected writes an empty "
@@ -341,7 +351,8 @@ def _token_counts(train, vocab_size: int) -> np.ndarray:
 
 
 # status of a row that is not kept -> its `kind` in rejects.jsonl
-SET_ASIDE = {"rejected": "malformed", "too_long": "too_long", "blank": "blank"}
+SET_ASIDE = {"rejected": "malformed", "too_long": "too_long", "blank": "blank",
+             "cut_off": "reasoning_cut_off"}
 
 
 def _write_rejects(path: Path, ds, status: np.ndarray) -> None:
@@ -456,7 +467,9 @@ def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
                            f"{int((status == 'rejected').sum())} rejected, "
                            f"{int((status == 'too_long').sum())} longer than max_length "
                            f"{max_length}{_length_fix(cfg, max_length)}, "
-                           f"{int((status == 'blank').sum())} blank lines",
+                           f"{int((status == 'blank').sum())} blank lines, "
+                           f"{int((status == 'cut_off').sum())} only reasoning cut off "
+                           f"(--reasoning strip)",
                            out / "rejects.jsonl")
     train_rows, eval_rows = _split(kept, cfg.eval_fraction, cfg.seed)
     columns = ["input_ids", "loss_mask", "sample_id", "num_tokens", "messages_json"]
@@ -487,16 +500,23 @@ def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
         train=len(train_rows), eval=len(eval_rows), out=str(work.parent),
         blank_lines=int((status == "blank").sum()), rows=len(status),
         duplicate_ids=_duplicate_ids(ds.select(kept.tolist())["sample_id"]),
-        max_length=max_length, empty_answers=int(empty.sum()))
+        max_length=max_length, empty_answers=int(empty.sum()),
+        reasoning_cut_off=int((status == "cut_off").sum()))
 
 
 def _log_summary(s: PrepareSummary, out: Path, cfg: PrepareConfig) -> None:
     log.info("prepare: %d input rows = kept %d conversations (train %d, eval %d; %d truncated "
              "to max_length %d; %d end in a truncated answer, its end-of-turn not supervised) "
-             "+ dropped %d too long + rejected %d + %d blank lines; %d tokens, %d supervised "
-             "-> %s", s.rows, s.kept, s.train, s.eval, s.truncated, s.max_length,
-             s.truncated_answers, s.dropped_too_long, s.rejected, s.blank_lines, s.tokens,
-             s.masked_tokens, out)
+             "+ dropped %d too long + rejected %d + %d blank lines + %d reasoning cut off; "
+             "%d tokens, %d supervised -> %s", s.rows, s.kept, s.train, s.eval, s.truncated,
+             s.max_length, s.truncated_answers, s.dropped_too_long, s.rejected, s.blank_lines,
+             s.reasoning_cut_off, s.tokens, s.masked_tokens, out)
+    if s.reasoning_cut_off:
+        log.warning("%d rows set aside by --reasoning strip: an assistant turn is only "
+                    "reasoning cut off before its </think> (an answer cut at max tokens), "
+                    "which leaves nothing of it; regenerate with a larger --max-new-tokens, "
+                    "or prepare with --reasoning keep (rows listed in %s, kind "
+                    "reasoning_cut_off)", s.reasoning_cut_off, out / "rejects.jsonl")
     if s.rejected or s.dropped_too_long or s.blank_lines:
         log.warning("%d rows set aside (%d malformed, %d too long%s, %d blank lines): file, "
                     "row and reason of each in %s",

@@ -48,6 +48,11 @@ class ChatFormatError(ValueError):
     """A row that cannot be used; the message is the reason written to rejects.jsonl."""
 
 
+class ReasoningCutOff(ChatFormatError):
+    """An assistant turn that is only reasoning never closed (an answer cut inside its
+    `<think>` block at max tokens): stripping its reasoning leaves nothing of it."""
+
+
 class BlankLine(ChatFormatError):
     """An empty line of a JSON Lines file (`read_rows(..., blank_lines=True)`)."""
 
@@ -650,7 +655,8 @@ class Conversation(NamedTuple):
 
 def read_conversations(paths, fmt: str = "auto", *, system_prompt: str | None = None,
                        strip_think: bool = False) -> Iterator[Conversation]:
-    """`read_rows` + `normalize` (+ optional system prompt / reasoning strip) per row."""
+    """`read_rows` + `normalize` (+ optional system prompt / reasoning strip) per row; a
+    turn that is only cut-off reasoning makes its row's error when `strip_think`."""
     for file, row, data in read_rows(paths, fmt):
         if isinstance(data, ChatFormatError):
             yield Conversation(file, row, f"{file}:{row}", data)
@@ -658,11 +664,11 @@ def read_conversations(paths, fmt: str = "auto", *, system_prompt: str | None = 
         sid = sample_id(data, file, row)
         try:
             messages = normalize(data, fmt)
+            if strip_think:
+                messages = strip_reasoning(messages, unclosed=True)
         except ChatFormatError as err:
             yield Conversation(file, row, sid, err)
             continue
-        if strip_think:
-            messages = strip_reasoning(messages)
         yield Conversation(file, row, sid, with_system_prompt(messages, system_prompt))
 
 
@@ -672,18 +678,31 @@ _THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + r".*?" + re.escape(THINK_CLOSE
                           re.DOTALL)
 
 
-def strip_reasoning(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+def strip_reasoning(messages: list[dict[str, str]], *,
+                    unclosed: bool = False) -> list[dict[str, str]]:
     """Assistant turns without their `<think>...</think>` reasoning.
 
     Text before a lone `</think>` counts as reasoning too (R1-style outputs whose opening
-    tag was part of the prompt).
+    tag was part of the prompt). With `unclosed`, so does a `<think>` never closed, to the
+    end of its turn (an answer cut inside its reasoning at max tokens, as `eyas regenerate`
+    writes it); a turn of nothing else raises ReasoningCutOff, since dropping it silently
+    would change the conversation. Without it (regenerate's empty-answer check) such a turn
+    keeps its text: it is what the target wrote, trained on with `--reasoning keep`.
     """
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] == "assistant":
             text = _THINK_BLOCK.sub("", m["content"])
             if THINK_CLOSE in text:
                 text = text.split(THINK_CLOSE)[-1]
+            if unclosed and THINK_OPEN in text:
+                text = text.split(THINK_OPEN)[0]
+                if not text.strip() and not m.get("tool_calls"):
+                    raise ReasoningCutOff(
+                        f"assistant turn {i} is reasoning cut off before its {THINK_CLOSE} (an "
+                        f"answer cut at max tokens) and --reasoning strip leaves nothing of it; "
+                        f"regenerate with a larger --max-new-tokens, or prepare with "
+                        f"--reasoning keep to train on the reasoning")
             m = {**m, "content": text.lstrip()}
         out.append(m)
     return out
