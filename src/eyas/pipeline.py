@@ -397,14 +397,40 @@ def plan(cfg: RunConfig) -> list[Plan]:
         steps = steps[steps.index(cfg.from_step):]
     if cfg.until_step:
         steps = steps[: steps.index(cfg.until_step) + 1]
-    plans, upstream_ran = [], False
-    for step in steps:
-        step_cfg = _step_config(step, spec, work)
+    configs = {step: _step_config(step, spec, work) for step in steps}
+    # a step whose folder is gone is skipped while every step that read it is (_removed_after
+    # _use); where the plan runs one of those after all, that step runs too, and the plan is
+    # made again from it
+    needed: set[str] = set()
+    while True:
+        plans, readers = _plan_steps(cfg, steps, configs, needed)
+        runs = {p.step for p in plans if p.action == "run"}
+        again = {step for step, used in readers.items() if set(used) & runs} - needed
+        if not again:
+            return plans
+        needed |= again
+
+
+def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str]
+                ) -> tuple[list[Plan], dict[str, list[str]]]:
+    """One pass of the plan: each step run or skipped, in order; and the steps skipped as
+    removed after use, with the steps that read them. `needed`: steps that run even so."""
+    plans, readers, upstream_ran = [], {}, False
+    for i, step in enumerate(steps):
+        step_cfg = configs[step]
         out = Path(step_cfg.out)
         if cfg.force or (cfg.from_step == step):
             ok, why = False, "forced" if cfg.force else "--from-step"
         else:
             ok, why = _up_to_date(step_cfg, out, upstream_ran)
+            if not ok and not upstream_ran and not out.exists() and step not in needed:
+                used = _removed_after_use(out, [(s, configs[s]) for s in steps[i + 1:]])
+                if used:
+                    readers[step] = used
+                    ok, why = True, (
+                        f"its output was removed after {' and '.join(used)} used it, which "
+                        f"{'is' if len(used) == 1 else 'are'} up to date (it runs again when "
+                        f"{'that step' if len(used) == 1 else 'one of them'} must)")
         again = "" if ok or step not in ("train", "regenerate") else \
             _starts_over(step, step_cfg, out, upstream_ran, cfg.force or cfg.from_step == step)
         if again:
@@ -415,7 +441,23 @@ def plan(cfg: RunConfig) -> list[Plan]:
                     "first (one interrupted with the same ones resumes)")
         plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
-    return plans
+    return plans, readers
+
+
+def _removed_after_use(out: Path, later: list[tuple[str, object]]) -> list[str]:
+    """The steps after a step whose folder `out` is gone that read it (their manifests name it
+    as an input), where each is up to date by itself, e.g. captured/ (often terabytes)
+    deleted once train used it; [] where none read it or one of them must run. The plan then
+    checks that none of them runs for another reason (an earlier step that runs)."""
+    readers = []
+    for name, later_cfg in later:
+        manifest = peek_manifest(later_cfg.out) or {}
+        if any(i.get("path") and Path(i["path"]).resolve() == out.resolve()
+               for i in manifest.get("inputs") or []):
+            if not _up_to_date(later_cfg, Path(later_cfg.out), False)[0]:
+                return []
+            readers.append(name)
+    return readers
 
 
 def _check_skipped(earlier: list[str], spec: dict, work: Path, cfg: RunConfig) -> None:
