@@ -583,25 +583,6 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     manifest.write_text(json.dumps(record))
     plans = run(RunConfig(pipeline=pipeline, dry_run=True))
     assert [p.action for p in plans] == ["skip"] * len(plans), [(p.step, p.reason) for p in plans]
-    # captured/ deleted once train used it (hidden states are the big files): still up to date,
-    # until train must run again; the same for prepared/, which capture, vocab and eval read
-    captured, prepared = out / "work" / "captured", out / "work" / "prepared"  # eval: its prompts
-    captured.rename(out / "captured.kept")
-    prepared.rename(out / "prepared.kept")
-    plans = {p.step: p for p in run(RunConfig(pipeline=pipeline, dry_run=True))}
-    assert {p.action for p in plans.values()} == {"skip"}, [p.reason for p in plans.values()]
-    assert plans["capture"].reason == "its output was removed after train used it, which is " \
-        "up to date (it runs again when that step must)"
-    assert plans["prepare"].reason.startswith("its output was removed after vocab and eval "
-                                              "used it, which are up to date")
-    spec = yaml.safe_load(Path(pipeline).read_text())
-    changed = out / "changed.yaml"  # beside it: its work_dir is relative to the YAML
-    changed.write_text(yaml.safe_dump({**spec, "train": {**spec.get("train", {}), "lr": 5e-3}}))
-    plans = {p.step: p for p in plan(RunConfig(pipeline=str(changed)))}
-    assert plans["capture"].action == plans["prepare"].action == "run"
-    (out / "captured.kept").rename(captured)
-    (out / "prepared.kept").rename(prepared)
-    changed.unlink()
     spec = yaml.safe_load(open(pipeline))
     spec["eval"][gained] = defaults[gained] + 1
     open(pipeline, "w").write(yaml.safe_dump(spec))
