@@ -402,8 +402,18 @@ def plan(cfg: RunConfig) -> list[Plan]:
     # _use); where the plan runs one of those after all, that step runs too, and the plan is
     # made again from it
     needed: set[str] = set()
+    checked: dict[tuple[str, bool], tuple[bool, str]] = {}
+
+    def up_to_date(step: str, upstream_ran: bool) -> tuple[bool, str]:
+        # each step checked once per plan (fingerprints, a tokenizer load), whichever pass or
+        # look-ahead asks
+        if (step, upstream_ran) not in checked:
+            checked[step, upstream_ran] = _up_to_date(configs[step], Path(configs[step].out),
+                                                      upstream_ran)
+        return checked[step, upstream_ran]
+
     while True:
-        plans, readers = _plan_steps(cfg, steps, configs, needed)
+        plans, readers = _plan_steps(cfg, steps, configs, needed, up_to_date)
         runs = {p.step for p in plans if p.action == "run"}
         again = {step for step, used in readers.items() if set(used) & runs} - needed
         if not again:
@@ -411,10 +421,11 @@ def plan(cfg: RunConfig) -> list[Plan]:
         needed |= again
 
 
-def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str]
-                ) -> tuple[list[Plan], dict[str, list[str]]]:
+def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str],
+                up_to_date) -> tuple[list[Plan], dict[str, list[str]]]:
     """One pass of the plan: each step run or skipped, in order; and the steps skipped as
-    removed after use, with the steps that read them. `needed`: steps that run even so."""
+    removed after use, with the steps that read them. `needed`: steps that run even so;
+    `up_to_date(step, upstream_ran)`: _up_to_date of that step's config."""
     plans, readers, upstream_ran = [], {}, False
     for i, step in enumerate(steps):
         step_cfg = configs[step]
@@ -422,9 +433,9 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
         if cfg.force or (cfg.from_step == step):
             ok, why = False, "forced" if cfg.force else "--from-step"
         else:
-            ok, why = _up_to_date(step_cfg, out, upstream_ran)
+            ok, why = up_to_date(step, upstream_ran)
             if not ok and not upstream_ran and not out.exists() and step not in needed:
-                used = _removed_after_use(out, [(s, configs[s]) for s in steps[i + 1:]])
+                used = _removed_after_use(out, steps[i + 1:], configs, up_to_date)
                 if used:
                     readers[step] = used
                     ok, why = True, (
@@ -444,17 +455,17 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
     return plans, readers
 
 
-def _removed_after_use(out: Path, later: list[tuple[str, object]]) -> list[str]:
+def _removed_after_use(out: Path, later: list[str], configs: dict, up_to_date) -> list[str]:
     """The steps after a step whose folder `out` is gone that read it (their manifests name it
     as an input), where each is up to date by itself, e.g. captured/ (often terabytes)
     deleted once train used it; [] where none read it or one of them must run. The plan then
     checks that none of them runs for another reason (an earlier step that runs)."""
     readers = []
-    for name, later_cfg in later:
-        manifest = peek_manifest(later_cfg.out) or {}
+    for name in later:
+        manifest = peek_manifest(configs[name].out) or {}
         if any(i.get("path") and Path(i["path"]).resolve() == out.resolve()
                for i in manifest.get("inputs") or []):
-            if not _up_to_date(later_cfg, Path(later_cfg.out), False)[0]:
+            if not up_to_date(name, False)[0]:
                 return []
             readers.append(name)
     return readers
