@@ -18,7 +18,6 @@ existing `out` is kept unless it is this same conversion (then nothing is done).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -26,7 +25,8 @@ import time
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, gguf_fingerprint, target_record, write_manifest
+from eyas.store.manifest import (MANIFEST, gguf_fingerprint, read_manifest, target_record,
+                                 write_manifest)
 from eyas.store.permissions import as_umask
 from eyas.targets.gguf import is_gguf
 from eyas.targets.models import load_target, load_tokenizer
@@ -117,15 +117,13 @@ def _already_converted(out: Path, gguf: Path, dtype: str) -> bool:
 
 
 def _manifest(out: Path) -> dict:
-    """The body of `out`'s eyas.json; EyasError if it is not a JSON object."""
+    """The body of `out`'s eyas.json (store.manifest.read_manifest); EyasError if it is not a
+    JSON object, saying what convert needs."""
     try:
-        body = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError) as e:  # not JSON, not UTF-8
-        body = e
-    if not isinstance(body, dict):
+        return read_manifest(out)
+    except (OSError, EyasError):  # not JSON, not UTF-8, not an object
         raise EyasError(f"{out / MANIFEST} is unreadable (not a JSON object); move {out} away "
-                        f"or pass another --out")
-    return body
+                        f"or pass another --out") from None
 
 
 def _recorded(out: Path, body: dict) -> dict:
