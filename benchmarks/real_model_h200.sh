@@ -27,7 +27,8 @@
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS (comma list),
 # SERVED_TOP_UP,
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
-# SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline),
+# SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline;
+# SERVED_EVAL_REPORTS: its eval reports from that lease, with SERVED_EVALS_FIRST=none),
 # SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL), SERVED_EVAL_ARGS (more eyas eval
 # flags, e.g. --no-ngram),
 # SERVED_SOURCES_FIRST (the curve's prompts of these sources first: scale.py --sources-first),
@@ -396,6 +397,15 @@ kept, those of $SERVED_DROP_SOURCES left out"
       [ -f "$SERVED_DRAFT/config.json" ] || {
         stage "served: SERVED_DRAFT $SERVED_DRAFT holds no exported draft (carried back?)"
         continue; }
+      # SERVED_EVAL_REPORTS: this draft's eyas eval reports from an earlier lease (paths in
+      # this tree, e.g. benchmarks/results/served-h100-s39/eval-bench/report.json), each put
+      # in $W/qrun/ under its folder's name, where the served rows find it; with
+      # SERVED_EVALS_FIRST=none no eval runs again
+      for f in $(echo "${SERVED_EVAL_REPORTS:-}" | tr , ' '); do
+        d=$W/qrun/$(basename "$(dirname "$f")")
+        mkdir -p "$d" && cp "$f" "$d/report.json" ||
+          stage "served: SERVED_EVAL_REPORTS $f not copied"
+      done
       for temp in $(echo "${SERVED_TEMPS:-0,1}" | tr , ' '); do
         sfx=-t$temp  # (T = 0, as 0 or 0.0: no suffix)
         awk "BEGIN {exit !($temp == 0)}" && sfx=""
@@ -403,6 +413,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
           case $e in
             heldout) set_args=(--data $W/realdata/heldout.jsonl) ;;
             bench) set_args=(--bench mt-bench,humaneval) ;;
+            none) continue ;;
             *) stage "served: SERVED_EVALS_FIRST $e ignored (a carried draft: heldout, bench)"
                continue ;;
           esac

@@ -129,3 +129,31 @@ def test_t1_sampling_measures_both_draft_samplings_on_one_draft_after_its_export
             [e] = [e for e in evals if f"--temperature {temp} --draft-sampling {sampling}" in e]
             assert f"--draft {tmp_path}/w/t1s/draft --bench mt-bench" in e
     assert sum("--temperature" not in e for e in evals) == 1  # T = 0 beside them
+
+
+def test_a_carried_draft_is_served_beside_the_reports_an_earlier_lease_made(tmp_path):
+    """SERVED_EVAL_REPORTS with SERVED_EVALS_FIRST=none: no eval runs again; the committed
+    reports go where served_speed.py's --eyas-report glob finds them."""
+    draft = tmp_path / "w/qrun/draft"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text("{}")
+    reports = [REPO / "benchmarks/results/served-h100-s39" / name / "report.json"
+               for name in ("eval-bench", "eval-heldout")]
+    calls, stages = _stage(tmp_path, SERVED_DRAFT=str(draft), SERVED_TEMPS="0",
+                           SERVED_EVALS_FIRST="none",
+                           SERVED_EVAL_REPORTS=",".join(map(str, reports)))
+    assert not any(" eval " in c for c in calls) and "ignored" not in stages
+    speed = calls[-1]
+    assert "served_speed.py" in speed and speed.count("--eyas-report") == 2
+    for report in reports:
+        copied = tmp_path / "w/qrun" / report.parent.name / "report.json"
+        assert f"--eyas-report {copied}" in speed
+        assert copied.read_bytes() == report.read_bytes()
+    # a report that is not there is named, and the serving goes on without it
+    again = tmp_path / "again"
+    (again / "w/qrun/draft").mkdir(parents=True)
+    (again / "w/qrun/draft/config.json").write_text("{}")
+    calls, stages = _stage(again, SERVED_DRAFT=str(again / "w/qrun/draft"), SERVED_TEMPS="0",
+                           SERVED_EVALS_FIRST="none",
+                           SERVED_EVAL_REPORTS=str(tmp_path / "nowhere/eval-x/report.json"))
+    assert "nowhere/eval-x/report.json not copied" in stages and "served_speed.py" in calls[-1]
