@@ -1236,6 +1236,25 @@ def test_eval_samples_that_are_training_samples_are_counted_in_a_warning(run_inp
             caplog.text
 
 
+def test_train_log_counts_a_target_token_outside_the_draft_vocab_as_a_miss(run_inputs, tmp_path):
+    """The training log's per-step accuracy left out, under --vocab-filter, the positions whose
+    target token is outside the draft vocab, as eval's did: a draft of one token (right wherever
+    it can be) logged acc 1.0 at every step. They are misses, as eval counts them, so its acc is
+    the one of --no-vocab-filter (whose loss keeps them, never right); the loss leaves them out."""
+    from eyas.vocab import VocabConfig, vocab
+
+    vocab(VocabConfig(data=(run_inputs["prepared"],), out=str(tmp_path / "one"),
+                      draft_vocab_size=1))
+    runs = {f: train(_cfg(run_inputs, tmp_path / str(f), max_steps=1, ttt_steps=3,
+                          vocab=str(tmp_path / "one"), vocab_filter=f))["train"]
+            for f in (True, False)}
+    assert all(0 < a < 0.5 for a in runs[True]["acc"])
+    assert runs[True]["acc"] == runs[False]["acc"]
+    assert runs[True]["sim_acceptance_length"] < 1.5
+    assert 0 < runs[True]["positions"] < runs[False]["positions"]  # the loss's positions
+    assert _records(tmp_path / "True", "train")[-1]["acc"] == runs[True]["acc"]
+
+
 def test_resume_of_another_dflash_draft_or_family_names_the_flags(run_inputs, tmp_path):
     dflash = dict(draft="dflash", vocab=None, lm_head="target", block_size=4, num_anchors=8)
     train(_cfg(run_inputs, tmp_path, max_steps=2, save_every=2, **dflash))

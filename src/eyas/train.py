@@ -78,17 +78,16 @@ def _check_finite(record: dict, cfg: TrainConfig, run_dir: Path) -> None:
 
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
-    """stats = [loss sums (S), correct (S), counts (S)] summed over batches and ranks, then
-    (eval) the positions scored (S: those counted plus those whose target token is outside the
-    draft vocab, misses) and the chain counts of _chain_stats."""
+    """stats = [loss sums (S), correct (S), counts (S), positions scored (S: those counted
+    plus those whose target token is outside the draft vocab, misses)] summed over batches and
+    ranks, then (eval) the chain counts of _chain_stats."""
     sums, correct, counts = stats[:steps], stats[steps:2 * steps], stats[2 * steps:3 * steps]
-    scored = stats[3 * steps:4 * steps] if stats.shape[0] > 3 * steps else counts
-    acc = (correct / scored.clamp(min=1)).tolist()
+    acc = (correct / stats[3 * steps:4 * steps].clamp(min=1)).tolist()
     out = {"loss": float((weights * sums / counts.clamp(min=1)).sum()),
            "acc": [round(a, 5) for a in acc],
            "sim_acceptance_length": round(simulated_acceptance_length(acc), 5),
            "positions": int(counts[0])}
-    if stats.shape[0] > 3 * steps:
+    if stats.shape[0] > 4 * steps:
         out["chain"] = _chain_summary(stats[4 * steps:].tolist(), steps)
     return out
 
@@ -325,7 +324,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
     # step's folder
     if eval_due and plan.eval_batches:
         last_eval, _ = judge(start)
-    window = torch.zeros(3 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
+    window = torch.zeros(4 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
     model.train()
     stop = StopOnSignal()  # SIGTERM / SIGINT: save this step, then exit
@@ -345,6 +344,11 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
             counted = [ttt_positions(b, draft.t2d, steps, **positions) if p is None else p.valid
                        for b, p in zip(micro, plans)]
             denom = stop.sum_with(sum(c.sum(1) for c in counted).float())  # an all_sum
+            # the positions accuracy counts, (S, N) each: the loss's plus, under --vocab-filter,
+            # those it leaves out (the target's token is outside the draft vocab) as misses, as
+            # eval counts them; a few elementwise ops where the batch is, no sync
+            scored = [ttt_positions(b, draft.t2d, steps, cfg.loss_mask_at, vocab_filter=False)
+                      if cfg.vocab_filter else c for b, c in zip(micro, counted)]
             # 2. Forward -> loss -> backward; gradients all-reduce on the last micro-batch only.
             #    DDP/FSDP average gradients over ranks, hence the world_size factor.
             scale = weights / denom.clamp(min=1) * env.world_size
@@ -357,7 +361,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                         with autocast(env):
                             out = model(batch, plans[a])
                         (scale * out.step_loss_sum).sum().backward()
-                window[:-1] += _batch_stats(out, steps)
+                window[:-1] += torch.cat([_batch_stats(out, steps), scored[a].sum(1).double()])
                 window[-1] += (batch.doc_ids >= 0).sum()  # real tokens; no host sync
             if step == start + 1:
                 check_gradients(model, cfg, graphed)
