@@ -33,7 +33,8 @@ import transformers
 
 from eyas.draft.config import DraftConfig
 from eyas.draft.eagle3 import Eagle3Draft
-from eyas.evaluate import EvalConfig, Prompt, run_eval
+from eyas.evaluate import EvalConfig, Prompt
+from eyas.serve.eval_measure import run_eval
 from eyas.targets.models import inspect_model, submodule
 from eyas.serve.speculate import (Eagle3Drafter, Proposal, Sampling, SpecStats, TargetRunner,
                                   generate_plain, generate_speculative)

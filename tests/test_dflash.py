@@ -900,7 +900,8 @@ def test_the_replay_on_the_training_forward_counts_what_one_block_at_a_time_coun
 
 
 def test_eval_counts_dflash_acceptance_as_replayed_and_stays_lossless(fitted, tmp_path):
-    from eyas.evaluate import EvalConfig, run_eval
+    from eyas.evaluate import EvalConfig
+    from eyas.serve.eval_measure import run_eval
 
     model, prompts, refs, draft = fitted
     cfg = EvalConfig(target="tiny", data="unused", out=str(tmp_path), draft="in-memory",
@@ -919,7 +920,7 @@ def test_eval_counts_dflash_acceptance_as_replayed_and_stays_lossless(fitted, tm
     # with --replay the report has DFlash's replayed column too (rounds over each output)
     from dataclasses import replace
 
-    from eyas.evaluate import measure
+    from eyas.serve.eval_measure import measure
 
     raw = measure(model, model.model.layers, model.model.norm, draft, prompts,
                   replace(cfg, replay=True))
