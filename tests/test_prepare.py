@@ -621,7 +621,7 @@ def test_a_failed_or_stopped_rerun_leaves_the_earlier_output_as_it_was(tok_dir, 
     import eyas.prepare as prep
 
     with monkeypatch.context() as patch:
-        patch.setattr(prep, "_tokenized", _interrupted)
+        patch.setattr(prep, "tokenize_rows", _interrupted)
         with pytest.raises(KeyboardInterrupt):
             run_prepare(tok_dir, [tmp_path / "ok.jsonl"], out, max_length=100)
     assert all(out.joinpath(k).read_bytes() == v for k, v in before.items())

@@ -1,0 +1,140 @@
+"""Chat rows -> one `datasets` Dataset of token ids, a loss mask and a status per row, for
+`eyas prepare` (eyas.prepare keeps, splits and writes them).
+
+Every input row and blank line becomes one record (`_records`: the normalised conversation
+as JSON, its `truncated` mark, or why it is unusable), then one tokenized row (`_process`:
+the conversation rendered with the target's chat template and masked by
+eyas.targets.masking, with status ok / truncated / too_long / rejected / cut_off / blank).
+`tokenize_rows` runs both over the whole input with `datasets` (cached, `--num-proc`
+processes). `cfg` below is an eyas.prepare.PrepareConfig.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from eyas.config import to_dict
+from eyas.errors import EyasError
+from eyas.store.manifest import chat_template_fingerprint, tokenizer_fingerprint
+from eyas.targets import chat
+from eyas.targets.chat import ChatFormatError, parse_template_kwargs
+from eyas.targets.masking import tokenize_conversation
+
+
+def _truncated(data: dict) -> bool:
+    """A row's `truncated` mark (regenerate's output): true, false, or absent (false)."""
+    flag = data.get("truncated")
+    if flag is not None and not isinstance(flag, bool):
+        raise ChatFormatError(f"'truncated' is {flag!r}; it must be true or false")
+    return bool(flag)
+
+
+def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip: bool):
+    """Dataset rows: the normalised conversation as JSON and its `truncated` mark, or the
+    reason it is unusable (`cut_off`: reasoning cut off, which `strip` leaves nothing of), or
+    a blank line (so that every line is accounted for).
+    (`chat.read_conversations` with the raw row's mark kept.)"""
+    for file, row, data in chat.read_rows(paths, fmt, blank_lines=True):
+        rec = {"file": file, "row": row, "sample_id": f"{file}:{row}", "messages_json": "",
+               "truncated": False, "error": "", "cut_off": False,
+               "blank": isinstance(data, chat.BlankLine)}
+        try:
+            if isinstance(data, ChatFormatError):
+                raise data
+            rec["sample_id"] = chat.sample_id(data, file, row)
+            messages = chat.normalize(data, fmt)
+            rec["truncated"] = _truncated(data)
+            if strip:
+                messages = chat.strip_reasoning(messages, unclosed=True)
+        except ChatFormatError as err:
+            rec["error"] = str(err)
+            rec["cut_off"] = isinstance(err, chat.ReasoningCutOff)
+            yield rec
+            continue
+        messages = chat.with_system_prompt(messages, system_prompt)
+        rec["messages_json"] = json.dumps(messages, ensure_ascii=False)
+        yield rec
+
+
+def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
+             truncate: bool) -> dict:
+    """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected /
+    cut_off / blank."""
+    status = "blank" if rec["blank"] else "cut_off" if rec["cut_off"] else "rejected"
+    out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
+           "status": status, "reason": rec["error"],
+           "empty_answer": False}
+    if rec["error"]:
+        return out
+    messages = json.loads(rec["messages_json"])
+    out["empty_answer"] = any(m["role"] == "assistant" and not m.get("tool_calls")
+                              and not str(m.get("content") or "").strip() for m in messages)
+    try:
+        ids, mask = tokenize_conversation(tokenizer, messages,
+                                          truncated=rec["truncated"], **mask_kwargs)
+    except ChatFormatError as err:
+        out["reason"] = str(err)
+        return out
+    if not any(mask):
+        out["reason"] = "no assistant tokens to supervise (empty or unplaceable turns)"
+        return out
+    status = "ok"
+    if len(ids) > max_length:
+        out["reason"] = (f"{len(ids)} tokens > max_length {max_length} (--max-length; "
+                         f"--length-policy truncate keeps the first {max_length})")
+        ids, mask = ids[:max_length], mask[:max_length]
+        # A cut that leaves nothing to learn from is as useless as a dropped sample.
+        status = "truncated" if truncate and any(mask) else "too_long"
+    if status == "too_long":
+        ids, mask = [], []
+    out.update(input_ids=ids, loss_mask=mask, num_tokens=len(ids), num_masked=sum(mask),
+               status=status)
+    return out
+
+
+def _features():
+    import datasets
+
+    seq = getattr(datasets, "List", datasets.Sequence)
+    return datasets.Features({
+        "file": datasets.Value("string"), "row": datasets.Value("int64"),
+        "sample_id": datasets.Value("string"), "messages_json": datasets.Value("string"),
+        "truncated": datasets.Value("bool"), "error": datasets.Value("string"),
+        "cut_off": datasets.Value("bool"), "blank": datasets.Value("bool"),
+        "input_ids": seq(datasets.Value("int32")), "loss_mask": seq(datasets.Value("int8")),
+        "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
+        "status": datasets.Value("string"), "reason": datasets.Value("string"),
+        "empty_answer": datasets.Value("bool"),
+    })
+
+
+def tokenize_rows(cfg, tok, work: Path, max_length: int):
+    """All input rows as one dataset with ids, masks and a status per row."""
+    import datasets
+
+    features = _features()
+    read_features = datasets.Features({k: features[k] for k in
+                                       ("file", "row", "sample_id", "messages_json",
+                                        "truncated", "error", "cut_off", "blank")})
+    if next(chat.read_rows(cfg.data, cfg.format), None) is None:  # datasets' own error is cryptic
+        raise EyasError(f"no rows in {list(cfg.data)}: the input files are empty (an `eyas "
+                        f"regenerate` whose rows were all rejected writes an empty "
+                        f"conversations.jsonl: see its rejects.jsonl)")
+    rows = datasets.Dataset.from_generator(
+        _records, features=read_features, cache_dir=str(work / "read"),
+        gen_kwargs={"paths": tuple(cfg.data), "fmt": cfg.format,
+                    "system_prompt": cfg.system_prompt, "strip": cfg.reasoning == "strip"})
+    template_kwargs = parse_template_kwargs(cfg.chat_template_kwargs)
+    fingerprint = hashlib.sha256(json.dumps(
+        [to_dict(cfg), max_length, tokenizer_fingerprint(tok), chat_template_fingerprint(tok),
+         rows._fingerprint],
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return rows.map(
+        _process, features=features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        desc="tokenizing", new_fingerprint=fingerprint,
+        fn_kwargs={"tokenizer": tok, "max_length": max_length,
+                   "truncate": cfg.length_policy == "truncate",
+                   "mask_kwargs": {"last_turn_only": cfg.last_turn_only,
+                                   "template_kwargs": template_kwargs}})
