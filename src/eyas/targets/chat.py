@@ -85,7 +85,7 @@ def resolve_paths(paths: str | Path | tuple | list,
     out: list[Path] = []
     for spec in paths:
         spec = str(spec)
-        if any(ch in spec for ch in "*?["):
+        if glob.has_magic(spec):
             out.extend(_globbed(spec, skipped if skipped is not None else []))
             continue
         path = Path(spec)
@@ -249,9 +249,8 @@ def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
     folder: read as data too). A file inside one, named by itself, is read as a plain file."""
     folders = []
     for spec in map(str, [paths] if isinstance(paths, (str, Path)) else paths):
-        globbed = any(ch in spec for ch in "*?[")
-        folders += [Path(m) for m in (sorted(glob.glob(spec, recursive=True)) if globbed
-                                      else [spec]) if Path(m).is_dir()]
+        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
+        folders += [Path(m) for m in matches if Path(m).is_dir()]
     out = {}
     for folder in folders:
         for found in sorted(folder.rglob(MANIFEST)):  # the folder's own first
