@@ -91,7 +91,7 @@ def resolve_paths(paths: str | Path | tuple | list,
         path = Path(spec)
         if not path.exists():
             raise EyasError(f"data path {path} does not exist; check --data")
-        if path.is_dir() and not _is_datasets_folder(path):
+        if path.is_dir() and not is_datasets_folder(path):
             found = _sources_in(path, skipped if skipped is not None else [])
             if not found:
                 raise EyasError(f"folder {path} holds no {'/'.join(FILE_SUFFIXES)} files and is "
@@ -118,13 +118,13 @@ def _globbed(spec: str, skipped: list[Path]) -> list[Path]:
         raise EyasError(f"no files match {spec!r}; check the --data glob")
     found, passed = [], []
     for match in map(Path, matches):
-        if match.is_dir() and not _is_datasets_folder(match):
+        if match.is_dir() and not is_datasets_folder(match):
             found.extend(_sources_in(match, passed))  # a folder stands for its files
         elif _is_source(match) and match.name not in _eyas_own_files(match.parent):
             found.append(match)
         elif match.name not in _eyas_own_files(match.parent):
             passed.append(match)
-    read = {p for p in found if _is_datasets_folder(p)}
+    read = {p for p in found if is_datasets_folder(p)}
     skipped.extend(p for p in passed if read.isdisjoint(p.parents))
     return [p for p in dict.fromkeys(found) if read.isdisjoint(p.parents)]
 
@@ -200,7 +200,7 @@ def _sources_in(folder: Path, skipped: list[Path]) -> list[Path]:
     out = []
     own = _eyas_own_files(folder)
     for path in sorted(folder.iterdir()):
-        if _is_datasets_folder(path):
+        if is_datasets_folder(path):
             out.append(path)
         elif path.is_dir():
             out.extend(_sources_in(path, skipped))
@@ -260,13 +260,14 @@ def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
     return list(out.values())
 
 
-def _is_datasets_folder(path: Path) -> bool:
+def is_datasets_folder(path: Path) -> bool:
+    """A `datasets` save_to_disk folder: a DatasetDict (dataset_dict.json) or one Dataset."""
     return path.is_dir() and any(
         (path / name).is_file() for name in ("dataset_dict.json", "state.json"))
 
 
 def _is_source(path: Path) -> bool:
-    return _is_datasets_folder(path) or (path.is_file() and path.name.endswith(FILE_SUFFIXES))
+    return is_datasets_folder(path) or (path.is_file() and path.name.endswith(FILE_SUFFIXES))
 
 
 def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False,
@@ -282,7 +283,7 @@ def read_rows(paths, fmt: str = "auto", *, blank_lines: bool = False,
     if fmt not in FORMATS:
         raise EyasError(f"unknown chat format {fmt!r}; use one of {FORMATS}")
     for path in resolve_paths(paths):
-        if _is_datasets_folder(path):
+        if is_datasets_folder(path):
             yield from _read_datasets_folder(path, split)
         elif path.name.endswith(".parquet"):
             yield from _guarded(path, _read_parquet(path), first=0)

@@ -95,7 +95,7 @@ def _dict_split(path: Path, split: str) -> str | None:
     single Dataset folder has no splits: another --split than the default is warned about."""
     names = chat.dict_splits(path)
     if names is None:
-        if split != "eval" and (path / "state.json").is_file():
+        if split != "eval" and chat.is_datasets_folder(path):  # one Dataset: no splits
             log.warning("%s is one datasets Dataset, not a DatasetDict: it has no splits, so "
                         "--split %s is not applied and every row is read", path, split)
         return None
