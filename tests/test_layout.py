@@ -13,9 +13,11 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "eyas"
 STEPS = {"prepare", "regenerate", "capture", "vocab", "train", "export", "evaluate", "doctor",
          "convert", "pipeline", "demo"}
 BASE = {"config", "errors"}  # used by every layer; they import no other eyas module
-# modules that may call steps: the CLI (by name, from its table), `eyas run` (chains the steps)
-# and the demo (it is `eyas run` on a built-in tiny target)
-DRIVERS = {"__main__": {"cli"}, "cli": STEPS, "pipeline": STEPS, "demo": {"pipeline"}}
+# modules that may call steps: the CLI (by name, from its table), `eyas run` (chains the steps;
+# its up-to-date checks, freshness, load a tokenizer as prepare does) and the demo (it is
+# `eyas run` on a built-in tiny target)
+DRIVERS = {"__main__": {"cli"}, "cli": STEPS, "pipeline": STEPS | {"freshness"},
+           "freshness": {"prepare"}, "demo": {"pipeline"}}
 # layer -> the layers it may import (besides itself and the base)
 LAYERS = {
     "kernels": set(),

@@ -144,7 +144,7 @@ def test_a_work_dir_that_is_no_folder_path_is_a_clear_error(tmp_path, llama_dir)
 
 def test_an_export_that_lost_a_file_it_wrote_runs_again(tmp_path, llama_dir):
     # a draft folder whose model.safetensors was deleted was "up to date" at every plan
-    from eyas import pipeline
+    from eyas import freshness
     from eyas.store.manifest import write_manifest
 
     spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w"}
@@ -154,9 +154,9 @@ def test_an_export_that_lost_a_file_it_wrote_runs_again(tmp_path, llama_dir):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("{}")
     write_manifest(out, "export", cfg, files={"config.json": "0", "model.safetensors": "0"})
-    assert pipeline._up_to_date(cfg, out, False) == (True, "up to date")
+    assert freshness.up_to_date(cfg, out, False) == (True, "up to date")
     (out / "model.safetensors").unlink()
-    assert pipeline._up_to_date(cfg, out, False) == (
+    assert freshness.up_to_date(cfg, out, False) == (
         False, "its output lost model.safetensors since it ran")
 
 
@@ -165,7 +165,7 @@ def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llam
 
     from safetensors.torch import load_file, save_file
 
-    from eyas import pipeline
+    from eyas import freshness
     from eyas.store.manifest import target_record, write_manifest
 
     target = tmp_path / "target"
@@ -174,19 +174,19 @@ def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llam
     cfg = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, spec)))}["capture"]
     out = Path(cfg.out)
     write_manifest(out, "capture", cfg, target=target_record(str(target)))
-    assert pipeline._up_to_date(cfg, out, False) == (True, "up to date")
+    assert freshness.up_to_date(cfg, out, False) == (True, "up to date")
     # fine-tuned in place: every config the same, so only the fingerprint tells
     weights = load_file(str(target / "model.safetensors"))
     weights["model.norm.weight"] += 0.5
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
-    ok, why = pipeline._up_to_date(cfg, out, False)
+    ok, why = freshness.up_to_date(cfg, out, False)
     assert not ok and re.fullmatch(r"the target's weights changed \(weights_fingerprint "
                                    r"\w{16} -> \w{16}\)", why), why
     # a relative target, planned from another directory: not "weights changed ... -> None"
     write_manifest(out, "capture", cfg, target=target_record(str(target)))
     moved = tmp_path / "elsewhere"
     target.rename(moved)
-    ok, why = pipeline._up_to_date(cfg, out, False)
+    ok, why = freshness.up_to_date(cfg, out, False)
     assert not ok and why.startswith("its target cannot be checked against the one it ran "
                                      "with; ") and "does not exist from" in why, why
 
@@ -373,7 +373,7 @@ def test_from_step_refuses_a_skipped_step_the_plan_would_run_again(tmp_path, lla
     """--from-step checked only that the steps it skips had finished: after an edit of
     prepare's section, `--from-step vocab` counted tokens of the old prepared rows. A skipped
     step that is out of date is now refused with the plan's reason, unless --allow-stale."""
-    from eyas import pipeline as planner
+    from eyas import freshness
     from eyas.store.manifest import read_manifest, write_manifest
     from eyas.targets.corpus import synthetic_chats
 
@@ -429,7 +429,7 @@ def test_from_step_refuses_a_skipped_step_the_plan_would_run_again(tmp_path, lla
     finish_capture()
     assert [p.step for p in plan(vocab)] == ["vocab"]
     assert re.fullmatch(r"its input from capture changed since it ran \(.*w/captured\)",
-                        planner._starts_over("train", train, Path(train.out), False, False))
+                        freshness.starts_over("train", train, Path(train.out), False, False))
 
 
 def test_a_touched_data_file_is_read_once_not_at_every_plan(tmp_path, llama_dir, monkeypatch):

@@ -1,0 +1,225 @@
+"""`eyas run`'s checks of one step's folder: is it up to date, and must a re-run start over.
+
+Each check compares one step's folder (its manifest, the files it lists, the folders it read)
+with the config the pipeline would run the step with now, and says why it is not current.
+The plan (`eyas.pipeline`) decides from these which steps run; nothing here runs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from eyas.config import to_dict
+from eyas.errors import EyasError
+from eyas.store.manifest import MANIFEST, peek_manifest, read_manifest
+
+log = logging.getLogger(__name__)
+
+
+def _normalise(value):
+    """`value` (a step config, or one option's value) as its manifest stores it: JSON."""
+    return json.loads(json.dumps(to_dict(value) if dataclasses.is_dataclass(value) else value,
+                                 default=str))
+
+
+def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
+    """(True, "up to date") where the step's folder `out` holds a finished run of `cfg` on the
+    inputs there now, else (False, why); `upstream_ran`: an earlier step of the plan runs."""
+    path = out / MANIFEST
+    if upstream_ran:
+        return False, "an earlier step ran, so its inputs changed"
+    if not path.is_file():
+        return False, "no finished output yet (or it was interrupted: the step resumes)"
+    manifest = read_step_manifest(out)
+    # a change first: an interrupted run with other settings may not resume (starts_over)
+    changed = _config_changes(cfg, manifest)
+    if changed:
+        return False, f"config changed ({', '.join(changed)})"
+    swapped = _target_changes(cfg, manifest) or _template_changes(cfg, manifest)
+    if swapped:
+        return False, swapped
+    try:
+        moved = _data_changes(cfg, manifest, out)
+    except EyasError as err:
+        moved = f"it cannot be read: {err}"
+    if moved:
+        return False, f"its input data changed ({moved})"
+    replaced = _input_changes(manifest)
+    if replaced:
+        return False, replaced
+    if manifest.get("complete") is False:
+        return False, "the previous run was interrupted: the step resumes"
+    # the files the manifest lists (export's draft): one deleted since left a broken draft
+    # that every later plan called up to date
+    gone = [f for f in manifest.get("files") or () if not (out / f).exists()]
+    if gone:
+        return False, f"its output lost {', '.join(sorted(gone))} since it ran"
+    return True, "up to date"
+
+
+def read_step_manifest(out: Path) -> dict:
+    """The manifest of a step's folder, or EyasError naming it where it is damaged (a JSON
+    traceback before, --dry-run included) and how the pipeline gets past it."""
+    try:
+        return read_manifest(out)
+    except EyasError as err:
+        raise EyasError(f"{err} In `eyas run`, move {out} away (or delete it): the plan then "
+                        f"runs that step again.") from None
+
+
+def _target_changes(cfg, manifest: dict) -> str:
+    """Why the step's target is not the one its manifest recorded ("" if it is): the same path
+    with other weights (a GGUF replaced, a folder fine-tuned in place) would keep every config
+    equal, and the next step would refuse the old outputs; or no fingerprint can be made
+    from here to tell."""
+    from eyas.store.manifest import target_record
+
+    name = getattr(cfg, "target", None)
+    was = manifest.get("target") or {}
+    keys = [k for k in ("gguf_fingerprint", "weights_fingerprint") if was.get(k)]
+    if not name or not keys:
+        return ""
+    now = target_record(str(name), getattr(cfg, "revision", None))
+    if not any(now.get(k) for k in keys):
+        # nothing to fingerprint here: a path that does not resolve from this directory (a
+        # relative target, and eyas run from elsewhere), or a hub model not in the cache
+        where = "" if Path(str(name)).expanduser().exists() else \
+            f"; {name} does not exist from {Path.cwd()} (the target and data paths resolve " \
+            f"from the directory eyas runs in, work_dir from the YAML's)"
+        return f"its target cannot be checked against the one it ran with{where}"
+    return next((f"the target's weights changed ({k} {was[k]} -> {now.get(k)})" for k in keys
+                 if now.get(k) != was[k]), "")
+
+
+def _template_changes(cfg, manifest: dict) -> str:
+    """For prepare, why the chat template it renders with now is not the one its manifest
+    recorded ("" if it is): a `chat_template` file, or the target folder's own template,
+    edited in place keeps every config equal, and the prepared rows stay rendered with the old
+    one (`eyas prepare` run by itself prepares again; the plan skipped it)."""
+    if manifest.get("step") != "prepare" or not manifest.get("chat_template_hash"):
+        return ""
+    from eyas.prepare import load_tokenizer
+    from eyas.store.manifest import chat_template_fingerprint
+    from eyas.targets.gguf import is_gguf
+
+    if is_gguf(cfg.target) and not cfg.chat_template and not cfg.tokenizer:
+        return ""  # its template is in the file (_target_changes: gguf_fingerprint), whose
+        # parse would cost every plan seconds
+
+    was = manifest["chat_template_hash"]
+    try:
+        now = chat_template_fingerprint(load_tokenizer(cfg))
+    except EyasError as err:
+        return f"its chat template cannot be checked against the one it ran with ({err})"
+    return "" if now == was else f"its chat template changed (chat_template_hash {was} -> {now})"
+
+
+def _input_changes(manifest: dict) -> str:
+    """Why the output folders a step read are not the ones it ran on ("" if they are): a
+    step re-run alone (`--until-step prepare` after its data changed) leaves the steps after
+    it made from its old output. An input folder without a manifest is left to the plan (its
+    step runs: no finished output)."""
+    for item in manifest.get("inputs") or []:
+        now = peek_manifest(item.get("path") or "")
+        if item.get("path") and now is not None and now.get("id") != item.get("id"):
+            return f"its input from {item.get('step')} changed since it ran ({item['path']})"
+    return ""
+
+
+def _data_changes(cfg, manifest: dict, folder: Path) -> str:
+    """For a step that records what its chat data held (prepare, regenerate: `data_files`),
+    the first file whose content is not what it was then ("" if none): the same path with
+    other rows is other data. EyasError if the data cannot be read. A file whose stamp moved
+    with its content the same gets its new stamp recorded in `folder`'s manifest, so it is
+    read once, not at every plan until the step runs again."""
+    if "data_files" not in manifest or not getattr(cfg, "data", None):
+        return ""
+    from eyas.store.manifest import data_content
+    from eyas.targets.chat import source_fingerprints
+
+    recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
+    fresh = _normalise(source_fingerprints(cfg.data, recorded))
+    _remember_stamps(folder, manifest, fresh)
+    now = data_content(fresh)
+    was = {json.dumps(x, sort_keys=True) for x in data_content(recorded)}
+    moved = [x.get("path") for x in now if json.dumps(x, sort_keys=True) not in was]
+    if not moved and len(now) != len(was):
+        return "a file of it is gone"
+    return f"{moved[0]} differs" if moved else ""
+
+
+def _remember_stamps(folder: Path, manifest: dict, fresh: list[dict]) -> None:
+    """Best effort (see store.manifest.restamp_data): a folder that cannot be written only
+    has its touched files read again at the next plan. --dry-run writes these stamps too:
+    they say when to read a file, not what the step ran on."""
+    from eyas.store.manifest import restamp_data
+
+    try:
+        if restamp_data(folder, manifest.get("id"), fresh):
+            log.debug("%s: recorded the new stamps of data files read unchanged", folder)
+    except OSError as err:
+        log.info("cannot record data file stamps in %s (%s): they are read again next time",
+                 folder, err)
+
+
+def _config_changes(cfg, manifest: dict) -> list[str]:
+    """The options of `cfg` that differ from those the manifest's run was made with."""
+    old, new = manifest.get("config") or {}, _normalise(cfg)
+    # an option the step gained since (no key in the manifest) is a change only if set now
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)
+                if f.default is not dataclasses.MISSING}
+    gained = {k for k, v in new.items()
+              if k not in old and k in defaults and v == _normalise(defaults[k])}
+    return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))
+
+
+def starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> str:
+    """Why a train or regenerate step that runs must not resume the run in `out` ("" if it
+    may). The pipeline moves such a run aside first (`pipeline.run`).
+
+    train: a finished run re-run (its config or inputs changed, or --force) would resume at
+    its last step and train nothing, and an interrupted one resumed on other inputs or
+    settings would mix them. regenerate: its own check refuses to resume on other data or
+    generation settings (store.regenerate_output.SAME_ON_RESUME), and a forced run would
+    generate nothing; other changes (a raised --limit, --retry-rejects, the backend) resume."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return ""
+    if upstream_ran:
+        return "its inputs changed"
+    manifest = read_step_manifest(out)
+    if manifest.get("step") != step:
+        return ""  # not this step's folder: the step's own --out check refuses it
+    if step == "regenerate":
+        return _regenerate_starts_over(cfg, manifest, out, forced)
+    changed = _config_changes(cfg, manifest)
+    if changed:
+        return f"its config changed ({', '.join(changed)})"
+    replaced = _input_changes(manifest)
+    if replaced:
+        return replaced
+    if manifest.get("complete") is not False:
+        return "forced" if forced else "it finished"
+    return ""
+
+
+def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str:
+    from eyas.store.regenerate_output import setting_changes
+
+    changed = setting_changes(cfg, manifest)
+    if changed:
+        return f"its config changed ({', '.join(changed)})"
+    # other weights behind the same target: its resume refuses them (two models' answers)
+    swapped = _target_changes(cfg, manifest)
+    if swapped.startswith("the target's weights changed"):
+        return swapped
+    try:
+        moved = _data_changes(cfg, manifest, out)
+    except EyasError:
+        return ""  # the step says what is wrong with its data; its output stays where it is
+    if moved:
+        return f"its input data changed ({moved})"
+    return "forced" if forced else ""
