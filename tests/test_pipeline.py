@@ -677,3 +677,32 @@ def test_regenerate_on_a_target_whose_weights_changed_starts_over(tmp_path, llam
         regen.reason
     run(RunConfig(pipeline=pipeline, until_step="regenerate"))
     assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()
+
+
+def test_a_removed_folder_whose_reader_is_past_until_step_is_not_made_again(tmp_path,
+                                                                            llama_dir):
+    """A step whose folder was removed after use is skipped while the steps that read it are
+    up to date, but the look-ahead saw only the steps up to --until-step: with captured/
+    removed once train had run, `--until-step vocab` (or capture) captured again, hours and
+    terabytes for a real target, though `eyas run` by itself skipped it."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": "w",
+            "vocab": {"draft_vocab_size": 64},
+            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2}}
+    pipeline = _write(tmp_path, spec)
+    run(RunConfig(pipeline=pipeline, until_step="train"))
+    (tmp_path / "w" / "captured").rename(tmp_path / "captured.kept")
+    whole = {p.step: p for p in plan(RunConfig(pipeline=pipeline, until_step="train"))}
+    assert {p.action for p in whole.values()} == {"skip"}, [p.reason for p in whole.values()]
+    assert whole["capture"].reason.startswith("its output was removed after train used it")
+    for until in ("capture", "vocab"):
+        plans = {p.step: p for p in plan(RunConfig(pipeline=pipeline, until_step=until))}
+        assert plans["capture"].action == "skip", (until, plans["capture"].reason)
+        assert plans["capture"].reason == whole["capture"].reason
+    # once train must run (its section changed), capture runs again, up to vocab too
+    changed = _write(tmp_path, {**spec, "train": {**spec["train"], "lr": 5e-3}})
+    plans = {p.step: p for p in plan(RunConfig(pipeline=changed, until_step="vocab"))}
+    assert plans["capture"].action == "run"

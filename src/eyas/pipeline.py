@@ -198,9 +198,9 @@ def plan(cfg: RunConfig) -> list[Plan]:
     if cfg.from_step:
         _check_skipped(steps[:steps.index(cfg.from_step)], spec, work, cfg)
         steps = steps[steps.index(cfg.from_step):]
-    if cfg.until_step:
-        steps = steps[: steps.index(cfg.until_step) + 1]
-    configs = {step: _step_config(step, spec, work) for step in steps}
+    planned = steps[: steps.index(cfg.until_step) + 1] if cfg.until_step else steps
+    configs = {step: _step_config(step, spec, work) for step in planned}
+    folders = {step: _out(spec, step, work) for step in steps}
     # a step whose folder is gone is skipped while every step that read it is (_removed_after
     # _use); where the plan runs one of those after all, that step runs too, and the plan is
     # made again from it
@@ -211,12 +211,21 @@ def plan(cfg: RunConfig) -> list[Plan]:
         # each step checked once per plan (fingerprints, a tokenizer load), whichever pass or
         # look-ahead asks
         if (step, upstream_ran) not in checked:
+            if step not in configs:  # past --until-step: a reader the look-ahead found
+                configs[step] = _step_config(step, spec, work)
             checked[step, upstream_ran] = freshness.up_to_date(
                 configs[step], Path(configs[step].out), upstream_ran)
         return checked[step, upstream_ran]
 
+    def removed_after_use(step: str) -> list[str]:
+        # the readers past --until-step count too: captured/ removed once train used it was
+        # captured again by `--until-step vocab`, though train was up to date
+        later = steps[steps.index(step) + 1:]
+        return _removed_after_use(folders[step], later, folders, up_to_date)
+
     while True:
-        plans, readers = _plan_steps(cfg, steps, configs, needed, up_to_date)
+        plans, readers = _plan_steps(cfg, planned, configs, needed, up_to_date,
+                                     removed_after_use)
         runs = {p.step for p in plans if p.action == "run"}
         again = {step for step, used in readers.items() if set(used) & runs} - needed
         if not again:
@@ -225,12 +234,13 @@ def plan(cfg: RunConfig) -> list[Plan]:
 
 
 def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str],
-                up_to_date) -> tuple[list[Plan], dict[str, list[str]]]:
+                up_to_date, removed_after_use) -> tuple[list[Plan], dict[str, list[str]]]:
     """One pass of the plan: each step run or skipped, in order; and the steps skipped as
     removed after use, with the steps that read them. `needed`: steps that run even so;
-    `up_to_date(step, upstream_ran)`: freshness.up_to_date of that step's config."""
+    `up_to_date(step, upstream_ran)`: freshness.up_to_date of that step's config;
+    `removed_after_use(step)`: _removed_after_use of that step's folder."""
     plans, readers, upstream_ran = [], {}, False
-    for i, step in enumerate(steps):
+    for step in steps:
         step_cfg = configs[step]
         out = Path(step_cfg.out)
         if cfg.force or (cfg.from_step == step):
@@ -238,7 +248,7 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
         else:
             ok, why = up_to_date(step, upstream_ran)
             if not ok and not upstream_ran and not out.exists() and step not in needed:
-                used = _removed_after_use(out, steps[i + 1:], configs, up_to_date)
+                used = removed_after_use(step)
                 if used:
                     readers[step] = used
                     ok, why = True, (
@@ -259,14 +269,16 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
     return plans, readers
 
 
-def _removed_after_use(out: Path, later: list[str], configs: dict, up_to_date) -> list[str]:
+def _removed_after_use(out: Path, later: list[str], folders: dict[str, Path],
+                       up_to_date) -> list[str]:
     """The steps after a step whose folder `out` is gone that read it (their manifests name it
     as an input), where each is up to date by itself, e.g. captured/ (often terabytes)
     deleted once train used it; [] where none read it or one of them must run. The plan then
-    checks that none of them runs for another reason (an earlier step that runs)."""
+    checks that none of them runs for another reason (an earlier step that runs). `later`
+    goes past --until-step: a reader there is one all the same."""
     readers = []
     for name in later:
-        manifest = peek_manifest(configs[name].out) or {}
+        manifest = peek_manifest(folders[name]) or {}
         if any(i.get("path") and Path(i["path"]).resolve() == out.resolve()
                for i in manifest.get("inputs") or []):
             if not up_to_date(name, False)[0]:
