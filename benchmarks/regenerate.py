@@ -33,13 +33,13 @@ import transformers
 
 from eyas.regenerate import RegenerateConfig, regenerate
 from eyas.serve.generator import load_generator
-from eyas.targets import chat
+from eyas.targets.chat_files import read_rows
 
 
 def _prompts(data: str, rows: int) -> list[list[dict]]:
     """The first user turn of the first `rows` rows with one (benchmarks/real_data.py rows)."""
     out = []
-    for _, _, item in chat.read_rows(data):
+    for _, _, item in read_rows(data):
         turns = item.get("messages") if isinstance(item, dict) else None
         user = [m for m in turns or [] if isinstance(m, dict) and m.get("role") == "user"]
         if user:

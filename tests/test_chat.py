@@ -1,4 +1,5 @@
-"""Reading chat files in every supported container and row format (eyas.targets.chat)."""
+"""Reading chat files in every supported container and row format (eyas.targets.chat_sources,
+chat_files and chat)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eyas.targets import chat
-from eyas.targets.chat import ChatFormatError
+from eyas.targets import chat, chat_files, chat_sources
+from eyas.targets.chat_files import ChatFormatError
 from eyas.errors import EyasError
 
 MESSAGES = [
@@ -44,7 +45,7 @@ def write_jsonl(path, rows, extra_lines=()):
 
 
 def rows_of(paths, fmt="auto"):
-    return list(chat.read_rows(paths, fmt))
+    return list(chat_files.read_rows(paths, fmt))
 
 
 # ---------------------------------------------------------------- normalize
@@ -235,11 +236,12 @@ def test_a_glob_that_matches_a_folder_reads_its_files(tmp_path, caplog):
     assert [r.file.rsplit("/", 1)[-1] for r in got] == ["a.jsonl", "b.jsonl", "b.jsonl"]
     assert rows_of(str(tmp_path / "**")) == got  # a folder and its files: each read once
     with caplog.at_level("WARNING", logger="eyas"):
-        chat.source_fingerprints([str(tmp_path / "*")])
+        chat_sources.source_fingerprints([str(tmp_path / "*")])
     assert "not read as chat data (1 file(s)" in caplog.text and "notes.txt" in caplog.text
     assert "named more than once" not in caplog.text
     regen = _regenerate_folder(tmp_path / "sub" / "regen")  # checked against --target by prepare
-    assert [m["path"] for m in chat.regenerate_outputs([str(tmp_path / "*")])] == [str(regen)]
+    found = chat_sources.regenerate_outputs([str(tmp_path / "*")])
+    assert [m["path"] for m in found] == [str(regen)]
 
 
 def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
@@ -252,7 +254,7 @@ def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
         ("train", 0), ("train", 1), ("test", 0)]
     assert all(r.data == MESSAGE_ROW for r in got)
     with caplog.at_level("WARNING", logger="eyas"):
-        chat.source_fingerprints([str(tmp_path / "**")])
+        chat_sources.source_fingerprints([str(tmp_path / "**")])
     assert "not read as chat data" not in caplog.text  # its own files are its, not skipped
 
 
@@ -312,12 +314,12 @@ def test_tool_calls_surrogates_and_byte_order_marks(tmp_path):
     (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + (json.dumps(MESSAGE_ROW) + "\n\n"
                                                           + json.dumps(row) + "\n").encode())
     (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([MESSAGE_ROW]).encode())
-    rows = list(chat.read_rows([tmp_path / "a.jsonl", tmp_path / "b.json"]))
+    rows = list(chat_files.read_rows([tmp_path / "a.jsonl", tmp_path / "b.json"]))
     assert [r.row for r in rows] == [1, 3, 0]
     assert rows[0].data == rows[2].data == MESSAGE_ROW
     assert "lone UTF-16 surrogate" in str(rows[1].data)
-    with_blank = list(chat.read_rows([tmp_path / "a.jsonl"], blank_lines=True))
-    assert isinstance(with_blank[1].data, chat.BlankLine) and with_blank[1].row == 2
+    with_blank = list(chat_files.read_rows([tmp_path / "a.jsonl"], blank_lines=True))
+    assert isinstance(with_blank[1].data, chat_files.BlankLine) and with_blank[1].row == 2
 
 
 MESSAGE_ROW = {"id": "m", "messages": MESSAGES}
@@ -364,9 +366,9 @@ def test_json_lines_in_a_json_file_have_no_blank_line_past_their_end(tmp_path):
     (tmp_path / "latin1.json").write_bytes(text.encode() + b'{"x": "caf\xe9"}\n')
     (tmp_path / "ps.jsonl").write_bytes(text.encode("utf-16"))
     for name, rows in (("utf8.json", 3), ("latin1.json", 4), ("ps.jsonl", 3)):
-        got = list(chat.read_rows(tmp_path / name, blank_lines=True))
+        got = list(chat_files.read_rows(tmp_path / name, blank_lines=True))
         assert [r.row for r in got] == list(range(1, rows + 1)), name
-        assert [isinstance(r.data, chat.BlankLine) for r in got[:3]] == [False, True, False]
+        assert [isinstance(r.data, chat_files.BlankLine) for r in got[:3]] == [False, True, False]
 
 
 def test_utf16_files_are_read(tmp_path, caplog):
@@ -421,7 +423,7 @@ def test_an_unfinished_regenerate_folder_is_refused_its_file_is_read(tmp_path):
                                         r"written so far\): run the same `eyas regenerate`"):
         rows_of(regen)
     assert len(rows_of(regen / "conversations.jsonl")) == 2  # the way to use what it has
-    assert chat.regenerate_outputs([str(regen), str(regen / "conversations.jsonl")])[0][
+    assert chat_sources.regenerate_outputs([str(regen), str(regen / "conversations.jsonl")])[0][
         "path"] == str(regen)
 
 

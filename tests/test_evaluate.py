@@ -776,7 +776,7 @@ def test_split_picks_the_split_of_a_datasets_dict_folder(tmp_path, caplog):
     """From a review: --split test read every split of a DatasetDict folder (train first)."""
     import datasets
 
-    from eyas.targets.chat import dict_splits
+    from eyas.targets.chat_sources import dict_splits
     from eyas.targets.prompts import _dict_split, _file_conversations
 
     rows = lambda tag: datasets.Dataset.from_list(  # noqa: E731
@@ -784,8 +784,8 @@ def test_split_picks_the_split_of_a_datasets_dict_folder(tmp_path, caplog):
          for i in range(2)])
     folder = tmp_path / "dd"
     datasets.DatasetDict({"train": rows("train"), "test": rows("test")}).save_to_disk(folder)
-    # one helper tells both eval's --split and chat.read_rows the splits (a review found each
-    # reading them its own way)
+    # one helper tells both eval's --split and chat_files.read_rows the splits (a review found
+    # each reading them its own way)
     rows("one").save_to_disk(tmp_path / "one")
     assert sorted(dict_splits(folder)) == ["test", "train"]
     assert dict_splits(tmp_path / "one") is None and dict_splits(tmp_path) is None

@@ -15,7 +15,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from eyas.targets import chat
-from eyas.targets.chat import ChatFormatError
+from eyas.targets.chat_files import ChatFormatError
 from eyas.cli import build_parser, main, parse_config
 from eyas.config import ConfigError
 from eyas.errors import EyasError

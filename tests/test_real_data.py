@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.targets.chat import normalize, read_rows
+from eyas.targets.chat import normalize
+from eyas.targets.chat_files import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 

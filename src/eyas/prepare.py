@@ -1,13 +1,13 @@
 """`eyas prepare`: chat data -> token ids + a loss mask over what the target generates.
 
-Rows are read and normalised by `eyas.targets.chat`; each conversation is rendered with the target
-tokenizer's own chat template and masked by `eyas.targets.masking` (assistant content and its
-end-of-turn token, found from the template itself, so any template works without per-model
-code). A row marked `"truncated": true` (`eyas regenerate` kept an answer cut at its
-max_new_tokens as the last message) keeps that answer's text in the mask but not the
-end-of-turn the template closes it with: the target never wrote it there.
-`eyas.targets.tokenized_rows` runs that over the whole input with `datasets`; this module sets
-aside malformed and overlong rows, splits train/eval and writes the prepared folder. See
+Rows are read by `eyas.targets.chat_files` and normalised by `eyas.targets.chat`; each
+conversation is rendered with the target tokenizer's own chat template and masked by
+`eyas.targets.masking` (assistant content and its end-of-turn token, found from the template
+itself, so any template works without per-model code). A row marked `"truncated": true` (`eyas
+regenerate` kept an answer cut at its max_new_tokens as the last message) keeps that answer's
+text in the mask but not the end-of-turn the template closes it with: the target never wrote it
+there. `eyas.targets.tokenized_rows` runs that over the whole input with `datasets`; this module
+sets aside malformed and overlong rows, splits train/eval and writes the prepared folder. See
 docs/prepare.md.
 """
 
@@ -29,7 +29,8 @@ from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out,
                                  check_same_target, recorded_data, target_record,
                                  write_manifest)
 from eyas.store.permissions import as_umask
-from eyas.targets import chat
+from eyas.targets.chat_files import FORMATS
+from eyas.targets.chat_sources import check_out_outside, regenerate_outputs, source_fingerprints
 # documented as eyas.prepare.tokenize_conversation and eyas.prepare.render_prompt
 from eyas.targets.masking import render_prompt, tokenize_conversation  # noqa: F401
 from eyas.targets.tokenized_rows import tokenize_rows
@@ -53,7 +54,7 @@ class PrepareConfig:
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()
     format: str = option("auto", "row format; auto reads each row's own keys",
-                         choices=chat.FORMATS)
+                         choices=FORMATS)
     chat_template: str | None = option(None, "Jinja chat template file to use instead of the "
                                              "tokenizer's own (must match serving)")
     chat_template_kwargs: tuple[str, ...] = option(
@@ -184,8 +185,8 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
     inputs), each refused if another target answered it (another tokenizer, shape or GGUF, or
     the same shape with other weights: a fine-tune, the base model): the draft learns the
     answers of the model it drafts for. (An unfinished one is refused where its files are
-    read: chat.resolve_paths.)"""
-    found = chat.regenerate_outputs(cfg.data)
+    read: resolve_paths.)"""
+    found = regenerate_outputs(cfg.data)
     weighed = any((m.get("target") or {}).get("weights_fingerprint") for m in found)
     # this target's weights fingerprint only where an answer's is there to compare with
     mine = target_record(cfg.target, cfg.revision, config=config, tokenizer=tok) \
@@ -274,9 +275,9 @@ def _duplicate_ids(sample_ids: list[str]) -> int:
 def prepare(cfg: PrepareConfig) -> PrepareSummary:
     """Tokenize `cfg.data` for `cfg.target` into `cfg.out` (see docs/architecture.md)."""
     out = Path(cfg.out)
-    chat.check_out_outside(cfg.data, out, "prepare")
+    check_out_outside(cfg.data, out, "prepare")
     # also fails early on a missing path; files unchanged since the output in `out`: not read
-    data_record = chat.source_fingerprints(cfg.data, recorded_data(out, "prepare"))
+    data_record = source_fingerprints(cfg.data, recorded_data(out, "prepare"))
     tok = load_tokenizer(cfg)
     config = _target_config(cfg)
     text_config = config.get_text_config() if config is not None else None

@@ -41,9 +41,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from eyas.targets.chat import (FORMATS, THINK_CLOSE, THINK_OPEN, ChatFormatError, check_out_outside,
-                              normalize, read_rows, sample_id, source_fingerprints,
-                              strip_reasoning, with_system_prompt)
+from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, normalize, sample_id, strip_reasoning,
+                              with_system_prompt)
+from eyas.targets.chat_files import FORMATS, ChatFormatError, read_rows
+from eyas.targets.chat_sources import check_out_outside, source_fingerprints
 from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
                          target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,

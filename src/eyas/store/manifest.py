@@ -40,8 +40,8 @@ def versions() -> dict[str, str]:
     return out
 
 
-# A data file's stamp in a manifest's `data_files` (eyas.targets.chat.source_fingerprints):
-# when to hash the file again, not what it holds.
+# A data file's stamp in a manifest's `data_files` (written by
+# eyas.targets.chat_sources.source_fingerprints): when to hash the file again, not what it holds.
 DATA_STAMP = ("size", "mtime_ns")
 
 

@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from eyas.targets import chat
-from eyas.targets.chat import ChatFormatError
+from eyas.targets.chat_files import ChatFormatError
 
 EMPTY_THINK = re.compile(re.escape(chat.THINK_OPEN) + r"\s*" + re.escape(chat.THINK_CLOSE)
                          + r"\s*")

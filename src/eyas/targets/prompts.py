@@ -22,6 +22,8 @@ from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
 from eyas.store.manifest import check_template_hash, peek_manifest, read_manifest
 from eyas.targets import chat
+from eyas.targets.chat_files import ChatFormatError, read_rows
+from eyas.targets.chat_sources import dict_splits, is_datasets_folder
 from eyas.targets.masking import render_prompt
 
 log = logging.getLogger(__name__)
@@ -91,11 +93,11 @@ def _prepared_conversations(folder: Path, split: str):
 def _dict_split(path: Path, split: str) -> str | None:
     """--split for a `datasets` DatasetDict folder: the split to read. Its default (eval) names
     a prepared folder's split; a DatasetDict without one is read whole, as before, with a
-    word, and any other --split must exist there (chat.read_rows refuses one it lacks). A
+    word, and any other --split must exist there (read_rows refuses one it lacks). A
     single Dataset folder has no splits: another --split than the default is warned about."""
-    names = chat.dict_splits(path)
+    names = dict_splits(path)
     if names is None:
-        if split != "eval" and chat.is_datasets_folder(path):  # one Dataset: no splits
+        if split != "eval" and is_datasets_folder(path):  # one Dataset: no splits
             log.warning("%s is one datasets Dataset, not a DatasetDict: it has no splits, so "
                         "--split %s is not applied and every row is read", path, split)
         return None
@@ -110,12 +112,12 @@ def _file_conversations(data: str, skipped: Counter, split: str | None = None):
     """(sample id, messages) of every usable row; bad rows are logged with file and row and
     counted in `skipped` ("malformed"). Prompt-only rows (no assistant turn, e.g. MT-bench
     questions) are fine."""
-    for file, row, item in chat.read_rows(data, split=split):
+    for file, row, item in read_rows(data, split=split):
         try:
-            if isinstance(item, chat.ChatFormatError):
+            if isinstance(item, ChatFormatError):
                 raise item
             messages = chat.normalize(item, need_assistant=False)
-        except chat.ChatFormatError as err:
+        except ChatFormatError as err:
             log.warning("%s row %d skipped: %s", file, row, err)
             skipped["malformed"] += 1
             continue
@@ -143,7 +145,7 @@ def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "",
         try:
             ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": ""}],
                                 template_kwargs=template_kwargs)
-        except chat.ChatFormatError as err:
+        except ChatFormatError as err:
             log.warning("prompt %s skipped: %s", sid, err)
             skipped["chat template failed"] += 1
             continue
@@ -211,7 +213,7 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | 
     skipped = Counter() if skipped is None else skipped
     path = Path(cfg.data) if cfg.data else None
     # a prepared folder (its eval split by default); any other eyas folder is read as chat
-    # data by chat.read_rows (a regenerate output: its conversations; other steps' refused)
+    # data by read_rows (a regenerate output: its conversations; other steps' refused)
     prepared = (read_manifest(path, step="prepare")
                 if path is not None and (peek_manifest(path) or {}).get("step") == "prepare"
                 else None)

@@ -19,7 +19,8 @@ from eyas.config import to_dict
 from eyas.errors import EyasError
 from eyas.store.manifest import chat_template_fingerprint, tokenizer_fingerprint
 from eyas.targets import chat
-from eyas.targets.chat import ChatFormatError, parse_template_kwargs
+from eyas.targets.chat import parse_template_kwargs
+from eyas.targets.chat_files import BlankLine, ChatFormatError, read_rows
 from eyas.targets.masking import tokenize_conversation
 
 
@@ -36,10 +37,10 @@ def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip:
     reason it is unusable (`cut_off`: reasoning cut off, which `strip` leaves nothing of), or
     a blank line (so that every line is accounted for).
     (`chat.read_conversations` with the raw row's mark kept.)"""
-    for file, row, data in chat.read_rows(paths, fmt, blank_lines=True):
+    for file, row, data in read_rows(paths, fmt, blank_lines=True):
         rec = {"file": file, "row": row, "sample_id": f"{file}:{row}", "messages_json": "",
                "truncated": False, "error": "", "cut_off": False,
-               "blank": isinstance(data, chat.BlankLine)}
+               "blank": isinstance(data, BlankLine)}
         try:
             if isinstance(data, ChatFormatError):
                 raise data
@@ -118,7 +119,7 @@ def tokenize_rows(cfg, tok, work: Path, max_length: int):
     read_features = datasets.Features({k: features[k] for k in
                                        ("file", "row", "sample_id", "messages_json",
                                         "truncated", "error", "cut_off", "blank")})
-    if next(chat.read_rows(cfg.data, cfg.format), None) is None:  # datasets' own error is cryptic
+    if next(read_rows(cfg.data, cfg.format), None) is None:  # datasets' own error is cryptic
         raise EyasError(f"no rows in {list(cfg.data)}: the input files are empty (an `eyas "
                         f"regenerate` whose rows were all rejected writes an empty "
                         f"conversations.jsonl: see its rejects.jsonl)")
