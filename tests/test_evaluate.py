@@ -592,7 +592,7 @@ def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
 def test_mt_bench_second_turn_follows_the_targets_own_answer(llama_dir, target, batch_size):
     """Turn 2 is asked after the target's own greedy answer to turn 1, rendered with the
     same template, and measured as its own group."""
-    from eyas.serve.eval_measure import end_of_turn_ids, measure_sets
+    from eyas.serve.eval_measure import measure_sets
     from eyas.targets.masking import render_prompt
     from eyas.targets.models import load_tokenizer
     from eyas.targets.prompts import render
@@ -608,7 +608,7 @@ def test_mt_bench_second_turn_follows_the_targets_own_answer(llama_dir, target, 
                      ignore_eos=True, batch_size=batch_size, **{**SMALL, "max_new_tokens": 8})
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), None, prompts, cfg,
-                        end_of_turn_ids(model, tok, True), tok)
+                        frozenset(), tok)  # no stop ids: ignore_eos
     assert list(sets) == ["mt-bench/turn-1", "mt-bench/turn-2"]
     asked_prompts, second = sets["mt-bench/turn-2"]
     assert second.prompt_ids == ["mt-bench/turn-2/0", "mt-bench/turn-2/1"]

@@ -911,3 +911,18 @@ def test_vllm_backend_refuses_a_gguf_transformers_options_and_a_missing_vllm(set
         with pytest.raises(EyasError, match="needs vLLM in this environment.*pip install vllm"):
             regenerate(RegenerateConfig(**base))
         assert not (tmp_path / "out" / OUTPUT).read_text()  # nothing written, nothing lost
+
+
+def test_stop_token_ids_required_or_empty():
+    """One helper for regenerate (a target without an end-of-turn id is refused) and eval
+    (which then measures to max_new_tokens)."""
+    from types import SimpleNamespace as NS
+
+    from eyas.serve.generator import stop_token_ids
+
+    assert stop_token_ids(NS(eos_token_id=[2, 7]), NS(eos_token_id=2)) == {2, 7}
+    assert stop_token_ids(None, NS(eos_token_id=3), required=False) == {3}
+    none = NS(eos_token_id=None)
+    assert stop_token_ids(none, none, required=False) == frozenset()
+    with pytest.raises(EyasError, match="names no end-of-turn token: set eos_token_id"):
+        stop_token_ids(none, none)

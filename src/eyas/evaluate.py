@@ -26,9 +26,10 @@ from eyas.config import (ConfigError, accept_other_weights_option, check_choices
 from eyas.errors import EyasError, LosslessError
 from eyas.serve.draft_loading import (check_draft, check_draft_target, load_draft,
                                       measured_checkpoint)
-from eyas.serve.eval_measure import end_of_turn_ids, measure_sets, prompt_room
+from eyas.serve.eval_measure import measure_sets, prompt_room
 from eyas.serve.eval_report import (EvalReport, by_set, concat, merge, mismatch_message,
                                     summarize)
+from eyas.serve.generator import stop_token_ids
 from eyas.serve.report_files import write_report
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, target_record,
@@ -241,7 +242,8 @@ def _measure_here(cfg: EvalConfig, prompts: list[Prompt], record: dict,
                                            weights=not cfg.accept_other_weights)
         check_draft(draft, info, cfg.draft)
     skipped = Counter()
-    stop_ids = end_of_turn_ids(model, tokenizer, cfg.ignore_eos)
+    stop_ids = frozenset() if cfg.ignore_eos else stop_token_ids(
+        getattr(model, "generation_config", None), tokenizer, required=False)
     sets = measure_sets(model, submodule(model, info.layers_path),
                         submodule(model, info.norm_path), draft, prompts, cfg,
                         stop_ids, tokenizer, index, skipped)

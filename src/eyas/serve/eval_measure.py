@@ -51,17 +51,6 @@ def _prompt_generator(seed: int, prompt_id: str, device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def end_of_turn_ids(model, tokenizer, ignore_eos: bool) -> frozenset[int]:
-    """End-of-turn ids: the generation config's eos ids and the tokenizer's eos."""
-    if ignore_eos:
-        return frozenset()
-    ids = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        ids.update([value] if isinstance(value, int) else (value or []))
-    return frozenset(ids)
-
-
 def run_eval(model, layers, final_norm, draft, prompts: list[Prompt], cfg,
              stop_ids: frozenset[int] = frozenset()) -> EvalReport:
     """Measure every method on `prompts` with an already loaded target and draft.

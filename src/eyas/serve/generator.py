@@ -31,14 +31,15 @@ class Generation:
     num_tokens: int = 0
 
 
-def stop_token_ids(generation_config, tokenizer) -> frozenset[int]:
+def stop_token_ids(generation_config, tokenizer, required: bool = True) -> frozenset[int]:
     """End-of-turn ids: the generation config's eos ids (e.g. Llama 3's <|eot_id|>) and the
-    tokenizer's eos, the set vLLM stops on."""
-    ids = generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    if not ids:
+    tokenizer's eos, the set vLLM stops on. If there are none: an EyasError when `required`
+    (generation would never stop), else the empty set (eval measures to max_new_tokens)."""
+    ids = set()
+    for source in (generation_config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else (value or []))
+    if required and not ids:
         raise EyasError("the target names no end-of-turn token: set eos_token_id in its "
                         "generation_config.json")
     return frozenset(ids)
