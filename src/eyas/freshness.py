@@ -138,7 +138,7 @@ def _data_changes(cfg, manifest: dict, folder: Path) -> str:
     if "data_files" not in manifest or not getattr(cfg, "data", None):
         return ""
     from eyas.store.manifest import data_content
-    from eyas.targets.chat import source_fingerprints
+    from eyas.targets.chat_sources import source_fingerprints
 
     recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
     fresh = _normalise(source_fingerprints(cfg.data, recorded))

@@ -16,8 +16,6 @@ import re
 from typing import Any, Iterator, NamedTuple
 
 from eyas.targets.chat_files import FORMATS, TURN_COLUMNS, ChatFormatError, read_rows
-# eyas.pipeline imports source_fingerprints from here (it lived here); chat_sources is its home
-from eyas.targets.chat_sources import source_fingerprints  # noqa: F401
 
 # Input role spelling -> OpenAI role. ShareGPT says human/gpt, OpenAI says user/assistant.
 ROLES = {
