@@ -201,17 +201,18 @@ def retry_set_aside(folder: Path, state: dict, retry) -> None:
     """Take the rows of this shard's set-aside report for which `retry(row)` holds out of it
     (rewritten atomically; its count in `state` too), so that they are captured again: rows
     set aside for a setting the user has since changed (vLLM's --max-model-len)."""
-    rows = read_report(folder, state["shard"], state["num_shards"])
-    again = [r for r in rows if retry(r)]
+    keep, again = [], []
+    for r in read_report(folder, state["shard"], state["num_shards"]):
+        (again if retry(r) else keep).append(r)
     if not again:
         return
     log.info("%d row(s) set aside before as too long for vLLM's max_model_len %s are captured "
              "again", len(again), sorted({r.get("max_model_len") for r in again}))
     path = Path(folder) / report_name(state["shard"], state["num_shards"])
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows if not retry(r)))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, path)
-    state["nonfinite"] = len(rows) - len(again)
+    state["nonfinite"] = len(keep)
     write_json_atomic(folder / state_name(state["shard"], state["num_shards"]), state)
 
 
