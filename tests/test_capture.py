@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from eyas.store import shard_writer, shards
+from eyas.store import shard_state, shard_writer, shards
 from eyas.capture import CaptureConfig, capture
 from eyas.targets.capture_forward import capture_samples, iter_captured_batches
 from eyas.targets.capture_forward import batch_inputs, plan_batches
@@ -596,7 +596,7 @@ def test_parallel_part_writer_commits_parts_in_order(tmp_path):
         writer.put(None, {**batch, "nonfinite": torch.zeros(n, dtype=torch.bool)}, ["a", "b"])
     writer.close()
     assert [e["part"] for e in state["parts"]] == list(range(len(sizes)))
-    assert shards.read_state(tmp_path, 0, 1)["parts"] == state["parts"]
+    assert shard_state.read_state(tmp_path, 0, 1)["parts"] == state["parts"]
     rows = [shards.part_sample_index(tmp_path, e["file"]).tolist() for e in state["parts"]]
     assert rows == [[2 * i, 2 * i + 1] for i in range(len(sizes))]
     assert [e["tokens"] for e in state["parts"]] == sizes

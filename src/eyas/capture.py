@@ -31,7 +31,7 @@ from eyas.errors import EyasError
 from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
                                  write_manifest)
 from eyas.serve.vllm_generate import check_engine_options, engine_options
-from eyas.store import shards
+from eyas.store import shard_state, shards
 from eyas.targets.capture_forward import forward_batches
 from eyas.store.shard_writer import PartWriter
 from eyas.store.prepared import load_split
@@ -206,7 +206,7 @@ def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict
         return
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
     settings = _settings(cfg, target, [prepared], _aux_ids(cfg, info), info.hidden_size)
-    shards.check_settings(Path(cfg.out), settings, cfg.shard_index()[1])
+    shard_state.check_settings(Path(cfg.out), settings, cfg.shard_index()[1])
 
 
 def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_rows) -> dict:
@@ -296,13 +296,13 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
     rows = list(range(shard, len(dataset), num_shards))
     with _locked(out / f".shard-{shard:05d}-of-{num_shards:05d}.lock", wait=False):
         with _locked(out / ".capture.lock"):
-            state = shards.start_shard(out, shard, num_shards, settings, len(rows),
-                                       overwrite=cfg.overwrite)
-        shards.drop_damaged(out, state)  # sha256 and headers: a damaged part is captured again
+            state = shard_state.start_shard(out, shard, num_shards, settings, len(rows),
+                                            overwrite=cfg.overwrite)
+        shard_state.drop_damaged(out, state)  # sha256 and headers: a damaged part is captured again
         # rows an earlier vLLM run set aside as too long, where this run fits them
         limit = model.max_model_len if cfg.backend == "vllm" else float("inf")
-        shards.retry_set_aside(out, state, lambda r: r.get("max_model_len", limit) < limit)
-        done = shards.done_rows(out, state)
+        shard_state.retry_set_aside(out, state, lambda r: r.get("max_model_len", limit) < limit)
+        done = shard_state.done_rows(out, state)
         todo = [r for r in rows if r not in done]
         if todo:
             log.info("shard %d/%d: %d of %d samples to capture (%d done before)", shard,
@@ -313,7 +313,7 @@ def capture_loaded(cfg: CaptureConfig, model, info, dataset, *, target: dict | N
         state["complete"] = True
         shards.write_json_atomic(out / shards.state_name(shard, num_shards), state)
     with _locked(out / ".capture.lock"):
-        index = shards.build_index(out)
+        index = shard_state.build_index(out)
         shards.write_json_atomic(out / shards.INDEX, index)
         stats = _summary(index, state)
         write_manifest(out, "capture", cfg, target=target, inputs=inputs,

@@ -303,7 +303,7 @@ class VLLMCapture:
             for r, sample_id, reason in bad_rows:
                 log.warning("sample %s (row %d) set aside: %s", sample_id, r, reason)
                 # a row too long for this engine is captured again by a run that fits it
-                # (shards.retry_set_aside): the report says for which max_model_len
+                # (shard_state.retry_set_aside): the report says for which max_model_len
                 reject(r, sample_id, reason, **({"max_model_len": self.max_model_len}
                                                 if reason.startswith(TOO_LONG) else {}))
 
