@@ -21,9 +21,11 @@ for Llama targets, V1 for Qwen2 and for n-gram), and each engine records the run
 starting an EAGLE-3 engine on FlashAttention 3's defaults: ATTENTION below); given a list
 (`fa3-nosplit,triton,fa2`), the first eagle3 way runs first, once per setting in the list's
 order until its engine starts, and the whole run then uses the setting that started it
-(those that did not are under `failed` with their errors). When the run's setting is not
-vLLM's own, no speculation is also measured on vLLM's own ("none (auto attention)", unless
---no-default-baseline), and each speedup is over the faster of the two: a server without a
+(those that did not are under `failed` with their errors). When the run's attention or
+runner is not vLLM's own, no speculation is also measured as vLLM serves it by default, on its
+own attention and runner ("none (auto attention, auto runner)": for Qwen2 in vLLM 0.24, V1,
+where a random 1.5B-shaped target ran 10 % faster per token than on V2 in session 25), unless
+--no-default-baseline, and each speedup is over the faster of the two: a server without a
 draft needs no workaround. `--engine-args` sets any other vllm.LLM argument.
 vLLM cannot change `speculative_config` on a live engine, so each way costs one engine start
 (about 60-100 s on an H200 with CUDA graphs; 20 s on the CPU with the tiny test target);
@@ -146,11 +148,23 @@ class Way:
     k: int = 0
     method: str = ""
     attention: str = ""  # an --attention setting of its own ("": the run's)
+    runner: str = ""  # a --runner setting of its own ("": the run's)
 
     @property
     def label(self) -> str:
         way = self.name if self.name == "none" else f"{self.method or self.name} k={self.k}"
-        return way + (f" ({self.attention} attention)" if self.attention else "")
+        own = [x for x in (self.attention and f"{self.attention} attention",
+                           self.runner and f"{self.runner} runner") if x]
+        return way + (f" ({', '.join(own)})" if own else "")
+
+    def runner_variable(self, run_runner: str) -> str | None:
+        """VLLM_USE_V2_MODEL_RUNNER for this way's engine: "1" or "0", or None where vLLM
+        is to choose (the variable removed: a way of its own on runner auto, e.g. the
+        default baseline, after engines that set it); "" leaves the environment as it is."""
+        runner = self.runner or run_runner
+        if runner == "auto":
+            return None if self.runner else ""
+        return "1" if runner == "v2" and self.name != "ngram" else "0"  # (0.24's V2: no n-gram)
 
     def speculative_config(self, draft: str, lookup: tuple[int, int],
                            draft_sampling: str = "greedy") -> dict | None:
@@ -263,6 +277,7 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
             if len(r["tokens"]) > 1]
     row = {"way": way.name, "k": way.k, **({"method": way.method} if way.method else {}),
            **({"attention": way.attention} if way.attention else {}),
+           **({"runner": way.runner} if way.runner else {}),
            "set": group, "temperature": temperature,
            "batch": batch, "prompts": len(ids), "output_tokens": n_out,
            "seconds": round(seconds, 3), "output_tokens_per_s": round(n_out / seconds, 2),
@@ -272,7 +287,8 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
            "same_outputs_as_no_speculation": None,
            "eyas_eval": eyas_eval_al(reports, way, group, temperature, a.draft_sampling)
            if way.name != "none" else None}
-    if temperature == 0 and not (way.name == "none" and way.attention):  # (not a reference)
+    if temperature == 0 and not (way.name == "none" and (way.attention or way.runner)):
+        # (the default baseline is not the outputs' reference)
         key = (group, batch)
         if way.name == "none":
             reference[key] = tokens
@@ -305,6 +321,7 @@ def speedups(rows: list[dict]) -> list[dict]:
             "set": key[0], "temperature": key[1], "batch": key[2],
             "none_tokens_per_s": tps["none"],
             **({"none_attention": none["attention"]} if none and none.get("attention") else {}),
+            **({"none_runner": none["runner"]} if none and none.get("runner") else {}),
             "ngram_best_k": ngram and ngram["k"], "ngram_tokens_per_s": tps["ngram"],
             "ngram_best_method": ngram and ngram.get("method", "ngram"),
             "eagle3_best_k": eagle and eagle["k"], "eagle3_tokens_per_s": tps["eagle3"],
@@ -361,6 +378,14 @@ def _ngram_k(s: dict) -> str:
     return _f(s["ngram_best_k"]) + (f", {method}" if method not in (None, "ngram") else "")
 
 
+def _none_setting(s: dict) -> str:
+    """The summary's no-speculation engine, where it is the default baseline: " (auto)",
+    " (auto, auto runner)"."""
+    runner = s.get("none_runner")
+    own = [x for x in (s.get("none_attention"), runner and f"{runner} runner") if x]
+    return f" ({', '.join(own)})" if own else ""
+
+
 def markdown(result: dict) -> str:
     """The summary (best k per way, speedups) and every measured configuration, with the
     command that made them."""
@@ -380,7 +405,7 @@ def markdown(result: dict) -> str:
         ci = s["eagle3_eyas_eval_ci95"]
         lines.append(
             f"| {s['set']} | {s['temperature']:g} | {s['batch']} | {_f(s['none_tokens_per_s'], 1)}"
-            + (f" ({s['none_attention']})" if s.get("none_attention") else "") + " "
+            + _none_setting(s) + " "
             f"| {_f(s['ngram_tokens_per_s'], 1)} ({_ngram_k(s)}) "
             f"| {_f(s['eagle3_tokens_per_s'], 1)} ({_f(s['eagle3_best_k'])}) "
             f"| {_ratio(s['eagle3_tokens_per_s'], s['none_tokens_per_s'])} "
@@ -396,8 +421,10 @@ def markdown(result: dict) -> str:
         t = r["tpot_ms"]
         same = r["same_outputs_as_no_speculation"]
         same = "-" if same is None else f"{same} / {r['prompts']}"
+        way = Way(r["way"], r["k"], r.get("method", ""), r.get("attention", ""),
+                  r.get("runner", ""))
         lines.append(
-            f"| {Way(r['way'], r['k'], r.get('method', ''), r.get('attention', '')).label} "
+            f"| {way.label} "
             f"| {r['set']} "
             f"| {r['temperature']:g} | {r['batch']} | {r['prompts']} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p90'])} "
@@ -437,7 +464,8 @@ def parse_args(argv):
                         "full CUDA graphs, V1 piecewise; n-gram ways stay on V1, which V2 "
                         "refuses); auto leaves vLLM's choice (0.24: V2 for Llama, V1 for "
                         "Qwen2; V1 for n-gram). Each engine records the runner vLLM used; "
-                        "run once per runner to compare")
+                        "run once per runner to compare (v1 / v2 also measure no "
+                        "speculation on vLLM's choice: --no-default-baseline)")
     p.add_argument("--attention", default="auto",
                    help="attention settings for every engine: auto (vLLM's), fa3-nosplit "
                         "(FlashAttention 3 without split-KV in CUDA graphs), fa2 "
@@ -447,10 +475,10 @@ def parse_args(argv):
                         "eagle3 way runs first with each in turn, and the first that starts "
                         "it is the run's")
     p.add_argument("--no-default-baseline", dest="default_baseline", action="store_false",
-                   help="when the run's --attention is not vLLM's own (auto), no speculation "
-                        "is also measured on auto, and each speedup is over the faster of the "
-                        "two (a server without a draft needs no workaround); this flag skips "
-                        "that engine")
+                   help="when the run's --attention or --runner is not vLLM's own (auto), "
+                        "no speculation is also measured on vLLM's own attention and runner, "
+                        "and each speedup is over the faster of the two (a server without a "
+                        "draft needs no workaround); this flag skips that engine")
     p.add_argument("--engine-args", default="",
                    help="more vllm.LLM arguments for every engine, as a JSON object (applied "
                         "after --attention; recorded in the result's `engine`)")
@@ -499,9 +527,11 @@ def serve_one(way: Way, a, sets: dict, engine: dict, deadline: float, result: di
 
     batches = result["batches"]
     spec = way.speculative_config(a.draft, (a.ngram_min, a.ngram_max), a.draft_sampling)
-    if a.runner != "auto":  # read by vLLM when it builds this engine's config
-        v2 = a.runner == "v2" and way.name != "ngram"  # (vLLM 0.24's V2 refuses n-gram)
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
+    variable = way.runner_variable(a.runner)  # read by vLLM when it builds the engine's config
+    if variable is None:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    elif variable:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = variable
     t0 = time.perf_counter()
     state["phase"] = "start"
     gen = VLLMGenerator(result["target_dir"], dtype=a.dtype, seed=0,
@@ -696,9 +726,12 @@ def main(argv=None) -> dict:
                                   f"{eagle[0].label})" for w in eagle[1:]]
             ways = [w for w in ways if w.name != "eagle3"]
         engine = result["engine"] = engine_kwargs(a, result["attention"])
-    if a.default_baseline and result["attention"] != "auto":
-        # no speculation as vLLM serves it by default too: the speedups are over the faster
-        ways.insert(ways.index(Way("none")) + 1, Way("none", attention="auto"))
+    if a.default_baseline and (result["attention"] != "auto" or a.runner != "auto"):
+        # no speculation as vLLM serves it by default too (its attention and its model
+        # runner: V1 for Qwen2 in 0.24): the speedups are over the faster
+        ways.insert(ways.index(Way("none")) + 1, Way(
+            "none", attention="auto" if result["attention"] != "auto" else "",
+            runner="auto" if a.runner != "auto" else ""))
     for n, way in enumerate(ways):
         if result["stopped_early"] is None and \
                 time.perf_counter() + state["longest"] > deadline:

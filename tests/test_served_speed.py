@@ -59,6 +59,34 @@ def test_speedups_take_the_fastest_k_of_each_way_per_batch():
          "stopped_early": None, "not_run": [], "summary": [one], "rows": [auto]})
 
 
+def test_a_run_on_a_runner_of_its_choosing_is_also_measured_on_vllms_own():
+    # --runner v2 (the draft's steps as full CUDA graphs) is not how vLLM serves a Qwen2
+    # target without a draft (V1 in 0.24): the default baseline runs there, and where it is
+    # the faster, the speedup is over it and says so
+    base = served_speed.Way("none", attention="auto", runner="auto")
+    assert base.label == "none (auto attention, auto runner)"
+    assert served_speed.Way("none", runner="auto").label == "none (auto runner)"
+    # the engine's VLLM_USE_V2_MODEL_RUNNER: the run's runner, vLLM's choice for the baseline
+    # (the variable an earlier engine set is removed), n-gram on V1 whatever the run asks
+    assert [base.runner_variable(r) for r in ("auto", "v1", "v2")] == [None] * 3
+    none, ngram = served_speed.Way("none"), served_speed.Way("ngram", 4)
+    assert [none.runner_variable(r) for r in ("auto", "v1", "v2")] == ["", "0", "1"]
+    assert [ngram.runner_variable(r) for r in ("auto", "v1", "v2")] == ["", "0", "0"]
+    rows = [_row("none", 0, 100.0), _row("eagle3", 3, 160.0, al=2.5),
+            {**_row("none", 0, 110.0), "attention": "auto", "runner": "auto"}]
+    (one,) = served_speed.speedups(rows)
+    assert (one["none_tokens_per_s"], one["none_attention"], one["none_runner"],
+            one["eagle3_over_none"]) == (110.0, "auto", "auto", 1.455)
+    text = served_speed.markdown({"command": "c", "device": "d", "vllm_version": "v",
+                                  "dtype": "t", "max_new_tokens": 1, "stopped_early": None,
+                                  "not_run": [], "summary": [one], "rows": rows})
+    assert "| data | 0 | 1 | 110.0 (auto, auto runner) | - (-) | 160.0 (3) | 1.45 |" in text
+    assert "| none (auto attention, auto runner) | data | 0 | 1 | 4 | 110.0 |" in text
+    # the faster V2 engine stays the reference, unnamed
+    (one,) = served_speed.speedups(rows[:2] + [{**rows[2], "output_tokens_per_s": 90.0}])
+    assert (one["none_tokens_per_s"], "none_runner" in one) == (100.0, False)
+
+
 def test_ngram_methods_are_ways_of_their_own_and_the_fastest_is_named():
     gpu = served_speed.Way("ngram", 4, "ngram_gpu")
     assert gpu.label == "ngram_gpu k=4" and served_speed.Way("ngram", 4).label == "ngram k=4"
