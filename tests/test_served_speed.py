@@ -11,6 +11,7 @@ configuration runs, the JSON has every field, outputs at T=0 are the same three 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -407,6 +408,49 @@ def _shape_args(tmp_path, shape: str, out) -> list[str]:
     return ["--shape", shape, "--tokenizer", str(tok), "--conversations", str(convs),
             "--rows", "16", "--train-steps", "2", "--batch-tokens", "256", "--device", "cpu",
             "--work", str(tmp_path / "w"), "--json", str(out)]
+
+
+@pytest.mark.vllm
+def test_a_runner_asked_for_every_engine_leaves_the_baseline_to_vllm(tmp_path, monkeypatch):
+    """--runner v1 sets VLLM_USE_V2_MODEL_RUNNER for the run's engines, and the default
+    baseline then runs with the variable removed, where vLLM picks (its CPU build: V1, as
+    it has no Triton for V2): two engines without speculation, the second named."""
+    pytest.importorskip("vllm")
+    from transformers import LlamaForCausalLM
+
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    target = tmp_path / "tiny-llama-128"  # head dim 32: vLLM's CPU attention runs it
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(target)
+    save_tiny_tokenizer(target)
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
+        WORDS[i:i + 6])}]}) + "\n" for i in range(3)))
+    from eyas.serve import vllm_generate
+
+    seen = []  # the variable as each engine was built with it
+    engine = vllm_generate.VLLMGenerator
+
+    def built(*args, **kwargs):
+        seen.append(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_generate, "VLLMGenerator", built)
+    r = served_speed.main([
+        "--target", str(target), "--data", str(data), "--num-prompts", "3",
+        "--batch1-prompts", "3", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+        "--ngram-k", "", "--batches", "1", "--temperatures", "0", "--runner", "v1",
+        "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.2",
+        "--max-model-len", "256", "--json", str(tmp_path / "served.json")])
+    assert seen == ["0", None]
+    assert [(e["way"], e["model_runner"]) for e in r["engines"]] == \
+        [("none", "v1"), ("none (auto runner)", "v1")]
+    baseline = [x for x in r["rows"] if x.get("runner") == "auto"]
+    assert len(baseline) == 1 and "attention" not in baseline[0]
+    assert baseline[0]["same_outputs_as_no_speculation"] is None  # not the reference
 
 
 def test_served_shape_makes_a_draft_for_a_random_target_of_the_shape(tmp_path):
