@@ -221,6 +221,11 @@ def main(argv=None) -> None:
     p.add_argument("--capture-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="eyas capture --dtype: fp8 stores the aux layers in 8 bits (7.7 KB "
                         "per token for a 1.5B Qwen2 against 12.3 KB in bf16)")
+    p.add_argument("--online", action="store_true",
+                   help="no capture: eyas train --online runs the target on each batch "
+                        "(its states rounded to bf16, not to --capture-dtype). For a corpus "
+                        "whose capture the disk cannot hold: ~20 K of the 1.5B's multi-turn "
+                        "chats would need ~60-80 GB in fp8")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--sources-first", default="",
@@ -315,12 +320,15 @@ def main(argv=None) -> None:
     t["prepare"] = run("prepare", *common, "--data", conversations,
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")
-    t["capture"] = run("capture", *common, "--data", work / "prepared", "--out",
-                       work / "captured", "--split", "all", "--model-dtype", model_dtype,
-                       "--dtype", a.capture_dtype, log=log, out=work / "captured")
+    t["capture"] = 0.0 if a.online else run(
+        "capture", *common, "--data", work / "prepared", "--out", work / "captured", "--split",
+        "all", "--model-dtype", model_dtype, "--dtype", a.capture_dtype, log=log,
+        out=work / "captured")
+    source = ["--data", work / "prepared", "--online", *common] if a.online else \
+        ["--data", work / "captured"]
     t["vocab"] = run("vocab", "--data", work / "prepared", "--out", work / "vocab", log=log,
                      out=work / "vocab")
-    t["train"] = run("train", "--data", work / "captured", "--vocab", work / "vocab",
+    t["train"] = run("train", *source, "--vocab", work / "vocab",
                      "--out", work / "run", "--epochs", a.epochs, "--batch-tokens",
                      a.batch_tokens, *(["--lr", a.lr] if a.lr else []), "--eval-every", 200,
                      "--save-every", 200,

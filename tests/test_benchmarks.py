@@ -114,3 +114,44 @@ def test_weights_fingerprint_benchmark_smoke(tmp_path):
     # every way of reading gives one fingerprint, and a real one
     assert len({r["fingerprint"] for r in result["runs"]}) == 1
     assert result["runs"][0]["fingerprint"] is not None
+
+
+def test_real_model_trains_online_without_a_capture(tmp_path):
+    """benchmarks/real_model.py --online, end to end on a tiny target: no capture folder is
+    made, `eyas train` runs the target itself (its manifest says online), and the draft it
+    exports is measured by both evals."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
+
+    target = tmp_path / "tiny"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama")).save_pretrained(target)
+    save_tiny_tokenizer(target)
+    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
+    data = tmp_path / "realdata"
+    data.mkdir()
+
+    def chat(i: int, answer: bool) -> str:
+        turn = [{"role": "user", "content": " ".join(words[i % 9: i % 9 + 6])}]
+        if answer:
+            turn.append({"role": "assistant", "content": " ".join(words[i % 5:][:10])})
+        return json.dumps({"id": f"chat/{i}", "messages": turn}) + "\n"
+
+    (data / "train.jsonl").write_text("".join(chat(i, False) for i in range(24)))
+    (data / "heldout.jsonl").write_text("".join(chat(i, False) for i in range(40, 44)))
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text("".join(chat(i, True) for i in range(24)))
+    work, out = tmp_path / "work", tmp_path / "real.json"
+    _run("real_model.py", "--target", str(target), "--data", str(data), "--work", str(work),
+         "--out", str(out), "--conversations", str(conversations), "--online",
+         "--eval-fraction", "0.2", "--epochs", "1", "--batch-tokens", "256",
+         "--indist-prompts", "2", "--heldout-prompts", "2", "--eval-tokens", "4", "--k", "2",
+         "--eval-batch", "2", "--eval-args=--no-ngram", "--device", "cpu")
+    assert not (work / "captured").exists()
+    run = json.loads((work / "run/eyas.json").read_text())
+    assert run["config"]["online"] is True and run["config"]["data"] == str(work / "prepared")
+    result = json.loads(out.read_text())
+    assert result["seconds"]["capture"] == 0.0 and result["seconds"]["train"] > 0
+    assert result["heldout"]["measured_al"]["2"] >= 1.0

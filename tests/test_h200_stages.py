@@ -78,6 +78,7 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     pipeline = next(c for c in calls if "benchmarks/real_model.py" in c)
     assert "--evals-first bench" in pipeline and "--top-up" in pipeline
     assert "--max-train 16000" in pipeline and "--eval-args=--no-ngram --seed 0 " in pipeline
+    assert "--online" not in pipeline  # (captured to disk unless SERVED_ONLINE)
     # the merged answers go home as soon as they exist, not after the evals or the serving
     assert f"--keep-conversations {tmp_path}/w/results/qwen-conversations.jsonl.gz" in pipeline
     # the command after export copies the bench report home and hands it to served_speed.py
@@ -88,8 +89,10 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     shutil.rmtree(tmp_path / "w")
     parts = [REPO / "benchmarks/results/served-h200-s26/qwen15-conversations.jsonl.gz",
              REPO / "benchmarks/results/served-h200-s29/qwen15-conversations-chat.jsonl.gz"]
-    calls, _ = _stage(tmp_path, SERVED_CONVERSATIONS=",".join(map(str, parts)))
-    assert "--keep-conversations" not in next(c for c in calls if "real_model.py" in c)
+    calls, _ = _stage(tmp_path, SERVED_CONVERSATIONS=",".join(map(str, parts)),
+                      SERVED_ONLINE="1")
+    pipeline = next(c for c in calls if "real_model.py" in c)
+    assert "--keep-conversations" not in pipeline and " --online " in pipeline
     with gzip.open(parts[0], "rt") as a, gzip.open(parts[1], "rt") as b:
         rows = a.read() + b.read()
     assert (tmp_path / "w/qwen-conversations.jsonl").read_text() == rows
