@@ -264,34 +264,42 @@ def export_draft(folder, model, target: dict, target_dir) -> str:
                                    dtype="fp32", target=str(target_dir))))
 
 
+def _tiny_target(tmp_path, prompts: int):
+    """A tiny random Llama (head dim 32: vLLM's CPU attention runs it) and a JSONL of
+    `prompts` held-out user turns: (target, data)."""
+    from transformers import LlamaForCausalLM
+
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
+
+    target = tmp_path / "tiny-llama-128"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(target)
+    save_tiny_tokenizer(target)
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
+        WORDS[i:i + 5 + i] * 2)}]}) + "\n" for i in range(prompts)))
+    return target, data
+
+
 def _served_tiny(tmp_path, fit_draft):
     """A tiny Llama (head dim 32: vLLM's CPU attention runs it), 6 held-out prompts, eyas
     eval's config for them and an EAGLE-3 draft fitted to its greedy answers, exported:
     (target, data, cfg, draft). Skips without a vLLM that can run here."""
     pytest.importorskip("vllm")
-    import os
-
     from vllm.platforms import current_platform
 
     if not (current_platform.is_cpu() or torch.cuda.is_available()):
         pytest.skip("this vLLM build has neither its CPU platform nor a GPU (make test-vllm-cpu)")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from eyas.evaluate import EvalConfig, load_prompts
     from eyas.serve.generator import render_prompt
     from eyas.store.manifest import target_record
     from eyas.serve.speculate import Sampling, TargetRunner, generate_plain
     from eyas.targets.models import inspect_model, load_tokenizer
-    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
 
-    target = tmp_path / "tiny-llama-128"  # head dim 32: vLLM's CPU attention runs it
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(target)
-    save_tiny_tokenizer(target)
-    data = tmp_path / "heldout.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
-        WORDS[i:i + 5 + i] * 2)}]}) + "\n" for i in range(6)))
+    target, data = _tiny_target(tmp_path, 6)
     cfg = EvalConfig(target=str(target), data=str(data), out=str(tmp_path / "eval"),
                      draft=None, k=(1, 3), num_prompts=6, max_new_tokens=NEW_TOKENS,
                      ignore_eos=True, device="cpu", dtype="float32", batch_size=1, replay=False)
@@ -416,19 +424,9 @@ def test_a_runner_asked_for_every_engine_leaves_the_baseline_to_vllm(tmp_path, m
     baseline then runs with the variable removed, where vLLM picks (its CPU build: V1, as
     it has no Triton for V2): two engines without speculation, the second named."""
     pytest.importorskip("vllm")
-    from transformers import LlamaForCausalLM
-
-    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
-
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    target = tmp_path / "tiny-llama-128"  # head dim 32: vLLM's CPU attention runs it
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config("llama", hidden=128)).save_pretrained(target)
-    save_tiny_tokenizer(target)
-    data = tmp_path / "heldout.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": " ".join(
-        WORDS[i:i + 6])}]}) + "\n" for i in range(3)))
+    target, data = _tiny_target(tmp_path, 3)
     from eyas.serve import vllm_generate
 
     seen = []  # the variable as each engine was built with it
