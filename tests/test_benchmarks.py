@@ -155,3 +155,16 @@ def test_real_model_trains_online_without_a_capture(tmp_path):
     result = json.loads(out.read_text())
     assert result["seconds"]["capture"] == 0.0 and result["seconds"]["train"] > 0
     assert result["heldout"]["measured_al"]["2"] >= 1.0
+
+
+def test_eval_steps_benchmark_smoke(tmp_path):
+    out = tmp_path / "steps.json"
+    _run("eval_steps.py", "--smoke", "--k", "0,2", "--json", str(out))
+    plain, eagle = json.loads(out.read_text())["runs"]
+    assert (plain["k"], eagle["k"], plain["steps"], eagle["steps"]) == (0, 2, 6, 6)
+    # every part of a step was timed where it ran, and the parts fit in the step's wall time
+    assert plain["host_ms_per_step"]["draft proposal"] == 0
+    assert all(v > 0 for v in eagle["host_ms_per_step"].values())
+    for r in (plain, eagle):
+        assert 0 < r["host_ms_per_step"]["target forward"] < r["wall_ms_per_step"]
+        assert sum(r["host_ms_per_step"].values()) <= r["wall_ms_per_step"] * 1.05
