@@ -42,7 +42,10 @@ in flight, a new one added as soon as one finishes, until the set's prompts run 
 last B - 1 finish at a lower concurrency); the engine's max_num_seqs is the largest batch.
 Timing per request from this process: time to first token, and time per output token
 (TPOT: first token to last over the tokens after the first, as vLLM's benchmark defines
-it). Output tokens/s = all output tokens of a measurement over its wall time. Acceptance as
+it). Output tokens/s = all output tokens of a measurement over its wall time. At batch 1
+each request's tokens and seconds are kept (`per_request`), and the speedup over no
+speculation gets a 95 % interval from them (the prompts resampled, paired: ratio_ci95).
+Acceptance as
 vLLM counts it: its spec-decode counters (read as benchmarks/vllm_serve.py reads them),
 taken before and after each measurement; beside it `eyas eval`'s acceptance on the same
 prompts from each --eyas-report (matched by temperature and prompt set, and at T > 0 by how
@@ -284,6 +287,9 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
            "tpot_ms": percentiles(tpot),
            "ttft_ms": percentiles([r["first"] - r["added"] for r in done if r["first"]]),
            "vllm": spec_delta(before, counters(llm)) if before else None,
+           # batch 1: one request at a time, so the speedups' intervals resample these
+           **({"per_request": [[len(r["tokens"]), round(r["finished"] - r["added"], 5)]
+                               for r in done]} if batch == 1 else {}),
            "same_outputs_as_no_speculation": None,
            "eyas_eval": eyas_eval_al(reports, way, group, temperature, a.draft_sampling)
            if way.name != "none" else None}
@@ -301,6 +307,30 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
         elif early is not None:
             early.append((key, row, tokens))
     return row
+
+
+def ratio_ci95(fast: dict | None, slow: dict | None, resamples: int = 2000) -> list | None:
+    """The 95 % interval of `fast`'s tokens/s over `slow`'s, where both rows served the same
+    prompts one request at a time (batch 1, `per_request`): the prompts resampled with
+    replacement, each time the ratio of the two rows' tokens over seconds on that sample
+    (paired: a long answer weighs alike in both); None otherwise."""
+    import random
+
+    a, b = (fast or {}).get("per_request"), (slow or {}).get("per_request")
+    if not a or not b or len(a) != len(b):
+        return None
+    rng, n, ratios = random.Random(0), len(a), []
+    for _ in range(resamples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        ta, sa = sum(a[i][0] for i in pick), sum(a[i][1] for i in pick)
+        tb, sb = sum(b[i][0] for i in pick), sum(b[i][1] for i in pick)
+        if sa > 0 and sb > 0 and tb > 0:
+            ratios.append(ta / sa / (tb / sb))
+    ratios.sort()
+    if not ratios:
+        return None
+    return [round(ratios[int(0.025 * len(ratios))], 3),
+            round(ratios[min(len(ratios) - 1, int(0.975 * len(ratios)))], 3)]
 
 
 def speedups(rows: list[dict]) -> list[dict]:
@@ -327,6 +357,7 @@ def speedups(rows: list[dict]) -> list[dict]:
             "eagle3_best_k": eagle and eagle["k"], "eagle3_tokens_per_s": tps["eagle3"],
             "eagle3_over_none": round(tps["eagle3"] / tps["none"], 3)
             if eagle and none else None,
+            "eagle3_over_none_ci95": ratio_ci95(eagle, none),
             "eagle3_over_ngram": round(tps["eagle3"] / tps["ngram"], 3)
             if eagle and ngram else None,
             "ngram_over_none": round(tps["ngram"] / tps["none"], 3) if ngram and none else None,
@@ -378,6 +409,10 @@ def _ngram_k(s: dict) -> str:
     return _f(s["ngram_best_k"]) + (f", {method}" if method not in (None, "ngram") else "")
 
 
+def _interval(ci: list | None) -> str:
+    return f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+
 def _none_setting(s: dict) -> str:
     """The summary's no-speculation engine, where it is the default baseline: " (auto)",
     " (auto, auto runner)"."""
@@ -408,7 +443,8 @@ def markdown(result: dict) -> str:
             + _none_setting(s) + " "
             f"| {_f(s['ngram_tokens_per_s'], 1)} ({_ngram_k(s)}) "
             f"| {_f(s['eagle3_tokens_per_s'], 1)} ({_f(s['eagle3_best_k'])}) "
-            f"| {_ratio(s['eagle3_tokens_per_s'], s['none_tokens_per_s'])} "
+            f"| {_ratio(s['eagle3_tokens_per_s'], s['none_tokens_per_s'])}"
+            + _interval(s.get("eagle3_over_none_ci95")) + " "
             f"| {_ratio(s['eagle3_tokens_per_s'], s['ngram_tokens_per_s'])} "
             f"| {_f(s['eagle3_vllm_al'], 3)} | {_f(s['eagle3_eyas_eval_al'], 3)}"
             + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")

@@ -88,6 +88,28 @@ def test_a_run_on_a_runner_of_its_choosing_is_also_measured_on_vllms_own():
     assert (one["none_tokens_per_s"], "none_runner" in one) == (100.0, False)
 
 
+def test_a_batch_1_speedup_has_an_interval_from_its_prompts():
+    # each prompt's tokens and seconds at batch 1, the same prompts both ways: the prompts
+    # resampled (paired), the ratio's 95 % interval holds the measured ratio
+    none = {**_row("none", 0, 400.0), "per_request": [[100, 0.25]] * 5 + [[50, 0.125]] * 5}
+    eagle = {**_row("eagle3", 3, 640.0, al=2.5),
+             "per_request": [[100, 0.125], [100, 0.2]] * 2 + [[100, 0.15]] +
+             [[50, 0.08]] * 5}
+    (one,) = served_speed.speedups([none, eagle])
+    low, high = one["eagle3_over_none_ci95"]
+    point = (750 / sum(t for _, t in eagle["per_request"])) / (750 / 1.875)
+    assert low < point < high and 1.3 < low and high < 2.2
+    assert served_speed.ratio_ci95(eagle, none) == [low, high]  # seeded: the same each time
+    text = served_speed.markdown({"command": "c", "device": "d", "vllm_version": "v",
+                                  "dtype": "t", "max_new_tokens": 1, "stopped_early": None,
+                                  "not_run": [], "summary": [one], "rows": []})
+    assert f"| 1.60 [{low:.2f}, {high:.2f}] |" in text
+    # no interval where the rows did not serve the same prompts one at a time
+    assert served_speed.ratio_ci95(eagle, {**none, "per_request": none["per_request"][:9]}) \
+        is None
+    assert served_speed.ratio_ci95(_row("eagle3", 3, 640.0), none) is None
+
+
 def test_ngram_methods_are_ways_of_their_own_and_the_fastest_is_named():
     gpu = served_speed.Way("ngram", 4, "ngram_gpu")
     assert gpu.label == "ngram_gpu k=4" and served_speed.Way("ngram", 4).label == "ngram k=4"
