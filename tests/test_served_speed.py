@@ -396,6 +396,10 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
         "method": "ngram", **lookup}] + [{"method": "ngram_gpu", **lookup}] * len(gpu) + \
         eagle3[1:]
     assert len(r["rows"]) == 20 + 4 * len(gpu) and len(r["summary"]) == 4
+    # batch 1: each request's tokens and seconds, and an interval around every speedup
+    for s in r["summary"]:
+        ci = s["eagle3_over_none_ci95"]
+        assert (ci[0] <= s["eagle3_over_none"] <= ci[1]) if s["batch"] == 1 else ci is None
     # each speedup is over the faster no-speculation engine, named when it is the default's
     for s in r["summary"]:
         nones = [x for x in r["rows"] if x["way"] == "none" and
