@@ -642,7 +642,8 @@ def test_an_unfinished_regenerate_folder_is_refused_a_finished_one_recorded(tok_
     made = write_manifest(regen, "regenerate", {}, target=record, complete=True)
     run_prepare(tok_dir, [regen], tmp_path / "p1")
     inputs = read_manifest(tmp_path / "p1", "prepare")["inputs"]
-    assert inputs == [{"step": "regenerate", "id": made["id"], "path": str(regen)}]
+    assert inputs == [{"step": "regenerate", "id": made["id"], "path": str(regen),
+                       "config": {}}]  # (the config regenerate recorded: eyas run's check)
 
 
 @pytest.mark.parametrize("change, why", [

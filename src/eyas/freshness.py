@@ -176,6 +176,17 @@ def _config_changes(cfg, manifest: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))
 
 
+def changes_since_read(cfg, read: dict) -> list[str] | None:
+    """The options of `cfg` that differ from those of the run of its step that a later step
+    read, `read` being that run's record in the later step's manifest (`inputs`): an edit of
+    a step whose folder was removed after use, seen with the folder gone. None where the
+    record holds no config (written by an eyas before inputs recorded it): unknown, so the
+    plan takes it as unchanged."""
+    if not isinstance(read.get("config"), dict):
+        return None
+    return _config_changes(cfg, read)
+
+
 def starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> str:
     """Why a train or regenerate step that runs must not resume the run in `out` ("" if it
     may). The pipeline moves such a run aside first (`pipeline.run`).

@@ -195,15 +195,16 @@ def plan(cfg: RunConfig) -> list[Plan]:
             steps.index(cfg.from_step) > steps.index(cfg.until_step):
         raise ConfigError(f"--from-step {cfg.from_step} comes after --until-step "
                           f"{cfg.until_step}; give steps in pipeline order ({', '.join(steps)})")
-    if cfg.from_step:
-        _check_skipped(steps[:steps.index(cfg.from_step)], spec, work, cfg)
-        steps = steps[steps.index(cfg.from_step):]
+    skipped = steps[:steps.index(cfg.from_step)] if cfg.from_step else []
+    steps = steps[len(skipped):]
     planned = steps[: steps.index(cfg.until_step) + 1] if cfg.until_step else steps
     configs = {step: _step_config(step, spec, work) for step in planned}
     folders = {step: _out(spec, step, work) for step in steps}
+    if skipped:
+        _check_skipped(cfg, spec, work, skipped + steps, dict(configs))
     # a step whose folder is gone is skipped while every step that read it is (_removed_after
-    # _use); where the plan runs one of those after all, that step runs too, and the plan is
-    # made again from it
+    # _use); where the plan runs a step that reads it after all (one of those, or one that
+    # never ran: eval on prepared/), that step runs too, and the plan is made again from it
     needed: set[str] = set()
     checked: dict[tuple[str, bool], tuple[bool, str]] = {}
 
@@ -217,17 +218,18 @@ def plan(cfg: RunConfig) -> list[Plan]:
                 configs[step], Path(configs[step].out), upstream_ran)
         return checked[step, upstream_ran]
 
-    def removed_after_use(step: str) -> list[str]:
+    def removed_after_use(step: str) -> tuple[list[str], str]:
         # the readers past --until-step count too: captured/ removed once train used it was
         # captured again by `--until-step vocab`, though train was up to date
         later = steps[steps.index(step) + 1:]
-        return _removed_after_use(folders[step], later, folders, up_to_date)
+        return _removed_after_use(configs[step], later, folders, up_to_date)
 
     while True:
         plans, readers = _plan_steps(cfg, planned, configs, needed, up_to_date,
                                      removed_after_use)
-        runs = {p.step for p in plans if p.action == "run"}
-        again = {step for step, used in readers.items() if set(used) & runs} - needed
+        runs = [p.config for p in plans if p.action == "run"]
+        again = {step for step in readers
+                 if any(_reads(run_cfg, folders[step]) for run_cfg in runs)} - needed
         if not again:
             return plans
         needed |= again
@@ -238,7 +240,7 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
     """One pass of the plan: each step run or skipped, in order; and the steps skipped as
     removed after use, with the steps that read them. `needed`: steps that run even so;
     `up_to_date(step, upstream_ran)`: freshness.up_to_date of that step's config;
-    `removed_after_use(step)`: _removed_after_use of that step's folder."""
+    `removed_after_use(step)`: _removed_after_use of that step's config."""
     plans, readers, upstream_ran = [], {}, False
     for step in steps:
         step_cfg = configs[step]
@@ -248,8 +250,9 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
         else:
             ok, why = up_to_date(step, upstream_ran)
             if not ok and not upstream_ran and not out.exists() and step not in needed:
-                used = removed_after_use(step)
-                if used:
+                used, changed = removed_after_use(step)
+                why = changed or why
+                if used and not changed:
                     readers[step] = used
                     ok, why = True, (
                         f"its output was removed after {' and '.join(used)} used it, which "
@@ -269,53 +272,129 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
     return plans, readers
 
 
-def _removed_after_use(out: Path, later: list[str], folders: dict[str, Path],
-                       up_to_date) -> list[str]:
-    """The steps after a step whose folder `out` is gone that read it (their manifests name it
-    as an input), where each is up to date by itself, e.g. captured/ (often terabytes)
-    deleted once train used it; [] where none read it or one of them must run. The plan then
-    checks that none of them runs for another reason (an earlier step that runs). `later`
-    goes past --until-step: a reader there is one all the same."""
-    readers = []
+def _removed_after_use(step_cfg, later: list[str], folders: dict[str, Path],
+                       up_to_date) -> tuple[list[str], str]:
+    """The steps after a step whose folder is gone that read it (their manifests name it as
+    an input), where each is up to date by itself, e.g. captured/ (often terabytes) deleted
+    once train used it; [] where none read it or one of them must run. And why the step runs
+    all the same ("" if not): its config changed since they read it. The plan then checks
+    that none of them runs for another reason (an earlier step that runs). `later` goes past
+    --until-step: a reader there is one all the same."""
+    readers = _readers(Path(step_cfg.out), later, folders)
+    if not all(up_to_date(name, False)[0] for name in readers):
+        return [], ""
+    return list(readers), _edited_since_read(step_cfg, readers)
+
+
+def _readers(out: Path, later: list[str], folders: dict[str, Path]) -> dict[str, dict]:
+    """The steps of `later` whose manifests name folder `out` as an input, each with its
+    record of that input (step, id, path, and the config that run had: manifest._input)."""
+    found = {}
     for name in later:
         manifest = peek_manifest(folders[name]) or {}
-        if any(i.get("path") and Path(i["path"]).resolve() == out.resolve()
-               for i in manifest.get("inputs") or []):
-            if not up_to_date(name, False)[0]:
-                return []
-            readers.append(name)
-    return readers
+        read = next((i for i in manifest.get("inputs") or []
+                     if i.get("path") and Path(i["path"]).resolve() == out.resolve()), None)
+        if read is not None:
+            found[name] = read
+    return found
 
 
-def _check_skipped(earlier: list[str], spec: dict, work: Path, cfg: RunConfig) -> None:
-    """--from-step skips the steps before it. Each must have finished its folder, or the
-    started step fails on a missing input, naming an option the pipeline sets; and each must
-    be up to date, one the plan would not run again, or the started step silently works on
-    an old output (prepared rows from before an edit of prepare's section). --allow-stale
-    takes the old outputs anyway, with a warning."""
+def _edited_since_read(step_cfg, readers: dict[str, dict]) -> str:
+    """Why a step whose folder is gone is out of date all the same ("" if it is not): its
+    section was edited since one of `readers` (_readers) read its output; with the folder
+    gone, only their records of it tell. A record without a config (a manifest written before
+    eyas kept one) tells nothing: taken as unchanged."""
+    for name, read in readers.items():
+        keys = freshness.changes_since_read(step_cfg, read)
+        if keys:
+            return (f"config changed ({', '.join(keys)}) since {name} read its output, which "
+                    f"has been removed")
+    return ""
+
+
+# the options by which _step_config wires a step to the folders of the steps before it
+INPUT_KEYS = ("data", "vocab", "checkpoint", "draft")
+
+
+def _reads(step_cfg, folder: Path) -> bool:
+    """Whether a step run with `step_cfg` reads `folder`: one of its INPUT_KEYS names that
+    folder or a file in it (prepare's data: regenerated/conversations.jsonl; vocab's is a
+    tuple of folders)."""
+    folder = folder.resolve()
+    for field in dataclasses.fields(step_cfg):
+        value = getattr(step_cfg, field.name)
+        paths = value if isinstance(value, tuple) else (value,)
+        if field.name in INPUT_KEYS and any(isinstance(p, str) and p and
+                                            Path(p).resolve().is_relative_to(folder)
+                                            for p in paths):
+            return True
+    return False
+
+
+def _check_skipped(cfg: RunConfig, spec: dict, work: Path, steps: list[str],
+                   running: dict) -> None:
+    """--from-step skips the steps before it (`steps`: the pipeline's steps; `running`: the
+    configs of those that run, by step). Each must have finished its folder, or the started
+    step fails on a missing input, naming an option the pipeline sets; a folder removed after
+    use (_removed_for_from_step) passes where no step that runs reads it. And each must be up
+    to date, one the plan would not run again, or the started step silently works on an old
+    output (prepared rows from before an edit of prepare's section). --allow-stale takes the
+    old outputs anyway, with a warning; it does not stand in for a removed folder."""
     start = cfg.from_step
-    for step in earlier:
+    folders = {step: _out(spec, step, work) for step in steps}
+    for n, step in enumerate(steps[:steps.index(start)]):
         step_cfg = _step_config(step, spec, work)
         out = Path(step_cfg.out)
-        done = freshness.read_step_manifest(out) if (out / MANIFEST).is_file() else None
-        if done is None or done.get("complete") is False:
-            raise ConfigError(f"--from-step {start} skips {step}, which has not finished in "
-                              f"{out}; run without --from-step (the pipeline runs what is "
-                              f"missing or changed), or --until-step {step} first")
-        # each on its own manifest: with --allow-stale, a later one is not stale only
-        # because an earlier one is
-        current, why = freshness.up_to_date(step_cfg, out, upstream_ran=False)
+        if not out.exists():
+            current, why = _removed_for_from_step(cfg, step_cfg, step, steps[n + 1:], folders,
+                                                  running)
+        else:
+            done = freshness.read_step_manifest(out) if (out / MANIFEST).is_file() else None
+            if done is None or done.get("complete") is False:
+                raise _unfinished(start, step, out)
+            # each on its own manifest: with --allow-stale, a later one is not stale only
+            # because an earlier one is
+            current, why = freshness.up_to_date(step_cfg, out, upstream_ran=False)
         if current:
             continue
+        used = f"its old output in {out}" if out.exists() else \
+            "what the steps after it made from its removed output"
         if cfg.allow_stale:
-            log.warning("--allow-stale: %s is out of date (%s); its output in %s is used as "
-                        "it is", step, why, out)
+            log.warning("--allow-stale: %s is out of date (%s); %s is used as it is", step, why,
+                        used)
             continue
-        raise EyasError(f"--from-step {start} skips {step}, which is out of date: {why}. Its "
-                        f"old output in {out} would be used as it is. To bring it up to date, "
-                        f"run without --from-step (the plan runs {step} again and the steps "
-                        f"after it) or with --from-step {step}; to use the old output anyway, "
-                        f"add --allow-stale.", flag="--from-step")
+        raise EyasError(f"--from-step {start} skips {step}, which is out of date: {why}. "
+                        f"--from-step would use {used} as it is. To bring it up to date, run "
+                        f"without --from-step (the plan runs {step} again and the steps after "
+                        f"it) or with --from-step {step}; to use the old output anyway, add "
+                        f"--allow-stale.", flag="--from-step")
+
+
+def _removed_for_from_step(cfg: RunConfig, step_cfg, step: str, later: list[str],
+                           folders: dict[str, Path], running: dict) -> tuple[bool, str]:
+    """A step --from-step skips whose folder is gone: refused (ConfigError) where no later
+    manifest names it as an input (it may never have finished), or where a step that runs
+    reads it, --allow-stale or not (there is no old output to take as it is); else whether it
+    is up to date, and why not (_edited_since_read: its section changed since it was read)."""
+    out = Path(step_cfg.out)
+    readers = _readers(out, later, folders)
+    if not readers:
+        raise _unfinished(cfg.from_step, step, out)
+    needs = next((name for name, run_cfg in running.items() if _reads(run_cfg, out)), None)
+    if needs is not None:
+        raise ConfigError(f"--from-step {cfg.from_step} skips {step}, whose output {out} was "
+                          f"removed, but {needs}, which runs, reads it: use --from-step {step} "
+                          f"to make it again (the steps after it run too). --allow-stale does "
+                          f"not apply: it uses an old output as it is, and this one is gone.")
+    why = _edited_since_read(step_cfg, readers)
+    return not why, why or "up to date"
+
+
+def _unfinished(start: str, step: str, out: Path) -> ConfigError:
+    """--from-step's refusal of a skipped step that has no finished output."""
+    return ConfigError(f"--from-step {start} skips {step}, which has not finished in {out}; run "
+                       f"without --from-step (the pipeline runs what is missing or changed), "
+                       f"or --until-step {step} first")
 
 
 def _aside(out: Path) -> Path:

@@ -104,9 +104,9 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
 
 
 def _input(manifest: dict[str, Any]) -> dict[str, Any]:
-    """How a step records a manifest it consumed: its step, id and folder, and for a training
-    run the `run` that stays one while the run's id moves on (train_run)."""
-    item = {"step": manifest["step"], "id": manifest["id"], "path": manifest.get("path")}
+    """How a step records a manifest it consumed: its step, id, folder and config (`eyas run`
+    sees an edit of that step once its folder is gone), and a training run's `run` (train_run)."""
+    item = {key: manifest.get(key) for key in ("step", "id", "path", "config")}
     if manifest.get("run"):
         item["run"] = manifest["run"]
     return item
