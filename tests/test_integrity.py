@@ -188,7 +188,8 @@ def test_convert_refuses_a_foreign_folder_before_reading_the_gguf(tmp_path):
 def test_a_recorded_chat_template_must_match_its_hash(tmp_path):
     from types import SimpleNamespace
 
-    from eyas.store.manifest import chat_template_fingerprint, check_template_hash
+    from eyas.store.manifest import chat_template_fingerprint
+    from eyas.targets.prompts import check_template_hash
 
     tok = SimpleNamespace(chat_template="{{ messages }}")
     manifest = {"path": "prepared", "chat_template_hash": chat_template_fingerprint(tok)}

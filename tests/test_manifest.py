@@ -51,6 +51,12 @@ def test_a_data_files_stamp_leaves_the_manifest_id_alone(tmp_path):
     other = write_manifest(tmp_path / "c", "prepare", Cfg(),
                            data_files=[{**rows, "sha256": "cd" * 32}])
     assert other["id"] != old["id"]
+    # nor a reader's, whose record of prepare holds those data_files (eyas run's check of
+    # a removed prepared/)
+    reads = [write_manifest(tmp_path / f"r{n}", "capture", Cfg(), inputs=[m])
+             for n, m in enumerate((old, new, other))]
+    assert reads[1]["inputs"][0]["data_files"] == new["data_files"]
+    assert reads[0]["id"] == reads[1]["id"] != reads[2]["id"]
 
 
 def test_target_mismatch_is_refused(tiny_tok):

@@ -140,3 +140,45 @@ def test_a_removed_folder_that_a_step_which_never_ran_reads_is_made_again(tmp_pa
         ["prepare", "capture", "vocab", "train", "export", "eval"]
     run(RunConfig(pipeline=pipeline))
     assert json.loads((work / "eval" / "eyas.json").read_text())["complete"] is not False
+
+
+def test_a_data_edit_under_a_removed_prepared_folder_prepares_again(tmp_path, llama_dir):
+    """prepared/ removed once capture and vocab used it, then the chat data file rewritten
+    with other rows: the plan called everything up to date, the new data ignored. Capture's
+    manifest now records the data_files prepare read, so the plan sees the change with
+    prepared/ gone."""
+    spec = _pipeline(tmp_path, llama_dir)
+    pipeline, work = _write(tmp_path, spec), tmp_path / "w"
+    until_vocab = RunConfig(pipeline=pipeline, until_step="vocab")
+    run(until_vocab)
+    shutil.rmtree(work / "prepared")
+    data = tmp_path / "chats.jsonl"
+    rows = data.read_text()
+    data.write_text(rows)  # touched, not edited: the same data
+    assert {a for a, _ in _actions(until_vocab).values()} == {"skip"}
+
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)[::-1]))
+    plans = _actions(until_vocab)
+    assert plans["prepare"] == ("run", f"its input data changed ({data} differs) since "
+                                       f"capture read its output, which has been removed")
+    assert [s for s, (a, _) in plans.items() if a == "run"] == ["prepare", "capture", "vocab"]
+
+    # capture and vocab manifests from before inputs recorded data_files: the edit cannot be
+    # seen, and prepare stays skipped, as it was (no error)
+    manifests = {work / name / "eyas.json": None for name in ("captured", "vocab")}
+    for manifest in manifests:
+        manifests[manifest] = recorded = manifest.read_text()
+        old = json.loads(recorded)
+        for read in old["inputs"]:
+            del read["data_files"]
+        manifest.write_text(json.dumps(old))
+    assert {a for a, _ in _actions(until_vocab).values()} == {"skip"}
+    for manifest, recorded in manifests.items():
+        manifest.write_text(recorded)
+
+    run(until_vocab)
+    prepared = json.loads((work / "prepared" / "eyas.json").read_text())
+    captured = json.loads((work / "captured" / "eyas.json").read_text())
+    assert captured["inputs"][0]["data_files"] == prepared["data_files"]
+    shutil.rmtree(work / "prepared")
+    assert {a for a, _ in _actions(until_vocab).values()} == {"skip"}

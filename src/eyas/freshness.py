@@ -41,12 +41,9 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     swapped = _target_changes(cfg, manifest) or _template_changes(cfg, manifest)
     if swapped:
         return False, swapped
-    try:
-        moved = _data_changes(cfg, manifest, out)
-    except EyasError as err:
-        moved = f"it cannot be read: {err}"
+    moved = _data_moved(cfg, manifest, out)
     if moved:
-        return False, f"its input data changed ({moved})"
+        return False, moved
     replaced = _input_changes(manifest)
     if replaced:
         return False, replaced
@@ -129,6 +126,16 @@ def _input_changes(manifest: dict) -> str:
     return ""
 
 
+def _data_moved(cfg, manifest: dict, folder: Path) -> str:
+    """Why the chat data the manifest's run read is not what `cfg.data` holds now ("" if it
+    is): _data_changes, as a reason, with data that cannot be read one too."""
+    try:
+        moved = _data_changes(cfg, manifest, folder)
+    except EyasError as err:
+        moved = f"it cannot be read: {err}"
+    return f"its input data changed ({moved})" if moved else ""
+
+
 def _data_changes(cfg, manifest: dict, folder: Path) -> str:
     """For a step that records what its chat data held (prepare, regenerate: `data_files`),
     the first file whose content is not what it was then ("" if none): the same path with
@@ -176,15 +183,18 @@ def _config_changes(cfg, manifest: dict) -> list[str]:
     return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))
 
 
-def changes_since_read(cfg, read: dict) -> list[str] | None:
-    """The options of `cfg` that differ from those of the run of its step that a later step
-    read, `read` being that run's record in the later step's manifest (`inputs`): an edit of
-    a step whose folder was removed after use, seen with the folder gone. None where the
-    record holds no config (written by an eyas before inputs recorded it): unknown, so the
-    plan takes it as unchanged."""
-    if not isinstance(read.get("config"), dict):
-        return None
-    return _config_changes(cfg, read)
+def changes_since_read(cfg, read: dict) -> str:
+    """Why the run of `cfg`'s step that a later step read is not the one `cfg` makes now ("" if
+    it is), `read` being that run's record in the later step's manifest (`inputs`): an edit of
+    its section, or of the chat data it read (prepare's file), seen with its folder removed
+    after use. A record without a config or `data_files` (from an eyas before inputs kept
+    them) tells nothing of it: unknown, so the plan takes it as unchanged."""
+    changed = _config_changes(cfg, read) if isinstance(read.get("config"), dict) else []
+    if changed:
+        return f"config changed ({', '.join(changed)})"
+    # the folder is gone: the stamps of data touched but not edited cannot be recorded, and
+    # such a file is read again at each plan
+    return _data_moved(cfg, read, Path(cfg.out))
 
 
 def starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> str:

@@ -277,7 +277,7 @@ def _removed_after_use(step_cfg, later: list[str], folders: dict[str, Path],
     """The steps after a step whose folder is gone that read it (their manifests name it as
     an input), where each is up to date by itself, e.g. captured/ (often terabytes) deleted
     once train used it; [] where none read it or one of them must run. And why the step runs
-    all the same ("" if not): its config changed since they read it. The plan then checks
+    all the same ("" if not): its config or data changed since they read it. The plan then checks
     that none of them runs for another reason (an earlier step that runs). `later` goes past
     --until-step: a reader there is one all the same."""
     readers = _readers(Path(step_cfg.out), later, folders)
@@ -301,14 +301,13 @@ def _readers(out: Path, later: list[str], folders: dict[str, Path]) -> dict[str,
 
 def _edited_since_read(step_cfg, readers: dict[str, dict]) -> str:
     """Why a step whose folder is gone is out of date all the same ("" if it is not): its
-    section was edited since one of `readers` (_readers) read its output; with the folder
-    gone, only their records of it tell. A record without a config (a manifest written before
-    eyas kept one) tells nothing: taken as unchanged."""
+    section, or the chat data it read, was edited since one of `readers` (_readers) read its
+    output; with the folder gone, only their records of it tell. A record without a config or
+    data_files (a manifest written before eyas kept them) tells nothing: taken as unchanged."""
     for name, read in readers.items():
-        keys = freshness.changes_since_read(step_cfg, read)
-        if keys:
-            return (f"config changed ({', '.join(keys)}) since {name} read its output, which "
-                    f"has been removed")
+        why = freshness.changes_since_read(step_cfg, read)
+        if why:
+            return f"{why} since {name} read its output, which has been removed"
     return ""
 
 

@@ -70,11 +70,20 @@ def recorded_data(folder: str | Path, step: str) -> list[dict]:
 
 def manifest_id(body: dict[str, Any]) -> str:
     """Content hash of a manifest body (time stamps excluded) used to chain steps."""
-    stable = {k: v for k, v in body.items() if k not in ("id", "created", "versions", "stats")}
-    if "data_files" in stable:  # the same rows under another mtime are the same input
-        stable["data_files"] = data_content(stable["data_files"])
+    stable = _unstamped({k: v for k, v in body.items()
+                         if k not in ("id", "created", "versions", "stats")})
+    if "inputs" in stable:  # an input's record holds its step's data_files too (_input)
+        stable["inputs"] = [_unstamped(i) for i in stable["inputs"]]
     blob = json.dumps(stable, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _unstamped(record: dict[str, Any]) -> dict[str, Any]:
+    """A manifest, or an input's record of one, with its `data_files` stamps left out
+    (data_content): the same rows under another mtime are the same input."""
+    if "data_files" not in record:
+        return record
+    return {**record, "data_files": data_content(record["data_files"])}
 
 
 def write_manifest(folder: str | Path, step: str, config, *, target: dict | None = None,
@@ -104,12 +113,11 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
 
 
 def _input(manifest: dict[str, Any]) -> dict[str, Any]:
-    """How a step records a manifest it consumed: its step, id, folder and config (`eyas run`
-    sees an edit of that step once its folder is gone), and a training run's `run` (train_run)."""
+    """How a step records a manifest it consumed: its step, id, folder, config and the chat data
+    it read (`data_files`: `eyas run` sees an edit of either once that folder is gone), and a
+    training run's `run` (train_run)."""
     item = {key: manifest.get(key) for key in ("step", "id", "path", "config")}
-    if manifest.get("run"):
-        item["run"] = manifest["run"]
-    return item
+    return item | {key: manifest[key] for key in ("data_files", "run") if manifest.get(key)}
 
 
 def train_run(folder: str | Path, resumed: bool) -> str:
@@ -454,19 +462,6 @@ def chat_template_fingerprint(tokenizer) -> str:
     between how data was rendered and how it was regenerated can be seen."""
     blob = json.dumps(tokenizer.chat_template, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
-    """Refuse a chat template (set on `tokenizer`, read from `source`) that is not the one the
-    folder of `manifest` recorded in `chat_template_hash` (a template file named in a manifest
-    is outside its folder and may have changed since)."""
-    want = manifest.get("chat_template_hash")
-    got = chat_template_fingerprint(tokenizer)
-    if want is not None and got != want:
-        raise EyasError(f"the chat template {source} (hash {got}) is not the one "
-                        f"{manifest.get('path')} was prepared with (chat_template_hash {want}); "
-                        f"pass the template the data was prepared with as --chat-template "
-                        f"FILE.jinja, or prepare the data again with this one.")
 
 
 def check_same_target(found: dict | None, expected: dict | None, what: str,

@@ -20,7 +20,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
-from eyas.store.manifest import check_template_hash, peek_manifest, read_manifest
+from eyas.store.manifest import chat_template_fingerprint, peek_manifest, read_manifest
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError, read_rows
 from eyas.targets.chat_sources import dict_splits, is_datasets_folder
@@ -77,6 +77,19 @@ def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
                             f"or pass another with --chat-template") from None
     return chat.parse_template_kwargs(cfg.chat_template_kwargs
                                       or tuple(trained.get("chat_template_kwargs") or ()))
+
+
+def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
+    """Refuse a chat template (set on `tokenizer`, read from `source`) that is not the one the
+    folder of `manifest` recorded in `chat_template_hash` (a template file named in a manifest
+    is outside its folder and may have changed since)."""
+    want = manifest.get("chat_template_hash")
+    got = chat_template_fingerprint(tokenizer)
+    if want is not None and got != want:
+        raise EyasError(f"the chat template {source} (hash {got}) is not the one "
+                        f"{manifest.get('path')} was prepared with (chat_template_hash {want}); "
+                        f"pass the template the data was prepared with as --chat-template "
+                        f"FILE.jinja, or prepare the data again with this one.")
 
 
 def _prepared_conversations(folder: Path, split: str):
