@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from capture import build_model  # noqa: E402  (a random Llama, built in its dtype)
 from served_shape import SHAPES  # noqa: E402
 
 # the parts of a step, each the method that does it (timed as a profiler range)
@@ -39,16 +40,12 @@ PARTS = {"target forward": ("BatchTarget", "step"), "target commit": ("BatchTarg
 
 def build(shape: str, device: str, dtype: torch.dtype, draft_vocab: int):
     """A random Llama of `shape` and a random one-layer EAGLE-3 draft over it."""
-    import transformers
-
     from eyas.draft.config import DraftConfig
     from eyas.draft.eagle3 import Eagle3Draft
     from eyas.targets.models import inspect_model
 
     torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(**SHAPES[shape])).to(dtype).eval()
+    model = build_model(SHAPES[shape], device, dtype)
     info = inspect_model(model)
     vocab = min(draft_vocab, info.vocab_size)
     cfg = DraftConfig.from_target(info, draft_vocab_size=vocab,

@@ -70,6 +70,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -314,8 +315,6 @@ def ratio_ci95(fast: dict | None, slow: dict | None, resamples: int = 2000) -> l
     prompts one request at a time (batch 1, `per_request`): the prompts resampled with
     replacement, each time the ratio of the two rows' tokens over seconds on that sample
     (paired: a long answer weighs alike in both); None otherwise."""
-    import random
-
     a, b = (fast or {}).get("per_request"), (slow or {}).get("per_request")
     if not a or not b or len(a) != len(b):
         return None
