@@ -235,7 +235,8 @@ poll)
   done
   # each size's, variant's and the pipeline's progress (its log's tail: a training's step
   # lines, tokens/s and ETA, an eval's result lines), and a peer's own training log
-  for g in $W/scale/size-*/log.txt $W/run/recipe-*/log.txt $W/run/log.txt; do
+  for g in $W/scale/size-*/log.txt $W/run/recipe-*/log.txt $W/run/log.txt \
+      $W/qrun/log.txt; do
     [ -f "$g" ] && grep -v "it/s\]" "$g" | tail -n 30 > "$R/tail-$(basename "$(dirname "$g")").txt"
   done
   for g in $W/run/recipe-peer-*/train.log; do

@@ -221,6 +221,9 @@ def main(argv=None) -> None:
     p.add_argument("--capture-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="eyas capture --dtype: fp8 stores the aux layers in 8 bits (7.7 KB "
                         "per token for a 1.5B Qwen2 against 12.3 KB in bf16)")
+    p.add_argument("--regenerate-only", action="store_true",
+                   help="stop once the conversations exist (and --keep-conversations has them): "
+                        "a lease that grows the corpus and leaves the GPU to other work")
     p.add_argument("--online", action="store_true",
                    help="no capture: eyas train --online runs the target on each batch "
                         "(its states rounded to bf16, not to --capture-dtype). For a corpus "
@@ -317,6 +320,18 @@ def main(argv=None) -> None:
             work / "conversations.jsonl")
     if a.keep_conversations and conversations.is_file():
         keep_gzipped(conversations, Path(a.keep_conversations))
+    if a.regenerate_only:
+        rows = sum(1 for _ in conversations.open()) if conversations.is_file() else 0
+        result = {"target": a.target, "date": time.strftime("%Y-%m-%d"), "device": _device(),
+                  "command": " ".join(["python", "benchmarks/real_model.py",
+                                       *(argv or sys.argv[1:])]),
+                  "regenerate_only": {"conversations": str(conversations),
+                                      "conversations_used": rows},
+                  "seconds": {k: round(v, 1) for k, v in t.items()}}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"regenerate only: {rows} conversations in {conversations}", flush=True)
+        return
     t["prepare"] = run("prepare", *common, "--data", conversations,
                        "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")

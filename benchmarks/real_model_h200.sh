@@ -25,8 +25,10 @@
 # 2,000 conversations.
 # Stage served: issue 33's Qwen2.5-Coder draft and vLLM serving it three ways (QWEN_GGUF,
 # SERVED_TRAIN, SERVED_DATA, SERVED_EPOCHS, SERVED_MINUTES, SERVED_CONVERSATIONS (comma list),
-# SERVED_TOP_UP, SERVED_ONLINE (=1: no capture, eyas train --online: a corpus whose fp8 capture
-# the lease's ~55 GB of free disk cannot hold),
+# SERVED_TOP_UP, SERVED_REGEN_ONLY (=1: stop once the conversations exist and went to
+# results/: a lease that grows the corpus, then serves or trains), SERVED_ONLINE (=1: no
+# capture, eyas train --online: a corpus whose fp8 capture the lease's ~55 GB of free disk
+# cannot hold),
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
 # SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline;
 # SERVED_EVAL_REPORTS: its eval reports from that lease, with SERVED_EVALS_FIRST=none),
@@ -437,6 +439,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         "${conv[@]}" "${keep[@]}" --regen-tokens 256 --regen-batch 1024 \
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
         --dtype bfloat16 --capture-dtype fp8 ${SERVED_ONLINE:+--online} \
+        ${SERVED_REGEN_ONLY:+--regenerate-only} \
         --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
         --heldout-prompts 80 --eval-tokens 256 --k ${SERVED_EVAL_K:-3,5} --eval-batch 64 \

@@ -157,6 +157,50 @@ def test_real_model_trains_online_without_a_capture(tmp_path):
     assert result["heldout"]["measured_al"]["2"] >= 1.0
 
 
+def test_real_model_regenerate_only_tops_up_and_stops(tmp_path):
+    """benchmarks/real_model.py --top-up --regenerate-only: the prompts the given conversations
+    lack are answered by the target, the merged file goes to --keep-conversations, and nothing
+    after regeneration runs (no prepared folder, no draft)."""
+    import gzip
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
+
+    target = tmp_path / "tiny"
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama")).save_pretrained(target)
+    save_tiny_tokenizer(target)
+    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
+    data = tmp_path / "realdata"
+    data.mkdir()
+
+    def chat(i: int, answer: bool) -> str:
+        turn = [{"role": "user", "content": " ".join(words[i % 9: i % 9 + 6])}]
+        if answer:
+            turn.append({"role": "assistant", "content": " ".join(words[i % 5:][:10])})
+        return json.dumps({"id": f"chat/{i}", "messages": turn}) + "\n"
+
+    (data / "train.jsonl").write_text("".join(chat(i, False) for i in range(12)))
+    (data / "heldout.jsonl").write_text(chat(40, False))
+    given = tmp_path / "conversations.jsonl"
+    given.write_text("".join(chat(i, True) for i in range(9)))  # three prompts lack answers
+    work, out, kept = tmp_path / "work", tmp_path / "real.json", tmp_path / "kept.jsonl.gz"
+    _run("real_model.py", "--target", str(target), "--data", str(data), "--work", str(work),
+         "--out", str(out), "--conversations", str(given), "--top-up", "--regenerate-only",
+         "--keep-conversations", str(kept), "--regen-tokens", "4", "--regen-batch", "4",
+         "--device", "cpu")
+    rows = [json.loads(x) for x in gzip.open(kept, "rt")]
+    assert sorted(r["id"] for r in rows) == sorted(f"chat/{i}" for i in range(12))
+    regenerated = [json.loads(x) for x in (work / "regenerated/conversations.jsonl").open()]
+    assert sorted(r["id"] for r in regenerated) == ["chat/10", "chat/11", "chat/9"]
+    assert not (work / "prepared").exists() and not (work / "draft").exists()
+    result = json.loads(out.read_text())
+    assert result["regenerate_only"]["conversations_used"] == 12
+    assert result["seconds"]["regenerate"] > 0
+
+
 def test_eval_steps_benchmark_smoke(tmp_path):
     out = tmp_path / "steps.json"
     _run("eval_steps.py", "--smoke", "--k", "0,2", "--json", str(out))
