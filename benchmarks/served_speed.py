@@ -39,7 +39,9 @@ prompts).
 
 Batch B is a closed loop of B clients, as `vllm bench serve --max-concurrency B`: B requests
 in flight, a new one added as soon as one finishes, until the set's prompts run out (the
-last B - 1 finish at a lower concurrency); the engine's max_num_seqs is the largest batch.
+last B - 1 finish at a lower concurrency); the engine's max_num_seqs is the largest batch, at
+least 8 and 1 + the largest k (below that vLLM 0.24's V2 runner leaves the draft's decode
+steps out of its CUDA graphs: engine_kwargs).
 Timing per request from this process: time to first token, and time per output token
 (TPOT: first token to last over the tokens after the first, as vLLM's benchmark defines
 it). Output tokens/s = all output tokens of a measurement over its wall time. At batch 1
@@ -116,12 +118,24 @@ def attentions(a) -> list[str]:
     return names
 
 
+MIN_NUM_SEQS = 8  # (engine_kwargs: vLLM 0.24 V2 needs room for the draft's graphs)
+
+
 def engine_kwargs(a, attention: str | None = None) -> dict:
     """The vLLM engine arguments every way of a run shares: the run's batches and memory,
     the settings of `attention` (by default --attention's first), then --engine-args (a JSON
     object, given last: it wins, and an attention_config it gives is merged into the
     attention's key by key)."""
-    engine = {"max_num_seqs": max(int(b) for b in a.batches.split(",")),
+    # max_num_seqs: the largest batch, but never below MIN_NUM_SEQS nor 1 + the largest k.
+    # vLLM 0.24's V2 runner captures the draft's decode steps in CUDA graphs only at sizes
+    # that are multiples of 1 + k and at most max_num_seqs: at max_num_seqs 1 (a run of
+    # batch 1 alone) it captured none, and a step at k = 3 cost 5.2 ms on an H200 against
+    # 3.6 on an H100 at max_num_seqs 8 (session 41). The closed loop of B clients keeps B
+    # requests in flight whatever the engine allows, so a larger max_num_seqs changes no
+    # measurement's concurrency.
+    ks = [int(k) for k in f"{a.k},{a.ngram_k}".split(",") if k.strip()]
+    engine = {"max_num_seqs": max([int(b) for b in a.batches.split(",")] +
+                                  [MIN_NUM_SEQS] + [1 + k for k in ks]),
               "gpu_memory_utilization": a.gpu_memory_utilization,
               "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
               "disable_log_stats": False}
