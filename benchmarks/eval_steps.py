@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -82,14 +83,15 @@ def ranges():
             setattr(owner, method, original)
 
 
-def run(model, draft, prompts, k: int, new_tokens: int, device: str) -> dict:
+def run(model, draft, prompts, k: int, new_tokens: int, device: str, sdpa: str) -> dict:
     """One generate_batch over `prompts` (drafter: the EAGLE-3 draft, or none at k = 0)
     under the profiler: per step, wall ms, host ms of each part, GPU busy ms; top ops."""
     from torch.profiler import ProfilerActivity, profile
 
     from eyas.serve.batched import BatchEagle3Drafter, BatchTarget, generate_batch
-    from eyas.serve.speculate import Sampling
+    from eyas.serve.speculate import TARGET_SDPA_ENV, Sampling
 
+    os.environ[TARGET_SDPA_ENV] = sdpa  # (read by each target forward)
     ids = tuple(draft.cfg.aux_layer_ids) if k else ()
     target = BatchTarget(model, model.model.layers, model.model.norm, ids)
 
@@ -109,13 +111,22 @@ def run(model, draft, prompts, k: int, new_tokens: int, device: str) -> dict:
         wall = time.perf_counter() - start
     steps = max(g.stats.target_forwards for g in out)
     events = prof.key_averages()
-    host = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key in PARTS}
+
+    def on(e, device: str) -> bool:
+        return getattr(getattr(e, "device_type", None), "name", "CPU") == device
+
+    # (on a GPU each range is also a CUDA "user annotation" event of the same key, spanning
+    # the kernels inside it: not host time, and not more GPU work, so left out of both sums)
+    host = {e.key: e.cpu_time_total / 1e3 / steps for e in events
+            if e.key in PARTS and on(e, "CPU")}
     gpu_us = sum(e.self_device_time_total for e in events
-                 if getattr(e, "device_type", None) is not None
-                 and e.device_type.name == "CUDA")
+                 if on(e, "CUDA") and e.key not in PARTS
+                 and not getattr(e, "is_user_annotation", False))
     top_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    top_gpu = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:10]
-    return {"k": k, "steps": steps, "tokens": sum(len(g.tokens) for g in out),
+    top_gpu = sorted((e for e in events if e.key not in PARTS
+                      and not getattr(e, "is_user_annotation", False)),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:10]
+    return {"k": k, "sdpa": sdpa, "steps": steps, "tokens": sum(len(g.tokens) for g in out),
             "wall_ms_per_step": round(1e3 * wall / steps, 2),
             "host_ms_per_step": {p: round(host.get(p, 0.0), 2) for p in PARTS},
             "gpu_busy_ms_per_step": round(gpu_us / 1e3 / steps, 2),
@@ -135,12 +146,12 @@ def markdown(result: dict) -> str:
              + " | GPU busy ms/step | GPU busy |",
              "|---|---:|---:|" + "---:|" * len(PARTS) + "---:|---:|"]
     for r in result["runs"]:
-        way = f"eagle3 k={r['k']}" if r["k"] else "plain"
+        way = (f"eagle3 k={r['k']}" if r["k"] else "plain") + f", sdpa {r.get('sdpa', 'torch')}"
         lines.append(f"| {way} | {r['steps']} | {r['wall_ms_per_step']} | "
                      + " | ".join(str(r["host_ms_per_step"][p]) for p in PARTS)
                      + f" | {r['gpu_busy_ms_per_step']} | {r['gpu_busy_fraction']:.0%} |")
     for r in result["runs"]:
-        way = f"eagle3 k={r['k']}" if r["k"] else "plain"
+        way = (f"eagle3 k={r['k']}" if r["k"] else "plain") + f", sdpa {r.get('sdpa', 'torch')}"
         lines += ["", f"{way}, host ops by self time (ms per step): "
                   + ", ".join(f"{k} {v}" for k, v in r["top_host_ops_ms_per_step"].items())]
     return "\n".join(lines) + "\n"
@@ -155,6 +166,10 @@ def main(argv=None) -> dict:
     p.add_argument("--k", default="2", help="EAGLE-3 k values; 0 = plain decoding")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sdpa", default="auto",
+                   help="EYAS_TARGET_SDPA values, each a run of every k: auto (cuDNN's "
+                        "attention left out of the target's forwards, eyas's default) or torch "
+                        "(torch's own choice: cuDNN on Hopper)")
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, few steps")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
@@ -173,8 +188,8 @@ def main(argv=None) -> dict:
               "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda")
               else "CPU", "torch": torch.__version__, "shape": a.shape, "batch": a.batch,
               "prompt_tokens": a.prompt_tokens, "dtype": a.dtype,
-              "runs": [run(model, draft, prompts, int(k), a.new_tokens, a.device)
-                       for k in a.k.split(",")]}
+              "runs": [run(model, draft, prompts, int(k), a.new_tokens, a.device, sdpa)
+                       for sdpa in a.sdpa.split(",") for k in a.k.split(",")]}
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -203,9 +203,11 @@ def test_real_model_regenerate_only_tops_up_and_stops(tmp_path):
 
 def test_eval_steps_benchmark_smoke(tmp_path):
     out = tmp_path / "steps.json"
-    _run("eval_steps.py", "--smoke", "--k", "0,2", "--json", str(out))
-    plain, eagle = json.loads(out.read_text())["runs"]
-    assert (plain["k"], eagle["k"], plain["steps"], eagle["steps"]) == (0, 2, 6, 6)
+    _run("eval_steps.py", "--smoke", "--k", "0,2", "--sdpa", "auto,torch", "--json", str(out))
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["k"], r["sdpa"], r["steps"]) for r in runs] == [
+        (0, "auto", 6), (2, "auto", 6), (0, "torch", 6), (2, "torch", 6)]
+    plain, eagle = runs[:2]
     # every part of a step was timed where it ran, and the parts fit in the step's wall time
     assert plain["host_ms_per_step"]["draft proposal"] == 0
     assert all(v > 0 for v in eagle["host_ms_per_step"].values())

@@ -403,3 +403,27 @@ def test_runner_refuses_an_aux_id_beyond_the_target(llama):
     with pytest.raises(EyasError, match=r"aux layer id 9 does not exist: the target has 8 "
                                         r"decoder layers \(ids 0..8\)"):
         TargetRunner(llama, llama.model.layers, llama.model.norm, (2, 5, 9))
+
+
+def test_target_decode_forwards_leave_cudnn_attention_out(llama, prompt, monkeypatch):
+    # cuDNN plans each new key length on the host, so in a decode loop it plans every step
+    # (47 of 83 ms a step at batch 64 on the 1.5B's shape, H200, session 41): the target's
+    # forwards run with it left out, and EYAS_TARGET_SDPA=torch gives torch its choice back
+    seen = []
+    hook = llama.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+        first, _ = runner.forward(prompt)
+        runner.forward(first.argmax(-1)[-1:])
+        assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv("EYAS_TARGET_SDPA", "torch")
+        runner.reset()
+        again, _ = runner.forward(prompt)
+        assert seen[-1] is True
+        assert torch.equal(again, first)  # the same attention, whichever kernel
+        monkeypatch.setenv("EYAS_TARGET_SDPA", "fastest")
+        with pytest.raises(EyasError, match="EYAS_TARGET_SDPA='fastest'"):
+            runner.forward(prompt)
+    finally:
+        hook.remove()
