@@ -107,11 +107,16 @@ class LocalGenerator:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0) -> list[Generation]:
-        """One Generation per prompt; a batch that runs out of GPU memory is split in two."""
+        """One Generation per prompt; a batch that runs out of GPU memory is split in two.
+        Without cuDNN's attention (eyas.serve.speculate.decode_attention: it plans every
+        decode step's new key length on the host)."""
         import torch
 
+        from eyas.serve.speculate import decode_attention
+
         try:
-            return self._generate(prompts, max_new_tokens, temperature, top_p)
+            with decode_attention():
+                return self._generate(prompts, max_new_tokens, temperature, top_p)
         except torch.cuda.OutOfMemoryError:
             pass  # retried below, outside this block: the exception's traceback holds the
             # failed forward's frames and so its activations, which must be freed first
