@@ -89,7 +89,8 @@ def run(model, draft, prompts, k: int, new_tokens: int, device: str, sdpa: str) 
     from torch.profiler import ProfilerActivity, profile
 
     from eyas.serve.batched import BatchEagle3Drafter, BatchTarget, generate_batch
-    from eyas.serve.speculate import TARGET_SDPA_ENV, Sampling
+    from eyas.serve.speculate import Sampling
+    from eyas.targets.sdpa import TARGET_SDPA_ENV
 
     os.environ[TARGET_SDPA_ENV] = sdpa  # (read by each target forward)
     ids = tuple(draft.cfg.aux_layer_ids) if k else ()

@@ -108,14 +108,14 @@ class LocalGenerator:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0) -> list[Generation]:
         """One Generation per prompt; a batch that runs out of GPU memory is split in two.
-        Without cuDNN's attention (eyas.serve.speculate.decode_attention: it plans every
+        Without cuDNN's attention (eyas.targets.sdpa.target_attention: it plans every
         decode step's new key length on the host)."""
         import torch
 
-        from eyas.serve.speculate import decode_attention
+        from eyas.targets.sdpa import target_attention
 
         try:
-            with decode_attention():
+            with target_attention():
                 return self._generate(prompts, max_new_tokens, temperature, top_p)
         except torch.cuda.OutOfMemoryError:
             pass  # retried below, outside this block: the exception's traceback holds the

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.errors import EyasError
+from eyas.targets.sdpa import target_attention
 from eyas.targets.taps import AuxTaps
 
 
@@ -191,26 +190,6 @@ def verify(logits: torch.Tensor, proposal: Proposal, sampling: Sampling) -> tupl
 
 # ---------------------------------------------------------------- the target
 
-TARGET_SDPA_ENV = "EYAS_TARGET_SDPA"
-
-
-def decode_attention():
-    """The SDPA kernels the target's decode forwards may use: all but cuDNN's (auto), or
-    torch's own choice (EYAS_TARGET_SDPA=torch). torch picks cuDNN's attention for a masked
-    batch on Hopper, and cuDNN plans each new shape on the host; in a decode loop every step
-    has a new key length, so it plans every step: at batch 64 on Qwen2.5-1.5B's shape that
-    took 47 of a step's 83 ms (H200, torch 2.11, benchmarks/eval_steps.py, session 41). The
-    others compute the same attention."""
-    choice = os.environ.get(TARGET_SDPA_ENV, "") or "auto"
-    if choice == "torch":
-        return contextlib.nullcontext()
-    if choice != "auto":
-        raise EyasError(f"{TARGET_SDPA_ENV}={choice!r}: expected auto (cuDNN's attention "
-                        "left out of the target's decode steps) or torch (torch's choice)")
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH])
-
-
 class TargetRunner:
     """A transformers causal LM with its KV cache; aux states through eyas.targets.taps.AuxTaps
     (the same hooks and layer-id convention as `eyas capture`)."""
@@ -241,7 +220,7 @@ class TargetRunner:
             kwargs["logits_to_keep"] = 1
         capture = aux and bool(self.aux_layer_ids)
         with self.taps.attached() if capture else contextlib.nullcontext(), \
-                decode_attention():
+                target_attention():
             out = self.model(input_ids=ids.to(self.device), **kwargs)
         cache = out.get("cache")
         self.cache = cache if cache is not None else out.get("past_key_values")

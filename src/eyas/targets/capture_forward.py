@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from eyas.errors import EyasError
+from eyas.targets.sdpa import target_attention
 from eyas.targets.taps import AuxTaps
 from eyas.store import shards
 
@@ -38,7 +39,8 @@ def _forward(parts, taps: AuxTaps, inputs: dict) -> dict[str, torch.Tensor]:
     """One target forward; returns device tensors aux_hidden, final_hidden, target_top1 and the
     per-token `nonfinite` flags."""
     text_model, lm_head, device, vocab = parts
-    with taps.attached(_to(inputs["gather"], device)):
+    # (cuDNN's attention left out: it plans every new batch shape on the host; sdpa.py)
+    with taps.attached(_to(inputs["gather"], device)), target_attention():
         text_model(input_ids=inputs["input_ids"].to(device, non_blocking=True),
                    attention_mask=_to(inputs["attention_mask"], device),
                    position_ids=_to(inputs["position_ids"], device), use_cache=False)
