@@ -111,22 +111,7 @@ def run(model, draft, prompts, k: int, new_tokens: int, device: str, sdpa: str) 
         sync()
         wall = time.perf_counter() - start
     steps = max(g.stats.target_forwards for g in out)
-    events = prof.key_averages()
-
-    def on(e, device: str) -> bool:
-        return getattr(getattr(e, "device_type", None), "name", "CPU") == device
-
-    # (on a GPU each range is also a CUDA "user annotation" event of the same key, spanning
-    # the kernels inside it: not host time, and not more GPU work, so left out of both sums)
-    host = {e.key: e.cpu_time_total / 1e3 / steps for e in events
-            if e.key in PARTS and on(e, "CPU")}
-    gpu_us = sum(e.self_device_time_total for e in events
-                 if on(e, "CUDA") and e.key not in PARTS
-                 and not getattr(e, "is_user_annotation", False))
-    top_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    top_gpu = sorted((e for e in events if e.key not in PARTS
-                      and not getattr(e, "is_user_annotation", False)),
-                     key=lambda e: e.self_device_time_total, reverse=True)[:10]
+    host, gpu_us, top_host, top_gpu = summarize(prof.key_averages(), steps)
     return {"k": k, "sdpa": sdpa, "steps": steps, "tokens": sum(len(g.tokens) for g in out),
             "wall_ms_per_step": round(1e3 * wall / steps, 2),
             "host_ms_per_step": {p: round(host.get(p, 0.0), 2) for p in PARTS},
@@ -136,6 +121,27 @@ def run(model, draft, prompts, k: int, new_tokens: int, device: str, sdpa: str) 
                                          for e in top_host},
             "top_gpu_ops_ms_per_step": {e.key: round(e.self_device_time_total / 1e3 / steps, 3)
                                         for e in top_gpu if e.self_device_time_total > 0}}
+
+
+def summarize(events, steps: int):
+    """Of the profiler's key averages: host ms per step of each part, GPU busy microseconds,
+    the ops with the most host self time (15) and GPU self time (10). On a GPU each range of
+    PARTS is also a CUDA "user annotation" event of the same key that spans the kernels run
+    inside it: not host time, and no GPU work of its own, so it is in neither sum."""
+    def on(e, device: str) -> bool:
+        return getattr(getattr(e, "device_type", None), "name", "CPU") == device
+
+    def annotation(e) -> bool:
+        return e.key in PARTS or getattr(e, "is_user_annotation", False)
+
+    host = {e.key: e.cpu_time_total / 1e3 / steps for e in events
+            if e.key in PARTS and on(e, "CPU")}
+    gpu_us = sum(e.self_device_time_total for e in events
+                 if on(e, "CUDA") and not annotation(e))
+    top_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    top_gpu = sorted((e for e in events if not annotation(e)),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:10]
+    return host, gpu_us, top_host, top_gpu
 
 
 def markdown(result: dict) -> str:

@@ -321,7 +321,15 @@ def main(argv=None) -> None:
     if a.keep_conversations and conversations.is_file():
         keep_gzipped(conversations, Path(a.keep_conversations))
     if a.regenerate_only:
-        rows = sum(1 for _ in conversations.open()) if conversations.is_file() else 0
+        # (a run that exists to grow the corpus fails when it did not: the lease must know)
+        if t.get("top_up_failed"):
+            raise SystemExit("--regenerate-only: the top-up regeneration failed (above)")
+        rows = 0
+        if conversations.is_file():
+            with conversations.open() as f:
+                rows = sum(1 for _ in f)
+        if not rows:
+            raise SystemExit(f"--regenerate-only: no conversations in {conversations}")
         result = {"target": a.target, "date": time.strftime("%Y-%m-%d"), "device": _device(),
                   "command": " ".join(["python", "benchmarks/real_model.py",
                                        *(argv or sys.argv[1:])]),

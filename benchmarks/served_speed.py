@@ -129,10 +129,10 @@ def engine_kwargs(a, attention: str | None = None) -> dict:
     # max_num_seqs: the largest batch, but never below MIN_NUM_SEQS nor 1 + the largest k.
     # vLLM 0.24's V2 runner captures the draft's decode steps in CUDA graphs only at sizes
     # that are multiples of 1 + k and at most max_num_seqs: at max_num_seqs 1 (a run of
-    # batch 1 alone) it captured none, and a step at k = 3 cost 5.2 ms on an H200 against
-    # 3.6 on an H100 at max_num_seqs 8 (session 41). The closed loop of B clients keeps B
-    # requests in flight whatever the engine allows, so a larger max_num_seqs changes no
-    # measurement's concurrency.
+    # batch 1 alone) it captured none, and a step at k = 3 cost 5.2 ms on session 41's H200
+    # against 3.6 on session 40's H100 at max_num_seqs 8 (other machines: not an A/B). The
+    # closed loop of B clients keeps B requests in flight whatever the engine allows, so a
+    # larger max_num_seqs changes no measurement's concurrency.
     ks = [int(k) for k in f"{a.k},{a.ngram_k}".split(",") if k.strip()]
     engine = {"max_num_seqs": max([int(b) for b in a.batches.split(",")] +
                                   [MIN_NUM_SEQS] + [1 + k for k in ks]),

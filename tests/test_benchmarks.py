@@ -201,6 +201,35 @@ def test_real_model_regenerate_only_tops_up_and_stops(tmp_path):
     assert result["seconds"]["regenerate"] > 0
 
 
+def test_eval_steps_sums_leave_the_ranges_gpu_annotations_out():
+    """On a GPU each profiler range is also a CUDA user-annotation event of its key (session
+    41's H200 run: its 0.0 host parts and 103 % busy GPU came from counting them): host parts
+    are read from the CPU events, and the annotations add no GPU time."""
+    from types import SimpleNamespace as E
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import eval_steps
+
+    cpu, cuda = E(name="CPU"), E(name="CUDA")
+    events = [
+        E(key="target forward", device_type=cpu, cpu_time_total=20000.0,
+          self_cpu_time_total=2000.0, self_device_time_total=0.0, is_user_annotation=False),
+        E(key="target forward", device_type=cuda, cpu_time_total=0.0,
+          self_cpu_time_total=0.0, self_device_time_total=160000.0, is_user_annotation=True),
+        E(key="aten::_cudnn_attention_forward", device_type=cpu, cpu_time_total=9000.0,
+          self_cpu_time_total=9000.0, self_device_time_total=0.0, is_user_annotation=False),
+        E(key="flash_kernel", device_type=cuda, cpu_time_total=0.0, self_cpu_time_total=0.0,
+          self_device_time_total=6000.0, is_user_annotation=False),
+        E(key="gemm", device_type=cuda, cpu_time_total=0.0, self_cpu_time_total=0.0,
+          self_device_time_total=4000.0, is_user_annotation=False)]
+    host, gpu_us, top_host, top_gpu = eval_steps.summarize(events, steps=2)
+    assert host == {"target forward": 10.0}
+    assert gpu_us == 10000.0
+    assert [e.key for e in top_gpu] == ["flash_kernel", "gemm",
+                                        "aten::_cudnn_attention_forward"]
+    assert top_host[0].key == "aten::_cudnn_attention_forward"
+
+
 def test_eval_steps_benchmark_smoke(tmp_path):
     out = tmp_path / "steps.json"
     _run("eval_steps.py", "--smoke", "--k", "0,2", "--sdpa", "auto,torch", "--json", str(out))

@@ -83,6 +83,17 @@ def test_cli_prints_error_without_traceback(tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_a_bad_target_sdpa_value_is_refused_before_any_step(tmp_path, monkeypatch, capsys):
+    # EYAS_TARGET_SDPA (eyas.targets.sdpa) is read at each target forward: a typo must not
+    # wait until a large target has loaded
+    (tmp_path / "prepared").mkdir()
+    monkeypatch.setenv("EYAS_TARGET_SDPA", "cudnn")
+    assert cli.main(["vocab", "--data", str(tmp_path / "prepared"),
+                     "--out", str(tmp_path / "vocab")]) == 2
+    assert "EYAS_TARGET_SDPA='cudnn': expected auto" in capsys.readouterr().err
+    assert not (tmp_path / "vocab").exists()
+
+
 def test_a_wrong_flag_gets_the_commands_usage_and_a_pipeline_yaml_its_place(tmp_path, capsys):
     # the top-level usage answered a misspelt step flag; `eyas run --config pipe.yaml` said
     # "unknown config key(s) ['capture', ...] for RunConfig"

@@ -427,3 +427,19 @@ def test_target_decode_forwards_leave_cudnn_attention_out(llama, prompt, monkeyp
             runner.forward(prompt)
     finally:
         hook.remove()
+
+
+def test_target_attention_only_takes_cudnn_away():
+    # kernels the user (or another library) turned off stay off inside the context
+    from eyas.targets.sdpa import target_attention
+
+    cuda = torch.backends.cuda
+    cuda.enable_flash_sdp(False)
+    try:
+        with target_attention():
+            assert (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                    cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled()) == (False, True, True,
+                                                                           False)
+        assert not cuda.flash_sdp_enabled() and cuda.cudnn_sdp_enabled()
+    finally:
+        cuda.enable_flash_sdp(True)

@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     fn, _ = _load(args.command)
     before = _say_on_sigterm(args.command)
     try:
+        # (a bad EYAS_TARGET_SDPA refused now, not after a target has loaded)
+        from eyas.targets.sdpa import target_sdpa_choice
+        target_sdpa_choice()
         cfg = _config_from_args(args.command, args)
         fn(cfg)
     except (ConfigError, EyasError) as err:

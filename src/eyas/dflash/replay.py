@@ -16,6 +16,7 @@ import torch
 
 from eyas.dflash.model import DFlashDraft
 from eyas.draft.loss import chain_acceptance
+from eyas.targets.sdpa import target_attention
 from eyas.targets.taps import AuxTaps
 
 ANCHORS_PER_CHUNK = 256  # blocks through the lm_head at once: (chunk * k, V) logits
@@ -30,7 +31,7 @@ def replay_dflash(model, layers, final_norm, draft: DFlashDraft, prompt: torch.T
     seq = torch.cat([prompt, torch.tensor(continuation, dtype=torch.long)]).to(device)  # (N,)
     n, p = seq.shape[0], prompt.shape[0]
     taps = AuxTaps(layers, final_norm, tuple(draft.cfg.aux_layer_ids), len(layers), final=False)
-    with taps.attached():
+    with taps.attached(), target_attention():
         top1 = model(input_ids=seq[None], use_cache=False).logits[0].argmax(-1)  # (N,)
     aux = taps.collect(device)[0].flatten(1)  # (N, n_taps * Ht)
     dtype = draft.fc.weight.dtype

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from eyas.draft.loss import chain_acceptance
+from eyas.targets.sdpa import target_attention
 from eyas.targets.taps import AuxTaps
 from eyas.draft.ttt import TTTBatch, ttt_forward
 
@@ -28,7 +29,7 @@ def teacher_forced_batch(model, layers, final_norm, aux_layer_ids, prompt: torch
     device = model.get_input_embeddings().weight.device
     ids = torch.cat([prompt, torch.tensor(continuation, dtype=torch.long)]).to(device)  # (N,)
     taps = AuxTaps(layers, final_norm, aux_layer_ids, len(layers), final=True)
-    with torch.inference_mode(), taps.attached():
+    with torch.inference_mode(), taps.attached(), target_attention():
         logits = model(input_ids=ids[None], use_cache=False).logits[0]  # (N, V)
     aux, final = taps.collect(device)  # (N, 3, Ht), (N, Ht)
     n = ids.shape[0]
