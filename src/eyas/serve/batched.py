@@ -34,6 +34,7 @@ from eyas.errors import EyasError
 from eyas.serve.speculate import (Eagle3Drafter, Generation, NgramDrafter, Proposal, Sampling,
                                   SpecStats, TargetRunner, _cut, _finished, drafts_sampled,
                                   pick, verify)
+from eyas.targets.sdpa import target_attention
 
 
 class BatchTarget:
@@ -280,8 +281,9 @@ def generate_batch(target: BatchTarget, drafter, prompts: list[torch.Tensor], k:
         if drafter is None:
             proposals = [Proposal([]) for _ in live]
         else:
-            proposals = drafter.propose([seqs[r] for r in live], new_aux, k,
-                                        [rows[r] for r in live])
+            with target_attention():  # (the draft's cache grows each step as the target's)
+                proposals = drafter.propose([seqs[r] for r in live], new_aux, k,
+                                            [rows[r] for r in live])
             if any(len(p.tokens) > k for p in proposals):
                 raise EyasError(f"drafter {type(drafter).__name__} proposed more than k={k}")
         logits, states = target.step([[seqs[r][-1], *p.tokens]

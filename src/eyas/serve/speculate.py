@@ -294,7 +294,8 @@ def generate_speculative(target, drafter, prompt: torch.Tensor, k: int, max_new_
     seq = prompt.tolist() + [token]
     out, new = [token], [token]
     while not _finished(out, new, max_new_tokens, stop_ids):
-        proposal = drafter.propose(torch.tensor(seq), new_aux, k, sampling)
+        with target_attention():  # (the draft's cache grows each step as the target's)
+            proposal = drafter.propose(torch.tensor(seq), new_aux, k, sampling)
         m = len(proposal.tokens)
         if m > k:
             raise EyasError(f"drafter {type(drafter).__name__} proposed {m} > k={k} tokens")
