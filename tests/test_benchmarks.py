@@ -116,10 +116,9 @@ def test_weights_fingerprint_benchmark_smoke(tmp_path):
     assert result["runs"][0]["fingerprint"] is not None
 
 
-def test_real_model_trains_online_without_a_capture(tmp_path):
-    """benchmarks/real_model.py --online, end to end on a tiny target: no capture folder is
-    made, `eyas train` runs the target itself (its manifest says online), and the draft it
-    exports is measured by both evals."""
+def _tiny_target_and_chats(tmp_path):
+    """A tiny random Llama saved with its tokenizer, and `chat(i, answer)`: one JSONL row of
+    a short user turn (with an assistant answer when `answer`), id chat/i."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -130,8 +129,6 @@ def test_real_model_trains_online_without_a_capture(tmp_path):
     LlamaForCausalLM(tiny_config("llama")).save_pretrained(target)
     save_tiny_tokenizer(target)
     words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
-    data = tmp_path / "realdata"
-    data.mkdir()
 
     def chat(i: int, answer: bool) -> str:
         turn = [{"role": "user", "content": " ".join(words[i % 9: i % 9 + 6])}]
@@ -139,6 +136,16 @@ def test_real_model_trains_online_without_a_capture(tmp_path):
             turn.append({"role": "assistant", "content": " ".join(words[i % 5:][:10])})
         return json.dumps({"id": f"chat/{i}", "messages": turn}) + "\n"
 
+    return target, chat
+
+
+def test_real_model_trains_online_without_a_capture(tmp_path):
+    """benchmarks/real_model.py --online, end to end on a tiny target: no capture folder is
+    made, `eyas train` runs the target itself (its manifest says online), and the draft it
+    exports is measured by both evals."""
+    target, chat = _tiny_target_and_chats(tmp_path)
+    data = tmp_path / "realdata"
+    data.mkdir()
     (data / "train.jsonl").write_text("".join(chat(i, False) for i in range(24)))
     (data / "heldout.jsonl").write_text("".join(chat(i, False) for i in range(40, 44)))
     conversations = tmp_path / "conversations.jsonl"
@@ -163,25 +170,9 @@ def test_real_model_regenerate_only_tops_up_and_stops(tmp_path):
     after regeneration runs (no prepared folder, no draft)."""
     import gzip
 
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from eyas.targets.tiny import save_tiny_tokenizer, tiny_config
-
-    target = tmp_path / "tiny"
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config("llama")).save_pretrained(target)
-    save_tiny_tokenizer(target)
-    words = "the cat sat on a mat and then it ran off to see the dog by the red door".split()
+    target, chat = _tiny_target_and_chats(tmp_path)
     data = tmp_path / "realdata"
     data.mkdir()
-
-    def chat(i: int, answer: bool) -> str:
-        turn = [{"role": "user", "content": " ".join(words[i % 9: i % 9 + 6])}]
-        if answer:
-            turn.append({"role": "assistant", "content": " ".join(words[i % 5:][:10])})
-        return json.dumps({"id": f"chat/{i}", "messages": turn}) + "\n"
-
     (data / "train.jsonl").write_text("".join(chat(i, False) for i in range(12)))
     (data / "heldout.jsonl").write_text(chat(40, False))
     given = tmp_path / "conversations.jsonl"
