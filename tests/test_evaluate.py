@@ -189,6 +189,7 @@ def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, 
     batch = evaluate(EvalConfig(out=str(tmp_path / "batch"), batch_size=3, **kw))
     two = evaluate(EvalConfig(out=str(tmp_path / "two"), workers=2, batch_size=2, **kw))
     assert (one.workers, one.batch_size, two.workers, batch.batch_size) == (1, 1, 2, 3)
+    assert one.target_sdpa == two.target_sdpa == "auto"  # (the kernels the forwards ran on)
     assert "batch size 3" in (tmp_path / "batch" / "report.md").read_text()
     strip = ("seconds", "tokens_per_s", "speedup")
     for other in (batch, two):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.serve.speculate import SpecStats
+from eyas.targets.sdpa import target_sdpa_choice
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class EvalReport:
     replayed: dict[str, dict] = field(default_factory=dict)
     workers: int = 1  # processes that shared the prompts
     batch_size: int = 1  # prompts decoded at once (eyas.serve.batched when > 1)
+    # the SDPA kernels the forwards ran on: "auto" (cuDNN's left out) or "torch" (torch's own
+    # choice), EYAS_TARGET_SDPA (eyas.targets.sdpa): each kernel rounds in its own way in bf16
+    target_sdpa: str = "auto"
     # only with several sources: "sources": source (a prompt id without its last "/" part,
     # e.g. bigbench/known_unknowns; the file of a FILE:ROW id) -> {"prompts": n,
     # "mean_acceptance_length": {"METHOD k=K": AL}}; "without_source": the same for the
@@ -237,7 +241,10 @@ def summarize(cfg, measured: Measured, num_prompts: int,
         report.by_source = by_source(measured, prompt_ids)
     report.workers = cfg.workers
     report.batch_size = cfg.batch_size
+    report.target_sdpa = target_sdpa_choice()
     report.settings = f"chain drafts, batch size {cfg.batch_size}" + (
+        ", torch's SDPA choice (EYAS_TARGET_SDPA=torch)" if report.target_sdpa == "torch"
+        else "") + (
         f", {cfg.draft_sampling} drafts (vLLM draft_sample_method)" if cfg.temperature else "")
     return report
 
