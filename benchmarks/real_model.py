@@ -230,6 +230,9 @@ def main(argv=None) -> None:
                         "whose capture the disk cannot hold: ~20 K of the 1.5B's multi-turn "
                         "chats would need ~60-80 GB in fp8")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="eyas train --eval-every and --save-every (online, each eval runs the "
+                        "target over the eval split again)")
     p.add_argument("--batch-tokens", type=int, default=16384)
     p.add_argument("--sources-first", default="",
                    help="with --train-order curve: these sources' prompts first (as "
@@ -353,8 +356,8 @@ def main(argv=None) -> None:
                      out=work / "vocab")
     t["train"] = run("train", *source, "--vocab", work / "vocab",
                      "--out", work / "run", "--epochs", a.epochs, "--batch-tokens",
-                     a.batch_tokens, *(["--lr", a.lr] if a.lr else []), "--eval-every", 200,
-                     "--save-every", 200,
+                     a.batch_tokens, *(["--lr", a.lr] if a.lr else []), "--eval-every",
+                     a.eval_every, "--save-every", a.eval_every,
                      log=log, out=work / "run")
     t["export"] = run("export", "--checkpoint", work / "run", "--out", work / "draft", log=log,
                       out=work / "draft")

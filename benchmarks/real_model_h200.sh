@@ -28,7 +28,7 @@
 # SERVED_TOP_UP, SERVED_REGEN_ONLY (=1: stop once the conversations exist and went to
 # results/: a lease that grows the corpus, then serves or trains), SERVED_ONLINE (=1: no
 # capture, eyas train --online: a corpus whose fp8 capture the lease's ~55 GB of free disk
-# cannot hold),
+# cannot hold), SERVED_EVAL_EVERY (train's --eval-every and --save-every, default 200),
 # SERVED_EVAL_ORDER, SERVED_EVALS_FIRST (e.g. bench: before the serving, not after),
 # SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline;
 # SERVED_EVAL_REPORTS: its eval reports from that lease, with SERVED_EVALS_FIRST=none),
@@ -440,7 +440,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         --regen-args "--backend vllm --gpu-memory-utilization ${VLLM_MEMORY:-0.5}" \
         --dtype bfloat16 --capture-dtype fp8 ${SERVED_ONLINE:+--online} \
         ${SERVED_REGEN_ONLY:+--regenerate-only} \
-        --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} \
+        --eval-fraction 0.05 --epochs ${SERVED_EPOCHS:-10} --eval-every ${SERVED_EVAL_EVERY:-200} \
         --batch-tokens 16384 --after-export "$speed" --indist-prompts 100 \
         --heldout-prompts 80 --eval-tokens 256 --k ${SERVED_EVAL_K:-3,5} --eval-batch 64 \
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \

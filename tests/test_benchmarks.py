@@ -155,10 +155,11 @@ def test_real_model_trains_online_without_a_capture(tmp_path):
          "--out", str(out), "--conversations", str(conversations), "--online",
          "--eval-fraction", "0.2", "--epochs", "1", "--batch-tokens", "256",
          "--indist-prompts", "2", "--heldout-prompts", "2", "--eval-tokens", "4", "--k", "2",
-         "--eval-batch", "2", "--eval-args=--no-ngram", "--device", "cpu")
+         "--eval-batch", "2", "--eval-args=--no-ngram", "--device", "cpu", "--eval-every", "3")
     assert not (work / "captured").exists()
     run = json.loads((work / "run/eyas.json").read_text())
     assert run["config"]["online"] is True and run["config"]["data"] == str(work / "prepared")
+    assert (run["config"]["eval_every"], run["config"]["save_every"]) == (3, 3)
     result = json.loads(out.read_text())
     assert result["seconds"]["capture"] == 0.0 and result["seconds"]["train"] > 0
     assert result["heldout"]["measured_al"]["2"] >= 1.0
