@@ -4,20 +4,27 @@ torch picks cuDNN's scaled-dot-product attention for a masked batch on Hopper, a
 builds a plan for each new shape on the host. Decoding gives every step a new key length and
 padded batches a new (rows, length) each, so it plans nearly every call.
 
-The flags torch reads are process-wide, not per thread: the context below switches them for
-the whole process while it is open (callers run the target from one thread at a time; a
-thread the target starts, as transformers' continuous batching does, sees them too).
+The flag torch reads is process-wide, not per thread, and threads may run forwards at once
+(a chat server's request threads beside the main thread, transformers' continuous batching).
+A plain save-and-restore per context would then leave the flag as another thread had set it.
+So the contexts share a count: the first to enter turns cuDNN's attention off and the last to
+leave turns it back to what it was; the other kernels' flags are not touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 from eyas.errors import EyasError
 
 TARGET_SDPA_ENV = "EYAS_TARGET_SDPA"
 CHOICES = ("auto", "torch")
+
+_lock = threading.Lock()
+_open = 0  # contexts open now, in any thread
+_before = True  # cuDNN's flag when the first of them opened
 
 
 def target_sdpa_choice() -> str:
@@ -38,17 +45,25 @@ def target_attention():
     benchmarks/eval_steps.py, session 41): a plain step 59.4 -> 34.2 ms, a step at k = 2
     95.5 -> 63.0 ms. The kernels left compute the same attention, with their own rounding
     in bf16."""
-    import torch  # (here: the CLI checks the variable without loading torch)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if target_sdpa_choice() == "torch":
         return contextlib.nullcontext()
-    cuda = torch.backends.cuda
-    keep = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled),
-                                        (SDPBackend.EFFICIENT_ATTENTION,
-                                         cuda.mem_efficient_sdp_enabled),
-                                        (SDPBackend.MATH, cuda.math_sdp_enabled)) if on()]
-    overrideable = getattr(torch._C, "_get_overrideable_sdp_enabled", None)
-    if overrideable is not None and overrideable():  # (other devices' own kernels)
-        keep.append(SDPBackend.OVERRIDEABLE)
-    return sdpa_kernel(keep or [SDPBackend.MATH])
+    return _without_cudnn()
+
+
+@contextlib.contextmanager
+def _without_cudnn():
+    global _open, _before
+    import torch  # (here: the CLI checks the variable without loading torch)
+
+    with _lock:
+        if _open == 0:
+            _before = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _open += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _open -= 1
+            if _open == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_before)
