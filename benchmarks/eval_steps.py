@@ -144,6 +144,11 @@ def summarize(events, steps: int):
     return host, gpu_us, top_host, top_gpu
 
 
+def _way(run: dict) -> str:
+    """A run's label: plain or eagle3 k=K, and its SDPA setting (torch: before --sdpa)."""
+    return (f"eagle3 k={run['k']}" if run["k"] else "plain") + f", sdpa {run.get('sdpa', 'torch')}"
+
+
 def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "",
              f"{result['device']}, torch {result['torch']}, shape {result['shape']}, batch "
@@ -153,13 +158,11 @@ def markdown(result: dict) -> str:
              + " | GPU busy ms/step | GPU busy |",
              "|---|---:|---:|" + "---:|" * len(PARTS) + "---:|---:|"]
     for r in result["runs"]:
-        way = (f"eagle3 k={r['k']}" if r["k"] else "plain") + f", sdpa {r.get('sdpa', 'torch')}"
-        lines.append(f"| {way} | {r['steps']} | {r['wall_ms_per_step']} | "
+        lines.append(f"| {_way(r)} | {r['steps']} | {r['wall_ms_per_step']} | "
                      + " | ".join(str(r["host_ms_per_step"][p]) for p in PARTS)
                      + f" | {r['gpu_busy_ms_per_step']} | {r['gpu_busy_fraction']:.0%} |")
     for r in result["runs"]:
-        way = (f"eagle3 k={r['k']}" if r["k"] else "plain") + f", sdpa {r.get('sdpa', 'torch')}"
-        lines += ["", f"{way}, host ops by self time (ms per step): "
+        lines += ["", f"{_way(r)}, host ops by self time (ms per step): "
                   + ", ".join(f"{k} {v}" for k, v in r["top_host_ops_ms_per_step"].items())]
     return "\n".join(lines) + "\n"
 

@@ -193,6 +193,11 @@ def evals_around(before: list[str], after: list[str], run_eval, command):
     return rc
 
 
+def _command(argv) -> str:
+    """This run's command line, for its result."""
+    return " ".join(["python", "benchmarks/real_model.py", *(argv or sys.argv[1:])])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the target (.gguf file, folder or hub name)")
@@ -334,8 +339,7 @@ def main(argv=None) -> None:
         if not rows:
             raise SystemExit(f"--regenerate-only: no conversations in {conversations}")
         result = {"target": a.target, "date": time.strftime("%Y-%m-%d"), "device": _device(),
-                  "command": " ".join(["python", "benchmarks/real_model.py",
-                                       *(argv or sys.argv[1:])]),
+                  "command": _command(argv),
                   "regenerate_only": {"conversations": str(conversations),
                                       "conversations_used": rows},
                   "seconds": {k: round(v, 1) for k, v in t.items()}}
@@ -401,7 +405,7 @@ def main(argv=None) -> None:
     chain = best.get("chain", {})
     result = {
         "target": a.target,
-        "command": " ".join(["python", "benchmarks/real_model.py", *(argv or sys.argv[1:])]),
+        "command": _command(argv),
         "date": time.strftime("%Y-%m-%d"),
         "device": _device(),
         "samples": prep.get("stats", {}),
