@@ -83,6 +83,22 @@ def one_thread():
 
 
 @pytest.fixture
+def cudnn_seen():
+    """watch(*modules) -> a list that gets cuDNN SDPA's flag (torch's, process-wide) at each
+    forward of those modules; the hooks go at the test's end (eyas.targets.sdpa's tests)."""
+    seen, hooks = [], []
+
+    def watch(*modules) -> list[bool]:
+        hooks.extend(m.register_forward_pre_hook(
+            lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled())) for m in modules)
+        return seen
+
+    yield watch
+    for hook in hooks:
+        hook.remove()
+
+
+@pytest.fixture
 def without_accelerate(monkeypatch):
     """The test runs as if accelerate were not installed (it is, in the test extra)."""
     import importlib.util

@@ -162,18 +162,12 @@ def test_batched_on_a_remote_code_wrapper(kimi_like_dir, prompts):
     _same(got, single)
 
 
-def test_batched_target_and_draft_run_without_cudnn_attention(llama, draft, prompts):
+def test_batched_target_and_draft_run_without_cudnn_attention(llama, draft, prompts,
+                                                              cudnn_seen):
     # both caches grow every step: cuDNN's attention would plan each new length on the host
     # (eyas.targets.sdpa; session 41's H100: 95.5 -> 63.0 ms a step at batch 64, k = 2)
-    seen = []
-    hooks = [m.register_forward_pre_hook(
-        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-        for m in (draft, llama.model.layers[0].self_attn)]
-    try:
-        layers, norm, ids = llama.model.layers, llama.model.norm, draft.cfg.aux_layer_ids
-        generate_batch(BatchTarget(llama, layers, norm, ids), BatchEagle3Drafter(draft, "cpu"),
-                       prompts, 3, 6, NO_STOP, Sampling())
-    finally:
-        for h in hooks:
-            h.remove()
+    seen = cudnn_seen(draft, llama.model.layers[0].self_attn)
+    layers, norm, ids = llama.model.layers, llama.model.norm, draft.cfg.aux_layer_ids
+    generate_batch(BatchTarget(llama, layers, norm, ids), BatchEagle3Drafter(draft, "cpu"),
+                   prompts, 3, 6, NO_STOP, Sampling())
     assert len(seen) > 4 and not any(seen)

@@ -192,23 +192,19 @@ def test_capture_samples_returns_rows_in_order(llama_dir, llama_prepared):
     assert got[0]["aux_hidden"].shape == (ds[0]["num_tokens"], 3, info.hidden_size)
 
 
-def test_capture_forward_leaves_cudnn_attention_out(llama_dir, llama_prepared, monkeypatch):
+def test_capture_forward_leaves_cudnn_attention_out(llama_dir, llama_prepared, monkeypatch,
+                                                    cudnn_seen):
     # capture and online training run the target on padded batches of ever new shapes, which
     # cuDNN's attention plans one by one on the host (eyas.targets.sdpa): it is left out, and
     # EYAS_TARGET_SDPA=torch gives torch its choice back, with the same states
     model, info = load_fp32(llama_dir)
     ds = datasets.load_from_disk(str(llama_prepared / "dataset"))["train"].select([5, 1, 9])
-    seen = []
-    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    try:
-        ours = capture_samples(model, info, ds, (1, 4, 6))
-        assert seen and not any(seen)
-        monkeypatch.setenv("EYAS_TARGET_SDPA", "torch")
-        theirs = capture_samples(model, info, ds, (1, 4, 6))
-        assert seen[-1] is True or sdpa._open > 0  # (unless another thread holds it off)
-    finally:
-        hook.remove()
+    seen = cudnn_seen(model.model.layers[0].self_attn)
+    ours = capture_samples(model, info, ds, (1, 4, 6))
+    assert seen and not any(seen)
+    monkeypatch.setenv("EYAS_TARGET_SDPA", "torch")
+    theirs = capture_samples(model, info, ds, (1, 4, 6))
+    assert seen[-1] is True or sdpa._open > 0  # (unless another thread holds it off)
     for a, b in zip(ours, theirs):
         assert torch.equal(a["aux_hidden"], b["aux_hidden"])
 

@@ -929,16 +929,11 @@ def test_stop_token_ids_required_or_empty():
 
 
 @pytest.mark.parametrize("batching", ["padded", "continuous"])
-def test_the_target_generates_without_cudnn_attention(setup, batching):
+def test_the_target_generates_without_cudnn_attention(setup, batching, cudnn_seen):
     # as in eyas eval (tests/test_speculate.py): cuDNN re-plans each decode step's new key
     # length on the host, so the local backend leaves it out whichever batching runs
     model_dir = setup[0]
     gen = load_generator(model_dir, device="cpu", batching=batching)
-    seen = []
-    hook = gen.model.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    try:
-        out = gen.generate([gen.render([{"role": "user", "content": "hello there"}])], 3)
-    finally:
-        hook.remove()
+    seen = cudnn_seen(gen.model.model.layers[0].self_attn)
+    out = gen.generate([gen.render([{"role": "user", "content": "hello there"}])], 3)
     assert out[0].finish_reason in ("stop", "length") and seen and not any(seen)

@@ -412,28 +412,24 @@ def _cudnn_back() -> bool:
     return torch.backends.cuda.cudnn_sdp_enabled() or sdpa._open > 0
 
 
-def test_target_decode_forwards_leave_cudnn_attention_out(llama, prompt, monkeypatch):
+def test_target_decode_forwards_leave_cudnn_attention_out(llama, prompt, monkeypatch,
+                                                          cudnn_seen):
     # cuDNN plans each new key length on the host, so in a decode loop it plans every step
     # (47 of 83 ms a step at batch 64 on the 1.5B's shape, H200, session 41): the target's
     # forwards run with it left out, and EYAS_TARGET_SDPA=torch gives torch its choice back
-    seen = []
-    hook = llama.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    try:
-        runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
-        first, _ = runner.forward(prompt)
-        runner.forward(first.argmax(-1)[-1:])
-        assert seen == [False, False] and _cudnn_back()
-        monkeypatch.setenv("EYAS_TARGET_SDPA", "torch")
-        runner.reset()
-        again, _ = runner.forward(prompt)
-        assert seen[-1] is True or sdpa._open > 0
-        assert torch.equal(again, first)  # the same attention, whichever kernel
-        monkeypatch.setenv("EYAS_TARGET_SDPA", "fastest")
-        with pytest.raises(EyasError, match="EYAS_TARGET_SDPA='fastest'"):
-            runner.forward(prompt)
-    finally:
-        hook.remove()
+    seen = cudnn_seen(llama.model.layers[0].self_attn)
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm)
+    first, _ = runner.forward(prompt)
+    runner.forward(first.argmax(-1)[-1:])
+    assert seen == [False, False] and _cudnn_back()
+    monkeypatch.setenv("EYAS_TARGET_SDPA", "torch")
+    runner.reset()
+    again, _ = runner.forward(prompt)
+    assert seen[-1] is True or sdpa._open > 0
+    assert torch.equal(again, first)  # the same attention, whichever kernel
+    monkeypatch.setenv("EYAS_TARGET_SDPA", "fastest")
+    with pytest.raises(EyasError, match="EYAS_TARGET_SDPA='fastest'"):
+        runner.forward(prompt)
 
 
 def test_target_attention_only_takes_cudnn_away():
@@ -478,17 +474,11 @@ def test_contexts_of_several_threads_give_cudnn_back_only_when_the_last_leaves()
     assert cuda.cudnn_sdp_enabled() == before and sdpa._open == 0
 
 
-def test_the_drafts_cached_attention_runs_without_cudnn_too(llama, draft, prompt):
+def test_the_drafts_cached_attention_runs_without_cudnn_too(llama, draft, prompt, cudnn_seen):
     # the draft's cache grows every step as the target's does: left out of cuDNN as well
     # (session 41, H100: its proposals then took 44.6 ms of cuDNN host time a step at k = 2)
-    seen = []
-    hook = draft.register_forward_pre_hook(
-        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    try:
-        drafter = Eagle3Drafter(draft, "cpu")
-        runner = TargetRunner(llama, llama.model.layers, llama.model.norm,
-                              drafter.aux_layer_ids)
-        generate_speculative(runner, drafter, prompt, 3, 8, NO_STOP, Sampling())
-    finally:
-        hook.remove()
+    seen = cudnn_seen(draft)
+    drafter = Eagle3Drafter(draft, "cpu")
+    runner = TargetRunner(llama, llama.model.layers, llama.model.norm, drafter.aux_layer_ids)
+    generate_speculative(runner, drafter, prompt, 3, 8, NO_STOP, Sampling())
     assert seen and not any(seen)
