@@ -272,6 +272,9 @@ def main(argv=None) -> None:
     p.add_argument("--k", default="3,6")
     p.add_argument("--workers", type=int, default=1, help="eyas eval --workers")
     p.add_argument("--eval-batch", type=int, default=64, help="eyas eval --batch-size")
+    p.add_argument("--train-args", default="",
+                   help="more eyas train flags, split on spaces (e.g. '--online-cache gpu "
+                        "--online-cache-dtype fp8')")
     p.add_argument("--eval-args", default="",
                    help="more eyas eval flags for every eval, e.g. --no-ngram (n-gram measured "
                         "elsewhere: a shorter eval)")
@@ -361,7 +364,7 @@ def main(argv=None) -> None:
     t["train"] = run("train", *source, "--vocab", work / "vocab",
                      "--out", work / "run", "--epochs", a.epochs, "--batch-tokens",
                      a.batch_tokens, *(["--lr", a.lr] if a.lr else []), "--eval-every",
-                     a.eval_every, "--save-every", a.eval_every,
+                     a.eval_every, "--save-every", a.eval_every, *a.train_args.split(),
                      log=log, out=work / "run")
     t["export"] = run("export", "--checkpoint", work / "run", "--out", work / "draft", log=log,
                       out=work / "draft")

@@ -33,7 +33,8 @@
 # SERVED_DRAFT (an exported draft carried back from an earlier lease: served, no pipeline;
 # SERVED_EVAL_REPORTS: its eval reports from that lease, with SERVED_EVALS_FIRST=none),
 # SERVED_EVAL_K (eyas eval's k, for the served rows' eval AL), SERVED_EVAL_ARGS (more eyas eval
-# flags, e.g. --no-ngram),
+# flags, e.g. --no-ngram), SERVED_TRAIN_ARGS (more eyas train flags, e.g. "--online-cache gpu
+# --online-cache-dtype fp8 --online-cache-gb 80"),
 # SERVED_SOURCES_FIRST (the curve's prompts of these sources first: scale.py --sources-first),
 # SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
@@ -446,6 +447,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         --eval-order ${SERVED_EVAL_ORDER:-heldout,bench,indist} \
         ${SERVED_EVALS_FIRST:+--evals-first $SERVED_EVALS_FIRST} \
         ${SERVED_EVAL_ARGS:+"--eval-args=$SERVED_EVAL_ARGS"} \
+        ${SERVED_TRAIN_ARGS:+"--train-args=$SERVED_TRAIN_ARGS"} \
         --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
     # (and when a step failed before they were kept: the answers are the costliest output)

@@ -141,8 +141,8 @@ def _tiny_target_and_chats(tmp_path):
 
 def test_real_model_trains_online_without_a_capture(tmp_path):
     """benchmarks/real_model.py --online, end to end on a tiny target: no capture folder is
-    made, `eyas train` runs the target itself (its manifest says online), and the draft it
-    exports is measured by both evals."""
+    made, `eyas train` runs the target itself (its manifest says online) with the flags of
+    --train-args, and the draft it exports is measured by both evals."""
     target, chat = _tiny_target_and_chats(tmp_path)
     data = tmp_path / "realdata"
     data.mkdir()
@@ -155,10 +155,12 @@ def test_real_model_trains_online_without_a_capture(tmp_path):
          "--out", str(out), "--conversations", str(conversations), "--online",
          "--eval-fraction", "0.2", "--epochs", "1", "--batch-tokens", "256",
          "--indist-prompts", "2", "--heldout-prompts", "2", "--eval-tokens", "4", "--k", "2",
-         "--eval-batch", "2", "--eval-args=--no-ngram", "--device", "cpu", "--eval-every", "3")
+         "--eval-batch", "2", "--eval-args=--no-ngram", "--device", "cpu", "--eval-every", "3",
+         "--train-args=--online-cache gpu --online-cache-dtype fp8")
     assert not (work / "captured").exists()
     run = json.loads((work / "run/eyas.json").read_text())
     assert run["config"]["online"] is True and run["config"]["data"] == str(work / "prepared")
+    assert (run["config"]["online_cache"], run["config"]["online_cache_dtype"]) == ("gpu", "fp8")
     assert (run["config"]["eval_every"], run["config"]["save_every"]) == (3, 3)
     result = json.loads(out.read_text())
     assert result["seconds"]["capture"] == 0.0 and result["seconds"]["train"] > 0

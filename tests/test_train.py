@@ -826,6 +826,128 @@ def test_target_device_map_without_accelerate_names_the_install(run_inputs, tmp_
 
 @pytest.mark.skipif(not _has_accelerate(), reason="device_map needs accelerate")
 @pytest.mark.usefixtures("one_thread")  # many tiny forwards: faster on a shared CPU
+def _cache_summary(caplog) -> dict:
+    """The numbers of the --online-cache line train logs at its end."""
+    import re
+
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("--online-cache ("))
+    m = re.search(r"(\d+) samples kept.* reads (\d+) from it, (\d+) by the target "
+                  r"\((\d+) past the bound\)", line)
+    return dict(zip(("kept", "hits", "misses", "refused"), map(int, m.groups())))
+
+
+@pytest.mark.parametrize("bound_gb", [0.0, 2e-4])
+def test_online_cache_runs_the_target_once_per_sample(run_inputs, tmp_path, caplog, bound_gb):
+    """Three epochs online: with --online-cache the target runs once per sample (train and
+    eval), later epochs and evals read what it kept, and the run equals one without the
+    cache. Under a bound of a few samples (200 KB) the rest run the target each time, and the
+    run is the same again. (Equal up to bf16 roundings: without the cache the target sees
+    each sample again in other micro-batches, whose fp32 sums differ in the last bits.)"""
+    kw = dict(max_steps=0, epochs=3, batch_tokens=1024, lm_head="target", eval_every=4,
+              online=True, data=run_inputs["prepared"], target=run_inputs["target"],
+              device="cpu")
+    plain = train(_cfg(run_inputs, tmp_path / "plain", **kw))
+    caplog.set_level(logging.INFO, logger="eyas")
+    cached = train(_cfg(run_inputs, tmp_path / "cached", **kw, online_cache="cpu",
+                        online_cache_gb=bound_gb))
+    assert cached["steps"] == plain["steps"] >= 6
+    got = _cache_summary(caplog)
+    from eyas.store.prepared import load_split
+
+    samples = len(load_split(run_inputs["prepared"], "all")[0])  # train and eval rows
+    if bound_gb == 0:  # half the host's free memory: all of them
+        assert got["kept"] == got["misses"] == samples and got["refused"] == 0
+        assert got["hits"] >= 2 * (samples - 12)  # two more epochs of the train rows at least
+    else:
+        assert 0 < got["kept"] < samples and got["refused"] > 0
+        assert got["misses"] > samples  # the rest ran the target again
+    assert [r["loss"] for r in _records(tmp_path / "cached", "train")] == pytest.approx(
+        [r["loss"] for r in _records(tmp_path / "plain", "train")], rel=1e-3)
+    assert cached["eval"]["loss"] == pytest.approx(plain["eval"]["loss"], rel=1e-3)
+    a, b = _weights(tmp_path / "plain", plain["steps"]), _weights(tmp_path / "cached",
+                                                                 cached["steps"])
+    for k in a:  # (15 steps at lr 1e-2 carry those last bits to ~3e-4)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-2, atol=1e-3)
+
+
+def test_online_cache_fp8_equals_an_fp8_capture(run_inputs, tmp_path):
+    """--online-cache-dtype fp8 hands out the numbers `eyas capture --dtype fp8` stores, from
+    the target's first pass on, and the same numbers again from the cache; a run trains on
+    them (its first step as offline training on such a capture, not as on bf16 states)."""
+    from eyas.capture import CaptureConfig, capture
+    from eyas.draft.online_cache import StateCache
+    from eyas.store.prepared import load_split
+    from eyas.store.shards import dequantize_fp8
+    from eyas.targets.models import load_target
+
+    fp8 = tmp_path / "captured-fp8"
+    capture(CaptureConfig(target=run_inputs["target"], data=run_inputs["prepared"],
+                          out=str(fp8), split="all", model_dtype="fp32", dtype="fp8",
+                          batch_tokens=2048))
+    offline = data.OfflineSource(fp8)
+    model, info = load_target(run_inputs["target"], dtype="fp32", device=torch.device("cpu"))
+    dataset, _ = load_split(run_inputs["prepared"], "all")
+    online = data.OnlineSource(model, info, dataset, tuple(offline.manifest["aux_layer_ids"]),
+                               cache=StateCache(torch.device("cpu"), "fp8", 10**9))
+    # capture orders samples by its batches: the offline sample of each prepared row
+    number = {int(r): i for i, r in enumerate(offline.capture.sample_index.tolist())}
+    rows = list(range(0, len(dataset), 3))
+    first, again = online.fetch(rows), online.fetch(rows)
+    stored = offline.fetch([number[r] for r in rows])
+    assert online.cache.misses == len(rows) and online.cache.hits == len(rows)
+    for a, b, c in zip(first, again, stored):
+        assert a["aux_hidden"].dtype == c["aux_hidden"].dtype == torch.float8_e4m3fn
+        assert all(torch.equal(a[k], b[k]) for k in a)  # the cache's copy, unchanged
+        for k in ("input_ids", "target_top1", "loss_mask"):
+            assert torch.equal(a[k], c[k])
+        # one micro-batch's forward against the capture's larger batch: the last bits of
+        # fp32 may differ, so the row scales differ in theirs and a rare element lands in
+        # the next fp8 step
+        codes = a["aux_hidden"].view(torch.uint8) == c["aux_hidden"].view(torch.uint8)
+        assert codes.float().mean() > 0.95  # (98 % here)
+        torch.testing.assert_close(a["aux_scale"], c["aux_scale"], rtol=1e-2, atol=0)
+        x, y = (dequantize_fp8(s["aux_hidden"], s["aux_scale"], torch.float32) for s in (a, c))
+        torch.testing.assert_close(x, y, rtol=0.13, atol=1e-3)  # (e4m3's step: 1/8)
+        torch.testing.assert_close(a["final_hidden"], c["final_hidden"])
+    kw = dict(max_steps=1, batch_tokens=1024, lm_head="target", device="cpu")
+    runs = {"offline": dict(data=str(fp8)), "bf16": {},
+            "online": dict(online=True, data=run_inputs["prepared"], target=run_inputs["target"],
+                           online_cache="gpu", online_cache_dtype="fp8")}
+    loss = {k: _records(train(_cfg(run_inputs, tmp_path / k, **kw, **v)) and tmp_path / k,
+                        "train")[0]["loss"] for k, v in runs.items()}
+    assert loss["online"] == pytest.approx(loss["offline"], rel=3e-5)
+    assert loss["online"] != pytest.approx(loss["bf16"], rel=1e-4)  # fp8's rounding is there
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_online_cache_on_a_gpu(run_inputs, tmp_path, caplog, where):
+    """On a GPU: fp8 states kept on the target's GPU, or in host memory and moved back per
+    micro-batch, train as the run without the cache does (its first step to fp8's rounding)."""
+    kw = dict(max_steps=0, epochs=2, batch_tokens=1024, lm_head="target", eval_every=4,
+              online=True, data=run_inputs["prepared"], target=run_inputs["target"],
+              device="cuda", lr=1e-3)
+    plain = train(_cfg(run_inputs, tmp_path / "plain", **kw))
+    caplog.set_level(logging.INFO, logger="eyas")
+    cached = train(_cfg(run_inputs, tmp_path / where, **kw, online_cache=where,
+                        online_cache_dtype="fp8"))
+    got = _cache_summary(caplog)
+    assert got["hits"] > 0 and got["refused"] == 0
+    assert cached["steps"] == plain["steps"]
+    first = [_records(tmp_path / k, "train")[0]["loss"] for k in ("plain", where)]
+    assert first[1] == pytest.approx(first[0], rel=1e-2)
+    assert cached["eval"]["loss"] == pytest.approx(plain["eval"]["loss"], rel=1e-2)
+
+
+def test_online_cache_flags_are_refused_offline():
+    with pytest.raises(ConfigError, match="apply to --online only"):
+        TrainConfig(data="c", out="r", online_cache="gpu")
+    with pytest.raises(ConfigError, match="--online-cache-gb must be >= 0"):
+        TrainConfig(data="p", out="r", online=True, target="t", online_cache="cpu",
+                    online_cache_gb=-1)
+
+
 def test_online_with_target_device_map_equals_online(run_inputs, tmp_path, monkeypatch):
     """The target placed by transformers/accelerate ("auto": on a CPU box all on cpu; "cpu":
     one device) trains exactly like the target moved to the draft's device. Spreading over

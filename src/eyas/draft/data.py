@@ -82,19 +82,33 @@ class OnlineSource:
     `eyas.targets.capture_forward.capture_samples`, the code `eyas capture` runs, so online and offline
     training see the same tensors for the same data. They come back on the device of the
     target's final norm (with --target-device-map maybe not the draft's GPU); train moves
-    each collated micro-batch to the draft's device.
+    each collated micro-batch to the draft's device. With a `cache`
+    (eyas.draft.online_cache, --online-cache) the target runs once per sample it can keep.
     """
 
-    def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...]):
+    def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...], cache=None):
+        from eyas.targets.models import submodule
+
         self.model, self.info, self.dataset = model, info, dataset
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.lengths = np.asarray(dataset["num_tokens"], dtype=np.int64)
+        self.cache = cache
+        self.device = next(submodule(model, info.norm_path).parameters()).device
 
     def sample_ids(self) -> list[str]:
         """Each sample's id (the prepared `sample_id`), by row."""
         return self.dataset.with_format("arrow")["sample_id"].to_pylist()
 
     def fetch(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        if self.cache is None:
+            return self._capture(ids)
+        out = [self.cache.get(i, self.device) for i in ids]
+        todo = [j for j, s in enumerate(out) if s is None]
+        for j, sample in zip(todo, self._capture([ids[j] for j in todo]) if todo else []):
+            out[j] = self.cache.put(ids[j], sample)
+        return out
+
+    def _capture(self, ids: list[int]) -> list[dict[str, torch.Tensor]]:
         from eyas.targets.capture_forward import capture_samples
 
         rows = self.dataset.select(ids)
@@ -223,6 +237,7 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
 
 
 def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> Inputs:
+    from eyas.draft.online_cache import open_cache
     from eyas.store.prepared import load_split
     from eyas.targets.models import load_target, load_tokenizer, submodule
     from eyas.targets.taps import validate_aux_layer_ids
@@ -252,6 +267,8 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
                                      info.num_layers)
     dataset, rows = load_split(cfg.data, "all")
     src = OnlineSource(model, info, dataset, aux)
+    src.cache = open_cache(cfg.online_cache, cfg.online_cache_dtype, cfg.online_cache_gb,
+                           src.device)
     train_ids = np.arange(*rows["train"])
     eval_ids = np.arange(*rows["eval"])
     if len(eval_ids) == 0 and cfg.eval_fraction > 0:

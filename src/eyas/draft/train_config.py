@@ -91,6 +91,18 @@ class TrainConfig:
               "GPU 0 (where the draft trains) light, or one device (cuda:1, cpu); unset = the "
               "whole target on the draft's GPU. One process only: under torchrun every rank "
               "would load its own copy")
+    online_cache: str = option(
+        "off", "--online only: keep each sample's target states after the target's first pass "
+               "over it, so later epochs and evals read them instead of running the target "
+               "again: gpu (the target's device), cpu (host memory) or off",
+        choices=("off", "gpu", "cpu"))
+    online_cache_dtype: str = option(
+        "bf16", "how --online-cache keeps the aux states: bf16 (what the target gave) or fp8 "
+                "(as `eyas capture --dtype fp8` stores them, ~0.6x the memory; every epoch, "
+                "the first too, then trains on the fp8 states)", choices=("bf16", "fp8"))
+    online_cache_gb: float = option(
+        0.0, "--online-cache's bound in GB; 0 = half the memory free on its device once the "
+             "target is loaded. Samples past it run the target every epoch (counted in the log)")
     eval_data: str | None = option(None, "held-out capture folder; default: the capture's "
                                          "eval split if it has one, else --eval-fraction")
     eval_fraction: float = option(0.02, "share of training samples held out when there is no "
@@ -305,6 +317,13 @@ class TrainConfig:
             (len(self.aux_layer_ids) in (0, 3) or self.draft == "dflash",
              f"--aux-layer-ids needs 3 ids (e.g. 2,16,29), got {self.aux_layer_ids}"),
             *(_dflash_checks(self) if self.draft == "dflash" else _eagle3_checks(self)),
+            (self.online or (self.online_cache == "off" and self.online_cache_gb == 0
+                             and self.online_cache_dtype == "bf16"),
+             "--online-cache, --online-cache-dtype and --online-cache-gb apply to --online "
+             "only; offline, the capture folder already holds the states"),
+            (self.online_cache_gb >= 0,
+             f"--online-cache-gb must be >= 0 (0 = half the free memory), got "
+             f"{self.online_cache_gb}"),
             (not (self.online and self.eval_data),
              "--eval-data names a capture folder; with --online the eval split of the prepared "
              "folder (or --eval-fraction) is used instead"),
