@@ -419,8 +419,8 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                        best=best, steps=total, draft_config=record)
         log.info("done: best step %s (replayed chain AL %s at k=%d) in %s", best["step"],
                  best.get("chain_acceptance_length"), steps, run_dir / "checkpoints")
-    if cfg.online and cfg.online_cache != "off":
-        log.info(inputs.train.cache.summary())
+        if cfg.online and cfg.online_cache != "off":
+            log.info(inputs.train.cache.summary())
     finish_env(env)
     stop.after_last_step()
     return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

@@ -322,6 +322,8 @@ def train_dflash(cfg: TrainConfig) -> dict:
                        complete=True, best=best, steps=total, draft_config=config_record)
         log.info("done: best step %s (acceptance length %s at k=%d) in %s", best["step"],
                  best.get("acceptance_length"), b - 1, run_dir / "checkpoints")
+        if cfg.online and cfg.online_cache != "off":
+            log.info(inputs.train.cache.summary())
     finish_env(env)
     stop.after_last_step()
     return {"steps": total, "best": best, "train": last_train, "eval": last_eval}

@@ -93,7 +93,8 @@ class OnlineSource:
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.lengths = np.asarray(dataset["num_tokens"], dtype=np.int64)
         self.cache = cache
-        self.device = next(submodule(model, info.norm_path).parameters()).device
+        norm = next(submodule(model, info.norm_path).parameters(), None)  # (a norm may have
+        self.device = (norm if norm is not None else next(model.parameters())).device  # none)
 
     def sample_ids(self) -> list[str]:
         """Each sample's id (the prepared `sample_id`), by row."""

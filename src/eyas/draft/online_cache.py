@@ -79,8 +79,16 @@ class StateCache:
                 self.refused += 1
                 return sample
             self.bytes += size
-        # a copy of each tensor: the target's samples are views of a whole micro-batch
-        kept = {k: v.to(self.device, copy=True) for k, v in sample.items()}
+        try:  # a copy of each view: the target's samples are views of a whole micro-batch
+            kept = {k: v.to(self.device, copy=v._base is not None) for k, v in sample.items()}
+        except torch.OutOfMemoryError:
+            with self.lock:  # what training needs comes first: keep no more
+                self.bytes -= size
+                self.max_bytes = self.bytes
+            log.warning("--online-cache: out of memory on %s at %.2f GB (%d samples): no more "
+                        "are kept; lower --online-cache-gb to leave training room",
+                        self.device, self.bytes / GB, len(self.samples))
+            return sample
         with self.lock:
             self.samples[i] = kept
         return sample
@@ -107,6 +115,14 @@ def open_cache(where: str, dtype: str, gb: float, target_device: torch.device) -
     device = target_device if where == "gpu" else torch.device("cpu")
     if where == "gpu" and device.type != "cuda":
         log.warning("--online-cache gpu: the target is on %s, so the cache is too", device)
-    bound = int(gb * GB) if gb > 0 else free_bytes(device) // 2
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1:
+        log.warning("--online-cache under torchrun: each of the %d ranks keeps the samples it "
+                    "reads, and the ranks share the data out anew each epoch, so a rank finds "
+                    "a sample it kept only ~1/%d of the time in epoch 2; one process gains "
+                    "the most", ranks, ranks)
+    # host memory is shared by this node's ranks: half of it split between them
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    bound = int(gb * GB) if gb > 0 else free_bytes(device) // 2 // share
     log.info("--online-cache: up to %.2f GB of %s states on %s", bound / GB, dtype, device)
     return StateCache(device, dtype, bound)

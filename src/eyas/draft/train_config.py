@@ -50,7 +50,8 @@ RECIPE_NOTE = "unset: speculators' recipe for EAGLE-3 ({}), {} for dflash (docs/
 TRAINING_DEFAULTS = {"epochs": 10, "max_steps": 0, "betas": (0.9, 0.999), "muon_lr": 0.0,
                      "muon_momentum": 0.95, "muon_weight_decay": 0.1, "min_lr_ratio": 0.0,
                      "loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0, "num_anchors": 512,
-                     "loss_decay_gamma": 7.0, "dflash_labels": "data"}
+                     "loss_decay_gamma": 7.0, "dflash_labels": "data",
+                     "online_cache_dtype": "bf16"}
 # what a resumed run keeps from its start (its eyas.json) where it is not given again
 RESUMED = ("lr", *EAGLE3_RECIPE, *TRAINING_DEFAULTS)
 
@@ -96,10 +97,11 @@ class TrainConfig:
                "over it, so later epochs and evals read them instead of running the target "
                "again: gpu (the target's device), cpu (host memory) or off",
         choices=("off", "gpu", "cpu"))
-    online_cache_dtype: str = option(
-        "bf16", "how --online-cache keeps the aux states: bf16 (what the target gave) or fp8 "
-                "(as `eyas capture --dtype fp8` stores them, ~0.6x the memory; every epoch, "
-                "the first too, then trains on the fp8 states)", choices=("bf16", "fp8"))
+    online_cache_dtype: str | None = option(
+        None, "how --online-cache keeps the aux states: bf16 (what the target gave) or fp8 "
+              "(as `eyas capture --dtype fp8` stores them, ~0.6x the memory; every epoch, "
+              "the first too, then trains on the fp8 states)"
+              + _unset_note("online_cache_dtype"), choices=("bf16", "fp8"))
     online_cache_gb: float = option(
         0.0, "--online-cache's bound in GB; 0 = half the memory free on its device once the "
              "target is loaded. Samples past it run the target every epoch (counted in the log)")
