@@ -90,9 +90,10 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     parts = [REPO / "benchmarks/results/served-h200-s26/qwen15-conversations.jsonl.gz",
              REPO / "benchmarks/results/served-h200-s29/qwen15-conversations-chat.jsonl.gz"]
     calls, _ = _stage(tmp_path, SERVED_CONVERSATIONS=",".join(map(str, parts)),
-                      SERVED_ONLINE="1")
+                      SERVED_ONLINE="1", SERVED_TRAIN_ARGS="--online-cache cpu --online-cache-gb 90")
     pipeline = next(c for c in calls if "real_model.py" in c)
     assert "--keep-conversations" not in pipeline and " --online " in pipeline
+    assert "--train-args=--online-cache cpu --online-cache-gb 90 " in pipeline
     with gzip.open(parts[0], "rt") as a, gzip.open(parts[1], "rt") as b:
         rows = a.read() + b.read()
     assert (tmp_path / "w/qwen-conversations.jsonl").read_text() == rows
@@ -160,3 +161,30 @@ def test_a_carried_draft_is_served_beside_the_reports_an_earlier_lease_made(tmp_
                            SERVED_EVALS_FIRST="none",
                            SERVED_EVAL_REPORTS=str(tmp_path / "nowhere/eval-x/report.json"))
     assert "nowhere/eval-x/report.json not copied" in stages and "served_speed.py" in calls[-1]
+
+
+def test_slim_hides_the_largest_results_for_a_lease_and_puts_them_back(tmp_path):
+    """benchmarks/h200_slim.sh in a clone of this repository: `hide` takes the tracked
+    results over 1 MB out of the working tree (the device carries what is on disk), leaving
+    it small enough for a 36 MB part beside it; `restore` leaves the tree as committed."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    big = clone / "benchmarks/results/served-h200-s41/qwen15-conversations-topup.jsonl.gz"
+    before = big.read_bytes()
+
+    def slim(step: str) -> str:
+        done = subprocess.run(["bash", "benchmarks/h200_slim.sh", step], cwd=clone,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    out = slim("hide")
+    assert not big.exists() and (clone / ".slim" / big.relative_to(clone)).exists()
+    tree = int(out.rsplit("tree: ", 1)[1].split()[0])
+    assert tree < 29 * 2**20  # 64 MiB less a 36 MB part
+    assert "pyproject.toml" in {p.name for p in clone.iterdir()}  # (results only)
+    slim("restore")
+    assert big.read_bytes() == before and not (clone / ".slim").exists()
+    status = subprocess.run(["git", "status", "--short"], cwd=clone, capture_output=True,
+                            text=True, check=True).stdout
+    assert status == ""
