@@ -4,6 +4,8 @@
 # that step reads (at most 64 MiB a call with the tree); everything lasting goes to /tmp, which
 # survives between calls while the machine is held. Steps:
 # Every carried folder is built by benchmarks/h200_carry.sh (a session's checkout has none).
+# After `a`, run `bash benchmarks/h200_slim.sh hide` here (and `restore` after the lease):
+# the tree then leaves room beside it for the 36 MB parts (later calls run from $W/repo).
 #   a          carry .carry/a + .whl: the GGUF's first quarter, realdata.tgz, the wheels
 #              (installed into $W/site); copies this tree's src, benchmarks, tests and
 #              pyproject.toml to $W/repo (later calls replace the tree, never $W/repo)
