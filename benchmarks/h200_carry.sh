@@ -29,7 +29,8 @@
 # which travels in every call with the tree: each folder plus the tracked tree must stay under
 # the device's 64 MiB per call (checked at the end). Thirds of 33 MB did until the tree reached
 # 22.4 MB (session 27: call b refused). The tree grows with each lease's results, so check
-# again before a lease without building anything: bash benchmarks/h200_carry.sh check
+# again before a lease without building anything: bash benchmarks/h200_carry.sh check (every
+# call after `a` counted beside the tree that `bash benchmarks/h200_slim.sh hide` leaves)
 # Downloads are cached in $DL (default /tmp/dl) and $EYAS_TEST_CACHE (~/.cache/eyas-test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,12 +39,16 @@ DL=${DL:-/tmp/dl}
 CACHE=${EYAS_TEST_CACHE:-$HOME/.cache/eyas-test}
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
-check() {  # each carried folder with the tracked tree under the device's 64 MiB a call
-  local tree n d bad=0
+check() {  # each carried folder with the tracked tree under the device's 64 MiB a call:
+  # `a` beside the whole tree, the others beside what `h200_slim.sh hide` leaves of it
+  local tree slim n d bad=0
   tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
-  for d in .carry/a .carry/b .carry/b2 .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]* .carry/r[0-9]*; do
+  slim=$(( tree - $(git ls-files -z benchmarks/results | du -b --files0-from=- |
+      awk -v m=$(( ${SLIM_MIN_KB:-1024} * 1024 )) '$1 > m {s += $1} END {print s + 0}') ))
+  for d in .carry/a .carry/b .carry/b2 .carry/c .carry/e .carry/v[0-9] .carry/q[0-9]* \
+      .carry/r[0-9]* .carry/k[0-9]*; do
     [ -d "$d" ] || continue
-    n=$(( tree + $(du -sb "$d" | cut -f1) ))
+    n=$(( $([ $d = .carry/a ] && echo $tree || echo $slim) + $(du -sb "$d" | cut -f1) ))
     [ $d = .carry/a ] && n=$(( n + $(du -sb .whl | cut -f1) ))  # a carries the wheels too
     [ $d = .carry/c ] && [ -d .whl-peers ] && n=$(( n + $(du -sb .whl-peers | cut -f1) ))  # c: the peers
     echo "$d: $n bytes with the tree (limit $((64 << 20)))"

@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 case "${1:?name a step: hide or restore}" in
   hide)
     git ls-files -z benchmarks/results | while IFS= read -r -d '' f; do
-      [ -f "$f" ] && [ "$(du -k "$f" | cut -f1)" -gt "${SLIM_MIN_KB:-1024}" ] || continue
+      [ -f "$f" ] && [ "$(du -b "$f" | cut -f1)" -gt $(( ${SLIM_MIN_KB:-1024} * 1024 )) ] ||
+        continue
       mkdir -p ".slim/$(dirname "$f")" && mv "$f" ".slim/$f" && echo "hid $f"
     done
     echo "tree: $(git ls-files -z | xargs -0 cat 2>/dev/null | wc -c) bytes" ;;
