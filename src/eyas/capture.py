@@ -32,7 +32,7 @@ from eyas.store.manifest import (check_out, check_same_target, read_manifest, ta
                                  write_manifest)
 from eyas.serve.vllm_generate import check_engine_options, engine_options
 from eyas.store import shard_state, shards
-from eyas.targets.capture_forward import forward_batches
+from eyas.targets.capture_forward import forward_batches, output_device
 from eyas.store.shard_writer import PartWriter
 from eyas.store.prepared import load_split
 from eyas.targets.capture_forward import iter_captured_batches, capture_samples
@@ -360,7 +360,7 @@ def _run_shard(cfg, model, info, dataset, todo, aux_ids, state, out):
     from tqdm.auto import tqdm
 
     # the vllm backend hands over CPU tensors: nothing to stage
-    device = torch.device("cpu") if cfg.backend == "vllm" else _device_of(model, info)
+    device = torch.device("cpu") if cfg.backend == "vllm" else output_device(model, info)
     stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
     writer = PartWriter(out, state, int(cfg.file_mb * 2**20),
                         {"aux_layer_ids": ",".join(map(str, aux_ids)), "dtype": cfg.dtype},
@@ -420,14 +420,6 @@ def _job_stats(tokens: int, seconds: float, loop_s: float, stage_s: float, write
             "writer_busy_s": writer.busy_s, "put_wait_s": writer.put_wait_s, "stage_s": stage_s,
             "loop_s": loop_s, "drain_s": seconds - loop_s,
             "bytes_written": writer.bytes_written, "writer": dict(writer.timings)}
-
-
-def _device_of(model, info) -> torch.device:
-    """Where the final norm runs, i.e. where captured tensors are gathered."""
-    from eyas.targets.models import submodule
-
-    param = next(submodule(model, info.norm_path).parameters(), None)
-    return param.device if param is not None else next(model.parameters()).device
 
 
 def _to_storage(out: dict, dtype: str) -> dict[str, torch.Tensor]:

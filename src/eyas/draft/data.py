@@ -87,14 +87,13 @@ class OnlineSource:
     """
 
     def __init__(self, model, info, dataset, aux_layer_ids: tuple[int, ...], cache=None):
-        from eyas.targets.models import submodule
+        from eyas.targets.capture_forward import output_device
 
         self.model, self.info, self.dataset = model, info, dataset
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.lengths = np.asarray(dataset["num_tokens"], dtype=np.int64)
         self.cache = cache
-        norm = next(submodule(model, info.norm_path).parameters(), None)  # (a norm may have
-        self.device = (norm if norm is not None else next(model.parameters())).device  # none)
+        self.device = output_device(model, info)  # where captured states come back
 
     def sample_ids(self) -> list[str]:
         """Each sample's id (the prepared `sample_id`), by row."""

@@ -172,6 +172,14 @@ def _flat_packing_works(parts, taps, vocab_size: int) -> tuple[bool, float]:
     return err < 0.05, err
 
 
+def output_device(model, info) -> torch.device:
+    """Where the final norm runs, i.e. where captured tensors are gathered."""
+    from eyas.targets.models import submodule
+
+    param = next(submodule(model, info.norm_path).parameters(), None)
+    return param.device if param is not None else next(model.parameters()).device
+
+
 def iter_captured_batches(model, info, dataset, aux_layer_ids, batch_tokens: int, *,
                           rows=None, packing: str = "auto", sort_by_length: bool = True,
                           drop_nonfinite: bool = True) -> Iterator[dict[str, torch.Tensor]]:
