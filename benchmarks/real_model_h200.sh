@@ -36,7 +36,8 @@
 # flags, e.g. --no-ngram), SERVED_TRAIN_ARGS (more eyas train flags, e.g. "--online-cache gpu
 # --online-cache-dtype fp8 --online-cache-gb 80"),
 # SERVED_SOURCES_FIRST (the curve's prompts of these sources first: scale.py --sources-first),
-# SERVED_SPEED_ARGS: more
+# SERVED_BENCH (the standard sets evaluated and served, default mt-bench,humaneval; e.g.
+# mt-bench alone where a lease is short), SERVED_SPEED_ARGS: more
 # served_speed.py flags, e.g. "--ngram-methods ngram,ngram_gpu --runner v2"); stage
 # served-shape: the cost of a speculative step on a random 8B-shaped target (SHAPE_K,
 # SHAPE_BATCHES, SHAPE_MINUTES, SHAPE_RUNNERS: "v1 v2" serves it on each vLLM model runner,
@@ -386,7 +387,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
     speed="$first python3 benchmarks/served_speed.py --target $Q \
         --draft ${SERVED_DRAFT:-$W/qrun/draft} \$(for f in $W/qrun/eval-heldout*/report.json \
             $W/qrun/eval-bench*/report.json; do [ -f \$f ] && echo --eyas-report \$f; done) \
-        --bench mt-bench,humaneval --data $W/realdata/heldout.jsonl --num-prompts 80 \
+        --bench ${SERVED_BENCH:-mt-bench,humaneval} --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
         --max-new-tokens 256 --max-minutes ${SERVED_MINUTES:-12} ${SERVED_SPEED_ARGS:-} \
@@ -416,7 +417,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         for e in $(echo "${SERVED_EVALS_FIRST:-bench}" | tr , ' '); do
           case $e in
             heldout) set_args=(--data $W/realdata/heldout.jsonl) ;;
-            bench) set_args=(--bench mt-bench,humaneval) ;;
+            bench) set_args=(--bench ${SERVED_BENCH:-mt-bench,humaneval}) ;;
             none) continue ;;
             *) stage "served: SERVED_EVALS_FIRST $e ignored (a carried draft: heldout, bench)"
                continue ;;
@@ -448,7 +449,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         ${SERVED_EVALS_FIRST:+--evals-first $SERVED_EVALS_FIRST} \
         ${SERVED_EVAL_ARGS:+"--eval-args=$SERVED_EVAL_ARGS"} \
         ${SERVED_TRAIN_ARGS:+"--train-args=$SERVED_TRAIN_ARGS"} \
-        --bench mt-bench,humaneval --bench-prompts 80 > "$R/real_qwen.out" 2>&1
+        --bench ${SERVED_BENCH:-mt-bench,humaneval} --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
     # (and when a step failed before they were kept: the answers are the costliest output)
     [ ${#keep[@]} = 0 ] || [ -s "$R/qwen-conversations.jsonl.gz" ] || [ ! -s $used ] || \

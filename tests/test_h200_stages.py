@@ -85,6 +85,14 @@ def test_the_pipeline_runs_the_evals_it_is_told_to_before_serving(tmp_path):
     after = pipeline.split("--after-export ", 1)[1]
     assert after.index("eval-bench/report.json") < after.index("served_speed.py")
     assert "--eyas-report" in after
+    assert "--bench mt-bench,humaneval --bench-prompts 80" in pipeline
+    assert "--bench mt-bench,humaneval --data" in after
+    # SERVED_BENCH: the standard sets that a short lease evaluates and serves
+    shutil.rmtree(tmp_path / "w")
+    calls, _ = _stage(tmp_path, SERVED_EVALS_FIRST="bench", SERVED_BENCH="mt-bench")
+    pipeline = next(c for c in calls if "benchmarks/real_model.py" in c)
+    assert "--bench mt-bench --bench-prompts 80" in pipeline
+    assert "--bench mt-bench --data" in pipeline.split("--after-export ", 1)[1]
     # carried answers used as they are: nothing to send home; several files are one input
     shutil.rmtree(tmp_path / "w")
     parts = [REPO / "benchmarks/results/served-h200-s26/qwen15-conversations.jsonl.gz",
