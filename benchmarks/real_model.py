@@ -350,11 +350,8 @@ def main(argv=None) -> None:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"regenerate only: {rows} conversations in {conversations}", flush=True)
         return
-    # (tokenized by half the host's cores, up to 8: 57 s for the 1.5B's 20 K conversations
-    # by one process on session 42's H100 host; one process on a 2-core CI machine)
     t["prepare"] = run("prepare", *common, "--data", conversations,
-                       "--out", work / "prepared", "--eval-fraction", a.eval_fraction,
-                       "--num-proc", min(8, max(1, (os.cpu_count() or 1) // 2)), log=log,
+                       "--out", work / "prepared", "--eval-fraction", a.eval_fraction, log=log,
                        out=work / "prepared")
     t["capture"] = 0.0 if a.online else run(
         "capture", *common, "--data", work / "prepared", "--out", work / "captured", "--split",
