@@ -340,6 +340,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # are the scaling curve's first, a seeded shuffle: both files are sorted by source)
     Q=$W/$(basename ${QWEN_GGUF:-$W/qwen.gguf} .gguf)-hf
     VP=$PYTHONPATH:${VSITE:-/tmp/vsite}
+    served_bench=${SERVED_BENCH:-mt-bench,humaneval}  # the standard sets evaluated and served
     if [ ! -f $Q/eyas.json ]; then
       python3 -m eyas convert --target ${QWEN_GGUF:-$W/qwen.gguf} --out $Q \
           > "$R/qwen_convert.out" 2>&1
@@ -387,7 +388,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
     speed="$first python3 benchmarks/served_speed.py --target $Q \
         --draft ${SERVED_DRAFT:-$W/qrun/draft} \$(for f in $W/qrun/eval-heldout*/report.json \
             $W/qrun/eval-bench*/report.json; do [ -f \$f ] && echo --eyas-report \$f; done) \
-        --bench ${SERVED_BENCH:-mt-bench,humaneval} --data $W/realdata/heldout.jsonl --num-prompts 80 \
+        --bench $served_bench --data $W/realdata/heldout.jsonl --num-prompts 80 \
         --batch1-prompts 20 --k ${SERVED_K:-3,5,1,7} --ngram-k 4 \
         --batches ${SERVED_BATCHES:-1,8,32,64} --temperatures ${SERVED_TEMPS:-0,1} \
         --max-new-tokens 256 --max-minutes ${SERVED_MINUTES:-12} ${SERVED_SPEED_ARGS:-} \
@@ -417,7 +418,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         for e in $(echo "${SERVED_EVALS_FIRST:-bench}" | tr , ' '); do
           case $e in
             heldout) set_args=(--data $W/realdata/heldout.jsonl) ;;
-            bench) set_args=(--bench ${SERVED_BENCH:-mt-bench,humaneval}) ;;
+            bench) set_args=(--bench $served_bench) ;;
             none) continue ;;
             *) stage "served: SERVED_EVALS_FIRST $e ignored (a carried draft: heldout, bench)"
                continue ;;
@@ -449,7 +450,7 @@ kept, those of $SERVED_DROP_SOURCES left out"
         ${SERVED_EVALS_FIRST:+--evals-first $SERVED_EVALS_FIRST} \
         ${SERVED_EVAL_ARGS:+"--eval-args=$SERVED_EVAL_ARGS"} \
         ${SERVED_TRAIN_ARGS:+"--train-args=$SERVED_TRAIN_ARGS"} \
-        --bench ${SERVED_BENCH:-mt-bench,humaneval} --bench-prompts 80 > "$R/real_qwen.out" 2>&1
+        --bench $served_bench --bench-prompts 80 > "$R/real_qwen.out" 2>&1
     stage "served: pipeline rc $?"
     # (and when a step failed before they were kept: the answers are the costliest output)
     [ ${#keep[@]} = 0 ] || [ -s "$R/qwen-conversations.jsonl.gz" ] || [ ! -s $used ] || \

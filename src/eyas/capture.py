@@ -32,10 +32,10 @@ from eyas.store.manifest import (check_out, check_same_target, read_manifest, ta
                                  write_manifest)
 from eyas.serve.vllm_generate import check_engine_options, engine_options
 from eyas.store import shard_state, shards
-from eyas.targets.capture_forward import forward_batches, output_device
 from eyas.store.shard_writer import PartWriter
 from eyas.store.prepared import load_split
-from eyas.targets.capture_forward import iter_captured_batches, capture_samples
+from eyas.targets.capture_forward import (capture_samples, forward_batches,
+                                          iter_captured_batches, output_device)
 
 log = logging.getLogger(__name__)
 
