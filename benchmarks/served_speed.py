@@ -249,7 +249,8 @@ def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float,
     """`eyas eval`'s acceptance for `way` on prompt set `group` at `temperature` from the
     reports given: a --bench report's result for that set first, else the overall result of
     a report that measured one set (the --data prompts; whatever the order of the reports);
-    the 95 % interval where the report has one (its primary method). At T > 0 only reports
+    the 95 % interval where the report has one (the set's own, or the primary method's over a
+    one-set report's prompts). At T > 0 only reports
     that drew their drafts as this run serves them (`draft_sampling`) count: greedy and
     probabilistic drafts accept differently."""
     same_t = [rep for rep in reports if abs(rep["temperature"] - temperature) <= 1e-6
@@ -264,8 +265,12 @@ def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float,
         hit = next((r for r in results if r["method"] == way.name and r["k"] == way.k), None)
         if hit is None:
             continue
-        ci = (rep.get("ci95") or {}).get(str(way.k), {}).get("mean_acceptance_length") \
-            if way.name == rep.get("primary") and not per_set else None
+        if group in per_set:  # the set's own interval (older reports have none)
+            ci = (per_set[group].get("ci95") or {}).get(f"{way.name} k={way.k}", {}) \
+                .get("mean_acceptance_length")
+        else:
+            ci = (rep.get("ci95") or {}).get(str(way.k), {}).get("mean_acceptance_length") \
+                if way.name == rep.get("primary") and not per_set else None
         return {"acceptance_length": hit["mean_acceptance_length"], "ci95": ci,
                 "per_position": hit["per_position_acceptance"], "drafts": hit["drafts"],
                 "prompts": n, "device": rep.get("device"), "dtype": rep.get("dtype")}

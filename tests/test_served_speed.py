@@ -240,10 +240,16 @@ def test_eyas_report_is_matched_by_temperature_set_method_and_k():
             "by_set": {"humaneval": {"prompts": 5, "results": [{**result, "k": 1}]}}}
     bench0 = {"temperature": 0.0, "primary": "eagle3", "num_prompts": 5, "results": [],
               "by_set": {"humaneval": {"prompts": 5, "results": [{**result,
-                                                                  "mean_acceptance_length": 3.1}]}}}
+                                                                  "mean_acceptance_length": 3.1}],
+                                       "ci95": {"eagle3 k=3": {
+                                           "mean_acceptance_length": [2.9, 3.3]}}}}}
     # the one-set report (held out) first: it is not taken for a bench set the other has
-    assert served_speed.eyas_eval_al([flat, bench0], served_speed.Way("eagle3", 3),
-                                     "humaneval", 0.0)["acceptance_length"] == 3.1
+    got = served_speed.eyas_eval_al([flat, bench0], served_speed.Way("eagle3", 3),
+                                    "humaneval", 0.0)
+    assert (got["acceptance_length"], got["ci95"]) == (3.1, [2.9, 3.3])  # the set's own
+    # a set of a report without intervals per set (before they were written): none
+    assert served_speed.eyas_eval_al([sets], served_speed.Way("eagle3", 1), "humaneval",
+                                     1.0)["ci95"] is None
     got = served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 3), "data", 0.0)
     assert (got["acceptance_length"], got["ci95"], got["prompts"]) == (2.1, [1.9, 2.3], 5)
     assert served_speed.eyas_eval_al([sets, flat], served_speed.Way("eagle3", 1),

@@ -202,11 +202,15 @@ def concat(parts: list[Measured]) -> Measured:
 
 
 def by_set(sets: dict[str, Measured]) -> dict[str, dict]:
-    """Per prompt group, its prompt count and every method and k on it alone (its own speed);
-    a set asked in several turns (mt-bench/turn-1, mt-bench/turn-2) also as a whole, before
-    its turns."""
+    """Per prompt group, its prompt count, every method and k on it alone (its own speed) and
+    each drafting method's 95 % intervals on its prompts ("ci95": "METHOD k=K" -> intervals,
+    as bootstrap_ci gives them: a served run on the same set is compared with these); a set
+    asked in several turns (mt-bench/turn-1, mt-bench/turn-2) also as a whole, before its
+    turns."""
     def row(m: Measured) -> dict:
-        return {"prompts": len(m.index), "results": [dataclasses.asdict(r) for r in _results(m)]}
+        return {"prompts": len(m.index), "results": [dataclasses.asdict(r) for r in _results(m)],
+                "ci95": {f"{name} k={k}": bootstrap_ci(rows, k)
+                         for (name, k), rows in m.per_prompt.items() if name != "target"}}
 
     out = {}
     for name in dict.fromkeys(g.rsplit("/turn-", 1)[0] for g in sets):

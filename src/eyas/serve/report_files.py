@@ -99,12 +99,16 @@ def _set_tables(report: EvalReport) -> list[str]:
     for name, row in report.by_set.items():
         src = report.bench.get(name.rsplit("/turn-", 1)[0])
         origin = f"; {src['package']} {src['version']}" if src else ""
+        cis = row.get("ci95") or {}
         lines += ["", f"### {name} ({row['prompts']} prompts{origin})", "",
-                  "| method | k | mean acceptance length | tokens per step | tokens/s | speedup |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['method']} | {r['k'] or '-'} | {fmt(r['mean_acceptance_length'])} | "
-                  f"{fmt(r.get('tokens_per_step'))} | {r['tokens_per_s']:.1f} | "
-                  f"x{r['speedup']:.2f} |" for r in row["results"]]
+                  "| method | k | mean acceptance length [95 %] | tokens per step | tokens/s "
+                  "| speedup |", "|---|---:|---:|---:|---:|---:|"]
+        for r in row["results"]:
+            ci = cis.get(f"{r['method']} k={r['k']}", {}).get("mean_acceptance_length")
+            al = f"{fmt(r['mean_acceptance_length'])} {_interval(ci)}".strip()
+            lines.append(f"| {r['method']} | {r['k'] or '-'} | {al} | "
+                         f"{fmt(r.get('tokens_per_step'))} | {r['tokens_per_s']:.1f} | "
+                         f"x{r['speedup']:.2f} |")
     return lines
 
 
