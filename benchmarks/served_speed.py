@@ -50,7 +50,9 @@ speculation gets a 95 % interval from them (the prompts resampled, paired: ratio
 Acceptance as
 vLLM counts it: its spec-decode counters (read as benchmarks/vllm_serve.py reads them),
 taken before and after each measurement; beside it `eyas eval`'s acceptance on the same
-prompts from each --eyas-report (matched by temperature and prompt set, and at T > 0 by how
+prompts from each --eyas-report (matched by temperature and prompt set, pooled from the
+report's per-prompt counts over exactly the prompts a row served where the report has them:
+"(same prompts)" in the tables; and at T > 0 by how
 the drafts were drawn: --draft-sampling greedy, vLLM's default, or probabilistic, which this
 run passes to vLLM as the eagle3 ways' draft_sample_method).
 
@@ -245,12 +247,16 @@ def spec_delta(before: dict, after: dict) -> dict | None:
 
 
 def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float,
-                 draft_sampling: str = "greedy") -> dict | None:
+                 draft_sampling: str = "greedy",
+                 prompt_ids: list[str] | None = None) -> dict | None:
     """`eyas eval`'s acceptance for `way` on prompt set `group` at `temperature` from the
     reports given: a --bench report's result for that set first, else the overall result of
     a report that measured one set (the --data prompts; whatever the order of the reports);
     the 95 % interval where the report has one (the set's own, or the primary method's over a
-    one-set report's prompts). At T > 0 only reports
+    one-set report's prompts). Given the served prompts' ids (`prompt_ids`) and a report
+    that kept every prompt's counts (`per_prompt`) with all of them: eval's acceptance and
+    interval on exactly those prompts ("same_prompts": true; a batch-1 row serves the set's
+    first --batch1-prompts, eval measured the whole set). At T > 0 only reports
     that drew their drafts as this run serves them (`draft_sampling`) count: greedy and
     probabilistic drafts accept differently."""
     same_t = [rep for rep in reports if abs(rep["temperature"] - temperature) <= 1e-6
@@ -271,10 +277,29 @@ def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float,
         else:
             ci = (rep.get("ci95") or {}).get(str(way.k), {}).get("mean_acceptance_length") \
                 if way.name == rep.get("primary") and not per_set else None
-        return {"acceptance_length": hit["mean_acceptance_length"], "ci95": ci,
-                "per_position": hit["per_position_acceptance"], "drafts": hit["drafts"],
-                "prompts": n, "device": rep.get("device"), "dtype": rep.get("dtype")}
+        got = {"acceptance_length": hit["mean_acceptance_length"], "ci95": ci,
+               "per_position": hit["per_position_acceptance"], "drafts": hit["drafts"],
+               "prompts": n, "device": rep.get("device"), "dtype": rep.get("dtype")}
+        return {**got, **same_prompts(rep, way, prompt_ids)}
     return None
+
+
+def same_prompts(report: dict, way: Way, prompt_ids: list[str] | None) -> dict:
+    """`eyas eval`'s acceptance of `way` on exactly the prompts `prompt_ids`, pooled from the
+    report's per-prompt counts, with its bootstrap interval; {} where the report lacks any
+    of them (reports written before per_prompt, or other prompts)."""
+    from eyas.serve.eval_report import bootstrap_ci, pooled
+
+    rows = {pid: (d, a) for pid, d, a in
+            (report.get("per_prompt") or {}).get(f"{way.name} k={way.k}", [])}
+    if not prompt_ids or any(pid not in rows for pid in prompt_ids):
+        return {}
+    picked = [rows[pid] for pid in prompt_ids]
+    whole = pooled(picked, way.k)
+    return {"acceptance_length": whole["mean_acceptance_length"],
+            "ci95": bootstrap_ci(picked, way.k).get("mean_acceptance_length"),
+            "per_position": whole["per_position_acceptance"], "drafts": whole["drafts"],
+            "prompts": len(picked), "same_prompts": True}
 
 
 def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, a,
@@ -311,7 +336,9 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
            **({"per_request": [[len(r["tokens"]), round(r["finished"] - r["added"], 5)]
                                for r in done]} if batch == 1 else {}),
            "same_outputs_as_no_speculation": None,
-           "eyas_eval": eyas_eval_al(reports, way, group, temperature, a.draft_sampling)
+           "prompt_ids": [p.id for p in prompts],
+           "eyas_eval": eyas_eval_al(reports, way, group, temperature, a.draft_sampling,
+                                     [p.id for p in prompts])
            if way.name != "none" else None}
     if temperature == 0 and not (way.name == "none" and (way.attention or way.runner)):
         # (the default baseline is not the outputs' reference)
@@ -383,6 +410,8 @@ def speedups(rows: list[dict]) -> list[dict]:
             "eagle3_eyas_eval_al": eagle and eagle["eyas_eval"]
             and eagle["eyas_eval"]["acceptance_length"],
             "eagle3_eyas_eval_ci95": eagle and eagle["eyas_eval"] and eagle["eyas_eval"]["ci95"],
+            "eagle3_eyas_eval_same_prompts": bool(eagle and eagle["eyas_eval"]
+                                                  and eagle["eyas_eval"].get("same_prompts")),
             "tpot_p50_ms_none": none and none["tpot_ms"]["p50"],
             "tpot_p50_ms_eagle3": eagle and eagle["tpot_ms"]["p50"],
             **break_even(none, eagle)})
@@ -466,6 +495,7 @@ def markdown(result: dict) -> str:
             f"| {_ratio(s['eagle3_tokens_per_s'], s['ngram_tokens_per_s'])} "
             f"| {_f(s['eagle3_vllm_al'], 3)} | {_f(s['eagle3_eyas_eval_al'], 3)}"
             + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            + (" (same prompts)" if s.get("eagle3_eyas_eval_same_prompts") else "")
             + f" | {_f(s['tpot_p50_ms_none'])} / {_f(s['tpot_p50_ms_eagle3'])} "
             f"| {_f(s.get('eagle3_break_even_al'))} |")
     lines += ["", "| way | set | T | batch | prompts | tok/s | TPOT mean / p50 / p90 ms | "
@@ -483,8 +513,9 @@ def markdown(result: dict) -> str:
             f"| {r['temperature']:g} | {r['batch']} | {r['prompts']} | {r['output_tokens_per_s']:.1f} "
             f"| {_f(t['mean'])} / {_f(t['p50'])} / {_f(t['p90'])} "
             f"| {_f(r['vllm'] and r['vllm']['acceptance_length'], 3)} "
-            f"| {_f(r['eyas_eval'] and r['eyas_eval']['acceptance_length'], 3)} "
-            f"| {same} |")
+            f"| {_f(r['eyas_eval'] and r['eyas_eval']['acceptance_length'], 3)}"
+            + (" (same prompts)" if r["eyas_eval"] and r["eyas_eval"].get("same_prompts")
+               else "") + f" | {same} |")
     if result["not_run"]:
         lines += ["", "Not run: " + ", ".join(result["not_run"])]
     for f in result.get("failed", []):
@@ -651,7 +682,8 @@ def attach_reports(result: dict, report_paths: list[str]) -> dict:
         if row["way"] != "none":
             row["eyas_eval"] = eyas_eval_al(reports, Way(row["way"], row["k"]), row["set"],
                                             row["temperature"],
-                                            result.get("draft_sampling", "greedy")) \
+                                            result.get("draft_sampling", "greedy"),
+                                            row.get("prompt_ids")) \
                 or row.get("eyas_eval")
     result["eyas_reports"] = list(dict.fromkeys(result.get("eyas_reports", []) + report_paths))
     result["summary"] = speedups(result["rows"])

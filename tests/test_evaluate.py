@@ -666,6 +666,19 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
             else:
                 assert ci == {}
     assert report.by_set["gsm8k"]["ci95"] != report.by_set["mt-bench"]["ci95"]
+    # every prompt's own counts, by id: pooled again they give each method's whole result
+    from eyas.serve.eval_report import pooled
+
+    assert set(report.per_prompt) == {"ngram k=1", "ngram k=2"}
+    for k in (1, 2):
+        rows = report.per_prompt[f"ngram k={k}"]
+        assert len(rows) == 6 and len({pid for pid, _, _ in rows}) == 6
+        assert {pid.rsplit("/", 1)[0] for pid, _, _ in rows} == \
+            {"mt-bench/turn-1", "mt-bench/turn-2", "gsm8k"}
+        whole = report.result("ngram", k)
+        assert pooled([(d, a) for _, d, a in rows], k)["mean_acceptance_length"] == \
+            (round(whole.mean_acceptance_length, 4) if whole.mean_acceptance_length else None)
+        assert sum(d for _, d, _ in rows) == whole.drafts
     assert report.bench["gsm8k"]["sha256"].startswith("ade57942") and \
         report.bench["mt-bench"]["count"] == 80
     md = (tmp_path / "report.md").read_text()

@@ -231,6 +231,32 @@ def test_reports_made_after_the_run_are_attached_to_its_rows(tmp_path):
     assert "| 2.410 [2.200, 2.600] |" in out.with_suffix(".md").read_text()
 
 
+def test_eyas_eval_is_taken_on_the_same_prompts_where_the_report_kept_them():
+    """A batch-1 row serves a set's first prompts, eval measured all of them: with the
+    report's per-prompt counts, eval's acceptance on exactly the served prompts."""
+    result = {"method": "eagle3", "k": 2, "mean_acceptance_length": 2.0, "drafts": 40,
+              "per_position_acceptance": [0.6, 0.4]}
+    rows = [["mt-bench/turn-1/81", 10, [9, 8]], ["mt-bench/turn-1/82", 10, [5, 2]],
+            ["mt-bench/turn-1/83", 10, [4, 1]], ["mt-bench/turn-1/84", 10, [6, 5]]]
+    report = {"temperature": 0.0, "primary": "eagle3", "num_prompts": 4, "results": [],
+              "by_set": {"mt-bench/turn-1": {"prompts": 4, "results": [result], "ci95": {
+                  "eagle3 k=2": {"mean_acceptance_length": [1.6, 2.4]}}}},
+              "per_prompt": {"eagle3 k=2": rows}}
+    way = served_speed.Way("eagle3", 2)
+    first_two = ["mt-bench/turn-1/81", "mt-bench/turn-1/82"]
+    got = served_speed.eyas_eval_al([report], way, "mt-bench/turn-1", 0.0, "greedy", first_two)
+    assert got["same_prompts"] is True and got["prompts"] == 2 and got["drafts"] == 20
+    assert got["acceptance_length"] == 1 + (9 + 8 + 5 + 2) / 20  # 2.2, not the set's 2.0
+    assert got["per_position"] == [0.7, 0.5]
+    lo, hi = got["ci95"]
+    assert lo <= 2.2 <= hi and (lo, hi) != (1.6, 2.4)
+    # a prompt the report does not hold: the whole set's number, as before
+    got = served_speed.eyas_eval_al([report], way, "mt-bench/turn-1", 0.0, "greedy",
+                                    first_two + ["mt-bench/turn-1/99"])
+    assert "same_prompts" not in got and (got["acceptance_length"], got["ci95"]) == \
+        (2.0, [1.6, 2.4])
+
+
 def test_eyas_report_is_matched_by_temperature_set_method_and_k():
     result = {"method": "eagle3", "k": 3, "mean_acceptance_length": 2.1, "drafts": 9,
               "per_position_acceptance": [0.6, 0.3, 0.2]}
@@ -437,6 +463,7 @@ def test_three_ways_at_every_k_batch_and_temperature(tmp_path, fit_draft, monkey
         if row["way"] == "eagle3" and row["temperature"] == 0:
             mine = row["eyas_eval"]
             assert mine["prompts"] == 6 and mine["ci95"] is not None
+            assert mine["same_prompts"] is True  # eval's counts on the served prompts, by id
             # vLLM counts what eyas eval counts, draft for draft (as tests/test_vllm_serve_cpu)
             assert (row["vllm"]["drafts"], row["vllm"]["acceptance_length"]) == \
                 (mine["drafts"], mine["acceptance_length"])

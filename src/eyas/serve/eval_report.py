@@ -92,8 +92,13 @@ class EvalReport:
     # (`rounding_tie`): counted and listed, not failures
     ties: list[dict] = field(default_factory=list)
     # prompt set (or one turn of it: mt-bench/turn-2) -> {"prompts": n, "results": every
-    # method and k on those prompts alone, with its own speed}; only with --bench
+    # method and k on those prompts alone, with its own speed, "ci95": "METHOD k=K" -> its
+    # intervals on them}; only with --bench
     by_set: dict[str, dict] = field(default_factory=dict)
+    # "METHOD k=K" -> [prompt id, drafts, [accepted per position]] per prompt, every drafting
+    # method: what another measurement of some of the same prompts (a served run's first 40)
+    # is compared with, prompt for prompt
+    per_prompt: dict[str, list] = field(default_factory=dict)
     bench: dict[str, dict] = field(default_factory=dict)  # set -> package, sha256, license, ...
     # rows of --data and the prompt sets left out of the prompts, by reason (malformed, no user
     # turn, chat template failed, too long; next turn too long: an MT-bench second turn): each
@@ -243,6 +248,10 @@ def summarize(cfg, measured: Measured, num_prompts: int,
         report.replayed[str(k)] = {**pooled(rows, k), "ci95": bootstrap_ci(rows, k)}
     if prompt_ids is not None:
         report.by_source = by_source(measured, prompt_ids)
+        report.per_prompt = {f"{name} k={k}": [[prompt_ids[j], d, list(a)]
+                                              for j, (d, a) in zip(measured.index, rows)]
+                             for (name, k), rows in measured.per_prompt.items()
+                             if name != "target"}
     report.workers = cfg.workers
     report.batch_size = cfg.batch_size
     report.target_sdpa = target_sdpa_choice()
