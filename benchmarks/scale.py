@@ -13,6 +13,11 @@ curve order, and runs only once all of them have arrived: the subsets are nested
 never changes as the corpus grows. Rows whose id is not in train.jsonl are not used.
 `--sources-first sharegpt,chitchat` moves those sources' ids to the head of the order (each
 part in the shuffle's order): a curve of that data mix, in its own --out and size folders.
+`--order corpus` makes the order of the corpus itself: a seeded shuffle of every answered id
+but those of --data's eval prompts (indist, indist_chat, heldout: left out, counted in the
+JSON), for a corpus whose prompts train.jsonl no longer lists (BIG-bench's sdist left PyPI,
+so a train.jsonl made today lacks the corpus's 26,943 BIG-bench conversations); `--sizes all`
+is then the whole corpus. Its own --out and size folders too; nothing is regenerated.
 
 Per size, in its own folder: prepare -> capture -> vocab -> train (eyas train's defaults,
 `--train-args` on top) -> export, then one `eyas eval` per prompt set group, at k = `--k`:
@@ -63,6 +68,7 @@ import contextlib
 import gzip
 import json
 import os
+import random
 import shlex
 import shutil
 import sys
@@ -85,10 +91,30 @@ def mix(a) -> list[str]:
 
 
 def _mix(a) -> str:
-    """A size folder's suffix for a curve order with --sources-first (its own folders, so that
-    a curve of another mix can run beside the default one in one work folder)."""
+    """A size folder's suffix for a curve order with --sources-first or --order corpus (its
+    own folders, so that a curve of another order can run beside the default one in one work
+    folder)."""
     sources = mix(a)
-    return "-" + "+".join(sources) if sources else ""
+    return ("-" + "+".join(sources) if sources else "") + \
+        ("-corpus" if a.order == "corpus" else "")
+
+
+def eval_ids(data: Path) -> set[str]:
+    """The ids of --data's eval prompts (indist, indist_chat, heldout): an order made from
+    the corpus leaves them out, so that no size trains on a prompt it is measured on."""
+    out = set()
+    for name in ("indist.jsonl", "indist_chat.jsonl", "heldout.jsonl"):
+        if (data / name).is_file():
+            out |= {json.loads(line)["id"] for line in (data / name).open() if line.strip()}
+    return out
+
+
+def corpus_order(corpus: dict[str, str], left_out: set[str], seed: int) -> list[str]:
+    """--order corpus: every answered id of the corpus but `left_out`, in a seeded shuffle
+    (as curve_order shuffles train.jsonl's ids)."""
+    ids = sorted(set(corpus) - left_out)
+    random.Random(seed).shuffle(ids)
+    return ids
 
 
 def regenerate_part(a, order: list[str], corpus: dict[str, str], files: list[dict]) -> Path:
@@ -612,6 +638,12 @@ def main(argv=None) -> dict:
     p.add_argument("--sizes", default="3000,6000,12000,25000,50000",
                    help="comma list; '' = only --regenerate (the JSON is not touched)")
     p.add_argument("--seed", type=int, default=0, help="seed of the curve order")
+    p.add_argument("--order", choices=("train", "corpus"), default="train",
+                   help="train: a seeded shuffle of --data/train.jsonl's ids (the curve's own); "
+                   "corpus: of every conversation in the corpus but --data's eval prompts, "
+                   "for a corpus whose prompts train.jsonl no longer lists (BIG-bench's, gone "
+                   "from PyPI); its JSON and size folders are its own, and --sizes may say "
+                   "`all`")
     p.add_argument("--sources-first", default="",
                    help="comma list of sources (an id's first part: sharegpt, chitchat, "
                         "chatterbot, bigbench) whose prompts come first in the curve order, "
@@ -683,10 +715,19 @@ def main(argv=None) -> dict:
         patterns.append(f"{a.work}/regen-p*/out/conversations.jsonl")
     reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
     first = mix(a)
-    full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
+    left_out = eval_ids(Path(a.data)) if a.order == "corpus" else set()
+    if a.order == "corpus":
+        if a.regenerate or a.wait:
+            p.error("--order corpus is made of the corpus as it is: no --regenerate or --wait")
+        answered = read_corpus(patterns)[0]
+        full_order = corpus_order(answered, left_out, a.seed)
+        left_out = left_out & set(answered)  # counted in the JSON
+    else:
+        full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
     known = {i.split("/")[0] for i in full_order}
     if set(first) - known:
-        p.error(f"--sources-first: no prompt of {sorted(set(first) - known)} in {a.data}; "
+        p.error(f"--sources-first: no prompt of {sorted(set(first) - known)} in "
+                f"{a.data if a.order == 'train' else 'the corpus'}; "
                 f"its sources are {', '.join(sorted(known))}")
     full_order = sources_first(full_order, first)
 
@@ -706,7 +747,10 @@ def main(argv=None) -> dict:
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
         order, corpus, files = arrived()
-    sizes = sorted({int(x) for x in a.sizes.split(",") if x.strip()})
+    if "all" in a.sizes.split(",") and a.order != "corpus":
+        p.error("--sizes all: only with --order corpus (the curve's own order grows)")
+    sizes = sorted({len(order) if x.strip() == "all" else int(x)
+                    for x in a.sizes.split(",") if x.strip()})
     if not sizes and not lever_sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
               flush=True)
@@ -716,7 +760,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{out} holds sizes of a curve order with sources first: "
                          f"{state.get('sources_first') or 'none'}, not "
                          f"{first or 'none'} as asked; give this order its own --out")
-    state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state, "sources_first": first}
+    if (state.get("sizes") or state.get("levers")) and state.get("order", "train") != a.order:
+        raise SystemExit(f"{out} holds sizes of the order of {state.get('order', 'train')}, "
+                         f"not of {a.order} as asked; give this order its own --out")
+    state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state, "sources_first": first,
+             "order": a.order,
+             **({"left_out_eval_prompts": len(left_out)} if a.order == "corpus" else {})}
     if state["ngram"] and next(iter(state["ngram"].values()))["settings"] != eval_settings(a):
         state["ngram"] = {}  # measured at other eval settings
     state.update({"target": a.target, "k": a.k, "seed": a.seed, "recipe": a.train_args or

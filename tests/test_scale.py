@@ -204,6 +204,49 @@ def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_ow
     assert state["sources_first"] == ["chat", "task"] and "size-4-chat+task" in trained
 
 
+def test_an_order_of_the_corpus_itself_trains_on_rows_train_jsonl_lacks(tmp_path,
+                                                                       monkeypatch):
+    """--order corpus: every answered row but --data's eval prompts, whatever train.jsonl
+    lists (a corpus regenerated from prompts a later train.jsonl lacks: BIG-bench's)."""
+    data, corpus = _regenerated(tmp_path, 8)  # train.jsonl lists src/0..7, all answered
+    extra = [json.dumps({"id": f"bigbench/t/{i}", "messages": [
+        {"role": "user", "content": f"b{i}"}, {"role": "assistant", "content": "a"}]})
+        for i in range(5)]
+    with gzip.open(corpus / "conversations-p02-5.jsonl.gz", "wt") as f:
+        f.write("\n".join(extra) + "\n")
+    (data / "heldout.jsonl").write_text(_row(3) + "\n")  # an eval prompt the corpus answered
+    trained = {}
+
+    def fake_train(a, n, lines, folder):
+        trained[folder.name] = sorted(json.loads(x)["id"] for x in lines)
+        (folder / "draft").mkdir(parents=True, exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}"}))
+        return {"tokens": n, "train_tokens": n, "gpu_minutes": 0.1, "draft_id": f"d{n}"}
+
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "measure", lambda *args, **kw: None)
+    base = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus),
+            "--work", str(tmp_path / "work")]
+    out = tmp_path / "corpus.json"
+    state = scale.main(base + ["--out", str(out), "--order", "corpus", "--sizes", "5,all"])
+    whole = sorted([f"src/{i}" for i in range(8) if i != 3] +
+                   [f"bigbench/t/{i}" for i in range(5)])
+    assert trained["size-12-corpus"] == whole  # all: 13 answered, less the held-out one
+    assert set(trained["size-5-corpus"]) < set(whole)  # nested, from the seeded shuffle
+    assert state["order"] == "corpus" and state["left_out_eval_prompts"] == 1
+    assert sorted(state["sizes"]) == ["12", "5"]
+    # the curve's own order trains on train.jsonl's ids only, and keeps its own JSON
+    with pytest.raises(SystemExit, match="its own --out"):
+        scale.main(base + ["--out", str(out), "--sizes", "5"])
+    with pytest.raises(SystemExit):  # `all` of an order that grows with the corpus
+        scale.main(base + ["--out", str(tmp_path / "train.json"), "--sizes", "all"])
+    with pytest.raises(SystemExit):  # made of the corpus as it is
+        scale.main(base + ["--out", str(tmp_path / "r.json"), "--order", "corpus",
+                           "--sizes", "all", "--regenerate", "4"])
+    scale.main(base + ["--out", str(tmp_path / "train.json"), "--sizes", "5"])
+    assert all(i.startswith("src/") for i in trained["size-5"])
+
+
 def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     data, corpus = _regenerated(tmp_path, 12)
     trained, evals = [], []
@@ -556,7 +599,7 @@ def _disk(tmp_path: Path, monkeypatch, capacity: int, gates: dict, **kw):
                            disk_wait=30.0, keep_captures=False, capture_dtype="bf16",
                            exec_args="", work=str(work), data=str(data), bench="", t1_bench="", k="3",
                            prompts=1, bench_prompts=1, eval_tokens=8, device="cpu",
-                           eval_batch=1, eval_jobs=1, sources_first="")
+                           eval_batch=1, eval_jobs=1, sources_first="", order="train")
     vars(a).update(kw)
 
     def write():  # whether a size's captures were still there when its record was written
