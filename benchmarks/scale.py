@@ -14,10 +14,11 @@ never changes as the corpus grows. Rows whose id is not in train.jsonl are not u
 `--sources-first sharegpt,chitchat` moves those sources' ids to the head of the order (each
 part in the shuffle's order): a curve of that data mix, in its own --out and size folders.
 `--order corpus` makes the order of the corpus itself: a seeded shuffle of every answered id
-but those of --data's eval prompts (indist, indist_chat, heldout: left out, counted in the
-JSON), for a corpus whose prompts train.jsonl no longer lists (BIG-bench's sdist left PyPI,
+but those of --data's eval prompts (indist, indist_chat, heldout) and of its held-out sources
+(left out, counted in the JSON), for a corpus whose prompts train.jsonl no longer lists (BIG-bench's sdist left PyPI,
 so a train.jsonl made today lacks the corpus's 26,943 BIG-bench conversations); `--sizes all`
-is then the whole corpus. Its own --out and size folders too; nothing is regenerated.
+is then the whole corpus. Its own --out and size folders too (the order's fingerprint in the
+JSON: another corpus or --data is another order); nothing is regenerated.
 
 Per size, in its own folder: prepare -> capture -> vocab -> train (eyas train's defaults,
 `--train-args` on top) -> export, then one `eyas eval` per prompt set group, at k = `--k`:
@@ -66,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -99,20 +101,30 @@ def _mix(a) -> str:
         ("-corpus" if a.order == "corpus" else "")
 
 
-def eval_ids(data: Path) -> set[str]:
-    """The ids of --data's eval prompts (indist, indist_chat, heldout): an order made from
-    the corpus leaves them out, so that no size trains on a prompt it is measured on."""
-    out = set()
-    for name in ("indist.jsonl", "indist_chat.jsonl", "heldout.jsonl"):
-        if (data / name).is_file():
-            out |= {json.loads(line)["id"] for line in (data / name).open() if line.strip()}
-    return out
+def eval_ids(data: Path) -> tuple[set[str], set[str]]:
+    """The ids of --data's eval prompts (indist, indist_chat, heldout) and the held-out
+    sources (a held-out id without its last "/" part: heldout.jsonl holds whole sources): an
+    order made from the corpus leaves out both, so that no size trains on a prompt, or a
+    held-out source, that it is measured on."""
+    ids, held_out = set(), set()
+    names = [n for n in ("indist.jsonl", "indist_chat.jsonl", "heldout.jsonl")
+             if (data / n).is_file()]
+    if "heldout.jsonl" not in names or "indist.jsonl" not in names:
+        raise SystemExit(f"--order corpus leaves out --data's eval prompts, and {data} has no "
+                         f"indist.jsonl or heldout.jsonl: pass real_data.py's folder")
+    for name in names:
+        rows = [json.loads(line)["id"] for line in (data / name).open() if line.strip()]
+        ids |= set(rows)
+        if name == "heldout.jsonl":
+            held_out |= {i.rsplit("/", 1)[0] for i in rows if "/" in i}
+    return ids, held_out
 
 
-def corpus_order(corpus: dict[str, str], left_out: set[str], seed: int) -> list[str]:
-    """--order corpus: every answered id of the corpus but `left_out`, in a seeded shuffle
-    (as curve_order shuffles train.jsonl's ids)."""
-    ids = sorted(set(corpus) - left_out)
+def corpus_order(corpus: dict[str, str], left_out: set[str], held_out: set[str],
+                 seed: int) -> list[str]:
+    """--order corpus: every answered id of the corpus but `left_out` and those of the
+    `held_out` sources, in a seeded shuffle (as curve_order shuffles train.jsonl's ids)."""
+    ids = sorted(i for i in corpus if i not in left_out and i.rsplit("/", 1)[0] not in held_out)
     random.Random(seed).shuffle(ids)
     return ids
 
@@ -715,13 +727,16 @@ def main(argv=None) -> dict:
         patterns.append(f"{a.work}/regen-p*/out/conversations.jsonl")
     reject_globs = [f"{a.corpus_dir}/rejects-*.jsonl", f"{a.work}/regen-p*/out/rejects.jsonl"]
     first = mix(a)
-    left_out = eval_ids(Path(a.data)) if a.order == "corpus" else set()
+    size_words = [x.strip() for x in a.sizes.split(",") if x.strip()]
+    if "all" in size_words and a.order != "corpus":
+        p.error("--sizes all: only with --order corpus (the curve's own order grows)")
+    left_out = 0
     if a.order == "corpus":
         if a.regenerate or a.wait:
             p.error("--order corpus is made of the corpus as it is: no --regenerate or --wait")
         answered = read_corpus(patterns)[0]
-        full_order = corpus_order(answered, left_out, a.seed)
-        left_out = left_out & set(answered)  # counted in the JSON
+        full_order = corpus_order(answered, *eval_ids(Path(a.data)), a.seed)
+        left_out = len(answered) - len(full_order)  # counted in the JSON
     else:
         full_order = curve_order(Path(a.data) / "train.jsonl", a.seed)
     known = {i.split("/")[0] for i in full_order}
@@ -747,10 +762,10 @@ def main(argv=None) -> dict:
     if a.regenerate:
         regenerate_part(a, order, corpus, files)
         order, corpus, files = arrived()
-    if "all" in a.sizes.split(",") and a.order != "corpus":
-        p.error("--sizes all: only with --order corpus (the curve's own order grows)")
-    sizes = sorted({len(order) if x.strip() == "all" else int(x)
-                    for x in a.sizes.split(",") if x.strip()})
+    sizes = sorted({len(order) if x == "all" else int(x) for x in size_words})
+    if a.order == "corpus" and sizes and sizes[-1] > len(order):
+        p.error(f"--sizes {sizes[-1]}: the corpus's order holds {len(order)} conversations "
+                f"(--sizes all takes them all)")
     if not sizes and not lever_sizes:
         print(f"{available(order, corpus)} of the curve order regenerated; no sizes asked",
               flush=True)
@@ -763,9 +778,16 @@ def main(argv=None) -> dict:
     if (state.get("sizes") or state.get("levers")) and state.get("order", "train") != a.order:
         raise SystemExit(f"{out} holds sizes of the order of {state.get('order', 'train')}, "
                          f"not of {a.order} as asked; give this order its own --out")
+    # an order of the corpus changes with the corpus and --data: a JSON holds one of them
+    fingerprint = hashlib.sha256("\n".join(full_order).encode()).hexdigest()[:16] \
+        if a.order == "corpus" else None
+    if state.get("sizes") and state.get("order_fingerprint") != fingerprint:
+        raise SystemExit(f"{out} holds sizes of another order of the corpus (another corpus "
+                         f"or --data: fingerprint {state.get('order_fingerprint')}, now "
+                         f"{fingerprint}); give this one its own --out")
     state = {"benchmark": "scale", "sizes": {}, "ngram": {}, **state, "sources_first": first,
-             "order": a.order,
-             **({"left_out_eval_prompts": len(left_out)} if a.order == "corpus" else {})}
+             "order": a.order, **({"order_fingerprint": fingerprint,
+                                   "left_out_for_evals": left_out} if fingerprint else {})}
     if state["ngram"] and next(iter(state["ngram"].values()))["settings"] != eval_settings(a):
         state["ngram"] = {}  # measured at other eval settings
     state.update({"target": a.target, "k": a.k, "seed": a.seed, "recipe": a.train_args or

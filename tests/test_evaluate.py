@@ -197,6 +197,9 @@ def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, 
             assert {f: v for f, v in vars(a).items() if f not in strip} == \
                 {f: v for f, v in vars(b).items() if f not in strip}
         assert one.per_position_acceptance == other.per_position_acceptance
+        assert one.per_prompt == other.per_prompt  # each prompt's own counts, under its id
+    ids = [pid for pid, _, _ in one.per_prompt["eagle3 k=3"]]
+    assert len(set(ids)) == len(ids) == one.num_prompts and "prompt-only" in ids
     assert one.replayed == two.replayed and set(one.replayed) == {"1", "3"}
     for k, rep in one.replayed.items():
         measured = one.result("eagle3", int(k))
@@ -666,19 +669,20 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
             else:
                 assert ci == {}
     assert report.by_set["gsm8k"]["ci95"] != report.by_set["mt-bench"]["ci95"]
-    # every prompt's own counts, by id: pooled again they give each method's whole result
-    from eyas.serve.eval_report import pooled
-
+    # every prompt's own counts, by id: pooled per set they give that set's result
     assert set(report.per_prompt) == {"ngram k=1", "ngram k=2"}
     for k in (1, 2):
         rows = report.per_prompt[f"ngram k={k}"]
         assert len(rows) == 6 and len({pid for pid, _, _ in rows}) == 6
-        assert {pid.rsplit("/", 1)[0] for pid, _, _ in rows} == \
-            {"mt-bench/turn-1", "mt-bench/turn-2", "gsm8k"}
         whole = report.result("ngram", k)
-        assert pooled([(d, a) for _, d, a in rows], k)["mean_acceptance_length"] == \
-            (round(whole.mean_acceptance_length, 4) if whole.mean_acceptance_length else None)
         assert sum(d for _, d, _ in rows) == whole.drafts
+        for name in ("mt-bench/turn-1", "mt-bench/turn-2", "gsm8k"):  # each set's own rows
+            mine = [(d, a) for pid, d, a in rows if pid.rsplit("/", 1)[0] == name]
+            res = next(r for r in report.by_set[name]["results"]
+                       if r["method"] == "ngram" and r["k"] == k)
+            assert len(mine) == 2 and sum(d for d, _ in mine) == res["drafts"]
+            assert sum(sum(a) for _, a in mine) == res["accepted_tokens"]
+        assert whole.drafts > 0  # (n-gram found matches: the counts are not all zeros)
     assert report.bench["gsm8k"]["sha256"].startswith("ade57942") and \
         report.bench["mt-bench"]["count"] == 80
     md = (tmp_path / "report.md").read_text()
@@ -716,6 +720,24 @@ def test_next_turns_too_long_are_counted_in_skipped_prompts(llama_dir, tmp_path,
     assert report.skipped_prompts == {"next turn too long": 2}
     assert "rows left out of the prompts: next turn too long 2" in \
         (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_two_turn_set_is_resampled_by_question():
+    """The whole MT-bench row's interval resamples questions, a question's two turns
+    together (they are not independent draws); its point estimate does not change."""
+    from eyas.serve.eval_report import bootstrap_ci, by_question, pooled
+
+    rows = [(10, [9, 8]), (10, [1, 0]), (10, [8, 8]), (10, [2, 1])]
+    question = ["mt-bench/81", "mt-bench/82", "mt-bench/81", "mt-bench/82"]
+    assert by_question(rows, question) == [(20, [17, 16]), (20, [3, 1])]
+    assert pooled(by_question(rows, question), 2) == pooled(rows, 2)
+    assert by_question(rows, ["a", "b", "c", "d"]) == rows  # one turn: each prompt its own
+    # 8 questions whose two turns accept alike: 8 draws, not 16, and a wider interval
+    rows = [(10, [9, 8] if i % 2 else [2, 1]) for i in range(8) for _ in range(2)]
+    question = [f"mt-bench/{i}" for i in range(8) for _ in range(2)]
+    lo, hi = bootstrap_ci(by_question(rows, question), 2)["mean_acceptance_length"]
+    lo1, hi1 = bootstrap_ci(rows, 2)["mean_acceptance_length"]
+    assert lo < lo1 < 2.0 < hi1 < hi
 
 
 # ---------------------------------------------------------------- lossless: ties

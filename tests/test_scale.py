@@ -205,20 +205,23 @@ def test_sources_first_puts_a_data_mix_at_the_head_of_the_curve_and_keeps_its_ow
 
 
 def test_an_order_of_the_corpus_itself_trains_on_rows_train_jsonl_lacks(tmp_path,
-                                                                       monkeypatch):
-    """--order corpus: every answered row but --data's eval prompts, whatever train.jsonl
-    lists (a corpus regenerated from prompts a later train.jsonl lacks: BIG-bench's)."""
+                                                                       monkeypatch, capsys):
+    """--order corpus: every answered row but --data's eval prompts and held-out sources,
+    whatever train.jsonl lists (a corpus regenerated from prompts a later train.jsonl lacks:
+    BIG-bench's)."""
     data, corpus = _regenerated(tmp_path, 8)  # train.jsonl lists src/0..7, all answered
-    extra = [json.dumps({"id": f"bigbench/t/{i}", "messages": [
+    extra = [json.dumps({"id": f"{src}/{i}", "messages": [
         {"role": "user", "content": f"b{i}"}, {"role": "assistant", "content": "a"}]})
-        for i in range(5)]
-    with gzip.open(corpus / "conversations-p02-5.jsonl.gz", "wt") as f:
+        for src in ("bigbench/t", "chatterbot/kept-out") for i in range(5)]
+    with gzip.open(corpus / "conversations-p02-10.jsonl.gz", "wt") as f:
         f.write("\n".join(extra) + "\n")
-    (data / "heldout.jsonl").write_text(_row(3) + "\n")  # an eval prompt the corpus answered
+    (data / "indist.jsonl").write_text(_row(3) + "\n")  # eval prompts the corpus answered
+    (data / "heldout.jsonl").write_text(  # a held-out source: none of its rows is trained on
+        json.dumps({"id": "chatterbot/kept-out/7", "messages": []}) + "\n")
     trained = {}
 
     def fake_train(a, n, lines, folder):
-        trained[folder.name] = sorted(json.loads(x)["id"] for x in lines)
+        trained[folder.name] = [json.loads(x)["id"] for x in lines]
         (folder / "draft").mkdir(parents=True, exist_ok=True)
         (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{n}"}))
         return {"tokens": n, "train_tokens": n, "gpu_minutes": 0.1, "draft_id": f"d{n}"}
@@ -228,21 +231,29 @@ def test_an_order_of_the_corpus_itself_trains_on_rows_train_jsonl_lacks(tmp_path
     base = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus),
             "--work", str(tmp_path / "work")]
     out = tmp_path / "corpus.json"
-    state = scale.main(base + ["--out", str(out), "--order", "corpus", "--sizes", "5,all"])
-    whole = sorted([f"src/{i}" for i in range(8) if i != 3] +
-                   [f"bigbench/t/{i}" for i in range(5)])
-    assert trained["size-12-corpus"] == whole  # all: 13 answered, less the held-out one
-    assert set(trained["size-5-corpus"]) < set(whole)  # nested, from the seeded shuffle
-    assert state["order"] == "corpus" and state["left_out_eval_prompts"] == 1
+    state = scale.main(base + ["--out", str(out), "--order", "corpus", "--sizes", "5, all"])
+    whole = [f"src/{i}" for i in range(8) if i != 3] + [f"bigbench/t/{i}" for i in range(5)]
+    order = scale.corpus_order(scale.read_corpus([f"{corpus}/*.jsonl*"])[0], {"src/3"},
+                               {"chatterbot/kept-out"}, 0)
+    assert sorted(order) == sorted(whole)  # 18 answered, less 1 eval prompt and 5 held out
+    assert trained["size-12-corpus"] == order and trained["size-5-corpus"] == order[:5]
+    assert state["order"] == "corpus" and state["left_out_for_evals"] == 6
     assert sorted(state["sizes"]) == ["12", "5"]
     # the curve's own order trains on train.jsonl's ids only, and keeps its own JSON
     with pytest.raises(SystemExit, match="its own --out"):
         scale.main(base + ["--out", str(out), "--sizes", "5"])
-    with pytest.raises(SystemExit):  # `all` of an order that grows with the corpus
-        scale.main(base + ["--out", str(tmp_path / "train.json"), "--sizes", "all"])
-    with pytest.raises(SystemExit):  # made of the corpus as it is
-        scale.main(base + ["--out", str(tmp_path / "r.json"), "--order", "corpus",
-                           "--sizes", "all", "--regenerate", "4"])
+    # another corpus is another order: not resumed into this JSON
+    (corpus / "conversations-p03-1.jsonl").write_text(_row(20) + "\n")
+    with pytest.raises(SystemExit, match="another order of the corpus"):
+        scale.main(base + ["--out", str(out), "--order", "corpus", "--sizes", "5"])
+    refused = {"only with --order corpus": ["--sizes", " all,5"],  # an order that grows
+               "as it is": ["--order", "corpus", "--sizes", "all", "--regenerate", "4"],
+               "holds 13": ["--order", "corpus", "--sizes", "14"]}
+    for i, (why, args) in enumerate(refused.items()):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            scale.main(base + ["--out", str(tmp_path / f"r{i}.json"), *args])
+        assert why in capsys.readouterr().err and not (tmp_path / f"r{i}.json").exists()
     scale.main(base + ["--out", str(tmp_path / "train.json"), "--sizes", "5"])
     assert all(i.startswith("src/") for i in trained["size-5"])
 

@@ -211,10 +211,13 @@ def by_set(sets: dict[str, Measured]) -> dict[str, dict]:
     each drafting method's 95 % intervals on its prompts ("ci95": "METHOD k=K" -> intervals,
     as bootstrap_ci gives them: a served run on the same set is compared with these); a set
     asked in several turns (mt-bench/turn-1, mt-bench/turn-2) also as a whole, before its
-    turns."""
+    turns, its interval resampling questions (a question's turns together: they are not
+    independent draws)."""
     def row(m: Measured) -> dict:
+        question = [re.sub(r"/turn-\d+/", "/", i) for i in m.prompt_ids] \
+            if len(m.prompt_ids) == len(m.index) else [str(j) for j in range(len(m.index))]
         return {"prompts": len(m.index), "results": [dataclasses.asdict(r) for r in _results(m)],
-                "ci95": {f"{name} k={k}": bootstrap_ci(rows, k)
+                "ci95": {f"{name} k={k}": bootstrap_ci(by_question(rows, question), k)
                          for (name, k), rows in m.per_prompt.items() if name != "target"}}
 
     out = {}
@@ -224,6 +227,18 @@ def by_set(sets: dict[str, Measured]) -> dict[str, dict]:
             out[name] = row(concat([sets[g] for g in groups]))
         out.update((g, row(sets[g])) for g in groups)
     return out
+
+
+def by_question(rows: list[tuple[int, list[int]]], question: list[str]) -> list:
+    """Per-prompt (drafts, accepted per position) rows summed per question (`question[i]`:
+    row i's), in the order questions first appear: the units a bootstrap resamples."""
+    out: dict[str, tuple[int, list[int]]] = {}
+    for q, (d, a) in zip(question, rows):
+        d0, a0 = out.get(q, (0, []))
+        n = max(len(a0), len(a))
+        out[q] = (d0 + d, [x + y for x, y in zip(a0 + [0] * (n - len(a0)),
+                                                 list(a) + [0] * (n - len(a)))])
+    return list(out.values())
 
 
 def summarize(cfg, measured: Measured, num_prompts: int,
