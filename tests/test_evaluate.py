@@ -694,8 +694,12 @@ def test_bench_sets_report_one_table_per_set_and_turn(llama_dir, tmp_path):
     if ci:  # the row shows its interval
         assert f"| ngram | 2 | {gsm_ngram['mean_acceptance_length']:.2f} " \
                f"[{ci[0]:.2f}, {ci[1]:.2f}] |" in md.split("### gsm8k")[1]
-    saved = json.loads((tmp_path / "report.json").read_text())
+    text = (tmp_path / "report.json").read_text()
+    saved = json.loads(text)
     assert saved["by_set"]["gsm8k"]["results"][0]["method"] == "target"
+    assert saved["per_prompt"] == report.per_prompt and saved == report.to_dict()
+    # each prompt's row on one line of the indented file
+    assert f'      {json.dumps(report.per_prompt["ngram k=2"][0])},\n' in text
 
 
 @pytest.mark.parametrize("workers", [1, 2])

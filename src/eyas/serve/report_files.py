@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 def write_report(out: Path, report: EvalReport) -> None:
     """report.json, report.md and the two plots (skipped, with a log line, without
     matplotlib)."""
-    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (out / "report.json").write_text(report_json(report.to_dict()))
     (out / "report.md").write_text(markdown(report))
     try:
         import matplotlib
@@ -91,6 +91,18 @@ def markdown(report: EvalReport) -> str:
                          + " | ".join(fmt(als.get(c)) for c in cols) + " |")
     lines += _set_tables(report) + _tie_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def report_json(data: dict) -> str:
+    """report.json's text: indented, but each per_prompt row on one line (an eval of 1,000
+    prompts at 7 k's would be ~90,000 lines of them otherwise)."""
+    rows = data.get("per_prompt") or {}
+    mark = {key: f"\u0000per_prompt {key}" for key in rows}
+    text = json.dumps({**data, "per_prompt": mark} if rows else data, indent=2)
+    for key, lines in rows.items():
+        body = ",\n".join("      " + json.dumps(row) for row in lines)
+        text = text.replace(json.dumps(mark[key]), f"[\n{body}\n    ]" if lines else "[]")
+    return text + "\n"
 
 
 def _set_tables(report: EvalReport) -> list[str]:
