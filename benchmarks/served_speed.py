@@ -274,9 +274,9 @@ def eyas_eval_al(reports: list[dict], way: Way, group: str, temperature: float,
         if group in per_set:  # the set's own interval (older reports have none)
             ci = (per_set[group].get("ci95") or {}).get(f"{way.name} k={way.k}", {}) \
                 .get("mean_acceptance_length")
-        else:
+        else:  # a report of one set (no by_set): its primary method's interval
             ci = (rep.get("ci95") or {}).get(str(way.k), {}).get("mean_acceptance_length") \
-                if way.name == rep.get("primary") and not per_set else None
+                if way.name == rep.get("primary") else None
         got = {"acceptance_length": hit["mean_acceptance_length"], "ci95": ci,
                "per_position": hit["per_position_acceptance"], "drafts": hit["drafts"],
                "prompts": n, "device": rep.get("device"), "dtype": rep.get("dtype")}
@@ -311,6 +311,7 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
     from vllm import SamplingParams
 
     ids = [p.ids.tolist() for p in prompts]
+    prompt_ids = [p.id for p in prompts]
     params = SamplingParams(temperature=temperature, top_p=1.0, max_tokens=a.max_new_tokens,
                             ignore_eos=a.ignore_eos, stop_token_ids=sorted(stop_ids),
                             detokenize=False)
@@ -336,9 +337,9 @@ def measure(llm, way: Way, group: str, prompts, temperature: float, batch: int, 
            **({"per_request": [[len(r["tokens"]), round(r["finished"] - r["added"], 5)]
                                for r in done]} if batch == 1 else {}),
            "same_outputs_as_no_speculation": None,
-           "prompt_ids": [p.id for p in prompts],
+           "prompt_ids": prompt_ids,
            "eyas_eval": eyas_eval_al(reports, way, group, temperature, a.draft_sampling,
-                                     [p.id for p in prompts])
+                                     prompt_ids)
            if way.name != "none" else None}
     if temperature == 0 and not (way.name == "none" and (way.attention or way.runner)):
         # (the default baseline is not the outputs' reference)
