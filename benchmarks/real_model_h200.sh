@@ -205,6 +205,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     # $W/scale-smollm2.json lacks; the JSON, table, plots and the new part land in $R as they end
     # (SCALE_LEVERS: scale.py --levers, its sizes in SCALE_ARGS' --lever-sizes)
     # (SCALE_NAME: another JSON and log, for an instance that runs beside this one)
+    # (SCALE_TRAIN_ARGS: scale.py --train-args, kept one word: a recipe of several flags)
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
     # the carried state, unless an instance beside this one already works on that JSON
     cp -n $W/${SCALE_NAME:-scale-smollm2}.json "$R/${SCALE_NAME:-scale-smollm2}.json" 2>/dev/null
@@ -222,6 +223,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --out "$R/${SCALE_NAME:-scale-smollm2}.json" --regenerate ${SCALE_REGEN:-0} \
         ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} ${SCALE_ARGS:-} \
         ${SCALE_LEVERS:+--levers "$SCALE_LEVERS"} \
+        ${SCALE_TRAIN_ARGS:+--train-args "$SCALE_TRAIN_ARGS"} \
         >> "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1  # a second call appends
     stage "scale rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json \
