@@ -67,8 +67,8 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None, mask_at="
     Shift convention: step j at position t reads token t+1+j, RoPE position pos+j and
     predicts token t+2+j against the teacher at t+1+j. hits: a (steps, N) bool tensor to
     mark the loss positions whose top-1 is right. A position counts where the token it
-    predicts (mask_at "predicted") or reads ("input") is in the loss mask and, with
-    vocab_filter, the teacher's top-1 is in the draft vocab."""
+    predicts (mask_at "predicted") or reads ("input") is in the loss mask (any token of the
+    document: "all") and, with vocab_filter, the teacher's top-1 is in the draft vocab."""
     b, t = batch.input_ids.shape
     n = b * t
     ids, pos = batch.input_ids.reshape(-1), batch.position_ids.reshape(-1)
@@ -106,7 +106,8 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None, mask_at="
         logits = draft.lm_head(draft.norm(h))  # (N, Vd) materialised
         shift = 2 + j if mask_at == "predicted" else 1 + j
         rows = [i for i in range(n) if i + shift <= last[i] and doc[i] >= 0
-                and lmask[i + shift] and (t2d[top1[i + 1 + j]] or not vocab_filter)]
+                and (mask_at == "all" or lmask[i + shift])
+                and (t2d[top1[i + 1 + j]] or not vocab_filter)]
         if rows:
             r = torch.tensor(rows)
             ce = -(probs[r + 1 + j] * F.log_softmax(logits[r], -1)).sum(-1)
@@ -188,7 +189,8 @@ def test_two_layer_ttt_matches_dense_reference(docs, t, steps, variant, prune):
 
 @pytest.mark.parametrize("docs,t,steps", CASES)
 @pytest.mark.parametrize("positions", [{"mask_at": "input"}, {"vocab_filter": False},
-                                       {"mask_at": "input", "vocab_filter": False}])
+                                       {"mask_at": "input", "vocab_filter": False},
+                                       {"mask_at": "all", "vocab_filter": False}])
 def test_other_loss_positions_match_dense_reference(docs, t, steps, positions):
     """speculators' choice of loss positions (the token a step reads is in the loss mask; a
     top-1 outside the draft vocab kept, and never right) against the dense reference, and

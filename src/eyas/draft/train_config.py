@@ -152,7 +152,8 @@ class TrainConfig:
                                              "unset: 1 (speculators'; 0.8 before)")
     loss_mask_at: str | None = option(None, "which token's loss mask puts a TTT step's "
                                             "position in the loss: the token it predicts or the "
-                                            "token it reads; unset: input (speculators'; "
+                                            "token it reads, or all: every position of a "
+                                            "document, prompts too; unset: input (speculators'; "
                                             "predicted before); docs/train.md",
                                       choices=LOSS_MASK_AT)
     vocab_filter: bool | None = option(None, "leave out of the loss the positions whose target "

@@ -81,8 +81,12 @@ def _segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # (eyas's default): the token n+2+j the step predicts is an assistant token; "input"
 # (speculators'): the token n+1+j the step reads (and at whose position the teacher stands)
 # is one. They differ by one position per assistant span: "input" drops the prediction of a
-# span's first token and adds the prediction after its last one.
-LOSS_MASK_AT = ("predicted", "input")
+# span's first token and adds the prediction after its last one. "all": every position whose
+# teacher n+1+j is in the same document, prompt and template tokens too (the target's
+# distribution is known there as well; NVIDIA Model-Optimizer's EAGLE-3 recipe trains on user
+# turns): more supervised positions from the same conversations, on text the target reads
+# rather than writes.
+LOSS_MASK_AT = ("predicted", "input", "all")
 
 
 def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int, mask_at: str = "predicted",
@@ -105,7 +109,9 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int, mask_at: str =
     for j in range(steps):
         pred, teach = n + 2 + j, n + 1 + j
         at = pred if mask_at == "predicted" else teach
-        row = (at <= end) & (doc >= 0) & mask[at.clamp(max=last)]
+        row = (at <= end) & (doc >= 0)
+        if mask_at != "all":
+            row &= mask[at.clamp(max=last)]
         if vocab_filter:
             row &= in_vocab[teach.clamp(max=last)]
         rows.append(row)
