@@ -1026,6 +1026,31 @@ def test_lk_loss_trains_through_the_cli_and_is_recorded(run_inputs, tmp_path):
     assert "fc.weight" in _weights(run, 8)
 
 
+def test_loss_on_every_position_trains_on_the_prompts_too(run_inputs, tmp_path):
+    """`--loss-mask-at all` through the whole loop: the same steps carry a loss on more
+    positions than speculators' `input` (the prompt's and the template's too), the loss falls,
+    the in-loop eval still scores eyas's positions (the same count for both runs, so they
+    compare), and the manifest records the choice."""
+    from eyas.cli import parse_config
+    from eyas.store.manifest import read_manifest
+
+    cfg = parse_config("train", ["--data", str(run_inputs["captured"]), "--vocab",
+                                 str(run_inputs["vocab"]), "--out", str(tmp_path / "x"),
+                                 "--loss-mask-at", "all"])
+    assert cfg.loss_mask_at == "all"
+    runs = {m: tmp_path / m for m in ("input", "all")}
+    for mask_at, run in runs.items():
+        train(_cfg(run_inputs, run, loss_mask_at=mask_at, max_steps=6, eval_every=3))
+    rows = {m: _records(run, "train") for m, run in runs.items()}
+    evals = {m: _records(run, "eval") for m, run in runs.items()}
+    assert len(rows["all"]) >= 2 and evals["all"]
+    assert [r["step"] for r in rows["all"]] == [r["step"] for r in rows["input"]]
+    assert all(a["positions"] > b["positions"] for a, b in zip(rows["all"], rows["input"]))
+    assert rows["all"][-1]["loss"] < rows["all"][0]["loss"]
+    assert [e["positions"] for e in evals["all"]] == [e["positions"] for e in evals["input"]]
+    assert read_manifest(runs["all"], step="train")["config"]["loss_mask_at"] == "all"
+
+
 def test_training_on_an_fp8_capture_reads_ahead_to_the_same_run(run_inputs, tmp_path):
     """An fp8 capture's aux states reach the step through the reading threads and on_device
     (dequantized there, not on the host): the run is the one that reads each batch when
