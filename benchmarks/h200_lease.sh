@@ -13,7 +13,7 @@
 #              scale.tgz (real_data.py --scale: scale-realdata/), the bench archives ($EYAS_BENCH_CACHE =
 #              $W/bench); the ablation's 2,000 conversations, gunzipped into $W, and the scale
 #              corpus ($W/corpus): that seed and the parts committed in
-#              benchmarks/results/scale-corpus/; the committed scale-smollm2.json into $W
+#              benchmarks/results/scale-corpus/; the committed scale-smollm2*.json into $W
 #   b2         carry .carry/b2: the third quarter
 #   c          carry .carry/c (+ .whl-peers when the peers run: installed into $W/peersite):
 #              the last quarter (the GGUF joined into $W/smol.gguf, sha256 checked)
@@ -105,7 +105,9 @@ b)
   # the committed parts (not the seed, nor parts made here) are not sent back by poll
   (cd $W/repo/benchmarks/results/scale-corpus &&
       ls conversations-p*.jsonl.gz >> $W/corpus.carried 2>/dev/null)
-  cp $W/repo/benchmarks/results/scale-smollm2.json $W/ 2>/dev/null  # the curve so far
+  # the curves so far (the curve's own, the chat-first and the corpus order's: stage scale
+  # takes SCALE_NAME's)
+  cp $W/repo/benchmarks/results/scale-smollm2*.json $W/ 2>/dev/null
   ls -la $W/corpus ;;
 b2)
   cp .carry/b2/gguf.part-ac /tmp/gguf/ || exit 1 ;;

@@ -803,7 +803,8 @@ def main(argv=None) -> dict:
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(out)  # a lease taken back mid-write leaves the previous JSON
         out.with_suffix(".md").write_text(markdown(state) + "\n")
-        for k in a.k.split(","):
+        curve = state["sizes"] or not state.get("levers")  # levers alone: no curve to draw
+        for k in a.k.split(",") if curve else ():
             plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)
 
     at_once = (max(a.jobs, 1) + (max(a.lever_jobs, 1) if lever_sizes else 0)) * \

@@ -25,6 +25,10 @@ def rows(state: dict) -> list[dict]:
 
 
 def markdown(state: dict) -> str:
+    """The curve's table (with n-gram and trained == served beside it), then the levers'; a
+    JSON of levers alone has no curve table."""
+    if not state["sizes"] and state.get("levers"):
+        return "\n".join(levers_table(state)).lstrip("\n")
     ks = state["k"].split(",")
     sets = [s for s in SET_NAMES if any(s in r["al"] for r in rows(state))]
     head = "| conversations | tokens | train tokens | GPU min |" + "".join(

@@ -938,6 +938,25 @@ def test_levers_table_compares_each_variant_on_the_cells_it_has():
     assert rows["default"] == "+0.0 %" and rows["lr2e-3"] == "-"
 
 
+def test_a_json_of_levers_alone_has_their_table_and_no_empty_curve():
+    """The corpus order's JSON of session 45 holds levers and no size: its report is the
+    levers' table (control first, the variant's change against it), with no curve table of
+    blank rows before it."""
+    from scale_report import markdown
+
+    root = Path(__file__).parent.parent
+    state = json.loads((root / "benchmarks/results/scale-smollm2-corpus.json").read_text())
+    assert not state["sizes"] and state["levers"]
+    text = markdown(state)
+    assert text.startswith("Levers at 3,000 conversations") and "| conversations |" not in text
+    rows = [r for r in text.splitlines() if r.startswith("| ")]
+    assert rows[1].startswith("| default |") and rows[1].endswith("| +0.0 % |")
+    held = {n: v["evals"]["heldout"]["sets"]["heldout"]["eagle3"]
+            for n, v in state["levers"]["3000"]["variants"].items()}
+    want = sum(held["allpos"].values()) / sum(held["default"].values()) - 1
+    assert rows[2].startswith("| allpos |") and rows[2].endswith(f"| {100 * want:+.1f} % |")
+
+
 def test_ngram_steps_adds_tokens_per_step_from_a_real_ngram_eval(llama_dir, tmp_path):
     """benchmarks/ngram_steps.py: an n-gram-only eyas eval's tokens per step go into a curve
     JSON's n-gram record made before they were reported, after its settings and AL are
