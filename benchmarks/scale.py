@@ -428,6 +428,7 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
                log=folder / "log.txt", out=out)
     report = json.loads((out / "report.json").read_text())
     measured = per_set(report, sets, "--temperature" in args)
+    prompts = keep_per_prompt(a, folder, name, report, size["train"]["draft_id"])
     with book.change() as state:
         for s, entry in measured.items():
             if "ngram" in entry and "tokens_per_step" not in state["ngram"].get(s, {}):
@@ -442,8 +443,32 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
                                             **({"eagle3_tokens_per_step": e["steps"]["eagle3"]}
                                                if "eagle3" in e.get("steps", {}) else {})}
                                         for s, e in measured.items()},
-                               **fidelity(report)}
+                               **fidelity(report),
+                               **({"per_prompt_file": prompts} if prompts else {})}
     print(f"size {size['conversations']}: eval {name} done", flush=True)
+
+
+def keep_per_prompt(a, folder: Path, name: str, report: dict, draft_id: str) -> str | None:
+    """The draft's per-prompt counts of one eval (id, drafts, accepted, per k), written beside
+    the JSON in OUT-prompts/ (a row a line) so that a lever's eval can be set against its
+    control's prompt by prompt (scale_report.paired_changes); its path from the JSON's
+    folder, or None for a report without per-prompt counts."""
+    primary = report.get("primary", "eagle3")
+    rows = {k.split("=")[1]: [[i, d, sum(acc)] for i, d, acc in v]
+            for k, v in (report.get("per_prompt") or {}).items() if k.split()[0] == primary}
+    if not rows:
+        return None
+    out = Path(a.out)
+    where = out.with_name(f"{out.stem}-prompts")
+    where.mkdir(parents=True, exist_ok=True)
+    file = "-".join(folder.relative_to(a.work).parts + (name,)) + ".json"
+    lines = [f'  "{k}": [\n' + ",\n".join("    " + json.dumps(r) for r in v) + "\n  ]"
+             for k, v in rows.items()]
+    text = "{\n" + f'  "draft_id": {json.dumps(draft_id)},\n' + ",\n".join(lines) + "\n}\n"
+    tmp = where / f"{file}.tmp"
+    tmp.write_text(text)
+    tmp.replace(where / file)
+    return f"{where.name}/{file}"  # from the JSON's folder
 
 
 def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
@@ -802,7 +827,7 @@ def main(argv=None) -> dict:
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(out)  # a lease taken back mid-write leaves the previous JSON
-        out.with_suffix(".md").write_text(markdown(state) + "\n")
+        out.with_suffix(".md").write_text(markdown(state, out.parent) + "\n")
         curve = state["sizes"] or not state.get("levers")  # levers alone: no curve to draw
         for k in a.k.split(",") if curve else ():
             plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)

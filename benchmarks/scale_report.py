@@ -4,6 +4,7 @@ against served per eval where the JSON records it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # the prompt sets in the order of the table's columns and the plot's lines
@@ -24,11 +25,12 @@ def rows(state: dict) -> list[dict]:
     return out
 
 
-def markdown(state: dict) -> str:
-    """The curve's table (with n-gram and trained == served beside it), then the levers'; a
-    JSON of levers alone has no curve table."""
+def markdown(state: dict, base: Path | None = None) -> str:
+    """The curve's table (with n-gram and trained == served beside it), then the levers'
+    (paired against their control where `base`, the JSON's folder, holds the per-prompt
+    counts); a JSON of levers alone has no curve table."""
     if not state["sizes"] and state.get("levers"):
-        return "\n".join(levers_table(state)).lstrip("\n")
+        return "\n".join(levers_table(state, base)).lstrip("\n")
     ks = state["k"].split(",")
     sets = [s for s in SET_NAMES if any(s in r["al"] for r in rows(state))]
     head = "| conversations | tokens | train tokens | GPU min |" + "".join(
@@ -53,15 +55,40 @@ def markdown(state: dict) -> str:
         for n, e, k, f in sorted(served):
             lines.append(f"| {n:,} | {e} | {k} | {_ci(f['measured'], f['measured_ci95'])} | "
                          f"{_ci(f['replayed'], f['replayed_ci95'])} |")
-    lines += levers_table(state)
+    lines += levers_table(state, base)
     return "\n".join(lines)
 
 
-def levers_table(state: dict) -> list[str]:
+def paired_changes(control: dict, variant: dict, base: Path) -> dict:
+    """k -> paired_change_ci of `variant` against `control` (two lever records of one size)
+    over every prompt of every eval both measured and kept per prompt (scale.py's
+    OUT-prompts/ files under `base`), prompts matched by id; {} where there are none."""
+    from eyas.serve.eval_report import paired_change_ci
+
+    ours, theirs = {}, {}
+    for name, ev in variant["evals"].items():
+        other = control["evals"].get(name, {})
+        files = [base / x for x in (ev.get("per_prompt_file"), other.get("per_prompt_file"))
+                 if x]
+        if len(files) < 2 or not all(f.is_file() for f in files):
+            continue
+        mine, yours = (json.loads(f.read_text()) for f in files)
+        for k in set(mine) & set(yours) - {"draft_id"}:
+            by_id = {r[0]: r for r in yours[k]}
+            for i, d, acc in mine[k]:
+                if i in by_id:
+                    ours.setdefault(k, []).append((d, [acc]))
+                    theirs.setdefault(k, []).append((by_id[i][1], [by_id[i][2]]))
+    return {k: paired_change_ci(ours[k], theirs[k]) for k in ours}
+
+
+def levers_table(state: dict, base: Path | None = None) -> list[str]:
     """Per lever size: one row per variant (the curve's own point at that size first), its
     training's replayed chain AL at k = 3 on the capture's eval split (`best`), its AL per
     prompt set and k, and its mean over those cells against the control's (the variant
-    named `default`, else the curve's point)."""
+    named `default`, else the curve's point); under the table, each variant's change against
+    `default` paired prompt by prompt with its 95 % interval, where `base` holds both
+    drafts' per-prompt counts (paired_changes)."""
     out, ks = [], state["k"].split(",")
     for key in sorted(state.get("levers", {}), key=int):
         table = {}
@@ -75,16 +102,16 @@ def levers_table(state: dict) -> list[str]:
         sets = [s for s in SET_NAMES if any(s in a for name, a in als.items()
                                             if name in state["levers"][key]["variants"])]
         cells = [(s, k) for s in sets for k in ks]
-        base = als.get("default") or als.get("curve point (earlier run)") or {}
+        ctl = als.get("default") or als.get("curve point (earlier run)") or {}
 
         def change(a: dict) -> str:
             """The mean AL of `a` over the cells both it and the control have, against the
             control's mean over the same cells (a variant measured on fewer sets is compared
             on those only)."""
-            both = [(s, k) for s, k in cells if k in a.get(s, {}) and k in base.get(s, {})]
+            both = [(s, k) for s, k in cells if k in a.get(s, {}) and k in ctl.get(s, {})]
             if not both:
                 return "-"
-            ours, theirs = (sum(x[s][k] for s, k in both) for x in (a, base))
+            ours, theirs = (sum(x[s][k] for s, k in both) for x in (a, ctl))
             return f"{100 * (ours / theirs - 1):+.1f} %"
 
         out += ["", f"Levers at {int(key):,} conversations (one capture, same evals):", "",
@@ -100,6 +127,17 @@ def levers_table(state: dict) -> list[str]:
                            f"{als[name][s][k]:.3f}" if k in als[name].get(s, {}) else "-"
                            for s, k in cells) + f" | {vs} |")
         out.append("| n-gram | | | | | " + _ngram(state, cells) + " | |")
+        if base is None or "default" not in variants:
+            continue
+        notes = []
+        for name in (x for x in variants if x != "default"):
+            paired = paired_changes(variants["default"], variants[name], base)
+            if paired:
+                notes.append(f"- {name} against default, paired prompt by prompt: " + "; ".join(
+                    f"k={k} {100 * c['change']:+.1f} % [{100 * c['ci95'][0]:+.1f}, "
+                    f"{100 * c['ci95'][1]:+.1f}] over {c['prompts']} prompts"
+                    for k, c in sorted(paired.items(), key=lambda x: int(x[0]))))
+        out += [""] + notes if notes else []
     return out
 
 
@@ -157,3 +195,13 @@ def plot(state: dict, path: Path, k: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # the table again, e.g. once a lease's OUT-prompts/ is committed
+    import sys
+
+    for name in sys.argv[1:] or sys.exit("usage: python benchmarks/scale_report.py JSON..."):
+        out = Path(name)
+        out.with_suffix(".md").write_text(markdown(json.loads(out.read_text()), out.parent)
+                                          + "\n")
+        print(f"wrote {out.with_suffix('.md')}")

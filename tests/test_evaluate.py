@@ -874,3 +874,28 @@ def test_a_broken_chat_template_is_named_not_the_data(llama_dir, chats, tmp_path
     with pytest.raises(EyasError, match="the chat template failed on every row"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "b"),
                             chat_template=str(bad), **SMALL))
+
+
+def test_paired_change_is_narrower_than_two_intervals_and_checks_its_pairs():
+    """Two drafts on the same prompts, the second one better by a fixed token on every
+    fifth prompt while the prompts themselves range from easy to hard: the paired interval
+    holds the change and excludes 0, though each draft's own interval overlaps the other's;
+    the same rows give no change, and rows of unequal length are refused."""
+    import random
+
+    from eyas.serve.eval_report import bootstrap_ci, paired_change_ci
+
+    rnd = random.Random(3)
+    theirs = [(30, [rnd.randint(0, 30)]) for _ in range(60)]  # a wide spread of prompts
+    ours = [(d, [min(d, a[0] + (n % 5 == 0))]) for n, (d, a) in enumerate(theirs)]
+    paired = paired_change_ci(ours, theirs)
+    al = [1 + sum(a[0] for _, a in rows) / sum(d for d, _ in rows) for rows in (ours, theirs)]
+    assert paired["change"] == pytest.approx(al[0] / al[1] - 1, abs=1e-5)
+    assert paired["prompts"] == 60
+    assert 0 < paired["ci95"][0] <= paired["change"] <= paired["ci95"][1]
+    lo = bootstrap_ci(ours, 1)["mean_acceptance_length"][0]
+    hi = bootstrap_ci(theirs, 1)["mean_acceptance_length"][1]
+    assert lo < hi  # unpaired, the two intervals overlap
+    assert paired_change_ci(theirs, theirs) == {"change": 0.0, "prompts": 60, "ci95": [0.0, 0.0]}
+    with pytest.raises(ValueError, match="59 against 60"):
+        paired_change_ci(ours[1:], theirs)

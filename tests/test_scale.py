@@ -849,6 +849,51 @@ def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkey
     assert set(state["levers"]["4"]["variants"]) == {"default", "epochs2", "lr2"}
 
 
+def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monkeypatch):
+    """Each eval's per-prompt counts of the draft go beside the JSON (OUT-prompts/, named in
+    its record), and the table gives each variant's change against the control paired
+    prompt by prompt, with an interval: here one variant accepts one more token on every
+    second prompt, on prompts listed in another order than the control's."""
+    from eyas.serve.eval_report import paired_change_ci
+
+    data, corpus = _regenerated(tmp_path, 6)
+    events = []
+    steps = _lever_steps(events, {})
+    ids = [f"heldout/t/{i}" for i in range(10)]
+
+    def run(step, *args, log, out):
+        took = steps(step, *args, log=log, out=out)
+        if step == "eval" and out.is_dir():
+            better = out.parent.name == "more"
+            rows = [[i, 10, [3 + (better and n % 2), 1]] for n, i in enumerate(ids)]
+            report = json.loads((out / "report.json").read_text())
+            report.update(primary="eagle3", per_prompt={
+                "eagle3 k=3": rows[::-1] if better else rows, "ngram k=3": rows})
+            (out / "report.json").write_text(json.dumps(report))
+        return took
+
+    monkeypatch.setattr(scale, "run", run)
+    monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens, dtype: tokens)
+    out, work = tmp_path / "res/scale.json", tmp_path / "work"
+    state = scale.main(["--target", "t", "--data", str(data), "--corpus-dir", str(corpus),
+                        "--work", str(work), "--out", str(out), "--sizes", "", "--bench", "",
+                        "--t1-bench", "", "--lever-sizes", "4", "--lever-evals", "heldout",
+                        "--levers", "default=;more=--epochs=2"])
+    variants = state["levers"]["4"]["variants"]
+    for name in ("default", "more"):
+        file = variants[name]["evals"]["heldout"]["per_prompt_file"]
+        assert file == f"scale-prompts/levers-4-{name}-heldout.json"
+        kept = json.loads((tmp_path / "res" / file).read_text())
+        assert kept["draft_id"] == variants[name]["train"]["draft_id"] and set(kept) == \
+            {"draft_id", "3"} and len(kept["3"]) == 10  # the draft's rows only
+    want = paired_change_ci([(10, [4 + n % 2]) for n in range(10)], [(10, [4])] * 10)
+    assert want["change"] == pytest.approx(1.45 / 1.4 - 1, abs=1e-5)  # AL 1.45 against 1.4
+    assert want["ci95"][0] > 0
+    line = f"- more against default, paired prompt by prompt: k=3 +3.6 % " \
+           f"[{100 * want['ci95'][0]:+.1f}, {100 * want['ci95'][1]:+.1f}] over 10 prompts"
+    assert line in out.with_suffix(".md").read_text().splitlines()
+
+
 def test_levers_are_parsed_and_refused_when_malformed(tmp_path):
     data, corpus = _regenerated(tmp_path, 6)
     argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
