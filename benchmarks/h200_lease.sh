@@ -108,6 +108,7 @@ b)
   # the curves so far (the curve's own, the chat-first and the corpus order's: stage scale
   # takes SCALE_NAME's)
   cp $W/repo/benchmarks/results/scale-smollm2*.json $W/ 2>/dev/null
+  cp -r $W/repo/benchmarks/results/scale-smollm2*-prompts $W/ 2>/dev/null  # their evals' prompts
   ls -la $W/corpus ;;
 b2)
   cp .carry/b2/gguf.part-ac /tmp/gguf/ || exit 1 ;;

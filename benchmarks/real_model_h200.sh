@@ -209,6 +209,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
     stage "scale: regenerate ${SCALE_REGEN:-0}, then the missing sizes"
     # the carried state, unless an instance beside this one already works on that JSON
     cp -n $W/${SCALE_NAME:-scale-smollm2}.json "$R/${SCALE_NAME:-scale-smollm2}.json" 2>/dev/null
+    cp -rn $W/${SCALE_NAME:-scale-smollm2}-prompts "$R/" 2>/dev/null  # its per-prompt counts
     if [ -n "${SCALE_WAIT_REGEN:-}" ]; then
       # a scale-regen instance started first: its vLLM engine profiles GPU memory at start and
       # refuses to run if neighbours change theirs meanwhile, so wait until it says it is ready
@@ -223,7 +224,7 @@ for s in ${STAGES:-pipeline dflash eval32 regen dflash5 recipe}; do
         --out "$R/${SCALE_NAME:-scale-smollm2}.json" --regenerate ${SCALE_REGEN:-0} \
         ${SCALE_REGEN_ARGS:+--regen-args "$SCALE_REGEN_ARGS"} ${SCALE_ARGS:-} \
         ${SCALE_LEVERS:+--levers "$SCALE_LEVERS"} \
-        ${SCALE_TRAIN_ARGS:+--train-args "$SCALE_TRAIN_ARGS"} \
+        ${SCALE_TRAIN_ARGS:+--train-args="$SCALE_TRAIN_ARGS"} \
         >> "$R/${SCALE_NAME:-scale-smollm2}.out" 2>&1  # a second call appends
     stage "scale rc $?"
     cp $W/corpus/conversations-p*.jsonl.gz $W/corpus/conversations-p*-eyas.json \

@@ -61,25 +61,32 @@ def markdown(state: dict, base: Path | None = None) -> str:
 
 def paired_changes(control: dict, variant: dict, base: Path) -> dict:
     """k -> paired_change_ci of `variant` against `control` (two lever records of one size)
-    over every prompt of every eval both measured and kept per prompt (scale.py's
-    OUT-prompts/ files under `base`), prompts matched by id; {} where there are none."""
+    over every prompt of every T = 0 eval both measured and kept per prompt (scale.py's
+    OUT-prompts/ files under `base`), prompts matched by id; {} where there are none. A file
+    of another draft than its record's is refused."""
     from eyas.serve.eval_report import paired_change_ci
 
     ours, theirs = {}, {}
     for name, ev in variant["evals"].items():
+        if name.endswith("-t1"):  # sampled: the two drafts do not continue the same text
+            continue
         other = control["evals"].get(name, {})
         files = [base / x for x in (ev.get("per_prompt_file"), other.get("per_prompt_file"))
                  if x]
         if len(files) < 2 or not all(f.is_file() for f in files):
             continue
         mine, yours = (json.loads(f.read_text()) for f in files)
+        for kept, rec in ((mine, ev), (yours, other)):
+            if kept["draft_id"] != rec["draft_id"]:
+                raise ValueError(f"{name}: a per-prompt file of draft {kept['draft_id']} for "
+                                 f"an eval of draft {rec['draft_id']}; measure it again")
         for k in set(mine) & set(yours) - {"draft_id"}:
             by_id = {r[0]: r for r in yours[k]}
             for i, d, acc in mine[k]:
                 if i in by_id:
                     ours.setdefault(k, []).append((d, [acc]))
                     theirs.setdefault(k, []).append((by_id[i][1], [by_id[i][2]]))
-    return {k: paired_change_ci(ours[k], theirs[k]) for k in ours}
+    return {k: c for k in ours if (c := paired_change_ci(ours[k], theirs[k]))}
 
 
 def levers_table(state: dict, base: Path | None = None) -> list[str]:
@@ -131,7 +138,11 @@ def levers_table(state: dict, base: Path | None = None) -> list[str]:
             continue
         notes = []
         for name in (x for x in variants if x != "default"):
-            paired = paired_changes(variants["default"], variants[name], base)
+            try:
+                paired = paired_changes(variants["default"], variants[name], base)
+            except ValueError as err:  # said in the table: a lease's write goes on
+                notes.append(f"- {name} against default: not paired ({err})")
+                continue
             if paired:
                 notes.append(f"- {name} against default, paired prompt by prompt: " + "; ".join(
                     f"k={k} {100 * c['change']:+.1f} % [{100 * c['ci95'][0]:+.1f}, "

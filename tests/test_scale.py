@@ -893,6 +893,19 @@ def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monke
            f"[{100 * want['ci95'][0]:+.1f}, {100 * want['ci95'][1]:+.1f}] over 10 prompts"
     assert line in out.with_suffix(".md").read_text().splitlines()
 
+    from scale_report import paired_changes
+    base, ctl, more = tmp_path / "res", variants["default"], variants["more"]
+    assert set(paired_changes(ctl, more, base)) == {"3"}
+    as_t1 = [{**v, "evals": {"bench-t1": v["evals"]["heldout"]}} for v in (ctl, more)]
+    assert paired_changes(*as_t1, base) == {}  # sampled: not the same text, not paired
+    rec = more["evals"]["heldout"]
+    with pytest.raises(ValueError, match="measure it again"):  # a file of another draft
+        paired_changes(ctl, {**more, "evals": {"heldout": {**rec, "draft_id": "x"}}}, base)
+    (base / "none.json").write_text(json.dumps(  # nothing drafted: no change, no crash
+        {"draft_id": rec["draft_id"], "3": [[i, 0, 0] for i in ids]}))
+    assert paired_changes(ctl, {**more, "evals": {"heldout": {
+        **rec, "per_prompt_file": "none.json"}}}, base) == {}
+
 
 def test_levers_are_parsed_and_refused_when_malformed(tmp_path):
     data, corpus = _regenerated(tmp_path, 6)

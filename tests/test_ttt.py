@@ -106,7 +106,8 @@ def reference_ttt(draft, batch, lm_head, steps, weight=0.8, hits=None, mask_at="
         logits = draft.lm_head(draft.norm(h))  # (N, Vd) materialised
         shift = 2 + j if mask_at == "predicted" else 1 + j
         rows = [i for i in range(n) if i + shift <= last[i] and doc[i] >= 0
-                and (mask_at == "all" or lmask[i + shift])
+                and (lmask[i + shift] if mask_at != "all" else
+                     any(lmask[m] for m in range(n) if label[m] == label[i]))
                 and (t2d[top1[i + 1 + j]] or not vocab_filter)]
         if rows:
             r = torch.tensor(rows)
@@ -212,6 +213,25 @@ def test_other_loss_positions_match_dense_reference(docs, t, steps, positions):
     for name in ref_grads:
         torch.testing.assert_close(got_grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_loss_on_all_positions_leaves_out_a_document_without_a_loss_mask():
+    """--loss-mask-at all trains on the prompt's positions, but a document whose loss mask
+    is all zero (the capture clears it for a sample whose states were not finite, so that
+    it adds no loss) still carries none, while the documents beside it carry every
+    position whose teacher is inside them."""
+    cfg = tiny_cfg()
+    draft = make_draft(cfg)
+    batch = packed_batch(cfg, [[5, 6, 4]], 16, seed=2)
+    doc = batch.doc_ids.reshape(-1)
+    batch.loss_mask.reshape(-1)[doc == 1] = 0  # the middle document: no loss mask left
+    valid = ttt_positions(batch, draft.t2d, 3, "all", vocab_filter=False)
+    assert not valid[:, doc == 1].any()
+    for d, size in ((0, 5), (2, 4)):
+        assert valid[:, doc == d].sum(1).tolist() == [size - 1 - j for j in range(3)]
+    lm_head = torch.randn(cfg.vocab_size, cfg.target_hidden_size)
+    counts = reference_ttt(draft, batch, lm_head, 3, mask_at="all", vocab_filter=False)[3]
+    assert counts == valid.sum(1).tolist()
 
 
 @pytest.mark.parametrize("docs,t,steps", CASES)

@@ -82,10 +82,10 @@ def _segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # (speculators'): the token n+1+j the step reads (and at whose position the teacher stands)
 # is one. They differ by one position per assistant span: "input" drops the prediction of a
 # span's first token and adds the prediction after its last one. "all": every position whose
-# teacher n+1+j is in the same document, prompt and template tokens too (the target's
-# distribution is known there as well; NVIDIA Model-Optimizer's EAGLE-3 recipe trains on user
-# turns): more supervised positions from the same conversations, on text the target reads
-# rather than writes.
+# teacher n+1+j is in the same document (one with any loss-mask token), prompt and template
+# tokens too (the target's distribution is known there as well; NVIDIA Model-Optimizer's
+# EAGLE-3 recipe trains on user turns): more supervised positions from the same
+# conversations, on text the target reads rather than writes.
 LOSS_MASK_AT = ("predicted", "input", "all")
 
 
@@ -101,8 +101,12 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int, mask_at: str =
     top1 = batch.target_top1.reshape(-1).long()
     mask = batch.loss_mask.reshape(-1).bool()
     doc = batch.doc_ids.reshape(-1)
-    _, end = _segments(batch.doc_ids)
+    start, end = _segments(batch.doc_ids)
     n = torch.arange(top1.shape[0], device=top1.device)
+    if mask_at == "all":  # a document without any loss-mask token carries none (a sample the
+        # capture zeroed for non-finite states has its mask cleared so that it adds no loss)
+        seen = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])
+        has_mask = seen[end + 1] > seen[start]
     last = top1.shape[0] - 1
     in_vocab = t2d.to(top1.device)[top1]  # (N,)
     rows = []
@@ -110,8 +114,7 @@ def ttt_positions(batch: TTTBatch, t2d: torch.Tensor, steps: int, mask_at: str =
         pred, teach = n + 2 + j, n + 1 + j
         at = pred if mask_at == "predicted" else teach
         row = (at <= end) & (doc >= 0)
-        if mask_at != "all":
-            row &= mask[at.clamp(max=last)]
+        row &= has_mask if mask_at == "all" else mask[at.clamp(max=last)]
         if vocab_filter:
             row &= in_vocab[teach.clamp(max=last)]
         rows.append(row)
