@@ -449,10 +449,13 @@ def eval_size(a, name: str, args: list, sets: list[str], folder: Path, book: Boo
 
 
 def keep_per_prompt(a, folder: Path, name: str, report: dict, draft_id: str) -> str | None:
-    """The draft's per-prompt counts of one eval (id, drafts, accepted, per k), written beside
-    the JSON in OUT-prompts/ (a row a line) so that a lever's eval can be set against its
-    control's prompt by prompt (scale_report.paired_changes); its path from the JSON's
-    folder, or None for a report without per-prompt counts."""
+    """The draft's per-prompt counts of one eval (per_prompt: per k, [id, drafts, accepted]
+    rows), written beside the JSON in OUT-prompts/ (a row a line, as report.json's) so that a
+    lever's eval can be set against its control's prompt by prompt
+    (scale_report.paired_changes); its path from the JSON's folder, or None for a report
+    without per-prompt counts."""
+    from eyas.serve.report_files import report_json
+
     primary = report.get("primary", "eagle3")
     rows = {k.split("=")[1]: [[i, d, sum(acc)] for i, d, acc in v]
             for k, v in (report.get("per_prompt") or {}).items() if k.split()[0] == primary}
@@ -462,11 +465,8 @@ def keep_per_prompt(a, folder: Path, name: str, report: dict, draft_id: str) -> 
     where = out.with_name(f"{out.stem}-prompts")
     where.mkdir(parents=True, exist_ok=True)
     file = "-".join(folder.relative_to(a.work).parts + (name,)) + ".json"
-    lines = [f'  "{k}": [\n' + ",\n".join("    " + json.dumps(r) for r in v) + "\n  ]"
-             for k, v in rows.items()]
-    text = "{\n" + f'  "draft_id": {json.dumps(draft_id)},\n' + ",\n".join(lines) + "\n}\n"
     tmp = where / f"{file}.tmp"
-    tmp.write_text(text)
+    tmp.write_text(report_json({"draft_id": draft_id, "per_prompt": rows}))  # a row a line
     tmp.replace(where / file)
     return f"{where.name}/{file}"  # from the JSON's folder
 

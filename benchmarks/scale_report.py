@@ -80,7 +80,8 @@ def paired_changes(control: dict, variant: dict, base: Path) -> dict:
             if kept["draft_id"] != rec["draft_id"]:
                 raise ValueError(f"{name}: a per-prompt file of draft {kept['draft_id']} for "
                                  f"an eval of draft {rec['draft_id']}; measure it again")
-        for k in set(mine) & set(yours) - {"draft_id"}:
+        mine, yours = mine["per_prompt"], yours["per_prompt"]
+        for k in set(mine) & set(yours):
             by_id = {r[0]: r for r in yours[k]}
             for i, d, acc in mine[k]:
                 if i in by_id:

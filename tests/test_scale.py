@@ -885,7 +885,9 @@ def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monke
         assert file == f"scale-prompts/levers-4-{name}-heldout.json"
         kept = json.loads((tmp_path / "res" / file).read_text())
         assert kept["draft_id"] == variants[name]["train"]["draft_id"] and set(kept) == \
-            {"draft_id", "3"} and len(kept["3"]) == 10  # the draft's rows only
+            {"draft_id", "per_prompt"}
+        assert set(kept["per_prompt"]) == {"3"} and len(kept["per_prompt"]["3"]) == 10  # the
+        # draft's rows only
     want = paired_change_ci([(10, [4 + n % 2]) for n in range(10)], [(10, [4])] * 10)
     assert want["change"] == pytest.approx(1.45 / 1.4 - 1, abs=1e-5)  # AL 1.45 against 1.4
     assert want["ci95"][0] > 0
@@ -902,7 +904,7 @@ def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monke
     with pytest.raises(ValueError, match="measure it again"):  # a file of another draft
         paired_changes(ctl, {**more, "evals": {"heldout": {**rec, "draft_id": "x"}}}, base)
     (base / "none.json").write_text(json.dumps(  # nothing drafted: no change, no crash
-        {"draft_id": rec["draft_id"], "3": [[i, 0, 0] for i in ids]}))
+        {"draft_id": rec["draft_id"], "per_prompt": {"3": [[i, 0, 0] for i in ids]}}))
     assert paired_changes(ctl, {**more, "evals": {"heldout": {
         **rec, "per_prompt_file": "none.json"}}}, base) == {}
 
