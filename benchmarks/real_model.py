@@ -38,8 +38,12 @@ LOG_TAIL = 40  # lines of a failed step's log printed with its error
 # checkpoint: on the H200 three trainings sharing the GPU with others have died so, at steps
 # ~320, ~2,150 and ~3,450, inside torch's own flex-attention mask code ("unspecified launch
 # failure"; sessions 13, 19 and 20), and the session-20 one, run again, resumed from step 3,000
-# and finished. A CUDA fault poisons the process, so only a new process can go on.
-RETRY_ON = ("CUDA error: unspecified launch failure", "CUDA error: an illegal memory access")
+# and finished; in session 46 one of three side by side died at step 3,730 of 4,833 in torch's
+# Muon (a cuBLAS bf16 GEMM: CUBLAS_STATUS_EXECUTION_FAILED, 10 of 141 GiB in use) and, run
+# again by hand, resumed from step 3,500 and finished. A CUDA fault poisons the process, so
+# only a new process can go on.
+RETRY_ON = ("CUDA error: unspecified launch failure", "CUDA error: an illegal memory access",
+            "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED")
 
 
 def done_before(out: Path) -> bool:

@@ -940,11 +940,17 @@ def test_a_failed_step_prints_its_own_last_log_lines(tmp_path, capsys):
     assert "earlier step's line" not in printed
 
 
-def test_a_training_that_dies_on_a_cuda_fault_runs_once_more(tmp_path, monkeypatch, capsys):
-    """A CUDA fault (three H200 trainings died so, inside torch's flex-attention mask code)
-    poisons the process: eyas train is run once more, where it resumes from its last
-    checkpoint. Other failures are not retried, nor is a second fault. The first process's
-    fault is stood in for (a CPU has no CUDA to fault); the second is the real eyas train."""
+@pytest.mark.parametrize("fault", [
+    "torch.AcceleratorError: CUDA error: unspecified launch failure",
+    "RuntimeError: CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasGemmEx( "
+    "handle, opa, opb, m, n, k, &falpha, a, CUDA_R_16BF, lda, b, CUDA_R_16BF, ldb, ...)`"])
+def test_a_training_that_dies_on_a_cuda_fault_runs_once_more(tmp_path, monkeypatch, capsys,
+                                                            fault):
+    """A CUDA fault (three H200 trainings died so, inside torch's flex-attention mask code, and
+    one in torch's Muon, in a cuBLAS GEMM) poisons the process: eyas train is run once more,
+    where it resumes from its last checkpoint. Other failures are not retried, nor is a second
+    fault. The first process's fault is stood in for (a CPU has no CUDA to fault); the second
+    is the real eyas train."""
     import subprocess
     import real_model
 
@@ -953,7 +959,7 @@ def test_a_training_that_dies_on_a_cuda_fault_runs_once_more(tmp_path, monkeypat
     def faulting_first(cmd, stdout, **kw):
         calls.append(cmd)
         if faults and faults.pop():
-            stdout.write("torch.AcceleratorError: CUDA error: unspecified launch failure\n")
+            stdout.write(fault + "\n")
             return subprocess.CompletedProcess(cmd, 1)
         return real(cmd, stdout=stdout, **kw)
 
