@@ -42,6 +42,13 @@ other size waits too, or keeps its captures: `--keep-captures`, or a training th
 `--exec-args` passes eyas train flags that change how it runs, not what it learns
 (`--cuda-graph`, `--compile`, `--num-workers N`, ...; anything else is refused): like
 `--capture-dtype`, they are recorded per size and sizes recorded without them stand.
+Each size's and lever variant's record holds `recipe`: every option eyas train learns by, as
+this eyas resolves `--train-args` (and the variant's flags) with its defaults. A record
+whose recipe differs from today's is trained again, with what changed printed, so a change of
+eyas train's defaults never leaves a curve of two recipes; flags that resolve to the same
+recipe keep the records. Records from before recipes were recorded are judged by their
+`--train-args` alone (the curve's 3 K-24 K points and the 12 K levers of session 46 trained on
+the assistant's positions, before `--loss-mask-at all` became the default).
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
@@ -305,6 +312,39 @@ class Book:
             return bool(todo)
 
 
+# eyas train's options that say where it reads and writes, or how it runs rather than what it
+# learns (EXEC_FLAGS' options, the device); every other option resolved is a record's recipe
+NOT_RECIPE = ("data", "out", "vocab", "target", "revision", "trust_remote_code",
+              "accept_other_weights", "target_device_map", "online_cache_gb", "device",
+              "num_workers", "log_every", "save_every", "keep_last", "resume", "compile",
+              "cuda_graph")
+
+
+def train_recipe(a, flags: list[str] = ()) -> dict:
+    """Every option eyas train learns by for --train-args then `flags`, the unset ones as this
+    eyas resolves them (its defaults), so that a record trained before a change of eyas
+    train's defaults is known for another recipe even where --train-args are the same."""
+    from eyas.cli import parse_config
+    from eyas.config import to_dict
+
+    source = ["--online", "--target", a.target] if a.online else []
+    cfg = parse_config("train", ["--data", "-", "--out", "-", *source,
+                                 *shlex.split(a.train_args), *flags])
+    return {k: v for k, v in to_dict(cfg).items() if k not in NOT_RECIPE}
+
+
+def recipe_change(record: dict, a, now: dict) -> str | None:
+    """How the recipe `record` (a size's or a lever variant's) was trained by differs from
+    `now`, or None. A record from before recipes were recorded is judged by its --train-args
+    alone (its `recipe` is unknown: the defaults of the eyas that trained it)."""
+    was = record.get("recipe")
+    if was is None:
+        return None if record.get("train_args", a.train_args) == a.train_args else \
+            f"--train-args {record.get('train_args')!r} -> {a.train_args!r}"
+    changed = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+    return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in changed) or None
+
+
 def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
     """prepare -> capture -> vocab -> train -> export on the first n conversations."""
     # a training that ended before a kill whose record was not written needs no captures
@@ -479,8 +519,12 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     # the capture's storage dtype is not the recipe (fp8 storage measured no change: docs/
     # capture.md), so a record made with the other one stands; a half-made folder does not
     recipe = a.train_args + ("" if a.capture_dtype == "bf16" else f" capture={a.capture_dtype}")
-    if size and (size.get("subset") != fingerprint or size.get("train_args") != a.train_args):
-        print(f"size {n}: recorded on another subset or recipe, run again", flush=True)
+    now = train_recipe(a)
+    if size and size.get("subset") != fingerprint:
+        print(f"size {n}: recorded on another subset, run again", flush=True)
+        size = None
+    elif size and (change := recipe_change(size, a, now)):
+        print(f"size {n}: recorded under another recipe ({change}), run again", flush=True)
         size = None
     # a recorded size needs no captures: those an earlier --keep-captures run kept, or a
     # kill between the record and their deletion left, go now
@@ -496,13 +540,14 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
             print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
         # steps of another subset or recipe: not resumed
         _made_for(folder / "subset.txt", f"{fingerprint} {recipe}")
+        _run_made_for(folder, now)
         freeing = not a.keep_captures and not a.online
         with _DISK:
             if freeing:  # captures beside it may wait for the disk this size frees
                 _FREEING.add(n)
         try:
             size = {"conversations": n, "subset": fingerprint, "train_args": a.train_args,
-                    "capture_dtype": a.capture_dtype, "exec_args": a.exec_args,
+                    "recipe": now, "capture_dtype": a.capture_dtype, "exec_args": a.exec_args,
                     "train": train_size(a, n, lines, folder), "evals": {}}
             with book.change() as state:
                 state["sizes"][key] = size
@@ -541,6 +586,18 @@ def _made_for(marker: Path, what: str) -> None:
     marker.write_text(what)
 
 
+def _run_made_for(folder: Path, recipe: dict) -> None:
+    """The run and draft in `folder` trained by another recipe go (eyas train would resume
+    such a run with its own recipe, and a finished one is not trained again); then `folder`
+    is marked for `recipe`. A folder with no mark (made before recipes were) is kept."""
+    marker, what = folder / "recipe.json", json.dumps(recipe, sort_keys=True)
+    if marker.is_file() and marker.read_text() != what:
+        for sub in ("run", "draft"):
+            shutil.rmtree(folder / sub, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(what)
+
+
 def _eval_done(a, size: dict | None, name: str) -> bool:
     e = (size or {}).get("evals", {}).get(name)
     return bool(e) and e["draft_id"] == size["train"]["draft_id"] and \
@@ -571,7 +628,8 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     --lever-evals, --eval-jobs at once; --lever-jobs variants train at once. The captures go
     once every variant's training has ended (kept when one failed, for its resume). Records:
     the JSON's levers[N][variants][NAME], redone when the subset, --train-args or the
-    variant's flags change; variants another call asked for stay."""
+    variant's flags change, or the recipe they resolve to (train_recipe: eyas train's
+    defaults moved); variants another call asked for stay."""
     key, folder = f"{n} levers", Path(a.work) / f"levers-{n}{_mix(a)}"
     plan = {e: p for e, p in eval_plan(a).items() if e in a.lever_evals}
     with book.change() as state:
@@ -579,9 +637,16 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
         if rec is None or rec["subset"] != fingerprint or rec["train_args"] != a.train_args:
             rec = state["levers"][str(n)] = {"subset": fingerprint, "train_args": a.train_args,
                                              "variants": {}}
+        now = {name: train_recipe(a, flags) for name, flags in a.levers.items()}
         for name, flags in a.levers.items():
-            if name in rec["variants"] and rec["variants"][name]["flags"] != flags:
-                del rec["variants"][name]  # the same name for another change: measured again
+            old = rec["variants"].get(name)
+            # the same name for another change, or the same flags under other defaults
+            change = old and (f"flags {shlex.join(old['flags'])!r} -> {shlex.join(flags)!r}"
+                              if old["flags"] != flags else recipe_change(old, a, now[name]))
+            if change:
+                print(f"size {n} lever {name}: recorded under another recipe ({change}), run "
+                      f"again", flush=True)
+                del rec["variants"][name]
 
     def missing(name: str) -> list[str]:
         return [e for e in plan if not _eval_done(a, rec["variants"].get(name), e)]
@@ -596,6 +661,7 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
         folder / name, rec["variants"][name]["train"]["draft_id"])]
     for name in to_train:
         _made_for(folder / name / "flags.txt", shlex.join(a.levers[name]))
+        _run_made_for(folder / name, now[name])
     prep, seconds, left = {}, {}, set(to_train)
     freeing = bool(to_train) and not a.keep_captures and not a.online
     with _DISK:
@@ -617,7 +683,7 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
                     raise
                 with book.change():
                     rec["variants"][name] = {"conversations": n, "flags": a.levers[name],
-                                             "train": train, "evals": {}}
+                                             "recipe": now[name], "train": train, "evals": {}}
                 print(f"size {n} lever {name}: trained", flush=True)
                 with _DISK:
                     left.discard(name)
@@ -738,6 +804,12 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     exec_flags(p, a.exec_args)
     a.levers = parse_levers(p, a.levers)
+    for flags in [[], *a.levers.values()]:  # flags eyas train refuses: before any work
+        try:
+            train_recipe(a, flags)
+        except (SystemExit, ValueError) as err:
+            p.error(f"--train-args {a.train_args!r} {shlex.join(flags)}: eyas train refuses "
+                    f"them ({err})")
     a.lever_evals = [e for e in a.lever_evals.split(",") if e]
     lever_sizes = sorted({int(x) for x in a.lever_sizes.split(",") if x.strip()})
     if bool(a.levers) != bool(lever_sizes):

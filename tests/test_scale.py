@@ -258,7 +258,7 @@ def test_an_order_of_the_corpus_itself_trains_on_rows_train_jsonl_lacks(tmp_path
     assert all(i.startswith("src/") for i in trained["size-5"])
 
 
-def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
+def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch, capsys):
     data, corpus = _regenerated(tmp_path, 12)
     trained, evals = [], []
 
@@ -338,6 +338,28 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):  # what training learns is the recipe, not --exec-args
         scale.main([*argv, "--exec-args", "--cuda-graph --lr 1e-4"])
     assert trained == [] and evals == []
+    # a size's record holds the recipe eyas train resolved (its defaults filling what
+    # --train-args leave unset): flags that resolve to it keep the records ...
+    from eyas.draft import train_config
+
+    assert state["sizes"]["4"]["recipe"]["loss_mask_at"] == "all"
+    scale.main([*argv, "--train-args", "--loss-mask-at all --lr 1e-3"])
+    assert trained == [] and evals == []
+    # ... a change of eyas train's defaults under the same flags trains every size again, and
+    # says what changed; a record from before recipes were recorded is judged by its flags
+    saved = json.loads(out.read_text())
+    del saved["sizes"]["8"]["recipe"]
+    out.write_text(json.dumps(saved))
+    monkeypatch.setitem(train_config.EAGLE3_RECIPE, "loss_mask_at", "input")
+    capsys.readouterr()
+    state = scale.main(argv)
+    assert trained == [4] and "size 4: recorded under another recipe (loss_mask_at 'all' -> " \
+        "'input'), run again" in capsys.readouterr().out
+    assert state["sizes"]["4"]["recipe"]["loss_mask_at"] == "input"
+    trained.clear()
+    with pytest.raises(SystemExit):  # flags eyas train refuses: before any work
+        scale.main([*argv, "--train-args", "--loss-mask-at everywhere"])
+    assert trained == []
 
 
 def test_sizes_and_evals_at_once_share_one_json_and_measure_ngram_once(tmp_path, monkeypatch):
@@ -795,7 +817,8 @@ def _lever_steps(events: list, gates: dict):
     return fake_run
 
 
-def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkeypatch):
+def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkeypatch,
+                                                                capsys):
     """--levers: three variants of the recipe at size 4 from one prepare and one capture,
     trained at once, each with its own flags on top of the recipe, measured by the lever
     evals and tabled against the control; the captures stay while a training has failed,
@@ -847,6 +870,24 @@ def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkey
     state = json.loads(out.read_text())
     assert state["levers"]["4"]["variants"]["epochs2"]["flags"] == ["--epochs=3"]
     assert set(state["levers"]["4"]["variants"]) == {"default", "epochs2", "lr2"}
+    # each variant's record holds the recipe its flags resolved to, eyas train's defaults
+    # filling the rest; when those defaults move, the same flags are another recipe: every
+    # variant is trained again, its run folder not resumed
+    from eyas.draft import train_config
+
+    variants = state["levers"]["4"]["variants"]
+    assert variants["epochs2"]["recipe"]["epochs"] == 3 and variants["lr2"]["recipe"]["lr"] == \
+        2e-3 and variants["default"]["recipe"]["loss_mask_at"] == "all"
+    (work / "levers-4/default/run/left-by-the-old-recipe").write_text("x")
+    monkeypatch.setitem(train_config.EAGLE3_RECIPE, "loss_mask_at", "input")
+    events.clear()
+    capsys.readouterr()
+    state = scale.main([*argv[:-1], "default=;epochs2=--epochs=3;lr2=--lr 2e-3"])
+    assert sorted(v for s, v, _ in events if s == "train") == ["default", "epochs2", "lr2"]
+    assert "lever lr2: recorded under another recipe (loss_mask_at 'all' -> 'input')" in \
+        capsys.readouterr().out
+    assert not (work / "levers-4/default/run/left-by-the-old-recipe").exists()
+    assert state["levers"]["4"]["variants"]["default"]["recipe"]["loss_mask_at"] == "input"
 
 
 def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monkeypatch):
