@@ -312,37 +312,63 @@ class Book:
             return bool(todo)
 
 
-# eyas train's options that say where it reads and writes, or how it runs rather than what it
-# learns (EXEC_FLAGS' options, the device); every other option resolved is a record's recipe
+# eyas train's options that say where it reads and writes, how its states arrive (online or
+# captured, as --capture-dtype: not the recipe), or how it runs rather than what it learns
+# (EXEC_FLAGS' options, below, and the device); every other option resolved is the recipe
 NOT_RECIPE = ("data", "out", "vocab", "target", "revision", "trust_remote_code",
-              "accept_other_weights", "target_device_map", "online_cache_gb", "device",
-              "num_workers", "log_every", "save_every", "keep_last", "resume", "compile",
-              "cuda_graph")
+              "accept_other_weights", "target_device_map", "online", "online_cache",
+              "online_cache_dtype", "online_cache_gb", "device", "resume")
+# what eyas train's defaults differed by from today's before records held their recipe:
+# sessions 14-45 trained speculators' recipe with the assistant's positions
+BEFORE_RECIPES = ["--loss-mask-at=input"]
 
 
-def train_recipe(a, flags: list[str] = ()) -> dict:
-    """Every option eyas train learns by for --train-args then `flags`, the unset ones as this
-    eyas resolves them (its defaults), so that a record trained before a change of eyas
-    train's defaults is known for another recipe even where --train-args are the same."""
+def _not_recipe() -> set[str]:
+    return {*NOT_RECIPE, *(f.lstrip("-").removeprefix("no-").replace("-", "_")
+                           for f in EXEC_FLAGS)}
+
+
+def train_recipe(a, flags: list[str] = (), train_args: str | None = None) -> dict:
+    """Every option eyas train learns by for --train-args (or `train_args`) then `flags`, the
+    unset ones as this eyas resolves them (its defaults), so that a record trained before a
+    change of eyas train's defaults is known for another recipe even where --train-args are
+    the same. Parsed as train_export passes them (--exec-args and --vocab too), so flags eyas
+    train refuses are refused here."""
     from eyas.cli import parse_config
     from eyas.config import to_dict
 
     source = ["--online", "--target", a.target] if a.online else []
-    cfg = parse_config("train", ["--data", "-", "--out", "-", *source,
-                                 *shlex.split(a.train_args), *flags])
-    return {k: v for k, v in to_dict(cfg).items() if k not in NOT_RECIPE}
+    args = a.train_args if train_args is None else train_args
+    cfg = parse_config("train", ["--data", "-", "--out", "-", *source, "--vocab", "-",
+                                 *shlex.split(args), *flags, *shlex.split(a.exec_args)])
+    skip = _not_recipe()
+    return {k: v for k, v in to_dict(cfg).items() if k not in skip}
 
 
-def recipe_change(record: dict, a, now: dict) -> str | None:
-    """How the recipe `record` (a size's or a lever variant's) was trained by differs from
-    `now`, or None. A record from before recipes were recorded is judged by its --train-args
-    alone (its `recipe` is unknown: the defaults of the eyas that trained it)."""
+def _recipe_diff(was: dict, now: dict) -> list[str]:
+    """The options whose values differ; an option one side lacks (eyas gained or lost it
+    between the two) counts only where the other side's value is not its default."""
+    from dataclasses import MISSING, fields
+
+    from eyas.draft.train_config import TrainConfig
+
+    default = {f.name: json.loads(json.dumps(f.default)) for f in fields(TrainConfig)
+               if f.default is not MISSING}
+    return sorted(k for k in {*was, *now}
+                  if was.get(k, default.get(k)) != now.get(k, default.get(k)))
+
+
+def recipe_change(record: dict, a, now: dict, flags: list[str] = (),
+                  train_args: str | None = None) -> str | None:
+    """How the recipe `record` (a size's, or a lever variant's of `flags`) was trained by
+    differs from `now`, or None. A record from before recipes were recorded holds none: its
+    recipe is its --train-args (`train_args`: the lever record's) under today's defaults less
+    what changed since (BEFORE_RECIPES)."""
     was = record.get("recipe")
     if was is None:
-        return None if record.get("train_args", a.train_args) == a.train_args else \
-            f"--train-args {record.get('train_args')!r} -> {a.train_args!r}"
-    changed = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
-    return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in changed) or None
+        was = train_recipe(a, [*BEFORE_RECIPES, *flags], record.get("train_args", train_args))
+    return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}"
+                     for k in _recipe_diff(was, now)) or None
 
 
 def train_size(a, n: int, lines: list[str], folder: Path) -> dict:
@@ -589,9 +615,16 @@ def _made_for(marker: Path, what: str) -> None:
 def _run_made_for(folder: Path, recipe: dict) -> None:
     """The run and draft in `folder` trained by another recipe go (eyas train would resume
     such a run with its own recipe, and a finished one is not trained again); then `folder`
-    is marked for `recipe`. A folder with no mark (made before recipes were) is kept."""
+    is marked for `recipe`. Without a mark (a folder made before recipes were), the run's own
+    manifest says what it was started with."""
     marker, what = folder / "recipe.json", json.dumps(recipe, sort_keys=True)
-    if marker.is_file() and marker.read_text() != what:
+    was = json.loads(marker.read_text()) if marker.is_file() else None
+    manifest = folder / "run/eyas.json"
+    if was is None and manifest.is_file():
+        skip = _not_recipe()
+        was = {k: v for k, v in json.loads(manifest.read_text()).get("config", {}).items()
+               if k not in skip}
+    if was is not None and _recipe_diff(was, recipe):
         for sub in ("run", "draft"):
             shutil.rmtree(folder / sub, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -627,9 +660,10 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     prepared, captured, vocab, and a folder per variant), then measured by the evals of
     --lever-evals, --eval-jobs at once; --lever-jobs variants train at once. The captures go
     once every variant's training has ended (kept when one failed, for its resume). Records:
-    the JSON's levers[N][variants][NAME], redone when the subset, --train-args or the
-    variant's flags change, or the recipe they resolve to (train_recipe: eyas train's
-    defaults moved); variants another call asked for stay."""
+    the JSON's levers[N][variants][NAME], redone when the subset or --train-args change
+    (compared as written: every variant again), when the variant's flags change, or when the
+    recipe they resolve to does (train_recipe: eyas train's defaults moved); variants another
+    call asked for stay."""
     key, folder = f"{n} levers", Path(a.work) / f"levers-{n}{_mix(a)}"
     plan = {e: p for e, p in eval_plan(a).items() if e in a.lever_evals}
     with book.change() as state:
@@ -642,7 +676,8 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
             old = rec["variants"].get(name)
             # the same name for another change, or the same flags under other defaults
             change = old and (f"flags {shlex.join(old['flags'])!r} -> {shlex.join(flags)!r}"
-                              if old["flags"] != flags else recipe_change(old, a, now[name]))
+                              if old["flags"] != flags else
+                              recipe_change(old, a, now[name], flags, rec["train_args"]))
             if change:
                 print(f"size {n} lever {name}: recorded under another recipe ({change}), run "
                       f"again", flush=True)
@@ -806,10 +841,19 @@ def main(argv=None) -> dict:
     a.levers = parse_levers(p, a.levers)
     for flags in [[], *a.levers.values()]:  # flags eyas train refuses: before any work
         try:
-            train_recipe(a, flags)
+            recipe = train_recipe(a, flags)
         except (SystemExit, ValueError) as err:
             p.error(f"--train-args {a.train_args!r} {shlex.join(flags)}: eyas train refuses "
                     f"them ({err})")
+        # a torch without Muon resolves eyas train's EAGLE-3 optimizer to AdamW: another
+        # recipe than every record made with Muon, which would all be trained again
+        asked = " ".join([a.train_args, *flags])
+        if recipe["draft"] == "eagle3" and recipe["optimizer"] != "muon" and \
+                "--optimizer" not in asked:
+            p.error("this torch has no torch.optim.Muon, so eyas train's default recipe "
+                    "would train with AdamW alone: another recipe than the records made with "
+                    "Muon (all trained again). Use torch >= 2.9, or pass --train-args "
+                    "'--optimizer adamw' to train that recipe on purpose")
     a.lever_evals = [e for e in a.lever_evals.split(",") if e]
     lever_sizes = sorted({int(x) for x in a.lever_sizes.split(",") if x.strip()})
     if bool(a.levers) != bool(lever_sizes):

@@ -104,7 +104,11 @@ def levers_table(state: dict, base: Path | None = None) -> list[str]:
             table["curve point (earlier run)"] = (state["sizes"][key], "")
         variants = state["levers"][key]["variants"]
         for name in sorted(variants, key=lambda x: x != "default"):  # the control first
-            table[name] = (variants[name], " ".join(variants[name]["flags"]) or "(the recipe)")
+            # a record without its recipe predates session 46's default: the assistant's
+            # positions (scale.BEFORE_RECIPES)
+            table[name] = (variants[name], " ".join(variants[name]["flags"]) or (
+                "(the recipe)" if "recipe" in variants[name] else
+                "(the recipe then: --loss-mask-at input)"))
         als = {name: {s: e["eagle3"] or {} for ev in v["evals"].values()
                       for s, e in ev["sets"].items()} for name, (v, _) in table.items()}
         sets = [s for s in SET_NAMES if any(s in a for name, a in als.items()

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import scale  # noqa: E402
@@ -345,21 +346,67 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch, caps
     assert state["sizes"]["4"]["recipe"]["loss_mask_at"] == "all"
     scale.main([*argv, "--train-args", "--loss-mask-at all --lr 1e-3"])
     assert trained == [] and evals == []
-    # ... a change of eyas train's defaults under the same flags trains every size again, and
-    # says what changed; a record from before recipes were recorded is judged by its flags
-    saved = json.loads(out.read_text())
-    del saved["sizes"]["8"]["recipe"]
-    out.write_text(json.dumps(saved))
-    monkeypatch.setitem(train_config.EAGLE3_RECIPE, "loss_mask_at", "input")
+    # ... a record from before recipes were recorded trained on the assistant's positions
+    # (BEFORE_RECIPES): trained again under today's defaults, kept where flags ask for those
+    def forget_recipe(size):
+        saved = json.loads(out.read_text())
+        saved["sizes"][size].pop("recipe", None)
+        out.write_text(json.dumps(saved))
+
+    forget_recipe("8")
+    scale.main([*argv, "--train-args", "--loss-mask-at input"])
+    assert trained == [4]  # size 4's recipe was all; 8's, unrecorded, was input
+    trained.clear()
+    forget_recipe("8")
     capsys.readouterr()
+    scale.main(argv)
+    assert trained == [4, 8] and "size 8: recorded under another recipe (loss_mask_at " \
+        "'input' -> 'all'), run again" in capsys.readouterr().out
+    # ... and a change of eyas train's defaults under the same flags trains every size again
+    trained.clear()
+    forget_recipe("8")
+    monkeypatch.setitem(train_config.EAGLE3_RECIPE, "loss_mask_at", "input")
     state = scale.main(argv)
     assert trained == [4] and "size 4: recorded under another recipe (loss_mask_at 'all' -> " \
         "'input'), run again" in capsys.readouterr().out
     assert state["sizes"]["4"]["recipe"]["loss_mask_at"] == "input"
+    # flags eyas train refuses, and a torch whose Muon is missing (eyas train's recipe would
+    # fall back to AdamW: every record trained again), stop before any work
     trained.clear()
-    with pytest.raises(SystemExit):  # flags eyas train refuses: before any work
-        scale.main([*argv, "--train-args", "--loss-mask-at everywhere"])
-    assert trained == []
+    fresh = [*argv[:argv.index("--work") + 1], str(tmp_path / "work2"),
+             *argv[argv.index("--work") + 2:]]
+    with pytest.raises(SystemExit):
+        scale.main([*fresh, "--train-args", "--loss-mask-at everywhere"])
+    assert "--loss-mask-at" in capsys.readouterr().err
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(SystemExit):
+        scale.main(fresh)
+    assert "no torch.optim.Muon" in capsys.readouterr().err
+    assert trained == [] and not (tmp_path / "work2").exists()
+
+
+def test_a_run_folder_of_another_recipe_is_not_resumed(tmp_path):
+    """A size's or variant's run and draft trained by another recipe go before it trains; the
+    recipe is the folder's mark, or (a folder made before marks) its run's own manifest."""
+    import argparse
+
+    a = argparse.Namespace(target="t", online=False, train_args="", exec_args="")
+    now = scale.train_recipe(a)
+    before = scale.train_recipe(a, ["--loss-mask-at", "input"])
+    for mark, config, kept in ((None, now, True), (None, before, False), (now, before, True),
+                               (before, now, False)):
+        folder = tmp_path / f"f{len(list(tmp_path.iterdir()))}"
+        (folder / "run").mkdir(parents=True)
+        (folder / "draft").mkdir()
+        (folder / "run/eyas.json").write_text(json.dumps({"config": {**config, "data": "x"}}))
+        if mark is not None:
+            (folder / "recipe.json").write_text(json.dumps(mark, sort_keys=True))
+        scale._run_made_for(folder, now)
+        assert (folder / "run").exists() is kept and (folder / "draft").exists() is kept
+        assert json.loads((folder / "recipe.json").read_text()) == now
+    # an option eyas gained since holds its default in the old record: no change
+    assert scale._recipe_diff({k: v for k, v in now.items() if k != "seed"}, now) == []
+    assert scale._recipe_diff(now, {**now, "seed": 1}) == ["seed"]
 
 
 def test_sizes_and_evals_at_once_share_one_json_and_measure_ngram_once(tmp_path, monkeypatch):
