@@ -46,9 +46,11 @@ Each size's and lever variant's record holds `recipe`: every option eyas train l
 this eyas resolves `--train-args` (and the variant's flags) with its defaults. A record
 whose recipe differs from today's is trained again, with what changed printed, so a change of
 eyas train's defaults never leaves a curve of two recipes; flags that resolve to the same
-recipe keep the records. Records from before recipes were recorded are judged by their
-`--train-args` alone (the curve's 3 K-24 K points and the 12 K levers of session 46 trained on
-the assistant's positions, before `--loss-mask-at all` became the default).
+recipe keep the records. A record from before recipes were recorded (the curve's 3 K-24 K
+points, the 3 K and 12 K levers) is judged as its `--train-args` under today's defaults with
+the assistant's positions (`BEFORE_RECIPES`: sessions 14-45 trained so), so today's default
+trains such a size again and `--train-args '--loss-mask-at input'` keeps it. A run folder is
+resumed only when made for the same recipe (its mark, else its run's own manifest).
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
