@@ -348,16 +348,12 @@ def train_recipe(a, flags: list[str] = (), train_args: str | None = None) -> dic
 
 
 def _recipe_diff(was: dict, now: dict) -> list[str]:
-    """The options whose values differ; an option one side lacks (eyas gained or lost it
-    between the two) counts only where the other side's value is not its default."""
-    from dataclasses import MISSING, fields
-
+    """The recipe options whose values differ (eyas's own rule for a run's config against
+    its manifest: an option eyas gained since counts only where set off its default)."""
     from eyas.draft.train_config import TrainConfig
+    from eyas.freshness import changed_options
 
-    default = {f.name: json.loads(json.dumps(f.default)) for f in fields(TrainConfig)
-               if f.default is not MISSING}
-    return sorted(k for k in {*was, *now}
-                  if was.get(k, default.get(k)) != now.get(k, default.get(k)))
+    return changed_options(TrainConfig, was, now)
 
 
 def recipe_change(record: dict, a, now: dict, flags: list[str] = (),
@@ -841,6 +837,8 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     exec_flags(p, a.exec_args)
     a.levers = parse_levers(p, a.levers)
+    from eyas.draft.train_config import EAGLE3_RECIPE
+
     for flags in [[], *a.levers.values()]:  # flags eyas train refuses: before any work
         try:
             recipe = train_recipe(a, flags)
@@ -850,8 +848,8 @@ def main(argv=None) -> dict:
         # a torch without Muon resolves eyas train's EAGLE-3 optimizer to AdamW: another
         # recipe than every record made with Muon, which would all be trained again
         asked = " ".join([a.train_args, *flags])
-        if recipe["draft"] == "eagle3" and recipe["optimizer"] != "muon" and \
-                "--optimizer" not in asked:
+        if recipe["draft"] == "eagle3" and recipe["optimizer"] != \
+                EAGLE3_RECIPE["optimizer"] and "--optimizer" not in asked:
             p.error("this torch has no torch.optim.Muon, so eyas train's default recipe "
                     "would train with AdamW alone: another recipe than the records made with "
                     "Muon (all trained again). Use torch >= 2.9, or pass --train-args "

@@ -174,9 +174,14 @@ def _remember_stamps(folder: Path, manifest: dict, fresh: list[dict]) -> None:
 
 def _config_changes(cfg, manifest: dict) -> list[str]:
     """The options of `cfg` that differ from those the manifest's run was made with."""
-    old, new = manifest.get("config") or {}, _normalise(cfg)
-    # an option the step gained since (no key in the manifest) is a change only if set now
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)
+    return changed_options(type(cfg), manifest.get("config") or {}, _normalise(cfg))
+
+
+def changed_options(cls, old: dict, new: dict) -> list[str]:
+    """The options of the config class `cls` whose values differ between `old` and `new`
+    (both as a manifest stores them); an option the step gained since (no key in `old`) is a
+    change only if set off its default in `new`."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
                 if f.default is not dataclasses.MISSING}
     gained = {k for k, v in new.items()
               if k not in old and k in defaults and v == _normalise(defaults[k])}
