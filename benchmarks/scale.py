@@ -50,7 +50,9 @@ recipe keep the records. A record from before recipes were recorded (the curve's
 points, the 3 K and 12 K levers) is judged as its `--train-args` under today's defaults with
 the assistant's positions (`BEFORE_RECIPES`: sessions 14-45 trained so), so today's default
 trains such a size again and `--train-args '--loss-mask-at input'` keeps it. A run folder is
-resumed only when made for the same recipe (its mark, else its run's own manifest).
+resumed only when made for the same recipe (its mark, else its run's own manifest); the
+prepared, captured and vocab folders beside it are kept for any recipe (made for the subset
+and `--capture-dtype` alone), so a new recipe trains on the captures already there.
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
@@ -540,9 +542,6 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     (--eval-jobs of them at once)."""
     key, folder = str(n), Path(a.work) / f"size-{n}{_mix(a)}"
     size = book.state["sizes"].get(key)
-    # the capture's storage dtype is not the recipe (fp8 storage measured no change: docs/
-    # capture.md), so a record made with the other one stands; a half-made folder does not
-    recipe = a.train_args + ("" if a.capture_dtype == "bf16" else f" capture={a.capture_dtype}")
     now = train_recipe(a)
     if size and size.get("subset") != fingerprint:
         print(f"size {n}: recorded on another subset, run again", flush=True)
@@ -562,8 +561,9 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     if size is None or not _has_draft(folder, size["train"]["draft_id"]):
         if size and not (folder / "draft/eyas.json").is_file():
             print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
-        # steps of another subset or recipe: not resumed
-        _made_for(folder / "subset.txt", f"{fingerprint} {recipe}")
+        # steps of another subset or capture dtype: not resumed; the run and draft of another
+        # recipe go, the prepared and captured folders stay (the recipe is the training's only)
+        _made_for(folder / "subset.txt", _captures_mark(a, fingerprint))
         _run_made_for(folder, now)
         freeing = not a.keep_captures and not a.online
         with _DISK:
@@ -598,6 +598,15 @@ def _has_draft(folder: Path, draft_id: str) -> bool:
     """folder/draft is the exported draft `draft_id`."""
     made = folder / "draft/eyas.json"
     return made.is_file() and json.loads(made.read_text()).get("id") == draft_id
+
+
+def _captures_mark(a, fingerprint: str) -> str:
+    """What a folder's prepared, captured and vocab steps were made for: the subset and the
+    capture's storage dtype. Not the training flags: a run of another recipe goes by its own
+    mark (_run_made_for), and the captures it trained on serve the next recipe as they are.
+    (The storage dtype is not the recipe either, fp8 measured no change: docs/capture.md, so
+    a record made with the other one stands; a half-made folder of it does not.)"""
+    return f"{fingerprint} capture={a.capture_dtype}"
 
 
 def _made_for(marker: Path, what: str) -> None:
@@ -688,8 +697,9 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     if not todo:
         print(f"size {n} levers: done before, skipped", flush=True)
         return
-    # the shared steps of another subset or recipe, a variant's of other flags: not resumed
-    _made_for(folder / "subset.txt", f"{fingerprint} {a.train_args} capture={a.capture_dtype}")
+    # the shared steps of another subset or capture dtype, a variant's of other flags: not
+    # resumed
+    _made_for(folder / "subset.txt", _captures_mark(a, fingerprint))
     to_train = [name for name in todo if name not in rec["variants"] or not _has_draft(
         folder / name, rec["variants"][name]["train"]["draft_id"])]
     for name in to_train:

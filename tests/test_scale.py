@@ -385,6 +385,41 @@ def test_a_second_call_runs_only_what_the_json_lacks(tmp_path, monkeypatch, caps
     assert trained == [] and not (tmp_path / "work2").exists()
 
 
+def test_a_new_recipe_trains_on_the_captures_a_size_kept(tmp_path, monkeypatch):
+    """Captures are made for the subset and the capture dtype, not the recipe: a size trained
+    again under other --train-args finds its prepared and captured folders as they were (its
+    run goes, by the recipe's mark), while another capture dtype starts the folder again."""
+    data, corpus = _regenerated(tmp_path, 4)
+    found = []
+
+    def fake_train(a, n, lines, folder):
+        captured = folder / "captured/shard.bin"
+        found.append((captured.is_file(), (folder / "run/step.txt").is_file()))
+        captured.parent.mkdir(parents=True, exist_ok=True)
+        captured.write_text("states")
+        (folder / "run").mkdir(exist_ok=True)
+        (folder / "run/step.txt").write_text("1")
+        (folder / "draft").mkdir(exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": f"d{len(found)}"}))
+        return {"tokens": 1, "train_tokens": 1, "gpu_minutes": 0.1, "draft_id": f"d{len(found)}"}
+
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "measure", lambda *args: None)
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(tmp_path / "work"), "--out", str(tmp_path / "scale.json"), "--sizes", "4",
+            "--keep-captures"]
+    scale.main(argv)
+    scale.main([*argv, "--train-args", "--lr 2e-3"])  # another recipe: the captures stay
+    # a record made with the other storage dtype stands; a folder made with it does not
+    scale.main([*argv, "--train-args", "--lr 2e-3", "--capture-dtype", "fp8"])
+    assert len(found) == 2
+    saved = json.loads((tmp_path / "scale.json").read_text())
+    del saved["sizes"]["4"]
+    (tmp_path / "scale.json").write_text(json.dumps(saved))
+    scale.main([*argv, "--train-args", "--lr 2e-3", "--capture-dtype", "fp8"])
+    assert found == [(False, False), (True, False), (False, False)]
+
+
 def test_a_run_folder_of_another_recipe_is_not_resumed(tmp_path):
     """A size's or variant's run and draft trained by another recipe go before it trains; the
     recipe is the folder's mark, or (a folder made before marks) its run's own manifest."""
@@ -748,7 +783,7 @@ def test_a_resumed_capture_counts_what_it_wrote_and_a_complete_one_needs_no_disk
     captured = work / "size-1000/captured"
     captured.mkdir(parents=True)
     (captured / "part.bin").write_bytes(b"x" * 600)
-    (work / "size-1000/subset.txt").write_text("fp  capture=fp8")
+    (work / "size-1000/subset.txt").write_text("fp capture=fp8")
     results = {}
     _start(a, book, 1000, results).join(30)
     assert results == {1000: "d1000"} and used() == 0
