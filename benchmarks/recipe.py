@@ -96,6 +96,9 @@ VARIANTS.update({
     "eagle3.1+lr1e-3": [*NORMS, "--lr", "1e-3"],  # speculators' lr without Muon
     "eagle3.1+lr2e-3": [*NORMS, "--lr", "2e-3"],  # is 1e-3 (the default since) the optimum?
     "eagle3.1+speculators": [*NORMS, *(f for v in SPECULATORS.values() for f in v)],
+    # today's defaults on the assistant's positions only: the default until session 46, so a
+    # lease measures the change beside the default and against earlier leases' peer runs
+    "mask-input": ["--loss-mask-at", "input"],
 })
 
 
