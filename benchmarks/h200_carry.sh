@@ -58,6 +58,19 @@ check() {  # each carried folder with the tracked tree under the device's 64 MiB
 }
 if [ "${1:-}" = check ]; then check; exit; fi
 
+# the prompts first (realdata: pipeline, evals; the --scale curve's train.jsonl): the step
+# that fails most (a source gone from PyPI), so that a failure leaves the folders already
+# built as they were (session 47 lost a lease's realdata.tgz to a build that stopped here
+# after the folders were emptied)
+mkdir -p "$DL" && T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+# (REALDATA_ARGS='--without bigbench': its sdist left PyPI's index by 2026-12-05; see
+# docs/benchmarks.md, "Without BIG-bench")
+"$PY" benchmarks/real_data.py --out "$T/realdata" --cache "$DL" ${REALDATA_ARGS:-} \
+    > "$T/realdata.log"
+"$PY" benchmarks/real_data.py --out "$T/scale-realdata" --cache "$DL" --scale \
+    ${REALDATA_ARGS:-} > "$T/scale.log"
+
 rm -rf .carry/a .carry/b .carry/b2 .carry/c .carry/e
 mkdir -p .whl .carry/a .carry/b/bench .carry/b2 .carry/c .carry/e/bench "$DL" "$CACHE"
 X=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
@@ -84,15 +97,6 @@ split -n 4 "$gguf" /tmp/gguf.part-
 mv /tmp/gguf.part-aa .carry/a/ && mv /tmp/gguf.part-ab .carry/b/ && mv /tmp/gguf.part-ac .carry/b2/
 mv /tmp/gguf.part-ad .carry/c/
 
-# the prompts: realdata (pipeline, evals) and the --scale curve's train.jsonl
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-# (REALDATA_ARGS='--without bigbench': its sdist left PyPI's index by 2026-12-05; see
-# docs/benchmarks.md, "Without BIG-bench")
-"$PY" benchmarks/real_data.py --out "$T/realdata" --cache "$DL" ${REALDATA_ARGS:-} \
-    > "$T/realdata.log"
-"$PY" benchmarks/real_data.py --out "$T/scale-realdata" --cache "$DL" --scale \
-    ${REALDATA_ARGS:-} > "$T/scale.log"
 tar czf .carry/a/realdata.tgz -C "$T" realdata
 tar czf .carry/b/scale.tgz -C "$T" scale-realdata
 
