@@ -54,6 +54,14 @@ check() {  # each carried folder with the tracked tree under the device's 64 MiB
     echo "$d: $n bytes with the tree (limit $((64 << 20)))"
     [ $n -lt $((64 << 20)) ] || { echo "$d is too big to carry" >&2; bad=1; }
   done
+  # what h200_lease.sh's steps a, b, b2 and c read from their folders (session 47's call `a`
+  # found no realdata.tgz: a build had stopped after emptying the folders)
+  for f in .carry/a/gguf.part-aa .carry/a/realdata.tgz .carry/b/gguf.part-ab \
+      .carry/b/scale.tgz .carry/b/bench .carry/b2/gguf.part-ac .carry/c/gguf.part-ad; do
+    [ -e "$f" ] || { echo "$f is missing: build the folders again (bash" \
+        "benchmarks/h200_carry.sh, REALDATA_ARGS='--without bigbench' where BIG-bench is" \
+        "gone)" >&2; bad=1; }
+  done
   return $bad
 }
 if [ "${1:-}" = check ]; then check; exit; fi
