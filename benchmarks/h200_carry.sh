@@ -83,7 +83,7 @@ trap 'rm -rf "$T"' EXIT
     ${REALDATA_ARGS:-} > "$T/scale.log" || { tail "$T/scale.log"; exit 1; }
 
 rm -rf .carry/a .carry/b .carry/b2 .carry/c .carry/e
-mkdir -p .whl .carry/a .carry/b/bench .carry/b2 .carry/c .carry/e/bench "$DL" "$CACHE"
+mkdir -p .whl .carry/a .carry/b/bench .carry/b2 .carry/c .carry/e/bench "$CACHE"
 X=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
 mkdir -p "$(dirname "$X")" && { grep -qx '/.carry/' "$X" 2>/dev/null || echo /.carry/ >> "$X"; }
 

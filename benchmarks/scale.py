@@ -562,8 +562,8 @@ def run_size(a, n: int, lines: list[str], fingerprint: str, book: Book) -> None:
     if size is None or not _has_draft(folder, size["train"]["draft_id"]):
         if size and not (folder / "draft/eyas.json").is_file():
             print(f"size {n}: evals missing and its draft is gone: trained again", flush=True)
-        # steps of another subset or capture dtype: not resumed; the run and draft of another
-        # recipe go, the prepared and captured folders stay (the recipe is the training's only)
+        # steps made for another subset or capture (_captures_mark): not resumed; the run and
+        # draft of another recipe go, the prepared and captured folders stay
         _mark_captures(folder, a, fingerprint)
         _run_made_for(folder, now)
         freeing = not a.keep_captures and not a.online
@@ -713,8 +713,8 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     if not todo:
         print(f"size {n} levers: done before, skipped", flush=True)
         return
-    # the shared steps of another subset or capture dtype, a variant's of other flags: not
-    # resumed
+    # the shared steps made for another subset or capture (_captures_mark), a variant's of
+    # other flags: not resumed
     _mark_captures(folder, a, fingerprint)
     to_train = [name for name in todo if name not in rec["variants"] or not _has_draft(
         folder / name, rec["variants"][name]["train"]["draft_id"])]
