@@ -662,6 +662,23 @@ def _eval_done(a, size: dict | None, name: str) -> bool:
 
 # -- the levers (issue 31, item 5) ----------------------------------------------------------
 
+def _pin_recipes(a, rec: dict) -> None:
+    """Before a lever set's --train-args change: each variant recorded without its recipe
+    (made before recipes were recorded) gets the one it was trained by (its flags on the old
+    --train-args: recipe_change's rule), so that every variant is judged by its own recipe
+    against the new --train-args, not reset for a change of how they are written. A variant
+    whose old arguments this eyas train refuses is dropped, with its reason."""
+    for name, v in list(rec["variants"].items()):
+        if "recipe" not in v:
+            try:
+                v["recipe"] = train_recipe(a, [*BEFORE_RECIPES, *v["flags"]], rec["train_args"])
+            except SystemExit as e:
+                print(f"lever {name}: its recorded --train-args {rec['train_args']!r} are "
+                      f"refused by this eyas train ({e}), run again", flush=True)
+                del rec["variants"][name]
+    rec["train_args"] = a.train_args
+
+
 def parse_levers(parser: argparse.ArgumentParser, text: str) -> dict[str, list[str]]:
     """--levers 'NAME=FLAGS;NAME=FLAGS' -> name -> eyas train flags (`name=` with no flags is
     the recipe itself: a control trained in the same call)."""
@@ -683,17 +700,19 @@ def run_levers(a, n: int, lines: list[str], fingerprint: str, book: Book) -> Non
     prepared, captured, vocab, and a folder per variant), then measured by the evals of
     --lever-evals, --eval-jobs at once; --lever-jobs variants train at once. The captures go
     once every variant's training has ended (kept when one failed, for its resume). Records:
-    the JSON's levers[N][variants][NAME], redone when the subset or --train-args change
-    (compared as written: every variant again), when the variant's flags change, or when the
-    recipe they resolve to does (train_recipe: eyas train's defaults moved); variants another
-    call asked for stay."""
+    the JSON's levers[N][variants][NAME], redone when the subset changes (every variant),
+    when the variant's flags change, or when the recipe that --train-args and its flags
+    resolve to does (train_recipe: --train-args written otherwise to the same effect keep
+    it; eyas train's defaults moved redo it); variants another call asked for stay."""
     key, folder = f"{n} levers", Path(a.work) / f"levers-{n}{_mix(a)}"
     plan = {e: p for e, p in eval_plan(a).items() if e in a.lever_evals}
     with book.change() as state:
         rec = state.setdefault("levers", {}).get(str(n))
-        if rec is None or rec["subset"] != fingerprint or rec["train_args"] != a.train_args:
+        if rec is None or rec["subset"] != fingerprint:
             rec = state["levers"][str(n)] = {"subset": fingerprint, "train_args": a.train_args,
                                              "variants": {}}
+        elif rec["train_args"] != a.train_args:
+            _pin_recipes(a, rec)
         now = {name: train_recipe(a, flags) for name, flags in a.levers.items()}
         for name, flags in a.levers.items():
             old = rec["variants"].get(name)

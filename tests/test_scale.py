@@ -978,6 +978,52 @@ def test_levers_share_one_capture_train_side_by_side_and_resume(tmp_path, monkey
     assert state["levers"]["4"]["variants"]["default"]["recipe"]["loss_mask_at"] == "input"
 
 
+def test_levers_outlive_train_args_written_otherwise_and_each_is_judged_by_its_recipe(
+        tmp_path, monkeypatch, capsys):
+    """--train-args written otherwise to the same effect retrain no variant; a change of
+    effect retrains only the variants whose own recipe it changes (here not the one whose
+    flags set that option themselves); a variant recorded before recipes were recorded is
+    judged by its flags on the old --train-args."""
+    data, corpus = _regenerated(tmp_path, 6)
+    events = []
+    monkeypatch.setattr(scale, "run", _lever_steps(events, {}))
+    monkeypatch.setattr(scale, "capture_bytes", lambda target, tokens, dtype: tokens)
+    out, work = tmp_path / "res/scale.json", tmp_path / "work"
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(work), "--out", str(out), "--sizes", "", "--bench", "", "--t1-bench", "",
+            "--lever-sizes", "4", "--levers", "default=;epochs2=--epochs=2;lr2=--lr 2e-3"]
+    scale.main([*argv, "--train-args", "--epochs 5 --lr=1e-3"])
+    assert sorted(v for s, v, _ in events if s == "train") == ["default", "epochs2", "lr2"]
+    # lr2 as a record from before recipes were recorded (BEFORE_RECIPES: --loss-mask-at input)
+    state = json.loads(out.read_text())
+    del state["levers"]["4"]["variants"]["lr2"]["recipe"]
+    out.write_text(json.dumps(state))
+
+    events.clear()
+    capsys.readouterr()
+    state = scale.main([*argv, "--train-args", "--lr 1e-3 --epochs=5"])
+    said = capsys.readouterr().out
+    # lr2's pinned recipe is its flags on "--epochs 5 --lr=1e-3" less BEFORE_RECIPES' change
+    assert "lever lr2: recorded under another recipe (loss_mask_at 'input' -> 'all')," in said
+    assert "lever default:" not in said and "lever epochs2:" not in said
+    assert not [v for s, v, _ in events if s == "train" and v != "lr2"]
+    levers = state["levers"]["4"]
+    assert levers["train_args"] == "--lr 1e-3 --epochs=5"
+    assert levers["variants"]["lr2"]["recipe"]["loss_mask_at"] == "all" and \
+        levers["variants"]["lr2"]["recipe"]["epochs"] == 5
+
+    events.clear()
+    capsys.readouterr()
+    state = scale.main([*argv, "--train-args", "--epochs 7 --lr 1e-3"])
+    assert sorted(v for s, v, _ in events if s == "train") == ["default", "lr2"]
+    said = capsys.readouterr().out
+    assert "lever default: recorded under another recipe (epochs 5 -> 7)" in said
+    assert "lever lr2: recorded under another recipe (" in said and "epochs 5 -> 7" in said
+    variants = state["levers"]["4"]["variants"]
+    assert variants["epochs2"]["recipe"]["epochs"] == 2 and variants["default"]["recipe"][
+        "epochs"] == 7 and variants["lr2"]["recipe"]["loss_mask_at"] == "all"
+
+
 def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monkeypatch):
     """Each eval's per-prompt counts of the draft go beside the JSON (OUT-prompts/, named in
     its record), and the table gives each variant's change against the control paired
