@@ -737,6 +737,57 @@ def test_flex_band_plumbing_matches_reference(monkeypatch, n_q, n_keys):
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_compiled_flex_outlives_dynamo_s_recompile_limit(monkeypatch):
+    """Past dynamo's recompile limit a torch.compile'd function runs eagerly, and eager
+    FlexAttention materialises every score and fails inside a CUDA graph's capture (the
+    H100's `pytest -m gpu`, session 48). The band's compiled flex has a limit of its own: with
+    the global limit at 1, three layouts (dtypes) get a graph each, with the band's values,
+    where the same compiled flex without it stops at one. Counted by a counting backend on
+    CPU, forward only (CPU FlexAttention has no backward)."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounter
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import eyas.kernels.attention as D
+
+    def compiles(flex) -> int:
+        n, counter = 300, flex.counter
+        idx = torch.arange(n)
+        torch._dynamo.reset()  # dynamo counts the graphs of flex_attention's code, any wrapper
+        with torch._dynamo.config.patch(**{name: 1}), torch.no_grad():
+            for dtype in (torch.float32, torch.float64, torch.bfloat16):
+                monkeypatch.setattr(D, "_compiled_flex", lambda: flex)
+                q, k, v = (torch.randn(n, h, 16, dtype=dtype) for h in (4, 2, 2))
+                out, lse = D._band_flex(q, k, v, (idx - 40).clamp(min=0), idx)
+                want, want_lse = D._band_reference(q, k, v, (idx - 40).clamp(min=0), idx)
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+        return counter.frame_count
+
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
+        else "cache_size_limit"
+    real = torch.compile
+    counted = []
+
+    def counting_compile(fn, **kwargs):
+        counted.append(CompileCounter())
+        compiled = real(fn, backend=counted[-1])
+        compiled.counter = counted[-1]
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    D._compiled_flex.cache_clear()
+    try:
+        limited = D._compiled_flex()
+    finally:
+        D._compiled_flex.cache_clear()
+    limited.counter = counted[-1]
+    assert compiles(limited) == 3
+    assert compiles(counting_compile(flex_attention)) == 1  # the global limit, spent
+
+
 @pytest.mark.slow
 def test_block_mask_with_compiled_flex_kernel_cpu():
     """The real FlexAttention kernel (CPU inference template) honours the block mask."""

@@ -108,11 +108,37 @@ def _band_reference(q, k, v, lo, hi, chunk: int = 1024):
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
 
 
+# torch.compile makes a FlexAttention graph for each layout it meets (dtype, heads, grad or
+# not, a fixed then a dynamic length), and past dynamo's limit of 8 per function it runs flex
+# eagerly: the unfused implementation, every score in memory (N^2), and an error inside a
+# CUDA graph's capture. Eight is soon spent by one process that trains and evaluates several
+# models (`pytest -m gpu` on an H100, session 48: the TTT graph tests, run after the other
+# GPU tests, failed so); flex's calls get a limit of their own.
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return _own_recompile_limit(torch.compile(flex_attention), FLEX_RECOMPILE_LIMIT)
+
+
+def _own_recompile_limit(compiled, limit: int):
+    """`compiled` (a torch.compile'd function) called with dynamo's per-function recompile
+    limit raised to `limit` (never lowered); inside a compiled caller, the caller's."""
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") \
+        else "cache_size_limit"  # torch < 2.6
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        with torch._dynamo.config.patch(**{name: max(getattr(torch._dynamo.config, name),
+                                                     limit)}):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def _band_flex(q, k, v, lo, hi):
