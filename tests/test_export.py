@@ -967,6 +967,31 @@ def test_vllm_runs_the_export_as_eyas_does(tmp_path, llama_dir, vllm_cpu_draft_b
     assert bool(torch.isinf(logits[:, ~trained.t2d]).all())  # -inf outside the draft vocab
 
 
+def test_export_refuses_a_target_of_other_weights(llama_dir, tmp_path):
+    """--target names the model the serve commands and the speculators verifier load: a
+    checkpoint of the same shape with other weights (a fine-tune) is refused, as train and
+    eval refuse it, unless --accept-other-weights says it is the same model in another
+    precision; the run's own model passes."""
+    from transformers import AutoConfig
+
+    from test_manifest import _perturbed
+
+    target = AutoConfig.from_pretrained(llama_dir)
+    cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7))
+    make_run(tmp_path / "run", cfg, steps=(10,), best=10,
+             target=target_record(str(llama_dir), config=target))
+    tuned = _perturbed(llama_dir, tmp_path / "tuned")
+    run = dict(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"), dtype="fp32")
+    with pytest.raises(EyasError, match=r"same tokenizer and shape but other weights.*"
+                                        r"--accept-other-weights"):
+        export(ExportConfig(**run, target=str(tuned)))
+    assert not (tmp_path / "d").exists()
+    out = export(ExportConfig(**run, target=str(tuned), accept_other_weights=True))
+    assert f"vllm serve {tuned} " in (out / "README.md").read_text()
+    out = export(ExportConfig(**run, target=str(llama_dir), overwrite=True))
+    assert f"vllm serve {llama_dir} " in (out / "README.md").read_text()
+
+
 def _vllm_against_eyas(tmp_path, llama_dir, builder, fmt: str, variant: dict):
     """Export a draft of `variant` in `fmt`, build vLLM's Eagle3LlamaForCausalLM from the
     folder, and check its logits over the draft vocab and the hidden state it hands the next

@@ -67,6 +67,23 @@ def test_target_mismatch_is_refused(tiny_tok):
         check_same_target(rec, other, "prepared data")
 
 
+def test_another_architecture_of_the_same_shape_is_refused(tiny_tok):
+    """A Qwen3 and a Llama of one tokenizer, hidden size, depth and vocab are two targets,
+    not one model's other weights: refused before the weights are compared (so
+    --accept-other-weights does not let one stand for the other)."""
+    import transformers
+
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=100)
+    llama, qwen3 = (target_record(name, config=cfg(**shape), tokenizer=tiny_tok)
+                    for name, cfg in (("llama", transformers.LlamaConfig),
+                                      ("qwen3", transformers.Qwen3Config)))
+    assert {k: v for k, v in llama.items() if v != qwen3[k]} == {
+        "name_or_path": "llama", "model_type": "llama"}
+    with pytest.raises(EyasError, match=r"made for target llama \(model_type=llama\) but this "
+                                        r"run uses qwen3 \(model_type=qwen3\)"):
+        check_same_target(llama, qwen3, "the capture", weights=False)
+
+
 def _perturbed(src, out, name="model.layers.1.self_attn.q_proj.weight", scale=1.01):
     """A copy of the saved model in `src` with one tensor changed, as a fine-tune changes it."""
     import shutil

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eyas.config import ConfigError, check_choices, option, out_option, required
+from eyas.config import (ConfigError, accept_other_weights_option, check_choices, option,
+                         out_option, required)
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.draft.formats import (DTYPES, EAGLE31_KEYS, SERVED_SINCE, read_config,
@@ -93,6 +94,7 @@ class ExportConfig:
                                       "verifier (default: the one the run was trained on)")
     overwrite: bool = option(False, "replace an export in --out that came from another "
                                     "training run (otherwise that is an error)")
+    accept_other_weights: bool = accept_other_weights_option("a --target")
 
     def __post_init__(self):
         check_choices(self)
@@ -425,11 +427,14 @@ def _served_target(cfg: ExportConfig, train: dict | None) -> ServedTarget:
     if Path(cfg.target).expanduser().exists() and target:
         from eyas.targets.models import load_config
 
+        # the served model's weights too: another checkpoint of the same shape is another
+        # target (the same one in another precision: --accept-other-weights)
+        weights = not cfg.accept_other_weights
         given = target_record(cfg.target, config=load_config(cfg.target, trust_remote_code=remote),
-                              weights=False)
+                              weights=weights)
         check_same_target(target, given, f"the run in {cfg.checkpoint} (trained on "
                           f"{recorded})", fix=f"give --target the model the run was trained on "
-                          f"({recorded}), or leave --target out", weights=False)
+                          f"({recorded}), or leave --target out", weights=weights)
     return served_target(cfg.target, None, remote)
 
 

@@ -466,16 +466,16 @@ def chat_template_fingerprint(tokenizer) -> str:
 
 def check_same_target(found: dict | None, expected: dict | None, what: str,
                       fix: str = "", *, weights: bool = True) -> None:
-    """Refuse an artifact made for another target (different tokenizer, shape or GGUF, or, with
-    `weights`, other weights of the same shape: a fine-tune, another checkpoint); `fix` says how
-    to make the right one where re-running with --target is not it. Prepared data is tokens
-    only: its checks pass weights=False."""
+    """Refuse an artifact made for another target (different architecture, tokenizer, shape or
+    GGUF, or, with `weights`, other weights of the same shape: a fine-tune, another
+    checkpoint); `fix` says how to make the right one where re-running with --target is not
+    it. Prepared data is tokens only: its checks pass weights=False."""
     if not found or not expected:
         return
     fix = fix or f"re-run that step with --target {expected.get('name_or_path')}"
     # a key only compares where both records have it (older manifests lack the fingerprints)
-    for key in ("tokenizer_hash", "hidden_size", "num_hidden_layers", "vocab_size",
-                "gguf_fingerprint"):
+    for key in ("model_type", "tokenizer_hash", "hidden_size", "num_hidden_layers",
+                "vocab_size", "gguf_fingerprint"):
         a, b = found.get(key), expected.get(key)
         if a is not None and b is not None and a != b:
             raise EyasError(
