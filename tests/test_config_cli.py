@@ -277,3 +277,47 @@ def test_a_list_value_that_starts_with_a_minus_reaches_the_configs_own_check(cap
     # a flag after a flag that takes a value is still a flag
     with pytest.raises(SystemExit):
         cli.parse_config("capture", ["--target", "t", "--out", "--data", "d"])
+
+
+def test_a_device_that_is_not_here_is_a_clear_error_before_the_target_loads(
+        tmp_path, llama_dir, capsys, monkeypatch):
+    """A device torch cannot name is refused with the options (capture, regenerate, and an
+    `eyas run` YAML's capture section before any step); one it names but that is not here
+    (CUDA without a GPU, cuda:N past the GPUs visible) when the target would load: never
+    a traceback from deep inside torch."""
+    import torch
+
+    from eyas.targets import models
+
+    from test_capture import make_prepared
+
+    prepared = make_prepared(tmp_path / "prepared", llama_dir)
+    capture = ["capture", "--target", str(llama_dir), "--data", str(prepared), "--out",
+               str(tmp_path / "cap")]
+    for flags, said in ((["--device", "nosuch"], "--device 'nosuch': torch names no such "
+                         "device; use cpu, cuda, cuda:N"),
+                        (["--device-map", "nosuch"], "--device-map 'nosuch': torch names no "
+                         "such device; use auto, balanced")):
+        assert cli.main([*capture, *flags]) == 2
+        assert said in capsys.readouterr().err
+    assert cli.main(["regenerate", "--target", str(llama_dir), "--data", str(tmp_path / "x"),
+                     "--out", str(tmp_path / "r"), "--device", "gpu0"]) == 2
+    assert "--device 'gpu0': torch names no such device; use auto, cpu" in \
+        capsys.readouterr().err
+    pipe = tmp_path / "pipe.yaml"
+    pipe.write_text(f"target: {llama_dir}\ndata: {tmp_path / 'd.jsonl'}\nwork_dir: "
+                    f"{tmp_path / 'w'}\ncapture:\n  device: nosuch\n")
+    assert cli.main(["run", str(pipe)]) == 2
+    assert "--device 'nosuch'" in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+    # CUDA that is not here: as on a machine without a GPU, and one GPU asked for its second
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main([*capture, "--device", "cuda"]) == 2
+    assert "the target's device 'cuda': no CUDA device is visible here" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "cap").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"device map 'cuda:1': only 1 CUDA device\(s\) are "
+                                          r"visible \(cuda:0..cuda:0"):
+        models.load_target(str(llama_dir), device_map="cuda:1")

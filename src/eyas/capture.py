@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
-                         target_option, trust_remote_code_option)
+from eyas.config import (DEVICE_MAP_STRATEGIES, ConfigError, check_choices, check_device_name,
+                         option, out_option, required, revision_option, target_option,
+                         trust_remote_code_option)
 from eyas.errors import EyasError
 from eyas.store.manifest import (check_out, check_same_target, read_manifest, target_record,
                                  write_manifest)
@@ -121,6 +122,8 @@ class CaptureConfig:
                               f"--aux-layer-ids (those name the layers themselves), or 0")
         self.shard_index()  # validates the I/N spelling
         check_engine_options(self)
+        check_device_name(self.device, "--device")
+        check_device_name(self.device_map, "--device-map", also=DEVICE_MAP_STRATEGIES)
         if self.backend == "vllm" and (self.device or self.device_map or self.attn_implementation
                                        or self.packing != "auto"):
             raise ConfigError("--device, --device-map, --attn-implementation and --packing are "

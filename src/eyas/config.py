@@ -174,6 +174,24 @@ def target_option(help: str = "target model: hub name, local folder or .gguf fil
     return required(help)
 
 
+# device_map words transformers (accelerate) places a target by, besides one device's name
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_name(value: str | None, flag: str, *, also: tuple[str, ...] = ()) -> None:
+    """A device option's value torch can name (cpu, cuda, cuda:N, ...), `also`'s words or None;
+    whether that device is here is told when the target loads (targets.models)."""
+    if value is None or value in also:
+        return
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        words = ", ".join((*also, "cpu", "cuda", "cuda:N"))
+        raise ConfigError(f"{flag} {value!r}: torch names no such device; use {words}") from None
+
+
 def trust_remote_code_option():
     return option(False, "allow the target's own Python code (needed for e.g. Kimi-K2.5)")
 

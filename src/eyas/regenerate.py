@@ -45,8 +45,8 @@ from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, normalize, sample_id, st
                               with_system_prompt)
 from eyas.targets.chat_files import FORMATS, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
-from eyas.config import (ConfigError, check_choices, option, out_option, required, revision_option,
-                         target_option, trust_remote_code_option)
+from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
+                         required, revision_option, target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
                                  target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
@@ -164,6 +164,7 @@ class RegenerateConfig:
                               f"add --backend openai to call the server, or drop them to "
                               f"generate with --backend {self.backend} here")
         check_engine_options(self)
+        check_device_name(self.device, "--device", also=("auto",))
         if self.backend == "vllm" and (self.batching != "padded" or self.device != "auto"):
             raise ConfigError("--batching and --device are transformers-backend options: the vllm "
                               "backend's engine batches by itself and runs where its build does "

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.config import (ConfigError, accept_other_weights_option, check_choices, option,
-                         out_option, required, revision_option, trust_remote_code_option)
+from eyas.config import (DEVICE_MAP_STRATEGIES, ConfigError, accept_other_weights_option,
+                         check_choices, option, out_option, required, revision_option,
+                         trust_remote_code_option)
 from eyas.draft.loss import OBJECTIVES
 from eyas.draft.ttt import LOSS_MASK_AT
 
@@ -414,10 +415,6 @@ def _left_at_default(cfg: TrainConfig, names, message: str) -> list[tuple[bool, 
 def _default(name: str):
     """What option `name` is when not given (TRAINING_DEFAULTS' are unset until then)."""
     return TRAINING_DEFAULTS.get(name, TrainConfig.__dataclass_fields__[name].default)
-
-
-# transformers' device_map strategies (accelerate computes the placement)
-DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _is_device_map(value: str | None) -> bool:

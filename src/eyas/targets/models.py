@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.config import ConfigError
+from eyas.config import DEVICE_MAP_STRATEGIES, ConfigError
 from eyas.errors import EyasError
 from eyas.targets.gguf import check_gguf_file, gguf_damage, is_gguf, load_once
 from eyas.targets.quantized import check_fp8_blocks
@@ -230,6 +230,33 @@ def build_meta_model(config, *, trust_remote_code: bool = False) -> nn.Module:
     return model
 
 
+def _check_placement(device, device_map) -> None:
+    """Refuse, before any weights are read, a device (or a device_map naming one device) that
+    torch cannot name or that is not here: CUDA on a machine without it, cuda:N past the
+    GPUs visible."""
+    named = [("device", device)]
+    if isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
+        named.append(("device map", device_map))
+    for what, value in named:
+        if value is None or value == "auto":
+            continue
+        try:
+            place = torch.device(value)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"the target's {what} {value!r}: torch names no such device; use "
+                              f"cpu, cuda or cuda:N") from None
+        if place.type != "cuda":
+            continue
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"the target's {what} {value!r}: no CUDA device is visible here "
+                              f"(torch {torch.__version__}); use cpu, or run where a GPU is")
+        if place.index is not None and place.index >= count:
+            raise ConfigError(f"the target's {what} {value!r}: only {count} CUDA device(s) "
+                              f"are visible (cuda:0..cuda:{count - 1}; CUDA_VISIBLE_DEVICES "
+                              f"decides which)")
+
+
 def _on_cpu(device, device_map) -> bool:
     # with neither a device nor a device_map the model stays where transformers loads it
     if device_map is not None:
@@ -263,6 +290,7 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
     device_map), or keeps it on the CPU when there is none."""
     import transformers
 
+    _check_placement(device, device_map)
     if device == "auto":
         device, device_map = (None, "auto") if torch.cuda.is_available() else ("cpu", None)
     torch_dtype = _load_dtype(dtype, gguf=is_gguf(name_or_path),
