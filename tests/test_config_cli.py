@@ -300,6 +300,8 @@ def test_a_device_that_is_not_here_is_a_clear_error_before_the_target_loads(
                          "such device; use auto, balanced")):
         assert cli.main([*capture, *flags]) == 2
         assert said in capsys.readouterr().err
+    assert cli.main([*capture, "--attn-implementation", "nosuch"]) == 2  # transformers' reason
+    assert "eyas capture: error: --attn-implementation 'nosuch': " in capsys.readouterr().err
     assert cli.main(["regenerate", "--target", str(llama_dir), "--data", str(tmp_path / "x"),
                      "--out", str(tmp_path / "r"), "--device", "gpu0"]) == 2
     assert "--device 'gpu0': torch names no such device; use auto, cpu" in \

@@ -171,7 +171,10 @@ def capture(cfg: CaptureConfig) -> dict:
                               dtype=MODEL_DTYPES[cfg.model_dtype], device_map=cfg.device_map,
                               device=_default_device(cfg))
     if cfg.attn_implementation:
-        model.set_attn_implementation(cfg.attn_implementation)
+        try:
+            model.set_attn_implementation(cfg.attn_implementation)
+        except (ValueError, ImportError) as err:  # transformers' word on what this model takes
+            raise ConfigError(f"--attn-implementation {cfg.attn_implementation!r}: {err}") from None
     target = target_record(cfg.target, cfg.revision, config=model.config, tokenizer=tokenizer)
     check_same_target(prepared.get("target"), target, what, weights=False)
     return capture_loaded(cfg, model, info, dataset, target=target, inputs=[prepared],
