@@ -323,3 +323,21 @@ def test_a_device_that_is_not_here_is_a_clear_error_before_the_target_loads(
     with pytest.raises(ConfigError, match=r"device map 'cuda:1': only 1 CUDA device\(s\) are "
                                           r"visible \(cuda:0..cuda:0"):
         models.load_target(str(llama_dir), device_map="cuda:1")
+
+
+def test_vllm_engine_options_are_refused_with_another_backend():
+    """--tensor-parallel-size and the other vLLM engine options do nothing with the
+    transformers (or openai) backend: refused, as --vllm-args is, rather than ignored."""
+    from eyas.capture import CaptureConfig
+    from eyas.regenerate import RegenerateConfig
+
+    common = dict(target="t", data="d", out="o")
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size is a --backend vllm "
+                                          r"option, unused by --backend transformers: drop it"):
+        CaptureConfig(**common, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"^--gpu-memory-utilization, --kv-cache-gib are "
+                                          r"--backend vllm options, unused by --backend openai"):
+        RegenerateConfig(**common, backend="openai", server_url=["http://localhost:8000"],
+                         gpu_memory_utilization=0.5, kv_cache_gib=4)
+    CaptureConfig(**common, tensor_parallel_size=2, backend="vllm")
+    RegenerateConfig(**common, backend="vllm", max_model_len=4096)

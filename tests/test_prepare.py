@@ -4,6 +4,7 @@ independent construction, and the prepared/ folder (rejects, length policy, mani
 from __future__ import annotations
 
 import json
+import re
 import logging
 
 import datasets
@@ -907,3 +908,25 @@ def test_cli_end_to_end(tok_dir, tmp_path):
     assert read_manifest(tmp_path / "out", "prepare")["stats"]["eval"] == 1
     assert main(["prepare", "--target", str(tok_dir), "--data", str(root / "nope.json"),
                  "--out", str(tmp_path / "out2")]) == 2
+
+
+def test_reject_reasons_say_what_to_change(tok_dir, tmp_path):
+    """A row whose only assistant turn opens it (context, nothing prompts it) and a row that
+    --length-policy truncate cannot keep (its prompt alone is past --max-length) each say
+    so, rather than "empty or unplaceable turns" or "truncate keeps the first N" (already
+    the policy in force)."""
+    rows = [[{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}],
+            [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}],
+            [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    stats = run_prepare(tok_dir, [data], tmp_path / "p", max_length=64,
+                        length_policy="truncate")
+    assert (stats.kept, stats.rejected, stats.dropped_too_long) == (1, 1, 1)
+    rejects = {r["row"]: r for r in map(json.loads, open(tmp_path / "p/rejects.jsonl"))}
+    assert rejects[2]["reason"] == ("no assistant tokens to supervise: the only assistant turn "
+                                    "is the first message, taken as context (nothing prompts "
+                                    "it)")
+    assert re.fullmatch(r"\d+ tokens > max_length 64, and its first 64 hold no assistant token "
+                        r"\(the prompt alone is longer\): raise --max-length to keep it",
+                        rejects[3]["reason"])

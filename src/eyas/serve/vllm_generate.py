@@ -11,6 +11,7 @@ differently (docs/regenerate.md).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import time
@@ -22,16 +23,29 @@ from eyas.serve.generator import Generation, cut_at_stop, render_prompt, stop_to
 log = logging.getLogger(__name__)
 
 
+# the options of the vLLM engine, off their defaults only with --backend vllm
+ENGINE_KEYS = ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "kv_cache_gib")
+
+
 def check_engine_options(cfg) -> None:
     """The vLLM engine options `eyas regenerate` and `eyas capture` share (`cfg` has
     backend, target, tensor_parallel_size, gpu_memory_utilization, max_model_len,
-    kv_cache_gib): in range, and with --backend vllm a Hugging Face folder rather than a GGUF."""
+    kv_cache_gib): in range, given only with --backend vllm, and with it a Hugging Face folder
+    rather than a GGUF."""
     if cfg.tensor_parallel_size < 1 or not 0 < cfg.gpu_memory_utilization <= 1 \
             or cfg.max_model_len < 0 or cfg.kv_cache_gib < 0:
         raise ConfigError(f"need tensor_parallel_size >= 1, 0 < gpu_memory_utilization <= 1, "
                           f"max_model_len >= 0 and kv_cache_gib >= 0 (got "
                           f"{cfg.tensor_parallel_size}, {cfg.gpu_memory_utilization}, "
                           f"{cfg.max_model_len}, {cfg.kv_cache_gib})")
+    fields = {f.name: f.default for f in dataclasses.fields(cfg)}
+    given = [k for k in ENGINE_KEYS if getattr(cfg, k) != fields[k]]
+    if cfg.backend != "vllm" and given:
+        raise ConfigError(f"{', '.join('--' + k.replace('_', '-') for k in given)} "
+                          f"{'is a' if len(given) == 1 else 'are'} --backend vllm option"
+                          f"{'' if len(given) == 1 else 's'}, unused by --backend "
+                          f"{cfg.backend}: drop {'it' if len(given) == 1 else 'them'}, or add "
+                          f"--backend vllm")
     if cfg.backend == "vllm" and cfg.target.endswith(".gguf"):
         raise ConfigError(f"--backend vllm takes a Hugging Face folder or hub name, not the "
                           f"GGUF {cfg.target}: run `eyas convert --target {cfg.target} --out "

@@ -79,20 +79,34 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
         out["reason"] = str(err)
         return out
     if not any(mask):
-        out["reason"] = "no assistant tokens to supervise (empty or unplaceable turns)"
+        out["reason"] = ("no assistant tokens to supervise: the only assistant turn is the "
+                         "first message, taken as context (nothing prompts it)"
+                         if _answers_first(messages)
+                         else "no assistant tokens to supervise (empty or unplaceable turns)")
         return out
     status = "ok"
     if len(ids) > max_length:
-        out["reason"] = (f"{len(ids)} tokens > max_length {max_length} (--max-length; "
+        full = len(ids)
+        out["reason"] = (f"{full} tokens > max_length {max_length} (--max-length; "
                          f"--length-policy truncate keeps the first {max_length})")
         ids, mask = ids[:max_length], mask[:max_length]
         # A cut that leaves nothing to learn from is as useless as a dropped sample.
         status = "truncated" if truncate and any(mask) else "too_long"
+        if truncate and status == "too_long":
+            out["reason"] = (f"{full} tokens > max_length {max_length}, and "
+                             f"its first {max_length} hold no assistant token (the prompt "
+                             f"alone is longer): raise --max-length to keep it")
     if status == "too_long":
         ids, mask = [], []
     out.update(input_ids=ids, loss_mask=mask, num_tokens=len(ids), num_masked=sum(mask),
                status=status)
     return out
+
+
+def _answers_first(messages: list[dict]) -> bool:
+    """The conversation's only assistant turn is its first message, which the mask takes as
+    context (no prompt before it: masking.assistant_spans)."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"] == [0]
 
 
 def _features():
