@@ -402,7 +402,8 @@ def test_manifest_with_a_real_model_folder(llama_dir, tmp_path, tok):
                           "tokens": sum(train["num_tokens"]),
                           "masked_tokens": sum(map(sum, train["loss_mask"])),
                           "train": 2, "eval": 0, "blank_lines": 0, "rows": 2,
-                          "duplicate_ids": 0, "empty_answers": 0, "reasoning_cut_off": 0}
+                          "duplicate_ids": 0, "empty_answers": 0, "empty_questions": 0,
+                          "reasoning_cut_off": 0}
     assert m["max_position_embeddings"] == 4096  # the tiny llama's: 300 is below it
     assert len(m["chat_template_hash"]) == 16 and m["vocab_size"] == 2048
     assert m["data_files"][0]["path"] == str(tmp_path / "data" / "b.json")
@@ -716,7 +717,16 @@ def test_empty_answers_are_counted_and_named(tok_dir, tmp_path, caplog):
     assert "1 kept conversation(s) hold an assistant turn with no text" in caplog.text
     assert "'hollow'" in caplog.text
     stats = json.loads((tmp_path / "out/eyas.json").read_text())["stats"]
-    assert stats["empty_answers"] == 1
+    assert stats["empty_answers"] == 1 and stats["empty_questions"] == 0
+    # a user turn of no text, the same: its answer is a reply to nothing
+    caplog.clear()
+    rows.append({"id": "unasked", "messages": [{"role": "user", "content": ""},
+                                               {"role": "assistant", "content": "Hello!"}]})
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = run_prepare(tok_dir, [tmp_path / "x.jsonl"], tmp_path / "out2")
+    assert (s.kept, s.empty_answers, s.empty_questions) == (3, 1, 1)
+    assert "1 kept conversation(s) hold a user turn with no text, e.g. ['unasked']" in \
+        caplog.text
 
 
 def test_an_output_of_another_step_is_refused_as_data(tok_dir, tmp_path):

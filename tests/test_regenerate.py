@@ -937,3 +937,23 @@ def test_the_target_generates_without_cudnn_attention(setup, batching, cudnn_see
     seen = cudnn_seen(gen.model.model.layers[0].self_attn)
     out = gen.generate([gen.render([{"role": "user", "content": "hello there"}])], 3)
     assert out[0].finish_reason in ("stop", "length") and seen and not any(seen)
+
+
+def test_a_question_of_no_text_is_refused_not_answered(setup, tmp_path):
+    """A user turn of no text that a regenerated answer would reply to is refused, kind input
+    (the target's answer to nothing is noise to train on), and the row beside it answered;
+    an empty user turn that --turns last leaves as it is does not stop the row."""
+    rows = [{"id": "asked", "messages": [{"role": "user", "content": "Name a colour."}]},
+            {"id": "unasked", "messages": [{"role": "user", "content": "  "}]},
+            {"id": "early", "messages": [{"role": "user", "content": ""},
+                                         {"role": "assistant", "content": "Hello?"},
+                                         {"role": "user", "content": "Count to 3."}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for turns, refused in (("all", {"unasked", "early"}), ("last", {"unasked"})):
+        out = tmp_path / turns
+        stats = regenerate(_cfg(setup, out, data=(str(data),), turns=turns))
+        rejects = {r["sample_id"]: r for r in _read(out / REJECTS)}
+        assert set(rejects) == refused and stats["ok"] == 3 - len(refused)
+        assert rejects["unasked"]["kind"] == "input" and rejects["unasked"]["reason"] == \
+            "message 0: the user turn to answer is empty; fill it or leave the row out"

@@ -109,6 +109,7 @@ class PrepareSummary:
     # kept rows with an assistant turn of no text (nor a tool call): only its end-of-turn
     # token is trained on there, which teaches the draft to end answers at once
     empty_answers: int = 0
+    empty_questions: int = 0
     # rows set aside by --reasoning strip: an assistant turn was only reasoning cut off
     # before its </think> (regenerate's answer cut at max tokens), so nothing of it is left
     reasoning_cut_off: int = 0
@@ -376,6 +377,12 @@ def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
                     "call), e.g. %s: only its end-of-turn token is trained on, which teaches "
                     "the draft to end answers at once; drop or fill those turns (eyas "
                     "regenerate answers them)", int(empty.sum()), ids)
+    asked_nothing = np.asarray(ds["empty_question"], dtype=bool)[kept]
+    if asked_nothing.any():
+        ids = [ds[int(i)]["sample_id"] for i in kept[asked_nothing][:5]]
+        log.warning("%d kept conversation(s) hold a user turn with no text, e.g. %s: the "
+                    "answer after it is trained on as a reply to nothing; fill or drop those "
+                    "rows (eyas regenerate refuses them)", int(asked_nothing.sum()), ids)
     return PrepareSummary(
         kept=len(kept), dropped_too_long=int((status == "too_long").sum()),
         truncated=int((status == "truncated").sum()),
@@ -385,6 +392,7 @@ def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
         blank_lines=int((status == "blank").sum()), rows=len(status),
         duplicate_ids=_duplicate_ids(ds.select(kept.tolist())["sample_id"]),
         max_length=max_length, empty_answers=int(empty.sum()),
+        empty_questions=int(asked_nothing.sum()),
         reasoning_cut_off=int((status == "cut_off").sum()))
 
 

@@ -298,7 +298,14 @@ def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
         raise ChatFormatError("nothing to generate: no assistant turn after a user turn to "
                               "regenerate (tool calls and greetings before the first user turn "
                               "are kept) and no user or tool turn at the end to answer")
-    return redo if turns == "all" else redo[-1:]
+    redo = redo if turns == "all" else redo[-1:]
+    # an answer to an empty question is the target's guess at one: noise to train on
+    empty = [i - 1 for i in redo if messages[i - 1]["role"] == "user"
+             and not str(messages[i - 1].get("content") or "").strip()]
+    if empty:
+        raise ChatFormatError(f"message {empty[0]}: the user turn to answer is empty; fill "
+                              f"it or leave the row out")
+    return redo
 
 
 # The form eyas writes a server's separate reasoning in (eyas.serve.openai_client._parse_choice).

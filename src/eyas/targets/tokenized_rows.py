@@ -66,12 +66,14 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
     status = "blank" if rec["blank"] else "cut_off" if rec["cut_off"] else "rejected"
     out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
            "status": status, "reason": rec["error"],
-           "empty_answer": False}
+           "empty_answer": False, "empty_question": False}
     if rec["error"]:
         return out
     messages = json.loads(rec["messages_json"])
     out["empty_answer"] = any(m["role"] == "assistant" and not m.get("tool_calls")
                               and not str(m.get("content") or "").strip() for m in messages)
+    out["empty_question"] = any(m["role"] == "user" and not str(m.get("content") or "").strip()
+                                for m in messages)
     try:
         ids, mask = tokenize_conversation(tokenizer, messages,
                                           truncated=rec["truncated"], **mask_kwargs)
@@ -122,6 +124,7 @@ def _features():
         "num_tokens": datasets.Value("int32"), "num_masked": datasets.Value("int64"),
         "status": datasets.Value("string"), "reason": datasets.Value("string"),
         "empty_answer": datasets.Value("bool"),
+        "empty_question": datasets.Value("bool"),
     })
 
 
