@@ -359,15 +359,21 @@ def _recipe_diff(was: dict, now: dict) -> list[str]:
     return changed_options(TrainConfig, was, now)
 
 
+def recorded_recipe(record: dict, a, flags: list[str] = (),
+                    train_args: str | None = None) -> dict:
+    """The recipe `record` was trained by: its own, or for a record from before recipes were
+    recorded, its --train-args (`train_args`: the lever record's) and `flags` under today's
+    defaults less what changed since (BEFORE_RECIPES)."""
+    if record.get("recipe") is not None:
+        return record["recipe"]
+    return train_recipe(a, [*BEFORE_RECIPES, *flags], record.get("train_args", train_args))
+
+
 def recipe_change(record: dict, a, now: dict, flags: list[str] = (),
                   train_args: str | None = None) -> str | None:
     """How the recipe `record` (a size's, or a lever variant's of `flags`) was trained by
-    differs from `now`, or None. A record from before recipes were recorded holds none: its
-    recipe is its --train-args (`train_args`: the lever record's) under today's defaults less
-    what changed since (BEFORE_RECIPES)."""
-    was = record.get("recipe")
-    if was is None:
-        was = train_recipe(a, [*BEFORE_RECIPES, *flags], record.get("train_args", train_args))
+    (recorded_recipe) differs from `now`, or None."""
+    was = recorded_recipe(record, a, flags, train_args)
     return ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}"
                      for k in _recipe_diff(was, now)) or None
 
@@ -664,14 +670,14 @@ def _eval_done(a, size: dict | None, name: str) -> bool:
 
 def _pin_recipes(a, rec: dict) -> None:
     """Before a lever set's --train-args change: each variant recorded without its recipe
-    (made before recipes were recorded) gets the one it was trained by (its flags on the old
-    --train-args: recipe_change's rule), so that every variant is judged by its own recipe
+    (made before recipes were recorded) gets the one it was trained by (recorded_recipe: its
+    flags on the old --train-args), so that every variant is judged by its own recipe
     against the new --train-args, not reset for a change of how they are written. A variant
     whose old arguments this eyas train refuses is dropped, with its reason."""
     for name, v in list(rec["variants"].items()):
         if "recipe" not in v:
             try:
-                v["recipe"] = train_recipe(a, [*BEFORE_RECIPES, *v["flags"]], rec["train_args"])
+                v["recipe"] = recorded_recipe(v, a, v["flags"], rec["train_args"])
             except SystemExit as e:
                 print(f"lever {name}: its recorded --train-args {rec['train_args']!r} are "
                       f"refused by this eyas train ({e}), run again", flush=True)

@@ -41,8 +41,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, normalize, sample_id, strip_reasoning,
-                              with_system_prompt)
+from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, has_text, normalize, sample_id,
+                              strip_reasoning, with_system_prompt)
 from eyas.targets.chat_files import FORMATS, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
 from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
@@ -301,7 +301,7 @@ def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
     redo = redo if turns == "all" else redo[-1:]
     # an answer to an empty question is the target's guess at one: noise to train on
     empty = [i - 1 for i in redo if messages[i - 1]["role"] == "user"
-             and not str(messages[i - 1].get("content") or "").strip()]
+             and not has_text(messages[i - 1])]
     if empty:
         raise ChatFormatError(f"message {empty[0]}: the user turn to answer is empty; fill "
                               f"it or leave the row out")

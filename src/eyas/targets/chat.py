@@ -146,6 +146,11 @@ def _text(i: int, content: Any) -> str:
                           f"(only text conversations are supported)")
 
 
+def has_text(message: dict) -> bool:
+    """The message holds some text besides whitespace (a tool call alone holds none)."""
+    return bool(str(message.get("content") or "").strip())
+
+
 def sample_id(row: dict, file: str, row_number: int) -> str:
     """The row's own id column if it has one, else `file:row`."""
     if isinstance(row, dict):

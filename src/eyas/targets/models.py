@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.config import DEVICE_MAP_STRATEGIES, ConfigError
+from eyas.config import DEVICE_MAP_STRATEGIES, ConfigError, check_device_name
 from eyas.errors import EyasError
 from eyas.targets.gguf import check_gguf_file, gguf_damage, is_gguf, load_once
 from eyas.targets.quantized import check_fp8_blocks
@@ -238,14 +238,8 @@ def _check_placement(device, device_map) -> None:
     if isinstance(device_map, str) and device_map not in DEVICE_MAP_STRATEGIES:
         named.append(("device map", device_map))
     for what, value in named:
-        if value is None or value == "auto":
-            continue
-        try:
-            place = torch.device(value)
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"the target's {what} {value!r}: torch names no such device; use "
-                              f"cpu, cuda or cuda:N") from None
-        if place.type != "cuda":
+        check_device_name(value, f"the target's {what}", also=("auto",))
+        if value is None or value == "auto" or (place := torch.device(value)).type != "cuda":
             continue
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:

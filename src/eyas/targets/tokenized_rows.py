@@ -71,9 +71,8 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
         return out
     messages = json.loads(rec["messages_json"])
     out["empty_answer"] = any(m["role"] == "assistant" and not m.get("tool_calls")
-                              and not str(m.get("content") or "").strip() for m in messages)
-    out["empty_question"] = any(m["role"] == "user" and not str(m.get("content") or "").strip()
-                                for m in messages)
+                              and not chat.has_text(m) for m in messages)
+    out["empty_question"] = any(m["role"] == "user" and not chat.has_text(m) for m in messages)
     try:
         ids, mask = tokenize_conversation(tokenizer, messages,
                                           truncated=rec["truncated"], **mask_kwargs)
