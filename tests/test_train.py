@@ -479,6 +479,9 @@ def test_a_stop_between_logging_steps_logs_its_step(run_inputs, tmp_path):
     assert [r["step"] for r in _records(tmp_path / "whole", "train")] == [4, 6]
     assert sum(r["tokens"] for r in _records(stopped, "train")) == \
         sum(r["tokens"] for r in _records(tmp_path / "whole", "train"))
+    # the resumed part's seconds go on from the stopped part's (not from 0 again)
+    elapsed = [r["elapsed_s"] for r in _records(stopped, "train")]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
 def test_the_same_signal_twice_at_once_is_one_request_to_stop(run_inputs, tmp_path):
@@ -1134,6 +1137,19 @@ def test_metrics_go_to_jsonl_and_tensorboard_and_resume_drops_lost_steps(tmp_pat
     loss = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert loss == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0)]
     assert [e.value for e in events.Scalars("train/acc_1")][-1] == pytest.approx(0.4)
+
+
+def test_a_resumed_runs_elapsed_seconds_go_on_from_the_kept_records(tmp_path):
+    """elapsed_s counts the training's seconds from its first step: a resume starts from the
+    last train record it keeps (a record of a step lost with a kill does not count)."""
+    assert checkpoint.MetricsLog(tmp_path, resume_step=0).elapsed_before == 0.0
+    first = checkpoint.MetricsLog(tmp_path, resume_step=0)
+    for step, seconds in ((1, 4.5), (2, 9.25), (3, 14.0)):
+        first.write({"kind": "train", "step": step, "elapsed_s": seconds})
+    first.write({"kind": "eval", "step": 2})
+    first.close()
+    assert checkpoint.MetricsLog(tmp_path, resume_step=2).elapsed_before == 9.25
+    assert checkpoint.MetricsLog(tmp_path, resume_step=0).elapsed_before == 0.0  # started over
 
 
 def test_a_resume_that_reruns_its_steps_eval_drops_an_earlier_record_of_it(tmp_path):

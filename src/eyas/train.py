@@ -326,6 +326,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
         last_eval, _ = judge(start)
     window = torch.zeros(4 * steps + 1, dtype=torch.float64, device=env.device)  # + tokens
     t_window = t_start = time.perf_counter()
+    before = metrics.elapsed_before if metrics else 0.0  # the earlier parts' seconds
     model.train()
     stop = StopOnSignal()  # SIGTERM / SIGINT: save this step, then exit
     try:
@@ -383,7 +384,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                               "lr": lr, "grad_norm": _item(norm),
                               "tokens": int(stats[-1]),
                               "tokens_per_s": stats[-1] / (now - t_window),
-                              "elapsed_s": round(now - t_start, 2)}
+                              "elapsed_s": round(before + now - t_start, 2)}
                 if env.device.type == "cuda":
                     last_train["peak_gpu_gib"] = peak_gib(env)
                 _check_finite(last_train, cfg, run_dir)

@@ -265,6 +265,9 @@ class MetricsLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         kept = []
+        # the training seconds of the parts before this one (the last kept train record's
+        # elapsed_s): a resumed run's elapsed_s goes on from there rather than from 0
+        self.elapsed_before = 0.0
         if self.path.is_file() and resume_step > 0:  # drop records of steps lost with a kill
             rows = []
             for ln in self.path.read_text().splitlines():
@@ -274,9 +277,13 @@ class MetricsLog:
                     if ln.strip():
                         log.warning("%s: an unreadable line dropped on resume: %.80s",
                                     self.path, ln)
-            kept = [ln for ln, r in rows if r.get("step", 0) <= resume_step
-                    and not (eval_due and r.get("kind") == "eval"
-                             and r.get("step") == resume_step)]
+            kept_rows = [(ln, r) for ln, r in rows if r.get("step", 0) <= resume_step
+                         and not (eval_due and r.get("kind") == "eval"
+                                  and r.get("step") == resume_step)]
+            kept = [ln for ln, _ in kept_rows]
+            trained = [r["elapsed_s"] for _, r in kept_rows
+                       if r.get("kind") == "train" and "elapsed_s" in r]
+            self.elapsed_before = float(trained[-1]) if trained else 0.0
         self.path.write_text("".join(ln + "\n" for ln in kept))
         self.tb = None
         try:
