@@ -54,6 +54,33 @@ def test_report_matches_inspection(model_dir, name, capsys):
     json.dumps(report)  # the same dict is what --json prints
 
 
+def test_weights_cut_short_or_missing_are_a_problem(model_dir, tmp_path, capsys):
+    """doctor said "verdict ok" on a folder whose weights file was cut short (every step that
+    loads it fails), and "no weights here: a config-only folder" when one shard was gone."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(model_dir("llama"), folder)
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 1)
+    report = doctor(DoctorConfig(target=str(folder)))
+    assert not report["ok"] and report["problems"] == [
+        f"weights: model.safetensors has {size - 1:,} bytes where its header says {size:,}: "
+        f"the file was cut short; download or copy the model again (every step that loads "
+        f"the target would fail)"]
+    assert "verdict          1 problem(s)" in capsys.readouterr().out
+    # an index naming a file that is not there: the identity line says so
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    weights.unlink()
+    report = doctor(DoctorConfig(target=str(folder)))
+    assert not report["ok"] and report["identity"] == {}
+    assert "identity         none (1 of the 1 files model.safetensors.index.json names is " \
+           "missing (model-00002-of-00002.safetensors))" in capsys.readouterr().out
+
+
 def test_bad_attention_choice_is_a_problem(model_dir, monkeypatch, capsys):
     monkeypatch.setenv("EYAS_ATTENTION", "flash3")
     report = doctor(DoctorConfig(target=str(model_dir("llama"))))

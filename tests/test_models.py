@@ -232,6 +232,51 @@ def test_missing_folder_is_a_clear_error(tmp_path):
         load_config(tmp_path / "config.json")
 
 
+def test_weights_cut_short_or_missing_are_a_clear_error(model_dir, tmp_path):
+    """A weights file cut short (a download or copy stopped) raised safetensors' own
+    "incomplete metadata" from deep in transformers, in every step that loads the target; a
+    shard its index names that is gone, an OSError naming the file only. Both now say which
+    file, how many bytes it has against its header's, and what to do."""
+    from eyas.store.manifest import weights_damage
+
+    src = model_dir("llama")
+    folder = tmp_path / "cut"
+    shutil.copytree(src, folder)
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    assert weights_damage(folder) is None
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(EyasError, match=rf"cannot load the weights from the folder {folder}: "
+                                        rf"model.safetensors has {size // 2:,} bytes where its "
+                                        rf"header says {size:,}: the file was cut short\. "
+                                        rf"Download or copy the model again"):
+        load_target(folder, dtype="float32", device="cpu")
+    with open(weights, "r+b") as f:  # a header cut short too
+        f.truncate(20)
+    assert weights_damage(folder) == "model.safetensors has 20 bytes, too few for its header: " \
+                                     "the file was cut short"
+    shutil.copyfile(src / "model.safetensors", weights)
+    with open(weights, "ab") as f:
+        f.write(b"\0" * 3)
+    assert weights_damage(folder).endswith(f"{size + 3:,} bytes where its header says "
+                                           f"{size:,}: the file was given bytes after its "
+                                           f"last tensor")
+    # sharded: one shard of the index gone
+    model, _ = load_target(src, dtype="float32", device="cpu")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(src, sharded)
+    (sharded / "model.safetensors").unlink()
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and weights_damage(sharded) is None
+    shards[1].unlink()
+    with pytest.raises(EyasError, match=rf"1 of the {len(shards)} files "
+                                        rf"model.safetensors.index.json names is missing "
+                                        rf"\({shards[1].name}\)"):
+        load_target(sharded, dtype="float32", device="cpu")
+
+
 def test_remote_code_needs_trust(kimi_like_dir):
     with pytest.raises(EyasError, match="--trust-remote-code"):
         load_config(kimi_like_dir)

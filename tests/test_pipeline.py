@@ -605,12 +605,14 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
 
     # a finished train run re-run (here its lr changed) starts over, the old run moved aside:
     # it used to resume at its last step and train nothing, under the new config's name
+    # (fewer steps too: this test's time goes to training)
     spec["vocab"]["draft_vocab_size"] += 1
     spec["train"]["lr"] = spec["train"].get("lr", 1e-3) / 2
+    spec["train"]["max_steps"] = 8
     open(pipeline, "w").write(yaml.safe_dump(spec))
     plans = plan(RunConfig(pipeline=pipeline))
     train_plan = next(p for p in plans if p.step == "train")
-    assert train_plan.start_over and "its config changed (lr)" in train_plan.reason
+    assert train_plan.start_over and "its config changed (lr, max_steps)" in train_plan.reason
     assert not next(p for p in plans if p.step == "vocab").start_over  # (train only)
     before = (out / "work" / "draft" / "model.safetensors").read_bytes()
     run(RunConfig(pipeline=pipeline))

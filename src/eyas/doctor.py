@@ -30,7 +30,7 @@ from eyas.config import (ConfigError, option, required, revision_option,
 from eyas.errors import EyasError
 from eyas.draft.formats import SERVED_SINCE
 from eyas.store.manifest import (LAYER_ID_CONVENTION, MANIFEST, converted_from, target_record,
-                                 versions)
+                                 versions, weights_damage)
 from eyas.targets.gguf import is_gguf
 from eyas.targets.models import (ModelInfo, build_meta_model, inspect_model, load_config,
                                  load_tokenizer, submodule)
@@ -97,6 +97,9 @@ def doctor(cfg: DoctorConfig) -> dict:
     record = target_record(str(cfg.target), cfg.revision)
     report["identity"] = {k: record[k] for k in ("gguf_fingerprint", "weights_fingerprint")
                           if record.get(k)}  # none without weights here
+    # a local folder's weights cut short (a hub name's cache may lack files it downloads)
+    folder = Path(str(cfg.target)).expanduser()
+    report["weights_damage"] = weights_damage(folder) if folder.is_dir() else None
     report["problems"] = _problems(report, info)
     report["notes"] = _notes(str(cfg.target))
     report["ok"] = not report["problems"]
@@ -364,6 +367,9 @@ def _problems(report: dict, info: ModelInfo) -> list[str]:
         if not tok["fits_model_vocab"]:
             out.append(f"the tokenizer has {tok['size']} tokens but the model only "
                        f"{info.vocab_size} embedding rows: wrong tokenizer for this model")
+    if report.get("weights_damage"):
+        out.append(f"weights: {report['weights_damage']}; download or copy the model again "
+                   f"(every step that loads the target would fail)")
     if info.lm_head_path is None:
         out.append("no output head (lm_head) found: eyas needs the target's logits as teacher")
     if report["draft_attention"].startswith("error: "):
@@ -458,7 +464,8 @@ def render_text(r: dict) -> str:
         ("weights", f"{_count(r['parameters'])} parameters, dtype {m['dtype']}, "
                     f"quantization {(m['quantization'] or {}).get('quant_method', 'none')}"),
         ("identity", ", ".join(f"{k} {v}" for k, v in r["identity"].items())
-         or "none (no weights here: a config-only folder, or a hub name not cached yet)"),
+         or (f"none ({r['weights_damage']})" if r.get("weights_damage") else
+             "none (no weights here: a config-only folder, or a hub name not cached yet)")),
         ("aux layer ids", f"{tuple(ids['ids'])} {ids['source']}"),
         ("  convention", ids["convention"]),
         ("bytes / token", f"{cap['bf16']} at bf16 (3 aux x {m['hidden_size']} x 2 + final x 2 "

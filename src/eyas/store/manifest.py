@@ -368,6 +368,43 @@ def weights_folder(name_or_path: str, revision: str | None = None) -> Path | Non
     return Path(hit).parent if isinstance(hit, str) else None
 
 
+def weights_damage(folder: str | Path) -> str | None:
+    """What is wrong with the safetensors weights of a local model folder, or None when they
+    are whole (or there are none): a file its index names that is not there, a header that
+    cannot be read, or a file whose size is not the one its header gives (a download or a
+    copy cut short). Reads each file's header only, not its tensors."""
+    folder = Path(folder)
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        try:
+            named = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        except (OSError, ValueError, AttributeError) as err:
+            return f"{index.name} cannot be read as JSON ({str(err)[:80]})"
+        missing = [n for n in named if not (folder / n).is_file()]
+        if missing:
+            return (f"{len(missing)} of the {len(named)} files {index.name} names "
+                    f"{'is' if len(missing) == 1 else 'are'} missing ({', '.join(missing[:3])}"
+                    f"{', ...' if len(missing) > 3 else ''})")
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or 8 + n > size:
+                return (f"{path.name} has {size:,} bytes, too few for its header: the file "
+                        f"was cut short")
+            try:
+                header = json.loads(f.read(n))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                           if k != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as err:
+                return f"{path.name}'s safetensors header cannot be read ({str(err)[:80]})"
+        if size != 8 + n + end:
+            what = "cut short" if size < 8 + n + end else "given bytes after its last tensor"
+            return (f"{path.name} has {size:,} bytes where its header says {8 + n + end:,}: "
+                    f"the file was {what}")
+    return None
+
+
 # weights_fingerprint per (folder, its weight files' names, sizes and mtimes): a step records
 # its target more than once
 _WEIGHTS_SEEN: dict[tuple, str | None] = {}

@@ -37,6 +37,7 @@ from torch import nn
 
 from eyas.config import DEVICE_MAP_STRATEGIES, ConfigError, check_device_name
 from eyas.errors import EyasError
+from eyas.store.manifest import weights_damage, weights_folder
 from eyas.targets.gguf import check_gguf_file, gguf_damage, is_gguf, load_once
 from eyas.targets.quantized import check_fp8_blocks
 from eyas.targets.taps import default_aux_layer_ids
@@ -318,7 +319,16 @@ def load_target(name_or_path, *, revision=None, trust_remote_code=False, dtype="
              (config.architectures or [config.model_type])[0], torch_dtype)  # a GGUF: no arch
     try:
         model = _instantiate(config, trust_remote_code, make)
-    except OSError as err:
+    except Exception as err:
+        # a weights file cut short raises safetensors' own error from deep in transformers
+        folder = None if where else weights_folder(str(name_or_path), revision)
+        damage = weights_damage(folder) if folder is not None else None
+        if damage:
+            raise EyasError(f"cannot load the weights from the folder {name_or_path}: {damage}. "
+                            f"Download or copy the model again, then compare the files' sizes "
+                            f"with the published ones") from err
+        if not isinstance(err, OSError):
+            raise
         raise EyasError(_explain_load_error("weights", str(name_or_path), err,
                                             trust_remote_code)) from err
     if device is not None:
