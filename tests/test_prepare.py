@@ -531,6 +531,40 @@ def test_eval_split_is_deterministic(tok_dir, tmp_path):
     assert ids[0] != ids[2]
 
 
+def test_a_damaged_prepared_or_datasets_folder_is_a_clear_error(tok_dir, tmp_path):
+    """A prepared folder whose arrow file was cut short, or whose state.json is gone, raised
+    pyarrow's or datasets' own error from capture, eval and online training; a damaged
+    datasets folder given to prepare, the same. Each now names the folder and the fix."""
+    import shutil
+
+    from eyas.store.prepared import load_split
+    from eyas.targets.chat_files import _read_datasets_folder
+
+    root = make_data(tmp_path / "data")
+    run_prepare(tok_dir, [root / "a.jsonl", root / "b.json"], tmp_path / "out", eval_fraction=0.3)
+    assert len(load_split(tmp_path / "out", "all")[0]) == 3
+    for harm in ("cut", "gone"):
+        bad = tmp_path / harm
+        shutil.copytree(tmp_path / "out", bad)
+        train = bad / "dataset" / "train"
+        if harm == "cut":
+            arrow = next(train.glob("*.arrow"))
+            with open(arrow, "r+b") as f:
+                f.truncate(arrow.stat().st_size // 2)
+        else:
+            (train / "state.json").unlink()
+        with pytest.raises(EyasError, match=rf"the prepared data in {bad}/dataset cannot be "
+                                            rf"read: its files are damaged or incomplete "
+                                            rf"\(\w+: .*\)\. Run "
+                                            rf"`eyas prepare` again into {bad}"):
+            load_split(bad, "all")
+    with open(next((root / "d_ds").glob("*.arrow")), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(EyasError, match=rf"the datasets folder {root / 'd_ds'} cannot be read: "
+                                        rf"its files are damaged or incomplete"):
+        list(_read_datasets_folder(root / "d_ds"))
+
+
 def test_options_reach_the_render(tok_dir, tmp_path, tok):
     root = make_data(tmp_path / "data")
     template = tmp_path / "qwen3.jinja"

@@ -8,15 +8,31 @@ from pathlib import Path
 from eyas.errors import EyasError
 
 
-def load_split(prepared: str | Path, split: str, limit: int | None = None):
-    """(dataset, split_rows) of a prepared folder; for `all`, train rows then eval rows, and
-    `split_rows` maps each split to its [start, end) row range in that order."""
+def load_prepared(prepared: str | Path):
+    """The DatasetDict of a prepared folder's `dataset/`; an EyasError naming the folder and
+    the fix when it is missing, or its files are damaged or incomplete (a copy cut short, a
+    file removed): datasets' own error names an arrow message or a state.json only."""
     import datasets
 
     path = Path(prepared) / "dataset"
     if not path.is_dir():
         raise EyasError(f"{prepared} has no dataset/ folder; run `eyas prepare --out {prepared}`.")
-    dd = datasets.load_from_disk(str(path))
+    try:
+        return datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as err:  # pyarrow's errors are OSError or ValueError
+        first = (str(err).splitlines() or [repr(err)])[0][:200].rstrip(".")
+        raise EyasError(f"the prepared data in {path} cannot be read: its files are damaged or "
+                        f"incomplete ({type(err).__name__}: {first}). Run `eyas prepare` again "
+                        f"into {prepared} (the same data and settings give the same rows), or "
+                        f"copy the folder again from where it was made") from err
+
+
+def load_split(prepared: str | Path, split: str, limit: int | None = None):
+    """(dataset, split_rows) of a prepared folder; for `all`, train rows then eval rows, and
+    `split_rows` maps each split to its [start, end) row range in that order."""
+    import datasets
+
+    dd = load_prepared(prepared)
     names = ("train", "eval") if split == "all" else (split,)
     missing = [n for n in names if n not in dd]
     if missing:

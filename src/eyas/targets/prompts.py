@@ -93,9 +93,9 @@ def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
 
 
 def _prepared_conversations(folder: Path, split: str):
-    import datasets
+    from eyas.store.prepared import load_prepared
 
-    dd = datasets.load_from_disk(str(folder / "dataset"))
+    dd = load_prepared(folder)
     if split not in dd:
         raise EyasError(f"{folder} has no '{split}' split (it has {sorted(dd)}); pass --split "
                         f"{next(iter(dd))} or re-run `eyas prepare` with --eval-fraction > 0")
