@@ -1670,6 +1670,37 @@ def test_resume_auto_without_a_last_pointer_continues_from_the_latest_complete_s
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_damaged_last_checkpoint_names_the_whole_one_to_resume_from(run_inputs, tmp_path):
+    """From a user audit: the checkpoint `last` names, cut short or overwritten after it was
+    written (a copy, a disk), raised safetensors' "incomplete metadata" from the resume, or,
+    for the trainer state, the advice that the run's own settings were another run's. The
+    resume now says which file is damaged and which whole checkpoint to resume from."""
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, max_steps=6, save_every=2, keep_last=3))
+    four, six = checkpoint.step_dir(run, 4), checkpoint.step_dir(run, 6)
+    weights = six / "draft.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    with pytest.raises(EyasError, match=rf"checkpoint {six} is damaged \(draft.safetensors "
+                                        rf"unreadable: .*\), so the run cannot resume from it: "
+                                        rf"resume from {four}, the latest whole checkpoint "
+                                        rf"before it, with --resume {four} \(the steps after "
+                                        rf"it are trained again\)"):
+        train(_cfg(run_inputs, run, max_steps=8, save_every=2))
+    state = four / "trainer_state.pt"
+    state.write_bytes(b"junk" * 100)  # the one before it too, another way
+    with pytest.raises(EyasError, match=rf"checkpoint {four} is damaged \(trainer_state.pt is "
+                                        rf"not a whole torch.save file .*\).*--resume "
+                                        rf"{checkpoint.step_dir(run, 2)} "):
+        train(_cfg(run_inputs, run, max_steps=8, save_every=2, resume=str(four)))
+    # the fix it names works: the run goes on from step 2 and ends at step 8
+    train(_cfg(run_inputs, run, max_steps=8, save_every=2, keep_last=3,
+               resume=str(checkpoint.step_dir(run, 2))))
+    assert checkpoint.complete(checkpoint.step_dir(run, 8))
+    assert [r["step"] for r in _records(run, "train")] == list(range(1, 9))
+    for step in (4, 6):  # the damaged folders were trained and written again
+        assert checkpoint.complete(checkpoint.step_dir(run, step))
+
+
 def test_a_resume_on_other_eval_samples_does_not_compare_the_best_with_them(run_inputs,
                                                                            tmp_path, caplog):
     """A best chosen on one --eval-data outranked every eval of a resume on another set (its

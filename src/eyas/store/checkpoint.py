@@ -110,19 +110,31 @@ def read_pointer(run_dir: str | Path, name: str) -> Path | None:
     return target if (target / "trainer_state.pt").is_file() else None
 
 
-def complete(path: Path) -> bool:
-    """Whether step folder `path` holds a whole checkpoint: its four files, the weights' header
-    and the trainer state's zip directory intact (both at the files' ends: a cut file fails)."""
+def damage(path: Path) -> str | None:
+    """What keeps step folder `path` from being a whole checkpoint, or None: one of its four
+    files missing, the weights' header or the draft config unreadable, the trainer state's zip
+    directory broken (both at the files' ends: a file cut short fails)."""
     files = ("draft.safetensors", "draft_config.json", "metrics.json", "trainer_state.pt")
-    if not all((path / f).is_file() for f in files):
-        return False
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        return f"{', '.join(missing)} missing"
     try:
         with safe_open(path / "draft.safetensors", "pt"):
             pass
+    except (OSError, ValueError, SafetensorError) as err:
+        return f"draft.safetensors unreadable: {str(err)[:100]}"
+    try:
         json.loads((path / "draft_config.json").read_text())
-    except (OSError, ValueError, SafetensorError):
-        return False
-    return zipfile.is_zipfile(path / "trainer_state.pt")
+    except (OSError, ValueError) as err:
+        return f"draft_config.json unreadable: {str(err)[:100]}"
+    if not zipfile.is_zipfile(path / "trainer_state.pt"):
+        return "trainer_state.pt is not a whole torch.save file (cut short or overwritten)"
+    return None
+
+
+def complete(path: Path) -> bool:
+    """Whether step folder `path` holds a whole checkpoint (`damage` finds nothing)."""
+    return damage(path) is None
 
 
 def latest_complete(run_dir: str | Path) -> Path | None:
@@ -140,13 +152,26 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return read_pointer(run_dir, "last") or latest_complete(run_dir)
-    path = Path(resume)
-    if not (path / "trainer_state.pt").is_file():
-        raise EyasError(f"--resume {resume}: no checkpoint there (expected a "
-                        f"checkpoints/step-NNNNNNNN folder holding trainer_state.pt); use "
-                        f"--resume auto to continue the run in --out, or --resume never.",
-                        flag="--resume")
+        path = read_pointer(run_dir, "last") or latest_complete(run_dir)
+    else:
+        path = Path(resume)
+        if not (path / "trainer_state.pt").is_file():
+            raise EyasError(f"--resume {resume}: no checkpoint there (expected a "
+                            f"checkpoints/step-NNNNNNNN folder holding trainer_state.pt); use "
+                            f"--resume auto to continue the run in --out, or --resume never.",
+                            flag="--resume")
+    if path is not None and (why := damage(path)) is not None:
+        # the `last` pointer names it, or it was given: damaged after it was written whole
+        # (a copy cut short, a disk error), so resuming elsewhere is the user's choice
+        older = [p for p in sorted(path.parent.iterdir(), reverse=True)
+                 if p.is_dir() and STEP_DIR.match(p.name) and p.name < path.name and complete(p)]
+        fix = (f"resume from {older[0]}, the latest whole checkpoint before it, with --resume "
+               f"{older[0]} (the steps after it are trained again)" if older else
+               "no whole checkpoint before it is left: start over with --resume never (or "
+               "another --out)")
+        raise EyasError(f"checkpoint {path} is damaged ({why}), so the run cannot resume from "
+                        f"it: {fix}. Copying the run folder again from where it was written "
+                        f"also repairs it.", flag="--resume")
     return path
 
 
