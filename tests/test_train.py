@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,7 +152,12 @@ def test_too_long_sample_names_its_length_and_the_flags():
     with pytest.raises(EyasError, match=r"sample 1 has 300 tokens.*--batch-tokens.*--truncate"):
         data_plan.check_lengths(lengths, np.arange(3), data_plan.Packing(256, 1, False),
                                 "the data")
-    data_plan.check_lengths(lengths, np.arange(3), data_plan.Packing(256, 1, True), "the data")
+    # --truncate: the cut is counted (it used to go unrecorded): 1 of 3 samples, 44 tokens
+    assert data_plan.check_lengths(lengths, np.arange(3), data_plan.Packing(256, 1, True),
+                                   "the data") == {"samples": 1, "of_samples": 3, "tokens_cut": 44,
+                                                   "of_tokens": 330, "longest": 300}
+    assert data_plan.check_lengths(lengths, np.array([0, 2]), data_plan.Packing(256, 1, True),
+                                   "the data") is None
     out = data_loader.collate([[_fake_sample(300)]], 256, torch.float32)
     assert out["position_ids"][0, -1] == 255  # cut to the row, not dropped
 
@@ -726,7 +732,7 @@ def test_online_training_equals_offline(run_inputs, tmp_path):
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatch):
+def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatch, caplog):
     # a vocab folder made for another target
     other_vocab = tmp_path / "vocab"
     shutil.copytree(run_inputs["vocab"], other_vocab)
@@ -756,9 +762,20 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatc
     # a batch smaller than the longest sample: the length and the flags to change
     with pytest.raises(EyasError, match=r"has \d+ tokens but a packed row holds only 32"):
         train(_cfg(run_inputs, tmp_path / "r4", batch_tokens=32))
-    train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=32, truncate=True, max_steps=1))
+    with caplog.at_level(logging.WARNING, logger="eyas.draft.data_plan"):
+        train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=32, truncate=True, max_steps=1))
+    cut = json.loads((tmp_path / "r5" / "eyas.json").read_text())["truncated"]["train"]
+    assert 0 < cut["samples"] <= cut["of_samples"] and cut["longest"] > 32
+    assert re.search(rf"--truncate: {cut['samples']} of the {cut['of_samples']} train samples "
+                     rf"are longer than a row of 32 tokens and are cut to it: "
+                     rf"{cut['tokens_cut']} of their split's {cut['of_tokens']} tokens "
+                     rf"\([0-9.]+ %\) are not trained on; --batch-tokens \(or --row-tokens\) "
+                     rf"{cut['longest']} keeps every one whole", caplog.text)
     # resuming with other batching would silently change the data order: refused
-    with pytest.raises(EyasError, match="other data or batching"):
+    # (and names what changed, from the run's eyas.json: it used to list every such flag)
+    with pytest.raises(EyasError, match=r"other data or batching than this command's: "
+                                        r"--batch-tokens 32 then, 64 now\. Resume with the "
+                                        r"values it was started with"):
         train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=64, truncate=True, max_steps=2))
 
 

@@ -315,6 +315,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
 
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       truncated=plan.truncated or {},
                        aux_layer_ids=list(inputs.aux_layer_ids), run=run, complete=False)
         log.info("training steps %d..%d on %d samples: %d micro-batch(es) of %d x %d tokens "
                  "per step over %d rank(s) on %s", start + 1, total, len(inputs.train_ids),
@@ -416,6 +417,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
         metrics.close()
         checkpoint.plot_curves(run_dir)
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       truncated=plan.truncated or {},
                        aux_layer_ids=list(inputs.aux_layer_ids), run=run, complete=True,
                        best=best, steps=total, draft_config=record)
         log.info("done: best step %s (replayed chain AL %s at k=%d) in %s", best["step"],

@@ -231,6 +231,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
 
     if env.main:
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       truncated=plan.truncated or {},
                        aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", run=run,
                        complete=False)
         log.info("DFlash training steps %d..%d on %d samples: %d micro-batch(es) of %d x %d "
@@ -319,6 +320,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
         metrics.close()
         checkpoint.plot_curves(run_dir)
         write_manifest(run_dir, "train", cfg, target=inputs.target, inputs=inputs.manifests,
+                       truncated=plan.truncated or {},
                        aux_layer_ids=list(inputs.aux_layer_ids), draft="dflash", run=run,
                        complete=True, best=best, steps=total, draft_config=config_record)
         log.info("done: best step %s (acceptance length %s at k=%d) in %s", best["step"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from eyas.draft.data import Inputs
 from eyas.draft.processes import Env
 from eyas.errors import EyasError
 from eyas.draft.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,17 +38,27 @@ class Packing:
     truncate: bool
 
 
-def check_lengths(lengths: np.ndarray, ids: np.ndarray, packing: Packing, what: str) -> None:
-    """Every sample must fit one row unless truncation was asked for."""
+def check_lengths(lengths: np.ndarray, ids: np.ndarray, packing: Packing,
+                  what: str) -> dict[str, int] | None:
+    """Every sample must fit one row unless truncation was asked for. With `--truncate`, what
+    the cut costs, counted (None when no sample is cut): samples cut of all, tokens not trained
+    on of all, and the longest sample, whose length keeps every one whole."""
     if len(ids) == 0:
         raise EyasError(f"{what} has no samples; capture more data or lower --eval-fraction.")
-    longest = int(lengths[ids].max())
+    mine = lengths[ids].astype(np.int64)
+    longest = int(mine.max())
     if longest > packing.row_tokens and not packing.truncate:
-        worst = int(ids[int(np.argmax(lengths[ids]))])
+        worst = int(ids[int(np.argmax(mine))])
         raise EyasError(
             f"{what}: sample {worst} has {longest} tokens but a packed row holds only "
             f"{packing.row_tokens}; raise --batch-tokens (or --row-tokens) to at least {longest}, "
             f"or pass --truncate to cut long samples to the row length.")
+    over = mine > packing.row_tokens
+    if not over.any():
+        return None
+    return {"samples": int(over.sum()), "of_samples": len(mine),
+            "tokens_cut": int((mine[over] - packing.row_tokens).sum()),
+            "of_tokens": int(mine.sum()), "longest": longest}
 
 
 def pack(order: np.ndarray, lengths: np.ndarray, packing: Packing) -> list[list[list[int]]]:
@@ -145,23 +158,35 @@ class Plan:
     fingerprint: str
     eval_batches: list  # this rank's, padded with None to the same count on every rank
     eval_fingerprint: str = ""  # the eval samples ("" without eval): a best compares within one
+    truncated: dict | None = None  # per split, what --truncate cut (check_lengths), if any
 
 
 def plan_data(cfg: TrainConfig, inputs: Inputs, env: Env) -> Plan:
     row = cfg.row_tokens or cfg.batch_tokens
     packing = Packing(row, cfg.batch_tokens // row, cfg.truncate)
     lengths, per_step = inputs.train.lengths, env.world_size * cfg.grad_accum
-    check_lengths(lengths, inputs.train_ids, packing, "the training data")
+    truncated = {"train": check_lengths(lengths, inputs.train_ids, packing, "the training data")}
     batches, epoch_of = plan_run(inputs.train_ids, lengths, packing, seed=cfg.seed,
                                  per_step=per_step, epochs=cfg.epochs, max_steps=cfg.max_steps)
     eval_batches = []
     if inputs.eval is not None:
-        check_lengths(inputs.eval.lengths, inputs.eval_ids, packing, "the eval data")
+        truncated["eval"] = check_lengths(inputs.eval.lengths, inputs.eval_ids, packing,
+                                          "the eval data")
         eval_batches = eval_rank_batches(pack(inputs.eval_ids, inputs.eval.lengths, packing),
                                          rank=env.rank, world_size=env.world_size)
+    truncated = {k: v for k, v in truncated.items() if v}
+    if env.main:
+        for split, cut in truncated.items():
+            log.warning("--truncate: %d of the %d %s samples are longer than a row of %d tokens "
+                        "and are cut to it: %d of their split's %d tokens (%.2f %%) are not "
+                        "trained on%s; --batch-tokens (or --row-tokens) %d keeps every one "
+                        "whole (counted in the run's eyas.json, `truncated`)", cut["samples"],
+                        cut["of_samples"], split, packing.row_tokens, cut["tokens_cut"],
+                        cut["of_tokens"], 100 * cut["tokens_cut"] / cut["of_tokens"],
+                        "" if split == "train" else " or measured", cut["longest"])
     return Plan(packing, batches, epoch_of, per_step, len(batches) // per_step,
                 plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),
-                eval_batches, eval_fingerprint(inputs))
+                eval_batches, eval_fingerprint(inputs), truncated)
 
 
 def eval_fingerprint(inputs: Inputs) -> str:

@@ -121,10 +121,14 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         + ", or start over with --resume never.", flag="--resume") from err
     check_same_vocab(path, draft, t2d)
     if state["plan"] != plan.fingerprint:
-        raise EyasError(f"{path} was trained with other data or batching (samples, "
-                        f"--batch-tokens, --row-tokens, --truncate, --seed, ranks x "
-                        f"--grad-accum); resume with the same settings or use --resume never.",
-                        flag="--resume")
+        changed = _batching_changes(cfg)
+        raise EyasError(f"{path} was trained with other data or batching "
+                        + (f"than this command's: {', '.join(changed)}. Resume with the values "
+                           f"it was started with, or start over with --resume never"
+                           if changed else
+                           "(samples, --batch-tokens, --row-tokens, --truncate, --seed, ranks x "
+                           "--grad-accum); resume with the same settings and data, or start "
+                           "over with --resume never") + ".", flag="--resume")
     if state["step"] > plan.total_steps:
         raise EyasError(f"{path} is step {state['step']}, past the {plan.total_steps} steps "
                         f"this run's --epochs / --max-steps give: resume with the length it "
@@ -169,6 +173,19 @@ def started_config(out: str | Path) -> dict:
         return json.loads((Path(out) / "eyas.json").read_text()).get("config") or {}
     except (OSError, ValueError):
         return {}
+
+
+def _batching_changes(cfg: TrainConfig) -> list[str]:
+    """The options of the data order that differ from those the run was started with (its
+    eyas.json), as `--flag was, now` (ranks are not recorded: a count of processes that
+    changed shows as no change here)."""
+    old = started_config(cfg.out)
+    out = []
+    for key in ("batch_tokens", "row_tokens", "truncate", "seed", "grad_accum"):
+        if key in old and old[key] != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            out.append(f"{flag} {old[key]} then, {getattr(cfg, key)} now")
+    return out
 
 
 def _started_with(cfg: TrainConfig) -> str:
