@@ -286,7 +286,7 @@ def test_offline_hub_name_is_a_clear_error(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(EyasError, match="huggingface-cli download eyas-test/no-such-model"):
+    with pytest.raises(EyasError, match="`hf download eyas-test/no-such-model`.*`hf auth login`"):
         load_config("eyas-test/no-such-model")
 
 

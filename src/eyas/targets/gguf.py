@@ -30,7 +30,7 @@ def check_gguf_file(name: str) -> tuple[str, dict]:
     path = Path(name).expanduser()
     if not path.is_file():
         raise EyasError(f"GGUF file {name} does not exist; pass the path of a local .gguf file "
-                        f"(a GGUF on the hub: `huggingface-cli download REPO FILE.gguf "
+                        f"(a GGUF on the hub: `hf download REPO FILE.gguf "
                         f"--local-dir DIR`, then --target DIR/FILE.gguf)")
     with open(path, "rb") as f:
         head = f.read(24)  # magic, version (u32), tensor count, metadata count (u64 each)

@@ -126,9 +126,9 @@ def _explain_load_error(what: str, name: str, err: Exception, trust_remote_code:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     return (f"cannot load the {what} of {name!r}: {first}. "
             f"Check the hub name or folder; if this machine is offline, download it first "
-            f"(`huggingface-cli download {name}`) and pass the local folder"
+            f"(`hf download {name}`) and pass the local folder"
             + ("" if offline else ", or set HF_HUB_OFFLINE=1 to use the cache")
-            + "; for a gated repo run `huggingface-cli login`")
+            + "; for a gated repo run `hf auth login`")
 
 
 def _check_exists(name: str) -> str:
