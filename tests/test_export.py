@@ -6,10 +6,12 @@ and its `Eagle3LlamaForCausalLM` weights and logits); see docs/export.md for how
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -990,6 +992,46 @@ def test_export_refuses_a_target_of_other_weights(llama_dir, tmp_path):
     assert f"vllm serve {tuned} " in (out / "README.md").read_text()
     out = export(ExportConfig(**run, target=str(llama_dir), overwrite=True))
     assert f"vllm serve {llama_dir} " in (out / "README.md").read_text()
+
+
+def test_a_hub_name_target_is_checked_where_its_config_is_read_and_warned_about_else(
+        llama_dir, tmp_path, monkeypatch, caplog):
+    """From a user audit: --target with a hub name was written into the README and the
+    speculators verifier unchecked (only a local folder was compared with the run's target),
+    so a draft of a tiny model exported "for" Llama-3.1-8B without a word. A hub name whose
+    config is read (from the cache) is checked as a folder is; one that cannot be read here
+    (offline, not cached) is named with a warning that says it was not checked."""
+    import huggingface_hub.constants
+    from transformers import AutoConfig
+
+    target = AutoConfig.from_pretrained(llama_dir)
+    cfg = DraftConfig.from_target(target, draft_vocab_size=300, aux_layer_ids=(1, 4, 7))
+    make_run(tmp_path / "run", cfg, steps=(10,), best=10,
+             target=target_record(str(llama_dir), config=target))
+    run = dict(checkpoint=str(tmp_path / "run"), dtype="fp32")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with caplog.at_level(logging.WARNING, logger="eyas.export"):
+        out = export(ExportConfig(**run, out=str(tmp_path / "d"),
+                                  target="eyas-test/no-such-model"))
+    assert "--target eyas-test/no-such-model is no local folder and its config cannot be read " \
+           "here (cannot load the config of 'eyas-test/no-such-model'" in caplog.text
+    assert f"the run was trained on ({llama_dir}). Make sure it is that model" in caplog.text
+    assert "vllm serve eyas-test/no-such-model " in (out / "README.md").read_text()
+    # a hub name whose config is in the Hugging Face cache (offline): another shape is refused
+    # as for a folder (a process of its own: the hub's cache folder is read at import)
+    snapshot = tmp_path / "hub" / "models--org--bigger-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    other = json.loads((llama_dir / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**other, "num_hidden_layers": 9}))
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "eyas", "export", "--checkpoint",
+                           str(tmp_path / "run"), "--out", str(tmp_path / "e"), "--dtype", "fp32",
+                           "--target", "org/bigger-model"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "e").exists()
+    assert "but this run uses org/bigger-model (num_hidden_layers=9)" in done.stderr, done.stderr
 
 
 def _vllm_against_eyas(tmp_path, llama_dir, builder, fmt: str, variant: dict):

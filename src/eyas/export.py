@@ -424,14 +424,25 @@ def _served_target(cfg: ExportConfig, train: dict | None) -> ServedTarget:
                         "name is served as it is)", recorded,
                         f" (it was {where}, gone since)" if where else "")
         return served_target(recorded, target.get("revision"), remote)
-    if Path(cfg.target).expanduser().exists() and target:
+    if target:
         from eyas.targets.models import load_config
 
+        local = Path(cfg.target).expanduser().exists()
+        try:  # a hub name: its config from the cache or the hub
+            config = load_config(cfg.target, trust_remote_code=remote)
+        except EyasError as err:
+            if local:
+                raise
+            log.warning("--target %s is no local folder and its config cannot be read here "
+                        "(%s): the export names it without checking it against the target the "
+                        "run was trained on (%s). Make sure it is that model, or give --target "
+                        "a local copy of it to have it checked", cfg.target,
+                        str(err).split(". ")[0], recorded)
+            return served_target(cfg.target, None, remote)
         # the served model's weights too: another checkpoint of the same shape is another
         # target (the same one in another precision: --accept-other-weights)
         weights = not cfg.accept_other_weights
-        given = target_record(cfg.target, config=load_config(cfg.target, trust_remote_code=remote),
-                              weights=weights)
+        given = target_record(cfg.target, config=config, weights=weights)
         check_same_target(target, given, f"the run in {cfg.checkpoint} (trained on "
                           f"{recorded})", fix=f"give --target the model the run was trained on "
                           f"({recorded}), or leave --target out", weights=weights)
