@@ -93,6 +93,36 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
             plan(RunConfig(**args))
 
 
+def test_a_pipeline_without_held_out_prompts_wires_eval_and_export_to_work(tmp_path,
+                                                                          llama_dir):
+    """From a user audit: prepare.eval_fraction 0 (and train's 0) ran prepare, capture and
+    train, then export failed for want of a best checkpoint ("use --which last", a flag the
+    YAML does not have) and eval on the empty eval split, bench sets given or not. Now: no
+    eval prompts and no eval.bench or eval.data is refused by the plan (a dry run too); with
+    bench sets eval reads those only; a run without any eval exports its last checkpoint."""
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w",
+            "prepare": {"eval_fraction": 0}}
+    with pytest.raises(ConfigError, match=r"prepare.eval_fraction is 0, so the prepared data "
+                                          r"has no eval prompts for the eval step: .*eval.bench"):
+        plan(RunConfig(pipeline=_write(tmp_path, spec), dry_run=True))
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, {
+        **spec, "eval": {"bench": ["mt-bench"]}}), dry_run=True))}
+    assert by["eval"].data is None and by["eval"].bench == ("mt-bench",)
+    assert by["export"].which == "best"  # train holds out its own 2 %
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, {
+        **spec, "train": {"eval_fraction": 0}, "eval": {"data": "prompts.jsonl"}}),
+        dry_run=True))}
+    assert by["export"].which == "last" and by["eval"].data == "prompts.jsonl"
+    # a section's own choice stands; the default wiring is unchanged
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, {
+        **spec, "train": {"eval_fraction": 0}, "export": {"which": "step-10"},
+        "eval": {"data": "prompts.jsonl"}}), dry_run=True))}
+    assert by["export"].which == "step-10"
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, {
+        **spec, "prepare": {}}), dry_run=True))}
+    assert by["export"].which == "best" and by["eval"].data == str(tmp_path / "w" / "prepared")
+
+
 def test_a_section_that_sets_its_out_is_where_the_next_steps_read(tmp_path, llama_dir):
     # train's section moved its run elsewhere, and export still read work_dir/train: an older
     # run left there was exported and evaluated as this one, without a word

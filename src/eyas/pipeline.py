@@ -91,6 +91,17 @@ def _step_config(step: str, spec: dict, work: Path):
         {"dflash_taps": coerce("train.dflash_layers", int, train.get("dflash_layers") or 5)}
     # regenerate answers no turn past the length prepare keeps (its own section may say else)
     kept = (spec.get("prepare") or {}).get("max_length")
+    # prepare.eval_fraction 0 leaves the eval split empty: eval's prompts must come from
+    # eval.bench or eval.data, and with train's own held-out share 0 too (and no
+    # train.eval_data) the run has no best checkpoint, so export takes the last one
+    held_out = step not in ("export", "eval") or _fraction(spec, "prepare") > 0
+    train_eval = held_out or train.get("eval_data") or _fraction(spec, "train") > 0
+    if step == "eval" and not held_out and not section.get("bench") and \
+            not section.get("data"):
+        raise ConfigError("prepare.eval_fraction is 0, so the prepared data has no eval "
+                          "prompts for the eval step: set prepare.eval_fraction above 0, or "
+                          "give the eval section its prompts (eval.bench: mt-bench, gsm8k, ...; "
+                          "or eval.data: a chat file)")
     wiring = {
         "prepare": {"data": prepared_from, "out": out["prepare"]},
         "regenerate": {"data": spec.get("data"), "out": out["regenerate"],
@@ -102,8 +113,10 @@ def _step_config(step: str, spec: dict, work: Path):
         "vocab": {"data": (str(out["prepare"]),), "out": out["vocab"]},
         "train": {"data": out["prepare" if online else "capture"],
                   **({} if dflash else {"vocab": out["vocab"]}), "out": out["train"]},
-        "export": {"checkpoint": out["train"], "out": out["export"]},
-        "eval": {"draft": out["export"], "data": out["prepare"], "out": out["eval"]},
+        "export": {"checkpoint": out["train"], "out": out["export"],
+                   **({} if train_eval else {"which": "last"})},
+        "eval": {"draft": out["export"], "out": out["eval"],
+                 **({"data": out["prepare"]} if held_out else {})},
     }[step]
     for key, value in wiring.items():
         if key in names and key not in section:
@@ -114,6 +127,15 @@ def _step_config(step: str, spec: dict, work: Path):
         return from_dict(cls, values)
     except ConfigError as err:
         raise ConfigError(f"section '{step}' of the pipeline: {err}") from None
+
+
+def _fraction(spec: dict, step: str) -> float:
+    """The `eval_fraction` of the prepare or train section, else that step's default."""
+    module, _, cls_name = STEP_FUNCS[step]
+    fields = dataclasses.fields(getattr(importlib.import_module(module), cls_name))
+    value = (spec.get(step) or {}).get("eval_fraction",
+                                       next(f.default for f in fields if f.name == "eval_fraction"))
+    return coerce(f"{step}.eval_fraction", float, value)
 
 
 # step -> its output folder under work_dir, unless its section sets `out`
