@@ -124,7 +124,11 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_load", lambda command: (interrupted, real(command)[1]))
     assert cli.main(["prepare", "--target", "t", "--data", "d", "--out", "o"]) == 130
     assert capsys.readouterr().err.strip().endswith(
-        "eyas prepare: interrupted; run the same command again to resume where it stopped")
+        "eyas prepare: interrupted; prepare does not resume: run it again to prepare from the "
+        "start (an earlier output in --out is left as it was meanwhile)")  # it once said resume
+    assert cli.main(["capture", "--target", "t", "--data", "d", "--out", "o"]) == 130
+    assert capsys.readouterr().err.strip().endswith(
+        "eyas capture: interrupted; run the same command again to resume where it stopped")
 
 
 def test_sigterm_says_the_step_stopped_and_ends_as_sigterm_does(tmp_path):
@@ -145,8 +149,9 @@ def test_sigterm_says_the_step_stopped_and_ends_as_sigterm_does(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM  # killed by it, as before: a shell says 143
-    assert err.strip().endswith("eyas prepare: stopped by SIGTERM; run the same command again "
-                                "to resume where it stopped")
+    assert err.strip().endswith("eyas prepare: stopped by SIGTERM; prepare does not resume: "
+                                "run it again to prepare from the start (an earlier output in "
+                                "--out is left as it was meanwhile)")
 
 
 def test_broken_configs_and_a_fake_gguf_are_one_line_errors(tmp_path, capsys):

@@ -52,7 +52,11 @@ COMMANDS = {
 RESUMES = "run the same command again to resume where it stopped"
 AGAIN = {"eval": "eval does not resume: run it again to measure from the start (a report "
                  "already in --out is left as it was meanwhile)",
-         "doctor": "run it again"}
+         "doctor": "run it again",
+         "prepare": "prepare does not resume: run it again to prepare from the start (an "
+                    "earlier output in --out is left as it was meanwhile)",
+         "demo": "run it again: a target stopped while it trained is trained again from its "
+                 "first step, and the pipeline after it resumes where it stopped"}
 
 
 def _load(command: str):
