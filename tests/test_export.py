@@ -441,6 +441,9 @@ def test_which_picks_best_last_or_a_step(tmp_path):
         find_checkpoint(tmp_path / "run", "best")
     with pytest.raises(EyasError, match="neither an `eyas train` run folder"):
         find_checkpoint(tmp_path, "best")
+    with pytest.raises(EyasError, match=rf"{tmp_path / 'gone'} does not exist: pass the `eyas "
+                                        rf"train` --out folder"):  # (it said "neither" too)
+        find_checkpoint(tmp_path / "gone", "best")
     # an export (or another step's folder) given where the run belongs: named, with the run
     exported = tmp_path / "exported"
     write_manifest(exported, "export", cfg, inputs=[{"step": "train", "id": "x",

@@ -288,6 +288,9 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
         run = path.parent.parent if path.parent.name == "checkpoints" else None
         return path, run
     ckpt = path / "checkpoints"
+    if not path.exists():
+        raise EyasError(f"{path} does not exist: pass the `eyas train` --out folder (or one of "
+                        f"its checkpoints/step-N folders)")
     if not ckpt.is_dir():
         made = _made_by(path)
         if made is not None:  # another step's folder, an export most likely
