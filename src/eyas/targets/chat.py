@@ -102,6 +102,9 @@ def _normalize_turn(i: int, turn: Any) -> dict[str, str]:
             raw_content = ""  # an OpenAI tool call has content null: the calls are the turn
     content = _text(i, raw_content)
     reasoning = _first_present(turn, ("reasoning_content", "reasoning"))
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ChatFormatError(f"turn {i} reasoning is a {type(reasoning).__name__}, not a string "
+                              f"(reasoning_content / reasoning holds the thinking text)")
     if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
         content = f"{THINK_OPEN}\n{reasoning.strip()}\n{THINK_CLOSE}\n\n{content.lstrip()}"
     message = {"role": role, "content": content}
@@ -142,6 +145,11 @@ def _text(i: int, content: Any) -> str:
             isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
             for p in content):
         return "\n".join(p["text"] for p in content)
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        other = sorted({str(p.get("type")) for p in content} - {"text"})
+        raise ChatFormatError(f"turn {i} content has parts of type {', '.join(other)} beside "
+                              f"text: only text conversations are supported (the draft trains "
+                              f"on text; drop such turns or rows, or keep their text parts)")
     raise ChatFormatError(f"turn {i} content is a {type(content).__name__}, not a string "
                           f"(only text conversations are supported)")
 
