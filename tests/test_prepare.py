@@ -601,6 +601,13 @@ def test_template_rejects_and_parallel_run(tok_dir, tmp_path):
     assert outs[0] == outs[1]
     reject = json.loads((tmp_path / "one" / "rejects.jsonl").read_text())
     assert reject["row"] == 1 and "roles must alternate" in reject["reason"]
+    # a template Jinja cannot parse fails once, naming the line, before any row is read (every
+    # row was rejected with the same error, then "no usable conversations")
+    template.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    with pytest.raises(EyasError, match=rf"the chat template of {template} is not valid Jinja: "
+                                        rf".* \(line 2\); fix it"):
+        run_prepare(tok_dir, [tmp_path / "x.jsonl"], tmp_path / "bad", chat_template=str(template))
+    assert not (tmp_path / "bad" / "dataset").exists()
 
 
 def test_out_folder_rules(tok_dir, tmp_path):

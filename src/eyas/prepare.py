@@ -134,7 +134,27 @@ def load_tokenizer(cfg: PrepareConfig):
     if not tok.chat_template:
         raise EyasError(f"the tokenizer of {name} has no chat template; give the one the "
                         f"target is served with: --chat-template FILE.jinja")
+    _check_template_compiles(tok.chat_template, cfg.chat_template or f"the tokenizer of {name}")
     return tok
+
+
+def _check_template_compiles(template, source: str) -> None:
+    """A chat template that Jinja cannot parse fails once, here, naming the line: it used to
+    reject every row with the same error and then end in "no usable conversations". Compiled
+    as transformers compiles it (its extensions, `{% generation %}` included)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: every row's render still says why
+        return
+    import jinja2
+
+    for text in (template.values() if isinstance(template, dict) else [template]):
+        try:
+            _compile_jinja_template(text)
+        except jinja2.TemplateSyntaxError as err:
+            raise EyasError(f"the chat template of {source} is not valid Jinja: {err.message} "
+                            f"(line {err.lineno}); fix it, or give the template the target is "
+                            f"served with as --chat-template FILE.jinja") from err
 
 
 def _target_config(cfg: PrepareConfig):
