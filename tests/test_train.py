@@ -777,6 +777,13 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatc
                                         r"--batch-tokens 32 then, 64 now\. Resume with the "
                                         r"values it was started with"):
         train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=64, truncate=True, max_steps=2))
+    # left out, they are the run's own (as the recipe's are): it resumed at today's defaults
+    # (--batch-tokens 8192, no --truncate) and was refused
+    with caplog.at_level(logging.INFO, logger="eyas.train"):
+        train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=None, max_steps=2))
+    assert re.search(r"resuming .*r5 with the recipe it was started with for the options not "
+                     r"given here \(--batch-tokens 32, .*--truncate True", caplog.text)
+    assert [r["step"] for r in _records(tmp_path / "r5", "train")] == [1, 2]
 
 
 def test_refuses_captures_of_other_weights_unless_accepted(run_inputs, tmp_path):

@@ -94,11 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def eyas_split(capture: Path, eval_fraction: float | None, seed: int | None):
     """(source, train ids, eval ids) exactly as `eyas train` splits this capture."""
     from eyas.draft.data import OfflineSource, split_eval, split_ids
-    from eyas.draft.train_config import TrainConfig
+    from eyas.draft.train_config import TRAINING_DEFAULTS, TrainConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     fraction = defaults["eval_fraction"] if eval_fraction is None else eval_fraction
-    seed = defaults["seed"] if seed is None else seed
+    seed = TRAINING_DEFAULTS["seed"] if seed is None else seed  # (unset in TrainConfig)
     src = OfflineSource(capture)
     train_ids = split_ids(src, "train")
     if src.manifest.get("split") == "all" and len(split_ids(src, "eval")):

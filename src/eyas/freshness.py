@@ -183,6 +183,9 @@ def changed_options(cls, old: dict, new: dict) -> list[str]:
     change only if set off its default in `new`."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls)
                 if f.default is not dataclasses.MISSING}
+    # an option unset until the config resolves it (TrainConfig's) has its value when unset
+    defaults.update({k: v for k, v in getattr(cls, "UNSET_DEFAULTS", {}).items()
+                     if defaults.get(k) is None})
     gained = {k for k, v in new.items()
               if k not in old and k in defaults and v == _normalise(defaults[k])}
     return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))

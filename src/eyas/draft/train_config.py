@@ -55,7 +55,10 @@ TRAINING_DEFAULTS = {"epochs": 10, "max_steps": 0, "betas": (0.9, 0.999), "muon_
                      "muon_momentum": 0.95, "muon_weight_decay": 0.1, "min_lr_ratio": 0.0,
                      "loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0, "num_anchors": 512,
                      "loss_decay_gamma": 7.0, "dflash_labels": "data",
-                     "online_cache_dtype": "bf16"}
+                     "online_cache_dtype": "bf16",
+                     # the data order's: a resume with another would be refused (resume.py)
+                     "batch_tokens": 8192, "row_tokens": 0, "truncate": False, "seed": 0,
+                     "grad_accum": 1}
 # what a resumed run keeps from its start (its eyas.json) where it is not given again
 RESUMED = ("lr", *EAGLE3_RECIPE, *TRAINING_DEFAULTS)
 
@@ -113,11 +116,14 @@ class TrainConfig:
                                          "eval split if it has one, else --eval-fraction")
     eval_fraction: float = option(0.02, "share of training samples held out when there is no "
                                         "eval split or --eval-data (0 = no eval)")
-    batch_tokens: int = option(8192, "tokens per micro-batch on each rank (packed rows, "
-                                     "padding included)")
-    row_tokens: int = option(0, "tokens per packed row; 0 = one row of --batch-tokens")
-    truncate: bool = option(False, "cut samples longer than a row instead of refusing them")
-    grad_accum: int = option(1, "micro-batches per optimizer step on each rank")
+    batch_tokens: int | None = option(None, "tokens per micro-batch on each rank (packed rows, "
+                                            "padding included)" + _unset_note("batch_tokens"))
+    row_tokens: int | None = option(None, "tokens per packed row; 0 = one row of --batch-tokens"
+                                    + _unset_note("row_tokens"))
+    truncate: bool | None = option(None, "cut samples longer than a row instead of refusing "
+                                         "them (counted)" + _unset_note("truncate"))
+    grad_accum: int | None = option(None, "micro-batches per optimizer step on each rank"
+                                    + _unset_note("grad_accum"))
     epochs: int | None = option(None, "passes over the training data (SpecForge's default)"
                                 + _unset_note("epochs"))
     max_steps: int | None = option(None, "optimizer steps; 0 = --epochs over the data"
@@ -239,7 +245,8 @@ class TrainConfig:
     device: str | None = option(None, "cuda or cpu (default: cuda if available)")
     num_workers: int = option(2, "data-loader threads reading ahead (offline); 0 = read each "
                               "batch when the step asks for it")
-    seed: int = option(0, "seed for the draft init and the data order")
+    seed: int | None = option(None, "seed for the draft init and the data order"
+                              + _unset_note("seed"))
     log_every: int = option(10, "log train metrics every N steps")
     eval_every: int = option(500, "evaluate every N steps (and at the end)")
     save_every: int = option(1000, "checkpoint every N steps (and at the end and at each new best)")
@@ -426,3 +433,8 @@ def _is_device_map(value: str | None) -> bool:
     except (RuntimeError, TypeError):
         return False
     return True
+
+
+# what an option of TRAINING_DEFAULTS is when left unset (eyas.freshness.changed_options: an
+# option a manifest lacks is no change where it holds this)
+TrainConfig.UNSET_DEFAULTS = TRAINING_DEFAULTS
