@@ -271,6 +271,28 @@ def test_a_value_outside_a_fields_choices_is_refused_however_given(command):
             cls(**{**needed, f.name: bad})
 
 
+def test_a_dtype_in_another_steps_spelling_is_taken_as_this_steps(tmp_path):
+    """From a user audit: eval, regenerate and convert took `bfloat16`, capture, export and
+    train `bf16`, each refusing the other's. Each now takes both, by flag, YAML or library
+    call, and holds (and records) its own spelling."""
+    from eyas.capture import CaptureConfig
+    from eyas.evaluate import EvalConfig
+
+    got = cli.parse_config("capture", ["--target", "t", "--data", "d", "--out", "o",
+                                       "--model-dtype", "bfloat16", "--dtype", "bfloat16"])
+    assert (got.model_dtype, got.dtype) == ("bf16", "bf16")
+    got = cli.parse_config("eval", ["--target", "t", "--data", "d", "--out", "o",
+                                    "--dtype", "fp32"])
+    assert got.dtype == "float32"
+    yaml_file = tmp_path / "export.yaml"
+    yaml_file.write_text("checkpoint: run\nout: d\ndtype: float16\n")
+    assert cli.parse_config("export", ["--config", str(yaml_file)]).dtype == "fp16"
+    assert CaptureConfig(target="t", data="d", out="o", dtype="bfloat16").dtype == "bf16"
+    assert EvalConfig(target="t", out="o", data="d", dtype="bf16").dtype == "bfloat16"
+    with pytest.raises(SystemExit):  # fp8 has no other spelling: still refused where unknown
+        cli.parse_config("export", ["--checkpoint", "c", "--out", "o", "--dtype", "fp8"])
+
+
 def test_a_list_value_that_starts_with_a_minus_reaches_the_configs_own_check(capsys):
     # argparse took `-1,2,4` for a flag and answered "expected one argument"
     argv = ["capture", "--target", "t", "--data", "d", "--out", "o", "--aux-layer-ids", "-1,2,4"]

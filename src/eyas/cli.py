@@ -18,7 +18,7 @@ import sys
 import typing
 
 from eyas import __version__
-from eyas.config import ConfigError, base_type, field_types, from_dict, load_yaml
+from eyas.config import ConfigError, accepted, base_type, field_types, from_dict, load_yaml
 from eyas.errors import EyasError, LosslessError
 
 # subcommand -> (module, step function, config class, one-line summary)
@@ -78,7 +78,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> Non
             " (required)"
     kwargs: dict = {"help": help_text, "default": argparse.SUPPRESS}
     if f.metadata.get("choices"):
-        kwargs["choices"] = f.metadata["choices"]
+        kwargs["choices"] = accepted(f.metadata["choices"])  # the config spells a dtype its way
     if tp is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(tp) is tuple:

@@ -96,15 +96,41 @@ def coerce(name: str, tp, value):
     return value
 
 
+# one dtype, two spellings: the steps that name torch's (eval, regenerate, convert) and those
+# that name the short one (capture, export, train) each take the other too
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "bfloat16": "bf16", "fp16": "float16",
+                   "float16": "fp16", "fp32": "float32", "float32": "fp32"}
+
+
+def spelled(value, choices):
+    """`value` as `choices` spell it: itself, or its other dtype spelling where only that one
+    is a choice."""
+    other = DTYPE_SPELLINGS.get(value) if isinstance(value, str) else None
+    return other if value not in choices and other in choices else value
+
+
+def accepted(choices) -> tuple:
+    """`choices` and the other dtype spelling of each that has one (what argparse takes)."""
+    return (*choices, *(DTYPE_SPELLINGS[c] for c in choices
+                        if c in DTYPE_SPELLINGS and DTYPE_SPELLINGS[c] not in choices))
+
+
 def check_choices(config) -> None:
     """Every field of `config` declared with `choices` holds one of them (each item of a tuple
-    field; None where the field may be unset). The CLI's flags are checked by argparse; this is
-    for a YAML file, a pipeline section and a library call, where a typo (`optimizer: adam`)
-    would otherwise run another recipe or fail hours later. Each config with choices calls it
-    first in its __post_init__."""
+    field; None where the field may be unset), a dtype given in its other spelling (`bfloat16`
+    where the choices say `bf16`) being set to the choices' own. The CLI's flags are checked by
+    argparse; this is for a YAML file, a pipeline section and a library call, where a typo
+    (`optimizer: adam`) would otherwise run another recipe or fail hours later. Each config with
+    choices calls it first in its __post_init__."""
     for f in dataclasses.fields(config):
         choices = f.metadata.get("choices")
         value = getattr(config, f.name)
+        if choices:
+            fixed = (tuple(spelled(v, choices) for v in value) if isinstance(value, tuple)
+                     else spelled(value, choices))
+            if fixed != value:
+                object.__setattr__(config, f.name, fixed)
+                value = fixed
         bad = [v for v in (value if isinstance(value, tuple) else (value,))
                if choices and v is not None and v not in choices]
         if bad:
