@@ -19,7 +19,7 @@ from eyas.draft.processes import Env
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import check_same_target, peek_manifest
-from eyas.draft.train_config import RESUMED, TrainConfig
+from eyas.draft.train_config import DATA_ORDER, RESUMED, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def _batching_changes(cfg: TrainConfig) -> list[str]:
     changed shows as no change here)."""
     old = started_config(cfg.out)
     out = []
-    for key in ("batch_tokens", "row_tokens", "truncate", "seed", "grad_accum"):
+    for key in DATA_ORDER:
         if key in old and old[key] != getattr(cfg, key):
             flag = "--" + key.replace("_", "-")
             out.append(f"{flag} {old[key]} then, {getattr(cfg, key)} now")

@@ -51,14 +51,15 @@ RECIPE_NOTE = "unset: speculators' recipe for EAGLE-3 ({}), {} for dflash (docs/
 # The other options a run trains by, with one default for both families (the peak lr has its
 # own: EAGLE3_LR, DFLASH_LR). Unset (None) until __post_init__, as the recipe's are, so that a
 # resumed run tells an option given again from one left out (eyas.train.keep_run_recipe).
+# Among them the data order's options: a resume given another value of one is refused
+# (eyas.draft.resume).
+DATA_ORDER = {"batch_tokens": 8192, "row_tokens": 0, "truncate": False, "seed": 0,
+              "grad_accum": 1}
 TRAINING_DEFAULTS = {"epochs": 10, "max_steps": 0, "betas": (0.9, 0.999), "muon_lr": 0.0,
                      "muon_momentum": 0.95, "muon_weight_decay": 0.1, "min_lr_ratio": 0.0,
                      "loss": "kl", "lk_kl_scale": 1.0, "lk_kl_decay": 1.0, "num_anchors": 512,
                      "loss_decay_gamma": 7.0, "dflash_labels": "data",
-                     "online_cache_dtype": "bf16",
-                     # the data order's: a resume with another would be refused (resume.py)
-                     "batch_tokens": 8192, "row_tokens": 0, "truncate": False, "seed": 0,
-                     "grad_accum": 1}
+                     "online_cache_dtype": "bf16", **DATA_ORDER}
 # what a resumed run keeps from its start (its eyas.json) where it is not given again
 RESUMED = ("lr", *EAGLE3_RECIPE, *TRAINING_DEFAULTS)
 

@@ -137,10 +137,12 @@ def complete(path: Path) -> bool:
     return damage(path) is None
 
 
-def latest_complete(run_dir: str | Path) -> Path | None:
-    """The newest complete step folder of the run in `run_dir`, or None."""
+def latest_complete(run_dir: str | Path, before: str | None = None) -> Path | None:
+    """The newest complete step folder of the run in `run_dir` (older than the step folder
+    named `before`, if given), or None."""
     ckpt = Path(run_dir) / "checkpoints"
-    steps = sorted((p for p in ckpt.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+    steps = sorted((p for p in ckpt.iterdir() if p.is_dir() and STEP_DIR.match(p.name)
+                    and (before is None or p.name < before)),
                    reverse=True) if ckpt.is_dir() else []
     return next((p for p in steps if complete(p)), None)
 
@@ -163,10 +165,9 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if path is not None and (why := damage(path)) is not None:
         # the `last` pointer names it, or it was given: damaged after it was written whole
         # (a copy cut short, a disk error), so resuming elsewhere is the user's choice
-        older = [p for p in sorted(path.parent.iterdir(), reverse=True)
-                 if p.is_dir() and STEP_DIR.match(p.name) and p.name < path.name and complete(p)]
-        fix = (f"resume from {older[0]}, the latest whole checkpoint before it, with --resume "
-               f"{older[0]} (the steps after it are trained again)" if older else
+        older = latest_complete(path.parent.parent, before=path.name)
+        fix = (f"resume from {older}, the latest whole checkpoint before it, with --resume "
+               f"{older} (the steps after it are trained again)" if older else
                "no whole checkpoint before it is left: start over with --resume never (or "
                "another --out)")
         raise EyasError(f"checkpoint {path} is damaged ({why}), so the run cannot resume from "

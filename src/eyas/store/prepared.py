@@ -8,23 +8,29 @@ from pathlib import Path
 from eyas.errors import EyasError
 
 
-def load_prepared(prepared: str | Path):
-    """The DatasetDict of a prepared folder's `dataset/`; an EyasError naming the folder and
-    the fix when it is missing, or its files are damaged or incomplete (a copy cut short, a
-    file removed): datasets' own error names an arrow message or a state.json only."""
+def load_saved(path: str | Path, what: str, fix: str):
+    """`datasets.load_from_disk(path)`; where its files are damaged or incomplete (a copy cut
+    short, a file removed), an EyasError "`what` cannot be read: ... (the reason). `fix`"
+    instead of datasets' own error, which names an arrow message or a state.json only."""
     import datasets
 
-    path = Path(prepared) / "dataset"
-    if not path.is_dir():
-        raise EyasError(f"{prepared} has no dataset/ folder; run `eyas prepare --out {prepared}`.")
     try:
         return datasets.load_from_disk(str(path))
     except (OSError, ValueError) as err:  # pyarrow's errors are OSError or ValueError
         first = (str(err).splitlines() or [repr(err)])[0][:200].rstrip(".")
-        raise EyasError(f"the prepared data in {path} cannot be read: its files are damaged or "
-                        f"incomplete ({type(err).__name__}: {first}). Run `eyas prepare` again "
-                        f"into {prepared} (the same data and settings give the same rows), or "
-                        f"copy the folder again from where it was made") from err
+        raise EyasError(f"{what} cannot be read: its files are damaged or incomplete "
+                        f"({type(err).__name__}: {first}){fix}") from err
+
+
+def load_prepared(prepared: str | Path):
+    """The DatasetDict of a prepared folder's `dataset/`; an EyasError naming the folder and
+    the fix when it is missing, damaged or incomplete (load_saved)."""
+    path = Path(prepared) / "dataset"
+    if not path.is_dir():
+        raise EyasError(f"{prepared} has no dataset/ folder; run `eyas prepare --out {prepared}`.")
+    return load_saved(path, f"the prepared data in {path}",
+                      f". Run `eyas prepare` again into {prepared} (the same data and settings "
+                      f"give the same rows), or copy the folder again from where it was made")
 
 
 def load_split(prepared: str | Path, split: str, limit: int | None = None):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from eyas.errors import EyasError
+from eyas.store.prepared import load_saved
 from eyas.targets.chat_sources import dict_splits, is_datasets_folder, resolve_paths
 
 log = logging.getLogger(__name__)
@@ -280,14 +281,9 @@ def _read_datasets_folder(path: Path, only: str | None = None) -> Iterator[RawRo
     if only is not None and names is not None and only not in names:
         raise EyasError(f"{path} has no '{only}' split (it has {sorted(names)}); pass "
                         f"--split with one of them")
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except (OSError, ValueError) as err:  # a file cut short or gone (pyarrow's errors)
-        first = (str(err).splitlines() or [repr(err)])[0][:200].rstrip(".")
-        raise EyasError(f"the datasets folder {path} cannot be read: its files are damaged or "
-                        f"incomplete ({type(err).__name__}: {first}); save it again "
-                        f"(Dataset.save_to_disk) or copy it again from where it was made"
-                        ) from err
+    loaded = load_saved(path, f"the datasets folder {path}",
+                        "; save it again (Dataset.save_to_disk) or copy it again from where "
+                        "it was made")
     splits = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [(None, loaded)]
     if only is not None and names is not None:
         splits = [(only, loaded[only])]
