@@ -6,7 +6,8 @@
 # largest tracked files can leave the working tree for the lease:
 #   hide      move tracked files over ${SLIM_MIN_KB:-1024} KB under benchmarks/results into
 #             .slim/ (ignored, so not carried); prints the tree's size after
-#   restore   put them back (git restores them too: `git checkout -- benchmarks/results`)
+#   restore   put them back, and any other tracked file of benchmarks/results the tree lacks
+#             from git; changes to tracked files (a lease's results copied in) are kept
 set -eu
 cd "$(dirname "$0")/.."
 case "${1:?name a step: hide or restore}" in
@@ -22,7 +23,10 @@ case "${1:?name a step: hide or restore}" in
       mkdir -p "$(dirname "$f")" && mv ".slim/$f" "$f"
     done
     rm -rf .slim
-    git checkout -- benchmarks/results  # (anything .slim did not hold)
+    # (a tracked file .slim did not hold and the tree lacks; never a blanket checkout, which
+    # would throw away a lease's results copied over tracked files before the restore, as
+    # session 50's scale-smollm2-corpus.json was)
+    git ls-files -z -d benchmarks/results | xargs -0 -r git checkout --
     git status --short benchmarks/results ;;
   *) echo "unknown step $1: hide or restore" >&2; exit 2 ;;
 esac

@@ -174,9 +174,14 @@ def test_a_carried_draft_is_served_beside_the_reports_an_earlier_lease_made(tmp_
 def test_slim_hides_the_largest_results_for_a_lease_and_puts_them_back(tmp_path):
     """benchmarks/h200_slim.sh in a clone of this repository: `hide` takes the tracked
     results over 1 MB out of the working tree (the device carries what is on disk), leaving
-    it small enough for a 36 MB part beside it; `restore` leaves the tree as committed."""
+    it small enough for a 36 MB part beside it; `restore` puts back what it took and any
+    tracked result the tree lacks, and keeps a lease's results copied over tracked files
+    (session 50 lost its corpus JSON to a restore that checked out all of results/)."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    script = "benchmarks/h200_slim.sh"  # the script as it is here, committed or not
+    shutil.copy(REPO / script, clone / script)
+    subprocess.run(["git", "update-index", "--assume-unchanged", script], cwd=clone, check=True)
     big = clone / "benchmarks/results/served-h200-s41/qwen15-conversations-topup.jsonl.gz"
     before = big.read_bytes()
 
@@ -191,8 +196,14 @@ def test_slim_hides_the_largest_results_for_a_lease_and_puts_them_back(tmp_path)
     tree = int(out.rsplit("tree: ", 1)[1].split()[0])
     assert tree < 29 * 2**20  # 64 MiB less a 36 MB part
     assert "pyproject.toml" in {p.name for p in clone.iterdir()}  # (results only)
+    new = clone / "benchmarks/results/scale-smollm2-corpus.md"  # a lease's copy, not committed
+    new.write_text("the lease's table\n")
+    lost = clone / "benchmarks/results/scale-smollm2.md"  # tracked, under 1 MB, gone
+    kept = lost.read_bytes()
+    lost.unlink()
     slim("restore")
     assert big.read_bytes() == before and not (clone / ".slim").exists()
+    assert lost.read_bytes() == kept and new.read_text() == "the lease's table\n"
     status = subprocess.run(["git", "status", "--short"], cwd=clone, capture_output=True,
                             text=True, check=True).stdout
-    assert status == ""
+    assert status == " M benchmarks/results/scale-smollm2-corpus.md\n"
