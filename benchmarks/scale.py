@@ -25,7 +25,10 @@ Per size, in its own folder: prepare -> capture -> vocab -> train (eyas train's 
   indist     --data/indist.jsonl (and indist_chat.jsonl when present): train's sources
   heldout    --data/heldout.jsonl: whole sources training never sees
   bench      --bench mt-bench,gsm8k,humaneval, greedy
-  bench-t1   --bench mt-bench --temperature 1 (exact rejection sampling)
+  bench-t1   --bench mt-bench --temperature 1 (exact rejection sampling), greedy drafts
+             (vLLM's default draft_sample_method), sets named SET-t1
+  bench-t1p  the same with --draft-sampling probabilistic (what docs/eval.md advises to
+             serve at T > 0), sets named SET-t1p; with --t1-sampling probabilistic
 n-gram is measured once per prompt set (with the first draft that meets it: it does not
 depend on the draft) and stored at the top of the JSON.
 
@@ -276,9 +279,11 @@ def eval_plan(a) -> dict[str, tuple[list, list[str]]]:
     plan["heldout"] = (["--data", data / "heldout.jsonl"], ["heldout"])
     if a.bench:
         plan["bench"] = (["--bench", a.bench], a.bench.split(","))
-    if a.t1_bench:
-        plan["bench-t1"] = (["--bench", a.t1_bench, "--temperature", "1"],
-                            [f"{s}-t1" for s in a.t1_bench.split(",")])
+    for sampling in a.t1_sampling if a.t1_bench else ():
+        name = T1_EVALS[sampling]
+        plan[f"bench-{name}"] = (["--bench", a.t1_bench, "--temperature", "1"] + (
+            ["--draft-sampling", sampling] if sampling != "greedy" else []),
+            [f"{s}-{name}" for s in a.t1_bench.split(",")])
     return plan
 
 
@@ -442,6 +447,18 @@ def train_export(a, data: Path, folder: Path, flags: list[str], prep: dict,
             "draft_id": json.loads((folder / "draft/eyas.json").read_text()).get("id")}
 
 
+T1_EVALS = {"greedy": "t1", "probabilistic": "t1p"}  # --t1-sampling -> eval and set suffix
+
+
+def sampled_set(name: str) -> str | None:
+    """The prompt set a T = 1 set name measures (mt-bench-t1p -> mt-bench), None for a T = 0
+    one."""
+    for suffix in T1_EVALS.values():
+        if name.endswith(f"-{suffix}"):
+            return name.removesuffix(f"-{suffix}")
+    return None
+
+
 def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
     """prompt set -> {"eagle3": {k: AL}, "ngram": {k: AL}, "prompts": n, "steps": {method:
     {k: tokens per step}}} from one report (tokens per decode step of the target, the steps
@@ -449,7 +466,7 @@ def per_set(report: dict, sets: list[str], t1: bool) -> dict[str, dict]:
     by_set = report.get("by_set") or {}
     out = {}
     for name in sets:
-        src = by_set.get(name.removesuffix("-t1") if t1 else name) if by_set else report
+        src = by_set.get(sampled_set(name) or name if t1 else name) if by_set else report
         if src is None:
             continue
         entry = {"prompts": src.get("prompts", report.get("num_prompts"))}
@@ -874,12 +891,16 @@ def main(argv=None) -> dict:
     p.add_argument("--lever-sizes", default="", help="comma list of sizes for --levers")
     p.add_argument("--lever-evals", default="indist,heldout,bench",
                    help="which evals of the plan measure each lever (of indist, indist-chat, "
-                        "heldout, bench, bench-t1)")
+                        "heldout, bench, bench-t1, bench-t1p)")
     p.add_argument("--lever-jobs", type=int, default=8, help="levers trained at once")
     p.add_argument("--k", default="3,6")
     p.add_argument("--prompts", type=int, default=200, help="in-distribution / held-out prompts")
     p.add_argument("--bench", default="mt-bench,gsm8k,humaneval")
     p.add_argument("--t1-bench", default="mt-bench", help="sets measured at temperature 1")
+    p.add_argument("--t1-sampling", default="greedy",
+                   help="comma list of how the draft proposes at temperature 1 (eyas eval "
+                        "--draft-sampling): greedy (eval bench-t1, sets SET-t1; vLLM's "
+                        "default) and/or probabilistic (bench-t1p, SET-t1p)")
     p.add_argument("--bench-prompts", type=int, default=80)
     p.add_argument("--eval-tokens", type=int, default=96)
     p.add_argument("--eval-batch", type=int, default=64)
@@ -906,10 +927,15 @@ def main(argv=None) -> dict:
                     "Muon (all trained again). Use torch >= 2.9, or pass --train-args "
                     "'--optimizer adamw' to train that recipe on purpose")
     a.lever_evals = [e for e in a.lever_evals.split(",") if e]
+    a.t1_sampling = [x for x in a.t1_sampling.split(",") if x]
+    if not a.t1_sampling or set(a.t1_sampling) - set(T1_EVALS):
+        p.error(f"--t1-sampling {','.join(a.t1_sampling)!r}: a comma list of "
+                f"{', '.join(T1_EVALS)}")
     lever_sizes = sorted({int(x) for x in a.lever_sizes.split(",") if x.strip()})
     if bool(a.levers) != bool(lever_sizes):
         p.error("--levers and --lever-sizes go together")
-    unknown = set(a.lever_evals) - {"indist", "indist-chat", "heldout", "bench", "bench-t1"}
+    unknown = set(a.lever_evals) - {"indist", "indist-chat", "heldout", "bench", "bench-t1",
+                                    "bench-t1p"}
     if unknown:
         p.error(f"--lever-evals: unknown {sorted(unknown)}")
 

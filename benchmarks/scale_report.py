@@ -9,7 +9,7 @@ from pathlib import Path
 
 # the prompt sets in the order of the table's columns and the plot's lines
 SET_NAMES = ("indist", "indist-chat", "heldout", "mt-bench", "gsm8k", "humaneval",
-             "mt-bench-t1")
+             "mt-bench-t1", "mt-bench-t1p")
 
 
 def rows(state: dict) -> list[dict]:
@@ -68,7 +68,7 @@ def paired_changes(control: dict, variant: dict, base: Path) -> dict:
 
     ours, theirs = {}, {}
     for name, ev in variant["evals"].items():
-        if name.endswith("-t1"):  # sampled: the two drafts do not continue the same text
+        if name.endswith(("-t1", "-t1p")):  # sampled: the drafts do not continue one text
             continue
         other = control["evals"].get(name, {})
         files = [base / x for x in (ev.get("per_prompt_file"), other.get("per_prompt_file"))

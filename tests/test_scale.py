@@ -450,6 +450,50 @@ def test_a_run_folder_of_another_recipe_is_not_resumed(tmp_path):
     assert scale._recipe_diff(now, {**now, "seed": 1}) == ["seed"]
 
 
+def test_t1_sampling_measures_probabilistic_drafts_as_their_own_sets(tmp_path, monkeypatch):
+    """--t1-sampling greedy,probabilistic: the T = 1 bench sets twice, greedy drafts as
+    SET-t1 and probabilistic ones (eyas eval --draft-sampling probabilistic) as SET-t1p, each
+    with its n-gram, in the table; an unknown way is refused before any work."""
+    data, corpus = _regenerated(tmp_path, 6)
+    calls = {}
+
+    def fake_train(a, n, lines, folder):
+        (folder / "draft").mkdir(parents=True, exist_ok=True)
+        (folder / "draft/eyas.json").write_text(json.dumps({"id": "d"}))
+        return {"tokens": 10, "train_tokens": 100, "gpu_minutes": 0.1, "draft_id": "d"}
+
+    def fake_run(step, *args, log, out):
+        args = [str(x) for x in args]
+        calls[out.name] = args
+        out.mkdir(parents=True)
+        al = 1.4 if "probabilistic" in args else 1.2
+        res = [{"method": m, "k": k, "mean_acceptance_length": al if m == "eagle3" else 1.6}
+               for m in ("eagle3", "ngram") for k in (3, 6)]
+        report = {"num_prompts": 2, "lossless": True, "results": res,
+                  "by_set": {"mt-bench": {"prompts": 2, "results": res}}}
+        (out / "report.json").write_text(json.dumps(report))
+        return 1.0
+
+    monkeypatch.setattr(scale, "train_size", fake_train)
+    monkeypatch.setattr(scale, "run", fake_run)
+    out = tmp_path / "res/scale.json"
+    argv = ["--target", "t", "--data", str(data), "--corpus-dir", str(corpus), "--work",
+            str(tmp_path / "work"), "--out", str(out), "--sizes", "4", "--bench", "",
+            "--t1-bench", "mt-bench", "--t1-sampling", "greedy,probabilistic"]
+    state = scale.main(argv)
+    greedy, prob = calls["eval-bench-t1"], calls["eval-bench-t1p"]
+    assert "--draft-sampling" not in greedy and "--temperature" in greedy
+    assert prob[prob.index("--draft-sampling") + 1] == "probabilistic"
+    assert prob[prob.index("--temperature") + 1] == "1"
+    evals = state["sizes"]["4"]["evals"]
+    assert evals["bench-t1"]["sets"]["mt-bench-t1"]["eagle3"] == {"3": 1.2, "6": 1.2}
+    assert evals["bench-t1p"]["sets"]["mt-bench-t1p"]["eagle3"] == {"3": 1.4, "6": 1.4}
+    assert {"mt-bench-t1", "mt-bench-t1p"} <= set(state["ngram"])
+    assert "mt-bench-t1p k=3" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        scale.main([*argv[:-1], "greedy,sampled"])
+
+
 def test_sizes_and_evals_at_once_share_one_json_and_measure_ngram_once(tmp_path, monkeypatch):
     """--jobs 3 --eval-jobs 2: sizes 4 and 6 and their two evals each run side by side (the
     stubbed eval waits until all four are running), every record lands in the one JSON, each
@@ -1180,14 +1224,18 @@ def test_levers_table_compares_each_variant_on_the_cells_it_has():
 
 
 def test_a_json_of_levers_alone_has_their_table_and_no_empty_curve():
-    """The corpus order's JSON of session 45 holds levers and no size: its report is the
-    levers' table (control first, the variant's change against it), with no curve table of
-    blank rows before it."""
+    """The corpus order's JSON as sessions 45-49 left it held levers and no size: its report
+    is the levers' table (control first, the variant's change against it), with no curve
+    table of blank rows before it. With session 50's size the curve's table comes first."""
     from scale_report import markdown
 
     root = Path(__file__).parent.parent
     state = json.loads((root / "benchmarks/results/scale-smollm2-corpus.json").read_text())
-    assert not state["sizes"] and state["levers"]
+    assert state["sizes"] and state["levers"]
+    whole = markdown(state)
+    assert whole.startswith("| conversations |") and "\n| 45,742 |" in whole
+    assert "Levers at 3,000 conversations" in whole
+    state["sizes"] = {}
     text = markdown(state)
     assert text.startswith("Levers at 3,000 conversations") and "| conversations |" not in text
     rows = [r for r in text.splitlines() if r.startswith("| ")]
