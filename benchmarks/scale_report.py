@@ -95,7 +95,7 @@ def levers_table(state: dict, base: Path | None = None) -> list[str]:
     training's replayed chain AL at k = 3 on the capture's eval split (`best`), its AL per
     prompt set and k, and its mean over those cells against the control's (the variant
     named `default`, else the curve's point); under the table, each variant's change against
-    `default` paired prompt by prompt with its 95 % interval, where `base` holds both
+    that control paired prompt by prompt with its 95 % interval, where `base` holds both
     drafts' per-prompt counts (paired_changes)."""
     out, ks = [], state["k"].split(",")
     for key in sorted(state.get("levers", {}), key=int):
@@ -139,17 +139,21 @@ def levers_table(state: dict, base: Path | None = None) -> list[str]:
                            f"{als[name][s][k]:.3f}" if k in als[name].get(s, {}) else "-"
                            for s, k in cells) + f" | {vs} |")
         out.append("| n-gram | | | | | " + _ngram(state, cells) + " | |")
-        if base is None or "default" not in variants:
+        # the control: the variant `default`, else the curve's own point at this size (a
+        # lever added beside a size trained before, e.g. more epochs of the whole corpus)
+        control, against = ((variants["default"], "default") if "default" in variants else
+                            (state["sizes"].get(key), "the curve point"))
+        if base is None or control is None:
             continue
         notes = []
         for name in (x for x in variants if x != "default"):
             try:
-                paired = paired_changes(variants["default"], variants[name], base)
+                paired = paired_changes(control, variants[name], base)
             except ValueError as err:  # said in the table: a lease's write goes on
-                notes.append(f"- {name} against default: not paired ({err})")
+                notes.append(f"- {name} against {against}: not paired ({err})")
                 continue
             if paired:
-                notes.append(f"- {name} against default, paired prompt by prompt: " + "; ".join(
+                notes.append(f"- {name} against {against}, paired prompt by prompt: " + "; ".join(
                     f"k={k} {100 * c['change']:+.1f} % [{100 * c['ci95'][0]:+.1f}, "
                     f"{100 * c['ci95'][1]:+.1f}] over {c['prompts']} prompts"
                     for k, c in sorted(paired.items(), key=lambda x: int(x[0]))))

@@ -1126,6 +1126,14 @@ def test_lever_evals_keep_their_prompts_and_the_table_pairs_them(tmp_path, monke
         {"draft_id": rec["draft_id"], "per_prompt": {"3": [[i, 0, 0] for i in ids]}}))
     assert paired_changes(ctl, {**more, "evals": {"heldout": {
         **rec, "per_prompt_file": "none.json"}}}, base) == {}
+    # a lever beside a size trained before, with no `default` of its own: paired against
+    # the curve's point (its record and per-prompt files are those of a size)
+    from scale_report import markdown
+
+    beside = {**state, "sizes": {"4": ctl}, "levers": {"4": {
+        **state["levers"]["4"], "variants": {"more": more}}}}
+    text = markdown(beside, base).splitlines()
+    assert line.replace("against default", "against the curve point") in text
 
 
 def test_levers_are_parsed_and_refused_when_malformed(tmp_path):
