@@ -1254,6 +1254,28 @@ def test_a_json_of_levers_alone_has_their_table_and_no_empty_curve():
     assert rows[2].startswith("| allpos |") and rows[2].endswith(f"| {100 * want:+.1f} % |")
 
 
+def test_the_curve_and_the_whole_corpus_on_one_plot(tmp_path):
+    """scale_report.py --plot: the committed curve (3-24 K) and the whole corpus's point on
+    one plot per k, each JSON's sizes its own series; without --plot, each JSON's table."""
+    import scale_report
+
+    res = Path(__file__).parent.parent / "benchmarks/results"
+    states = [(n, json.loads((res / f).read_text())) for n, f in (
+        ("curve", "scale-smollm2.json"), ("corpus", "scale-smollm2-corpus.json"))]
+    pts = scale_report.curve_points(states, "3", ["mt-bench", "gsm8k"])
+    assert [n for n, _ in pts["curve"]["mt-bench"]] == [3000, 6000, 12000, 24000]
+    assert pts["curve"]["mt-bench"][-1][1] == pytest.approx(2.432, abs=5e-4)
+    assert [(n, round(al, 3)) for n, al in pts["corpus"]["mt-bench"]] == [(45742, 2.542)]
+    scale_report.main(["--plot", str(tmp_path / "all"), f"the curve={res / 'scale-smollm2.json'}",
+                       str(res / "scale-smollm2-corpus.json")])
+    for k in ("3", "6"):
+        assert (tmp_path / f"all-k{k}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.md"))  # --plot writes no tables
+    (tmp_path / "c.json").write_text((res / "scale-smollm2-corpus.json").read_text())
+    scale_report.main([str(tmp_path / "c.json")])
+    assert "| 45,742 |" in (tmp_path / "c.md").read_text()
+
+
 def test_ngram_steps_adds_tokens_per_step_from_a_real_ngram_eval(llama_dir, tmp_path):
     """benchmarks/ngram_steps.py: an n-gram-only eyas eval's tokens per step go into a curve
     JSON's n-gram record made before they were reported, after its settings and AL are
