@@ -109,3 +109,47 @@ def test_unknown_variants_and_splits_are_refused(tmp_path, steps):
         recipe.main([*argv, "--variants", "default", "--splits", "served",
                      "--baseline", "default"])
     assert steps == []
+
+
+def test_each_variant_is_paired_against_the_baseline_prompt_by_prompt(tmp_path, steps,
+                                                                     monkeypatch):
+    """The peer run's table: each variant's change against the first row (the pipeline's own
+    draft with --baseline) paired prompt by prompt from the eval reports' per-prompt counts,
+    per split and k; here the peer accepts one token less on every second prompt, its rows
+    listed in another order, and one prompt only the baseline measured."""
+    from eyas.serve.eval_report import paired_change_ci
+
+    work, data = tmp_path / "work", tmp_path / "data"
+    data.mkdir()
+    ids = [f"heldout/t/{i}" for i in range(10)]
+    fake = recipe.run
+
+    def run(step, *args, log, out):
+        took = fake(step, *args, log=log, out=out)
+        if step == "eval":
+            peer = out.parent.name.startswith("recipe-peer")
+            rows = [[i, 10, [3 - (peer and n % 2), 1]] for n, i in enumerate(ids)]
+            report = json.loads((out / "report.json").read_text())
+            report.update(primary="eagle3", per_prompt={
+                "eagle3 k=3": rows[::-1] if peer else rows + [["heldout/t/x", 10, [9, 9]]],
+                "ngram k=3": rows})
+            (out / "report.json").write_text(json.dumps(report))
+        return took
+
+    monkeypatch.setattr(recipe, "run", run)
+    # the pipeline's own draft, measured in the work folder (real_model.py's eval-heldout)
+    run("train", log=None, out=work / "run")
+    run("eval", log=None, out=work / "eval-heldout")
+    out = tmp_path / "recipe.json"
+    argv = ["--work", str(work), "--data", str(data), "--target", "t", "--variants",
+            "peer-speculators", "--splits", "heldout", "--k", "3", "--out", str(out)]
+    result = recipe.main([*argv, "--baseline", "default"])
+    want = paired_change_ci([(10, [3 - n % 2, 1]) for n in range(10)], [(10, [3, 1])] * 10)
+    assert want["change"] < 0 and want["ci95"][1] < 0
+    assert result["paired"] == {"peer-speculators": {"heldout": {"3": want}}}
+    assert json.loads(out.read_text())["paired"] == result["paired"]
+    line = (f"- peer-speculators against default, paired prompt by prompt: heldout k=3 "
+            f"{100 * want['change']:+.1f} % [{100 * want['ci95'][0]:+.1f}, "
+            f"{100 * want['ci95'][1]:+.1f}] over 10 prompts")
+    assert line in recipe.markdown(result).splitlines()
+    assert recipe.main(argv)["paired"] == {}  # one variant alone: nothing to pair against
