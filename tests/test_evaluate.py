@@ -341,10 +341,16 @@ def test_num_prompts_are_usable_ones_the_too_long_skipped_and_counted(llama_dir,
         evaluate(EvalConfig(out=str(tmp_path / "c"), **cfg))
 
 
-def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path):
-    report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
-                                 draft=str(draft_dir), k=(2,), temperature=1.0, **SMALL))
+def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path,
+                                                      caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="eyas"):
+        report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path),
+                                     draft=str(draft_dir), k=(2,), temperature=1.0, **SMALL))
     assert report.lossless is None
+    # greedy drafts at T > 0 (vLLM's default) are measured, and the better way is named
+    assert "--draft-sampling probabilistic measures them" in caplog.text
     # how the drafts were chosen goes into report.json, for export's serve command
     assert json.loads((tmp_path / "report.json").read_text())["draft_sampling"] == "greedy"
     for r in report.results:
