@@ -298,20 +298,15 @@ def _result(a, results: dict) -> dict:
             "paired": paired(a, results)}
 
 
-def _per_prompt(base: Path, split: str) -> dict[str, dict[str, tuple]]:
-    """k -> prompt id -> (drafts, accepted per position) of the draft measured in base's eval
-    of `split` ({} where the report or its per-prompt rows are missing)."""
+def _per_prompt(base: Path, split: str) -> dict[str, list]:
+    """k -> the per-prompt rows of the draft measured in base's eval of `split` ({} where the
+    report or its per-prompt rows are missing)."""
+    from eyas.serve.eval_report import primary_per_prompt
+
     try:
-        report = json.loads((base / f"eval-{split}/report.json").read_text())
+        return primary_per_prompt(json.loads((base / f"eval-{split}/report.json").read_text()))
     except FileNotFoundError:
         return {}
-    method = report.get("primary") or "eagle3"
-    out = {}
-    for key, rows in (report.get("per_prompt") or {}).items():
-        name, _, k = key.rpartition(" k=")
-        if name == method:
-            out[k] = {r[0]: (r[1], r[2]) for r in rows}
-    return out
 
 
 def paired(a, results: dict) -> dict:
@@ -319,7 +314,7 @@ def paired(a, results: dict) -> dict:
     when given: the pipeline's own draft) with a 95 % interval, paired prompt by prompt over
     the prompts both evals measured (eval_report.paired_change_ci: at T = 0 two drafts of one
     target continue the same text, so the prompts' own difficulty leaves the interval)."""
-    from eyas.serve.eval_report import paired_change_ci
+    from eyas.serve.eval_report import matched_rows, paired_change_ci
 
     names = list(results)
     work = Path(a.work)
@@ -332,9 +327,8 @@ def paired(a, results: dict) -> dict:
         for split in a.splits.split(","):
             theirs, ours = _per_prompt(base(names[0]), split), _per_prompt(base(name), split)
             for k in sorted(set(theirs) & set(ours), key=int):
-                ids = [i for i in ours[k] if i in theirs[k]]
-                change = ids and paired_change_ci([ours[k][i] for i in ids],
-                                                  [theirs[k][i] for i in ids])
+                mine, yours = matched_rows(ours[k], theirs[k])
+                change = mine and paired_change_ci(mine, yours)
                 if change:
                     out.setdefault(name, {}).setdefault(split, {})[k] = change
     return out

@@ -544,11 +544,11 @@ def keep_per_prompt(a, folder: Path, name: str, report: dict, draft_id: str) -> 
     lever's eval can be set against its control's prompt by prompt
     (scale_report.paired_changes); its path from the JSON's folder, or None for a report
     without per-prompt counts."""
+    from eyas.serve.eval_report import primary_per_prompt
     from eyas.serve.report_files import report_json
 
-    primary = report.get("primary", "eagle3")
-    rows = {k.split("=")[1]: [[i, d, sum(acc)] for i, d, acc in v]
-            for k, v in (report.get("per_prompt") or {}).items() if k.split()[0] == primary}
+    rows = {k: [[i, d, sum(acc)] for i, d, acc in v]
+            for k, v in primary_per_prompt(report).items()}
     if not rows:
         return None
     out = Path(a.out)

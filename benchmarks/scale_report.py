@@ -64,7 +64,7 @@ def paired_changes(control: dict, variant: dict, base: Path) -> dict:
     over every prompt of every T = 0 eval both measured and kept per prompt (scale.py's
     OUT-prompts/ files under `base`), prompts matched by id; {} where there are none. A file
     of another draft than its record's is refused."""
-    from eyas.serve.eval_report import paired_change_ci
+    from eyas.serve.eval_report import matched_rows, paired_change_ci
 
     ours, theirs = {}, {}
     for name, ev in variant["evals"].items():
@@ -82,11 +82,9 @@ def paired_changes(control: dict, variant: dict, base: Path) -> dict:
                                  f"an eval of draft {rec['draft_id']}; measure it again")
         mine, yours = mine["per_prompt"], yours["per_prompt"]
         for k in set(mine) & set(yours):
-            by_id = {r[0]: r for r in yours[k]}
-            for i, d, acc in mine[k]:
-                if i in by_id:
-                    ours.setdefault(k, []).append((d, [acc]))
-                    theirs.setdefault(k, []).append((by_id[i][1], [by_id[i][2]]))
+            a, b = matched_rows(mine[k], yours[k])
+            ours.setdefault(k, []).extend(a)
+            theirs.setdefault(k, []).extend(b)
     return {k: c for k in ours if (c := paired_change_ci(ours[k], theirs[k]))}
 
 

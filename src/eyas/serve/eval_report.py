@@ -320,6 +320,31 @@ def by_source(measured: Measured, prompt_ids: list[str]) -> dict[str, dict]:
     return out
 
 
+def primary_per_prompt(report: dict) -> dict[str, list]:
+    """k -> the primary drafter's per-prompt rows ([id, drafts, accepted per position]) of a
+    report.json's `per_prompt` (keys "METHOD k=K"); {} for a report without them."""
+    primary = report.get("primary") or "eagle3"
+    out = {}
+    for key, rows in (report.get("per_prompt") or {}).items():
+        method, _, k = key.rpartition(" k=")
+        if method == primary:
+            out[k] = rows
+    return out
+
+
+def matched_rows(ours: list, theirs: list) -> tuple[list, list]:
+    """The prompts both per-prompt row lists hold ([id, drafts, accepted per position, or
+    their sum]), matched by id in `ours`' order, as paired_change_ci's two (drafts, accepted
+    per position) lists."""
+    by_id = {r[0]: r for r in theirs}
+
+    def row(r: list) -> tuple[int, list]:
+        return r[1], list(r[2]) if isinstance(r[2], (list, tuple)) else [r[2]]
+
+    pairs = [(r, by_id[r[0]]) for r in ours if r[0] in by_id]
+    return [row(a) for a, _ in pairs], [row(b) for _, b in pairs]
+
+
 def paired_change_ci(ours: list[tuple[int, list[int]]], theirs: list[tuple[int, list[int]]],
                      n: int = 1000, seed: int = 0) -> dict:
     """The change of mean acceptance length from `theirs` to `ours` (AL_ours / AL_theirs - 1,
