@@ -60,8 +60,13 @@ def test_default_taps_are_the_reference_layout_plus_one():
         for taps in range(1, min(depth - 3, 8)):
             ids = dflash_aux_layer_ids(depth, taps)
             assert validate_aux_layer_ids(ids, depth, count=None) == ids
-    with pytest.raises(ConfigError, match="fewer --dflash-taps"):
+    # the advice names the caller's flag, and not --aux-layer-ids beside it (refused)
+    with pytest.raises(ConfigError, match=r"ask for fewer \(--dflash-taps\), or name the "
+                                          r"layers with --aux-layer-ids instead \(without "
+                                          r"--dflash-taps\)"):
         dflash_aux_layer_ids(6, 5)
+    with pytest.raises(ConfigError, match=r"fewer \(--dflash-layers\)"):
+        dflash_aux_layer_ids(6, 5, "--dflash-layers")
 
 
 def test_aux_ids_any_count_for_capture_exactly_three_for_eagle3():

@@ -330,6 +330,14 @@ def test_num_prompts_are_usable_ones_the_too_long_skipped_and_counted(llama_dir,
     cfg = dict(target=str(llama_dir), data=str(data), **SMALL)
     report = evaluate(EvalConfig(out=str(tmp_path / "a"), **cfg))
     assert report.num_prompts == 3 and report.skipped_prompts == {"too long": 2}
+    # the manifest says how the prompts were rendered: the tokenizer's template, as is
+    from eyas.store.manifest import chat_template_fingerprint
+    from eyas.targets.models import load_tokenizer
+
+    assert read_manifest(tmp_path / "a")["chat"] == {
+        "chat_template": None,
+        "chat_template_hash": chat_template_fingerprint(load_tokenizer(str(llama_dir))),
+        "chat_template_kwargs": [], "system_prompt": None}
     with caplog.at_level("WARNING"):
         report = evaluate(EvalConfig(out=str(tmp_path / "b"), **{**cfg, "num_prompts": 5}))
     assert report.num_prompts == 4
@@ -905,3 +913,94 @@ def test_paired_change_is_narrower_than_two_intervals_and_checks_its_pairs():
     assert paired_change_ci(theirs, theirs) == {"change": 0.0, "prompts": 60, "ci95": [0.0, 0.0]}
     with pytest.raises(ValueError, match="59 against 60"):
         paired_change_ci(ours[1:], theirs)
+
+
+def test_prompts_are_rendered_as_the_drafts_data_was_unless_told_otherwise(llama_dir, chats,
+                                                                           tmp_path, caplog):
+    """From an audit: eval of --data FILE or --bench rendered prompts with the tokenizer's
+    template and no variables or system prompt, whatever the draft's data had been prepared
+    with (a Qwen3-style draft trained with enable_thinking=false measured 2.63 against 3.67).
+    The draft's manifests carry prepare's record (`chat`), found through its inputs' folders
+    for a draft from before that; a flag given otherwise wins, with a warning."""
+    from eyas.evaluate import load_prompts
+    from eyas.store.manifest import (chat_template_fingerprint, draft_chat, read_manifest,
+                                     write_manifest)
+    from eyas.targets.models import load_tokenizer
+
+    tok = load_tokenizer(str(llama_dir))
+    template = tmp_path / "t.jinja"  # the tokenizer's own, plus a variable it prints
+    template.write_text("{% if flavour is defined %}[{{ flavour }}]{% endif %}"
+                        + tok.chat_template)
+    prep_cfg = {"target": str(llama_dir), "chat_template": str(template),
+                "chat_template_kwargs": ["flavour=mint"], "system_prompt": "Be brief."}
+    rendering = load_tokenizer(str(llama_dir))
+    rendering.chat_template = template.read_text()
+    write_manifest(tmp_path / "prepared", "prepare", prep_cfg, complete=True,
+                   chat_template_hash=chat_template_fingerprint(rendering))
+    for step, folder, read in (("capture", "cap", "prepared"), ("train", "run", "cap"),
+                               ("export", "draft", "run")):  # each reads the one before
+        write_manifest(tmp_path / folder, step, {}, inputs=[read_manifest(tmp_path / read)])
+    assert json.loads((tmp_path / "draft" / "eyas.json").read_text())["chat"] == {
+        "chat_template": str(template), "chat_template_hash": chat_template_fingerprint(rendering),
+        "chat_template_kwargs": ["flavour=mint"], "system_prompt": "Be brief."}
+    # a draft from before manifests carried it: found through the folders its inputs name
+    old = json.loads((tmp_path / "draft" / "eyas.json").read_text())
+    old.pop("chat")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "eyas.json").write_text(json.dumps(old))
+
+    def text(draft, **kw):
+        rendered = {}
+        cfg = EvalConfig(target=str(llama_dir), draft=draft, out=str(tmp_path / "e"), k=(2,),
+                         **{**SMALL, "num_prompts": 1, "data": str(chats), **kw})
+        prompts, _ = load_prompts(cfg, load_tokenizer(str(llama_dir)), rendered=rendered)
+        return tok.decode(prompts[0].ids), rendered
+
+    with caplog.at_level("WARNING"):
+        for draft in (tmp_path / "draft", tmp_path / "old"):
+            got, rendered = text(str(draft))
+            assert got.startswith("[mint]") and "Be brief." in got, got
+            assert rendered["chat_template_kwargs"] == ["flavour=mint"]
+            assert rendered["system_prompt"] == "Be brief."
+            assert rendered["chat_template_hash"] == chat_template_fingerprint(rendering)
+    assert "learned" not in caplog.text
+    plain, _ = text(None)  # no draft: the tokenizer's template, as before
+    assert not plain.startswith("[") and "Be brief." not in plain
+    # the draft copied where its template file is not: the tokenizer's, with a warning
+    template.rename(tmp_path / "gone.jinja")
+    with caplog.at_level("WARNING"):
+        got, _ = text(str(tmp_path / "draft"))
+    assert not got.startswith("[") and "another chat template" in caplog.text
+    (tmp_path / "gone.jinja").rename(template)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        got, _ = text(str(tmp_path / "draft"), chat_template_kwargs=("flavour=lime",),
+                      system_prompt="Be long.")
+    assert got.startswith("[lime]") and "Be long." in got
+    assert "pass --chat-template-kwargs flavour=mint to measure it as it learned" in caplog.text
+    assert "pass --system-prompt to measure it as it learned" in caplog.text
+    # --data a prepared folder renders with its own settings, none included (its rows hold
+    # the system prompt it added), the draft's differences warned about
+    from eyas.prepare import PrepareConfig, prepare
+
+    prepare(PrepareConfig(target=str(llama_dir), data=(str(chats),), out=str(tmp_path / "plain"),
+                          eval_fraction=0.5))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        got, rendered = text(str(tmp_path / "draft"), data=str(tmp_path / "plain"))
+    assert not got.startswith("[") and "Be brief." not in got
+    assert rendered["chat_template_kwargs"] == [] and rendered["system_prompt"] is None
+    assert "leave --system-prompt out" not in caplog.text  # (none was given)
+    assert "pass --chat-template-kwargs flavour=mint" in caplog.text
+    # an old draft whose prepared folder was made again since with other settings: the
+    # settings its capture recorded, not the folder's new ones (nor its template's hash)
+    for name in ("cap", "run", "old"):
+        body = json.loads((tmp_path / name / "eyas.json").read_text())
+        body.pop("chat", None)
+        (tmp_path / name / "eyas.json").write_text(json.dumps(body))
+    write_manifest(tmp_path / "prepared", "prepare", {**prep_cfg, "system_prompt": None,
+                                                      "chat_template_kwargs": ["flavour=lime"]},
+                   complete=True, chat_template_hash="other")
+    assert draft_chat(tmp_path / "old") == {
+        "chat_template": str(template), "chat_template_hash": None,
+        "chat_template_kwargs": ["flavour=mint"], "system_prompt": "Be brief."}

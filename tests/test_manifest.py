@@ -59,6 +59,19 @@ def test_a_data_files_stamp_leaves_the_manifest_id_alone(tmp_path):
     assert reads[0]["id"] == reads[1]["id"] != reads[2]["id"]
 
 
+def test_how_a_capture_batched_or_wrote_leaves_its_id_alone(tmp_path):
+    """A capture repeated with another --batch-tokens (after an out-of-memory), --file-mb or
+    --writer-threads stores the same states: its id, which the training runs on it recorded,
+    stays; another dtype is another capture."""
+    from eyas.capture import CaptureConfig
+
+    base = dict(target="t", data="p", out=str(tmp_path / "cap"))
+    ids = [write_manifest(tmp_path / f"m{n}", "capture", CaptureConfig(**base, **extra))["id"]
+           for n, extra in enumerate(({}, {"batch_tokens": 1000, "file_mb": 8.0,
+                                           "writer_threads": 1}, {"dtype": "fp8"}))]
+    assert ids[0] == ids[1] != ids[2]
+
+
 def test_target_mismatch_is_refused(tiny_tok):
     rec = target_record("a", tokenizer=tiny_tok)
     other = dict(rec, name_or_path="b", tokenizer_hash="0" * 16)

@@ -1287,6 +1287,21 @@ def test_resume_on_another_vocab_is_refused_and_a_new_length_warned(run_inputs, 
                       draft_vocab_size=256))
     with pytest.raises(EyasError, match=r"another draft vocabulary than --vocab's.*--resume never"):
         train(_cfg(run_inputs, tmp_path / "run", max_steps=3, vocab=str(tmp_path / "vocab")))
+    # resumed without --vocab (the whole target vocabulary, another size): the message names
+    # the --vocab the run started with, and does not advise deleting it
+    with pytest.raises(EyasError, match=r"draft_vocab_size 256 there, \d+ now.*Resume it with "
+                                        rf"--vocab {re.escape(run_inputs['vocab'])}, or train a "
+                                        r"new run in another --out"):
+        train(_cfg(run_inputs, tmp_path / "run", max_steps=3, vocab=None))
+    # its --vocab folder made again at another size since: said so, not "resume it with
+    # --vocab" the folder just given
+    train(_cfg(run_inputs, tmp_path / "run2", max_steps=2, save_every=2,
+               vocab=str(tmp_path / "vocab")))
+    vocab(VocabConfig(data=(str(tmp_path / "prepared"),), out=str(tmp_path / "vocab"),
+                      draft_vocab_size=128))
+    with pytest.raises(EyasError, match=rf"a --vocab of its 256 tokens \({re.escape(str(tmp_path))}"
+                                        r"/vocab was made again since the run started"):
+        train(_cfg(run_inputs, tmp_path / "run2", max_steps=3, vocab=str(tmp_path / "vocab")))
     with caplog.at_level(logging.WARNING):
         train(_cfg(run_inputs, tmp_path / "run", max_steps=3))
     assert "started with --max-steps 2, resumed with 3" in caplog.text

@@ -122,8 +122,10 @@ def test_config_from_flags_and_validation():
         VocabConfig(data=("p", "q", "./p"), out="o")
 
 
-def test_out_policy_keeps_a_users_vocab_file_and_reruns_its_own(tmp_path):
-    """Issue 34: a folder holding a user's vocab.safetensors (no eyas.json) is refused, kept."""
+def test_out_policy_keeps_a_users_vocab_file_and_reruns_its_own(tmp_path, caplog):
+    """Issue 34: a folder holding a user's vocab.safetensors (no eyas.json) is refused, kept.
+    Its own earlier vocab is replaced, with a warning when the tokens differ (training runs
+    started with it cannot resume with the new one)."""
     a = fake_prepared(tmp_path / "a", [0, 4, 1, 0, 2, 0, 0, 6])
     user = tmp_path / "user"
     user.mkdir()
@@ -133,8 +135,12 @@ def test_out_policy_keeps_a_users_vocab_file_and_reruns_its_own(tmp_path):
     assert (user / "vocab.safetensors").read_bytes() == b"mine"
     out = tmp_path / "v"
     vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=3))
-    vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=2))  # its own: re-run
+    with caplog.at_level(logging.WARNING, logger="eyas.vocab"):
+        vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=3))  # the same: quiet
+        assert "replacing" not in caplog.text
+        vocab(VocabConfig(data=(str(a),), out=str(out), draft_vocab_size=2))  # its own: re-run
     assert load_vocab(out)[0].numel() == 2
+    assert "replacing the draft vocabulary" in caplog.text and "(3 tokens)" in caplog.text
     with pytest.raises(EyasError, match="output of `eyas prepare`"):
         vocab(VocabConfig(data=(str(a),), out=str(a), draft_vocab_size=3))
 

@@ -148,6 +148,12 @@ class CaptureConfig:
 # entry points
 
 
+# options that change how a capture batches and writes, not the states it stores (batch
+# sizes and shard files may differ between a run and its resume: docs/capture.md): left out
+# of the manifest's id and of `eyas run`'s config comparison (eyas.freshness.changed_options)
+CaptureConfig.RESULT_NEUTRAL = frozenset({"batch_tokens", "file_mb", "writer_threads"})
+
+
 def capture(cfg: CaptureConfig) -> dict:
     """Capture `cfg.split` of the prepared folder into `cfg.out`; returns the summary stats."""
     from eyas.targets.models import load_target, load_tokenizer

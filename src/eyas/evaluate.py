@@ -82,10 +82,14 @@ class EvalConfig:
     ignore_eos: bool = option(False, "always generate max_new_tokens (do not stop at end of turn)")
     split: str = option("eval", "split of a prepared folder or datasets DatasetDict to read")
     chat_template: str | None = option(None, "Jinja chat template file (default: the prepared "
-                                             "folder's, else the tokenizer's)")
+                                             "folder's, else the one the draft's data was "
+                                             "prepared with, else the tokenizer's)")
     chat_template_kwargs: tuple[str, ...] = option(
         (), "KEY=VALUE template variables, e.g. enable_thinking=false (default: the prepared "
-            "folder's)")
+            "folder's, else those the draft's data was prepared with)")
+    system_prompt: str | None = option(
+        None, "system message for prompts that have none (default: the prepared folder's, else "
+              "the one the draft's data was prepared or regenerated with)")
     seed: int = option(0, "random seed (sampling at temperature > 0: each prompt samples "
                           "from its own generator, seeded from it and the prompt's id)")
     device: str = option("auto", "auto (all GPUs through device_map, else CPU), cpu, cuda, cuda:N")
@@ -177,7 +181,8 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     # prompts too long for the context are skipped while reading, so the rows after them fill
     # --num-prompts
     room = prompt_room(int(text_config(config).max_position_embeddings), cfg)
-    prompts, prepared = load_prompts(cfg, tokenizer, skipped, room)
+    rendered: dict = {}  # how the prompts were rendered: in the manifest, as `chat`
+    prompts, prepared = load_prompts(cfg, tokenizer, skipped, room, rendered)
     if not prompts:  # only --bench sets get here: an empty --data is refused as it is read
         raise EyasError(f"no prompt to measure: every row was left out (by reason: "
                         f"{', '.join(f'{k} {n}' for k, n in sorted(skipped.items()))}; each is "
@@ -221,7 +226,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     # fails again) instead of taking the report as done
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None],
-                   complete=report.lossless is not False, primary=report.primary,
+                   chat=rendered, complete=report.lossless is not False, primary=report.primary,
                    draft_checkpoint=checkpoint,
                    lossless=report.lossless, mean_acceptance_length=report.mean_acceptance_length)
     if report.lossless is False:

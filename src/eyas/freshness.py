@@ -38,7 +38,8 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     changed = _config_changes(cfg, manifest)
     if changed:
         return False, f"config changed ({', '.join(changed)})"
-    swapped = _target_changes(cfg, manifest) or _template_changes(cfg, manifest)
+    swapped = (_target_missing(cfg, manifest) or _target_changes(cfg, manifest)
+               or _template_changes(cfg, manifest))
     if swapped:
         return False, swapped
     moved = _data_moved(cfg, manifest, out)
@@ -65,6 +66,22 @@ def read_step_manifest(out: Path) -> dict:
     except EyasError as err:
         raise EyasError(f"{err} In `eyas run`, move {out} away (or delete it): the plan then "
                         f"runs that step again.") from None
+
+
+def _target_missing(cfg, manifest: dict) -> str:
+    """Why the step's target, a local path when its run recorded it, names nothing from here
+    ("" if it does, or was never local): a relative target and `eyas run` started from another
+    directory. Said before any other check of it, which would take the name for a hub model
+    and wait on the network to find none."""
+    name = getattr(cfg, "target", None)
+    was = (manifest.get("target") or {}).get("path")
+    if not name or not was or Path(str(name)).expanduser().exists():
+        return ""
+    if Path(str(name)).expanduser().is_absolute():
+        return f"its target {name} does not exist (it ran with it)"
+    return (f"its target {name} does not exist from {Path.cwd()} (it ran with {was}; the "
+            f"target and data paths resolve from the directory eyas runs in, work_dir from the "
+            f"YAML's)")
 
 
 def _target_changes(cfg, manifest: dict) -> str:
@@ -180,7 +197,8 @@ def _config_changes(cfg, manifest: dict) -> list[str]:
 def changed_options(cls, old: dict, new: dict) -> list[str]:
     """The options of the config class `cls` whose values differ between `old` and `new`
     (both as a manifest stores them); an option the step gained since (no key in `old`) is a
-    change only if set off its default in `new`."""
+    change only if set off its default in `new`, and one of `cls.RESULT_NEUTRAL` (how a step
+    logs, batches or writes, not what it makes) is none."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls)
                 if f.default is not dataclasses.MISSING}
     # an option unset until the config resolves it (TrainConfig's) has its value when unset
@@ -188,7 +206,9 @@ def changed_options(cls, old: dict, new: dict) -> list[str]:
                      if defaults.get(k) is None})
     gained = {k for k, v in new.items()
               if k not in old and k in defaults and v == _normalise(defaults[k])}
-    return sorted(k for k in set(old) | set(new) if k not in gained and old.get(k) != new.get(k))
+    neutral = getattr(cls, "RESULT_NEUTRAL", frozenset())
+    return sorted(k for k in set(old) | set(new)
+                  if k not in gained and k not in neutral and old.get(k) != new.get(k))
 
 
 def changes_since_read(cfg, read: dict) -> str:

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from eyas.config import ConfigError, option, out_option, required
 from eyas.errors import EyasError
-from eyas.store.manifest import check_out, check_same_target, read_manifest, write_manifest
+from eyas.store.manifest import (check_out, check_same_target, peek_manifest, read_manifest,
+                                 write_manifest)
 from eyas.store.permissions import as_umask
 from eyas.store.vocab import VOCAB_FILE, check_vocab, load_vocab, read_tensors
 
@@ -93,6 +94,25 @@ def _read_counts(folders: tuple[str, ...]) -> tuple[torch.Tensor, list[dict]]:
     return total, manifests
 
 
+def _warn_replacing(out: Path, t2d: torch.Tensor) -> None:
+    """Warn where `out` holds an earlier vocab of other tokens than `t2d`'s: the training runs
+    started with it as --vocab cannot resume with the new one (their checkpoints hold the old
+    vocabulary's rows)."""
+    earlier = peek_manifest(out) or {}
+    if not (out / VOCAB_FILE).is_file() or earlier.get("step") != "vocab":
+        return
+    try:
+        same = torch.equal(read_tensors(out / VOCAB_FILE, ("t2d",), "")["t2d"], t2d)
+    except EyasError:  # unreadable: replaced either way, and nothing could have resumed on it
+        return
+    if not same:
+        log.warning("replacing the draft vocabulary in %s (%s tokens) with another (%d tokens): "
+                    "a training run started with --vocab %s resumes only with the old one "
+                    "(`eyas run` starts its train step over); to keep the old, write the new "
+                    "one to another --out", out, earlier.get("draft_vocab_size", "?"),
+                    int(t2d.sum()), out)
+
+
 def vocab(cfg: VocabConfig) -> dict:
     """Write `vocab.safetensors` (d2t, t2d) and the manifest into cfg.out; return the manifest."""
     # not unfinished=(VOCAB_FILE,): a vocab.safetensors without a manifest may be a user's own
@@ -110,6 +130,7 @@ def vocab(cfg: VocabConfig) -> dict:
                  "whole target vocabulary", counts.numel(), size)
         size = counts.numel()
     d2t, t2d, coverage = build_vocab(counts, size)
+    _warn_replacing(out, t2d)
     out.mkdir(parents=True, exist_ok=True)
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / VOCAB_FILE))
     as_umask(out / VOCAB_FILE)  # safetensors writes owner-only

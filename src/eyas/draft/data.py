@@ -261,7 +261,8 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
         from eyas.targets.taps import dflash_aux_layer_ids
 
         aux = validate_aux_layer_ids(cfg.aux_layer_ids or dflash_aux_layer_ids(
-            info.num_layers, cfg.dflash_layers or 5), info.num_layers, count=None)
+            info.num_layers, cfg.dflash_layers or 5, "--dflash-layers"), info.num_layers,
+            count=None)
     else:
         aux = validate_aux_layer_ids(cfg.aux_layer_ids or info.default_aux_layer_ids,
                                      info.num_layers)

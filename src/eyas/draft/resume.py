@@ -30,11 +30,14 @@ _DRAFT_FLAGS = {"norm_before_fc": "--norm-before-fc", "fc_norm": "--fc-norm",
                 "block_size": "--block-size", "mask_token_id": "--mask-token-id"}
 
 
-def check_same_draft(resume: Path, record: dict) -> None:
+def check_same_draft(resume: Path, record: dict, vocab: str | None = None,
+                     given: str | None = None) -> None:
     """Refuse to resume `resume` when the draft it holds differs from this run's (`record`, the
     draft_config.json this run writes), naming what differs and the flags that resume it: e.g.
     a run started before EAGLE 3.1 became the default resumes with --no-norm-before-fc
-    --no-norm-output, a DFlash run with its --block-size and --mask-token-id."""
+    --no-norm-output, a DFlash run with its --block-size and --mask-token-id, a run of another
+    draft vocabulary with the --vocab it started with (`vocab`, from its eyas.json; `given`:
+    this run's, which may be that folder made again since)."""
     saved_file = Path(resume) / "draft_config.json"
     if not saved_file.is_file():
         return
@@ -54,11 +57,19 @@ def check_same_draft(resume: Path, record: dict) -> None:
     fix = [(f"{flags[k]}" if old else f"--no-{flags[k][2:]}")
            if isinstance(old, bool) else f"{flags[k]} {old}"
            for k, (old, _) in differ.items() if k in flags]
+    if "draft_vocab_size" in differ:  # (a resume without --vocab: the whole target vocab)
+        old = differ["draft_vocab_size"][0]
+        fix.append(f"a --vocab of its {old} tokens ({vocab} was made again since the run "
+                   f"started: make that vocab again into another folder, `eyas vocab "
+                   f"--draft-vocab-size {old}` on the same data)" if vocab and given == vocab
+                   else f"--vocab {vocab}" if vocab
+                   else "no --vocab (it trained over the whole target vocabulary)")
     raise EyasError(f"{resume} holds a draft with other settings than this run's: "
                     + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in differ.items())
                     + (f". Resume it with {' '.join(fix)}" if fix else
                        ". Resume it with the settings it was started with")
-                    + ", or start over with --resume never (or another --out).",
+                    + ", or train a new run in another --out (--resume never deletes this "
+                      "one's checkpoints).",
                     flag="--resume")
 
 
@@ -104,7 +115,7 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                       fix="resume it on the data of the target it was started with, or start "
                           "over with --resume never (or a new --out)",
                       weights=not cfg.accept_other_weights)
-    check_same_draft(path, record)
+    check_same_draft(path, record, started_config(cfg.out).get("vocab"), cfg.vocab)
     t2d = None if draft is None else draft.t2d.clone()  # (--vocab's, before the load)
     if env.main:
         _warn_recipe_changes(cfg)

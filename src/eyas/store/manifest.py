@@ -68,10 +68,14 @@ def recorded_data(folder: str | Path, step: str) -> list[dict]:
     return (body.get("data_files") or []) if body.get("step") == step else []
 
 
-def manifest_id(body: dict[str, Any]) -> str:
-    """Content hash of a manifest body (time stamps excluded) used to chain steps."""
+def manifest_id(body: dict[str, Any], neutral: frozenset | tuple = ()) -> str:
+    """Content hash of a manifest body (time stamps excluded) used to chain steps; the config
+    options named in `neutral` (the step's RESULT_NEUTRAL: how it batched or wrote, not what it
+    made) are left out, so a run repeated with only those changed keeps its id."""
     stable = _unstamped({k: v for k, v in body.items()
-                         if k not in ("id", "created", "versions", "stats")})
+                         if k not in ("id", "created", "versions", "stats", "chat")})
+    if neutral and isinstance(stable.get("config"), dict):
+        stable["config"] = {k: v for k, v in stable["config"].items() if k not in neutral}
     if "inputs" in stable:  # an input's record holds its step's data_files too (_input)
         stable["inputs"] = [_unstamped(i) for i in stable["inputs"]]
     blob = json.dumps(stable, sort_keys=True, default=str).encode()
@@ -103,9 +107,15 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
         "inputs": [_input(m) for m in inputs],
     }
     body.update(extra)
+    if "chat" not in body and step != "prepare":  # how its data's prompts were rendered,
+        # carried on from the inputs (chat_record; not in the id: the inputs' ids are)
+        chat = next((c for c in map(chat_record, sorted(inputs, key=lambda m: m.get("step")
+                                                        == "vocab")) if c is not None), None)
+        if chat is not None:
+            body["chat"] = chat
     if "aux_layer_ids" in body and "layer_id_convention" not in body:
         body["layer_id_convention"] = LAYER_ID_CONVENTION
-    body["id"] = manifest_id(body)
+    body["id"] = manifest_id(body, getattr(type(config), "RESULT_NEUTRAL", ()))
     body["versions"] = versions()
     body["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _replace(folder, body)
@@ -538,3 +548,71 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# The chat rendering of a draft's data: its chat template, template variables and system
+# prompt, as `eyas prepare` (and `eyas regenerate` before it) recorded them. `eyas eval`
+# renders its prompts the same way unless told otherwise: a draft trained on prompts rendered
+# with `enable_thinking=false` and measured on prompts rendered without it measures another
+# distribution (an audit found AL 2.63 against 3.67 on one Qwen3-style target). Every
+# manifest written after the data's carries the record as `chat` (write_manifest), so an
+# exported draft copied to another machine still has it; a manifest from an eyas before that
+# has it found through the folders its inputs name, where they still exist.
+
+# how many input folders deep chat_record looks for the data's record (export -> train ->
+# capture -> prepare is three)
+_CHAT_DEPTH = 6
+
+
+def chat_record(manifest: dict[str, Any] | None, *, depth: int = 0) -> dict[str, Any] | None:
+    """The chat rendering of the data behind `manifest` (a step's manifest, or an input's
+    record of one): {chat_template (prepare's file as given, or None: the tokenizer's),
+    chat_template_hash (None where unknown), chat_template_kwargs (KEY=VALUE list),
+    system_prompt (prepare's, else regenerate's, or None)}; None where no step before it says
+    (no prepare manifest reachable: a peer's draft, a hand-made folder). An input's folder is
+    read only while it holds the run the input's record names (its id): a folder made again
+    since holds other data."""
+    if not isinstance(manifest, dict):
+        return None
+    if isinstance(manifest.get("chat"), dict):
+        return manifest["chat"]
+    if manifest.get("step") == "prepare":
+        # the settings from the record itself; the template's hash and the regenerate runs it
+        # read from the folder's own manifest (an input's record holds only the config)
+        config = manifest.get("config") or {}
+        own = manifest if "inputs" in manifest else _same_run(manifest, depth)
+        regenerated = next((i.get("config") or {} for i in (own or {}).get("inputs") or []
+                            if i.get("step") == "regenerate"), {})
+        return {"chat_template": config.get("chat_template"),
+                "chat_template_hash": (own or {}).get("chat_template_hash"),
+                "chat_template_kwargs": list(config.get("chat_template_kwargs") or ()),
+                "system_prompt": config.get("system_prompt") or regenerated.get("system_prompt")}
+    if depth >= _CHAT_DEPTH:
+        return None
+    # the data a step learned from before its vocab (made from prepared data too, not
+    # necessarily the same)
+    items = sorted(manifest.get("inputs") or [], key=lambda i: i.get("step") == "vocab")
+    for item in items:
+        found = chat_record(item if item.get("step") == "prepare" else _same_run(item, depth),
+                            depth=depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _same_run(record: dict[str, Any], depth: int) -> dict[str, Any] | None:
+    """The manifest in the folder an input's `record` names, if it is still that run (same
+    id) and the walk is not too deep; else None."""
+    if depth >= _CHAT_DEPTH or not record.get("path"):
+        return None
+    body = peek_manifest(record["path"])
+    return body if body is not None and body.get("id") == record.get("id") else None
+
+
+def draft_chat(folder: str | Path) -> dict[str, Any] | None:
+    """chat_record of a --draft folder: an `eyas export` folder, an `eyas train` run, or one of
+    its checkpoints (checkpoints/step-N: the run's manifest, two folders up)."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file() and folder.parent.name == "checkpoints":
+        folder = folder.parent.parent
+    return chat_record(peek_manifest(folder))

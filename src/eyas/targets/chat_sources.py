@@ -44,7 +44,9 @@ def resolve_paths(paths: str | Path | tuple | list,
             continue
         path = Path(spec)
         if not path.exists():
-            raise EyasError(f"data path {path} does not exist; check --data")
+            where = "" if path.is_absolute() else \
+                f" from {Path.cwd()} (a relative path resolves from the directory eyas runs in)"
+            raise EyasError(f"data path {path} does not exist{where}; check --data")
         if path.is_dir() and not is_datasets_folder(path):
             found = _sources_in(path, skipped if skipped is not None else [])
             if not found:

@@ -20,7 +20,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
-from eyas.store.manifest import chat_template_fingerprint, peek_manifest, read_manifest
+from eyas.store.manifest import (chat_template_fingerprint, draft_chat, peek_manifest,
+                                 read_manifest)
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError, read_rows
 from eyas.targets.chat_sources import dict_splits, is_datasets_folder
@@ -47,11 +48,17 @@ class Prompt:
     follow_up: FollowUp | None = None
 
 
-def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
+def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = None
+                  ) -> tuple[str | None, dict]:
     """Set the chat template (and variables) the draft was trained with on the tokenizer:
-    `cfg.chat_template`, else the prepared folder's, else the tokenizer's own; return the
-    variables."""
+    `cfg.chat_template`, else the prepared folder's, else the one the draft's data was
+    prepared with (`lineage`: eyas.store.manifest.chat_record, where its file is here), else
+    the tokenizer's own; return the template file used (None: the tokenizer's) and the
+    variables (`cfg.chat_template_kwargs`, else the prepared folder's, else the draft
+    data's). Where what it renders with is not what the draft's data was rendered with, say
+    so (the acceptance measured is then another distribution's)."""
     trained = (prepared or {}).get("config") or {}
+    lineage = lineage or {}
     template = cfg.chat_template or trained.get("chat_template")
     if template:
         path = Path(template)
@@ -63,6 +70,14 @@ def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
         tokenizer.chat_template = path.read_text()
         if not cfg.chat_template:  # a file the prepared folder names: it must be that one
             check_template_hash(tokenizer, prepared or {}, str(path))
+    elif not prepared and lineage.get("chat_template") and \
+            Path(lineage["chat_template"]).is_file():  # the draft data's file, where it is here
+        own = tokenizer.chat_template
+        tokenizer.chat_template = Path(lineage["chat_template"]).read_text()
+        if lineage.get("chat_template_hash") not in (None, chat_template_fingerprint(tokenizer)):
+            tokenizer.chat_template = own  # a file of that name, edited or another since: not it
+        else:
+            template = lineage["chat_template"]
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
                         f"target is served with as --chat-template FILE.jinja")
@@ -75,8 +90,46 @@ def chat_template(cfg, tokenizer, prepared: dict | None) -> dict:
             raise EyasError(f"the chat template ({template or f'{cfg.target} tokenizer'}) is "
                             f"not valid Jinja: {err.message} at its line {err.lineno}; fix it "
                             f"or pass another with --chat-template") from None
-    return chat.parse_template_kwargs(cfg.chat_template_kwargs
-                                      or tuple(trained.get("chat_template_kwargs") or ()))
+    # a prepared folder's own settings, none included; else the draft data's
+    kwargs = cfg.chat_template_kwargs or tuple(
+        (trained if prepared is not None else lineage).get("chat_template_kwargs") or ())
+    _warn_unlike_lineage(tokenizer, kwargs, lineage, getattr(cfg, "draft", None))
+    return template, chat.parse_template_kwargs(kwargs)
+
+
+def _warn_unlike_lineage(tokenizer, kwargs: tuple[str, ...], lineage: dict, draft) -> None:
+    """Warn where the template or its variables differ from those the draft's data was
+    rendered with (`lineage`), naming the flag that renders as it was."""
+    was_hash, now_hash = lineage.get("chat_template_hash"), chat_template_fingerprint(tokenizer)
+    if was_hash and now_hash != was_hash:
+        log.warning("eval renders prompts with another chat template (hash %s) than the draft "
+                    "%s was trained on (hash %s%s): it is measured on other prompts than it "
+                    "learned; pass that template as --chat-template FILE.jinja", now_hash,
+                    draft, was_hash,
+                    f", {lineage['chat_template']}" if lineage.get("chat_template") else "")
+    was = tuple(lineage.get("chat_template_kwargs") or ())
+    if lineage and chat.parse_template_kwargs(kwargs) != chat.parse_template_kwargs(was):
+        log.warning("eval renders prompts with the chat template variables %s; the draft %s "
+                    "was trained on prompts rendered with %s: %s to measure it as it learned",
+                    " ".join(kwargs) or "(none)", draft, " ".join(was) or "none",
+                    f"pass --chat-template-kwargs {' '.join(was)}" if was else
+                    "leave --chat-template-kwargs out")
+
+
+def system_prompt(cfg, prepared: dict | None, lineage: dict | None) -> str | None:
+    """The system message for prompts that have none: `cfg.system_prompt`, else the prepared
+    folder's (none included: its rows hold the one it added), else the one the draft's data
+    was prepared or regenerated with; a difference from the latter is warned about."""
+    was = (lineage or {}).get("system_prompt") or None
+    prompt = cfg.system_prompt or (((prepared.get("config") or {}).get("system_prompt") or None)
+                                   if prepared is not None else was)
+    if lineage and prompt != was:
+        log.warning("eval gives prompts without a system message %s; the draft %s was trained "
+                    "on data given %s: %s to measure it as it learned",
+                    f"the system prompt {prompt!r}" if prompt else "none", cfg.draft,
+                    f"{was!r}" if was else "none",
+                    "pass --system-prompt" if was else "leave --system-prompt out")
+    return prompt
 
 
 def check_template_hash(tokenizer, manifest: dict, source: str) -> None:
@@ -138,11 +191,13 @@ def _file_conversations(data: str, skipped: Counter, split: str | None = None):
 
 
 def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "",
-           skipped: Counter | None = None, max_len: int | None = None) -> list[Prompt]:
-    """The first `limit` usable rows of (id, messages[, next questions]) as Prompts; the
-    others are logged and counted in `skipped` by reason ("no user turn": nothing asks for
-    the answer, e.g. a lone greeting; "chat template failed"; "too long": more than `max_len`
-    tokens), and the rows after them fill their places."""
+           skipped: Counter | None = None, max_len: int | None = None,
+           system: str | None = None) -> list[Prompt]:
+    """The first `limit` usable rows of (id, messages[, next questions]) as Prompts, `system`
+    as the system message of those without one; the others are logged and counted in
+    `skipped` by reason ("no user turn": nothing asks for the answer, e.g. a lone greeting;
+    "chat template failed"; "too long": more than `max_len` tokens), and the rows after them
+    fill their places."""
     skipped = Counter() if skipped is None else skipped
     prompts, long = [], []
     for sid, messages, *more in rows:
@@ -155,6 +210,7 @@ def render(tokenizer, rows, limit: int, template_kwargs: dict, group: str = "",
             log.warning("prompt %s skipped: no user turn before the answer to measure", sid)
             skipped["no user turn"] += 1
             continue
+        messages = chat.with_system_prompt(messages, system)
         try:
             ids = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": ""}],
                                 template_kwargs=template_kwargs)
@@ -198,7 +254,7 @@ def next_turn(prompt: Prompt, answer: list[int], tokenizer) -> Prompt:
 
 def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs: dict,
                   cache: Path | None = None, skipped: Counter | None = None,
-                  max_len: int | None = None) -> list[Prompt]:
+                  max_len: int | None = None, system: str | None = None) -> list[Prompt]:
     """The first `limit` usable prompts (at most `max_len` tokens) of each named standard set
     (eyas.store.benchsets). Sets with next turns (MT-bench) are grouped as turn 1
     (`mt-bench/turn-1`)."""
@@ -209,7 +265,7 @@ def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs
         group = f"{name}/turn-1" if turns else name
         listed = [(f"{group}/{r['id'].rsplit('/', 1)[-1]}", r["messages"],
                    r.get("next_turns") or ()) for r in rows]
-        got = render(tokenizer, listed, limit, template_kwargs, group, skipped, max_len)
+        got = render(tokenizer, listed, limit, template_kwargs, group, skipped, max_len, system)
         if len(got) < limit:
             log.warning("%s: %d usable prompts of its %d rows, fewer than --num-prompts %d: "
                         "all are measured", name, len(got), len(rows), limit)
@@ -217,12 +273,13 @@ def bench_prompts(names: tuple[str, ...], tokenizer, limit: int, template_kwargs
     return prompts
 
 
-def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | None = None
-                 ) -> tuple[list[Prompt], dict | None]:
+def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | None = None,
+                 rendered: dict | None = None) -> tuple[list[Prompt], dict | None]:
     """The first `cfg.num_prompts` usable prompts of `cfg.data` and of each of `cfg.bench`'s
     sets, rendered with the training chat template (`chat_template`), and the prepared
     folder's manifest if `cfg.data` is one; the rows left out (prompts longer than `max_len`
-    tokens too), by reason, are added to `skipped`. `cfg`: an eyas.evaluate.EvalConfig."""
+    tokens too), by reason, are added to `skipped`, and how they were rendered (the chat
+    record of eyas.store.manifest.chat_record) to `rendered`. `cfg`: an eyas.evaluate.EvalConfig."""
     skipped = Counter() if skipped is None else skipped
     path = Path(cfg.data) if cfg.data else None
     # a prepared folder (its eval split by default); any other eyas folder is read as chat
@@ -230,13 +287,21 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | 
     prepared = (read_manifest(path, step="prepare")
                 if path is not None and (peek_manifest(path) or {}).get("step") == "prepare"
                 else None)
-    template_kwargs = chat_template(cfg, tokenizer, prepared)
+    lineage = draft_chat(cfg.draft) if getattr(cfg, "draft", None) else None
+    template, template_kwargs = chat_template(cfg, tokenizer, prepared, lineage)
+    system = system_prompt(cfg, prepared, lineage)
+    if rendered is not None:
+        rendered.update(chat_template=template,
+                        chat_template_hash=chat_template_fingerprint(tokenizer),
+                        chat_template_kwargs=[f"{k}={json.dumps(v)}" if not isinstance(v, str)
+                                              else f"{k}={v}" for k, v in template_kwargs.items()],
+                        system_prompt=system)
     prompts = []
     if path is not None:
         rows = (_prepared_conversations(path, cfg.split) if prepared
                 else _file_conversations(cfg.data, skipped, _dict_split(path, cfg.split)))
         prompts = render(tokenizer, rows, cfg.num_prompts, template_kwargs,
-                         "data" if cfg.bench else "", skipped, max_len)
+                         "data" if cfg.bench else "", skipped, max_len, system)
         if not prompts and skipped.get("chat template failed"):
             raise EyasError(f"no usable prompt in {cfg.data}: the chat template failed on "
                             f"every row ({skipped['chat template failed']}; the first reason is "
@@ -255,4 +320,4 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | 
                         "measured", cfg.data, len(prompts), cfg.num_prompts,
                         f" (rows left out: {left})" if left else "")
     return prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts, template_kwargs,
-                                   skipped=skipped, max_len=max_len), prepared
+                                   skipped=skipped, max_len=max_len, system=system), prepared

@@ -39,12 +39,14 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
                       f"layers; EAGLE-3 needs num_hidden_layers >= 2")
 
 
-def dflash_aux_layer_ids(num_layers: int, taps: int) -> tuple[int, ...]:
+def dflash_aux_layer_ids(num_layers: int, taps: int, flag: str = "--dflash-taps"
+                         ) -> tuple[int, ...]:
     """DFlash's default taps in vLLM's convention: SpecForge / z-lab / SGLang spread `taps`
     layer OUTPUTS evenly from layer 1 to layer L-3 (`round(1 + i*(L-4)/(taps-1))`, `L//2` for
     one tap); output of layer t is vLLM's aux id t+1 (docs/dflash.md section 7). Qwen3-8B
     (L = 36), 5 taps: (2, 10, 18, 26, 34). A target too shallow for `taps` distinct ids is
-    refused with the most it can take."""
+    refused with the most it can take, naming the caller's count `flag` (capture's
+    --dflash-taps, online training's --dflash-layers)."""
     if taps < 1:
         raise ConfigError(f"a DFlash capture needs at least 1 tap, got {taps}")
     if taps == 1:
@@ -52,8 +54,9 @@ def dflash_aux_layer_ids(num_layers: int, taps: int) -> tuple[int, ...]:
     span = num_layers - 4
     if span < taps - 1:
         raise ConfigError(f"a target with {num_layers} decoder layers has no {taps} distinct "
-                          f"DFlash default taps (it has {max(span + 1, 1)}); use fewer "
-                          f"--dflash-taps or give --aux-layer-ids explicitly")
+                          f"DFlash default taps (it has {max(span + 1, 1)}); ask for fewer "
+                          f"({flag}), or name the layers with --aux-layer-ids instead "
+                          f"(without {flag})")
     # Python's round (half to even), as the reference helpers compute it
     return tuple(round(1 + i * span / (taps - 1)) + 1 for i in range(taps))
 
