@@ -284,6 +284,17 @@ def test_a_cut_or_tensorless_gguf_names_the_fix(tiny_gguf, tmp_path):
                                             r"a model"):
             load(tmp_path / "vocab.gguf")
     assert main(["doctor", str(tmp_path / "vocab.gguf")]) == 2
+    # a part of a split GGUF (gguf-split's names): its other parts' layers would be random
+    part = tmp_path / "m-00001-of-00002.gguf"
+    part.write_bytes(whole)
+    for load in (load_config, load_tokenizer, load_target):
+        with pytest.raises(EyasError, match=r"part 1 of 2 of a split GGUF.*llama-gguf-split "
+                                            r"--merge .*m-00001-of-00002\.gguf merged\.gguf"):
+            load(part)
+    assert main(["doctor", str(part)]) == 2
+    whole_named = tmp_path / "m-00001-of-00001.gguf"  # one part: the whole model
+    whole_named.write_bytes(whole)
+    assert load_config(whole_named).model_type == "llama"
 
 
 def test_gguf_without_the_gguf_package_says_pip_install(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,16 @@ def check_gguf_file(name: str) -> tuple[str, dict]:
     if importlib.util.find_spec("gguf") is None:
         raise EyasError(f"reading the GGUF file {name} needs the gguf package: pip install "
                         f"gguf, or pip install 'eyas[gguf]'")
+    split = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", path.name, re.IGNORECASE)
+    if split and int(split[2]) > 1:
+        # transformers reads the one file: the other parts' layers would be initialized at
+        # random, differently at every load, with the manifests' fingerprint (of this part)
+        # the same
+        first = path.name[:split.start()] + f"-00001-of-{split[2]}.gguf"
+        raise EyasError(f"{name} is part {int(split[1])} of {int(split[2])} of a split GGUF "
+                        f"(llama.cpp's gguf-split); transformers loads one file, so the other "
+                        f"parts' weights would be random. Merge them first: `llama-gguf-split "
+                        f"--merge {path.parent / first} merged.gguf`, then --target merged.gguf")
     if len(head) == 24 and int.from_bytes(head[8:16], "little") == 0:
         # transformers would build the architecture's default config (Llama: 7B) and
         # initialize every weight at random
