@@ -617,6 +617,31 @@ def dflash_run(dflash_inputs, tmp_path_factory):
     return run
 
 
+def test_a_diverging_dflash_run_stops_and_nan_weights_are_not_exported(dflash_inputs,
+                                                                         dflash_run, tmp_path):
+    """From an audit: a DFlash run at a learning rate that blows up ended "done" with NaN
+    weights as its best, and export wrote them (EAGLE-3's stopped and refused both)."""
+    from safetensors.torch import load_file
+
+    from eyas.dflash.formats import dflash_checkpoint_config
+    from eyas.draft.formats import find_checkpoint
+    from eyas.serve.dflash_export import dflash_tensors
+    from eyas.train import train
+
+    with pytest.raises(EyasError, match=r"training diverged at step \d+ \((loss|grad_norm) "
+                                        r"(nan|inf).*Lower --lr"):
+        train(_dflash_train_cfg(dflash_inputs, tmp_path / "nan", max_steps=6, lr=1e30,
+                                optimizer="adamw", grad_clip=0.0))
+    step, _ = find_checkpoint(dflash_run)
+    cfg = dflash_checkpoint_config(json.loads((step / "draft_config.json").read_text()))
+    state = load_file(str(step / "draft.safetensors"))
+    assert dflash_tensors(cfg, state, "bf16")  # the run's own: finite
+    state["fc.weight"][0, 0] = float("nan")
+    with pytest.raises(EyasError, match=r"\['fc.weight'\] of the DFlash checkpoint hold NaN or "
+                                        r"Inf; export an earlier checkpoint"):
+        dflash_tensors(cfg, state, "bf16")
+
+
 # vLLM's names (qwen3_dflash.DFlashQwen3Model / load_weights, before its own "model." prefix)
 VLLM_LAYER_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                     "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",

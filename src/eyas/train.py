@@ -26,14 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from eyas.config import coerce, field_types
-from eyas.errors import EyasError
 from eyas.kernels import band_kernels
 from eyas.store import checkpoint, locks
 from eyas.draft import data, data_loader
@@ -44,7 +42,8 @@ from eyas.draft.processes import (Env, StopOnSignal, all_sum, autocast, compute_
                                   finish_env, init_env, peak_gib)
 from eyas.draft.resume import best_on_this_eval, resume, save_step, started_config
 from eyas.draft.train_setup import (Schedules, TTTModule, build_draft, build_optimizers,
-                                    check_gradients, grad_sync, warmup_cosine, wrap)
+                                    check_finite, check_gradients, grad_sync, warmup_cosine,
+                                    wrap)
 from eyas.draft.train_config import PREVIOUS_RECIPE, TrainConfig
 from eyas.draft.ttt import TTTBatch, ttt_plan, ttt_positions
 from eyas.draft.ttt_graph import GraphedTTT
@@ -60,21 +59,6 @@ def _on(mb: dict, env: Env):
     """A micro-batch on the draft's device. Online, captured states arrive on the device of
     the target's final norm, which --target-device-map may put on another GPU."""
     return TTTBatch(**data_loader.on_device(mb, env.device))
-
-
-def _check_finite(record: dict, cfg: TrainConfig, run_dir: Path) -> None:
-    """A loss or gradient norm that is NaN or Inf ends the run: every later step trains on NaN
-    weights, and it used to end "done" with a NaN draft as its best."""
-    bad = {k: record[k] for k in ("loss", "grad_norm")
-           if record.get(k) is not None and not math.isfinite(record[k])}
-    if bad:
-        raise EyasError(f"training diverged at step {record['step']} "
-                        f"({', '.join(f'{k} {v}' for k, v in bad.items())}): the draft's weights "
-                        f"are no longer finite. Lower --lr (now {cfg.lr}"
-                        + (f", --muon-lr {cfg.muon_lr or cfg.lr}" if cfg.optimizer == "muon"
-                           else "") + f") or raise --warmup-ratio, and start over with --resume "
-                        f"never, or resume from a checkpoint in {run_dir / 'checkpoints'} saved "
-                        f"before it (--resume PATH)")
 
 
 def _summary(stats: torch.Tensor, steps: int, weights: torch.Tensor) -> dict:
@@ -388,7 +372,7 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
                               "elapsed_s": round(before + now - t_start, 2)}
                 if env.device.type == "cuda":
                     last_train["peak_gpu_gib"] = peak_gib(env)
-                _check_finite(last_train, cfg, run_dir)
+                check_finite(last_train, cfg, run_dir)
                 window.zero_()
                 t_window = now
                 if metrics:

@@ -31,8 +31,8 @@ from eyas.draft.data_plan import plan_data, rank_slice
 from eyas.draft.processes import (StopOnSignal, all_sum, autocast, compute_dtype, finish_env,
                                   init_env, peak_gib)
 from eyas.draft.resume import best_on_this_eval, resume, save_step
-from eyas.draft.train_setup import (Schedules, build_optimizers, check_gradients, grad_sync,
-                                    warmup_cosine, wrap)
+from eyas.draft.train_setup import (Schedules, build_optimizers, check_finite,
+                                    check_gradients, grad_sync, warmup_cosine, wrap)
 from eyas.errors import EyasError
 from eyas.store import checkpoint
 from eyas.store.manifest import train_run, write_manifest
@@ -287,6 +287,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                               "elapsed_s": round(before + now - t_start, 2)}
                 if env.device.type == "cuda":
                     last_train["peak_gpu_gib"] = peak_gib(env)
+                check_finite(last_train, cfg, run_dir)
                 window.zero_()
                 t_window = now
                 if metrics:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -126,6 +127,22 @@ def grad_sync(model: torch.nn.Module, sync: bool):
     if hasattr(model, "no_sync") and not sync:  # DDP
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def check_finite(record: dict, cfg: TrainConfig, run_dir: Path) -> None:
+    """A logged loss or gradient norm that is NaN or Inf ends the run (both families): every
+    later step trains on NaN weights, and it used to end "done" with a NaN draft as its best
+    (a DFlash run until 2026-12-07: export then wrote its NaN weights)."""
+    bad = {k: record[k] for k in ("loss", "grad_norm")
+           if record.get(k) is not None and not math.isfinite(record[k])}
+    if bad:
+        raise EyasError(f"training diverged at step {record['step']} "
+                        f"({', '.join(f'{k} {v}' for k, v in bad.items())}): the draft's weights "
+                        f"are no longer finite. Lower --lr (now {cfg.lr}"
+                        + (f", --muon-lr {cfg.muon_lr or cfg.lr}" if cfg.optimizer == "muon"
+                           else "") + f") or raise --warmup-ratio, and start over with --resume "
+                        f"never, or resume from a checkpoint in {run_dir / 'checkpoints'} saved "
+                        f"before it (--resume PATH)")
 
 
 def check_gradients(model: torch.nn.Module, cfg: TrainConfig,

@@ -37,7 +37,9 @@ def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 def dflash_tensors(cfg: DFlashConfig, state: dict[str, torch.Tensor],
                    dtype: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights in the export dtype, checked against `dflash_shapes`."""
+    """The checkpoint's weights in the export dtype, checked against `dflash_shapes` and for
+    NaN or Inf (as an EAGLE-3 export's are: a diverged run's weights would serve as a draft
+    that is never accepted)."""
     want = dflash_shapes(cfg)
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     wrong = [f"{k} {tuple(state[k].shape)} != {want[k]}" for k in want
@@ -45,7 +47,12 @@ def dflash_tensors(cfg: DFlashConfig, state: dict[str, torch.Tensor],
     if missing or extra or wrong:
         raise EyasError(f"the DFlash checkpoint does not match its config: missing {missing}, "
                         f"unexpected {extra}, wrong shapes {wrong}")
-    return {k: state[k].to(DTYPES[dtype]).contiguous() for k in want}
+    out = {k: state[k].to(DTYPES[dtype]).contiguous() for k in want}
+    bad = [k for k, t in out.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        raise EyasError(f"weight(s) {bad[:3]}{' ...' if len(bad) > 3 else ''} of the DFlash "
+                        f"checkpoint hold NaN or Inf; export an earlier checkpoint")
+    return out
 
 
 def dflash_config_json(cfg: DFlashConfig, dtype: str, num_target_layers: int | None) -> dict:
