@@ -652,6 +652,11 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkey
     with pytest.raises(EyasError, match="no report.json there"):
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "missing")))
+    (tmp_path / "list").mkdir()  # JSON, but not an object: a traceback (AttributeError)
+    (tmp_path / "list" / "report.json").write_text("[1, 2]")
+    with pytest.raises(EyasError, match=r"is not an `eyas eval` report"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "list")))
     # the README quoted any report as this draft's: an eval without a draft (n-gram's AL) ...
     (tmp_path / "ngram").mkdir()
     (tmp_path / "ngram" / "report.json").write_text(json.dumps(

@@ -199,6 +199,22 @@ def test_owner_only_files_get_the_umasks_mode_and_others_are_left(tmp_path):
     assert (tmp_path / "private.txt").stat().st_mode & 0o777 == 0o400
 
 
+def test_an_out_inside_another_steps_folder_is_refused(tmp_path):
+    """From an audit: `eyas export --out run/draft` was accepted, and the training run, now
+    holding a folder it did not write, could no longer resume."""
+    from eyas.store.manifest import check_out
+
+    write_manifest(tmp_path / "run", "train", Cfg())
+    for out in (tmp_path / "run" / "draft", tmp_path / "run" / "checkpoints" / "x"):
+        with pytest.raises(EyasError, match=r"is inside .*run, the output of `eyas train`.*"
+                                            r"choose an --out outside it"):
+            check_out(out, "export")
+    assert not (tmp_path / "run" / "draft").exists()
+    assert check_out(tmp_path / "draft", "export") == tmp_path / "draft"  # beside it: fine
+    (tmp_path / "work").mkdir()  # a plain folder above is no step's
+    assert check_out(tmp_path / "work" / "draft", "export") == tmp_path / "work" / "draft"
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_an_out_that_cannot_be_written_is_refused_before_the_step_starts():
     # a read-only --out ended prepare, capture, train, export and eval in an OSError

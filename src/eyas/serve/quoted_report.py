@@ -32,7 +32,7 @@ def read_report(path: str | None, target: dict, train: dict | None, step: Path,
         raise EyasError(f"--acceptance-report {path}: no report.json there; pass the --out "
                         f"folder of `eyas eval` or its report.json")
     report = read_json(p, "pass the report.json `eyas eval` wrote")
-    if not isinstance(report.get("mean_acceptance_length"), dict):
+    if not isinstance(report, dict) or not isinstance(report.get("mean_acceptance_length"), dict):
         raise EyasError(f"{p} is not an `eyas eval` report (no mean_acceptance_length)")
     if report.get("primary") != family:
         name = {"eagle3": "an EAGLE-3", "dflash": "a DFlash"}[family]

@@ -242,6 +242,7 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
     if folder.exists() and not folder.is_dir():
         raise EyasError(f"--out {folder} is a file; give a folder (eyas {step} writes a folder).",
                         flag="--out")
+    _check_not_inside_a_step(folder, step)
     _check_writable(folder, step)
     entries = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if not entries:
@@ -269,6 +270,20 @@ def check_out(folder: str | Path, step: str, own: tuple[str, ...] = (),
                         f"overwritten or deleted. Move those away, or choose another --out.",
                         flag="--out")
     return folder
+
+
+def _check_not_inside_a_step(folder: Path, step: str) -> None:
+    """Refuse an --out inside another step's output folder (`run/draft` for an export): that
+    step's own checks then find a folder they did not write there, and a training run so
+    holding its export can no longer resume."""
+    for parent in Path(os.path.abspath(folder)).parents:
+        found = peek_manifest(parent)
+        if found is not None and isinstance(found.get("step"), str):
+            raise EyasError(f"--out {folder} is inside {parent}, the output of `eyas "
+                            f"{found['step']}`; eyas {step} writes beside another step's folder, "
+                            f"never into it (a folder of its own there would stop that step "
+                            f"resuming or running again): choose an --out outside it, e.g. "
+                            f"{parent.parent / folder.name}", flag="--out")
 
 
 def _check_writable(folder: Path, step: str) -> None:
