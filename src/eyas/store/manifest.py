@@ -109,8 +109,7 @@ def write_manifest(folder: str | Path, step: str, config, *, target: dict | None
     body.update(extra)
     if "chat" not in body and step != "prepare":  # how its data's prompts were rendered,
         # carried on from the inputs (chat_record; not in the id: the inputs' ids are)
-        chat = next((c for c in map(chat_record, sorted(inputs, key=lambda m: m.get("step")
-                                                        == "vocab")) if c is not None), None)
+        chat = _first_chat(inputs, chat_record)
         if chat is not None:
             body["chat"] = chat
     if "aux_layer_ids" in body and "layer_id_convention" not in body:
@@ -604,12 +603,15 @@ def chat_record(manifest: dict[str, Any] | None, *, depth: int = 0) -> dict[str,
                 "system_prompt": config.get("system_prompt") or regenerated.get("system_prompt")}
     if depth >= _CHAT_DEPTH:
         return None
-    # the data a step learned from before its vocab (made from prepared data too, not
-    # necessarily the same)
-    items = sorted(manifest.get("inputs") or [], key=lambda i: i.get("step") == "vocab")
-    for item in items:
-        found = chat_record(item if item.get("step") == "prepare" else _same_run(item, depth),
-                            depth=depth + 1)
+    return _first_chat(manifest.get("inputs") or [], lambda item: chat_record(
+        item if item.get("step") == "prepare" else _same_run(item, depth), depth=depth + 1))
+
+
+def _first_chat(inputs, record_of) -> dict[str, Any] | None:
+    """The first chat record `record_of` finds among a step's `inputs`, the data it learned
+    from before its vocab (made from prepared data too, not necessarily the same)."""
+    for item in sorted(inputs, key=lambda i: i.get("step") == "vocab"):
+        found = record_of(item)
         if found is not None:
             return found
     return None

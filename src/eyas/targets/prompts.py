@@ -49,13 +49,13 @@ class Prompt:
 
 
 def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = None
-                  ) -> tuple[str | None, dict]:
+                  ) -> tuple[str | None, tuple[str, ...]]:
     """Set the chat template (and variables) the draft was trained with on the tokenizer:
     `cfg.chat_template`, else the prepared folder's, else the one the draft's data was
     prepared with (`lineage`: eyas.store.manifest.chat_record, where its file is here), else
     the tokenizer's own; return the template file used (None: the tokenizer's) and the
-    variables (`cfg.chat_template_kwargs`, else the prepared folder's, else the draft
-    data's). Where what it renders with is not what the draft's data was rendered with, say
+    variables as KEY=VALUE (`cfg.chat_template_kwargs`, else the prepared folder's, else the
+    draft data's). Where what it renders with is not what the draft's data was rendered with, say
     so (the acceptance measured is then another distribution's)."""
     trained = (prepared or {}).get("config") or {}
     lineage = lineage or {}
@@ -94,7 +94,7 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
     kwargs = cfg.chat_template_kwargs or tuple(
         (trained if prepared is not None else lineage).get("chat_template_kwargs") or ())
     _warn_unlike_lineage(tokenizer, kwargs, lineage, getattr(cfg, "draft", None))
-    return template, chat.parse_template_kwargs(kwargs)
+    return template, kwargs
 
 
 def _warn_unlike_lineage(tokenizer, kwargs: tuple[str, ...], lineage: dict, draft) -> None:
@@ -116,17 +116,18 @@ def _warn_unlike_lineage(tokenizer, kwargs: tuple[str, ...], lineage: dict, draf
                     "leave --chat-template-kwargs out")
 
 
-def system_prompt(cfg, prepared: dict | None, lineage: dict | None) -> str | None:
+def system_prompt(cfg, prepared: dict | None, lineage: dict | None, draft=None) -> str | None:
     """The system message for prompts that have none: `cfg.system_prompt`, else the prepared
     folder's (none included: its rows hold the one it added), else the one the draft's data
-    was prepared or regenerated with; a difference from the latter is warned about."""
+    was prepared or regenerated with (`draft`'s); a difference from the latter is warned
+    about."""
     was = (lineage or {}).get("system_prompt") or None
     prompt = cfg.system_prompt or (((prepared.get("config") or {}).get("system_prompt") or None)
                                    if prepared is not None else was)
     if lineage and prompt != was:
         log.warning("eval gives prompts without a system message %s; the draft %s was trained "
                     "on data given %s: %s to measure it as it learned",
-                    f"the system prompt {prompt!r}" if prompt else "none", cfg.draft,
+                    f"the system prompt {prompt!r}" if prompt else "none", draft,
                     f"{was!r}" if was else "none",
                     "pass --system-prompt" if was else "leave --system-prompt out")
     return prompt
@@ -287,15 +288,15 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | 
     prepared = (read_manifest(path, step="prepare")
                 if path is not None and (peek_manifest(path) or {}).get("step") == "prepare"
                 else None)
-    lineage = draft_chat(cfg.draft) if getattr(cfg, "draft", None) else None
-    template, template_kwargs = chat_template(cfg, tokenizer, prepared, lineage)
-    system = system_prompt(cfg, prepared, lineage)
+    draft = getattr(cfg, "draft", None)
+    lineage = draft_chat(draft) if draft else None
+    template, kwargs = chat_template(cfg, tokenizer, prepared, lineage)
+    template_kwargs = chat.parse_template_kwargs(kwargs)
+    system = system_prompt(cfg, prepared, lineage, draft)
     if rendered is not None:
         rendered.update(chat_template=template,
                         chat_template_hash=chat_template_fingerprint(tokenizer),
-                        chat_template_kwargs=[f"{k}={json.dumps(v)}" if not isinstance(v, str)
-                                              else f"{k}={v}" for k, v in template_kwargs.items()],
-                        system_prompt=system)
+                        chat_template_kwargs=list(kwargs), system_prompt=system)
     prompts = []
     if path is not None:
         rows = (_prepared_conversations(path, cfg.split) if prepared
