@@ -725,6 +725,31 @@ def test_resume_refuses_other_settings_or_data(setup, local_run, tmp_path):
     assert again["truncated_total"] == local_run[1]["truncated"]
 
 
+def test_resume_takes_a_relative_path_for_the_absolute_one_it_names(setup, local_run, tmp_path,
+                                                                     monkeypatch):
+    # The resume compared --target and --data as spelled: `tiny-llama` against the absolute
+    # path the run started with was "different target, data, data file contents".
+    out = tmp_path / "out"
+    shutil.copytree(local_run[0], out)
+    lines = (out / OUTPUT).read_text().splitlines(keepends=True)
+    (out / OUTPUT).write_text("".join(lines[:-1]))  # one row to answer again
+    model_dir, data = setup[0], setup[1]
+    monkeypatch.chdir(model_dir.parent)
+    relative = _cfg(setup, out, target=model_dir.name,
+                    data=(os.path.relpath(data, model_dir.parent),))
+    assert relative.target != str(model_dir)
+    from eyas.freshness import starts_over
+    assert starts_over("regenerate", relative, out, upstream_ran=False, forced=False) == ""
+    monkeypatch.chdir(tmp_path)  # from here `model_dir.name` names no folder: a hub name
+    assert starts_over("regenerate", relative, out, upstream_ran=False,
+                       forced=False).startswith("its config changed (target (it ran with")
+    monkeypatch.chdir(model_dir.parent)
+    again = regenerate(relative)
+    assert again["skipped"] == again["input"] - 1 and again["ok"] == 1
+    # the row answered now has the file name the others were written under
+    assert {r["source"]["file"] for r in _read(out / OUTPUT)} == {str(data)}
+
+
 @pytest.mark.parametrize("key,value,says", [
     ("weights_fingerprint", "0123456789abcdef", "different target weights_fingerprint"),
     ("chat_template_hash", "0123456789abcdef", "different chat template")])

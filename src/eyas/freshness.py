@@ -161,14 +161,14 @@ def _data_changes(cfg, manifest: dict, folder: Path) -> str:
     read once, not at every plan until the step runs again."""
     if "data_files" not in manifest or not getattr(cfg, "data", None):
         return ""
-    from eyas.store.manifest import data_content
+    from eyas.store.manifest import placed_data
     from eyas.targets.chat_sources import source_fingerprints
 
     recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
     fresh = _normalise(source_fingerprints(cfg.data, recorded))
     _remember_stamps(folder, manifest, fresh)
-    now = data_content(fresh)
-    was = {json.dumps(x, sort_keys=True) for x in data_content(recorded)}
+    now = placed_data(fresh)  # a file's path as the place it names, not as spelled
+    was = {json.dumps(x, sort_keys=True) for x in placed_data(recorded)}
     moved = [x.get("path") for x in now if json.dumps(x, sort_keys=True) not in was]
     if not moved and len(now) != len(was):
         return "a file of it is gone"

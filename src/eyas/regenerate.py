@@ -47,7 +47,7 @@ from eyas.targets.chat_files import FORMATS, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
 from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
                          required, revision_option, target_option, trust_remote_code_option)
-from eyas.store.manifest import (chat_template_fingerprint, check_out, recorded_data,
+from eyas.store.manifest import (chat_template_fingerprint, check_out, placed, recorded_data,
                                  target_record, write_manifest)
 from eyas.serve.vllm_generate import check_engine_options
 from eyas.serve.generator import BATCHING, Generation, load_generator, render_prompt
@@ -264,7 +264,14 @@ def _jobs(cfg: RegenerateConfig, done: set, output: Output, counts: Counter,
           order: dict[str, int]) -> Iterator[Job]:
     """Input rows not done before, as jobs; malformed rows go straight to the rejects."""
     rows = read_rows(cfg.data, cfg.format)
+    # a file the earlier run read under another spelling of its path (`data/x.jsonl`, now
+    # `/abs/data/x.jsonl`): its rows keep the name they were written under
+    spelled = {placed(file): file for file, _ in done}
+    named: dict[str, str] = {}
     for raw in itertools.islice(rows, cfg.limit):
+        if raw.file not in named:
+            named[raw.file] = spelled.get(placed(raw.file), raw.file)
+        raw = raw._replace(file=named[raw.file])
         counts["input"] += 1
         order.setdefault(raw.file, len(order))
         if (raw.file, raw.row) in done:

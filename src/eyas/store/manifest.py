@@ -51,6 +51,25 @@ def data_content(records) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in DATA_STAMP} for r in records or ()]
 
 
+def placed(value):
+    """A path as recorded (`--target`, `--data`, a `data_files` record's path), as the place it
+    names: an existing local file or folder resolved, so that `tiny-llama` and its absolute
+    path are the same input; anything else (a hub name, a glob, a path gone) as spelled. For
+    comparing two runs' records only: manifest ids keep what was given."""
+    if isinstance(value, (list, tuple)):
+        return [placed(v) for v in value]
+    if isinstance(value, str) and value and os.path.exists(value):
+        return os.path.realpath(value)
+    return value
+
+
+def placed_data(records) -> list[dict]:
+    """data_content, with each file's path `placed`: the same rows read through another
+    spelling of their path are the same data."""
+    return [{**r, "path": placed(r.get("path"))} if "path" in r else r
+            for r in data_content(records)]
+
+
 def peek_manifest(folder: str | Path) -> dict[str, Any] | None:
     """`folder`'s manifest, or None where there is none or it is damaged: for looking at what
     a folder may be, where read_manifest would refuse it."""

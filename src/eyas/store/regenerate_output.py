@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 
 from eyas.config import to_dict
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, data_content, read_manifest
+from eyas.store.manifest import MANIFEST, placed, placed_data, read_manifest
 
 # RegenerateConfig: from the step eyas.regenerate, named in annotations only (a layer never
 # imports a step)
@@ -45,6 +45,8 @@ KILL_ENV = "EYAS_REGENERATE_KILL_AFTER"
 SAME_ON_RESUME = ("target", "revision", "data", "format", "turns", "max_new_tokens",
                   "drop_truncated", "max_length", "temperature", "top_p", "reasoning",
                   "system_prompt", "seed")
+# Of those, the paths: `tiny-llama` and its absolute path name one target.
+PATH_SETTINGS = ("target", "data")
 # Settings added later, as runs made before they existed behaved: such a run resumes with them.
 BEFORE_SETTING = {"drop_truncated": True, "max_length": 0}
 
@@ -207,7 +209,7 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict], target: 
         return
     old = read_manifest(out, step="regenerate")
     changed = setting_changes(cfg, old) + target_changes(old, target, template_hash)
-    if data_content(old.get("data_files")) != data_content(sources):
+    if placed_data(old.get("data_files")) != placed_data(sources):
         changed.append("data file contents")
     wrote = any((out / name).is_file() and (out / name).stat().st_size
                 for name in (OUTPUT, REJECTS))
@@ -224,12 +226,14 @@ def check_resume(cfg: RegenerateConfig, out: Path, sources: list[dict], target: 
 
 def setting_changes(cfg: RegenerateConfig, manifest: dict) -> list[str]:
     """The settings a resumed run must keep (SAME_ON_RESUME) that `cfg` changes from the run
-    `manifest` records, each with the value it ran with. `eyas run` starts such a run over."""
+    `manifest` records, each with the value it ran with. `eyas run` starts such a run over.
+    A target or data path is compared as the place it names (`placed`), not as spelled."""
     new = json.loads(json.dumps(to_dict(cfg)))
     ran = manifest.get("config") or {}
     was = {k: ran.get(k, BEFORE_SETTING.get(k)) for k in SAME_ON_RESUME}
-    return [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME
-            if was[k] != new[k]]
+    same = {k: placed(was[k]) == placed(new[k]) if k in PATH_SETTINGS else was[k] == new[k]
+            for k in SAME_ON_RESUME}
+    return [f"{k} (it ran with {json.dumps(was[k])})" for k in SAME_ON_RESUME if not same[k]]
 
 
 # What identifies the model behind --target; compared where both runs recorded it (the openai
