@@ -87,6 +87,11 @@ def test_bad_attention_choice_is_a_problem(model_dir, monkeypatch, capsys):
     assert not report["ok"]
     assert "draft attention: EYAS_ATTENTION='flash3': expected auto, fa4 or cudnn" \
         in report["problems"]
+    # the CLI exits 1 with a problem listed (it exited 0: a CI step running doctor passed)
+    assert main(["doctor", str(model_dir("llama"))]) == 1
+    assert "verdict          1 problem(s)" in capsys.readouterr().out
+    monkeypatch.delenv("EYAS_ATTENTION")
+    assert main(["doctor", str(model_dir("llama"))]) == 0
 
 
 def test_kimi_like_report_text(model_dir, capsys):

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         from eyas.targets.sdpa import target_sdpa_choice
         target_sdpa_choice()
         cfg = _config_from_args(args.command, args)
-        fn(cfg)
+        result = fn(cfg)
     except (ConfigError, EyasError) as err:
         print(f"eyas {args.command}: error: {err}", file=sys.stderr)
         return _exit_code(err)
@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, before)
+    if args.command == "doctor" and isinstance(result, dict) and result.get("ok") is False:
+        return 1  # it listed a problem: a script or CI step that runs it stops here
     return 0
 
 
