@@ -94,6 +94,11 @@ def test_the_folder_is_a_plain_checkpoint_that_names_its_gguf(gguf, folder):
             "tokenizer_config.json", "eyas.json"} <= files
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
+    # transformers 4's key beside transformers 5's: an older vLLM or SGLang reading only
+    # rope_theta ran RoPE at base 10,000 on the folder
+    theta = load_config(gguf).rope_parameters["rope_theta"]
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == theta
+    assert "rope_scaling" not in config  # a plain RoPE has none
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 4
     manifest = read_manifest(folder, step="convert")
     assert manifest["config"] == {"target": str(gguf.resolve()), "out": str(folder),
@@ -104,6 +109,28 @@ def test_the_folder_is_a_plain_checkpoint_that_names_its_gguf(gguf, folder):
     assert manifest["target"]["gguf_fingerprint"] == gguf_fingerprint(gguf)
     assert manifest["files"]["model.safetensors"] == (folder / "model.safetensors").stat().st_size
     assert not folder.with_name(folder.name + ".tmp-convert").exists()
+
+
+def test_a_scaled_rope_gets_transformers_4s_rope_scaling(tmp_path):
+    from eyas.targets.convert import with_legacy_rope
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+            "original_max_position_embeddings": 32768}
+    per_type = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    for params in (yarn, per_type):
+        (tmp_path / "config.json").write_text(json.dumps({"rope_parameters": params}))
+        with_legacy_rope(tmp_path / "config.json")
+        written = json.loads((tmp_path / "config.json").read_text())
+        if params is yarn:
+            assert written["rope_theta"] == 1e6 and written["rope_scaling"] == {
+                "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+        else:  # no single base: left as transformers 5 wrote it
+            assert written == {"rope_parameters": per_type}
+    from transformers import Qwen2Config
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2",
+                                                      "rope_parameters": yarn}))
+    with_legacy_rope(tmp_path / "config.json")  # transformers 5 still reads it as it was
+    assert Qwen2Config.from_pretrained(tmp_path).rope_parameters == yarn
 
 
 # ------------------------------------------------------------------ atomic, never overwrites

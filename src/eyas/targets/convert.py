@@ -18,6 +18,7 @@ existing `out` is kept unless it is this same conversion (then nothing is done).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -80,12 +81,33 @@ def _write(gguf: Path, folder: Path, out: Path, dtype: str) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(folder)  # safetensors, config.json, generation_config.json
+    with_legacy_rope(folder / "config.json")
     tokenizer.save_pretrained(folder)  # tokenizer files and the chat template
     as_umask(folder)  # safetensors writes owner-only: a vLLM server may run as another user
     files = {f.name: f.stat().st_size for f in sorted(folder.iterdir())}
     write_manifest(folder, "convert", {"target": str(gguf), "out": str(out), "dtype": dtype},
                    target=target_record(str(gguf), config=model.config, tokenizer=tokenizer),
                    dtype=dtype, files=files)
+
+
+def with_legacy_rope(config_json: Path) -> None:
+    """Add the RoPE keys of transformers 4 (`rope_theta`, and `rope_scaling` for a scaled
+    RoPE) beside the `rope_parameters` that transformers 5 writes alone. A reader on
+    transformers 4 (an older vLLM or SGLang serving the folder) ignores `rope_parameters` and
+    would run RoPE at its default base, 10,000: SmolLM2's is 100,000, Qwen2.5's 1,000,000.
+    transformers 5 reads both and keeps `rope_parameters`. Per-layer-type parameters (no
+    single `rope_theta`) have no transformers 4 form and are left as they are."""
+    body = json.loads(config_json.read_text())
+    params = body.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return
+    body.setdefault("rope_theta", params["rope_theta"])
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling.get("rope_type", "default") != "default":
+        body.setdefault("rope_scaling", scaling)
+    tmp = config_json.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, config_json)
 
 
 def _already_converted(out: Path, gguf: Path, dtype: str) -> bool:
