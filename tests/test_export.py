@@ -437,8 +437,18 @@ def test_which_picks_best_last_or_a_step(tmp_path):
     with pytest.raises(EyasError, match=r"this run has \['step-00000005', 'step-00000010'\]"):
         find_checkpoint(tmp_path / "run", "step-7")
     (ckpt / "best").unlink()
-    with pytest.raises(EyasError, match="--which last"):
+    with pytest.raises(EyasError, match="--which last, or --which step-N of step-00000005, "
+                                        "step-00000010"):
         find_checkpoint(tmp_path / "run", "best")
+    # no `last` pointer: the newest whole step folder, as a resume takes it (it said "has no
+    # checkpoints/last; use --which last")
+    (ckpt / "last").unlink()
+    assert find_checkpoint(tmp_path / "run", "last")[0] == ckpt / "step-00000010"
+    (ckpt / "step-00000010" / "trainer_state.pt").write_bytes(b"cut")
+    assert find_checkpoint(tmp_path / "run", "last")[0] == ckpt / "step-00000005"
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(EyasError, match="holds no checkpoint yet"):
+        find_checkpoint(tmp_path / "empty", "last")
     with pytest.raises(EyasError, match="neither an `eyas train` run folder"):
         find_checkpoint(tmp_path, "best")
     with pytest.raises(EyasError, match=rf"{tmp_path / 'gone'} does not exist: pass the `eyas "

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from eyas.draft.config import DraftConfig, draft_rope_scaling
 from eyas.errors import EyasError
+from eyas.store.checkpoint import STEP_DIR, latest_complete
 from eyas.store.manifest import inside, peek_manifest
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -300,17 +301,28 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
                                                                  if runs else ""))
         raise EyasError(f"{path} is neither an `eyas train` run folder (no checkpoints/) nor a "
                         f"checkpoint folder (no draft.safetensors); pass the train --out folder")
+    have = sorted(p.name for p in ckpt.glob("step-*") if p.is_dir() and STEP_DIR.match(p.name))
+    if not have:
+        raise EyasError(f"{path} holds no checkpoint yet (checkpoints/ has no step-N folder): "
+                        f"the run saved none so far; export once it has (eyas train saves every "
+                        f"--save-every steps and at its end)")
     if which in ("best", "last"):
         pointer = ckpt / which
+        if which == "last" and not pointer.is_file():
+            # the pointer is gone (or the run was killed before writing it): the newest whole
+            # step folder is the last checkpoint, as `eyas train --resume auto` takes it
+            step = latest_complete(path)
+            if step is None:
+                raise EyasError(f"{path} has no checkpoints/last and none of its step folders "
+                                f"({', '.join(have)}) is whole; pick one with --which step-N")
+            return step, path
         if not pointer.is_file():
-            hint = " (no eval ran, so no best was chosen)" if which == "best" else ""
-            raise EyasError(f"{path} has no checkpoints/{which}{hint}; use --which last or "
-                            f"--which step-N")
+            raise EyasError(f"{path} has no checkpoints/best (no eval ran, so no best was "
+                            f"chosen); use --which last, or --which step-N of {', '.join(have)}")
         step = inside(ckpt, pointer.read_text().strip(), f"checkpoints/{which}")
     else:
         step = ckpt / f"step-{int(which.split('-')[1]):08d}"
     if not (step / "draft.safetensors").is_file():
-        have = sorted(p.name for p in ckpt.glob("step-*") if p.is_dir())
         raise EyasError(f"checkpoint {step} is missing (or has no draft.safetensors); this run "
                         f"has {have}; pick one with --which")
     return step, path
