@@ -1164,6 +1164,16 @@ def test_readme_serves_the_draft_sampling_its_report_measured(tmp_path, way):
     else:
         assert spec["draft_sample_method"] == "probabilistic"
         assert "measured at temperature 1 with probabilistic drafts" in text
+    # a speculators folder: `vllm serve FOLDER` alone serves vLLM's default greedy drafts, so
+    # it is offered only where the report measured those (it came first whatever it measured)
+    out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "s"),
+                              format="speculators", target="org/target-model",
+                              acceptance_report=str(tmp_path / "report")))
+    text = (out / "README.md").read_text()
+    short = f"vllm serve {out.resolve()}\n"
+    assert (short in text) == (way == "greedy"), text
+    assert json.loads(re.search(r"--speculative-config '(.*)'", text).group(1)).get(
+        "draft_sample_method") == (None if way == "greedy" else "probabilistic")
 
 
 def test_export_into_the_current_folder(tmp_path, monkeypatch):

@@ -109,7 +109,8 @@ def serve_commands(fmt: str, target: ServedTarget, draft: str, k: int,
                    report: dict | None = None) -> list[str]:
     """Exact command lines for the format (chain drafting with k tokens; the draft sampling
     of the quoted report, if any), every path and JSON shell-quoted."""
-    spec = json.dumps(speculative_config("eagle3", draft, k, draft_sampling(report)))
+    sampling = draft_sampling(report)
+    spec = json.dumps(speculative_config("eagle3", draft, k, sampling))
     vllm = (f"vllm serve {shlex.quote(target.name)}{target.flags()} \\\n"
             f"    --speculative-config {shlex.quote(spec)}")
     if fmt == "vllm":
@@ -117,7 +118,9 @@ def serve_commands(fmt: str, target: ServedTarget, draft: str, k: int,
     if fmt == "speculators":  # the verifier is read from config.json (it has no revision)
         alone = f"vllm serve {shlex.quote(draft)}" + \
             (" --trust-remote-code" if target.trust_remote_code else "")
-        return [vllm] if target.revision else [alone, vllm]
+        # the short form serves vLLM's default greedy drafts: not what a report measured with
+        # probabilistic ones, nor another revision than the default branch
+        return [vllm] if target.revision or sampling not in (None, "greedy") else [alone, vllm]
     return [f"python -m sglang.launch_server --model-path {shlex.quote(target.name)}"
             f"{target.flags()} \\\n"
             f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path "
