@@ -1176,6 +1176,26 @@ def test_readme_serves_the_draft_sampling_its_report_measured(tmp_path, way):
         "draft_sample_method") == (None if way == "greedy" else "probabilistic")
 
 
+def test_a_checkpoint_pruned_while_it_is_read_says_so(tmp_path, monkeypatch):
+    # A live run's --keep-last removed the step folder export had just found: the error was
+    # "draft_config.json ... has no draft_config.json; it was not written by `eyas train`"
+    import shutil
+    import eyas.export as export_module
+
+    make_run(tmp_path / "run", draft_config(), steps=(5, 10), best=10)
+    found = export_module.find_checkpoint
+
+    def find_then_prune(*args, **kwargs):
+        step, run = found(*args, **kwargs)
+        shutil.rmtree(step)  # as the run's pruning does, between the two
+        return step, run
+
+    monkeypatch.setattr(export_module, "find_checkpoint", find_then_prune)
+    with pytest.raises(EyasError, match=r"step-00000010 was removed while it was being read: "
+                                        r"the run is still training .*--keep-last"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d")))
+
+
 def test_export_into_the_current_folder(tmp_path, monkeypatch):
     # `--out .` ended in "ValueError: PosixPath('.') has an empty name"
     make_run(tmp_path / "run", draft_config(), steps=(10,), best=10)

@@ -339,7 +339,21 @@ def _made_by(folder: Path) -> tuple[str, str] | None:
 
 
 def load_checkpoint(step: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    if not (step / "draft_config.json").is_file():
-        raise EyasError(f"{step} has no draft_config.json; it was not written by `eyas train`")
-    cfg = DraftConfig.from_dict(read_json(step / "draft_config.json", PICK_ANOTHER))
-    return cfg, read_weights(step / "draft.safetensors", PICK_ANOTHER)
+    try:
+        if not (step / "draft_config.json").is_file():
+            raise EyasError(f"{step} has no draft_config.json; it was not written by "
+                            f"`eyas train`")
+        cfg = DraftConfig.from_dict(read_json(step / "draft_config.json", PICK_ANOTHER))
+        return cfg, read_weights(step / "draft.safetensors", PICK_ANOTHER)
+    except EyasError:
+        if not step.is_dir():
+            raise pruned(step) from None
+        raise
+
+
+def pruned(step: Path) -> EyasError:
+    """A step folder gone between finding it and reading it: a run still training removed it."""
+    return EyasError(f"checkpoint {step} was removed while it was being read: the run is still "
+                     f"training and keeps only its newest checkpoints (--keep-last). Export "
+                     f"again (`last` and `best` then name the checkpoints kept now), or once "
+                     f"the run has ended")
