@@ -688,7 +688,15 @@ def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tm
         .block_size - 1
     readme = (export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "a"))) /
               "README.md").read_text()
-    assert f'"num_speculative_tokens": {most}' in readme and "Measured acceptance" not in readme
+    assert f'"num_speculative_tokens": {most}' in readme
+    # as an EAGLE-3 export's README: how to measure it, the target and how it trained (it
+    # said none of these)
+    assert "Not measured yet: `eyas eval --target" in readme
+    assert f"--k {','.join(str(k) for k in sorted({1, 2, 3, most}) if k <= most)}`" in readme
+    assert "## Target" in readme and "- model_type llama, 8 layers" in readme
+    train = json.loads((dflash_run / "eyas.json").read_text())
+    assert f"`eyas train`, {train['steps']} optimizer steps; exported step " in readme
+    assert f"- block_size: {most + 1}" in readme and "- ttt_steps" not in readme
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"primary": "dflash", "mean_acceptance_length": {"2": 1.75},
                                   "per_position_acceptance": {"2": [0.5, 0.25]},

@@ -368,7 +368,8 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "README.md").write_text(dflash_readme(
         dcfg, str(out.resolve()), served, str(step), (train or {}).get("best"),
-        cfg.num_speculative_tokens, report, unfinished=(train or {}).get("complete") is False))
+        cfg.num_speculative_tokens, report, unfinished=(train or {}).get("complete") is False,
+        train=train))
     write_manifest(tmp, "export", asked, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import torch
 
@@ -16,8 +17,9 @@ from eyas.dflash.config import DFlashConfig
 from eyas.dflash.formats import from_dflash_config, to_dflash_config
 from eyas.draft.formats import DTYPES
 from eyas.errors import EyasError
-from eyas.serve.export_readme import (ServedTarget, acceptance_lines, convert_lines,
-                                      draft_sampling, sampling_lines, speculative_config)
+from eyas.serve.export_readme import (DFLASH_TRAIN_KEYS, ServedTarget, acceptance_lines,
+                                      convert_lines, draft_sampling, sampling_lines,
+                                      speculative_config, target_lines, training_lines)
 
 
 def dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -66,10 +68,11 @@ def dflash_config_json(cfg: DFlashConfig, dtype: str, num_target_layers: int | N
 
 def dflash_readme(cfg: DFlashConfig, draft: str, target: ServedTarget, step: str,
                   best: dict | None, served_k: int | None = None, report: dict | None = None,
-                  unfinished: bool = False) -> str:
+                  unfinished: bool = False, train: dict | None = None) -> str:
     """The export's README: what the draft is, how vLLM and SGLang serve it (`served_k` draft
-    tokens, at most the block's), and, given `eyas eval`'s report, its measured acceptance.
-    `unfinished`: the run had not ended when `step` was exported."""
+    tokens, at most the block's), the target and training the run recorded (`train`: its
+    manifest) and, given `eyas eval`'s report, its measured acceptance. `unfinished`: the run
+    had not ended when `step` was exported."""
     k = cfg.block_size - 1
     spec = json.dumps(speculative_config("dflash", draft, served_k or k, draft_sampling(report)))
     al = (best or {}).get("acceptance_length")
@@ -96,5 +99,10 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: ServedTarget, step: str
         f"python -m sglang.launch_server --model-path {name}{target.flags()} \\",
         f"    --speculative-algorithm DFLASH --speculative-draft-model-path "
         f"{shlex.quote(draft)} \\",
-        f"    --speculative-num-draft-tokens {(served_k or k) + 1}", "```", ""]
-        + (acceptance_lines(report, draft, target) if report is not None else []))
+        f"    --speculative-num-draft-tokens {(served_k or k) + 1}", "```", "",
+        f"Replace `{draft}` with where this folder lives (or its hub name).", "",
+        *target_lines(target.name, (train or {}).get("target") or {}, cfg.hidden_size,
+                      cfg.vocab_size),
+        f"- target layers tapped: {list(cfg.aux_layer_ids)} (vLLM's aux ids)", "",
+        *training_lines(train, Path(step), DFLASH_TRAIN_KEYS),
+        *acceptance_lines(report, draft, target, most_k=k)])

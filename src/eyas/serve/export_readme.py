@@ -16,6 +16,9 @@ from eyas.store.manifest import LAYER_ID_CONVENTION
 # Train config keys quoted in the README (the whole config stays in eyas.json).
 TRAIN_KEYS = ("data", "vocab", "epochs", "max_steps", "lr", "batch_tokens", "grad_accum",
               "ttt_steps", "step_weight", "lm_head", "precision", "seed")
+DFLASH_TRAIN_KEYS = ("data", "epochs", "max_steps", "lr", "batch_tokens", "grad_accum",
+                     "block_size", "num_anchors", "loss_decay_gamma", "dflash_labels",
+                     "precision", "seed")
 
 
 @dataclass(frozen=True)
@@ -152,13 +155,8 @@ def render_readme(cfg, dcfg, out: Path, served: ServedTarget, train: dict | None
               "environment: its vLLM plugin adds the interface to wrapper models (see "
               "`eyas doctor TARGET`; `EYAS_VLLM_PLUGIN=0` turns it off).", ""]
     ids = list(dcfg.aux_layer_ids)
-    lines += ["## Target", "",
-              f"- model: `{name}`" + (f" (revision {target['revision']})" if target.get("revision") else "")
-              + (f", commit {target['commit']}" if target.get("commit") else ""),
-              f"- model_type {target.get('model_type', '?')}, {target.get('num_hidden_layers', '?')} "
-              f"layers, hidden {target.get('hidden_size', dcfg.target_hidden_size)}, vocab "
-              f"{target.get('vocab_size', dcfg.vocab_size)}",
-              f"- aux layer ids {ids} ({LAYER_ID_CONVENTION})"]
+    lines += target_lines(name, target, dcfg.target_hidden_size, dcfg.vocab_size) + [
+        f"- aux layer ids {ids} ({LAYER_ID_CONVENTION})"]
     if cfg.format == "vllm" and dcfg.num_hidden_layers == 1:
         lines.append("- for SGLang, export again with `--format sglang`: SGLang reads these ids "
                      "one layer later")
@@ -192,11 +190,25 @@ def render_readme(cfg, dcfg, out: Path, served: ServedTarget, train: dict | None
                      + ", ".join(f"{since[k]} or later ({k})" for k in variants)
                      + "; older servers do not build these norms")
     lines.append("")
-    lines += _training_lines(train, step) + acceptance_lines(report, draft, served)
+    lines += training_lines(train, step) + acceptance_lines(report, draft, served)
     return "\n".join(lines) + "\n"
 
 
-def _training_lines(train: dict | None, step: Path) -> list[str]:
+def target_lines(name: str, target: dict, hidden: int, vocab: int) -> list[str]:
+    """The README's "Target" section: the model the draft was trained on, as its run recorded
+    it (`target`; `hidden` and `vocab` from the draft where the run recorded none)."""
+    return ["## Target", "",
+            f"- model: `{name}`" + (f" (revision {target['revision']})"
+                                    if target.get("revision") else "")
+            + (f", commit {target['commit']}" if target.get("commit") else ""),
+            f"- model_type {target.get('model_type', '?')}, "
+            f"{target.get('num_hidden_layers', '?')} layers, hidden "
+            f"{target.get('hidden_size', hidden)}, vocab {target.get('vocab_size', vocab)}"]
+
+
+def training_lines(train: dict | None, step: Path, keys: tuple = TRAIN_KEYS) -> list[str]:
+    """The README's "Training" section: how the run in `train` (its manifest) trained, and
+    what its replay measured for the exported `step`; `keys`: the settings to list."""
     if train is None:
         return ["## Training", "", "Not recorded (the checkpoint had no run manifest).", ""]
     config, best = train.get("config") or {}, train.get("best") or {}
@@ -213,17 +225,22 @@ def _training_lines(train: dict | None, step: Path) -> list[str]:
         head += (f"; exported step {exported}, not the best step {best['step']}, which had "
                  f"{_simulated(best)} on held-out data")
     out = ["## Training", "", head + ". Settings:", ""]
-    out += [f"- {k}: {config[k]}" for k in TRAIN_KEYS if config.get(k) not in (None, "", ())]
+    out += [f"- {k}: {config[k]}" for k in keys if config.get(k) not in (None, "", ())]
     out += ["", "The full configuration and input manifests are in `eyas.json`.", ""]
     return out
 
 
-def acceptance_lines(report: dict | None, draft: str, target: ServedTarget) -> list[str]:
+def acceptance_lines(report: dict | None, draft: str, target: ServedTarget,
+                     most_k: int | None = None) -> list[str]:
+    """The README's "Measured acceptance": the report's table, or the command that measures
+    it (at k up to `most_k`, a DFlash block's drafts, where given)."""
     if report is None:
         name = shlex.quote(target.gguf or target.name)  # eyas reads the GGUF itself
+        ks = ",".join(str(k) for k in sorted({1, 2, 3, 5, 7, most_k or 7})
+                      if k <= (most_k or 7))
         return ["## Measured acceptance", "", "Not measured yet: `eyas eval --target "
                 f"{name}{target.flags()} --draft {shlex.quote(draft)} --data PROMPTS --out "
-                "REPORT --k 1,2,3,5,7`, then re-export with `--acceptance-report REPORT`.", ""]
+                f"REPORT --k {ks}`, then re-export with `--acceptance-report REPORT`.", ""]
     al, per = report.get("mean_acceptance_length") or {}, report.get("per_position_acceptance") or {}
     speed = {str(r.get("k")): r.get("speedup") for r in report.get("results") or []
              if r.get("method") == report.get("primary")}
@@ -250,4 +267,6 @@ def _simulated(best: dict) -> str:
     if chain:
         shown = ", ".join(f"k={k}: {al:.3f}" for k, al in chain.items() if al is not None)
         return f"acceptance length replayed as vLLM counts it ({shown})"
+    if best.get("sim_acceptance_length") is None and best.get("acceptance_length") is not None:
+        return f"acceptance length {best['acceptance_length']:.3f} (DFlash blocks, replayed)"
     return f"simulated acceptance length {best['sim_acceptance_length']:.3f}"
