@@ -364,11 +364,14 @@ def test_batch_4_accum_1_equals_batch_1_accum_4(run_inputs, tmp_path):
         assert rb["grad_norm"] == pytest.approx(rs["grad_norm"], rel=tol)
     # Adam divides by sqrt(v): float-rounding differences of near-zero gradients grow to
     # ~1e-5 (with every position in the loss, the default since issue 31's 12 K levers, one
-    # weight of 4,096 by 1.6e-4), still 60x below one step's size (lr 1e-2); a batching error
-    # moves the losses and norms above, held to 1e-5
+    # weight of 4,096 by 1.6e-4 on an Intel CPU, by 4.9e-4 on an AMD EPYC), still 20x below one
+    # step's size (lr 1e-2); a batching error moves the losses and norms above, held to 1e-5,
+    # and nearly every weight
     a, b = _weights(tmp_path / "big", 3), _weights(tmp_path / "small", 3)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=3e-4)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-3)
+        far = ((a[k].float() - b[k].float()).abs() > 1e-5).float().mean().item()
+        assert far < 0.01, f"{k}: {far:.2%} of its weights differ by more than 1e-5"  # 0.65 %
     assert big["train"]["grad_norm"] > 0  # the weights compared are trained, not two inits
 
 
