@@ -870,17 +870,30 @@ def _cache_summary(caplog) -> dict:
     return dict(zip(("kept", "hits", "misses", "refused"), map(int, m.groups())))
 
 
+def _online_kw(run_inputs) -> dict:
+    return dict(max_steps=0, epochs=3, batch_tokens=1024, lm_head="target", eval_every=4,
+                online=True, data=run_inputs["prepared"], target=run_inputs["target"],
+                device="cpu")
+
+
+@pytest.fixture(scope="module")
+def online_run(run_inputs, tmp_path_factory):
+    """(result, folder) of three epochs online without a cache: what both bounds compare to
+    (trained once: ~25 s here)."""
+    folder = tmp_path_factory.mktemp("online") / "plain"
+    return train(_cfg(run_inputs, folder, **_online_kw(run_inputs))), folder
+
+
 @pytest.mark.parametrize("bound_gb", [0.0, 2e-4])
-def test_online_cache_runs_the_target_once_per_sample(run_inputs, tmp_path, caplog, bound_gb):
+def test_online_cache_runs_the_target_once_per_sample(run_inputs, online_run, tmp_path, caplog,
+                                                      bound_gb):
     """Three epochs online: with --online-cache the target runs once per sample (train and
     eval), later epochs and evals read what it kept, and the run equals one without the
     cache. Under a bound of a few samples (200 KB) the rest run the target each time, and the
     run is the same again. (Equal up to bf16 roundings: without the cache the target sees
     each sample again in other micro-batches, whose fp32 sums differ in the last bits.)"""
-    kw = dict(max_steps=0, epochs=3, batch_tokens=1024, lm_head="target", eval_every=4,
-              online=True, data=run_inputs["prepared"], target=run_inputs["target"],
-              device="cpu")
-    plain = train(_cfg(run_inputs, tmp_path / "plain", **kw))
+    kw = _online_kw(run_inputs)
+    plain, plain_dir = online_run
     caplog.set_level(logging.INFO, logger="eyas")
     cached = train(_cfg(run_inputs, tmp_path / "cached", **kw, online_cache="cpu",
                         online_cache_gb=bound_gb))
@@ -896,10 +909,9 @@ def test_online_cache_runs_the_target_once_per_sample(run_inputs, tmp_path, capl
         assert 0 < got["kept"] < samples and got["refused"] > 0
         assert got["misses"] > samples  # the rest ran the target again
     assert [r["loss"] for r in _records(tmp_path / "cached", "train")] == pytest.approx(
-        [r["loss"] for r in _records(tmp_path / "plain", "train")], rel=1e-3)
+        [r["loss"] for r in _records(plain_dir, "train")], rel=1e-3)
     assert cached["eval"]["loss"] == pytest.approx(plain["eval"]["loss"], rel=1e-3)
-    a, b = _weights(tmp_path / "plain", plain["steps"]), _weights(tmp_path / "cached",
-                                                                 cached["steps"])
+    a, b = _weights(plain_dir, plain["steps"]), _weights(tmp_path / "cached", cached["steps"])
     for k in a:  # (15 steps at lr 1e-2 carry those last bits to ~3e-4)
         torch.testing.assert_close(a[k], b[k], rtol=1e-2, atol=1e-3)
 
