@@ -368,3 +368,17 @@ def test_vllm_engine_options_are_refused_with_another_backend():
                          gpu_memory_utilization=0.5, kv_cache_gib=4)
     CaptureConfig(**common, tensor_parallel_size=2, backend="vllm")
     RegenerateConfig(**common, backend="vllm", max_model_len=4096)
+
+
+def test_a_list_flag_given_twice_adds_to_its_list(tmp_path):
+    """`--data a --data b` kept b alone (argparse's store), dropping a's data unsaid; `--bench
+    mt-bench --bench gsm8k` measured GSM8K only."""
+    cfg = cli.parse_config("vocab", ["--data", "a", "--data", "b,c", "--out", "o"])
+    assert cfg.data == ("a", "b", "c")
+    cfg = cli.parse_config("eval", ["--target", "t", "--bench", "mt-bench", "--bench", "gsm8k",
+                                    "--k", "1", "--k", "3", "--out", "o"])
+    assert cfg.bench == ("mt-bench", "gsm8k") and cfg.k == (1, 3)
+    # a --config file's list is still replaced by the flag, not added to
+    path = tmp_path / "v.yaml"
+    path.write_text("data: [x, y]\nout: o\n")
+    assert cli.parse_config("vocab", ["--config", str(path), "--data", "z"]).data == ("z",)

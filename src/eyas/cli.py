@@ -65,6 +65,15 @@ def _load(command: str):
     return getattr(mod, fn), getattr(mod, cls)
 
 
+class _Repeated(argparse.Action):
+    """A list flag given more than once adds to its list (`--data a --data b` is `--data a,b`):
+    argparse's own store kept the last one alone, dropping the data before it unsaid."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
+
+
 def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> None:
     help_text = f.metadata.get("help", "")
     tp, _ = base_type(tp)
@@ -83,6 +92,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> Non
         kwargs["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(tp) is tuple:
         kwargs["metavar"] = "A,B,..."
+        kwargs["action"] = _Repeated
     if f.metadata.get("positional"):
         kwargs.pop("default")
         parser.add_argument(f.name, nargs="?", default=argparse.SUPPRESS,
