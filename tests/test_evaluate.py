@@ -1004,3 +1004,35 @@ def test_prompts_are_rendered_as_the_drafts_data_was_unless_told_otherwise(llama
     assert draft_chat(tmp_path / "old") == {
         "chat_template": str(template), "chat_template_hash": None,
         "chat_template_kwargs": ["flavour=mint"], "system_prompt": "Be brief."}
+
+
+def test_a_relative_chat_template_is_found_from_another_directory(llama_dir, chats, tmp_path,
+                                                                   monkeypatch):
+    """prepare --chat-template my.jinja (relative), then eval of that prepared folder or of a
+    draft made from it, run from another directory: "chat template file my.jinja does not
+    exist". prepare records where the file was (`chat_template_path`, not in its id)."""
+    from eyas.evaluate import load_prompts
+    from eyas.prepare import PrepareConfig, prepare
+    from eyas.store.manifest import read_manifest, write_manifest
+    from eyas.targets.models import load_tokenizer
+
+    tok = load_tokenizer(str(llama_dir))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "my.jinja").write_text("{% if flavour is defined %}[{{ flavour }}]"
+                                             "{% endif %}" + tok.chat_template)
+    monkeypatch.chdir(tmp_path / "a")
+    prepare(PrepareConfig(target=str(llama_dir), data=(str(chats),), out=str(tmp_path / "p"),
+                          eval_fraction=0.5, chat_template="my.jinja",
+                          chat_template_kwargs=("flavour=mint",)))
+    made = read_manifest(tmp_path / "p")
+    assert made["config"]["chat_template"] == "my.jinja"
+    assert made["chat_template_path"] == str(tmp_path / "a" / "my.jinja")
+    write_manifest(tmp_path / "draft", "export", {}, inputs=[made])
+    elsewhere = tmp_path / "b"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for data, draft in ((str(tmp_path / "p"), None), (str(chats), str(tmp_path / "draft"))):
+        cfg = EvalConfig(target=str(llama_dir), draft=draft, out=str(tmp_path / "e"), k=(2,),
+                         **{**SMALL, "num_prompts": 1, "data": data})
+        prompts, _ = load_prompts(cfg, load_tokenizer(str(llama_dir)))
+        assert tok.decode(prompts[0].ids).startswith("[mint]")

@@ -1785,3 +1785,21 @@ def test_a_resume_on_other_eval_samples_does_not_compare_the_best_with_them(run_
                                  **kw))
         assert summary["best"]["step"] == best
         assert ("was measured on other eval samples" in caplog.text) == (best == 6)
+
+
+def test_a_capture_of_a_relative_target_trains_from_another_directory(run_inputs, tmp_path,
+                                                                      monkeypatch):
+    """`capture --target demo/target` then `train` run from elsewhere loaded "demo/target"
+    from the hub ("cannot load the config of 'demo/target'"): the capture records the
+    absolute path beside the name, and train takes it where the name is no path from here."""
+    from eyas.capture import CaptureConfig, capture
+
+    target = Path(run_inputs["target"])
+    monkeypatch.chdir(target.parent)
+    capture(CaptureConfig(target=target.name, data=run_inputs["prepared"],
+                          out=str(tmp_path / "cap"), model_dtype="fp32", batch_tokens=2048))
+    monkeypatch.chdir(tmp_path)
+    result = train(_cfg(run_inputs, tmp_path / "run", data=str(tmp_path / "cap"), max_steps=1))
+    assert result["steps"] == 1
+    recorded = json.loads((tmp_path / "run" / "eyas.json").read_text())["target"]
+    assert recorded["name_or_path"] == str(target)

@@ -330,6 +330,10 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     stats = {k: v for k, v in asdict(summary).items() if k not in ("out", "max_length")}
     write_manifest(out, "prepare", cfg, target=target, inputs=regenerated,
                    stats=stats, chat_template_hash=chat_template_fingerprint(tok),
+                   # the file where it is, for a later step run from another directory (not
+                   # in the id: the same file named from elsewhere is the same preparation)
+                   chat_template_path=(str(Path(cfg.chat_template).resolve())
+                                       if cfg.chat_template else None),
                    max_length=max_length,
                    max_position_embeddings=getattr(text_config, "max_position_embeddings", None),
                    vocab_size=vocab_size, data_files=data_record)

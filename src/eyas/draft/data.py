@@ -21,7 +21,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.locks import main_process
-from eyas.store.manifest import check_same_target, peek_manifest, read_manifest, target_record
+from eyas.store.manifest import (check_same_target, peek_manifest, read_manifest,
+                                 recorded_target, target_record)
 from eyas.draft.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
 
     src = OfflineSource(cfg.data)
     man = src.manifest
-    name = cfg.target or (man.get("target") or {}).get("name_or_path")
+    name = cfg.target or recorded_target(man.get("target"))
     if not name:
         raise EyasError(f"the capture {cfg.data} does not name its target; pass --target")
     revision = cfg.revision or (man.get("target") or {}).get("revision")

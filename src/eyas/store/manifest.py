@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import platform
 import secrets
@@ -21,6 +22,8 @@ from typing import Any
 from eyas import __version__
 from eyas.config import to_dict
 from eyas.errors import EyasError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "eyas.json"
 # Written into every manifest that stores aux layer ids.
@@ -92,7 +95,8 @@ def manifest_id(body: dict[str, Any], neutral: frozenset | tuple = ()) -> str:
     options named in `neutral` (the step's RESULT_NEUTRAL: how it batched or wrote, not what it
     made) are left out, so a run repeated with only those changed keeps its id."""
     stable = _unstamped({k: v for k, v in body.items()
-                         if k not in ("id", "created", "versions", "stats", "chat")})
+                         if k not in ("id", "created", "versions", "stats", "chat",
+                                      "chat_template_path")})
     if neutral and isinstance(stable.get("config"), dict):
         stable["config"] = {k: v for k, v in stable["config"].items() if k not in neutral}
     if "inputs" in stable:  # an input's record holds its step's data_files too (_input)
@@ -329,6 +333,18 @@ WEIGHT_SAMPLE_BYTES = 1024
 # reads of weights_fingerprint in flight at once: many on a big host's NVMe; on 2 cores
 # more threads only contend for the GIL (benchmarks/weights_fingerprint.py)
 WEIGHT_READERS = min(32, 4 * (os.cpu_count() or 1))
+
+
+def recorded_target(record: dict | None) -> str | None:
+    """The target a step's record names, to load from here: its `name_or_path` as given, or,
+    where that was a path relative to another directory (it names nothing from here), the
+    absolute `path` recorded beside it."""
+    record = record if isinstance(record, dict) else {}
+    name, where = record.get("name_or_path"), record.get("path")
+    if name and where and not Path(str(name)).expanduser().exists() and Path(where).exists():
+        log.info("the recorded target %s is %s from here", name, where)
+        return str(where)
+    return name
 
 
 def target_record(name_or_path: str, revision: str | None = None, *, config=None,
@@ -600,6 +616,7 @@ _CHAT_DEPTH = 6
 def chat_record(manifest: dict[str, Any] | None, *, depth: int = 0) -> dict[str, Any] | None:
     """The chat rendering of the data behind `manifest` (a step's manifest, or an input's
     record of one): {chat_template (prepare's file as given, or None: the tokenizer's),
+    chat_template_path (that file made absolute, where prepare recorded it),
     chat_template_hash (None where unknown), chat_template_kwargs (KEY=VALUE list),
     system_prompt (prepare's, else regenerate's, or None)}; None where no step before it says
     (no prepare manifest reachable: a peer's draft, a hand-made folder). An input's folder is
@@ -616,10 +633,14 @@ def chat_record(manifest: dict[str, Any] | None, *, depth: int = 0) -> dict[str,
         own = manifest if "inputs" in manifest else _same_run(manifest, depth)
         regenerated = next((i.get("config") or {} for i in (own or {}).get("inputs") or []
                             if i.get("step") == "regenerate"), {})
-        return {"chat_template": config.get("chat_template"),
-                "chat_template_hash": (own or {}).get("chat_template_hash"),
-                "chat_template_kwargs": list(config.get("chat_template_kwargs") or ()),
-                "system_prompt": config.get("system_prompt") or regenerated.get("system_prompt")}
+        record = {"chat_template": config.get("chat_template"),
+                  "chat_template_hash": (own or {}).get("chat_template_hash"),
+                  "chat_template_kwargs": list(config.get("chat_template_kwargs") or ()),
+                  "system_prompt": (config.get("system_prompt")
+                                    or regenerated.get("system_prompt"))}
+        if (own or {}).get("chat_template_path"):  # the file the name resolved to then
+            record["chat_template_path"] = own["chat_template_path"]
+        return record
     if depth >= _CHAT_DEPTH:
         return None
     return _first_chat(manifest.get("inputs") or [], lambda item: chat_record(

@@ -48,6 +48,15 @@ class Prompt:
     follow_up: FollowUp | None = None
 
 
+def _lineage_file(lineage: dict) -> Path | None:
+    """The template file the draft's data was prepared with, as named then, else where it
+    resolved to then (a path relative to prepare's directory); None if neither is here."""
+    for name in (lineage.get("chat_template"), lineage.get("chat_template_path")):
+        if name and Path(name).is_file():
+            return Path(name)
+    return None
+
+
 def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = None
                   ) -> tuple[str | None, tuple[str, ...]]:
     """Set the chat template (and variables) the draft was trained with on the tokenizer:
@@ -62,6 +71,10 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
     template = cfg.chat_template or trained.get("chat_template")
     if template:
         path = Path(template)
+        if not cfg.chat_template and not path.exists():
+            # a path relative to where prepare ran: the file it resolved to then, if still there
+            where = (prepared or {}).get("chat_template_path")
+            path = Path(where) if where and Path(where).is_file() else path
         if not path.is_file():
             raise EyasError(f"chat template file {path} "
                             f"{'is a folder' if path.is_dir() else 'does not exist'}; pass "
@@ -70,14 +83,13 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
         tokenizer.chat_template = path.read_text()
         if not cfg.chat_template:  # a file the prepared folder names: it must be that one
             check_template_hash(tokenizer, prepared or {}, str(path))
-    elif not prepared and lineage.get("chat_template") and \
-            Path(lineage["chat_template"]).is_file():  # the draft data's file, where it is here
+    elif not prepared and (lineage_file := _lineage_file(lineage)):  # the draft data's, here
         own = tokenizer.chat_template
-        tokenizer.chat_template = Path(lineage["chat_template"]).read_text()
+        tokenizer.chat_template = lineage_file.read_text()
         if lineage.get("chat_template_hash") not in (None, chat_template_fingerprint(tokenizer)):
             tokenizer.chat_template = own  # a file of that name, edited or another since: not it
         else:
-            template = lineage["chat_template"]
+            template = str(lineage_file)
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
                         f"target is served with as --chat-template FILE.jinja")
