@@ -382,3 +382,12 @@ def test_a_list_flag_given_twice_adds_to_its_list(tmp_path):
     path = tmp_path / "v.yaml"
     path.write_text("data: [x, y]\nout: o\n")
     assert cli.parse_config("vocab", ["--config", str(path), "--data", "z"]).data == ("z",)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_number_option_refuses_nan_and_inf_before_any_work(value, capsys):
+    """`capture --file-mb inf` loaded the target, then ended in "OverflowError: cannot convert
+    float infinity to integer" (nan: ValueError), leaving a part file in --out."""
+    assert cli.main(["capture", "--target", "t", "--data", "d", "--out", "o",
+                     f"--file-mb={value}"]) == 2
+    assert f"config key 'file_mb': '{value}' is not a finite number" in capsys.readouterr().err

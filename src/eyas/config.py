@@ -8,6 +8,7 @@ all the CLI (`eyas STEP --help`), the YAML loader and the library API need.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -80,7 +81,11 @@ def coerce(name: str, tp, value):
                 raise ValueError(value)
             return int(value)
         if tp is float:
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # no option means anything by nan or inf
+                raise ConfigError(f"config key '{name}': {value!r} is not a finite number; "
+                                  f"give one, e.g. 1.5")
+            return number
         if tp is str:
             if isinstance(value, bool):  # str(False) is "False": a system prompt "True", say
                 raise ConfigError(f"config key '{name}': {value} is how YAML reads a bare "
