@@ -1036,3 +1036,19 @@ def test_a_relative_chat_template_is_found_from_another_directory(llama_dir, cha
                          **{**SMALL, "num_prompts": 1, "data": data})
         prompts, _ = load_prompts(cfg, load_tokenizer(str(llama_dir)))
         assert tok.decode(prompts[0].ids).startswith("[mint]")
+
+
+def test_answers_that_fill_the_context_are_refused_before_anything_is_read(llama_dir, chats,
+                                                                         tmp_path):
+    """--max-new-tokens at or over the context said "4 prompt(s) longer than -908 tokens
+    skipped", after reading every row, and left an unfinished eyas.json in --out."""
+    from eyas.evaluate import evaluate
+    from eyas.targets.models import load_config, text_config
+
+    positions = text_config(load_config(str(llama_dir))).max_position_embeddings
+    with pytest.raises(EyasError, match=rf"--max-new-tokens {positions} with k up to 2 leaves "
+                                        rf"no room for a prompt in the target's "
+                                        rf"{positions}-position context") as err:
+        evaluate(EvalConfig(target=str(llama_dir), out=str(tmp_path / "e"), k=(2,),
+                            data=str(chats), **{**SMALL, "max_new_tokens": positions}))
+    assert err.value.flag == "--max-new-tokens" and not (tmp_path / "e").exists()

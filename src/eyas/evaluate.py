@@ -168,6 +168,17 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
         raise EyasError(f"--device {cfg.device}: this machine has "
                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
                         f"CUDA GPU(s) torch can use; give --device cpu, or auto")
+    config = load_config(cfg.target, revision=cfg.revision,
+                         trust_remote_code=cfg.trust_remote_code)
+    # prompts too long for the context are skipped while reading, so the rows after them fill
+    # --num-prompts; none fits where the answers alone fill it
+    positions = int(text_config(config).max_position_embeddings)
+    room = prompt_room(positions, cfg)
+    if room < 1:
+        raise EyasError(f"--max-new-tokens {cfg.max_new_tokens} with k up to {max(cfg.k)} "
+                        f"leaves no room for a prompt in the target's {positions}-position "
+                        f"context; give --max-new-tokens {max(positions // 2, 1)} or less",
+                        flag="--max-new-tokens")
     out = _claim_out(Path(cfg.out), cfg)
     # the checkpoint load_draft picks, read now, not after measuring: a run still training
     # may have moved its best on by then
@@ -175,12 +186,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
-    config = load_config(cfg.target, revision=cfg.revision,
-                         trust_remote_code=cfg.trust_remote_code)
     skipped: Counter = Counter()  # rows left out, by reason: in the report
-    # prompts too long for the context are skipped while reading, so the rows after them fill
-    # --num-prompts
-    room = prompt_room(int(text_config(config).max_position_embeddings), cfg)
     rendered: dict = {}  # how the prompts were rendered: in the manifest, as `chat`
     prompts, prepared = load_prompts(cfg, tokenizer, skipped, room, rendered)
     if not prompts:  # only --bench sets get here: an empty --data is refused as it is read
