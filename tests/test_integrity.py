@@ -220,3 +220,33 @@ def test_a_part_cut_short_or_replaced_is_named_and_redone_by_capture(llama_dir, 
         capture(_cfg(llama_dir, prepared, captured))
     assert f"{victim.name}: it has 1000 bytes" in caplog.text and "captured again" in caplog.text
     assert shards.verify(captured)["num_samples"] == 14
+
+
+def test_a_damaged_capture_index_or_manifest_is_refused_by_name(captured, tmp_path):
+    """An edited or cut index.json, or a capture manifest missing what reading needs, ended
+    train in a JSONDecodeError or KeyError traceback ('complete', 'files', 'sha256',
+    'aux_layer_ids', 'split_rows', ...)."""
+    import shutil
+
+    from eyas.store.manifest import MANIFEST
+    from eyas.store.shards import INDEX, open_capture
+
+    good = Path(captured)
+    edits = {INDEX: [lambda i: '{"format":', lambda i: "{}", lambda i: json.dumps(
+                 {k: v for k, v in i.items() if k != "files"}),
+                     lambda i: json.dumps({**i, "files": [{k: v for k, v in e.items()
+                                                           if k != "sha256"}
+                                                          for e in i["files"]]})],
+             MANIFEST: [lambda m: json.dumps({k: v for k, v in m.items()
+                                              if k != "aux_layer_ids"}),
+                        lambda m: json.dumps({**m, "hidden_size": "64"}),
+                        lambda m: json.dumps({**m, "split": "all", "split_rows": "x"}),
+                        lambda m: json.dumps({**m, "target": "x"})]}
+    for name, changes in edits.items():
+        for j, change in enumerate(changes):
+            folder = tmp_path / f"{name}-{j}"
+            shutil.copytree(good, folder)
+            body = json.loads((folder / name).read_text())
+            (folder / name).write_text(change(body))
+            with pytest.raises(EyasError, match=rf"{folder / name} is damaged \("):
+                open_capture(folder)

@@ -80,7 +80,7 @@ def peek_manifest(folder: str | Path) -> dict[str, Any] | None:
         body = json.loads((Path(folder) / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    return body if isinstance(body, dict) else None
+    return body if isinstance(body, dict) and not _misshapen(body) else None
 
 
 def recorded_data(folder: str | Path, step: str) -> list[dict]:
@@ -220,12 +220,28 @@ def read_manifest(folder: str | Path, step: str | tuple[str, ...] | None = None)
     return body
 
 
+# The shape of the manifest fields that steps read: an edit that breaks one is a damaged
+# manifest, refused by name, not an AttributeError wherever it is first read.
+MANIFEST_SHAPE = (("step", str), ("config", dict), ("target", dict), ("inputs", list),
+                  ("chat", dict), ("data_files", list), ("aux_layer_ids", list),
+                  ("stats", dict))
+
+
+def _misshapen(body: dict) -> str:
+    """What in a manifest's body is not of MANIFEST_SHAPE ("" if nothing)."""
+    return "; ".join(f"its {key} is a JSON {type(body[key]).__name__}"
+                     for key, kind in MANIFEST_SHAPE
+                     if body.get(key) is not None and not isinstance(body[key], kind))
+
+
 def _load(path: Path) -> dict[str, Any]:
     """A manifest's body, or an EyasError that names the damaged file and the fix."""
     try:
         body = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         body = err
+    if isinstance(body, dict) and (wrong := _misshapen(body)):
+        body = ValueError(wrong)
     if not isinstance(body, dict):
         why = body if isinstance(body, Exception) else f"a JSON {type(body).__name__}"
         raise EyasError(f"{path} is damaged ({why}, not an eyas manifest); eyas writes it "

@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from eyas.errors import EyasError
 from eyas.store.integrity import check_parts, refuse_damaged
-from eyas.store.manifest import file_sha256, inside, read_manifest
+from eyas.store.manifest import MANIFEST, file_sha256, inside, read_manifest
 
 FORMAT = "eyas-capture-v1"
 INDEX = "index.json"
@@ -186,11 +186,11 @@ def verify(folder: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     (or set aside in a non-finite report). Returns the index; raises EyasError listing problems."""
     folder = Path(folder)
     manifest = read_manifest(folder, step="capture")
-    index_path = folder / INDEX
-    if not index_path.is_file():
+    _check_capture_manifest(folder, manifest)
+    if not (folder / INDEX).is_file():
         raise EyasError(f"{folder} has no {INDEX}; finish the capture (re-run `eyas capture` with "
                         f"the same flags; it resumes).")
-    index = json.loads(index_path.read_text())
+    index = read_index(folder)
     problems: list[str] = []
     missing = [i for i, c in index["shards"].items() if not c]
     if missing:
@@ -264,16 +264,65 @@ def _check_rows(rows: torch.Tensor, expected: int | None) -> list[str]:
 # reading for training
 
 
+def read_index(folder: Path) -> dict[str, Any]:
+    """The capture's index.json, checked for the fields readers use: a damaged or edited one
+    is an EyasError naming it, not a KeyError wherever a field is first read."""
+    path = folder / INDEX
+    try:
+        index = json.loads(path.read_text())
+        wrong = [] if isinstance(index, dict) else [f"a JSON {type(index).__name__}"]
+        if not wrong:
+            wrong = [f"{key} missing or not a JSON {kind.__name__}"
+                     for key, kind in (("complete", bool), ("shards", dict), ("num_shards", int),
+                                       ("files", list))
+                     if not isinstance(index.get(key), kind)]
+        if not wrong:
+            wrong = [f"files[{j}] lacks {key}" for j, e in enumerate(index["files"])
+                     for key in ("file", "bytes", "sha256", "samples", "tokens")
+                     if not isinstance(e, dict) or key not in e][:3]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        wrong = [str(err)]
+    if wrong:
+        raise EyasError(f"{path} is damaged ({'; '.join(wrong)}); eyas writes it whole, so "
+                        f"something else changed or cut it. Restore it, or capture again into "
+                        f"a new --out")
+    return index
+
+
+def _check_capture_manifest(folder: Path, manifest: dict) -> None:
+    """The capture manifest's fields that reading the parts needs, refused by name where an
+    edit broke them."""
+    ids = manifest.get("aux_layer_ids")
+    wrong = [] if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids) else \
+        ["aux_layer_ids is not a list of layer ids"]
+    if not isinstance(manifest.get("hidden_size"), int) or manifest["hidden_size"] <= 0:
+        wrong.append("hidden_size is not a positive integer")
+    if manifest.get("dtype") not in ("bf16", "fp8"):
+        wrong.append(f"dtype {manifest.get('dtype')!r} is neither bf16 nor fp8")
+    if manifest.get("split") not in ("train", "eval", "all"):
+        wrong.append(f"split {manifest.get('split')!r} is not train, eval or all")
+    elif manifest["split"] == "all" and not (
+            isinstance(manifest.get("split_rows"), dict) and manifest["split_rows"]
+            and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)
+                    for r in manifest["split_rows"].values())):
+        wrong.append("split_rows is not each split's [start, end) row range")
+    if wrong:
+        raise EyasError(f"{folder / MANIFEST} is damaged ({'; '.join(wrong)}); eyas writes it "
+                        f"whole, so something else changed it. Restore it, or capture again "
+                        f"into a new --out")
+
+
 def open_capture(folder: str | Path, *, checksums: bool = True) -> CaptureSet:
     """Open a finished capture folder for reading, refusing damaged parts (`check_parts`:
     size, header and shapes always; sha256 once per file version if `checksums`; under
     torch.distributed each rank hashes its share). `.verify()` also checks every row."""
     folder = Path(folder)
     manifest = read_manifest(folder, step="capture")
+    _check_capture_manifest(folder, manifest)
     if not (folder / INDEX).is_file():
         raise EyasError(f"{folder} has no {INDEX}; the capture did not finish. Re-run "
                         f"`eyas capture` with the same flags to resume it.")
-    index = json.loads((folder / INDEX).read_text())
+    index = read_index(folder)
     if not index["complete"]:
         missing = [i for i, c in index["shards"].items() if not c]
         raise EyasError(f"capture {folder} is incomplete: shards {missing} of "
