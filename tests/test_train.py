@@ -1803,3 +1803,18 @@ def test_a_capture_of_a_relative_target_trains_from_another_directory(run_inputs
     assert result["steps"] == 1
     recorded = json.loads((tmp_path / "run" / "eyas.json").read_text())["target"]
     assert recorded["name_or_path"] == str(target)
+
+
+def test_a_capture_recording_layers_its_target_lacks_is_refused(run_inputs, tmp_path):
+    """aux_layer_ids [2, 4, 50] edited into a capture of an 8-layer target: train ran and
+    export wrote eagle_aux_hidden_state_layer_ids [2, 4, 50]; only eval caught it."""
+    import shutil
+
+    cap = tmp_path / "cap"
+    shutil.copytree(run_inputs["captured"], cap)
+    body = json.loads((cap / "eyas.json").read_text())
+    body["aux_layer_ids"] = [*body["aux_layer_ids"][:2], 50]
+    (cap / "eyas.json").write_text(json.dumps(body))
+    with pytest.raises(EyasError, match=rf"the capture {cap} records aux_layer_ids .* out of "
+                                        rf"range.*its eyas.json was edited"):
+        train(_cfg(run_inputs, tmp_path / "run", data=str(cap)))

@@ -219,7 +219,14 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
     weights = not cfg.accept_other_weights
     check_capture(man, target=target, aux_layer_ids=None, what=f"the capture {cfg.data}",
                   weights=weights)
-    aux = tuple(man["aux_layer_ids"])
+    from eyas.config import ConfigError
+    from eyas.targets.taps import validate_aux_layer_ids
+
+    try:  # an edited manifest: ids this target does not have would go into the export
+        aux = validate_aux_layer_ids(man["aux_layer_ids"], info.num_layers, count=None)
+    except ConfigError as err:
+        raise EyasError(f"the capture {cfg.data} records {err}; its eyas.json was edited since "
+                        f"the capture wrote it: restore it, or capture again") from None
     train_ids = split_ids(src, "train")
     manifests, ev, eval_ids = [man], None, np.zeros(0, dtype=np.int64)
     if cfg.eval_data:
