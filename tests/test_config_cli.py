@@ -391,3 +391,15 @@ def test_a_number_option_refuses_nan_and_inf_before_any_work(value, capsys):
     assert cli.main(["capture", "--target", "t", "--data", "d", "--out", "o",
                      f"--file-mb={value}"]) == 2
     assert f"config key 'file_mb': '{value}' is not a finite number" in capsys.readouterr().err
+
+
+def test_one_data_path_with_a_space_is_one_path(tmp_path):
+    """`--data 'my dir/x.jsonl'` was split on the space into two paths, neither there."""
+    (tmp_path / "my dir").mkdir()
+    (tmp_path / "my dir" / "x.jsonl").write_text("")
+    path = str(tmp_path / "my dir" / "x.jsonl")
+    assert cli.parse_config("vocab", ["--data", path, "--out", "o"]).data == (path,)
+    # words that name no file are still a list: `--chat-template-kwargs 'a=1 b=2'`
+    cfg = cli.parse_config("prepare", ["--target", "t", "--data", path, "--out", "o",
+                                       "--chat-template-kwargs", "a=1 b=2"])
+    assert cfg.chat_template_kwargs == ("a=1", "b=2")

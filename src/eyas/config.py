@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -59,6 +60,8 @@ def coerce(name: str, tp, value):
     try:
         if origin is tuple:
             (item,) = typing.get_args(tp)[:1]
+            if isinstance(value, str) and item is str and os.path.exists(value):
+                value = [value]  # one path with a space in it, not two words
             if isinstance(value, str):
                 parts = [v.strip() for v in value.split(",")] if "," in value else value.split()
                 if "" in parts:  # "1,,3" is a typo for some list, not for 1,3
