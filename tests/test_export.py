@@ -1167,8 +1167,7 @@ def test_readme_serves_the_draft_sampling_its_report_measured(tmp_path, way):
     # a speculators folder: `vllm serve FOLDER` alone serves vLLM's default greedy drafts, so
     # it is offered only where the report measured those (it came first whatever it measured)
     out = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "s"),
-                              format="speculators", target="org/target-model",
-                              acceptance_report=str(tmp_path / "report")))
+                              format="speculators", acceptance_report=str(tmp_path / "report")))
     text = (out / "README.md").read_text()
     short = f"vllm serve {out.resolve()}\n"
     assert (short in text) == (way == "greedy"), text
