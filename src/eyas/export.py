@@ -51,7 +51,7 @@ from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sh
                                  peek_manifest, read_manifest, target_record, write_manifest)
 from eyas.store.permissions import as_umask
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, find_checkpoint, load_checkpoint,
-                                pruned, read_json, read_weights)
+                                read_json, read_weights, reading_step)
 from eyas.dflash.formats import dflash_checkpoint_config
 from eyas.serve.dflash_export import dflash_config_json, dflash_readme, dflash_tensors
 
@@ -286,13 +286,9 @@ def export(cfg: ExportConfig) -> Path:
         log.warning("the run in %s is unfinished (killed, or still training): exporting its "
                     "%s, %s; the same `eyas train` command resumes the run to its end (the "
                     "README says the draft is unfinished)", run, cfg.which, step.name)
-    try:
+    with reading_step(step):
         dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER)) \
             if (step / "draft_config.json").is_file() else None
-    except EyasError:
-        if not step.is_dir():
-            raise pruned(step) from None
-        raise
     if dflash is not None:
         return _export_dflash(cfg, dflash, step, run or step, train)
     asked, cfg = cfg, replace(cfg, num_speculative_tokens=cfg.num_speculative_tokens or 3)

@@ -11,6 +11,7 @@ round-trip every format. Reference §5, docs/export.md.
 """
 
 from __future__ import annotations
+import contextlib
 from pathlib import Path
 import re
 import json
@@ -339,21 +340,24 @@ def _made_by(folder: Path) -> tuple[str, str] | None:
 
 
 def load_checkpoint(step: Path) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
-    try:
+    with reading_step(step):
         if not (step / "draft_config.json").is_file():
             raise EyasError(f"{step} has no draft_config.json; it was not written by "
                             f"`eyas train`")
         cfg = DraftConfig.from_dict(read_json(step / "draft_config.json", PICK_ANOTHER))
         return cfg, read_weights(step / "draft.safetensors", PICK_ANOTHER)
+
+
+@contextlib.contextmanager
+def reading_step(step: Path):
+    """Reading checkpoint `step`: a failure because the step folder is gone (a run still
+    training removed it between finding it and reading it) says so, not what file failed."""
+    try:
+        yield
     except EyasError:
-        if not step.is_dir():
-            raise pruned(step) from None
-        raise
-
-
-def pruned(step: Path) -> EyasError:
-    """A step folder gone between finding it and reading it: a run still training removed it."""
-    return EyasError(f"checkpoint {step} was removed while it was being read: the run is still "
-                     f"training and keeps only its newest checkpoints (--keep-last). Export "
-                     f"again (`last` and `best` then name the checkpoints kept now), or once "
-                     f"the run has ended")
+        if step.is_dir():
+            raise
+        raise EyasError(f"checkpoint {step} was removed while it was being read: the run is "
+                        f"still training and keeps only its newest checkpoints (--keep-last). "
+                        f"Export again (`last` and `best` then name the checkpoints kept now), "
+                        f"or once the run has ended") from None

@@ -351,16 +351,24 @@ WEIGHT_SAMPLE_BYTES = 1024
 WEIGHT_READERS = min(32, 4 * (os.cpu_count() or 1))
 
 
+def found_here(name: str | None, where: str | None, there=os.path.exists) -> str | None:
+    """A path a step recorded as given (`name`), to use from here: `name` where it names
+    something from here (`there`), else the absolute path recorded beside it (`where`: `name`
+    was relative to another directory) where that does, else `name` as it is."""
+    if name and there(os.path.expanduser(str(name))):
+        return name
+    return str(where) if name and where and there(where) else name
+
+
 def recorded_target(record: dict | None) -> str | None:
-    """The target a step's record names, to load from here: its `name_or_path` as given, or,
-    where that was a path relative to another directory (it names nothing from here), the
-    absolute `path` recorded beside it."""
+    """The target a step's record names, to load from here (`found_here` of its
+    `name_or_path` and the absolute `path` recorded beside it)."""
     record = record if isinstance(record, dict) else {}
-    name, where = record.get("name_or_path"), record.get("path")
-    if name and where and not Path(str(name)).expanduser().exists() and Path(where).exists():
-        log.info("the recorded target %s is %s from here", name, where)
-        return str(where)
-    return name
+    name = record.get("name_or_path")
+    here = found_here(name, record.get("path"))
+    if here != name:
+        log.info("the recorded target %s is %s from here", name, here)
+    return here
 
 
 def target_record(name_or_path: str, revision: str | None = None, *, config=None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
-from eyas.store.manifest import (chat_template_fingerprint, draft_chat, peek_manifest,
-                                 read_manifest)
+from eyas.store.manifest import (chat_template_fingerprint, draft_chat, found_here,
+                                 peek_manifest, read_manifest)
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError, read_rows
 from eyas.targets.chat_sources import dict_splits, is_datasets_folder
@@ -48,15 +49,6 @@ class Prompt:
     follow_up: FollowUp | None = None
 
 
-def _lineage_file(lineage: dict) -> Path | None:
-    """The template file the draft's data was prepared with, as named then, else where it
-    resolved to then (a path relative to prepare's directory); None if neither is here."""
-    for name in (lineage.get("chat_template"), lineage.get("chat_template_path")):
-        if name and Path(name).is_file():
-            return Path(name)
-    return None
-
-
 def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = None
                   ) -> tuple[str | None, tuple[str, ...]]:
     """Set the chat template (and variables) the draft was trained with on the tokenizer:
@@ -70,11 +62,9 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
     lineage = lineage or {}
     template = cfg.chat_template or trained.get("chat_template")
     if template:
-        path = Path(template)
-        if not cfg.chat_template and not path.exists():
-            # a path relative to where prepare ran: the file it resolved to then, if still there
-            where = (prepared or {}).get("chat_template_path")
-            path = Path(where) if where and Path(where).is_file() else path
+        # a file the prepared folder names relative to where prepare ran: where it was then
+        path = Path(template if cfg.chat_template else found_here(
+            template, (prepared or {}).get("chat_template_path")))
         if not path.is_file():
             raise EyasError(f"chat template file {path} "
                             f"{'is a folder' if path.is_dir() else 'does not exist'}; pass "
@@ -83,13 +73,15 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
         tokenizer.chat_template = path.read_text()
         if not cfg.chat_template:  # a file the prepared folder names: it must be that one
             check_template_hash(tokenizer, prepared or {}, str(path))
-    elif not prepared and (lineage_file := _lineage_file(lineage)):  # the draft data's, here
+    elif not prepared and (lineage_file := found_here(
+            lineage.get("chat_template"), lineage.get("chat_template_path"), os.path.isfile)) \
+            and os.path.isfile(lineage_file):  # the draft data's file, where it is here
         own = tokenizer.chat_template
-        tokenizer.chat_template = lineage_file.read_text()
+        tokenizer.chat_template = Path(lineage_file).read_text()
         if lineage.get("chat_template_hash") not in (None, chat_template_fingerprint(tokenizer)):
             tokenizer.chat_template = own  # a file of that name, edited or another since: not it
         else:
-            template = str(lineage_file)
+            template = lineage_file
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
                         f"target is served with as --chat-template FILE.jinja")
