@@ -19,8 +19,11 @@ install: $(BIN)/eyas
 demo: $(BIN)/eyas
 	$(BIN)/eyas demo --out demo-out
 
+# two pytest-xdist workers, a test file each at a time (its module fixtures stay in one worker),
+# one CPU thread each (tests/conftest.py): 8.4 min on 2 cores against 17 in one process
+TEST_JOBS ?= 2
 test: $(BIN)/eyas
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-all: $(BIN)/eyas
 	$(BIN)/python -m pytest -q -m "slow or not slow"

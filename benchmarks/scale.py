@@ -84,6 +84,7 @@ import contextlib
 import gzip
 import hashlib
 import json
+import math
 import os
 import random
 import shlex
@@ -101,6 +102,7 @@ from scale_corpus import (available, curve_order, next_prompts, read_corpus,  # 
 from scale_report import markdown, plot  # noqa: E402
 
 POLL_S = 30.0  # --wait: seconds between reads of the corpus
+PLOT_EVERY_S = 60.0  # the plot is redrawn at most this often while sizes run
 
 def mix(a) -> list[str]:
     """--sources-first's sources, sorted (their order in the list changes nothing)."""
@@ -1015,12 +1017,18 @@ def main(argv=None) -> dict:
                   "date": time.strftime("%Y-%m-%d"), "device": _device()})
     have = state["curve_prefix_available"]
 
+    plotted = {"at": -math.inf, "final": False}
+
     def write() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2) + "\n")
         tmp.replace(out)  # a lease taken back mid-write leaves the previous JSON
         out.with_suffix(".md").write_text(markdown(state, out.parent) + "\n")
+        # the plot (about a second per k) at most once a minute while sizes run, and at the end
+        if not plotted["final"] and time.monotonic() - plotted["at"] < PLOT_EVERY_S:
+            return
+        plotted["at"] = time.monotonic()
         curve = state["sizes"] or not state.get("levers")  # levers alone: no curve to draw
         for k in a.k.split(",") if curve else ():
             plot(state, out.with_name(f"{out.stem}-k{k}.png"), k)
@@ -1068,6 +1076,7 @@ def main(argv=None) -> dict:
             done.result()
         except (Exception, SystemExit) as e:  # run() ends a failed step with SystemExit
             failed[n] = e
+    plotted["final"] = True
     book.save()
     print(markdown(state))
     if failed:

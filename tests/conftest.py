@@ -24,6 +24,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Under pytest-xdist (`make test` runs two workers): one CPU thread per worker, and for the
+# processes its tests start, so that two workers on two cores do not each spin two threads.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests skip (rather than fail) where there is no CUDA GPU, e.g. `make test-all` on
     a CPU machine."""
