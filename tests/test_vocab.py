@@ -91,6 +91,9 @@ def test_default_size_on_small_vocab_is_whole_vocab(tmp_path, caplog):
     assert "whole target vocabulary" in caplog.text
     with pytest.raises(EyasError, match="exceeds the target vocab"):
         vocab(VocabConfig(data=(str(a),), out=str(tmp_path / "w"), draft_vocab_size=101))
+    # a size given is the user's, even the default's number: refused like any other over 100
+    with pytest.raises(EyasError, match="exceeds the target vocab"):
+        vocab(VocabConfig(data=(str(a),), out=str(tmp_path / "w"), draft_vocab_size=32000))
 
 
 def test_refuses_other_target_missing_counts_and_no_assistant_tokens(tmp_path):
@@ -112,7 +115,7 @@ def test_config_from_flags_and_validation():
     # the CLI hands flag strings to from_dict: "--data p1,p2 --draft-vocab-size 64"
     cfg = from_dict(VocabConfig, {"data": "p1,p2", "out": "o", "draft_vocab_size": "64"})
     assert cfg == VocabConfig(data=("p1", "p2"), out="o", draft_vocab_size=64)
-    assert from_dict(VocabConfig, {"data": "p", "out": "o"}).draft_vocab_size == 32000
+    assert from_dict(VocabConfig, {"data": "p", "out": "o"}).draft_vocab_size is None
     with pytest.raises(ConfigError):
         VocabConfig(data=(), out="o")
     with pytest.raises(ConfigError):

@@ -36,14 +36,14 @@ class VocabConfig:
 
     data: tuple[str, ...] = required("prepared folder(s) written by `eyas prepare` (same target)")
     out: str = out_option("output folder (vocab/)")
-    draft_vocab_size: int = option(
-        DEFAULT_DRAFT_VOCAB, "draft vocabulary size Vd; the default becomes the whole target "
-                             "vocab when that is smaller")
+    draft_vocab_size: int | None = option(
+        None, f"draft vocabulary size Vd (default {DEFAULT_DRAFT_VOCAB}, or the whole target vocab "
+              f"when that is smaller; a size given is kept, or refused when over the target's)")
 
     def __post_init__(self):
         if not self.data:
             raise ConfigError("vocab needs --data: one or more folders written by `eyas prepare`")
-        if self.draft_vocab_size <= 0:
+        if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
             raise ConfigError(f"--draft-vocab-size must be > 0, got {self.draft_vocab_size}")
         resolved = [Path(f).resolve() for f in self.data]
         twice = [f for f, r in zip(self.data, resolved) if resolved.count(r) > 1]
@@ -125,10 +125,11 @@ def vocab(cfg: VocabConfig) -> dict:
         raise EyasError(f"no assistant (loss-masked) tokens in {list(cfg.data)}; check that "
                         f"prepare found assistant turns (see its rejects.jsonl and stats)")
     size = cfg.draft_vocab_size
-    if size > counts.numel() and size == DEFAULT_DRAFT_VOCAB:
-        log.info("target vocab has only %d ids (< default draft vocab %d): the draft uses the "
-                 "whole target vocabulary", counts.numel(), size)
-        size = counts.numel()
+    if size is None:
+        size = min(DEFAULT_DRAFT_VOCAB, counts.numel())
+        if size < DEFAULT_DRAFT_VOCAB:
+            log.info("target vocab has only %d ids (< default draft vocab %d): the draft uses "
+                     "the whole target vocabulary", size, DEFAULT_DRAFT_VOCAB)
     d2t, t2d, coverage = build_vocab(counts, size)
     _warn_replacing(out, t2d)
     out.mkdir(parents=True, exist_ok=True)
