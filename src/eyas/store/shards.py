@@ -185,17 +185,10 @@ def verify(folder: str | Path, *, checksums: bool = True) -> dict[str, Any]:
     sha256 (if `checksums`), shapes and dtypes, and every prepared row captured exactly once
     (or set aside in a non-finite report). Returns the index; raises EyasError listing problems."""
     folder = Path(folder)
-    manifest = read_manifest(folder, step="capture")
-    _check_capture_manifest(folder, manifest)
-    if not (folder / INDEX).is_file():
-        raise EyasError(f"{folder} has no {INDEX}; finish the capture (re-run `eyas capture` with "
-                        f"the same flags; it resumes).")
-    index = read_index(folder)
+    manifest, index = _read_capture(folder)
     problems: list[str] = []
-    missing = [i for i, c in index["shards"].items() if not c]
-    if missing:
-        problems.append(f"shards {missing} of {index['num_shards']} are not finished: run "
-                        f"`eyas capture ... --shard I/{index['num_shards']}` for each (it resumes)")
+    if any(not c for c in index["shards"].values()):
+        problems.append(_unfinished(index))
     hidden, num_aux = manifest["hidden_size"], len(manifest["aux_layer_ids"])
     seen: list[torch.Tensor] = []
     for e in index["files"]:
@@ -289,6 +282,24 @@ def read_index(folder: Path) -> dict[str, Any]:
     return index
 
 
+def _read_capture(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A capture folder's manifest and index, each checked; one wording for `open_capture`
+    and `verify`."""
+    manifest = read_manifest(folder, step="capture")
+    _check_capture_manifest(folder, manifest)
+    if not (folder / INDEX).is_file():
+        raise EyasError(f"{folder} has no {INDEX}; the capture did not finish. Re-run "
+                        f"`eyas capture` with the same flags to resume it.")
+    return manifest, read_index(folder)
+
+
+def _unfinished(index: dict[str, Any]) -> str:
+    missing = [i for i, c in index["shards"].items() if not c]
+    n = index["num_shards"]
+    return (f"shards {missing} of {n} are not finished; run `eyas capture ... --shard I/{n}` "
+            f"for each (it resumes where it stopped)")
+
+
 def _check_capture_manifest(folder: Path, manifest: dict) -> None:
     """The capture manifest's fields that reading the parts needs, refused by name where an
     edit broke them."""
@@ -317,17 +328,9 @@ def open_capture(folder: str | Path, *, checksums: bool = True) -> CaptureSet:
     size, header and shapes always; sha256 once per file version if `checksums`; under
     torch.distributed each rank hashes its share). `.verify()` also checks every row."""
     folder = Path(folder)
-    manifest = read_manifest(folder, step="capture")
-    _check_capture_manifest(folder, manifest)
-    if not (folder / INDEX).is_file():
-        raise EyasError(f"{folder} has no {INDEX}; the capture did not finish. Re-run "
-                        f"`eyas capture` with the same flags to resume it.")
-    index = read_index(folder)
+    manifest, index = _read_capture(folder)
     if not index["complete"]:
-        missing = [i for i, c in index["shards"].items() if not c]
-        raise EyasError(f"capture {folder} is incomplete: shards {missing} of "
-                        f"{index['num_shards']} are not finished; run `eyas capture ... --shard "
-                        f"I/{index['num_shards']}` for each (it resumes where it stopped).")
+        raise EyasError(f"capture {folder} is incomplete: {_unfinished(index)}")
     dist = torch.distributed
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and \
         dist.is_initialized() else (0, 1)
