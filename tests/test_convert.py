@@ -117,13 +117,20 @@ def test_a_scaled_rope_gets_transformers_4s_rope_scaling(tmp_path):
             "original_max_position_embeddings": 32768}
     per_type = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
-    for params in (yarn, per_type):
+    mrope = {"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}
+    plain = {"rope_type": "default", "rope_theta": 1e5}
+    for params in (yarn, per_type, mrope, plain):
         (tmp_path / "config.json").write_text(json.dumps({"rope_parameters": params}))
         with_legacy_rope(tmp_path / "config.json")
         written = json.loads((tmp_path / "config.json").read_text())
         if params is yarn:
             assert written["rope_theta"] == 1e6 and written["rope_scaling"] == {
                 "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+        elif params is mrope:  # transformers 4 reads the sections from rope_scaling only
+            assert written["rope_scaling"] == {"rope_type": "default",
+                                               "mrope_section": [16, 24, 24]}
+        elif params is plain:
+            assert written["rope_theta"] == 1e5 and "rope_scaling" not in written
         else:  # no single base: left as transformers 5 wrote it
             assert written == {"rope_parameters": per_type}
     from transformers import Qwen2Config

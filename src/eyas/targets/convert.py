@@ -95,7 +95,8 @@ def with_legacy_rope(config_json: Path) -> None:
     RoPE) beside the `rope_parameters` that transformers 5 writes alone. A reader on
     transformers 4 (an older vLLM or SGLang serving the folder) ignores `rope_parameters` and
     would run RoPE at its default base, 10,000: SmolLM2's is 100,000, Qwen2.5's 1,000,000.
-    transformers 5 reads both and keeps `rope_parameters`. Per-layer-type parameters (no
+    transformers 5 reads both and keeps `rope_parameters`. M-RoPE's `mrope_section` goes into
+    `rope_scaling` too. Per-layer-type parameters (no
     single `rope_theta`) have no transformers 4 form and are left as they are."""
     body = json.loads(config_json.read_text())
     params = body.get("rope_parameters")
@@ -103,7 +104,9 @@ def with_legacy_rope(config_json: Path) -> None:
         return
     body.setdefault("rope_theta", params["rope_theta"])
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling.get("rope_type", "default") != "default":
+    # a scaled RoPE, or a plain one with more to say (M-RoPE's `mrope_section`, which a
+    # transformers 4 reader finds only in `rope_scaling`)
+    if scaling.get("rope_type", "default") != "default" or set(scaling) - {"rope_type"}:
         body.setdefault("rope_scaling", scaling)
     tmp = config_json.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
