@@ -881,9 +881,23 @@ def test_a_broken_chat_template_is_named_not_the_data(llama_dir, chats, tmp_path
     warning per row and then "no usable prompt ...; check --data"."""
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m.content }")
-    with pytest.raises(EyasError, match=r"bad.jinja\) is not valid Jinja: .* at its line 1"):
+    with pytest.raises(EyasError, match=r"bad.jinja is not valid Jinja: .* \(line 1\)"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "a"),
                             chat_template=str(bad), **SMALL))
+    # from an audit: `{% generation %}` tags (transformers' extension, which prepare accepts)
+    # were "not valid Jinja" to eval
+    from eyas.targets.tiny import LLAMA3_TEMPLATE
+    tagged = LLAMA3_TEMPLATE.replace(
+        "{{ message['content'] | trim }}<|eot_id|>",
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim }}"
+        "<|eot_id|>{% endgeneration %}{% else %}{{ message['content'] | trim }}<|eot_id|>"
+        "{% endif %}")
+    assert tagged != LLAMA3_TEMPLATE
+    good = tmp_path / "tagged.jinja"
+    good.write_text(tagged)
+    report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "t"),
+                                 chat_template=str(good), **SMALL))
+    assert report.num_prompts > 0
     bad.write_text("{{ raise_exception('no system role') }}")
     with pytest.raises(EyasError, match="the chat template failed on every row"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "b"),

@@ -32,7 +32,8 @@ from eyas.store.permissions import as_umask
 from eyas.targets.chat_files import FORMATS
 from eyas.targets.chat_sources import check_out_outside, regenerate_outputs, source_fingerprints
 # documented as eyas.prepare.tokenize_conversation and eyas.prepare.render_prompt
-from eyas.targets.masking import render_prompt, tokenize_conversation  # noqa: F401
+from eyas.targets.masking import (check_template_compiles, render_prompt,  # noqa: F401
+                                  tokenize_conversation)
 from eyas.targets.tokenized_rows import tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -134,27 +135,8 @@ def load_tokenizer(cfg: PrepareConfig):
     if not tok.chat_template:
         raise EyasError(f"the tokenizer of {name} has no chat template; give the one the "
                         f"target is served with: --chat-template FILE.jinja")
-    _check_template_compiles(tok.chat_template, cfg.chat_template or f"the tokenizer of {name}")
+    check_template_compiles(tok.chat_template, cfg.chat_template or f"the tokenizer of {name}")
     return tok
-
-
-def _check_template_compiles(template, source: str) -> None:
-    """A chat template that Jinja cannot parse fails once, here, naming the line: it used to
-    reject every row with the same error and then end in "no usable conversations". Compiled
-    as transformers compiles it (its extensions, `{% generation %}` included)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # another transformers: every row's render still says why
-        return
-    import jinja2
-
-    for text in (template.values() if isinstance(template, dict) else [template]):
-        try:
-            _compile_jinja_template(text)
-        except jinja2.TemplateSyntaxError as err:
-            raise EyasError(f"the chat template of {source} is not valid Jinja: {err.message} "
-                            f"(line {err.lineno}); fix it, or give the template the target is "
-                            f"served with as --chat-template FILE.jinja") from err
 
 
 def _target_config(cfg: PrepareConfig):

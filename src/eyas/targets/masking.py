@@ -22,11 +22,32 @@ import re
 
 import numpy as np
 
+from eyas.errors import EyasError
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError
 
 EMPTY_THINK = re.compile(re.escape(chat.THINK_OPEN) + r"\s*" + re.escape(chat.THINK_CLOSE)
                          + r"\s*")
+
+
+def check_template_compiles(template, source: str) -> None:
+    """A chat template that Jinja cannot parse fails once, here, naming the line: it used to
+    reject every row with the same error and then end in "no usable conversations". Compiled
+    as transformers compiles it (its extensions, `{% generation %}` included): prepare and
+    eval accept the same templates."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: every row's render still says why
+        return
+    import jinja2
+
+    for text in (template.values() if isinstance(template, dict) else [template]):
+        try:
+            _compile_jinja_template(text)
+        except jinja2.TemplateSyntaxError as err:
+            raise EyasError(f"the chat template of {source} is not valid Jinja: {err.message} "
+                            f"(line {err.lineno}); fix it, or give the template the target is "
+                            f"served with as --chat-template FILE.jinja") from err
 
 
 def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,

@@ -26,7 +26,7 @@ from eyas.store.manifest import (chat_template_fingerprint, draft_chat, found_he
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError, read_rows
 from eyas.targets.chat_sources import dict_splits, is_datasets_folder
-from eyas.targets.masking import render_prompt
+from eyas.targets.masking import check_template_compiles, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +85,8 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template; pass the one the "
                         f"target is served with as --chat-template FILE.jinja")
-    if isinstance(tokenizer.chat_template, str):  # once, not as one reject per row
-        import jinja2
-
-        try:
-            jinja2.Environment().parse(tokenizer.chat_template)
-        except jinja2.TemplateSyntaxError as err:
-            raise EyasError(f"the chat template ({template or f'{cfg.target} tokenizer'}) is "
-                            f"not valid Jinja: {err.message} at its line {err.lineno}; fix it "
-                            f"or pass another with --chat-template") from None
+    # once, not as one failure per prompt; as prepare checks it ({% generation %} included)
+    check_template_compiles(tokenizer.chat_template, template or f"the tokenizer of {cfg.target}")
     # a prepared folder's own settings, none included; else the draft data's
     kwargs = cfg.chat_template_kwargs or tuple(
         (trained if prepared is not None else lineage).get("chat_template_kwargs") or ())
