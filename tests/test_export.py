@@ -1246,6 +1246,11 @@ def test_readme_commands_run_as_pasted_and_name_what_the_run_trained_on(tmp_path
                             out=str(tmp_path / "w"), which="last"))
     export(ExportConfig(checkpoint=str(run / "checkpoints" / "step-00000005"),
                         out=str(tmp_path / "w"), which="step-5"))  # the same step: fine
+    export(ExportConfig(checkpoint=str(run / "checkpoints" / "step-00000005"),  # its own name
+                        out=str(tmp_path / "w"), which="step-00000005"))
+    with pytest.raises(EyasError, match="--which step-6 picks a checkpoint of a run folder"):
+        export(ExportConfig(checkpoint=str(run / "checkpoints" / "step-00000005"),
+                            out=str(tmp_path / "w"), which="step-6"))
     # a folder of the user's where export writes its temp folder
     (tmp_path / "keep.tmp-export").mkdir()
     (tmp_path / "keep.tmp-export" / "notes.txt").write_text("precious")

@@ -270,13 +270,19 @@ def validate_folder(path: str | Path) -> DraftConfig:
 
 # ----------------------------------------------------------------------------- export
 
+def _names_step(which: str, step: Path) -> bool:
+    """--which names this checkpoint: `step-20` or the folder's own `step-00000020`."""
+    number = which.removeprefix("step-")
+    return which.startswith("step-") and number.isdigit() and int(number) == step_number(step)
+
+
 def export(cfg: ExportConfig) -> Path:
     """Write the draft folder `cfg.out` (validated first) and return its path."""
     # resolved: the manifest records the run by its folder, which tells a re-export of the
     # same run from another run's export in --out (_fresh_dir)
     step, run = find_checkpoint(Path(cfg.checkpoint).resolve(), cfg.which)
     if (Path(cfg.checkpoint) / "draft.safetensors").is_file() and cfg.which != "best" and \
-            cfg.which != f"step-{step_number(step)}":
+            not _names_step(cfg.which, step):
         raise EyasError(f"--which {cfg.which} picks a checkpoint of a run folder, but "
                         f"--checkpoint {cfg.checkpoint} is one checkpoint already ({step.name}): "
                         f"pass the run folder{f' ({run})' if run else ''} with --which, or "
