@@ -403,3 +403,19 @@ def test_one_data_path_with_a_space_is_one_path(tmp_path):
     cfg = cli.parse_config("prepare", ["--target", "t", "--data", path, "--out", "o",
                                        "--chat-template-kwargs", "a=1 b=2"])
     assert cfg.chat_template_kwargs == ("a=1", "b=2")
+    # from an audit: given twice, each value is read as one would be (the space kept)
+    other = str(tmp_path / "y.jsonl")
+    twice = cli.parse_config("vocab", ["--data", path, "--data", other, "--out", "o"]).data
+    assert twice == (path, other)
+    thrice = cli.parse_config("vocab", ["--data", "a,b", "--data", path, "--data", "c",
+                                         "--out", "o"]).data
+    assert thrice == ("a", "b", path, "c")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0])
+def test_capture_config_refuses_a_file_size_that_is_not_finite_and_positive(value):
+    """From an audit: a library call's `file_mb=inf` passed the `<= 0` check, loaded the
+    target and crashed leaving a part file."""
+    from eyas.capture import CaptureConfig
+    with pytest.raises(ConfigError, match="file_mb must be a finite number > 0"):
+        CaptureConfig(target="t", data="d", out="o", file_mb=value)

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,8 +108,8 @@ class CaptureConfig:
         check_choices(self)
         if self.batch_tokens < 1:
             raise ConfigError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
-        if self.file_mb <= 0:
-            raise ConfigError(f"file_mb must be > 0, got {self.file_mb}")
+        if not 0 < self.file_mb < math.inf:  # nan too: a library call skips the CLI's check
+            raise ConfigError(f"file_mb must be a finite number > 0, got {self.file_mb}")
         if self.writer_threads < 1:
             raise ConfigError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.limit is not None and self.limit < 1:

@@ -18,7 +18,8 @@ import sys
 import typing
 
 from eyas import __version__
-from eyas.config import ConfigError, accepted, base_type, field_types, from_dict, load_yaml
+from eyas.config import (ConfigError, FlagValues, accepted, base_type, field_types, from_dict,
+                         load_yaml)
 from eyas.errors import EyasError, LosslessError
 
 # subcommand -> (module, step function, config class, one-line summary)
@@ -66,12 +67,14 @@ def _load(command: str):
 
 
 class _Repeated(argparse.Action):
-    """A list flag given more than once adds to its list (`--data a --data b` is `--data a,b`):
+    """A list flag given more than once adds to its list (`--data a --data b` is `--data a,b`,
+    each value read as the flag's one value is, a path with a space in it included):
     argparse's own store kept the last one alone, dropping the data before it unsaid."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         before = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, values if before is None else f"{before},{values}")
+        setattr(namespace, self.dest, values if before is None else
+                FlagValues([*(before if isinstance(before, FlagValues) else [before]), values]))
 
 
 def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, tp) -> None:

@@ -49,6 +49,23 @@ def base_type(tp) -> tuple[Any, bool]:
     return tp, False
 
 
+class FlagValues(list):
+    """The values of a list flag given more than once (`--data a --data "my b"`), each read
+    as the flag's one value would be."""
+
+
+def _list_words(name: str, value: str, item) -> list[str]:
+    """One list value as given: a path that exists is one item, spaces and all; else items
+    split on commas, or on whitespace where there is no comma."""
+    if item is str and os.path.exists(value):
+        return [value]
+    parts = [v.strip() for v in value.split(",")] if "," in value else value.split()
+    if "" in parts:  # "1,,3" is a typo for some list, not for 1,3
+        raise ConfigError(f"config key '{name}': {value!r} has an empty item "
+                          f"between commas; give each value once, e.g. 1,2,3")
+    return [w for v in parts for w in v.split()]
+
+
 def coerce(name: str, tp, value):
     """Convert a YAML/CLI value to the field's declared type, or raise ConfigError."""
     tp, optional = base_type(tp)
@@ -60,14 +77,10 @@ def coerce(name: str, tp, value):
     try:
         if origin is tuple:
             (item,) = typing.get_args(tp)[:1]
-            if isinstance(value, str) and item is str and os.path.exists(value):
-                value = [value]  # one path with a space in it, not two words
-            if isinstance(value, str):
-                parts = [v.strip() for v in value.split(",")] if "," in value else value.split()
-                if "" in parts:  # "1,,3" is a typo for some list, not for 1,3
-                    raise ConfigError(f"config key '{name}': {value!r} has an empty item "
-                                      f"between commas; give each value once, e.g. 1,2,3")
-                value = [w for v in parts for w in v.split()]
+            if isinstance(value, FlagValues):  # each as one flag's value: spaces in paths too
+                value = [w for v in value for w in _list_words(name, v, item)]
+            elif isinstance(value, str):
+                value = _list_words(name, value, item)
             if not isinstance(value, (list, tuple)):
                 value = [value]
             return tuple(coerce(name, item, v) for v in value)
