@@ -172,9 +172,10 @@ def _plan(info: ModelInfo, ids: tuple[int, ...], cfg: DoctorConfig) -> dict:
                    f"{info.max_position_embeddings}, rope_theta {info.rope_theta:g}"
                    f"{', rope_scaling ' + str(info.rope_scaling) if info.rope_scaling else ''}; "
                    f"no embed_tokens.weight (vLLM shares the target's); train's default "
-                   f"recipe is EAGLE 3.1 (norm_before_fc + norm_output: vLLM 0.22+, not "
-                   f"SGLang, which takes --fc-norm instead; --no-norm-before-fc "
-                   f"--no-norm-output for plain EAGLE-3); EAGLE 3.1 keys are served by "
+                   f"recipe is EAGLE 3.1 (norm_before_fc + norm_output + "
+                   f"norm_before_residual: vLLM 0.22+, not SGLang, which takes --fc-norm "
+                   f"--no-norm-before-residual instead; --no-norm-before-fc --no-norm-output "
+                   f"--no-norm-before-residual for plain EAGLE-3); EAGLE 3.1 keys are served by "
                    + "; ".join(f"--format {fmt}: " + ", ".join(f"{k} {v}+" for k, v in
                                                                since.items())
                                for fmt, since in SERVED_SINCE.items())),

@@ -202,8 +202,9 @@ class TrainConfig:
         None, "EAGLE 3.1 (speculators' default): one RMSNorm over the 3 concatenated aux states "
               "before fc; served by vLLM >= 0.19 (both formats), not by SGLang; not with "
               "--fc-norm. Unset: on for EAGLE-3 unless --fc-norm is given (the measured best "
-              "recipe, docs/train.md), off for dflash; --no-norm-before-fc for SGLang or "
-              "plain EAGLE-3")
+              "recipe, docs/train.md), off for dflash; --no-norm-before-fc with "
+              "--no-norm-before-residual for SGLang, and --no-norm-output too for plain "
+              "EAGLE-3")
     fc_norm: bool = option(False, "EAGLE 3.1 (the paper's): one RMSNorm per aux state before fc; "
                                   "served by vLLM >= 0.22 (speculators format >= 0.24) and "
                                   "SGLang >= 0.5.13; not with --norm-before-fc")
