@@ -1818,3 +1818,16 @@ def test_a_capture_recording_layers_its_target_lacks_is_refused(run_inputs, tmp_
     with pytest.raises(EyasError, match=rf"the capture {cap} records aux_layer_ids .* out of "
                                         rf"range.*its eyas.json was edited"):
         train(_cfg(run_inputs, tmp_path / "run", data=str(cap)))
+
+
+def test_resuming_on_states_of_other_layers_says_which_capture_to_give(tmp_path):
+    """From an audit: a run resumed on a capture of other aux layers was told "resume it with
+    the settings it was started with", naming none."""
+    from eyas.draft.resume import check_same_draft
+    (tmp_path / "draft_config.json").write_text(json.dumps(
+        {"draft": "eagle3", "aux_layer_ids": [2, 4, 5], "num_hidden_layers": 1}))
+    with pytest.raises(EyasError, match=r"aux_layer_ids \[2, 4, 5\] there, \[1, 3, 6\] now.*"
+                                        r"Resume it with states of layers 2,4,5: a --data "
+                                        r"capture made with --aux-layer-ids 2,4,5"):
+        check_same_draft(tmp_path, {"draft": "eagle3", "aux_layer_ids": [1, 3, 6],
+                                    "num_hidden_layers": 1})

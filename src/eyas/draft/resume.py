@@ -64,6 +64,10 @@ def check_same_draft(resume: Path, record: dict, vocab: str | None = None,
                    f"--draft-vocab-size {old}` on the same data)" if vocab and given == vocab
                    else f"--vocab {vocab}" if vocab
                    else "no --vocab (it trained over the whole target vocabulary)")
+    if "aux_layer_ids" in differ:  # where the states come from, not a draft flag
+        old = ",".join(map(str, differ["aux_layer_ids"][0]))
+        fix.append(f"states of layers {old}: a --data capture made with --aux-layer-ids {old} "
+                   f"(online: --aux-layer-ids {old})")
     raise EyasError(f"{resume} holds a draft with other settings than this run's: "
                     + ", ".join(f"{k} {old} there, {new} now" for k, (old, new) in differ.items())
                     + (f". Resume it with {' '.join(fix)}" if fix else
