@@ -545,6 +545,8 @@ def test_acceptance_by_source_groups_prompts_by_id_prefix():
     assert source_of("bigbench/known_unknowns/16") == "bigbench/known_unknowns"
     assert source_of("row-3") is None
     assert source_of("data/chats.jsonl:7") == "data/chats.jsonl"  # a row without an id column
+    assert source_of("pa.jsonl:1") == "pa.jsonl"  # a file in the working directory (an audit)
+    assert source_of("ticket:12") is None  # an id of the user's with a colon names no file
     ids = ["humaneval/HumanEval/0", "chatterbot/conversations/4", "humaneval/HumanEval/1",
            "row-3"]
     rows = {("eagle3", 3): [(10, [5, 2, 1]), (4, [0, 0, 0]), (6, [3, 0, 0]), (2, [2, 2, 0])],

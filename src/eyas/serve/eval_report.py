@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.serve.speculate import SpecStats
+from eyas.targets.chat_sources import FILE_SUFFIXES
 from eyas.targets.sdpa import target_sdpa_choice
 
 log = logging.getLogger(__name__)
@@ -291,9 +292,11 @@ def pooled(rows: list[tuple[int, list[int]]], k: int) -> dict:
 def source_of(prompt_id: str) -> str | None:
     """A prompt's source: its id without the last "/" part (real_data.py's ids are
     SOURCE/TASK/N, the prompt sets' SET/N), or the file of a `FILE:ROW` id (a row without an
-    id column, eyas.targets.chat.sample_id); None for an id that names no source."""
+    id column, eyas.targets.chat.sample_id: one with a "/" or a chat file's suffix); None for
+    an id that names no source."""
     file = re.fullmatch(r"(.+):\d+", prompt_id)
-    if file and "/" in prompt_id:
+    # a file in the working directory has no "/": known by its suffix, as --data reads it
+    if file and ("/" in prompt_id or file[1].endswith(FILE_SUFFIXES)):
         return file[1]
     return prompt_id.rsplit("/", 1)[0] if "/" in prompt_id else None
 
