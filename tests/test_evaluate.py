@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
+import os
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -1068,3 +1070,23 @@ def test_answers_that_fill_the_context_are_refused_before_anything_is_read(llama
         evaluate(EvalConfig(target=str(llama_dir), out=str(tmp_path / "e"), k=(2,),
                             data=str(chats), **{**SMALL, "max_new_tokens": positions}))
     assert err.value.flag == "--max-new-tokens" and not (tmp_path / "e").exists()
+
+
+def test_eyas_run_measures_again_when_the_prompt_file_changes(llama_dir, chats, tmp_path):
+    """From an audit: eval recorded nothing of its --data file, so `eyas run` planned eval
+    "up to date" after prompts were added, and the old report stood for the new prompts."""
+    import shutil
+
+    from eyas.freshness import up_to_date
+
+    data = tmp_path / "prompts.jsonl"
+    shutil.copy(chats, data)
+    cfg = EvalConfig(target=str(llama_dir), data=str(data), out=str(tmp_path / "e"), **SMALL)
+    evaluate(cfg)
+    assert up_to_date(cfg, Path(cfg.out), False) == (True, "up to date")
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[::-1]))
+    st = data.stat()  # by a whole second: a filesystem's clock may be coarse
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    fresh, why = up_to_date(cfg, Path(cfg.out), False)
+    assert not fresh and f"its input data changed ({data} differs)" in why

@@ -712,6 +712,26 @@ def test_answers_of_another_target_are_refused_unless_given_as_a_file(llama_dir,
     assert run_prepare(llama_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
 
 
+def test_a_regenerate_runs_file_named_by_itself_keeps_its_system_prompt(tok_dir, tmp_path):
+    """From an audit: the README's and `eyas run`'s way, --data REGEN/conversations.jsonl,
+    recorded no regenerate input, so eval rendered prompts without the system prompt every
+    row was answered with; and prepare's own --system-prompt (added only to rows with none)
+    was recorded over regenerate's."""
+    from eyas.store.manifest import chat_record, target_record, write_manifest
+
+    record = target_record(str(tok_dir), tokenizer=load_tok(tok_dir), weights=False)
+    regen = _regenerated(tmp_path, record)
+    write_manifest(regen, "regenerate", {"system_prompt": "You are terse."}, target=record,
+                   complete=True)
+    run_prepare(tok_dir, [regen / "conversations.jsonl"], tmp_path / "p1")
+    made = read_manifest(tmp_path / "p1", "prepare")
+    assert [i["path"] for i in made["inputs"]] == [str(regen)]
+    assert chat_record(made)["system_prompt"] == "You are terse."
+    run_prepare(tok_dir, [regen], tmp_path / "p2", system_prompt="You are verbose.")
+    assert chat_record(read_manifest(tmp_path / "p2", "prepare"))["system_prompt"] == \
+        "You are terse."
+
+
 def test_a_regenerate_folder_inside_a_data_folder_is_checked_and_recorded(llama_dir, tmp_path):
     # parts regenerated apart under one folder, given as --data: read, but another model's
     # answers were taken without a word and the folder was not recorded as an input

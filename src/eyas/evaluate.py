@@ -35,6 +35,7 @@ from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, target_record,
                                  write_manifest)
 # Prompt and load_prompts: also used as eyas.evaluate.* by benchmarks and tests
+from eyas.targets.chat_sources import source_fingerprints
 from eyas.targets.prompts import Prompt, load_prompts  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -230,8 +231,12 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     write_report(out, report)
     # a failed lossless check leaves the step unfinished, so `eyas run` runs it again (and
     # fails again) instead of taking the report as done
+    # prompts read from chat files: what they held, so that `eyas run` measures again when
+    # they change (a prepared folder is an input, known by its id)
+    files = {} if prepared is not None or not cfg.data else \
+        {"data_files": source_fingerprints(cfg.data)}
     write_manifest(out, "eval", cfg, target=record,
-                   inputs=[m for m in (prepared, draft_manifest) if m is not None],
+                   inputs=[m for m in (prepared, draft_manifest) if m is not None], **files,
                    chat=rendered, complete=report.lossless is not False, primary=report.primary,
                    draft_checkpoint=checkpoint,
                    lossless=report.lossless, mean_acceptance_length=report.mean_acceptance_length)

@@ -30,7 +30,8 @@ from eyas.store.manifest import (MANIFEST, chat_template_fingerprint, check_out,
                                  write_manifest)
 from eyas.store.permissions import as_umask
 from eyas.targets.chat_files import FORMATS
-from eyas.targets.chat_sources import check_out_outside, regenerate_outputs, source_fingerprints
+from eyas.targets.chat_sources import (check_out_outside, regenerate_outputs, regenerated_files,
+                                       source_fingerprints)
 # documented as eyas.prepare.tokenize_conversation and eyas.prepare.render_prompt
 from eyas.targets.masking import (check_template_compiles, render_prompt,  # noqa: F401
                                   tokenize_conversation)
@@ -188,7 +189,8 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
     inputs), each refused if another target answered it (another tokenizer, shape or GGUF, or
     the same shape with other weights: a fine-tune, the base model): the draft learns the
     answers of the model it drafts for. (An unfinished one is refused where its files are
-    read: resolve_paths.)"""
+    read: resolve_paths.) A regenerate folder's conversations file named by itself is
+    recorded too, unchecked: its system prompt is the data's (eval renders with it)."""
     found = regenerate_outputs(cfg.data)
     weighed = any((m.get("target") or {}).get("weights_fingerprint") for m in found)
     # this target's weights fingerprint only where an answer's is there to compare with
@@ -212,7 +214,8 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
                 f"served. Regenerate its prompts with --target {cfg.target}, or, to train on "
                 f"those answers knowingly (the same model saved in another precision, say), "
                 f"{knowingly}")
-    return found
+    named = {m["path"] for m in found}
+    return found + [m for m in regenerated_files(cfg.data) if m["path"] not in named]
 
 
 def _split(kept: np.ndarray, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -642,7 +642,7 @@ def chat_record(manifest: dict[str, Any] | None, *, depth: int = 0) -> dict[str,
     record of one): {chat_template (prepare's file as given, or None: the tokenizer's),
     chat_template_path (that file made absolute, where prepare recorded it),
     chat_template_hash (None where unknown), chat_template_kwargs (KEY=VALUE list),
-    system_prompt (prepare's, else regenerate's, or None)}; None where no step before it says
+    system_prompt (regenerate's, else prepare's, or None)}; None where no step before it says
     (no prepare manifest reachable: a peer's draft, a hand-made folder). An input's folder is
     read only while it holds the run the input's record names (its id): a folder made again
     since holds other data."""
@@ -660,8 +660,10 @@ def chat_record(manifest: dict[str, Any] | None, *, depth: int = 0) -> dict[str,
         record = {"chat_template": config.get("chat_template"),
                   "chat_template_hash": (own or {}).get("chat_template_hash"),
                   "chat_template_kwargs": list(config.get("chat_template_kwargs") or ()),
-                  "system_prompt": (config.get("system_prompt")
-                                    or regenerated.get("system_prompt"))}
+                  # regenerate's first: its rows hold it, and prepare's own is added only
+                  # to conversations that have none
+                  "system_prompt": (regenerated.get("system_prompt")
+                                    or config.get("system_prompt"))}
         if (own or {}).get("chat_template_path"):  # the file the name resolved to then
             record["chat_template_path"] = own["chat_template_path"]
         return record

@@ -216,6 +216,21 @@ def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
     return list(out.values())
 
 
+def regenerated_files(paths: str | Path | tuple | list) -> list[dict]:
+    """The manifests (with their folder as "path") of the `eyas regenerate` folders whose
+    conversations file is named in `paths` by itself: read as a plain file, unchecked (the
+    way to use another target's answers, or an unfinished run's, knowingly), but its chat
+    settings (the system prompt every row was answered with) are still the data's."""
+    out = {}
+    for spec in map(str, [paths] if isinstance(paths, (str, Path)) else paths):
+        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
+        for m in map(Path, matches):
+            manifest = peek_manifest(m.parent) if m.is_file() else None
+            if manifest and manifest.get("step") == "regenerate":
+                out.setdefault(str(m.parent), {**manifest, "path": str(m.parent)})
+    return list(out.values())
+
+
 def is_datasets_folder(path: Path) -> bool:
     """A `datasets` save_to_disk folder: a DatasetDict (dataset_dict.json) or one Dataset."""
     return path.is_dir() and any(
