@@ -332,6 +332,11 @@ def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path, caplog,
     capture(_cfg(llama_dir, llama_prepared, out, shard="0/2"))
     index = shards.verify(out)
     assert index["complete"] and index["num_samples"] == 14
+    # a finished shard run again rebuilds the index and keeps the capture's id (an audit: the
+    # id followed the last job's --shard, and a resumed training lost its best checkpoint)
+    made = read_manifest(out, step="capture")["id"]
+    capture(_cfg(llama_dir, llama_prepared, out, shard="1/2"))
+    assert read_manifest(out, step="capture")["id"] == made
     capture(_cfg(llama_dir, llama_prepared, tmp_path / "one"))
     whole, split = _by_row(tmp_path / "one"), _by_row(out)
     assert sorted(split) == sorted(whole)

@@ -150,9 +150,11 @@ class CaptureConfig:
 
 
 # options that change how a capture batches and writes, not the states it stores (batch
-# sizes and shard files may differ between a run and its resume: docs/capture.md): left out
-# of the manifest's id and of `eyas run`'s config comparison (eyas.freshness.changed_options)
-CaptureConfig.RESULT_NEUTRAL = frozenset({"batch_tokens", "file_mb", "writer_threads"})
+# sizes and shard files may differ between a run and its resume: docs/capture.md; the shard
+# a job wrote, and --overwrite): left out of the manifest's id and of `eyas run`'s config
+# comparison (eyas.freshness.changed_options)
+CaptureConfig.RESULT_NEUTRAL = frozenset({"batch_tokens", "file_mb", "writer_threads", "shard",
+                                          "overwrite"})
 
 
 def capture(cfg: CaptureConfig) -> dict:
