@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.store import checkpoint
+from eyas.store import checkpoint, shards
 from eyas.draft import data, data_loader, data_plan
 from eyas.config import ConfigError, to_dict
 from eyas.errors import EyasError
@@ -1831,3 +1831,24 @@ def test_resuming_on_states_of_other_layers_says_which_capture_to_give(tmp_path)
                                         r"capture made with --aux-layer-ids 2,4,5"):
         check_same_draft(tmp_path, {"draft": "eagle3", "aux_layer_ids": [1, 3, 6],
                                     "num_hidden_layers": 1})
+
+
+def test_a_run_resumes_on_its_data_captured_again_in_other_shards(run_inputs, tmp_path):
+    """From an audit: the plan's fingerprint hashed capture sample numbers, so a capture made
+    again (another --shard count, a damaged part redone, as eyas's own message says to) was
+    "other data or batching" though it held the same rows in the same order."""
+    from eyas.capture import CaptureConfig, capture
+
+    again = tmp_path / "captured-in-two"
+    for shard in ("0/2", "1/2"):
+        capture(CaptureConfig(target=run_inputs["target"], data=run_inputs["prepared"],
+                              out=str(again), split="all", model_dtype="fp32",
+                              batch_tokens=2048, shard=shard))
+    numbers = [shards.open_capture(f).sample_index for f in (run_inputs["captured"], again)]
+    assert not torch.equal(*numbers)  # the same rows under other sample numbers
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train(_cfg(run_inputs, whole, max_steps=4, save_every=2))
+    train(_cfg(run_inputs, part, max_steps=2, save_every=2))
+    train(_cfg({**run_inputs, "captured": str(again)}, part, max_steps=4, save_every=2))
+    for key, value in _weights(whole, 4).items():
+        torch.testing.assert_close(_weights(part, 4)[key], value, rtol=1e-4, atol=1e-5)

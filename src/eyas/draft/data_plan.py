@@ -159,6 +159,7 @@ class Plan:
     eval_batches: list  # this rank's, padded with None to the same count on every rank
     eval_fingerprint: str = ""  # the eval samples ("" without eval): a best compares within one
     truncated: dict | None = None  # per split, what --truncate cut (check_lengths), if any
+    older_fingerprints: tuple[str, ...] = ()  # earlier eyas's fingerprints of the same plan
 
 
 def plan_data(cfg: TrainConfig, inputs: Inputs, env: Env) -> Plan:
@@ -184,9 +185,24 @@ def plan_data(cfg: TrainConfig, inputs: Inputs, env: Env) -> Plan:
                         cut["of_samples"], split, packing.row_tokens, cut["tokens_cut"],
                         cut["of_tokens"], 100 * cut["tokens_cut"] / cut["of_tokens"],
                         "" if split == "train" else " or measured", cut["longest"])
+    # by prepared row, not capture sample number: a capture made again (other --shard count,
+    # a damaged part redone) holds the same rows under other numbers, in the same order
+    ids = np.asarray(inputs.train_ids, np.int64)
+    rows = _prepared_rows(inputs, ids)
     return Plan(packing, batches, epoch_of, per_step, len(batches) // per_step,
-                plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),
-                eval_batches, eval_fingerprint(inputs), truncated)
+                plan_fingerprint(np.asarray(lengths)[ids], rows, packing, cfg.seed, per_step),
+                eval_batches, eval_fingerprint(inputs), truncated,
+                # what runs saved before 2026-12-07 recorded (capture numbers): still resumed
+                (plan_fingerprint(lengths, inputs.train_ids, packing, cfg.seed, per_step),))
+
+
+def _prepared_rows(inputs: Inputs, ids: np.ndarray) -> np.ndarray:
+    """The prepared rows of training samples `ids`: a capture's own record of them (its
+    `sample_index`), or the ids themselves online, where samples are the prepared rows."""
+    capture = getattr(inputs.train, "capture", None)
+    if capture is None:
+        return ids
+    return np.asarray(capture.sample_index, np.int64)[ids]
 
 
 def eval_fingerprint(inputs: Inputs) -> str:

@@ -135,7 +135,7 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         + (f" ({started})" if started else "")
                         + ", or start over with --resume never.", flag="--resume") from err
     check_same_vocab(path, draft, t2d)
-    if state["plan"] != plan.fingerprint:
+    if state["plan"] not in (plan.fingerprint, *plan.older_fingerprints):
         changed = _batching_changes(cfg)
         raise EyasError(f"{path} was trained with other data or batching "
                         + (f"than this command's: {', '.join(changed)}. Resume with the values "
