@@ -61,9 +61,14 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     regen = {**spec, "regenerate": {"enabled": True}, "prepare": {"max_length": 512}}
     by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
     assert by["regenerate"].max_length == 512 == by["prepare"].max_length
+    # and prepare keeps the first max_length tokens of a conversation whose last answer
+    # crossed it (an audit: its default policy, drop, threw the whole conversation away)
+    assert by["prepare"].length_policy == "truncate"
     regen["regenerate"]["max_length"] = 0
+    regen["prepare"]["length_policy"] = "drop"
     by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
-    assert by["regenerate"].max_length == 0
+    assert by["regenerate"].max_length == 0 and by["prepare"].length_policy == "drop"
+    assert plan(RunConfig(pipeline=_write(tmp_path, spec)))[0].config.length_policy == "drop"
     # --from-step skips steps that must have finished: said up front, not as a missing input
     with pytest.raises(ConfigError, match=r"--from-step capture skips prepare, which has not "
                                           r"finished in .*w/prepared; run without --from-step"):

@@ -103,7 +103,10 @@ def _step_config(step: str, spec: dict, work: Path):
                           "give the eval section its prompts (eval.bench: mt-bench, gsm8k, ...; "
                           "or eval.data: a chat file)")
     wiring = {
-        "prepare": {"data": prepared_from, "out": out["prepare"]},
+        # a regenerated conversation ends at the first turn whose prompt reaches max_length,
+        # so its last answer may cross it: kept up to max_length, not dropped whole
+        "prepare": {"data": prepared_from, "out": out["prepare"],
+                    **({"length_policy": "truncate"} if _enabled(spec, "regenerate") else {})},
         "regenerate": {"data": spec.get("data"), "out": out["regenerate"],
                        **({"max_length": kept} if kept is not None else {})},
         # overwrite: a re-run after an upstream change replaces the old capture; an interrupted

@@ -8,8 +8,9 @@ the last one, keeping system, user and tool turns. A conversation that ends with
 turn (a prompt-only row is the usual case) gets its final answer generated as a new turn. An
 answer cut at `max_new_tokens` is kept, marked `"truncated": true`, and ends its conversation
 (unless `drop_truncated`). A conversation also ends before a turn whose prompt already has
-`max_length` tokens (prepare's default limit, past which prepare cuts rows anyway): a chat of a
-hundred turns is not answered turn by turn for text no step reads. The result,
+`max_length` tokens (prepare's default limit; `eyas run` has prepare keep the first
+`max_length` tokens of a row whose last answer crosses it): a chat of a hundred turns is not
+answered turn by turn for text no step reads. The result,
 `out/conversations.jsonl` (OpenAI `messages` form, with each input row's id), is input for
 `eyas prepare`.
 
@@ -88,7 +89,8 @@ class RegenerateConfig:
                                   "max_new_tokens (rejects kind length) instead of keeping them")
     max_length: int = option(2048, "end a conversation before a turn whose prompt (the "
                              "conversation so far, in the chat template) has this many tokens: "
-                             "prepare's default --max-length, past which prepare cuts rows; "
+                             "prepare's default --max-length; the last answer may end past it "
+                             "(prepare --length-policy truncate keeps such rows' first tokens); "
                              "the rows ended so are counted (cut_at_length). 0 = no limit")
     temperature: float = option(0.0, "sampling temperature; 0 = greedy")
     top_p: float = option(1.0, "nucleus sampling mass (with temperature > 0)")
