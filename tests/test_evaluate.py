@@ -1072,7 +1072,7 @@ def test_answers_that_fill_the_context_are_refused_before_anything_is_read(llama
     assert err.value.flag == "--max-new-tokens" and not (tmp_path / "e").exists()
 
 
-def test_eyas_run_measures_again_when_the_prompt_file_changes(llama_dir, chats, tmp_path):
+def test_eyas_run_measures_again_when_the_prompt_or_template_file_changes(llama_dir, chats, tmp_path):
     """From an audit: eval recorded nothing of its --data file, so `eyas run` planned eval
     "up to date" after prompts were added, and the old report stood for the new prompts."""
     import shutil
@@ -1090,3 +1090,13 @@ def test_eyas_run_measures_again_when_the_prompt_file_changes(llama_dir, chats, 
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     fresh, why = up_to_date(cfg, Path(cfg.out), False)
     assert not fresh and f"its input data changed ({data} differs)" in why
+    # a --chat-template file edited in place: measured again too
+    from eyas.targets.tiny import LLAMA3_TEMPLATE
+    template = tmp_path / "t.jinja"
+    template.write_text(LLAMA3_TEMPLATE)
+    cfg = dataclasses.replace(cfg, chat_template=str(template))
+    evaluate(cfg)
+    assert up_to_date(cfg, Path(cfg.out), False) == (True, "up to date")
+    template.write_text(LLAMA3_TEMPLATE.replace("| trim ", ""))
+    fresh, why = up_to_date(cfg, Path(cfg.out), False)
+    assert not fresh and f"its chat template file {template} changed" in why

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from eyas.serve.eval_report import (EvalReport, by_set, concat, merge, mismatch_
 from eyas.serve.generator import stop_token_ids
 from eyas.serve.report_files import write_report
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
-from eyas.store.manifest import (MANIFEST, check_out, check_same_target, target_record,
-                                 write_manifest)
+from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256,
+                                 target_record, write_manifest)
 # Prompt and load_prompts: also used as eyas.evaluate.* by benchmarks and tests
 from eyas.targets.chat_sources import source_fingerprints
 from eyas.targets.prompts import Prompt, load_prompts  # noqa: F401
@@ -235,6 +236,8 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
     # they change (a prepared folder is an input, known by its id)
     files = {} if prepared is not None or not cfg.data else \
         {"data_files": source_fingerprints(cfg.data)}
+    if cfg.chat_template and os.path.isfile(cfg.chat_template):  # an edit in place, likewise
+        files["chat_template_sha256"] = file_sha256(Path(cfg.chat_template))
     write_manifest(out, "eval", cfg, target=record,
                    inputs=[m for m in (prepared, draft_manifest) if m is not None], **files,
                    chat=rendered, complete=report.lossless is not False, primary=report.primary,

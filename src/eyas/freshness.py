@@ -113,6 +113,9 @@ def _template_changes(cfg, manifest: dict) -> str:
     recorded ("" if it is): a `chat_template` file, or the target folder's own template,
     edited in place keeps every config equal, and the prepared rows stay rendered with the old
     one (`eyas prepare` run by itself prepares again; the plan skipped it)."""
+    if manifest.get("step") == "eval":  # its --chat-template file, by content
+        return _template_file_changes(getattr(cfg, "chat_template", None),
+                                      manifest.get("chat_template_sha256"))
     if manifest.get("step") != "prepare" or not manifest.get("chat_template_hash"):
         return ""
     from eyas.prepare import load_tokenizer
@@ -129,6 +132,20 @@ def _template_changes(cfg, manifest: dict) -> str:
     except EyasError as err:
         return f"its chat template cannot be checked against the one it ran with ({err})"
     return "" if now == was else f"its chat template changed (chat_template_hash {was} -> {now})"
+
+
+def _template_file_changes(path: str | None, was: str | None) -> str:
+    """Why eval's `--chat-template` file is not the one it measured with ("" if it is, or if
+    none was recorded)."""
+    if not path or not was:
+        return ""
+    from eyas.store.manifest import file_sha256
+
+    try:
+        now = file_sha256(Path(path))
+    except OSError as err:
+        return f"its chat template file cannot be read ({err})"
+    return "" if now == was else f"its chat template file {path} changed"
 
 
 def _input_changes(manifest: dict) -> str:
