@@ -203,17 +203,9 @@ def regenerate_outputs(paths: str | Path | tuple | list) -> list[dict]:
     """The manifests (with their folder as "path") of the `eyas regenerate` output folders
     named in `paths` or inside a folder named there (parts regenerated apart, under one
     folder: read as data too). A file inside one, named by itself, is read as a plain file."""
-    folders = []
-    for spec in map(str, [paths] if isinstance(paths, (str, Path)) else paths):
-        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
-        folders += [Path(m) for m in matches if Path(m).is_dir()]
-    out = {}
-    for folder in folders:
-        for found in sorted(folder.rglob(MANIFEST)):  # the folder's own first
-            manifest = peek_manifest(found.parent)
-            if manifest and manifest.get("step") == "regenerate":
-                out.setdefault(str(found.parent), {**manifest, "path": str(found.parent)})
-    return list(out.values())
+    found = (f.parent for folder in _named(paths) if folder.is_dir()
+             for f in sorted(folder.rglob(MANIFEST)))  # the folder's own first
+    return _regenerate_manifests(found)
 
 
 def regenerated_files(paths: str | Path | tuple | list) -> list[dict]:
@@ -221,13 +213,25 @@ def regenerated_files(paths: str | Path | tuple | list) -> list[dict]:
     conversations file is named in `paths` by itself: read as a plain file, unchecked (the
     way to use another target's answers, or an unfinished run's, knowingly), but its chat
     settings (the system prompt every row was answered with) are still the data's."""
-    out = {}
+    return _regenerate_manifests(f.parent for f in _named(paths) if f.is_file())
+
+
+def _named(paths: str | Path | tuple | list) -> list[Path]:
+    """Every path `paths` names, its globs expanded (sorted), in the order given."""
+    out = []
     for spec in map(str, [paths] if isinstance(paths, (str, Path)) else paths):
-        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
-        for m in map(Path, matches):
-            manifest = peek_manifest(m.parent) if m.is_file() else None
-            if manifest and manifest.get("step") == "regenerate":
-                out.setdefault(str(m.parent), {**manifest, "path": str(m.parent)})
+        out += map(Path, sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec)
+                   else [spec])
+    return out
+
+
+def _regenerate_manifests(folders) -> list[dict]:
+    """The `eyas regenerate` manifests of `folders`, each folder once, with it as "path"."""
+    out = {}
+    for folder in folders:
+        manifest = peek_manifest(folder)
+        if manifest and manifest.get("step") == "regenerate":
+            out.setdefault(str(folder), {**manifest, "path": str(folder)})
     return list(out.values())
 
 
