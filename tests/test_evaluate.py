@@ -349,6 +349,7 @@ def test_num_prompts_are_usable_ones_the_too_long_skipped_and_counted(llama_dir,
     with pytest.raises(EyasError, match="every prompt of .* is too long .* lower "
                                         "--max-new-tokens"):
         evaluate(EvalConfig(out=str(tmp_path / "c"), **cfg))
+    assert not (tmp_path / "c").exists()
 
 
 def test_sampling_at_temperature_one_runs_every_method(llama_dir, draft_dir, chats, tmp_path,
@@ -386,6 +387,7 @@ def test_draft_of_other_weights_is_refused_unless_accepted(llama_dir, draft_dir,
     with pytest.raises(EyasError, match=r"draft .* was made with the weights of base .*other "
                                         r"weights.*--accept-other-weights"):
         evaluate(EvalConfig(**cfg, out=str(tmp_path / "r1")))
+    assert not (tmp_path / "r1").exists()  # a refused eval leaves no unfinished --out behind
     report = evaluate(EvalConfig(**cfg, out=str(tmp_path / "r2"), accept_other_weights=True))
     assert report.result("eagle3", 2).new_tokens > 0
 
@@ -520,6 +522,7 @@ def test_a_draft_of_another_target_is_refused_naming_that_target(target, llama_d
                                         r"\(tokenizer_hash=elsewhere\).*--target"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), draft=str(folder),
                             out=str(tmp_path / "eval"), **SMALL))
+    assert not (tmp_path / "eval").exists()
 
 def test_report_without_matplotlib_skips_plots(llama_dir, chats, tmp_path, monkeypatch, caplog):
     report = evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "a"),
@@ -906,6 +909,7 @@ def test_a_broken_chat_template_is_named_not_the_data(llama_dir, chats, tmp_path
     with pytest.raises(EyasError, match="the chat template failed on every row"):
         evaluate(EvalConfig(target=str(llama_dir), data=str(chats), out=str(tmp_path / "b"),
                             chat_template=str(bad), **SMALL))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_paired_change_is_narrower_than_two_intervals_and_checks_its_pairs():

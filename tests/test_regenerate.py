@@ -326,14 +326,18 @@ def test_rows_the_template_refuses_are_rejected_and_greetings_kept(setup, tmp_pa
 def test_empty_input_and_every_row_refused_say_what_to_do(setup, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    with pytest.raises(EyasError, match="the input files are empty"):
+    with pytest.raises(EyasError, match="the input files are empty but for 2 blank lines"):
         regenerate(_cfg(setup, tmp_path / "a", data=(str(empty),)))
     assert json.loads((tmp_path / "a/eyas.json").read_text())["complete"] is False
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\nnot json\n')
+    bad.write_text('{"messages": [{"role": "robot", "content": "hi"}]}\n\nnot json\n')
     with pytest.raises(EyasError) as err:
         regenerate(_cfg(setup, tmp_path / "b", data=(str(bad),)))
     assert "kind input" in str(err.value) and "new --out" in str(err.value)
+    # every line is accounted for: two rows refused, and the blank line between them counted
+    stats = json.loads((tmp_path / "b/eyas.json").read_text())["stats"]
+    assert (stats["input"], stats["failed"], stats["blank_lines"]) == (2, 2, 1)
+    assert [r["row"] for r in _read(tmp_path / "b" / REJECTS)] == [1, 3]
     assert "--retry-rejects" not in str(err.value)  # it retries server errors only
 
 

@@ -181,7 +181,8 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
                         f"leaves no room for a prompt in the target's {positions}-position "
                         f"context; give --max-new-tokens {max(positions // 2, 1)} or less",
                         flag="--max-new-tokens")
-    out = _claim_out(Path(cfg.out), cfg)
+    out = Path(cfg.out)
+    check_out(out, "eval", own=EVAL_FILES)  # refused before anything is loaded; claimed below
     # the checkpoint load_draft picks, read now, not after measuring: a run still training
     # may have moved its best on by then
     checkpoint = measured_checkpoint(cfg.draft) if cfg.draft else None
@@ -203,6 +204,7 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
                           weights=False)
     if cfg.draft:
         check_draft_target(cfg.draft, record, weights=not cfg.accept_other_weights)
+    _claim_out(out, cfg)  # after the refusals above: a refused eval leaves no new --out
     if skipped:
         log.warning("eval: rows left out of the prompts, by reason: %s (each is logged above)",
                     ", ".join(f"{k} {n}" for k, n in sorted(skipped.items())))
@@ -300,7 +302,7 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
 EVAL_FILES = ("report.json", "report.md", "al_vs_k.png", "acceptance_by_position.png")
 
 
-def _claim_out(out: Path, cfg: EvalConfig) -> Path:
+def _claim_out(out: Path, cfg: EvalConfig) -> None:
     """--out: missing, empty or an earlier eval's (never a user's own report.md, nor another
     step's folder: eyas' one --out policy). A new folder is marked as eval's at once,
     unfinished, so that an eval killed while writing its report is its own output the next
@@ -311,4 +313,3 @@ def _claim_out(out: Path, cfg: EvalConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / MANIFEST).is_file():
         write_manifest(out, "eval", cfg, complete=False)
-    return out

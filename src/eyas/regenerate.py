@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 
 from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, has_text, normalize, sample_id,
                               strip_reasoning, with_system_prompt)
-from eyas.targets.chat_files import FORMATS, ChatFormatError, read_rows
+from eyas.targets.chat_files import FORMATS, BlankLine, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
 from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
                          required, revision_option, target_option, trust_remote_code_option)
@@ -211,7 +211,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     on_disk = reject_kinds(out)  # this run's rejects and every earlier run's
     cut = cut_counts(out)  # the same for the rows whose later turns were left out
     stats = {"input": counts["input"], "ok": counts["ok"], "failed": counts["failed"],
-             "skipped": counts["skipped"],
+             "skipped": counts["skipped"], "blank_lines": counts["blank_lines"],
              "ok_total": totals["ok"] + totals["truncated"] + counts["ok"],
              "failed_total": totals["failed"] + counts["failed"],
              "truncated": counts["truncated"],
@@ -225,13 +225,15 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     write_manifest(out, "regenerate", cfg, target=target, complete=not nothing, stats=stats,
                    **extras)
     log.info("regenerate: %d input rows = %d ok (%d of them truncated) + %d failed + %d done "
-             "before; in %s: %d conversations in %s, %d rejects in %s (%s)", stats["input"],
-             stats["ok"], stats["truncated"], stats["failed"], stats["skipped"], out,
+             "before (and %d blank lines, not rows); in %s: %d conversations in %s, %d rejects "
+             "in %s (%s)", stats["input"], stats["ok"], stats["truncated"], stats["failed"],
+             stats["skipped"], stats["blank_lines"], out,
              stats["ok_total"], OUTPUT, sum(on_disk.values()), REJECTS,
              ", ".join(f"{k} {n}" for k, n in sorted(on_disk.items())) or "none")
     if stats["input"] == 0:
-        raise EyasError(f"no rows in {', '.join(cfg.data)}: the input files are empty; give "
-                        f"the chat data to regenerate (docs/formats.md)")
+        blank = f" but for {stats['blank_lines']} blank lines" if stats["blank_lines"] else ""
+        raise EyasError(f"no rows in {', '.join(cfg.data)}: the input files are empty{blank}; "
+                        f"give the chat data to regenerate (docs/formats.md)")
     if nothing:
         # An empty conversations.jsonl is not a result: say so before prepare finds it empty.
         raise EyasError(f"no conversation was regenerated: all {stats['input']} input rows "
@@ -265,7 +267,7 @@ def _sampling(cfg: RegenerateConfig) -> dict:
 def _jobs(cfg: RegenerateConfig, done: set, output: Output, counts: Counter,
           order: dict[str, int]) -> Iterator[Job]:
     """Input rows not done before, as jobs; malformed rows go straight to the rejects."""
-    rows = read_rows(cfg.data, cfg.format)
+    rows = _rows(cfg, counts)
     # a file the earlier run read under another spelling of its path (`data/x.jsonl`, now
     # `/abs/data/x.jsonl`): its rows keep the name they were written under
     spelled = {placed(file): file for file, _ in done}
@@ -293,6 +295,16 @@ def _jobs(cfg: RegenerateConfig, done: set, output: Output, counts: Counter,
             output.reject(raw.file, raw.row, sid, Rejected(str(err), "input"))
             continue
         yield job
+
+
+def _rows(cfg: RegenerateConfig, counts: Counter) -> Iterator:
+    """The input's rows; its blank lines are not rows but are counted (`blank_lines`), so
+    that every line of the input is accounted for."""
+    for raw in read_rows(cfg.data, cfg.format, blank_lines=True):
+        if isinstance(raw.data, BlankLine):
+            counts["blank_lines"] += 1
+        else:
+            yield raw
 
 
 def _turns_to_redo(messages: list[dict], turns: str) -> list[int]:
