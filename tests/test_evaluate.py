@@ -28,7 +28,8 @@ from eyas.serve.draft_loading import load_draft, measured_checkpoint
 from eyas.export import export_state_dict
 from eyas.draft.formats import to_vllm_config
 from eyas.store.manifest import read_manifest
-from eyas.targets.models import load_target, submodule
+from eyas.targets import chat
+from eyas.targets.models import load_target, load_tokenizer, submodule
 from eyas.targets.tiny import TINY_VOCAB
 
 SMALL = dict(num_prompts=3, max_new_tokens=10, dtype="float32", device="cpu")
@@ -209,6 +210,101 @@ def test_workers_and_batches_give_the_same_report_and_replay_matches(llama_dir, 
         lo, hi = one.ci95[k]["mean_acceptance_length"]
         assert lo <= measured.mean_acceptance_length <= hi
     assert "replayed on training's TTT forward" in (tmp_path / "one" / "report.md").read_text()
+
+
+def test_workers_give_one_process_report_with_a_draft_that_is_right(llama_dir, target,
+                                                                     fit_draft, tmp_path):
+    """From an audit: with --workers 2 the replay's rows came in worker order and the prompt
+    sets in the order the workers first saw them, so the replayed interval, the rows of
+    per_prompt and the report's tables moved with the worker count. The draft above accepts
+    almost nothing, where order does not show; this one is fitted to the target's answers."""
+    from test_benchsets import cached_archives
+
+    from eyas.targets.prompts import render
+
+    cached_archives()
+    model, info = target
+    rows = synthetic_chats(4, seed=3)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = render(load_tokenizer(str(llama_dir)),
+                     [(i, chat.normalize(r, need_assistant=False)) for i, r in enumerate(rows)],
+                     4, {})
+    with torch.inference_mode():
+        refs = [model.generate(p.ids[None], max_new_tokens=10, do_sample=False)[0, len(p.ids):]
+                .tolist() for p in prompts]
+    draft = fit_draft(model, info, [p.ids for p in prompts], refs)
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(to_vllm_config(draft.cfg, dtype="fp32")))
+    save_file(export_state_dict(draft.state_dict(), dtype="fp32"),
+              str(folder / "model.safetensors"))
+    # four prompts over two workers: the second worker's rows came last
+    kw = dict(target=str(llama_dir), data=str(chats), draft=str(folder), k=(3,),
+              ignore_eos=True, **{**SMALL, "num_prompts": 4})
+    one = evaluate(EvalConfig(out=str(tmp_path / "one"), **kw))
+    two = evaluate(EvalConfig(out=str(tmp_path / "two"), workers=2, **kw))
+    assert one.result("eagle3", 3).mean_acceptance_length > 1.5  # rows differ: order shows
+    assert two.per_prompt == one.per_prompt and two.ci95 == one.ci95
+    assert two.replayed == one.replayed and one.replayed["3"]["ci95"]
+    # one prompt a set over two workers: the first saw gsm8k and humaneval, the second
+    # mt-bench, whose tables came last
+    kw = dict(target=str(llama_dir), bench=("gsm8k", "mt-bench", "humaneval"), k=(2,),
+              ignore_eos=True, **{**SMALL, "num_prompts": 1, "max_new_tokens": 6})
+    one = evaluate(EvalConfig(out=str(tmp_path / "b1"), **kw))
+    two = evaluate(EvalConfig(out=str(tmp_path / "b2"), workers=2, **kw))
+    assert list(one.by_set) == ["gsm8k", "mt-bench", "mt-bench/turn-1", "mt-bench/turn-2",
+                                "humaneval"]
+    assert list(two.by_set) == list(one.by_set)
+    assert two.per_prompt == one.per_prompt and two.ci95 == one.ci95
+
+
+def test_a_replay_failed_in_one_part_leaves_the_report_without_replay(caplog):
+    """From an audit: a replay that failed for one prompt set (a diagnostic, "reported
+    without it") ended the whole eval in a KeyError after everything was measured."""
+    from eyas.serve.eval_report import Measured, concat
+
+    def part(ids: list[str], replayed: dict) -> Measured:
+        stats = speculate.SpecStats(k=2)
+        return Measured(index=list(range(len(ids))), stats={("ngram", 2): stats},
+                        outputs={("ngram", 2): [[1, 2]] * len(ids)},
+                        seconds={("ngram", 2): 1.0},
+                        per_prompt={("ngram", 2): [(1, [1, 0])] * len(ids)},
+                        replayed=replayed, mismatches=[], prompt_ids=ids)
+
+    fine = part(["a/1", "a/2"], {2: [(1, [1, 0]), (2, [1, 1])]})
+    failed = part(["b/1"], {})
+    for parts in ([fine, failed], [failed, fine]):
+        with caplog.at_level("WARNING"):
+            whole = concat(parts)
+        assert whole.replayed == {} and len(whole.per_prompt["ngram", 2]) == 3
+        assert "the report has no replayed acceptance" in caplog.text
+    whole = concat([fine, part(["b/1"], {2: [(0, [0, 0])]})])
+    assert whole.replayed == {2: [(1, [1, 0]), (2, [1, 1]), (0, [0, 0])]}
+
+
+def test_duplicate_prompt_ids_are_renamed_and_paired_rows_refuse_them(llama_dir, tmp_path,
+                                                                       caplog):
+    """From an audit: two prompts under one id were one question to the bench interval, the
+    lossless check took the second's margin from the first, and pairing two reports kept one
+    of them. Eval now renames the later ID#2; paired rows refuse a report that has one id
+    twice."""
+    from eyas.serve.eval_report import matched_rows
+
+    rows = [{"id": "x", "messages": [{"role": "user", "content": q}]}
+            for q in ("hello there", "what is two plus two", "name a colour")]
+    rows[2]["id"] = "x#2"  # taken already: the second x becomes x#3
+    data = tmp_path / "dup.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        report = evaluate(EvalConfig(target=str(llama_dir), data=str(data),
+                                     out=str(tmp_path / "r"), k=(2,), **SMALL))
+    ids = [r[0] for r in report.per_prompt["ngram k=2"]]
+    assert ids == ["x", "x#3", "x#2"] and "1 prompt(s) have the id of an earlier one" in \
+        caplog.text
+    with pytest.raises(ValueError, match=r"the second report has 1 prompt id\(s\) more than "
+                                         r"once \(\['x'\]\)"):
+        matched_rows([["x", 3, [1, 0]]], [["x", 3, [1, 0]], ["x", 3, [0, 0]]])
 
 
 def test_sampling_is_the_same_whatever_the_workers_and_batches(llama_dir, draft_dir, chats,

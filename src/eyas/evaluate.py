@@ -293,8 +293,15 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
         futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], record,
                                shard) for shard in shards]
         parts = [f.result() for f in futures]
-    groups = list(dict.fromkeys(g for sets, _, _ in parts for g in sets))  # first-seen order
-    sets = {g: merge([p[0][g] for p in parts if g in p[0]]) for g in groups}
+    sets = {g: merge([p[0][g] for p in parts if g in p[0]])
+            for g in dict.fromkeys(g for sets, _, _ in parts for g in sets)}
+    # in prompt order, as one process measures them: a group by its first prompt, a next
+    # turn (`SET/turn-N`: its prompts have their question's places) after the turn before it
+    def place(item) -> tuple[int, int]:
+        group, measured = item
+        return measured.index[0], int(group.rsplit("/turn-", 1)[1]) if "/turn-" in group else 0
+
+    sets = dict(sorted(sets.items(), key=place))
     return sets, parts[0][1], sum((p[2] for p in parts), Counter())
 
 

@@ -156,7 +156,7 @@ def measure(model, layers, final_norm, draft, prompts: list[Prompt], cfg,
 
 
 def _replay_all(model, layers, final_norm, draft, prompts, reference, ks, dflash: bool) -> dict:
-    """Per k, the replayed counts of every prompt: EAGLE-3 on training's TTT forward
+    """Per k, the replayed counts of every prompt, one row each: EAGLE-3 on training's TTT forward
     (eyas.draft.replay), DFlash on its block forward (eyas.dflash.replay)."""
     from eyas.dflash.replay import replay_dflash
     from eyas.draft.replay import replay
@@ -164,7 +164,9 @@ def _replay_all(model, layers, final_norm, draft, prompts, reference, ks, dflash
     head = model.get_output_embeddings().weight
     per_k = {k: [] for k in ks}
     for prompt, tokens in zip(prompts, reference):
-        if len(tokens) < 2:  # nothing drafted after the target's first token
+        if len(tokens) < 2:  # nothing drafted after the target's first token: a row of none,
+            for k in ks:     # so that the rows stay one per prompt, as measured ones are
+                per_k[k].append((0, [0] * k))
             continue
         counts = (replay_dflash(model, layers, final_norm, draft, prompt.ids, tokens, tuple(ks))
                   if dflash else

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -192,8 +193,17 @@ def merge(parts: list[Measured]) -> Measured:
         rows = [r for p in parts for r in p.per_prompt[key]]
         whole.outputs[key] = [outputs[i] for i in order]
         whole.per_prompt[key] = [rows[i] for i in order]
-    for k in first.replayed:
-        whole.replayed[k] = [c for p in parts for c in p.replayed[k]]
+    # replay rows, one per prompt, in prompt order as the rows above: the bootstrap's interval
+    # depends on their order; a part whose replay failed (a diagnostic, reported without)
+    # leaves the whole without, rather than replayed numbers of some prompts only
+    replayed = [set(p.replayed) for p in parts]
+    if any(keys != replayed[0] for keys in replayed):
+        log.warning("replay on training's forward failed for some prompts: the report has no "
+                    "replayed acceptance (the measured one is whole)")
+    else:
+        for k in first.replayed:
+            rows = [c for p in parts for c in p.replayed[k]]
+            whole.replayed[k] = [rows[i] for i in order]
     return whole
 
 
@@ -338,7 +348,14 @@ def primary_per_prompt(report: dict) -> dict[str, list]:
 def matched_rows(ours: list, theirs: list) -> tuple[list, list]:
     """The prompts both per-prompt row lists hold ([id, drafts, accepted per position, or
     their sum]), matched by id in `ours`' order, as paired_change_ci's two (drafts, accepted
-    per position) lists."""
+    per position) lists. Ids must be unique in each list (eval makes them so): a report with
+    two rows under one id is refused, since either could be the other's pair."""
+    for rows, name in ((ours, "first"), (theirs, "second")):
+        twice = [i for i, n in Counter(r[0] for r in rows).items() if n > 1]
+        if twice:
+            raise ValueError(f"paired rows: the {name} report has {len(twice)} prompt id(s) "
+                             f"more than once ({twice[:3]}); measure it again with this "
+                             f"eyas eval, which renames them ID#2, ...")
     by_id = {r[0]: r for r in theirs}
 
     def row(r: list) -> tuple[int, list]:

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -317,5 +317,30 @@ def load_prompts(cfg, tokenizer, skipped: Counter | None = None, max_len: int | 
             log.warning("%s has %d usable prompts, fewer than --num-prompts %d%s: all are "
                         "measured", cfg.data, len(prompts), cfg.num_prompts,
                         f" (rows left out: {left})" if left else "")
-    return prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts, template_kwargs,
-                                   skipped=skipped, max_len=max_len, system=system), prepared
+    return unique_ids(prompts + bench_prompts(cfg.bench, tokenizer, cfg.num_prompts,
+                                              template_kwargs, skipped=skipped,
+                                              max_len=max_len, system=system)), prepared
+
+
+def unique_ids(prompts: list[Prompt]) -> list[Prompt]:
+    """`prompts`, each id that an earlier prompt already has renamed ID#2, ID#3, ...: a
+    report's rows are matched by id (a lossless check's margin, a question's turns, two
+    drafts paired prompt by prompt), so two prompts under one id would be taken for one."""
+    taken = {p.id for p in prompts}
+    seen: set[str] = set()
+    out, renamed = [], []
+    for p in prompts:
+        if p.id in seen:
+            n = 2
+            while f"{p.id}#{n}" in taken:
+                n += 1
+            renamed.append(p.id)
+            p = replace(p, id=f"{p.id}#{n}")
+            taken.add(p.id)
+        seen.add(p.id)
+        out.append(p)
+    if renamed:
+        log.warning("%d prompt(s) have the id of an earlier one, renamed ID#2, ID#3, ... in the "
+                    "report so that each is measured and reported on its own: %s",
+                    len(renamed), sorted(set(renamed))[:5])
+    return out
