@@ -129,6 +129,11 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(monkeypatch, capsys):
     assert cli.main(["capture", "--target", "t", "--data", "d", "--out", "o"]) == 130
     assert capsys.readouterr().err.strip().endswith(
         "eyas capture: interrupted; run the same command again to resume where it stopped")
+    # from an audit: convert said "resume", and a second run converted from the start
+    assert cli.main(["convert", "--target", "g.gguf", "--out", "o"]) == 130
+    assert capsys.readouterr().err.strip().endswith(
+        "eyas convert: interrupted; convert does not resume: run it again to convert from the "
+        "start (--out is written only once the conversion is whole)")
 
 
 def test_sigterm_says_the_step_stopped_and_ends_as_sigterm_does(tmp_path):

@@ -1724,6 +1724,30 @@ def test_resume_auto_without_a_last_pointer_continues_from_the_latest_complete_s
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_of_a_kept_step_whose_best_is_gone_measures_a_new_best(run_inputs, tmp_path,
+                                                                     caplog):
+    """From an audit: `--resume` of an earlier step whose best had been removed by --keep-last
+    (a later step became the best, then `--resume` removed that one) kept naming the removed
+    step as the best, unless an eval beat its number: no checkpoints/best, and `eyas export
+    --which best` said "no eval ran". And `--resume` of a step folder copied under another
+    name than step-N ended in a ValueError from parsing that name."""
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, max_steps=9, eval_every=3, save_every=3, keep_last=5))
+    kept = tmp_path / "kept"  # a step saved aside under a name of the user's
+    shutil.copytree(checkpoint.step_dir(run, 6), kept)
+    was = torch.load(kept / "trainer_state.pt", weights_only=True)["best"]["step"]
+    assert was in (3, 6)
+    shutil.rmtree(checkpoint.step_dir(run, was))  # as --keep-last removes it
+    with caplog.at_level(logging.WARNING):
+        # a learning rate that ruins the draft: no eval after the resume beats the old best
+        summary = train(_cfg(run_inputs, run, max_steps=9, eval_every=3, save_every=3,
+                             keep_last=5, lr=300.0, resume=str(kept)))
+    assert f"the resumed step's best checkpoint (step {was}) is no longer in" in caplog.text
+    assert summary["best"]["step"] == 9
+    assert checkpoint.read_pointer(run, "best") == checkpoint.step_dir(run, 9)
+    assert [r["step"] for r in _records(run, "train")][-3:] == [7, 8, 9]
+
+
 def test_a_damaged_last_checkpoint_names_the_whole_one_to_resume_from(run_inputs, tmp_path):
     """From a user audit: the checkpoint `last` names, cut short or overwritten after it was
     written (a copy, a disk), raised safetensors' "incomplete metadata" from the resume, or,

@@ -54,6 +54,8 @@ RESUMES = "run the same command again to resume where it stopped"
 AGAIN = {"eval": "eval does not resume: run it again to measure from the start (a report "
                  "already in --out is left as it was meanwhile)",
          "doctor": "run it again",
+         "convert": "convert does not resume: run it again to convert from the start "
+                    "(--out is written only once the conversion is whole)",
          "prepare": "prepare does not resume: run it again to prepare from the start (an "
                     "earlier output in --out is left as it was meanwhile)",
          "demo": "run it again: a target stopped while it trained is trained again from its "

@@ -248,7 +248,8 @@ def _train_eagle3(cfg: TrainConfig) -> dict:
     record = dcfg.to_dict()  # the run's draft_config.json
     state = resume(cfg, env, model, optimizer, scheduler, plan, record, draft, inputs.target)
     if state is not None:  # (its best compared at this run's k: _best_at)
-        best = best_on_this_eval(state, plan, "chain_acceptance_length", quiet=not env.main)
+        best = best_on_this_eval(state, plan, "chain_acceptance_length", run_dir,
+                                 quiet=not env.main)
         start, best = state["step"], best if best.get("chain_acceptance_length") is None \
             else _best_at(best, steps, quiet=not env.main)
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last

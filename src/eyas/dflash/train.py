@@ -194,7 +194,7 @@ def train_dflash(cfg: TrainConfig) -> dict:
                    target=inputs.target)
     if state is not None:
         start, best = state["step"], best_on_this_eval(state, plan, "acceptance_length",
-                                                        quiet=not env.main)
+                                                        run_dir, quiet=not env.main)
     run = train_run(run_dir, resumed=state is not None)  # one id from first step to last
     eval_due = bool(state and state.get("eval_due"))  # stopped on an eval step: run it first
     workers = 0 if cfg.online else cfg.num_workers

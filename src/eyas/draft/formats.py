@@ -319,7 +319,9 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
             return step, path
         if not pointer.is_file():
             raise EyasError(f"{path} has no checkpoints/best (no eval ran, so no best was "
-                            f"chosen); use --which last, or --which step-N of {', '.join(have)}")
+                            f"chosen, or the best step was removed and no eval since has "
+                            f"measured one); use --which last, or --which step-N of "
+                            f"{', '.join(have)}")
         step = inside(ckpt, pointer.read_text().strip(), f"checkpoints/{which}")
     else:
         step = ckpt / f"step-{int(which.split('-')[1]):08d}"

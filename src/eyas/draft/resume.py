@@ -149,17 +149,27 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         f"this run's --epochs / --max-steps give: resume with the length it "
                         f"was started with (or longer), or export it as it is", flag="--resume")
     if env.main:  # only now that it resumes: a refused resume deleted the later steps
-        checkpoint.clear_after(cfg.out, int(path.name.split("-")[-1]))
+        checkpoint.clear_after(cfg.out, state["step"])  # (the folder's name may be any)
     return state
 
 
-def best_on_this_eval(state: dict, plan, metric: str, quiet: bool = False) -> dict:
+def best_on_this_eval(state: dict, plan, metric: str, run_dir: str | Path,
+                      quiet: bool = False) -> dict:
     """The resumed run's best record, while its evals measure the samples the best was measured
     on (`state["eval"]`, plan.eval_fingerprint); on other samples (another --eval-data,
     --eval-fraction or capture) its `metric` does not compare, so it is cleared and the next
     eval becomes the best. A checkpoint from before steps recorded their eval is kept as it
-    is."""
+    is. So is a best no longer in `run_dir`'s checkpoints: --keep-last removed it when a later
+    step became the best, and `--resume` of an earlier step removed that later one."""
     best = state["best"]
+    if best.get("step") is not None and \
+            not checkpoint.step_dir(run_dir, best["step"]).is_dir():
+        if not quiet:
+            log.warning("the resumed step's best checkpoint (step %d) is no longer in %s: "
+                        "--keep-last removed it when a later step became the best, and "
+                        "resuming an earlier step removed that one; the next eval becomes the "
+                        "best", best["step"], Path(run_dir) / "checkpoints")
+        return {**best, metric: None}
     was = state.get("eval")
     if was is None or was == plan.eval_fingerprint or best.get("step") is None:
         return best
