@@ -262,7 +262,7 @@ def test_workers_give_one_process_report_with_a_draft_that_is_right(llama_dir, t
 def test_a_replay_failed_in_one_part_leaves_the_report_without_replay(caplog):
     """From an audit: a replay that failed for one prompt set (a diagnostic, "reported
     without it") ended the whole eval in a KeyError after everything was measured."""
-    from eyas.serve.eval_report import Measured, concat
+    from eyas.serve.eval_report import Measured, concat, merge
 
     def part(ids: list[str], replayed: dict) -> Measured:
         stats = speculate.SpecStats(k=2)
@@ -281,6 +281,16 @@ def test_a_replay_failed_in_one_part_leaves_the_report_without_replay(caplog):
         assert "the report has no replayed acceptance" in caplog.text
     whole = concat([fine, part(["b/1"], {2: [(0, [0, 0])]})])
     assert whole.replayed == {2: [(1, [1, 0]), (2, [1, 1]), (0, [0, 0])]}
+    # two workers' shares (prompts 0 and 2, then 1): rows and findings in prompt order
+    first, second = part(["p0", "p2"], {2: [(1, [0, 0]), (2, [2, 1])]}), part(["p1"], {})
+    second.replayed = {2: [(3, [1, 1])]}
+    first.index, second.index = [0, 2], [1]
+    first.mismatches = [{"prompt_id": "p2", "method": "ngram", "k": 2}]
+    second.mismatches = [{"prompt_id": "p1", "method": "ngram", "k": 2}]
+    whole = merge([first, second])
+    assert whole.prompt_ids == ["p0", "p1", "p2"]
+    assert whole.replayed == {2: [(1, [0, 0]), (3, [1, 1]), (2, [2, 1])]}
+    assert [m["prompt_id"] for m in whole.mismatches] == ["p1", "p2"]
 
 
 def test_duplicate_prompt_ids_are_renamed_and_paired_rows_refuse_them(llama_dir, tmp_path,

@@ -185,6 +185,9 @@ def merge(parts: list[Measured]) -> Measured:
                      device=first.device, dtype=first.dtype)
     ids = [i for p in parts for i in p.prompt_ids]
     whole.prompt_ids = [ids[i] for i in order] if len(ids) == len(concat) else []
+    if whole.prompt_ids:  # the lossless check's findings in prompt order too (a stable sort)
+        place = {pid: j for j, pid in zip(concat, ids)}
+        whole.mismatches.sort(key=lambda m: place.get(m["prompt_id"], len(concat)))
     for key in first.stats:
         for p in parts:
             whole.stats[key].merge(p.stats[key])
