@@ -651,14 +651,18 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     for section, key, value in (("train", "log_every", 3), ("train", "num_workers", 0),
                                 ("train", "save_every", 7), ("train", "keep_last", 5),
                                 ("capture", "batch_tokens", 1000), ("capture", "file_mb", 64),
-                                ("capture", "writer_threads", 1)):
+                                ("capture", "writer_threads", 1), ("capture", "device", "cpu"),
+                                ("capture", "packing", "padded"),
+                                ("capture", "attn_implementation", "eager")):
         spec.setdefault(section, {})[key] = value
     open(pipeline, "w").write(yaml.safe_dump(spec))
     plans = plan(RunConfig(pipeline=pipeline))
     assert [p.action for p in plans] == ["skip"] * len(plans), [(p.step, p.reason) for p in plans]
     for section, key in (("train", "log_every"), ("train", "num_workers"), ("train", "save_every"),
                          ("train", "keep_last"), ("capture", "batch_tokens"),
-                         ("capture", "file_mb"), ("capture", "writer_threads")):
+                         ("capture", "file_mb"), ("capture", "writer_threads"),
+                         ("capture", "device"), ("capture", "packing"),
+                         ("capture", "attn_implementation")):
         spec[section].pop(key)
     open(pipeline, "w").write(yaml.safe_dump(spec))
 

@@ -149,12 +149,16 @@ class CaptureConfig:
 # entry points
 
 
-# options that change how a capture batches and writes, not the states it stores (batch
-# sizes and shard files may differ between a run and its resume: docs/capture.md; the shard
-# a job wrote, and --overwrite): left out of the manifest's id and of `eyas run`'s config
-# comparison (eyas.freshness.changed_options)
-CaptureConfig.RESULT_NEUTRAL = frozenset({"batch_tokens", "file_mb", "writer_threads", "shard",
-                                          "overwrite"})
+# options that change how and where a capture runs, batches and writes, not the states it
+# stores (what its jobs need not agree on, `_settings`: batch sizes, packing, the attention
+# kernel, devices and the engine's memory may differ between a run and its resume, as between
+# its --shard jobs: docs/capture.md; the shard a job wrote, and --overwrite): left out of the
+# manifest's id and of `eyas run`'s config comparison (eyas.freshness.changed_options), so
+# that setting one on a finished capture does not make every later step run again
+CaptureConfig.RESULT_NEUTRAL = frozenset({
+    "batch_tokens", "file_mb", "writer_threads", "shard", "overwrite", "packing",
+    "attn_implementation", "device", "device_map", "tensor_parallel_size",
+    "gpu_memory_utilization", "kv_cache_gib"})
 
 
 def capture(cfg: CaptureConfig) -> dict:
