@@ -612,6 +612,31 @@ def test_speculators_needs_a_verifier_name(tmp_path):
     assert spec["transformer_layer_config"]["vocab_size"] == 100
 
 
+def test_readme_says_for_sglang_only_what_export_would_do(tmp_path):
+    """From an audit: every vLLM README said "for SGLang, export again with --format sglang",
+    which export refuses for today's default recipe (norm_before_residual, norm_before_fc)
+    and for a draft that reads aux id L."""
+    cases = {"plain": (draft_config(), (1, 3, 5)),
+             "recipe": (draft_config(norm_before_residual=True, norm_before_fc=True), (1, 3, 5)),
+             "last": (draft_config(aux_layer_ids=(1, 3, 6)), (1, 3, 6))}
+    text = {}
+    for name, (cfg, _) in cases.items():
+        make_run(tmp_path / name, cfg)
+        out = export(ExportConfig(checkpoint=str(tmp_path / name), out=str(tmp_path / f"d-{name}")))
+        text[name] = (out / "README.md").read_text()
+        sglang = ExportConfig(checkpoint=str(tmp_path / name), out=str(tmp_path / f"s-{name}"),
+                              format="sglang")
+        if name == "plain":
+            assert "for SGLang, export again with `--format sglang`" in text[name]
+            export(sglang)  # as the README says
+        else:
+            assert "for SGLang, export again" not in text[name]
+            assert "not for SGLang as trained: `--format sglang` refuses it." in text[name]
+            with pytest.raises(EyasError):
+                export(sglang)
+    assert "--no-norm-before-residual" in text["recipe"] and "train with ids < L" in text["last"]
+
+
 def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkeypatch):
     from eyas.serve.eval_report import EvalReport, MethodResult
 

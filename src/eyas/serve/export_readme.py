@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas import __version__
-from eyas.draft.formats import EAGLE31_KEYS, SERVED_SINCE, sglang_layer_ids
+from eyas.draft.formats import EAGLE31_KEYS, SERVED_SINCE, sglang_layer_ids, to_sglang_config
+from eyas.errors import EyasError
 from eyas.store.manifest import LAYER_ID_CONVENTION
 
 # Train config keys quoted in the README (the whole config stays in eyas.json).
@@ -132,6 +133,17 @@ def serve_commands(fmt: str, target: ServedTarget, draft: str, k: int,
             f"--speculative-num-draft-tokens {k + 1}", vllm]
 
 
+def _sglang_line(dcfg, num_target_layers: int | None) -> str:
+    """Whether `--format sglang` would export this draft, as export itself decides it
+    (to_sglang_config): said so, or why not."""
+    try:
+        to_sglang_config(dcfg, num_target_layers=num_target_layers)
+    except EyasError as err:
+        return f"- not for SGLang as trained: `--format sglang` refuses it. {err}"
+    return ("- for SGLang, export again with `--format sglang`: SGLang reads these ids one "
+            "layer later")
+
+
 def render_readme(cfg, dcfg, out: Path, served: ServedTarget, train: dict | None,
                   step: Path, report: dict | None) -> str:
     """cfg: ExportConfig; dcfg: DraftConfig; served: the target as the commands name it;
@@ -157,10 +169,9 @@ def render_readme(cfg, dcfg, out: Path, served: ServedTarget, train: dict | None
     ids = list(dcfg.aux_layer_ids)
     lines += target_lines(name, target, dcfg.target_hidden_size, dcfg.vocab_size) + [
         f"- aux layer ids {ids} ({LAYER_ID_CONVENTION})"]
-    if cfg.format == "vllm" and dcfg.num_hidden_layers == 1:
-        lines.append("- for SGLang, export again with `--format sglang`: SGLang reads these ids "
-                     "one layer later")
-        if dcfg.norm_before_fc:
+    if cfg.format == "vllm":
+        lines.append(_sglang_line(dcfg, target.get("num_hidden_layers")))
+        if dcfg.num_hidden_layers == 1 and dcfg.norm_before_fc:
             lines.append("- for a speculators folder, export again with `--format "
                          "speculators`: `speculators convert` (0.9.0) of this folder drops "
                          "`input_norm.weight` (\"Unexpected keys in checkpoint\"), so the "
