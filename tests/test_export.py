@@ -637,6 +637,19 @@ def test_readme_says_for_sglang_only_what_export_would_do(tmp_path):
     assert "--no-norm-before-residual" in text["recipe"] and "train with ids < L" in text["last"]
 
 
+def test_a_step_folder_saved_under_another_name_exports_with_its_step(tmp_path):
+    """From an audit: a checkpoint copied to checkpoints/step-good (or step-00000005.bak)
+    ended export in a ValueError from parsing its name; its weights record the step."""
+    import shutil
+
+    make_run(tmp_path / "run", draft_config())
+    ckpt = tmp_path / "run" / "checkpoints"
+    for name in ("step-good", "step-00000005.bak"):
+        shutil.copytree(ckpt / "step-00000005", ckpt / name)
+        out = export(ExportConfig(checkpoint=str(ckpt / name), out=str(tmp_path / name)))
+        assert "exported step 5, not the best step 10" in (out / "README.md").read_text()
+
+
 def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkeypatch):
     from eyas.serve.eval_report import EvalReport, MethodResult
 

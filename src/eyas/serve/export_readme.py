@@ -12,6 +12,7 @@ from pathlib import Path
 from eyas import __version__
 from eyas.draft.formats import EAGLE31_KEYS, SERVED_SINCE, sglang_layer_ids, to_sglang_config
 from eyas.errors import EyasError
+from eyas.serve.quoted_report import step_number
 from eyas.store.manifest import LAYER_ID_CONVENTION
 
 # Train config keys quoted in the README (the whole config stays in eyas.json).
@@ -229,8 +230,11 @@ def training_lines(train: dict | None, step: Path, keys: tuple = TRAIN_KEYS) -> 
     else:
         head = f"`eyas train`, {train.get('steps', '?')} optimizer steps"
     # the run's manifest scores its best step only: --which last or step-N exports another
-    exported = int(step.name.removeprefix("step-")) if step.name.startswith("step-") else None
-    if best.get("step") and best["step"] == exported:
+    exported = _step_of(step)
+    if best.get("step") and exported is None:
+        head += (f"; the exported checkpoint ({step.name}) records no step, and the best step "
+                 f"{best['step']} had {_simulated(best)} on held-out data")
+    elif best.get("step") and best["step"] == exported:
         head += f"; exported step {exported} had {_simulated(best)} on held-out data"
     elif best.get("step"):
         head += (f"; exported step {exported}, not the best step {best['step']}, which had "
@@ -239,6 +243,21 @@ def training_lines(train: dict | None, step: Path, keys: tuple = TRAIN_KEYS) -> 
     out += [f"- {k}: {config[k]}" for k in keys if config.get(k) not in (None, "", ())]
     out += ["", "The full configuration and input manifests are in `eyas.json`.", ""]
     return out
+
+
+def _step_of(step: Path) -> int | None:
+    """The training step of checkpoint folder `step`: N of a step-N folder, else (a folder
+    saved under a name of the user's) the step its weights file records."""
+    from safetensors import SafetensorError, safe_open
+
+    number = step_number(step)
+    if number is None:
+        try:
+            with safe_open(str(step / "draft.safetensors"), "pt") as f:
+                number = int((f.metadata() or {})["step"])
+        except (OSError, KeyError, ValueError, SafetensorError):
+            return None
+    return number
 
 
 def acceptance_lines(report: dict | None, draft: str, target: ServedTarget,
