@@ -1317,6 +1317,11 @@ def test_resume_on_another_vocab_is_refused_and_a_new_length_warned(run_inputs, 
     with pytest.raises(EyasError, match=rf"a --vocab of its 256 tokens \({re.escape(str(tmp_path))}"
                                         r"/vocab was made again since the run started"):
         train(_cfg(run_inputs, tmp_path / "run2", max_steps=3, vocab=str(tmp_path / "vocab")))
+    # the same folder spelled another way (from an audit: "resume it with --vocab" that folder)
+    other_spelling = os.path.relpath(tmp_path / "vocab")
+    assert other_spelling != str(tmp_path / "vocab")
+    with pytest.raises(EyasError, match=r"a --vocab of its 256 tokens .*was made again since"):
+        train(_cfg(run_inputs, tmp_path / "run2", max_steps=3, vocab=other_spelling))
     with caplog.at_level(logging.WARNING):
         train(_cfg(run_inputs, tmp_path / "run", max_steps=3))
     assert "started with --max-steps 2, resumed with 3" in caplog.text

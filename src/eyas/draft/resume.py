@@ -61,7 +61,8 @@ def check_same_draft(resume: Path, record: dict, vocab: str | None = None,
         old = differ["draft_vocab_size"][0]
         fix.append(f"a --vocab of its {old} tokens ({vocab} was made again since the run "
                    f"started: make that vocab again into another folder, `eyas vocab "
-                   f"--draft-vocab-size {old}` on the same data)" if vocab and given == vocab
+                   f"--draft-vocab-size {old}` on the same data)" if vocab and given and
+                   Path(given).resolve() == Path(vocab).resolve()
                    else f"--vocab {vocab}" if vocab
                    else "no --vocab (it trained over the whole target vocabulary)")
     if "aux_layer_ids" in differ:  # where the states come from, not a draft flag
