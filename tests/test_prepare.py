@@ -1001,3 +1001,44 @@ def test_reject_reasons_say_what_to_change(tok_dir, tmp_path):
     assert re.fullmatch(r"\d+ tokens > max_length 64, and its first 64 hold no assistant token "
                         r"\(the prompt alone is longer\): raise --max-length to keep it",
                         rejects[3]["reason"])
+
+
+def test_a_tokenizer_with_more_tokens_than_the_model_has_rows_sets_those_rows_aside(
+        tmp_path, caplog):
+    """From an audit: a target whose tokenizer has tokens past its embedding rows (added
+    without resizing the model) passed prepare, then `eyas capture` ended in a bare IndexError
+    on every run, and vocab made a t2d over the tokenizer's ids, which train then refused.
+    Prepare now sets the rows holding such ids aside, counted, with the reason, and counts
+    over the model's rows; capture takes the rest."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eyas.capture import CaptureConfig, capture
+    from eyas.targets.tiny import tiny_config
+
+    target = tmp_path / "target"
+    save_tiny_tokenizer(target)
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = len(tok)  # the model has a row for each of its tokens, not for the two added next
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=rows)).save_pretrained(target)
+    tok.add_tokens(["<new-a>", "<new-b>"])
+    tok.save_pretrained(target)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+        for q, a in [("hi there", "hello"), ("say <new-a>", "<new-a> <new-b>"),
+                     ("and you", "fine")]))
+    with caplog.at_level(logging.WARNING):
+        stats = prepare(PrepareConfig(target=str(target), data=(str(data),),
+                                      out=str(tmp_path / "p"), eval_fraction=0.0))
+    assert f"has {rows + 2} tokens, more than the model's {rows} embedding rows" in caplog.text
+    assert (stats.kept, stats.rejected) == (2, 1)
+    (reject,) = map(json.loads, open(tmp_path / "p/rejects.jsonl"))
+    assert reject["row"] == 2 and f"is past the target's {rows} embedding rows" in \
+        reject["reason"]
+    assert read_manifest(tmp_path / "p")["vocab_size"] == rows
+    done = capture(CaptureConfig(target=str(target), data=str(tmp_path / "p"),
+                                 out=str(tmp_path / "c"), model_dtype="fp32",
+                                 device="cpu"))
+    assert done["samples"] == 2

@@ -287,8 +287,17 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     tok = load_tokenizer(cfg)
     config = _target_config(cfg)
     text_config = config.get_text_config() if config is not None else None
-    # Count over the model's (possibly padded) vocabulary, which the draft's t2d spans.
-    vocab_size = max(len(tok), getattr(text_config, "vocab_size", 0) or 0)
+    # Count over the model's (possibly padded) vocabulary, which the draft's t2d spans. A
+    # tokenizer with more tokens than the model's embedding (another model's, or one given
+    # added tokens without resizing the model): rows holding those ids are set aside, counted
+    rows = getattr(text_config, "vocab_size", None) or None
+    embedding_rows = rows if rows and len(tok) > rows else None
+    vocab_size = embedding_rows or max(len(tok), rows or 0)
+    if embedding_rows is not None:
+        log.warning("the tokenizer of %s has %d tokens, more than the model's %d embedding rows "
+                    "(vocab_size): rows holding the ids past them are set aside as rejected "
+                    "(eyas doctor checks the pair); is the tokenizer the model's own?",
+                    cfg.target, len(tok), rows)
     max_length = _max_length(cfg, text_config)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tok,
                            weights=False)
@@ -296,7 +305,7 @@ def prepare(cfg: PrepareConfig) -> PrepareSummary:
     _claim_out(out, cfg)
     work, keep_work = out / ".work", False
     try:
-        summary = _write_dataset(cfg, tok, work, vocab_size, max_length)
+        summary = _write_dataset(cfg, tok, work, vocab_size, max_length, embedding_rows)
         _replace(out, work / "new")
     except NoUsableRows as err:
         # the reasons must stay readable: in `out` if it held no earlier output, else beside
@@ -344,13 +353,13 @@ class NoUsableRows(EyasError):
 
 
 def _write_dataset(cfg: PrepareConfig, tok, work: Path, vocab_size: int,
-                   max_length: int) -> PrepareSummary:
+                   max_length: int, embedding_rows: int | None = None) -> PrepareSummary:
     """Tokenize (cache in `work`), then write rejects.jsonl, dataset/ and
     token_counts.safetensors into `work`/new."""
     import datasets
     from safetensors.numpy import save_file
 
-    ds = tokenize_rows(cfg, tok, work, max_length)
+    ds = tokenize_rows(cfg, tok, work, max_length, embedding_rows)
     out = work / "new"
     out.mkdir(parents=True, exist_ok=True)
     status = np.asarray(ds["status"], dtype=object)

@@ -60,9 +60,10 @@ def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip:
 
 
 def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
-             truncate: bool) -> dict:
+             truncate: bool, embedding_rows: int | None = None) -> dict:
     """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected /
-    cut_off / blank."""
+    cut_off / blank. `embedding_rows`: the target's, where its tokenizer has more tokens
+    (a row holding one of those would end its forward in an index error)."""
     status = "blank" if rec["blank"] else "cut_off" if rec["cut_off"] else "rejected"
     out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
            "status": status, "reason": rec["error"],
@@ -78,6 +79,11 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
                                           truncated=rec["truncated"], **mask_kwargs)
     except ChatFormatError as err:
         out["reason"] = str(err)
+        return out
+    if embedding_rows is not None and ids and max(ids) >= embedding_rows:
+        out["reason"] = (f"token id {max(ids)} is past the target's {embedding_rows} embedding "
+                         f"rows (its config's vocab_size): the tokenizer has more tokens than "
+                         f"the model; check that the tokenizer is the target's own")
         return out
     if not any(mask):
         out["reason"] = ("no assistant tokens to supervise: the only assistant turn is the "
@@ -127,8 +133,9 @@ def _features():
     })
 
 
-def tokenize_rows(cfg, tok, work: Path, max_length: int):
-    """All input rows as one dataset with ids, masks and a status per row."""
+def tokenize_rows(cfg, tok, work: Path, max_length: int, embedding_rows: int | None = None):
+    """All input rows as one dataset with ids, masks and a status per row; rows holding a
+    token id of `embedding_rows` or more are rejected (`_process`)."""
     import datasets
 
     features = _features()
@@ -146,12 +153,12 @@ def tokenize_rows(cfg, tok, work: Path, max_length: int):
     template_kwargs = parse_template_kwargs(cfg.chat_template_kwargs)
     fingerprint = hashlib.sha256(json.dumps(
         [to_dict(cfg), max_length, tokenizer_fingerprint(tok), chat_template_fingerprint(tok),
-         rows._fingerprint],
+         rows._fingerprint, embedding_rows],
         sort_keys=True, default=str).encode()).hexdigest()[:16]
     return rows.map(
         _process, features=features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
         desc="tokenizing", new_fingerprint=fingerprint,
-        fn_kwargs={"tokenizer": tok, "max_length": max_length,
+        fn_kwargs={"tokenizer": tok, "max_length": max_length, "embedding_rows": embedding_rows,
                    "truncate": cfg.length_policy == "truncate",
                    "mask_kwargs": {"last_turn_only": cfg.last_turn_only,
                                    "template_kwargs": template_kwargs}})
