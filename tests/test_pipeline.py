@@ -195,6 +195,31 @@ def test_an_export_that_lost_a_file_it_wrote_runs_again(tmp_path, llama_dir):
         False, "its output lost model.safetensors since it ran")
 
 
+def test_a_capture_that_lost_a_part_runs_again(tmp_path, llama_dir):
+    """From an audit: a damaged part, deleted as train's message says, left the capture "up
+    to date" at every plan, and train refused it again at every run."""
+    from eyas import freshness
+    from eyas.store.manifest import write_manifest
+
+    spec = {"target": str(llama_dir), "data": "chats.jsonl", "work_dir": "w"}
+    cfg = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, spec)))}["capture"]
+    out = Path(cfg.out)
+    out.mkdir(parents=True)
+    parts = ["shard-00000-of-00001.part-00000.safetensors",
+             "shard-00000-of-00001.part-00001.safetensors"]
+    for name in parts:
+        (out / name).write_bytes(b"x" * 10)
+    (out / "index.json").write_text(json.dumps({"files": [{"file": n, "bytes": 10}
+                                                          for n in parts]}))
+    write_manifest(out, "capture", cfg)
+    assert freshness.up_to_date(cfg, out, False) == (True, "up to date")
+    (out / parts[1]).write_bytes(b"x" * 4)  # cut short
+    (out / parts[0]).unlink()
+    assert freshness.up_to_date(cfg, out, False) == (False, (
+        f"its part files {parts[0]}, {parts[1]} are missing or cut since it ran: capture "
+        f"resumes and captures their samples again"))
+
+
 def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llama_dir,
                                                                    monkeypatch):
     import shutil

@@ -55,7 +55,25 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     gone = [f for f in manifest.get("files") or () if not (out / f).exists()]
     if gone:
         return False, f"its output lost {', '.join(sorted(gone))} since it ran"
+    if manifest.get("step") == "capture":  # a part deleted (as a damaged one's fix says) or cut
+        lost = _capture_parts_lost(out)
+        if lost:
+            return False, (f"its part files {', '.join(lost[:3])}"
+                           f"{f' and {len(lost) - 3} more' if len(lost) > 3 else ''} are missing "
+                           f"or cut since it ran: capture resumes and captures their samples "
+                           f"again")
     return True, "up to date"
+
+
+def _capture_parts_lost(out: Path) -> list[str]:
+    """The part files a finished capture's index lists that are gone or of another size (a
+    stat each; their sha256 is train's check)."""
+    try:
+        files = json.loads((out / "index.json").read_text()).get("files") or []
+    except (OSError, ValueError, AttributeError):
+        return ["index.json"]
+    return [e["file"] for e in files
+            if not (out / e["file"]).is_file() or (out / e["file"]).stat().st_size != e["bytes"]]
 
 
 def read_step_manifest(out: Path) -> dict:

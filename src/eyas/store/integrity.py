@@ -144,4 +144,6 @@ def refuse_damaged(folder: str | Path, bad: list[tuple[dict, str]]) -> None:
         f"capture {folder} has damaged part files, refused:\n  - {shown}\n"
         f"To redo them, delete those files and run the same `eyas capture` command again "
         f"(--shard {', '.join(shards)}): it resumes, captures only their samples and rebuilds "
-        f"the index. A part that is merely missing is recaptured the same way.")
+        f"the index. A part that is merely missing is recaptured the same way. In an `eyas "
+        f"run` pipeline, delete them and run it again: it sees them gone and its capture "
+        f"step resumes so.")
