@@ -70,7 +70,10 @@ def test_weights_cut_short_or_missing_are_a_problem(model_dir, tmp_path, capsys)
         f"weights: model.safetensors has {size - 1:,} bytes where its header says {size:,}: "
         f"the file was cut short; download or copy the model again (every step that loads "
         f"the target would fail)"]
-    assert "verdict          1 problem(s)" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "verdict          1 problem(s)" in text
+    # no fingerprint of the cut file (it names no checkpoint): the identity line says why
+    assert report["identity"] == {} and "identity         none (model.safetensors has" in text
     # an index naming a file that is not there: the identity line says so
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}))

@@ -93,13 +93,15 @@ def doctor(cfg: DoctorConfig) -> dict:
         # the draft's heads are the target's by default (DraftConfig.from_target)
         "draft_attention": band_kernels.describe(info.num_attention_heads, info.head_dim),
     }
-    # what later steps compare to tell this checkpoint from another of its shape
-    record = target_record(str(cfg.target), cfg.revision)
-    report["identity"] = {k: record[k] for k in ("gguf_fingerprint", "weights_fingerprint")
-                          if record.get(k)}  # none without weights here
     # a local folder's weights cut short (a hub name's cache may lack files it downloads)
     folder = Path(str(cfg.target)).expanduser()
     report["weights_damage"] = weights_damage(folder) if folder.is_dir() else None
+    # what later steps compare to tell this checkpoint from another of its shape (none for
+    # weights cut short: their fingerprint names no checkpoint; the identity line says why)
+    record = target_record(str(cfg.target), cfg.revision)
+    report["identity"] = {} if report["weights_damage"] else {
+        k: record[k] for k in ("gguf_fingerprint", "weights_fingerprint")
+        if record.get(k)}  # none without weights here
     report["problems"] = _problems(report, info)
     report["notes"] = _notes(str(cfg.target))
     report["ok"] = not report["problems"]
