@@ -236,6 +236,7 @@ def test_a_target_whose_weights_changed_in_place_reruns_its_steps(tmp_path, llam
     cfg = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, spec)))}["capture"]
     out = Path(cfg.out)
     write_manifest(out, "capture", cfg, target=target_record(str(target)))
+    (out / "index.json").write_text('{"files": []}')  # (a capture's index, of no part)
     assert freshness.up_to_date(cfg, out, False) == (True, "up to date")
     # fine-tuned in place: every config the same, so only the fingerprint tells
     weights = load_file(str(target / "model.safetensors"))
@@ -465,6 +466,7 @@ def test_from_step_refuses_a_skipped_step_the_plan_would_run_again(tmp_path, lla
     def finish_capture():  # (a capture manifest of the plan's own config: no model run)
         cfg = {p.step: p.config for p in plan(RunConfig(pipeline=pipeline))}["capture"]
         write_manifest(cfg.out, "capture", cfg, inputs=[read_manifest(work / "prepared")])
+        (Path(cfg.out) / "index.json").write_text('{"files": []}')  # its index, of no part
 
     run(RunConfig(pipeline=pipeline, until_step="prepare"))
     finish_capture()
