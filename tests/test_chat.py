@@ -307,9 +307,17 @@ def test_tool_calls_surrogates_and_byte_order_marks(tmp_path):
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "name": "lookup", "content": "found"},
         {"role": "assistant", "content": "Found it."}]})
-    assert got[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    # the arguments' JSON text decoded, as vLLM's server hands it to the template (which
+    # renders it with `tojson`); text that is no JSON object stays as it is
+    decoded = {**call, "function": {"name": "lookup", "arguments": {"q": "x"}}}
+    assert got[1] == {"role": "assistant", "content": "", "tool_calls": [decoded]}
     assert got[2] == {"role": "tool", "content": "found", "tool_call_id": "c1", "name": "lookup"}
-    assert chat.strip_reasoning(got)[1]["tool_calls"] == [call]
+    assert chat.strip_reasoning(got)[1]["tool_calls"] == [decoded]
+    for text in ("not json", "[1, 2]"):
+        odd = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": text}}
+        turn = chat.normalize({"messages": [{"role": "user", "content": "x"}, {
+            "role": "assistant", "content": None, "tool_calls": [odd]}]})[1]
+        assert turn["tool_calls"] == [odd]
     with pytest.raises(ChatFormatError, match="not a list of OpenAI tool calls"):
         chat.normalize({"messages": [{"role": "user", "content": "x"}, {
             "role": "assistant", "content": None, "tool_calls": [{"name": "lookup"}]}]})

@@ -896,12 +896,13 @@ def test_the_targets_position_limit_caps_max_length(tok_dir, tmp_path, tok, capl
         == limit - 1  # a smaller --max-length still applies
 
 
-# Qwen2.5-style ChatML with tool calls: the calls are written after the content.
+# Qwen2.5-style ChatML with tool calls: the calls are written after the content, their
+# arguments with `tojson` (an audit: the OpenAI form's JSON text was encoded twice).
 CHATML_TOOLS = CHATML.replace(
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}",
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
     "{%- for c in m.tool_calls or [] %}{{- '<tool_call>\\n{\"name\": \"' + c.function.name"
-    " + '\", \"arguments\": ' + c.function.arguments + '}\\n</tool_call>' }}{%- endfor %}"
+    " + '\", \"arguments\": ' + c.function.arguments | tojson + '}\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}")
 TOOL_ROW = {"id": "tool-call", "messages": [
     {"role": "user", "content": "Weather in Paris?"},

@@ -12,6 +12,7 @@ system/user/assistant/tool, or raises `ChatFormatError` saying what is wrong wit
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Iterator, NamedTuple
 
@@ -98,6 +99,7 @@ def _normalize_turn(i: int, turn: Any) -> dict[str, str]:
     tool_calls = (turn.get("tool_calls") or None) if role == "assistant" else None
     if tool_calls is not None:
         _check_tool_calls(i, tool_calls)
+        tool_calls = [_arguments_decoded(c) for c in tool_calls]
         if raw_content is None:
             raw_content = ""  # an OpenAI tool call has content null: the calls are the turn
     content = _text(i, raw_content)
@@ -115,6 +117,22 @@ def _normalize_turn(i: int, turn: Any) -> dict[str, str]:
         message.update({k: turn[k] for k in ("tool_call_id", "name")
                         if isinstance(turn.get(k), str)})
     return message
+
+
+def _arguments_decoded(call: dict) -> dict:
+    """An OpenAI tool call whose `arguments` is the JSON text of an object (as the API writes
+    it) with that object instead, as vLLM's server hands calls to the chat template and as
+    transformers' templates expect them: templates render arguments with `tojson`, which would
+    encode the text a second time, a quoted string the model never writes."""
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            return call  # not JSON: rendered as given
+        if isinstance(decoded, dict):
+            return {**call, "function": {**call["function"], "arguments": decoded}}
+    return call
 
 
 def _check_tool_calls(i: int, calls: Any) -> None:
