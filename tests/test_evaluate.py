@@ -1210,3 +1210,21 @@ def test_eyas_run_measures_again_when_the_prompt_or_template_file_changes(llama_
     template.write_text(LLAMA3_TEMPLATE.replace("| trim ", ""))
     fresh, why = up_to_date(cfg, Path(cfg.out), False)
     assert not fresh and f"its chat template file {template} changed" in why
+
+
+def test_a_prepared_folder_of_regenerated_rows_gives_regenerates_system_prompt(caplog):
+    """From an audit: eval on a prepared folder made from a regenerate run given
+    --system-prompt took prepare's own (none), warned that the draft trained on that folder
+    was measured without its system prompt, and recorded none, though every row held it."""
+    from types import SimpleNamespace
+
+    from eyas.targets.prompts import system_prompt
+
+    prepared = {"step": "prepare", "config": {"system_prompt": None},
+                "inputs": [{"step": "regenerate", "config": {"system_prompt": "Be terse."}}]}
+    lineage = {"system_prompt": "Be terse."}  # the draft's data: that same folder
+    with caplog.at_level("WARNING"):
+        got = system_prompt(SimpleNamespace(system_prompt=None), prepared, lineage, "draft")
+    assert got == "Be terse." and "system" not in caplog.text
+    given = system_prompt(SimpleNamespace(system_prompt="Other."), prepared, lineage, "draft")
+    assert given == "Other." and "the system prompt 'Other.'" in caplog.text

@@ -21,7 +21,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.store.benchsets import bench_rows
-from eyas.store.manifest import (chat_template_fingerprint, draft_chat, found_here,
+from eyas.store.manifest import (chat_record, chat_template_fingerprint, draft_chat, found_here,
                                  peek_manifest, read_manifest)
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError, read_rows
@@ -119,7 +119,8 @@ def system_prompt(cfg, prepared: dict | None, lineage: dict | None, draft=None) 
     was prepared or regenerated with (`draft`'s); a difference from the latter is warned
     about."""
     was = (lineage or {}).get("system_prompt") or None
-    prompt = cfg.system_prompt or (((prepared.get("config") or {}).get("system_prompt") or None)
+    # a prepared folder's: regenerate's first (its rows hold it), else prepare's own
+    prompt = cfg.system_prompt or (((chat_record(prepared) or {}).get("system_prompt") or None)
                                    if prepared is not None else was)
     if lineage and prompt != was:
         log.warning("eval gives prompts without a system message %s; the draft %s was trained "
