@@ -1881,3 +1881,23 @@ def test_a_run_resumes_on_its_data_captured_again_in_other_shards(run_inputs, tm
     train(_cfg({**run_inputs, "captured": str(again)}, part, max_steps=4, save_every=2))
     for key, value in _weights(whole, 4).items():
         torch.testing.assert_close(_weights(part, 4)[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_eval_data_without_eval_samples_says_how_to_capture_it(run_inputs, tmp_path):
+    """From an audit: --eval-data captured with --split all from a prepared folder with no
+    eval rows was "no samples; capture more data or lower --eval-fraction", a flag
+    --eval-data does not use."""
+    from eyas.capture import CaptureConfig, capture
+    from eyas.prepare import PrepareConfig, prepare
+    from eyas.targets.corpus import synthetic_chats
+
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(4, seed=5)))
+    prepare(PrepareConfig(target=run_inputs["target"], data=(str(chats),),
+                          out=str(tmp_path / "prep"), max_length=256, eval_fraction=0.0))
+    capture(CaptureConfig(target=run_inputs["target"], data=str(tmp_path / "prep"),
+                          out=str(tmp_path / "cap"), split="all", model_dtype="fp32"))
+    with pytest.raises(EyasError, match=r"--eval-data .*cap holds no eval samples.*--split "
+                                        r"train") as err:
+        train(_cfg(run_inputs, tmp_path / "run", eval_data=str(tmp_path / "cap")))
+    assert "--eval-fraction and capture again" in str(err.value)

@@ -234,6 +234,12 @@ def _offline_inputs(cfg: TrainConfig) -> Inputs:
         check_capture(ev.manifest, target=target, aux_layer_ids=aux,
                       what=f"--eval-data {cfg.eval_data}", weights=weights)
         eval_ids = split_ids(ev, "eval")
+        if not len(eval_ids):  # a --split all capture of a prepared folder without eval rows
+            raise EyasError(f"--eval-data {cfg.eval_data} holds no eval samples: it was "
+                            f"captured with --split all from a prepared folder whose eval "
+                            f"split is empty. Capture that folder's rows with --split train "
+                            f"(every sample is then eval data), or prepare with a non-zero "
+                            f"--eval-fraction and capture again", flag="--eval-data")
         manifests.append(ev.manifest)
     elif man.get("split") == "all" and len(split_ids(src, "eval")):
         ev, eval_ids = src, split_ids(src, "eval")
