@@ -1901,3 +1901,23 @@ def test_eval_data_without_eval_samples_says_how_to_capture_it(run_inputs, tmp_p
                                         r"train") as err:
         train(_cfg(run_inputs, tmp_path / "run", eval_data=str(tmp_path / "cap")))
     assert "--eval-fraction and capture again" in str(err.value)
+
+
+def test_a_resume_with_other_held_out_samples_names_the_flag(run_inputs, tmp_path):
+    """From an audit: resuming a run started with --eval-fraction 0.2 (on a capture of the
+    train split alone) without it was refused as "other data or batching" naming flags that
+    had not changed, and advised --resume never, which deletes the run's checkpoints."""
+    from eyas.capture import CaptureConfig, capture
+
+    captured = tmp_path / "train-only"
+    capture(CaptureConfig(target=run_inputs["target"], data=run_inputs["prepared"],
+                          out=str(captured), split="train", model_dtype="fp32",
+                          batch_tokens=2048))
+    run = tmp_path / "run"
+    train(_cfg(run_inputs, run, data=str(captured), max_steps=2, save_every=2,
+               eval_fraction=0.2))
+    with pytest.raises(EyasError, match=r"other data or batching than this command's: "
+                                        r"--eval-fraction 0\.2 then, 0\.02 now\. Resume with "
+                                        r"the values it was started with, or train a new run "
+                                        r"in another --out"):
+        train(_cfg(run_inputs, run, data=str(captured), max_steps=3))

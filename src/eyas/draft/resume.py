@@ -140,11 +140,13 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
         changed = _batching_changes(cfg)
         raise EyasError(f"{path} was trained with other data or batching "
                         + (f"than this command's: {', '.join(changed)}. Resume with the values "
-                           f"it was started with, or start over with --resume never"
+                           f"it was started with"
                            if changed else
                            "(samples, --batch-tokens, --row-tokens, --truncate, --seed, ranks x "
-                           "--grad-accum); resume with the same settings and data, or start "
-                           "over with --resume never") + ".", flag="--resume")
+                           "--grad-accum, --eval-fraction or --eval-data); resume with the same "
+                           "settings and data")
+                        + ", or train a new run in another --out (--resume never deletes this "
+                          "one's checkpoints).", flag="--resume")
     if state["step"] > plan.total_steps:
         raise EyasError(f"{path} is step {state['step']}, past the {plan.total_steps} steps "
                         f"this run's --epochs / --max-steps give: resume with the length it "
@@ -202,15 +204,17 @@ def started_config(out: str | Path) -> dict:
 
 
 def _batching_changes(cfg: TrainConfig) -> list[str]:
-    """The options of the data order that differ from those the run was started with (its
+    """The options of the data order and of the held-out samples that differ from those the run was started with (its
     eyas.json), as `--flag was, now` (ranks are not recorded: a count of processes that
     changed shows as no change here)."""
     old = started_config(cfg.out)
     out = []
-    for key in DATA_ORDER:
+    # the held-out samples too: --eval-fraction's (or none, with --eval-data) leave training
+    for key in (*DATA_ORDER, "eval_fraction", "eval_data"):
         if key in old and old[key] != getattr(cfg, key):
             flag = "--" + key.replace("_", "-")
-            out.append(f"{flag} {old[key]} then, {getattr(cfg, key)} now")
+            was, now = (v if v is not None else "none" for v in (old[key], getattr(cfg, key)))
+            out.append(f"{flag} {was} then, {now} now")
     return out
 
 
