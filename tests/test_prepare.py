@@ -888,6 +888,13 @@ def test_the_targets_position_limit_caps_max_length(tok_dir, tmp_path, tok, capl
     m = read_manifest(tmp_path / "drop", "prepare")
     assert (m["max_length"], m["max_position_embeddings"]) == (limit, limit)
     assert m["config"]["max_length"] == 2048
+    # each row's reason names the target's cap, not --max-length (an audit: raising it, as
+    # the reasons said, could keep nothing)
+    reasons = [r["reason"] for r in map(json.loads, open(tmp_path / "drop" / "rejects.jsonl"))
+               if "tokens > max_length" in r["reason"]]
+    assert len(reasons) == 3 and all(
+        f"> max_length {limit} (the target's max_position_embeddings; --length-policy "
+        f"truncate keeps the first {limit})" in r for r in reasons), reasons
     cut = run_prepare(target, [root], tmp_path / "cut", length_policy="truncate")
     assert (cut.kept, cut.truncated) == (8, 3)
     train = datasets.load_from_disk(str(tmp_path / "cut" / "dataset"))["train"]

@@ -60,10 +60,12 @@ def _records(paths: tuple[str, ...], fmt: str, system_prompt: str | None, strip:
 
 
 def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
-             truncate: bool, embedding_rows: int | None = None) -> dict:
+             truncate: bool, embedding_rows: int | None = None, capped: bool = False) -> dict:
     """One conversation -> ids, mask and a status: ok / truncated / too_long / rejected /
     cut_off / blank. `embedding_rows`: the target's, where its tokenizer has more tokens
-    (a row holding one of those would end its forward in an index error)."""
+    (a row holding one of those would end its forward in an index error); `capped`:
+    `max_length` is the target's max_position_embeddings, below --max-length (the reasons
+    then name it, since no --max-length raises it)."""
     status = "blank" if rec["blank"] else "cut_off" if rec["cut_off"] else "rejected"
     out = {"input_ids": [], "loss_mask": [], "num_tokens": 0, "num_masked": 0,
            "status": status, "reason": rec["error"],
@@ -94,7 +96,8 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
     status = "ok"
     if len(ids) > max_length:
         full = len(ids)
-        out["reason"] = (f"{full} tokens > max_length {max_length} (--max-length; "
+        limit = "the target's max_position_embeddings" if capped else "--max-length"
+        out["reason"] = (f"{full} tokens > max_length {max_length} ({limit}; "
                          f"--length-policy truncate keeps the first {max_length})")
         ids, mask = ids[:max_length], mask[:max_length]
         # A cut that leaves nothing to learn from is as useless as a dropped sample.
@@ -102,7 +105,10 @@ def _process(rec: dict, *, tokenizer, mask_kwargs: dict, max_length: int,
         if truncate and status == "too_long":
             out["reason"] = (f"{full} tokens > max_length {max_length}, and "
                              f"its first {max_length} hold no assistant token (the prompt "
-                             f"alone is longer): raise --max-length to keep it")
+                             f"alone is longer): "
+                             + ("the target's max_position_embeddings caps the length, so "
+                                "nothing keeps it" if capped else
+                                "raise --max-length to keep it"))
     if status == "too_long":
         ids, mask = [], []
     out.update(input_ids=ids, loss_mask=mask, num_tokens=len(ids), num_masked=sum(mask),
@@ -159,6 +165,7 @@ def tokenize_rows(cfg, tok, work: Path, max_length: int, embedding_rows: int | N
         _process, features=features, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
         desc="tokenizing", new_fingerprint=fingerprint,
         fn_kwargs={"tokenizer": tok, "max_length": max_length, "embedding_rows": embedding_rows,
+                   "capped": max_length < cfg.max_length,
                    "truncate": cfg.length_policy == "truncate",
                    "mask_kwargs": {"last_turn_only": cfg.last_turn_only,
                                    "template_kwargs": template_kwargs}})
