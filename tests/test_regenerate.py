@@ -986,3 +986,29 @@ def test_a_question_of_no_text_is_refused_not_answered(setup, tmp_path):
         assert set(rejects) == refused and stats["ok"] == 3 - len(refused)
         assert rejects["unasked"]["kind"] == "input" and rejects["unasked"]["reason"] == \
             "message 0: the user turn to answer is empty; fill it or leave the row out"
+
+
+def test_retry_rejects_retries_server_errors_and_out_of_memory_rows(tmp_path):
+    """From an audit: the advice for rows out of GPU memory (lower --batch-size, the reason's
+    "use the openai backend") could not take effect in the same --out: every such row was
+    skipped as done, and --retry-rejects retried server errors only."""
+    from eyas.store.regenerate_output import read_previous, what_to_do
+
+    kinds = ["server", "memory", "length", "input", "empty"]
+    (tmp_path / REJECTS).write_text("".join(
+        json.dumps({"file": "d.jsonl", "row": i, "kind": k, "reason": "r", "id": str(i)}) + "\n"
+        for i, k in enumerate(kinds, 1)))
+    assert set(read_previous(tmp_path, retry_rejects=False)) == {("d.jsonl", i) for i in
+                                                                  range(1, 6)}
+    kept = read_previous(tmp_path, retry_rejects=True)  # server and memory are tried again
+    assert set(kept) == {("d.jsonl", 3), ("d.jsonl", 4), ("d.jsonl", 5)}
+    assert [r["kind"] for r in _read(tmp_path / REJECTS)] == ["length", "input", "empty"]
+    hints = what_to_do(_cfg_for_hints(), Counter({"memory": 1, "length": 1, "empty": 1}))
+    assert "--backend openai" in hints and "--retry-rejects" in hints
+    assert hints.count("with a new --out") == 3  # what a resume in this --out cannot change
+
+
+def _cfg_for_hints():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(served_model_name=None, target="t")

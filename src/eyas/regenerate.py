@@ -137,7 +137,8 @@ class RegenerateConfig:
                              "504, a timeout or a dropped connection")
     retry_backoff: float = option(1.0, "openai backend: seconds before the first retry; doubles "
                                   "with each retry (at most 60)")
-    retry_rejects: bool = option(False, "on resume, retry rows rejected for server errors")
+    retry_rejects: bool = option(False, "on resume, retry rows rejected for server errors or "
+                                        "out of GPU memory (kinds server, memory)")
     revision: str | None = revision_option()
     trust_remote_code: bool = trust_remote_code_option()
 
@@ -341,8 +342,9 @@ def accept(gen: Generation, turn: int, cfg: RegenerateConfig) -> dict:
     where = f"assistant turn at message {turn}"
     truncated = gen.finish_reason == "length"
     if gen.finish_reason == "out_of_memory":
-        raise Rejected(f"{where}: out of GPU memory even alone; lower --max-new-tokens or use "
-                       f"the openai backend", "memory")
+        raise Rejected(f"{where}: out of GPU memory even alone; resume with --backend openai "
+                       f"and --retry-rejects, or lower --max-new-tokens with a new --out",
+                       "memory")
     if gen.finish_reason not in ("stop", "length"):
         raise Rejected(f"{where}: finish_reason {gen.finish_reason!r}", "server")
     text = gen.text

@@ -255,6 +255,12 @@ def target_changes(manifest: dict, target: dict, template_hash: str) -> list[str
     return changed
 
 
+# reject kinds --retry-rejects tries again: a server that failed, an answer that did not fit
+# the GPU (retried where the backend changed since: another server, more memory); the others
+# come from the rows or the settings that shape the answers, which a resume keeps
+RETRIED = ("server", "memory")
+
+
 def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
     """(file, row) -> "ok"/"truncated"/"failed" for every row a previous run in `out` wrote
     ("truncated": an ok row whose last answer was cut at max_new_tokens)."""
@@ -265,10 +271,10 @@ def read_previous(out: Path, retry_rejects: bool) -> dict[tuple[str, int], str]:
         done[(rec["source"]["file"], rec["source"]["row"])] = (
             "truncated" if rec.get("truncated") else "ok")
     rejects = [rec for _, _, rec in _records(out / REJECTS)]
-    if retry_rejects and any(r["kind"] == "server" for r in rejects):
-        kept = [r for r in rejects if r["kind"] != "server"]
-        log.info("retry_rejects: %d rows rejected for server errors will be tried again",
-                 len(rejects) - len(kept))
+    if retry_rejects and any(r["kind"] in RETRIED for r in rejects):
+        kept = [r for r in rejects if r["kind"] not in RETRIED]
+        log.info("retry_rejects: %d rows rejected for server errors or out of memory will be "
+                 "tried again", len(rejects) - len(kept))
         _rewrite(out / REJECTS, [json.dumps(r, ensure_ascii=False) + "\n" for r in kept])
         rejects = kept
     for rec in rejects:
@@ -302,12 +308,16 @@ def what_to_do(cfg: RegenerateConfig, kinds: Counter) -> str:
                      "refuses them); fix the data, then run with a new --out (an --out holds "
                      "one input)")
     if kinds.get("length"):
-        hints.append("kind length: raise --max-length or --max-new-tokens")
+        hints.append("kind length: raise --max-length or --max-new-tokens, with a new --out "
+                     "(a run in this one keeps the settings that shape its answers)")
     if kinds.get("empty"):
         hints.append("kind empty: the target answered nothing; check its chat template and "
-                     "--reasoning")
+                     "--reasoning, then run with a new --out")
     if kinds.get("memory"):
-        hints.append("kind memory: lower --max-new-tokens or --batch-size")
+        hints.append("kind memory: the answers did not fit the GPU even one at a time; run "
+                     "the same command with --backend openai (a server with more memory) and "
+                     "--retry-rejects, which retries those rows, or lower --max-new-tokens "
+                     "with a new --out")
     return "; ".join(hints) or "Fix the cause and run again."
 
 
