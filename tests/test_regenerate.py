@@ -1012,3 +1012,28 @@ def _cfg_for_hints():
     from types import SimpleNamespace
 
     return SimpleNamespace(served_model_name=None, target="t")
+
+
+def test_a_target_without_a_chat_template_is_refused_before_its_weights_load(setup, tmp_path,
+                                                                            monkeypatch):
+    """From an audit: a base model (no chat template) loaded its weights, then every row was
+    rejected as kind input, with advice to fix the data."""
+    import shutil
+
+    import eyas.regenerate as module
+
+    target = tmp_path / "base"
+    shutil.copytree(setup[0], target)
+    for name in ("chat_template.jinja",):
+        (target / name).unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+
+    def no_load(cfg):
+        raise AssertionError("the weights were loaded before the template was checked")
+
+    monkeypatch.setattr(module, "_load_generator", no_load)
+    with pytest.raises(EyasError, match=r"has no chat template: regenerate asks the target as "
+                                        r"a chat model"):
+        regenerate(_cfg(setup, tmp_path / "out", target=str(target)))

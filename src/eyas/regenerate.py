@@ -46,6 +46,7 @@ from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, has_text, normalize, sam
                               strip_reasoning, with_system_prompt)
 from eyas.targets.chat_files import FORMATS, BlankLine, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
+from eyas.targets.masking import check_template_compiles
 from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
                          required, revision_option, target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, placed, recorded_data,
@@ -186,6 +187,8 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     mine = (OUTPUT, REJECTS, "*.tmp")
     out = check_out(cfg.out, "regenerate", own=mine, unfinished=mine)
     tokenizer, target = _target(cfg)
+    if cfg.backend != "openai":  # (a server renders with its own template)
+        _check_template(cfg, tokenizer)  # before the weights load, not row by row after
     # also fails early on a missing path; files unchanged since the run in `out`: not read
     sources = source_fingerprints(cfg.data, recorded_data(out, "regenerate"))
     check_resume(cfg, out, sources, target, chat_template_fingerprint(tokenizer))
@@ -255,6 +258,19 @@ def _target(cfg: RegenerateConfig):
     # prepare refuses these answers for a target of the same shape with other weights
     return tokenizer, target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer,
                                     weights=cfg.backend != "openai")
+
+
+def _check_template(cfg: RegenerateConfig, tokenizer) -> None:
+    """The target's chat template, with which the local backends ask it: refused at once
+    where there is none or it is not valid Jinja (each row was rejected as kind input after
+    the weights had loaded, with advice to fix the data)."""
+    if not tokenizer.chat_template:
+        raise EyasError(f"the tokenizer of {cfg.target} has no chat template: regenerate asks "
+                        f"the target as a chat model, in the template it is served with. Give "
+                        f"a chat (instruct) model, or add its template to the tokenizer's "
+                        f"files (chat_template.jinja), the one prepare's --chat-template is "
+                        f"given")
+    check_template_compiles(tokenizer.chat_template, f"the tokenizer of {cfg.target}")
 
 
 def _sampling(cfg: RegenerateConfig) -> dict:
