@@ -204,9 +204,9 @@ def started_config(out: str | Path) -> dict:
 
 
 def _batching_changes(cfg: TrainConfig) -> list[str]:
-    """The options of the data order and of the held-out samples that differ from those the run was started with (its
-    eyas.json), as `--flag was, now` (ranks are not recorded: a count of processes that
-    changed shows as no change here)."""
+    """The options of the data order and of the held-out samples that differ from those the
+    run was started with (its eyas.json), as `--flag was, now` (ranks are not recorded: a
+    count of processes that changed shows as no change here)."""
     old = started_config(cfg.out)
     out = []
     # the held-out samples too: --eval-fraction's (or none, with --eval-data) leave training
