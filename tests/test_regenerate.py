@@ -1037,3 +1037,10 @@ def test_a_target_without_a_chat_template_is_refused_before_its_weights_load(set
     with pytest.raises(EyasError, match=r"has no chat template: regenerate asks the target as "
                                         r"a chat model"):
         regenerate(_cfg(setup, tmp_path / "out", target=str(target)))
+    # one that is not valid Jinja: the way out named is one regenerate has (no --chat-template)
+    (target / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(EyasError, match=r"is not valid Jinja: .*; fix it, or put the one the "
+                                        r"target is served with in the tokenizer's files "
+                                        r"\(chat_template.jinja\): regenerate takes no "
+                                        r"--chat-template$"):
+        regenerate(_cfg(setup, tmp_path / "out2", target=str(target)))

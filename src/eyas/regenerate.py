@@ -270,7 +270,10 @@ def _check_template(cfg: RegenerateConfig, tokenizer) -> None:
                         f"a chat (instruct) model, or add its template to the tokenizer's "
                         f"files (chat_template.jinja), the one prepare's --chat-template is "
                         f"given")
-    check_template_compiles(tokenizer.chat_template, f"the tokenizer of {cfg.target}")
+    check_template_compiles(tokenizer.chat_template, f"the tokenizer of {cfg.target}",
+                            fix="put the one the target is served with in the tokenizer's "
+                                "files (chat_template.jinja): regenerate takes no "
+                                "--chat-template")
 
 
 def _sampling(cfg: RegenerateConfig) -> dict:

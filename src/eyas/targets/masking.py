@@ -30,11 +30,14 @@ EMPTY_THINK = re.compile(re.escape(chat.THINK_OPEN) + r"\s*" + re.escape(chat.TH
                          + r"\s*")
 
 
-def check_template_compiles(template, source: str) -> None:
+def check_template_compiles(template, source: str,
+                            fix: str = "give the template the target is served with as "
+                                       "--chat-template FILE.jinja") -> None:
     """A chat template that Jinja cannot parse fails once, here, naming the line: it used to
     reject every row with the same error and then end in "no usable conversations". Compiled
     as transformers compiles it (its extensions, `{% generation %}` included): prepare and
-    eval accept the same templates."""
+    eval accept the same templates. `fix`: the other way out than fixing it, for a step
+    without --chat-template."""
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:  # another transformers: every row's render still says why
@@ -46,8 +49,7 @@ def check_template_compiles(template, source: str) -> None:
             _compile_jinja_template(text)
         except jinja2.TemplateSyntaxError as err:
             raise EyasError(f"the chat template of {source} is not valid Jinja: {err.message} "
-                            f"(line {err.lineno}); fix it, or give the template the target is "
-                            f"served with as --chat-template FILE.jinja") from err
+                            f"(line {err.lineno}); fix it, or {fix}") from err
 
 
 def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False,
