@@ -68,6 +68,15 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     regen["prepare"]["length_policy"] = "drop"
     by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
     assert by["regenerate"].max_length == 0 and by["prepare"].length_policy == "drop"
+    assert by["regenerate"].chat_template is None
+    # and asks the target in the template prepare renders with (not through a server's)
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    regen["prepare"]["chat_template"] = str(tmp_path / "t.jinja")
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
+    assert by["regenerate"].chat_template == str(tmp_path / "t.jinja")
+    regen["regenerate"].update(backend="openai", server_url=["http://localhost:1"])
+    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
+    assert by["regenerate"].chat_template is None
     assert plan(RunConfig(pipeline=_write(tmp_path, spec)))[0].config.length_policy == "drop"
     # --from-step skips steps that must have finished: said up front, not as a missing input
     with pytest.raises(ConfigError, match=r"--from-step capture skips prepare, which has not "
@@ -778,6 +787,44 @@ def test_regenerate_on_a_target_whose_weights_changed_starts_over(tmp_path, llam
     regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
     assert regen.action == "run" and regen.start_over
     assert "regenerate starts over (the target's weights changed (weights_fingerprint" in \
+        regen.reason
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()
+
+
+def test_regenerate_asks_in_prepares_template_and_starts_over_when_it_changes(tmp_path,
+                                                                             llama_dir):
+    """`eyas run` passes prepare's chat_template to regenerate (it asked in the tokenizer's
+    own while prepare rendered its answers in the file's); an edit of that file makes the
+    answers another template's, so regenerate starts over (its resume refused the rest)."""
+    from eyas.targets.corpus import synthetic_chats
+    from eyas.targets.tiny import LLAMA3_TEMPLATE as own
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(2)))
+    template = tmp_path / "served.jinja"
+    template.write_text(own)
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": "w",
+            "prepare": {"chat_template": str(template)},
+            "regenerate": {"enabled": True, "max_new_tokens": 3, "device": "cpu"}}
+    pipeline = _write(tmp_path, spec)
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    manifest = json.loads((tmp_path / "w" / "regenerated" / "eyas.json").read_text())
+    assert manifest["config"]["chat_template"] == str(template)
+    assert plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0].action == "skip"
+    # the same template under another path, or a key of how it runs: still up to date
+    moved = tmp_path / "moved.jinja"
+    moved.write_text(own)
+    spec["prepare"]["chat_template"] = str(moved)
+    spec["regenerate"]["batch_size"] = 7
+    assert plan(RunConfig(pipeline=_write(tmp_path, spec), until_step="regenerate"))[0] \
+        .action == "skip"
+    spec["prepare"]["chat_template"] = str(template)
+    pipeline = _write(tmp_path, spec)
+    template.write_text(own.replace("{{", "{{- ", 1))
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and regen.start_over
+    assert "regenerate starts over (its chat template changed (chat_template_hash" in \
         regen.reason
     run(RunConfig(pipeline=pipeline, until_step="regenerate"))
     assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()

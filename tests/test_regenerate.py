@@ -1035,12 +1035,57 @@ def test_a_target_without_a_chat_template_is_refused_before_its_weights_load(set
 
     monkeypatch.setattr(module, "_load_generator", no_load)
     with pytest.raises(EyasError, match=r"has no chat template: regenerate asks the target as "
-                                        r"a chat model"):
+                                        r"a chat model.*or that template as --chat-template "
+                                        r"FILE.jinja \(and the same file to prepare\)$"):
         regenerate(_cfg(setup, tmp_path / "out", target=str(target)))
-    # one that is not valid Jinja: the way out named is one regenerate has (no --chat-template)
-    (target / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
-    with pytest.raises(EyasError, match=r"is not valid Jinja: .*; fix it, or put the one the "
-                                        r"target is served with in the tokenizer's files "
-                                        r"\(chat_template.jinja\): regenerate takes no "
-                                        r"--chat-template$"):
+    # one that is not valid Jinja, in the tokenizer's files or given: named, with the way out
+    bad = "{% for m in messages %}{{ m.content }"
+    (target / "chat_template.jinja").write_text(bad)
+    with pytest.raises(EyasError, match=r"the chat template of the tokenizer of .* is not valid "
+                                        r"Jinja: .*; fix it, or give the template the target "
+                                        r"is served with as --chat-template FILE.jinja$"):
         regenerate(_cfg(setup, tmp_path / "out2", target=str(target)))
+    (tmp_path / "bad.jinja").write_text(bad)
+    with pytest.raises(EyasError, match=r"the chat template of .*bad.jinja is not valid Jinja"):
+        regenerate(_cfg(setup, tmp_path / "out3", chat_template=str(tmp_path / "bad.jinja")))
+    with pytest.raises(EyasError, match=r"chat template file .*none.jinja does not exist; give "
+                                        r"--chat-template the path of a .jinja file"):
+        regenerate(_cfg(setup, tmp_path / "out4", chat_template=str(tmp_path / "none.jinja")))
+    assert not any((tmp_path / f"out{i}").exists() for i in ("", 2, 3, 4))
+
+
+def test_chat_template_file_asks_a_target_without_one(setup, tmp_path):
+    """--chat-template: a target whose tokenizer has no template (a base model's files, a GGUF
+    without one) is asked in the file's, as prepare renders with the same file; the answers
+    and the recorded template are those of the target that holds the template itself. A
+    resume in another template is refused, and so is the openai backend (its server renders)."""
+    import shutil
+
+    target = tmp_path / "base"
+    shutil.copytree(setup[0], target)
+    (target / "chat_template.jinja").unlink()
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    template = tmp_path / "served.jinja"
+    template.write_text(TEMPLATE)
+
+    regenerate(_cfg(setup, tmp_path / "own", limit=3))
+    regenerate(_cfg(setup, tmp_path / "given", target=str(target), chat_template=str(template),
+                    limit=3))
+    own, given = (_read(tmp_path / d / "conversations.jsonl") for d in ("own", "given"))
+    assert [r["messages"] for r in given] == [r["messages"] for r in own] and len(own) == 3
+    hashes = {json.loads((tmp_path / d / "eyas.json").read_text())["chat_template_hash"]
+              for d in ("own", "given")}
+    assert len(hashes) == 1
+
+    other = tmp_path / "other.jinja"
+    other.write_text(TEMPLATE.replace("<|end_header_id|>", "<|end_header_id|> "))
+    assert other.read_text() != TEMPLATE
+    with pytest.raises(EyasError, match=r"different chat template \(it ran with hash"):
+        regenerate(_cfg(setup, tmp_path / "given", target=str(target),
+                        chat_template=str(other), limit=4))
+    with pytest.raises(ConfigError, match=r"--chat-template is for the transformers and vllm "
+                                          r"backends.*vllm serve MODEL --chat-template FILE"):
+        _cfg(setup, tmp_path / "srv", backend="openai", server_url=("http://localhost:1",),
+             chat_template=str(template))

@@ -130,10 +130,13 @@ def _template_changes(cfg, manifest: dict) -> str:
     """For prepare, why the chat template it renders with now is not the one its manifest
     recorded ("" if it is): a `chat_template` file, or the target folder's own template,
     edited in place keeps every config equal, and the prepared rows stay rendered with the old
-    one (`eyas prepare` run by itself prepares again; the plan skipped it)."""
+    one (`eyas prepare` run by itself prepares again; the plan skipped it). For regenerate
+    and eval, the same of the template they ask in."""
     if manifest.get("step") == "eval":  # its --chat-template file, by content
         return _template_file_changes(getattr(cfg, "chat_template", None),
                                       manifest.get("chat_template_sha256"))
+    if manifest.get("step") == "regenerate":
+        return _regenerate_template_changes(cfg, manifest)
     if manifest.get("step") != "prepare" or not manifest.get("chat_template_hash"):
         return ""
     from eyas.prepare import load_tokenizer
@@ -290,6 +293,25 @@ def starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> 
     return ""
 
 
+def _regenerate_template_changes(cfg, manifest: dict) -> str:
+    """Why the template regenerate would ask in now (its --chat-template file, e.g. prepare's
+    in `eyas run`, else the target's own) is not the one its answers were asked in ("" if it
+    is, or where this cannot be told here: the step itself then says)."""
+    from eyas.targets.gguf import is_gguf
+
+    was = manifest.get("chat_template_hash")
+    if not was or (is_gguf(cfg.target) and not cfg.chat_template):
+        return ""  # a GGUF's own template is in the file (_target_changes), costly to parse
+    from eyas.regenerate import target_tokenizer
+    from eyas.store.manifest import chat_template_fingerprint
+
+    try:
+        now = chat_template_fingerprint(target_tokenizer(cfg))
+    except (EyasError, OSError, ValueError):
+        return ""
+    return "" if now == was else f"its chat template changed (chat_template_hash {was} -> {now})"
+
+
 def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str:
     from eyas.store.regenerate_output import setting_changes
 
@@ -300,6 +322,9 @@ def _regenerate_starts_over(cfg, manifest: dict, out: Path, forced: bool) -> str
     swapped = _target_changes(cfg, manifest)
     if swapped.startswith("the target's weights changed"):
         return swapped
+    template = _regenerate_template_changes(cfg, manifest)
+    if template:  # its resume refuses the rest in another template
+        return template
     try:
         moved = _data_changes(cfg, manifest, out)
     except EyasError:

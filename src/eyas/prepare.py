@@ -33,8 +33,8 @@ from eyas.targets.chat_files import FORMATS
 from eyas.targets.chat_sources import (check_out_outside, regenerate_outputs, regenerated_files,
                                        source_fingerprints)
 # documented as eyas.prepare.tokenize_conversation and eyas.prepare.render_prompt
-from eyas.targets.masking import (check_template_compiles, render_prompt,  # noqa: F401
-                                  tokenize_conversation)
+from eyas.targets.masking import (check_template_compiles, read_template_file,
+                                  render_prompt, tokenize_conversation)  # noqa: F401
 from eyas.targets.tokenized_rows import tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -127,12 +127,7 @@ def load_tokenizer(cfg: PrepareConfig):
     tok = load(name, revision=None if cfg.tokenizer else cfg.revision,
                trust_remote_code=cfg.trust_remote_code)
     if cfg.chat_template:
-        path = Path(cfg.chat_template)
-        if not path.is_file():
-            raise EyasError(f"chat template file {path} "
-                            f"{'is a folder' if path.is_dir() else 'does not exist'}; give "
-                            f"--chat-template the path of a .jinja file")
-        tok.chat_template = path.read_text()
+        tok.chat_template = read_template_file(cfg.chat_template)
     if not tok.chat_template:
         raise EyasError(f"the tokenizer of {name} has no chat template; give the one the "
                         f"target is served with: --chat-template FILE.jinja")

@@ -46,7 +46,7 @@ from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, has_text, normalize, sam
                               strip_reasoning, with_system_prompt)
 from eyas.targets.chat_files import FORMATS, BlankLine, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
-from eyas.targets.masking import check_template_compiles
+from eyas.targets.masking import check_template_compiles, read_template_file
 from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
                          required, revision_option, target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, placed, recorded_data,
@@ -100,6 +100,10 @@ class RegenerateConfig:
                             choices=tuple(TEMPLATE_KWARGS))
     system_prompt: str | None = option(
         None, "system message for conversations without one (use the one you serve with)")
+    chat_template: str | None = option(
+        None, "Jinja chat template file to ask the target in, instead of its tokenizer's (the "
+              "one it is served with; give prepare the same); transformers and vllm backends: "
+              "a server renders with its own (vllm serve --chat-template FILE)")
     seed: int = option(0, "random seed (matters only when sampling)")
     limit: int | None = option(None, "only the first N input rows; raise it later to continue")
     batch_size: int = option(16, "conversations per generate call (transformers padded and "
@@ -162,6 +166,11 @@ class RegenerateConfig:
         if self.backend == "openai" and not self.server_url:
             raise ConfigError("backend openai needs --server-url, e.g. http://localhost:8000 "
                               "(start a server with `vllm serve MODEL`)")
+        if self.backend == "openai" and self.chat_template:
+            raise ConfigError("--chat-template is for the transformers and vllm backends: with "
+                              "--backend openai the server renders each prompt with its own "
+                              "template; start it with the file instead (vllm serve MODEL "
+                              "--chat-template FILE) and drop --chat-template here")
         if self.backend != "openai" and (self.server_url or self.served_model_name):
             # without --backend openai the target was loaded here, beside the server's copy
             raise ConfigError(f"--server-url and --served-model-name are for --backend openai; "
@@ -176,6 +185,13 @@ class RegenerateConfig:
         for url in self.server_url:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"server_url {url!r} must start with http:// or https://")
+
+
+# How the step runs, not what it writes (`eyas run` does not redo the steps after it for
+# them); --chat-template by its content (chat_template_hash, freshness), not its path.
+RegenerateConfig.RESULT_NEUTRAL = frozenset({
+    "chat_template", "batch_size", "concurrency", "timeout", "retries", "retry_backoff",
+    "server_url", "gpu_memory_utilization", "kv_cache_gib"})
 
 
 # ---------------------------------------------------------------- the step
@@ -202,7 +218,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     with Output(out, cfg.batch_size) as output:
         jobs = _jobs(cfg, set(prior), output, counts, order)
         if cfg.backend in ("transformers", "vllm"):
-            _run_local(cfg, jobs, output)
+            _run_local(cfg, jobs, output, tokenizer.chat_template)
         else:
             _run_openai(cfg, jobs, output, tokenizer)
     counts.update(output.counts)
@@ -246,12 +262,22 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     return stats
 
 
-def _target(cfg: RegenerateConfig):
-    """The target's tokenizer and manifest record (config only; weights load later if needed)."""
-    from eyas.targets.models import load_config, load_tokenizer
+def target_tokenizer(cfg: RegenerateConfig):
+    """The target's tokenizer, with --chat-template's file as its template where given."""
+    from eyas.targets.models import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
+    if cfg.chat_template:
+        tokenizer.chat_template = read_template_file(cfg.chat_template)
+    return tokenizer
+
+
+def _target(cfg: RegenerateConfig):
+    """The target's tokenizer and manifest record (config only; weights load later if needed)."""
+    from eyas.targets.models import load_config
+
+    tokenizer = target_tokenizer(cfg)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
     # the weights' fingerprint where this process runs them (not a server's, unknown here):
@@ -267,13 +293,10 @@ def _check_template(cfg: RegenerateConfig, tokenizer) -> None:
     if not tokenizer.chat_template:
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template: regenerate asks "
                         f"the target as a chat model, in the template it is served with. Give "
-                        f"a chat (instruct) model, or add its template to the tokenizer's "
-                        f"files (chat_template.jinja), the one prepare's --chat-template is "
-                        f"given")
-    check_template_compiles(tokenizer.chat_template, f"the tokenizer of {cfg.target}",
-                            fix="put the one the target is served with in the tokenizer's "
-                                "files (chat_template.jinja): regenerate takes no "
-                                "--chat-template")
+                        f"a chat (instruct) model, or that template as --chat-template "
+                        f"FILE.jinja (and the same file to prepare)")
+    check_template_compiles(tokenizer.chat_template,
+                            cfg.chat_template or f"the tokenizer of {cfg.target}")
 
 
 def _sampling(cfg: RegenerateConfig) -> dict:
@@ -441,12 +464,14 @@ def _load_generator(cfg: RegenerateConfig):
                           batching=cfg.batching, concurrency=cfg.batch_size)
 
 
-def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> None:
+def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, template) -> None:
     """The transformers and vllm backends. Engines that schedule a whole call themselves
     (vLLM, transformers' continuous batching) keep --batch-size x 8 conversations in flight:
     each call answers the next turn of every one of them, and a conversation that ends is
     written and replaced by the next at once (`run_rolling`). Padded and lookup batching take
-    windows of that many, sorted by length, in batches of --batch-size (`run_windows`)."""
+    windows of that many, sorted by length, in batches of --batch-size (`run_windows`).
+    `template`: the chat template checked and recorded (--chat-template's, else the
+    tokenizer's), which the generator's own tokenizer renders with."""
     import torch
 
     torch.manual_seed(cfg.seed)
@@ -454,6 +479,7 @@ def _run_local(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output) -> No
     if first is None:
         return  # a finished run resumes without loading the target
     gen = _load_generator(cfg)
+    gen.tokenizer.chat_template = template
     try:
         render = functools.partial(gen.render, template_kwargs=TEMPLATE_KWARGS[cfg.reasoning])
         chats = (Conversation(job, cfg) for job in itertools.chain([first], jobs))

@@ -19,6 +19,7 @@ data here; eval and regenerate render prompts the same way. See docs/prepare.md.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +29,18 @@ from eyas.targets.chat_files import ChatFormatError
 
 EMPTY_THINK = re.compile(re.escape(chat.THINK_OPEN) + r"\s*" + re.escape(chat.THINK_CLOSE)
                          + r"\s*")
+
+
+def read_template_file(path) -> str:
+    """The text of a --chat-template file (prepare, regenerate and eval take one), or an
+    EyasError that says what the path is instead."""
+    path = Path(path)
+    if not path.is_file():
+        raise EyasError(f"chat template file {path} "
+                        f"{'is a folder' if path.is_dir() else 'does not exist'}; give "
+                        f"--chat-template the path of a .jinja file: the template the target "
+                        f"is served with")
+    return path.read_text()
 
 
 def check_template_compiles(template, source: str,

@@ -26,7 +26,7 @@ from eyas.store.manifest import (chat_record, chat_template_fingerprint, draft_c
 from eyas.targets import chat
 from eyas.targets.chat_files import ChatFormatError, read_rows
 from eyas.targets.chat_sources import dict_splits, is_datasets_folder
-from eyas.targets.masking import check_template_compiles, render_prompt
+from eyas.targets.masking import check_template_compiles, read_template_file, render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,7 @@ def chat_template(cfg, tokenizer, prepared: dict | None, lineage: dict | None = 
         # a file the prepared folder names relative to where prepare ran: where it was then
         path = Path(template if cfg.chat_template else found_here(
             template, (prepared or {}).get("chat_template_path")))
-        if not path.is_file():
-            raise EyasError(f"chat template file {path} "
-                            f"{'is a folder' if path.is_dir() else 'does not exist'}; pass "
-                            f"the template the target is served with as --chat-template "
-                            f"FILE.jinja")
-        tokenizer.chat_template = path.read_text()
+        tokenizer.chat_template = read_template_file(path)
         if not cfg.chat_template:  # a file the prepared folder names: it must be that one
             check_template_hash(tokenizer, prepared or {}, str(path))
     elif not prepared and (lineage_file := found_here(
