@@ -712,6 +712,28 @@ def test_answers_of_another_target_are_refused_unless_given_as_a_file(llama_dir,
     assert run_prepare(llama_dir, [regen / "conversations.jsonl"], tmp_path / "p3").kept == 1
 
 
+def test_answers_asked_in_another_chat_template_are_warned_about(tok_dir, tmp_path, caplog):
+    """regenerate records the template it asked in; prepare rendering those answers in another
+    (its --chat-template, the regenerate run's not) says so, naming both ways to agree."""
+    from eyas.store.manifest import chat_template_fingerprint, target_record, write_manifest
+
+    tok = load_tok(tok_dir)
+    record = target_record(str(tok_dir), tokenizer=tok, weights=False)
+    regen = _regenerated(tmp_path, record)
+    write_manifest(regen, "regenerate", {}, target=record, complete=True,
+                   chat_template_hash=chat_template_fingerprint(tok))
+    with caplog.at_level(logging.WARNING, logger="eyas.prepare"):
+        run_prepare(tok_dir, [regen], tmp_path / "p1")
+    assert "asked in another chat template" not in caplog.text
+    other = tmp_path / "other.jinja"
+    other.write_text(tok.chat_template.replace("{{", "{{- ", 1))
+    with caplog.at_level(logging.WARNING, logger="eyas.prepare"):
+        run_prepare(tok_dir, [regen], tmp_path / "p2", chat_template=str(other))
+    assert re.search(r"regenerate` output .*regen were asked in another chat template "
+                     r"\(chat_template_hash \w+\) than prepare renders them in \(\w+\).*"
+                     r"eyas regenerate --chat-template FILE", caplog.text)
+
+
 def test_a_regenerate_runs_file_named_by_itself_keeps_its_system_prompt(tok_dir, tmp_path):
     """From an audit: the README's and `eyas run`'s way, --data REGEN/conversations.jsonl,
     recorded no regenerate input, so eval rendered prompts without the system prompt every

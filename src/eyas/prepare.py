@@ -183,7 +183,7 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
     """The `eyas regenerate` folders in --data (their manifests, recorded as this output's
     inputs), each refused if another target answered it (another tokenizer, shape or GGUF, or
     the same shape with other weights: a fine-tune, the base model): the draft learns the
-    answers of the model it drafts for. (An unfinished one is refused where its files are
+    answers of the model it drafts for. One asked in another chat template is warned about. (An unfinished one is refused where its files are
     read: resolve_paths.) A regenerate folder's conversations file named by itself is
     recorded too, unchecked: its system prompt is the data's (eval renders with it)."""
     found = regenerate_outputs(cfg.data)
@@ -209,6 +209,15 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
                 f"served. Regenerate its prompts with --target {cfg.target}, or, to train on "
                 f"those answers knowingly (the same model saved in another precision, say), "
                 f"{knowingly}")
+        asked = manifest.get("chat_template_hash")
+        if asked and asked != chat_template_fingerprint(tok):
+            log.warning("the answers in the `eyas regenerate` output %s were asked in another "
+                        "chat template (chat_template_hash %s) than prepare renders them in "
+                        "(%s): the draft then learns answers to prompts written otherwise "
+                        "than served. Give prepare the template regenerate asked in "
+                        "(--chat-template FILE, its config's chat_template), or regenerate in "
+                        "prepare's (eyas regenerate --chat-template FILE)", folder, asked,
+                        chat_template_fingerprint(tok))
     named = {m["path"] for m in found}
     return found + [m for m in regenerated_files(cfg.data) if m["path"] not in named]
 
