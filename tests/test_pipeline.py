@@ -857,3 +857,17 @@ def test_a_removed_folder_whose_reader_is_past_until_step_is_not_made_again(tmp_
     changed = _write(tmp_path, {**spec, "train": {**spec["train"], "lr": 5e-3}})
     plans = {p.step: p for p in plan(RunConfig(pipeline=changed, until_step="vocab"))}
     assert plans["capture"].action == "run"
+
+
+def test_each_steps_result_neutral_options_are_its_own():
+    """A step's RESULT_NEUTRAL names options that change how it runs, not what it makes
+    (freshness.changed_options skips them); a name that is not one of its options (a typo, a
+    renamed flag) would silently make a real change count as one."""
+    import importlib
+
+    from eyas.pipeline import STEP_FUNCS
+
+    for step, (module, _, cls_name) in STEP_FUNCS.items():
+        cls = getattr(importlib.import_module(module), cls_name)
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert getattr(cls, "RESULT_NEUTRAL", frozenset()) <= names, step
