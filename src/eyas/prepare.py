@@ -183,9 +183,10 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
     """The `eyas regenerate` folders in --data (their manifests, recorded as this output's
     inputs), each refused if another target answered it (another tokenizer, shape or GGUF, or
     the same shape with other weights: a fine-tune, the base model): the draft learns the
-    answers of the model it drafts for. One asked in another chat template is warned about. (An unfinished one is refused where its files are
-    read: resolve_paths.) A regenerate folder's conversations file named by itself is
-    recorded too, unchecked: its system prompt is the data's (eval renders with it)."""
+    answers of the model it drafts for; one asked in another chat template is warned about.
+    (An unfinished one is refused where its files are read: resolve_paths.) A regenerate
+    folder's conversations file named by itself is recorded too, unchecked: its system prompt
+    is the data's (eval renders with it)."""
     found = regenerate_outputs(cfg.data)
     weighed = any((m.get("target") or {}).get("weights_fingerprint") for m in found)
     # this target's weights fingerprint only where an answer's is there to compare with
