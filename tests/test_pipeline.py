@@ -69,14 +69,14 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
     assert by["regenerate"].max_length == 0 and by["prepare"].length_policy == "drop"
     assert by["regenerate"].chat_template is None
-    # and asks the target in the template prepare renders with (not through a server's)
+    # and asks the target in the template prepare renders with (through a server, counts the
+    # prompts' tokens in it)
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     regen["prepare"]["chat_template"] = str(tmp_path / "t.jinja")
-    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
-    assert by["regenerate"].chat_template == str(tmp_path / "t.jinja")
-    regen["regenerate"].update(backend="openai", server_url=["http://localhost:1"])
-    by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
-    assert by["regenerate"].chat_template is None
+    for backend in ({}, {"backend": "openai", "server_url": ["http://localhost:1"]}):
+        regen["regenerate"].update(backend)
+        by = {p.step: p.config for p in plan(RunConfig(pipeline=_write(tmp_path, regen)))}
+        assert by["regenerate"].chat_template == str(tmp_path / "t.jinja")
     assert plan(RunConfig(pipeline=_write(tmp_path, spec)))[0].config.length_policy == "drop"
     # --from-step skips steps that must have finished: said up front, not as a missing input
     with pytest.raises(ConfigError, match=r"--from-step capture skips prepare, which has not "

@@ -732,6 +732,19 @@ def test_answers_asked_in_another_chat_template_are_warned_about(tok_dir, tmp_pa
     assert re.search(r"regenerate` output .*regen were asked in another chat template "
                      r"\(chat_template_hash \w+\) than prepare renders them in \(\w+\).*"
                      r"eyas regenerate --chat-template FILE", caplog.text)
+    # through a server (the openai backend), the template asked in is known only where given
+    caplog.clear()
+    mine = chat_template_fingerprint(tok)
+    tok.chat_template = other.read_text()
+    theirs = chat_template_fingerprint(tok)
+    for given, asked, warned in ((None, mine, False), (str(other), theirs, False),
+                                 ("x.jinja", mine, True)):
+        write_manifest(regen, "regenerate", {"backend": "openai", "chat_template": given},
+                       target=record, complete=True, chat_template_hash=asked)
+        with caplog.at_level(logging.WARNING, logger="eyas.prepare"):
+            run_prepare(tok_dir, [regen], tmp_path / f"p-{given}", chat_template=str(other))
+        assert ("asked in another chat template" in caplog.text) == warned, given
+        caplog.clear()
 
 
 def test_a_regenerate_runs_file_named_by_itself_keeps_its_system_prompt(tok_dir, tmp_path):

@@ -1058,7 +1058,8 @@ def test_chat_template_file_asks_a_target_without_one(setup, tmp_path):
     """--chat-template: a target whose tokenizer has no template (a base model's files, a GGUF
     without one) is asked in the file's, as prepare renders with the same file; the answers
     and the recorded template are those of the target that holds the template itself. A
-    resume in another template is refused, and so is the openai backend (its server renders)."""
+    resume in another template is refused. The openai backend (its server renders) counts
+    prompt tokens in it, and needs none with --max-length 0."""
     import shutil
 
     target = tmp_path / "base"
@@ -1085,7 +1086,19 @@ def test_chat_template_file_asks_a_target_without_one(setup, tmp_path):
     with pytest.raises(EyasError, match=r"different chat template \(it ran with hash"):
         regenerate(_cfg(setup, tmp_path / "given", target=str(target),
                         chat_template=str(other), limit=4))
-    with pytest.raises(ConfigError, match=r"--chat-template is for the transformers and vllm "
-                                          r"backends.*vllm serve MODEL --chat-template FILE"):
-        _cfg(setup, tmp_path / "srv", backend="openai", server_url=("http://localhost:1",),
-             chat_template=str(template))
+    # the openai backend: its server renders, and the template counts prompt tokens here
+    gen = load_generator(setup[0], device="cpu")
+    with ChatServer(gen, "tiny") as server:
+        served = dict(backend="openai", served_model_name="tiny", server_url=(server.url,),
+                      target=str(target), limit=3)
+        with pytest.raises(EyasError, match=r"has no chat template: the openai backend counts "
+                                            r"each prompt's tokens in it for --max-length 2048"
+                                            r"\. Give the template the server is started with "
+                                            r"as --chat-template FILE.jinja.*or --max-length 0$"):
+            regenerate(_cfg(setup, tmp_path / "srv0", **served))
+        regenerate(_cfg(setup, tmp_path / "srv1", chat_template=str(template), **served))
+        regenerate(_cfg(setup, tmp_path / "srv2", max_length=0, **served))
+    for d in ("srv1", "srv2"):
+        assert [r["messages"] for r in _read(tmp_path / d / "conversations.jsonl")] == \
+            [r["messages"] for r in own]
+    assert not (tmp_path / "srv0").exists()

@@ -91,9 +91,9 @@ def _step_config(step: str, spec: dict, work: Path):
         {"dflash_taps": coerce("train.dflash_layers", int, train.get("dflash_layers") or 5)}
     # regenerate answers no turn past the length prepare keeps (its own section may say else)
     kept = (spec.get("prepare") or {}).get("max_length")
-    # and asks in the template prepare renders with (a server renders with its own)
+    # and asks in the template prepare renders with (the openai backend's server should be
+    # started with it too: regenerate counts prompt tokens in it)
     template = (spec.get("prepare") or {}).get("chat_template")
-    local = (spec.get("regenerate") or {}).get("backend") != "openai"
     # prepare.eval_fraction 0 leaves the eval split empty: eval's prompts must come from
     # eval.bench or eval.data, and with train's own held-out share 0 too (and no
     # train.eval_data) the run has no best checkpoint, so export takes the last one
@@ -112,7 +112,7 @@ def _step_config(step: str, spec: dict, work: Path):
                     **({"length_policy": "truncate"} if _enabled(spec, "regenerate") else {})},
         "regenerate": {"data": spec.get("data"), "out": out["regenerate"],
                        **({"max_length": kept} if kept is not None else {}),
-                       **({"chat_template": template} if template and local else {})},
+                       **({"chat_template": template} if template else {})},
         # overwrite: a re-run after an upstream change replaces the old capture; an interrupted
         # capture with the same settings still resumes. split all: train holds out the eval rows.
         "capture": {"data": out["prepare"], "out": out["capture"], "overwrite": True,

@@ -210,7 +210,10 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
                 f"served. Regenerate its prompts with --target {cfg.target}, or, to train on "
                 f"those answers knowingly (the same model saved in another precision, say), "
                 f"{knowingly}")
-        asked = manifest.get("chat_template_hash")
+        # (the openai backend's server renders with its own: known only where given)
+        ran = manifest.get("config") or {}
+        asked = manifest.get("chat_template_hash") \
+            if ran.get("backend") != "openai" or ran.get("chat_template") else None
         if asked and asked != chat_template_fingerprint(tok):
             log.warning("the answers in the `eyas regenerate` output %s were asked in another "
                         "chat template (chat_template_hash %s) than prepare renders them in "

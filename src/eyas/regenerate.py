@@ -102,8 +102,9 @@ class RegenerateConfig:
         None, "system message for conversations without one (use the one you serve with)")
     chat_template: str | None = option(
         None, "Jinja chat template file to ask the target in, instead of its tokenizer's (the "
-              "one it is served with; give prepare the same); transformers and vllm backends: "
-              "a server renders with its own (vllm serve --chat-template FILE)")
+              "one it is served with; give prepare the same). openai backend: the server "
+              "renders with its own, so start it with this file (vllm serve --chat-template "
+              "FILE); here it counts each prompt's tokens for --max-length and is recorded")
     seed: int = option(0, "random seed (matters only when sampling)")
     limit: int | None = option(None, "only the first N input rows; raise it later to continue")
     batch_size: int = option(16, "conversations per generate call (transformers padded and "
@@ -166,11 +167,6 @@ class RegenerateConfig:
         if self.backend == "openai" and not self.server_url:
             raise ConfigError("backend openai needs --server-url, e.g. http://localhost:8000 "
                               "(start a server with `vllm serve MODEL`)")
-        if self.backend == "openai" and self.chat_template:
-            raise ConfigError("--chat-template is for the transformers and vllm backends: with "
-                              "--backend openai the server renders each prompt with its own "
-                              "template; start it with the file instead (vllm serve MODEL "
-                              "--chat-template FILE) and drop --chat-template here")
         if self.backend != "openai" and (self.server_url or self.served_model_name):
             # without --backend openai the target was loaded here, beside the server's copy
             raise ConfigError(f"--server-url and --served-model-name are for --backend openai; "
@@ -203,8 +199,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     mine = (OUTPUT, REJECTS, "*.tmp")
     out = check_out(cfg.out, "regenerate", own=mine, unfinished=mine)
     tokenizer, target = _target(cfg)
-    if cfg.backend != "openai":  # (a server renders with its own template)
-        _check_template(cfg, tokenizer)  # before the weights load, not row by row after
+    _check_template(cfg, tokenizer)  # before the weights load, not row by row after
     # also fails early on a missing path; files unchanged since the run in `out`: not read
     sources = source_fingerprints(cfg.data, recorded_data(out, "regenerate"))
     check_resume(cfg, out, sources, target, chat_template_fingerprint(tokenizer))
@@ -287,10 +282,20 @@ def _target(cfg: RegenerateConfig):
 
 
 def _check_template(cfg: RegenerateConfig, tokenizer) -> None:
-    """The target's chat template, with which the local backends ask it: refused at once
-    where there is none or it is not valid Jinja (each row was rejected as kind input after
-    the weights had loaded, with advice to fix the data)."""
+    """The target's chat template, with which the local backends ask it, and with which the
+    openai backend counts each prompt's tokens for --max-length (its server renders with its
+    own): refused at once where there is none or it is not valid Jinja (each row was rejected
+    as kind input after the weights had loaded, with advice to fix the data). The openai
+    backend with --max-length 0 needs none."""
     if not tokenizer.chat_template:
+        if cfg.backend == "openai":
+            if not cfg.max_length:
+                return
+            raise EyasError(f"the tokenizer of {cfg.target} has no chat template: the openai "
+                            f"backend counts each prompt's tokens in it for --max-length "
+                            f"{cfg.max_length}. Give the template the server is started with "
+                            f"as --chat-template FILE.jinja (and the same file to prepare), or "
+                            f"--max-length 0")
         raise EyasError(f"the tokenizer of {cfg.target} has no chat template: regenerate asks "
                         f"the target as a chat model, in the template it is served with. Give "
                         f"a chat (instruct) model, or that template as --chat-template "
@@ -558,6 +563,8 @@ def _run_openai(cfg: RegenerateConfig, jobs: Iterator[Job], output: Output, toke
         return answer
 
     def render(messages: list[dict]) -> list[int]:  # as the server renders it (max_length)
+        if not tokenizer.chat_template:  # (--max-length 0: nothing to count)
+            return []
         return render_prompt(tokenizer, messages, TEMPLATE_KWARGS[cfg.reasoning])
 
     def collect(job: Job, future: Future) -> None:
