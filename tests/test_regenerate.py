@@ -1051,7 +1051,11 @@ def test_a_target_without_a_chat_template_is_refused_before_its_weights_load(set
     with pytest.raises(EyasError, match=r"chat template file .*none.jinja does not exist; give "
                                         r"--chat-template the path of a .jinja file"):
         regenerate(_cfg(setup, tmp_path / "out4", chat_template=str(tmp_path / "none.jinja")))
-    assert not any((tmp_path / f"out{i}").exists() for i in ("", 2, 3, 4))
+    (tmp_path / "latin.jinja").write_bytes(b"{{ bos_token }}\xe9{% for m in messages %}")
+    with pytest.raises(EyasError, match=r"chat template file .*latin.jinja is not UTF-8 text "
+                                        r"\(.*\); save it as UTF-8"):
+        regenerate(_cfg(setup, tmp_path / "out5", chat_template=str(tmp_path / "latin.jinja")))
+    assert not any((tmp_path / f"out{i}").exists() for i in ("", 2, 3, 4, 5))
 
 
 def test_chat_template_file_asks_a_target_without_one(setup, tmp_path):

@@ -40,7 +40,11 @@ def read_template_file(path) -> str:
                         f"{'is a folder' if path.is_dir() else 'does not exist'}; give "
                         f"--chat-template the path of a .jinja file: the template the target "
                         f"is served with")
-    return path.read_text()
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise EyasError(f"chat template file {path} is not UTF-8 text ({err}); save it as "
+                        f"UTF-8, as the target's own chat_template.jinja is") from None
 
 
 def check_template_compiles(template, source: str,
