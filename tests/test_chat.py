@@ -356,6 +356,51 @@ def test_a_broken_json_list_keeps_the_rows_before_its_syntax_error(tmp_path):
     assert got[0].data == SHAREGPT and "Extra data" in str(got[1].data)
 
 
+def test_json_lines_whose_first_row_is_a_list_lose_only_that_row(tmp_path):
+    """From an audit: a .jsonl whose first line is a JSON list was read as one JSON list (its
+    items as rows), then broke at line 2 and lost every row after it."""
+    row = json.dumps(MESSAGE_ROW)
+    (tmp_path / "first.jsonl").write_text('["stray", "header"]\n' + (row + "\n") * 3)
+    got = rows_of(tmp_path / "first.jsonl")
+    assert [r.row for r in got] == [1, 2, 3, 4]
+    assert "row is a JSON list" in str(got[0].data)
+    assert all(r.data == MESSAGE_ROW for r in got[1:])
+    # rows that are bare message lists: one reject each, numbered by line
+    bare = json.dumps(MESSAGE_ROW["messages"])
+    (tmp_path / "bare.jsonl").write_text((bare + "\n") * 3)
+    got = rows_of(tmp_path / "bare.jsonl")
+    assert [r.row for r in got] == [1, 2, 3]
+    assert all("row is a JSON list" in str(r.data) for r in got)
+    # a JSON list pretty-printed over lines, or followed by text on its own line, stays a list
+    (tmp_path / "list.jsonl").write_text(json.dumps([MESSAGE_ROW] * 2, indent=1) + "\n")
+    assert [r.data for r in rows_of(tmp_path / "list.jsonl")] == [MESSAGE_ROW] * 2
+
+
+def test_a_json_file_that_breaks_part_way_keeps_the_rows_before_the_break(tmp_path):
+    """From an audit: a cut .json.gz, or a byte that is not UTF-8 inside a JSON list, lost
+    every row and put the reject at row 0 (the file was read whole before any row)."""
+    rows = [dict(MESSAGE_ROW, id=f"r{i}") for i in range(400)]
+    whole = gzip.compress(json.dumps(rows, indent=1).encode())
+    (tmp_path / "cut.json.gz").write_bytes(whole[:len(whole) * 2 // 3])
+    got = rows_of(tmp_path / "cut.json.gz")
+    kept, (last,) = got[:-1], got[-1:]
+    assert len(kept) > 100 and [r.data for r in kept] == rows[:len(kept)]
+    assert last.row == len(kept) and "file unreadable from here on (EOFError" in str(last.data)
+    # JSON Lines in a cut .json.gz: the same, the line the cut went through in the reject
+    lines = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+    (tmp_path / "lines.json.gz").write_bytes(lines[:len(lines) * 2 // 3])
+    got = rows_of(tmp_path / "lines.json.gz")
+    assert [r.row for r in got] == list(range(1, len(got) + 1))
+    assert [r.data for r in got[:-1]] == rows[:len(got) - 1]
+    assert "file unreadable from here on (EOFError" in str(got[-1].data)
+    # a list with a Latin-1 byte in its fourth row: the three before it are kept
+    text = json.dumps(rows[:5], indent=1).replace('"r3"', '"caf\u00e9"', 1)
+    (tmp_path / "latin.json").write_bytes(text.encode("utf-8").replace(b"\xc3\xa9", b"\xe9"))
+    got = rows_of(tmp_path / "latin.json")
+    assert [r.data for r in got[:3]] == rows[:3] and len(got) == 4
+    assert got[3].row == 3 and "UnicodeDecodeError" in str(got[3].data)
+
+
 def test_json_lines_in_a_json_file_lose_only_their_bad_lines(tmp_path):
     # a Latin-1 byte made the whole file one reject; U+2028 / U+0085 inside a string split
     # rows apart (str.splitlines)

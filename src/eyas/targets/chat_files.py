@@ -14,6 +14,7 @@ import gzip
 import json
 import logging
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple
 
@@ -100,11 +101,14 @@ def _read_whole(path: Path) -> bool:
         _warn_once(path, "%s is UTF-16 text (as Windows PowerShell writes it): read as such; "
                          "UTF-8 is what other tools expect")
         return True
-    if _opens_a_list(head):
+    return _opens_a_list(head)  # (_read_json warns where it is a list: _said_a_list)
+
+
+def _said_a_list(path: Path) -> None:
+    """A file not named .json that _read_json reads as one JSON list says so."""
+    if not path.name.endswith((".json", ".json.gz")):
         _warn_once(path, "%s starts with '[': a JSON list, not JSON Lines; read as JSON (rows "
                          "numbered from 0; rename it to .json to say so)")
-        return True
-    return False
 
 
 def _opens_a_list(data: bytes) -> bool:
@@ -188,24 +192,36 @@ def _read_jsonl(path: Path, lines: Iterable[bytes | str],
 
 
 def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
-    data = b"".join(_binary_lines(path))
+    """The rows of a JSON file: a list (or {"data": [...]}, or one conversation), or JSON Lines
+    in a .json file (as `Dataset.to_json` writes it). A file that breaks part way (a cut .gz,
+    a byte that is not UTF-8 inside a list) keeps the rows before the break, and the rest
+    becomes one reject at the row where it broke (_guarded: the error is raised after them)."""
+    data, broken = _read_bytes(path)
     try:
         text = _decode(data)
     except UnicodeDecodeError as err:
-        if _opens_a_list(data):
-            raise  # a list with a bad byte: one reject from row 0 (_guarded)
-        # JSON Lines in a .json file: line by line, so a bad byte costs its own line only
-        yield from _read_jsonl(path, _split_lines(data, b"\n"), blank_lines)
-        return
+        if not _opens_a_list(data):
+            # JSON Lines in a .json file: line by line, so a bad byte costs its own line only
+            yield from _read_jsonl(path, _split_lines(_whole_lines(data, broken), b"\n"),
+                                   blank_lines)
+            if broken:
+                raise broken
+            return
+        text, broken = _decode(data[:err.start]), err  # a list: its rows up to that byte
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        if text.lstrip("\ufeff \t\r\n").startswith("["):
-            yield from _list_items(path, text, err)
-            return
-        # `Dataset.to_json` and many tools write JSON Lines into *.json files. Split on "\n"
-        # only: str.splitlines would also cut at U+2028, U+0085 and the like inside strings.
-        yield from _read_jsonl(path, _split_lines(text, "\n"), blank_lines)
+        if text.lstrip("\ufeff \t\r\n").startswith("[") and not _list_line_first(text):
+            _said_a_list(path)
+            yield from _list_items(path, text, err, cut=broken is not None)
+        else:
+            # `Dataset.to_json` and many tools write JSON Lines into *.json files, and a JSON
+            # Lines file may start with a row that is a list. Split on "\n" only:
+            # str.splitlines would also cut at U+2028, U+0085 and the like inside strings.
+            yield from _read_jsonl(path, _split_lines(_whole_lines(text, broken), "\n"),
+                                   blank_lines)
+        if broken:
+            raise broken
         return
     if isinstance(value, dict):
         lists = [v for v in value.values() if isinstance(v, list)]
@@ -222,8 +238,62 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
         yield RawRow(str(path), 0, ChatFormatError(
             f"JSON file holds a {type(value).__name__}; write a list of conversations"))
         return
+    if text.lstrip("\ufeff \t\r\n").startswith("["):
+        _said_a_list(path)
     for i, item in enumerate(value):
         yield _check_dict(str(path), i, item)
+    if broken:
+        raise broken
+
+
+def _read_bytes(path: Path) -> tuple[bytes, Exception | None]:
+    """The file's bytes (gunzipped), and the error that cut them short (a .gz cut or damaged,
+    an I/O error), if any: every byte before it is kept. (gzip's reader drops what it had
+    decompressed in the call that finds the cut: on a small file, all of it.)"""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        return b"", err
+    if not path.name.endswith(".gz"):
+        return raw, None
+    out, pos, step = [], 0, 1 << 16
+    try:
+        while pos < len(raw) and raw[pos:].strip(b"\0"):  # member by member; zero padding
+            member = zlib.decompressobj(wbits=31)
+            for at in range(pos, len(raw), step):
+                out.append(member.decompress(raw[at:at + step]))
+                if member.eof:
+                    pos = min(at + step, len(raw)) - len(member.unused_data)
+                    break
+            else:
+                return b"".join(out), EOFError(
+                    "Compressed file ended before the end-of-stream marker was reached")
+    except zlib.error as err:
+        return b"".join(out), OSError(f"the gzip data is damaged: {err}")
+    return b"".join(out), None
+
+
+def _whole_lines(text, broken):
+    """JSON Lines text without the line a break cut in two (that line is in the break's
+    reject, not a malformed row of its own)."""
+    if not broken:
+        return text
+    end = text.rfind(b"\n" if isinstance(text, bytes) else "\n")
+    return text[:end + 1]
+
+
+def _list_line_first(text: str) -> bool:
+    """Whether text that opens with `[` but is not one JSON value is JSON Lines whose first
+    row is a list: a whole JSON value on the first line, with more on later lines. (Read as a list,
+    that line's items became rows and every later row was lost at the list's "end".)"""
+    start = len(text) - len(text.lstrip("\ufeff \t\r\n"))
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except json.JSONDecodeError:
+        return False
+    rest = text[end:]
+    gap = rest[:len(rest) - len(rest.lstrip())]
+    return "\n" not in text[start:end] and "\n" in gap and bool(rest.strip())
 
 
 def _split_lines(text, newline):
@@ -241,9 +311,11 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8-sig")
 
 
-def _list_items(path: Path, text: str, whole: json.JSONDecodeError) -> Iterator[RawRow]:
+def _list_items(path: Path, text: str, whole: json.JSONDecodeError,
+                cut: bool = False) -> Iterator[RawRow]:
     """The rows of a JSON list that does not parse as a whole, one by one up to the syntax
-    error, then one reject that says where it is (nothing after it can be told apart)."""
+    error, then one reject that says where it is (nothing after it can be told apart). `cut`:
+    the text ends where the file broke, which the caller reports instead."""
     decoder = json.JSONDecoder()
     space = re.compile(r"[\s\ufeff]*")
     pos, index = space.match(text, text.index("[") + 1).end(), 0
@@ -259,6 +331,8 @@ def _list_items(path: Path, text: str, whole: json.JSONDecodeError) -> Iterator[
                 raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
     except json.JSONDecodeError as err:
         whole = err
+    if cut:
+        return
     yield RawRow(str(path), index, ChatFormatError(
         f"the JSON list breaks at line {whole.lineno} column {whole.colno} ({whole.msg}); "
         f"no row from here on is read: fix the file there"))
