@@ -263,6 +263,13 @@ def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="eyas"):
         chat_sources.source_fingerprints([str(tmp_path / "**")])
     assert "not read as chat data" not in caplog.text  # its own files are its, not skipped
+    # a glob into the folder or into a split (from an audit: dataset_dict.json, then a split's
+    # dataset_info.json and state.json, were read as malformed rows, its .arrow data skipped)
+    for spec, files in (("dd/*", ["train", "train", "test"]), ("dd/train/*", ["train"] * 2),
+                        ("dd/*/*.json", ["test", "train", "train"])):
+        got = rows_of(str(tmp_path / spec))
+        assert [r.file.rsplit("/", 1)[-1] for r in got] == files, spec
+        assert all(r.data == MESSAGE_ROW for r in got), spec
 
 
 def test_broken_files_become_rejects_not_crashes(tmp_path):

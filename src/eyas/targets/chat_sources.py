@@ -68,13 +68,16 @@ def _globbed(spec: str, skipped: list[Path]) -> list[Path]:
     matches (as when named by itself); the files passed over are appended to `skipped`. `**`
     matches a folder and what is inside it: each source is read once, and nothing inside a
     datasets folder that is read (a DatasetDict's splits were read again, its .json metadata
-    as malformed rows)."""
+    as malformed rows). A file a glob matches inside a datasets folder stands for the folder."""
     matches = sorted(glob.glob(spec, recursive=True))
     if not matches:
         raise EyasError(f"no files match {spec!r}; check the --data glob")
     found, passed = [], []
     for match in map(Path, matches):
-        if match.is_dir() and not is_datasets_folder(match):
+        holder = None if match.is_dir() else _datasets_folder_of(match)
+        if holder is not None:  # a file of a datasets folder (data or metadata): that folder
+            found.append(holder)
+        elif match.is_dir() and not is_datasets_folder(match):
             found.extend(_sources_in(match, passed))  # a folder stands for its files
         elif _is_source(match) and match.name not in _eyas_own_files(match.parent):
             found.append(match)
@@ -83,6 +86,13 @@ def _globbed(spec: str, skipped: list[Path]) -> list[Path]:
     read = {p for p in found if is_datasets_folder(p)}
     skipped.extend(p for p in passed if read.isdisjoint(p.parents))
     return [p for p in dict.fromkeys(found) if read.isdisjoint(p.parents)]
+
+
+def _datasets_folder_of(path: Path) -> Path | None:
+    """The `datasets` folder that holds the file `path` (the nearest, a split's before its
+    DatasetDict's), or None: its .json metadata are not chat rows, nor its .arrow data files
+    sources of their own."""
+    return next((p for p in path.parents if is_datasets_folder(p)), None)
 
 
 def check_out_outside(paths, out: str | Path, step: str) -> None:
