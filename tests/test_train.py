@@ -785,7 +785,8 @@ def test_refuses_mismatched_inputs_with_the_fix(run_inputs, tmp_path, monkeypatc
     with caplog.at_level(logging.INFO, logger="eyas.train"):
         train(_cfg(run_inputs, tmp_path / "r5", batch_tokens=None, max_steps=2))
     assert re.search(r"resuming .*r5 with the recipe it was started with for the options not "
-                     r"given here \(--batch-tokens 32, .*--truncate True", caplog.text)
+                     r"given here \(--batch-tokens 32, .*--truncate\b", caplog.text)
+    assert "--truncate True" not in caplog.text  # (flags as they are written)
     assert [r["step"] for r in _records(tmp_path / "r5", "train")] == [1, 2]
 
 
@@ -1631,6 +1632,27 @@ def test_a_run_is_not_resumed_on_another_targets_capture(run_inputs, tmp_path):
                                         r"was started with"):
         train(_cfg(run_inputs, out, max_steps=4, save_every=1))
     assert json.loads((out / "eyas.json").read_text())["target"]["name_or_path"] == "base-model"
+    # --resume of that run's step into a new --out: the same check, against the step's run
+    # (from an audit: only the new --out's eyas.json was looked at, which holds none)
+    step = str(checkpoint.step_dir(out, 2))
+    with pytest.raises(EyasError, match=r"the training run in .*run was made with the weights of "
+                                        r"base-model"):
+        train(_cfg(run_inputs, tmp_path / "new", max_steps=4, save_every=1, resume=step))
+    # a resume given --lm-head scratch while the run froze its head: the conflict is said as
+    # the run's recipe against the flag given (from an audit: "--freeze-lm-head True", a flag
+    # never given, in a bare refusal)
+    frozen = tmp_path / "frozen"
+    train(_cfg(run_inputs, frozen, max_steps=2, save_every=1, lm_head="target",
+               freeze_lm_head=True))
+    with pytest.raises(ConfigError, match=r"frozen resumes with the recipe it was started with "
+                                          r"for the options not given here \(.*--freeze-lm-head"
+                                          r"\b.*\), and with those given here it is refused: "
+                                          r".*--lm-head scratch would keep a random head"):
+        train(_cfg(run_inputs, frozen, max_steps=4, lm_head="scratch", freeze_lm_head=None))
+    # a step folder copied out of its run: resumed, with a warning that nothing is checked
+    alone = tmp_path / "alone"
+    shutil.copytree(step, alone)
+    train(_cfg(run_inputs, tmp_path / "new2", max_steps=4, save_every=1, resume=str(alone)))
 
 
 def test_a_checkpoint_that_cannot_be_written_is_an_error_that_says_how_to_go_on(run_inputs,
@@ -1683,6 +1705,33 @@ def test_a_diverging_run_stops_with_the_step_and_the_fix(run_inputs, tmp_path):
         train(_cfg(run_inputs, tmp_path / "run", max_steps=6, lr=1e30, optimizer="adamw"))
     with pytest.raises(ConfigError, match="--lr must be > 0 and finite"):
         _cfg(run_inputs, tmp_path / "x", lr=float("inf"))
+
+
+def test_a_step_that_diverged_between_logs_is_not_saved_nor_resumed(run_inputs, tmp_path):
+    """From an audit: only logged steps' losses were checked, so a step saved between two of
+    them held NaN weights and became `last`; the advised rerun with a lower --lr resumed it
+    and diverged again, as often as it was tried. Saving now checks the weights, and a
+    resume refuses a checkpoint saved before that check."""
+    run = tmp_path / "run"
+    with pytest.raises(EyasError, match=r"training diverged before step 4 \(its weights are "
+                                        r"not saved\).*start over \(nothing was saved before "
+                                        r"it\); or start over with --resume never$"):
+        train(_cfg(run_inputs, run, max_steps=12, log_every=6, save_every=4, lr=1e30,
+                   optimizer="adamw"))
+    assert checkpoint.read_pointer(run, "last") is None
+    train(_cfg(run_inputs, run, max_steps=12, log_every=6, save_every=4, optimizer="adamw"))
+    assert checkpoint.read_pointer(run, "last").name == "step-00000012"
+    # a checkpoint with NaN weights (saved by an eyas before the check) is refused on resume
+    step = checkpoint.step_dir(run, 8)
+    weights = load_file(str(step / "draft.safetensors"))
+    name = next(k for k, v in weights.items() if v.is_floating_point())
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, str(step / "draft.safetensors"), metadata={"format": "pt", "step": "8"})
+    with pytest.raises(EyasError, match=r"step-00000008 holds weights that are not finite "
+                                        r"\(the run had diverged before that step was saved\)"
+                                        r": resume from an earlier step folder"):
+        train(_cfg(run_inputs, run, max_steps=12, log_every=6, save_every=4, optimizer="adamw",
+                   resume=str(step)))
 
 
 def test_the_logged_lr_is_the_steps_own_and_a_run_started_over_drops_its_old_events(
@@ -1921,3 +1970,15 @@ def test_a_resume_with_other_held_out_samples_names_the_flag(run_inputs, tmp_pat
                                         r"the values it was started with, or train a new run "
                                         r"in another --out"):
         train(_cfg(run_inputs, run, data=str(captured), max_steps=3))
+
+
+def test_an_eval_fraction_that_leaves_nothing_to_train_names_fixes_the_run_has():
+    """From an audit: --online was told to pass --eval-data, which --online refuses."""
+    with pytest.raises(EyasError, match=r"--eval-fraction 0.02 leaves no training samples out "
+                                        r"of 1; set --eval-fraction 0 .* or pass --eval-data"):
+        data.split_eval(1, 0.02, 0)
+    with pytest.raises(EyasError, match=r"out of 1; set --eval-fraction 0 .* or prepare more "
+                                        r"data") as err:
+        data.split_eval(1, 0.02, 0, online=True)
+    assert "--eval-data" not in str(err.value)
+    assert [len(x) for x in data.split_eval(50, 0.02, 0)] == [49, 1]

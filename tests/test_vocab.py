@@ -172,3 +172,30 @@ def test_damaged_counts_or_vocab_file_is_an_error_naming_it(tmp_path):
     with pytest.raises(EyasError, match="vocab.safetensors is missing") as err:
         load_vocab(out)
     assert fix in str(err.value)
+
+
+def test_a_vocab_run_killed_before_its_end_is_made_again_and_refused_meanwhile(tmp_path,
+                                                                              monkeypatch):
+    """From an audit: killed between vocab.safetensors and its eyas.json, the folder was
+    refused by the rerun as "files eyas did not write", and into an earlier vocab's folder
+    train said to use the same --draft-vocab-size for vocab and train (a flag train lacks)."""
+    import eyas.vocab as module
+
+    (tmp_path / "p").mkdir()
+    prepared = fake_prepared(tmp_path / "p", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
+    out = tmp_path / "v"
+    real = module.save_file
+
+    def killed(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # stands in for a kill after the file, before the manifest
+
+    monkeypatch.setattr(module, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        vocab(VocabConfig(data=(str(prepared),), out=str(out), draft_vocab_size=8))
+    with pytest.raises(EyasError, match=r"holds an `eyas vocab` run that was stopped before it "
+                                        r"finished; make it again: eyas vocab --data .* --out"):
+        load_vocab(out)
+    monkeypatch.setattr(module, "save_file", real)
+    vocab(VocabConfig(data=(str(prepared),), out=str(out), draft_vocab_size=8))
+    assert load_vocab(out)[0].numel() == 8

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.config import coerce, field_types
+from eyas.config import ConfigError, coerce, field_types
 from eyas.kernels import band_kernels
 from eyas.store import checkpoint, locks
 from eyas.draft import data, data_loader
@@ -40,7 +40,7 @@ from eyas.store.manifest import check_out, train_run, write_manifest
 from eyas.draft.data_plan import plan_data, rank_slice
 from eyas.draft.processes import (Env, StopOnSignal, all_sum, autocast, compute_dtype,
                                   finish_env, init_env, peak_gib)
-from eyas.draft.resume import best_on_this_eval, resume, save_step, started_config
+from eyas.draft.resume import best_on_this_eval, resume, run_of, save_step, started_config
 from eyas.draft.train_setup import (Schedules, TTTModule, build_draft, build_optimizers,
                                     check_finite, check_gradients, grad_sync, warmup_cosine,
                                     wrap)
@@ -153,9 +153,11 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
         unset -= {"epochs", "max_steps"}
     if cfg.resume == "never" or not unset:
         return cfg
-    if checkpoint.resolve_resume(cfg.out, cfg.resume) is None:
+    path = checkpoint.resolve_resume(cfg.out, cfg.resume)
+    if path is None:
         return cfg
-    old = started_config(cfg.out)
+    run = run_of(path, cfg.out) or Path(cfg.out)  # (--resume of another run's step: that run)
+    old = started_config(run)
     # a run of the other draft family: its recipe does not apply here, and resume() refuses
     # the checkpoint naming --draft (check_same_draft)
     if not old or old.get("draft", "eagle3") != cfg.draft:
@@ -166,12 +168,25 @@ def keep_run_recipe(cfg: TrainConfig) -> TrainConfig:
     keep = {k: v for k, v in keep.items() if v != getattr(cfg, k)}
     if not keep:
         return cfg
+    flags = ", ".join(_as_flag(k, v) for k, v in keep.items())
     log.info("resuming %s with the recipe it was started with for the options not given here "
-             "(%s); give them to change them", cfg.out,
-             ", ".join(f"--{k.replace('_', '-')} "
-                       + (",".join(map(str, v)) if isinstance(v, tuple) else str(v))
-                       for k, v in keep.items()))
-    return dataclasses.replace(cfg, **keep)
+             "(%s); give them to change them", run, flags)
+    try:
+        return dataclasses.replace(cfg, **keep)
+    except ConfigError as err:  # e.g. --lm-head scratch given, the run's head frozen
+        raise ConfigError(f"{run} resumes with the recipe it was started with for the options "
+                          f"not given here ({flags}), and with those given here it is "
+                          f"refused: {err}. Give the option that conflicts the run's value, or "
+                          f"drop it (a resume continues the checkpoint's weights), or train a "
+                          f"new run in another --out") from None
+
+
+def _as_flag(key: str, value) -> str:
+    """An option's value as the flag that sets it: --freeze-lm-head / --no-freeze-lm-head."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} " + (",".join(map(str, value)) if isinstance(value, tuple) else str(value))
 
 
 def _best_at(best: dict, k: int, quiet: bool = False) -> dict:

@@ -116,8 +116,8 @@ def _warn_replacing(out: Path, t2d: torch.Tensor) -> None:
 def vocab(cfg: VocabConfig) -> dict:
     """Write `vocab.safetensors` (d2t, t2d) and the manifest into cfg.out; return the manifest."""
     # not unfinished=(VOCAB_FILE,): a vocab.safetensors without a manifest may be a user's own
-    # (issue 34); a run killed in the instant between the file and its manifest is refused
-    # like one, and the message says to move the file away
+    # (issue 34). So the manifest comes first, marked unfinished: a run killed before the end
+    # leaves the folder as this step's (run again, it is replaced; train refuses it)
     out = check_out(cfg.out, "vocab", own=(VOCAB_FILE,))
     counts, manifests = _read_counts(cfg.data)
     seen = int(counts.sum())
@@ -133,6 +133,8 @@ def vocab(cfg: VocabConfig) -> dict:
     d2t, t2d, coverage = build_vocab(counts, size)
     _warn_replacing(out, t2d)
     out.mkdir(parents=True, exist_ok=True)
+    write_manifest(out, "vocab", cfg, target=manifests[0].get("target"), inputs=manifests,
+                   complete=False)
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(out / VOCAB_FILE))
     as_umask(out / VOCAB_FILE)  # safetensors writes owner-only
     log.info("draft vocab: %d of %d target ids, covering %.2f%% of %d assistant tokens "

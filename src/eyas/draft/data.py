@@ -287,7 +287,7 @@ def _online_inputs(cfg: TrainConfig, device: torch.device, model_dtype: str) -> 
     train_ids = np.arange(*rows["train"])
     eval_ids = np.arange(*rows["eval"])
     if len(eval_ids) == 0 and cfg.eval_fraction > 0:
-        keep, held = split_eval(len(train_ids), cfg.eval_fraction, cfg.seed)
+        keep, held = split_eval(len(train_ids), cfg.eval_fraction, cfg.seed, online=True)
         train_ids, eval_ids = train_ids[keep], train_ids[held]
     # left where the target keeps them: train copies the embedding and the draft-vocab rows of
     # lm_head to the draft's device (eyas.draft.train_setup.build_draft)
@@ -308,13 +308,18 @@ def _resident(weight: torch.Tensor, what: str, device_map: str | None) -> torch.
     return weight.detach()
 
 
-def split_eval(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic (train ids, held-out ids); at least one sample is held out if fraction > 0."""
+def split_eval(num_samples: int, fraction: float, seed: int,
+               online: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic (train ids, held-out ids); at least one sample is held out if fraction > 0.
+    `online`: the prepared folder's rows (--eval-data, a capture, is not for --online)."""
     perm = np.random.default_rng([seed, 10**6]).permutation(num_samples)
     k = 0 if fraction <= 0 else max(1, int(round(num_samples * fraction)))
     if k >= num_samples:
+        other = ("prepare more data, or prepare with --eval-fraction above 0 (its eval split "
+                 "is then held out instead)") if online else "pass --eval-data"
         raise EyasError(f"--eval-fraction {fraction} leaves no training samples out of "
-                        f"{num_samples}; lower it or pass --eval-data.")
+                        f"{num_samples}; set --eval-fraction 0 (no held-out eval, no best "
+                        f"checkpoint) or {other}.")
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 

@@ -113,21 +113,27 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
     path = resume_path(cfg, env)
     if path is None:
         return None
+    run = run_of(path, cfg.out)
+    if run is None and env.main:
+        log.warning("%s is not in a training run's checkpoints folder (RUN/checkpoints/step-N "
+                    "beside RUN/eyas.json): the target, vocab and recipe it was trained with "
+                    "cannot be checked against this run's", path)
     # the same samples captured from another target (a fine-tune, base for instruct) pass
     # every check below, and the run's manifest would then name the new target
-    check_same_target((peek_manifest(cfg.out) or {}).get("target"), target,
-                      f"the training run in {cfg.out}",
+    run = run or Path(cfg.out)
+    check_same_target((peek_manifest(run) or {}).get("target"), target,
+                      f"the training run in {run}",
                       fix="resume it on the data of the target it was started with, or start "
                           "over with --resume never (or a new --out)",
                       weights=not cfg.accept_other_weights)
-    check_same_draft(path, record, started_config(cfg.out).get("vocab"), cfg.vocab)
+    check_same_draft(path, record, started_config(run).get("vocab"), cfg.vocab)
     t2d = None if draft is None else draft.t2d.clone()  # (--vocab's, before the load)
     if env.main:
-        _warn_recipe_changes(cfg)
+        _warn_recipe_changes(cfg, run)
     try:
         state = checkpoint.load(path, model, optimizer, scheduler)
     except (KeyError, RuntimeError, ValueError) as err:  # torch names only the missing state
-        started = _started_with(cfg)
+        started = _started_with(cfg, run)
         raise EyasError(f"the optimizer state in {path} does not fit this run's trained "
                         f"parameters and optimizer (--optimizer {cfg.optimizer}, "
                         f"{'--freeze-lm-head' if cfg.freeze_lm_head else '--no-freeze-lm-head'}"
@@ -136,8 +142,15 @@ def resume(cfg: TrainConfig, env: Env, model, optimizer, scheduler, plan,
                         + (f" ({started})" if started else "")
                         + ", or start over with --resume never.", flag="--resume") from err
     check_same_vocab(path, draft, t2d)
+    from eyas.draft.train_setup import weights_finite
+
+    if not weights_finite(model):  # saved before saving checked them (check_finite_weights)
+        raise EyasError(f"{path} holds weights that are not finite (the run had diverged "
+                        f"before that step was saved): resume from an earlier step folder in "
+                        f"{path.parent} with --resume PATH and a lower --lr, or start over "
+                        f"with --resume never", flag="--resume")
     if state["plan"] not in (plan.fingerprint, *plan.older_fingerprints):
-        changed = _batching_changes(cfg)
+        changed = _batching_changes(cfg, run)
         raise EyasError(f"{path} was trained with other data or batching "
                         + (f"than this command's: {', '.join(changed)}. Resume with the values "
                            f"it was started with"
@@ -195,6 +208,20 @@ def check_same_vocab(path: Path, draft, t2d: torch.Tensor | None) -> None:
                         f"never (or a new --out).", flag="--resume")
 
 
+def run_of(path: Path, out: str | Path) -> Path | None:
+    """The training run whose eyas.json says how checkpoint `path` was made: --out's where it
+    holds the step, else the run around the step folder (RUN/checkpoints/step-N: `--resume`
+    of another run's step into a new --out, whose own eyas.json says nothing yet), else None
+    (a step folder copied out of its run)."""
+    path, out = Path(path).resolve(), Path(out)
+    if out.resolve() in path.parents:
+        return out
+    around = path.parent.parent
+    if path.parent.name == "checkpoints" and (around / "eyas.json").is_file():
+        return around
+    return None
+
+
 def started_config(out: str | Path) -> dict:
     """The train config the run in `out` was started with (its eyas.json), or {} for none."""
     try:
@@ -203,11 +230,11 @@ def started_config(out: str | Path) -> dict:
         return {}
 
 
-def _batching_changes(cfg: TrainConfig) -> list[str]:
+def _batching_changes(cfg: TrainConfig, run: Path) -> list[str]:
     """The options of the data order and of the held-out samples that differ from those the
-    run was started with (its eyas.json), as `--flag was, now` (ranks are not recorded: a
+    run was started with (`run`'s eyas.json), as `--flag was, now` (ranks are not recorded: a
     count of processes that changed shows as no change here)."""
-    old = started_config(cfg.out)
+    old = started_config(run)
     out = []
     # the held-out samples too: --eval-fraction's (or none, with --eval-data) leave training
     for key in (*DATA_ORDER, "eval_fraction", "eval_data"):
@@ -218,9 +245,9 @@ def _batching_changes(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def _started_with(cfg: TrainConfig) -> str:
-    """The optimizer and lm_head flags of the run this one continues, or ''."""
-    old = started_config(cfg.out)
+def _started_with(cfg: TrainConfig, run: Path) -> str:
+    """The optimizer and lm_head flags of the run this one continues (`run`), or ''."""
+    old = started_config(run)
     flags = []
     if "optimizer" in old:
         flags.append(f"--optimizer {old['optimizer']}")
@@ -236,24 +263,24 @@ _RECIPE = tuple(k for k in RESUMED
                 if k not in ("optimizer", "norm_before_residual", "epochs", "max_steps"))
 
 
-def _warn_recipe_changes(cfg: TrainConfig) -> None:
-    """Say which recipe options differ from the run this one continues (its eyas.json): the
-    steps before the checkpoint were trained the old way; and a new --epochs / --max-steps (a
-    run may be lengthened, but its learning-rate schedule then jumps to the new length's)."""
-    old = started_config(cfg.out)
+def _warn_recipe_changes(cfg: TrainConfig, run: Path) -> None:
+    """Say which recipe options differ from the run this one continues (`run`'s eyas.json):
+    the steps before the checkpoint were trained the old way; and a new --epochs / --max-steps
+    (a run may be lengthened, but its learning-rate schedule then jumps to the new length's)."""
+    old = started_config(run)
     new = dataclasses.asdict(cfg)
     changed = [f"--{k.replace('_', '-')} {old[k]} -> {new[k]}" for k in _RECIPE
                if k in old and json.loads(json.dumps(new[k])) != old[k]]
     if changed:
         log.warning("resuming %s with another recipe than it was started with (%s): the steps "
-                    "before the checkpoint were trained the old way", cfg.out, "; ".join(changed))
+                    "before the checkpoint were trained the old way", run, "; ".join(changed))
     for name in ("epochs", "max_steps"):
         if name in old and old[name] != new[name]:
             flag = name.replace("_", "-")
             log.warning("the run in %s was started with --%s %s, resumed with %s: the learning "
                         "rate follows the new length's schedule from here (it jumps); resume "
                         "with --%s %s to keep the old one, or start over with --resume never",
-                        cfg.out, flag, old[name], new[name], flag, old[name])
+                        run, flag, old[name], new[name], flag, old[name])
 
 
 def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: TrainConfig,
@@ -263,6 +290,9 @@ def save_step(run_dir: Path, step: int, model, optimizer, scheduler, *, cfg: Tra
     draft_config.json (`record`) and metrics; keep the last --keep-last and the best.
     `eval_due`: the step's eval was left for the resumed run (a stop on an eval step saves
     first: torchrun kills a rank 30 s after passing a SIGTERM on)."""
+    from eyas.draft.train_setup import check_finite_weights
+
+    check_finite_weights(model, step, cfg, run_dir)
     checkpoint.save(run_dir, step, model, optimizer, scheduler, draft_config=record,
                     keep_last=cfg.keep_last,
                     state={"step": step, "data_position": step * plan.per_step,

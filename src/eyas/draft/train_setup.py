@@ -136,13 +136,45 @@ def check_finite(record: dict, cfg: TrainConfig, run_dir: Path) -> None:
     bad = {k: record[k] for k in ("loss", "grad_norm")
            if record.get(k) is not None and not math.isfinite(record[k])}
     if bad:
-        raise EyasError(f"training diverged at step {record['step']} "
-                        f"({', '.join(f'{k} {v}' for k, v in bad.items())}): the draft's weights "
-                        f"are no longer finite. Lower --lr (now {cfg.lr}"
-                        + (f", --muon-lr {cfg.muon_lr or cfg.lr}" if cfg.optimizer == "muon"
-                           else "") + f") or raise --warmup-ratio, and start over with --resume "
-                        f"never, or resume from a checkpoint in {run_dir / 'checkpoints'} saved "
-                        f"before it (--resume PATH)")
+        raise diverged(f"at step {record['step']} "
+                       f"({', '.join(f'{k} {v}' for k, v in bad.items())})", cfg, run_dir)
+
+
+def check_finite_weights(model: torch.nn.Module, step: int, cfg: TrainConfig,
+                         run_dir: Path) -> None:
+    """Before checkpoint `step` is saved (on every rank: saving is collective): weights that
+    are no longer finite end the run unsaved. Only logged steps' losses are looked at, so a
+    step between two of them that diverged was saved, became `last`, and a rerun with a lower
+    --lr resumed its NaN weights and diverged again, as often as it was tried."""
+    if not weights_finite(model):
+        raise diverged(f"before step {step} (its weights are not saved)", cfg, run_dir)
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every weight of `model` is finite, on every rank (one reduction where several;
+    each rank looks at its own shards)."""
+    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+             for p in model.parameters()]
+    ok = torch.stack(flags).all().to(torch.float32) if flags else torch.ones(())
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)
+
+
+def diverged(when: str, cfg: TrainConfig, run_dir: Path) -> EyasError:
+    """The error that ends a run whose weights stopped being finite, with what to change and
+    where it resumes (its last checkpoint: saved only while the weights were finite)."""
+    from eyas.store import checkpoint
+
+    last = checkpoint.read_pointer(run_dir, "last")
+    where = (f"run the same command again: it resumes from the run's last checkpoint, "
+             f"{last.name}, saved before it" if last is not None else
+             "start over (nothing was saved before it)")
+    return EyasError(f"training diverged {when}: the draft's weights are no longer finite. "
+                     f"Lower --lr (now {cfg.lr}"
+                     + (f", --muon-lr {cfg.muon_lr or cfg.lr}" if cfg.optimizer == "muon"
+                        else "") + f") or raise --warmup-ratio, and {where}; or start over "
+                     f"with --resume never")
 
 
 def check_gradients(model: torch.nn.Module, cfg: TrainConfig,
