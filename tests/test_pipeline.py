@@ -85,6 +85,7 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     # (a manifest of prepare's own config: one of other settings is out of date, refused too)
     prepared = plan(RunConfig(pipeline=_write(tmp_path, spec)))[0].config
     write_manifest(work / "prepared", "prepare", prepared)
+    (work / "prepared" / "dataset").mkdir()  # (what its readers need of it: freshness.OUTPUTS)
     until = plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="capture",
                            until_step="train"))
     assert [p.step for p in until] == ["capture", "vocab", "train"]
@@ -857,6 +858,41 @@ def test_a_removed_folder_whose_reader_is_past_until_step_is_not_made_again(tmp_
     changed = _write(tmp_path, {**spec, "train": {**spec["train"], "lr": 5e-3}})
     plans = {p.step: p for p in plan(RunConfig(pipeline=changed, until_step="vocab"))}
     assert plans["capture"].action == "run"
+
+
+def test_a_step_whose_output_files_are_gone_is_out_of_date_or_removed_after_use(tmp_path,
+                                                                               llama_dir):
+    """From an audit: with eval's report.json, the vocab's file or train's best step deleted,
+    the plan called the step up to date, and the step after it failed on the missing file
+    (export advising --which, a flag `eyas run` lacks). A report or draft that is gone is made
+    again; an intermediate output pruned after use counts as removed after use."""
+    import shutil
+
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": "w",
+            "vocab": {"draft_vocab_size": 64},
+            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2},
+            "eval": {"num_prompts": 1, "max_new_tokens": 4, "k": [1]}}
+    pipeline, work = _write(tmp_path, spec), tmp_path / "w"
+    run(RunConfig(pipeline=pipeline))
+    (work / "eval" / "report.json").unlink()
+    by = {p.step: p for p in plan(RunConfig(pipeline=pipeline))}
+    assert by["eval"].action == "run"
+    assert by["eval"].reason == "its output lost report.json since it ran"
+    (work / "vocab" / "vocab.safetensors").unlink()
+    shutil.rmtree(work / "train" / "checkpoints" / "step-00000002")
+    by = {p.step: p for p in plan(RunConfig(pipeline=pipeline))}
+    assert by["vocab"].action == "skip" and by["vocab"].reason.startswith(
+        "its output was removed after train used it")
+    assert by["train"].action == "skip", by["train"].reason  # (export read it: removed after)
+    assert by["export"].action == "skip" and by["eval"].action == "run"
+    # a step that must run reads it: made again
+    changed = _write(tmp_path, {**spec, "export": {"dtype": "fp32"}})
+    by = {p.step: p for p in plan(RunConfig(pipeline=changed))}
+    assert by["train"].action == "run" and by["export"].action == "run", [(p.step, p.reason) for p in by.values()]
 
 
 def test_each_steps_result_neutral_options_are_its_own():

@@ -52,9 +52,10 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
         return False, "the previous run was interrupted: the step resumes"
     # the files the manifest lists (export's draft): one deleted since left a broken draft
     # that every later plan called up to date
-    gone = [f for f in manifest.get("files") or () if not (out / f).exists()]
+    gone = [f for f in (*(manifest.get("files") or ()), *_outputs(manifest.get("step"), out))
+            if not (out / f).exists()]
     if gone:
-        return False, f"its output lost {', '.join(sorted(gone))} since it ran"
+        return False, f"{LOST} {', '.join(sorted(gone))} since it ran"
     if manifest.get("step") == "capture":  # a part deleted (as a damaged one's fix says) or cut
         lost = _capture_parts_lost(out)
         if lost:
@@ -63,6 +64,30 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
                            f"or cut since it ran: capture resumes and captures their samples "
                            f"again")
     return True, "up to date"
+
+
+LOST = "its output lost"  # the start of up_to_date's reason where files of it are gone
+# what a step's folder must hold for the steps after it, beside the files its manifest lists
+# (export's): a deleted report.json, vocab or dataset left the step "up to date" and the next
+# one failing on it
+OUTPUTS = {"regenerate": ("conversations.jsonl",), "prepare": ("dataset",),
+           "vocab": ("vocab.safetensors",), "eval": ("report.json",)}
+
+
+def _outputs(step: str | None, out: Path) -> list[str]:
+    """The output paths (relative to `out`) that step's later readers need; a training run's:
+    the step folders its `last` and `best` pointers name (read here by hand: the checkpoint
+    module imports torch, which planning does not need)."""
+    if step != "train":
+        return list(OUTPUTS.get(step, ()))
+    named = []
+    for pointer in ("last", "best"):
+        try:
+            text = (out / "checkpoints" / pointer).read_text().strip()
+        except OSError:
+            continue  # no such pointer (a run without evals has no best)
+        named.append(f"checkpoints/{text}")
+    return named
 
 
 def _capture_parts_lost(out: Path) -> list[str]:

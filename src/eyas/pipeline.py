@@ -251,7 +251,18 @@ def plan(cfg: RunConfig) -> list[Plan]:
         # the readers past --until-step count too: captured/ removed once train used it was
         # captured again by `--until-step vocab`, though train was up to date
         later = steps[steps.index(step) + 1:]
-        return _removed_after_use(configs[step], later, folders, up_to_date)
+        return _removed_after_use(configs[step], later, folders, usable)
+
+    def usable(step: str, upstream_ran: bool) -> tuple[bool, str]:
+        # a reader that is up to date, or whose own output was pruned after its readers used
+        # it (captured/ and train's checkpoints both removed once the draft was exported)
+        ok, why = up_to_date(step, upstream_ran)
+        if ok or upstream_ran or step in needed or step in ("export", "eval"):
+            return ok, why
+        if Path(configs[step].out).exists() and not why.startswith(freshness.LOST):
+            return ok, why
+        used, changed = removed_after_use(step)
+        return bool(used) and not changed, why
 
     while True:
         plans, readers = _plan_steps(cfg, planned, configs, needed, up_to_date,
@@ -278,7 +289,11 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
             ok, why = False, "forced" if cfg.force else "--from-step"
         else:
             ok, why = up_to_date(step, upstream_ran)
-            if not ok and not upstream_ran and not out.exists() and step not in needed:
+            # (or files of it: an intermediate step's, pruned after use; the draft and
+            # the report are what a run is for, made again where gone)
+            lost = not out.exists() or (why.startswith(freshness.LOST)
+                                        and step not in ("export", "eval"))
+            if not ok and not upstream_ran and lost and step not in needed:
                 used, changed = removed_after_use(step)
                 why = changed or why
                 if used and not changed:
