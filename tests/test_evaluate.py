@@ -579,6 +579,13 @@ def test_eval_records_the_checkpoint_it_measured(target, llama_dir, chats, tmp_p
                         out=str(tmp_path / "eval"), k=(1,), **{**SMALL, "num_prompts": 1}))
     assert read_manifest(tmp_path / "eval")["draft_checkpoint"] == \
         str((ckpt / "step-00000010").resolve())
+    # a best that names a step removed since: refused, not the last measured in its place,
+    # and the way to name a step is eval's own (from an audit: it advised --which)
+    (ckpt / "best").write_text("step-00000007\n")
+    with pytest.raises(EyasError, match=r"checkpoint .*step-00000007 is missing .*this run has "
+                                        r"step-00000005, step-00000010; pick one with --draft "
+                                        r".*run/checkpoints/step-N$"):
+        measured_checkpoint(tmp_path / "run")
 
 
 def test_load_draft_names_a_damaged_file(target, tmp_path):

@@ -434,7 +434,8 @@ def test_which_picks_best_last_or_a_step(tmp_path):
     assert find_checkpoint(tmp_path / "run", "step-10")[0] == ckpt / "step-00000010"
     step, run = find_checkpoint(ckpt / "step-00000005")
     assert (step, run) == (ckpt / "step-00000005", tmp_path / "run")
-    with pytest.raises(EyasError, match=r"this run has \['step-00000005', 'step-00000010'\]"):
+    with pytest.raises(EyasError, match=r"this run has step-00000005, step-00000010; pick one "
+                                        r"with --which step-N$"):
         find_checkpoint(tmp_path / "run", "step-7")
     (ckpt / "best").unlink()
     with pytest.raises(EyasError, match="--which last, or --which step-N of step-00000005, "

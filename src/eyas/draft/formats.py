@@ -283,8 +283,11 @@ def read_vllm_folder(folder: str | Path) -> tuple[DraftConfig, dict[str, torch.T
     return cfg, internal_state_dict(tensors)
 
 
-def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path | None]:
-    """(step folder, run folder or None) for a run folder + best|last|step-N, or a step folder."""
+def find_checkpoint(path: str | Path, which: str = "best",
+                    pick: str | None = None) -> tuple[Path, Path | None]:
+    """(step folder, run folder or None) for a run folder + best|last|step-N, or a step folder.
+    `pick`: how the caller's user names another step, where the one asked for is not there
+    (export's --which step-N by default; eval's --draft RUN/checkpoints/step-N)."""
     path = Path(path)
     if (path / "draft.safetensors").is_file():
         run = path.parent.parent if path.parent.name == "checkpoints" else None
@@ -315,19 +318,21 @@ def find_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, Path |
             step = latest_complete(path)
             if step is None:
                 raise EyasError(f"{path} has no checkpoints/last and none of its step folders "
-                                f"({', '.join(have)}) is whole; pick one with --which step-N")
+                                f"({', '.join(have)}) is whole; pick one with "
+                                f"{pick or '--which step-N'}")
             return step, path
         if not pointer.is_file():
             raise EyasError(f"{path} has no checkpoints/best (no eval ran, so no best was "
                             f"chosen, or the best step was removed and no eval since has "
-                            f"measured one); use --which last, or --which step-N of "
-                            f"{', '.join(have)}")
+                            f"measured one); use "
+                            + (f"{pick} of {', '.join(have)}" if pick else
+                               f"--which last, or --which step-N of {', '.join(have)}"))
         step = inside(ckpt, pointer.read_text().strip(), f"checkpoints/{which}")
     else:
         step = ckpt / f"step-{int(which.split('-')[1]):08d}"
     if not (step / "draft.safetensors").is_file():
         raise EyasError(f"checkpoint {step} is missing (or has no draft.safetensors); this run "
-                        f"has {have}; pick one with --which")
+                        f"has {', '.join(have)}; pick one with {pick or '--which step-N'}")
     return step, path
 
 

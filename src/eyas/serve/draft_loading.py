@@ -7,6 +7,7 @@ against the loaded target.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from eyas.dflash.model import DFlashDraft
 from eyas.errors import EyasError
 from eyas.store.manifest import MANIFEST, check_same_target, peek_manifest, read_manifest
+
+log = logging.getLogger(__name__)
 
 
 def load_draft(folder: str | Path, embedding: torch.nn.Module,
@@ -74,10 +77,14 @@ def _draft_source(folder: Path) -> tuple[Path | None, Path | None]:
     if (folder / "config.json").is_file():
         return None, folder
     if (folder / "draft.safetensors").is_file() or (folder / "checkpoints").is_dir():
-        try:
-            return find_checkpoint(folder, "best")
-        except EyasError:  # a run without eval during training has no best
-            return find_checkpoint(folder, "last")
+        pick = f"--draft {folder / 'checkpoints'}/step-N"
+        if (folder / "draft.safetensors").is_file() or (folder / "checkpoints/best").is_file():
+            return find_checkpoint(folder, "best", pick)  # (a best that is gone: refused)
+        # a run without eval during training has no best: its last step
+        step, run = find_checkpoint(folder, "last", pick)
+        log.info("--draft %s has no best checkpoint (no eval ran during training): measuring "
+                 "its last, %s", folder, step.name)
+        return step, run
     raise EyasError(f"{folder} is not a draft: expected an `eyas export` folder "
                     f"(config.json + model.safetensors) or an `eyas train` run or "
                     f"checkpoint folder")
