@@ -734,6 +734,14 @@ def test_readme_gives_commands_training_and_measured_acceptance(tmp_path, monkey
         write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[measured])
         export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
                             acceptance_report=str(tmp_path / "report")))
+    # ... nor one whose eval recorded another run's draft, whatever its inputs say now (from
+    # an audit: an export replaced since, the run folder around the step it measured was
+    # read as it is now, another run started there)
+    write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[run],
+                   draft_runs=[other.get("run") or other["id"]])
+    with pytest.raises(EyasError, match=r"measured a draft of another training run than"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "d"),
+                            acceptance_report=str(tmp_path / "report")))
     # ... but not one whose eval did not finish: its report.json may be an earlier eval's
     write_manifest(tmp_path / "report", "eval", {}, target=TARGET, inputs=[run],
                    complete=False)
@@ -1308,7 +1316,7 @@ def test_readme_commands_run_as_pasted_and_name_what_the_run_trained_on(tmp_path
 def test_a_report_of_an_export_replaced_since_is_not_quoted_for_another_run(tmp_path):
     """The eval measured run A's export; that folder now holds run B's export. Its report was
     quoted for B (the eval's export input was read from the folder as it is now)."""
-    from eyas.serve.quoted_report import _runs_measured
+    from eyas.serve.quoted_report import runs_measured
 
     make_run(tmp_path / "a", draft_config())
     make_run(tmp_path / "b", draft_config())
@@ -1319,7 +1327,7 @@ def test_a_report_of_an_export_replaced_since_is_not_quoted_for_another_run(tmp_
                              "id": measured["id"]}],
                  "draft_checkpoint": str(tmp_path / "a" / "checkpoints" / "step-00000010")}
     export(ExportConfig(checkpoint=str(tmp_path / "b"), out=str(tmp_path / "d"), overwrite=True))
-    assert _runs_measured(evaluated) == {run_a.get("run") or run_a["id"]}
+    assert runs_measured(evaluated) == {run_a.get("run") or run_a["id"]}
 
 
 def test_a_relative_target_is_served_from_where_the_run_found_it(tmp_path, monkeypatch, caplog):

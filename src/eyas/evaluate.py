@@ -31,6 +31,7 @@ from eyas.serve.eval_measure import measure_sets, prompt_room
 from eyas.serve.eval_report import (EvalReport, by_set, concat, merge, mismatch_message,
                                     summarize)
 from eyas.serve.generator import stop_token_ids
+from eyas.serve.quoted_report import runs_measured
 from eyas.serve.report_files import write_report
 from eyas.store.benchsets import CACHE_ENV, SETS, parse_names, provenance
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256,
@@ -240,10 +241,13 @@ def evaluate(cfg: EvalConfig) -> EvalReport:
         {"data_files": source_fingerprints(cfg.data)}
     if cfg.chat_template and os.path.isfile(cfg.chat_template):  # an edit in place, likewise
         files["chat_template_sha256"] = file_sha256(Path(cfg.chat_template))
-    write_manifest(out, "eval", cfg, target=record,
-                   inputs=[m for m in (prepared, draft_manifest) if m is not None], **files,
+    inputs = [m for m in (prepared, draft_manifest) if m is not None]
+    # the training runs the draft came from, now: an export replaced since, or a run started
+    # over in its folder, would otherwise be taken for what this eval measured
+    runs = sorted(runs_measured({"inputs": inputs, "draft_checkpoint": checkpoint}))
+    write_manifest(out, "eval", cfg, target=record, inputs=inputs, **files,
                    chat=rendered, complete=report.lossless is not False, primary=report.primary,
-                   draft_checkpoint=checkpoint,
+                   draft_checkpoint=checkpoint, draft_runs=runs,
                    lossless=report.lossless, mean_acceptance_length=report.mean_acceptance_length)
     if report.lossless is False:
         raise LosslessError(mismatch_message(report))

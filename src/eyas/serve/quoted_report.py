@@ -50,7 +50,10 @@ def read_report(path: str | None, target: dict, train: dict | None, step: Path,
         check_same_target(evaluated.get("target"), target, f"--acceptance-report {path}",
                           fix="measure this draft with `eyas eval` on the target it was "
                               "trained for", weights=False)
-        runs = _runs_measured(evaluated)  # each run's `run`, or its id for an older eyas
+        # each run's `run` (or its id, for an older eyas), as the eval recorded them, else
+        # as far as its inputs on disk still tell
+        runs = set(evaluated["draft_runs"]) if evaluated.get("draft_runs") else \
+            runs_measured(evaluated)
         ours = {train.get("run"), train.get("id")} - {None} if train is not None else set()
         if train is not None and runs and not runs & ours:
             raise EyasError(f"--acceptance-report {path} measured a draft of another training "
@@ -96,7 +99,7 @@ def _check_step_measured(path: str, measured: int | None, step: Path) -> None:
                         f"step-{measured})")
 
 
-def _runs_measured(evaluated: dict) -> set[str]:
+def runs_measured(evaluated: dict) -> set[str]:
     """The training runs whose draft an eval measured (their `run`, which stays one while a
     run trains, and for an eyas from before runs recorded one, the run's manifest id then):
     its draft input, a run folder, or an export folder (still on disk) and the run that
