@@ -1358,3 +1358,19 @@ def test_a_relative_target_is_served_from_where_the_run_found_it(tmp_path, monke
     assert f"it was {tmp_path / 'work' / 'tgt'}, gone since" in caplog.text
     assert target_record("tiny/llama")["name_or_path"] == "tiny/llama"
     assert "path" not in target_record("tiny/llama")  # a hub name: no local path
+
+
+def test_a_weight_fp16_cannot_hold_names_the_dtypes_that_can(tmp_path):
+    """From an audit: a weight finite in the checkpoint but over fp16's 65504 was called
+    "NaN or Inf; export an earlier checkpoint", of a draft that is fine."""
+    make_run(tmp_path / "run", draft_config())
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    weights = load_file(str(step / "draft.safetensors"))
+    weights["norm.weight"][0] = 1e5
+    save_file(weights, str(step / "draft.safetensors"), metadata={"format": "pt", "step": "10"})
+    with pytest.raises(EyasError, match=r"weight 'norm.weight' of .*step-00000010 holds values "
+                                        r"\(100000 at most\) that --dtype fp16 cannot hold; "
+                                        r"export with --dtype bf16 or fp32"):
+        export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "h"),
+                            dtype="fp16"))
+    export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "b"), dtype="bf16"))

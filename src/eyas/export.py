@@ -149,15 +149,34 @@ def export_state_dict(state: dict[str, torch.Tensor], *, layout: str = "midlayer
     """Internal (checkpoint) names -> export names and dtype; d2t/t2d keep int64/bool."""
     out = {}
     for name, tensor in state.items():
-        if layout != "midlayer" and name.startswith("midlayer."):
-            name = layout + name[len("midlayer"):]
         if tensor.is_floating_point():
             tensor = tensor.to(DTYPES[dtype])
-        out[name] = tensor.contiguous()
+        out[export_name(name, layout)] = tensor.contiguous()
     return out
 
 
+def export_name(name: str, layout: str) -> str:
+    """A checkpoint weight's name in an export of `layout` (midlayer.* or layers.0.*)."""
+    if layout != "midlayer" and name.startswith("midlayer."):
+        return layout + name[len("midlayer"):]
+    return name
+
+
 # ----------------------------------------------------------------------------- validation
+
+def _check_cast(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], dtype: str,
+                layout: str, step: Path) -> None:
+    """A weight finite in the checkpoint that --dtype cannot hold (fp16 tops out at 65504)
+    is named with the dtypes that can: validate_export would call it NaN or Inf and advise an
+    earlier checkpoint of a draft that is fine."""
+    for name, tensor in state.items():
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            continue  # (a checkpoint's own NaN: validate_export names it)
+        if not bool(torch.isfinite(tensors[export_name(name, layout)]).all()):
+            raise EyasError(f"weight {name!r} of {step} holds values "
+                            f"({float(tensor.abs().max()):g} at most) that --dtype {dtype} "
+                            f"cannot hold; export with --dtype bf16 or fp32")
+
 
 def validate_export(config: dict, tensors: dict[str, torch.Tensor], fmt: str) -> DraftConfig:
     """Refuse a folder a server would load wrong: config keys, every weight's presence, shape
@@ -320,6 +339,7 @@ def export(cfg: ExportConfig) -> Path:
                             f"is not the identity; re-run `eyas vocab` and train")
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
+    _check_cast(state, tensors, cfg.dtype, cfg.resolved_layout, step)
     validate_export(config, tensors, cfg.format)
     report = read_report(cfg.acceptance_report, target, train, step)
     out = Path(cfg.out).resolve()  # `--out .` too: its folder is written beside, then renamed
