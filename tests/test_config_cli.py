@@ -424,3 +424,15 @@ def test_capture_config_refuses_a_file_size_that_is_not_finite_and_positive(valu
     from eyas.capture import CaptureConfig
     with pytest.raises(ConfigError, match="file_mb must be a finite number > 0"):
         CaptureConfig(target="t", data="d", out="o", file_mb=value)
+
+
+def test_chat_template_kwargs_as_a_yaml_mapping_are_its_key_value_pairs():
+    """From an audit: `chat_template_kwargs: {enable_thinking: false}` in a config was refused
+    as "cannot read {...} as <class 'str'>"; it is the natural YAML for them."""
+    from eyas.config import coerce
+
+    assert coerce("eval.chat_template_kwargs", tuple[str, ...],
+                  {"enable_thinking": False, "n": 3, "mode": "brief"}) == \
+        ("enable_thinking=false", "n=3", "mode=brief")
+    assert coerce("chat_template_kwargs", tuple[str, ...], ["enable_thinking=false"]) == \
+        ("enable_thinking=false",)

@@ -8,6 +8,7 @@ all the CLI (`eyas STEP --help`), the YAML loader and the library API need.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import types
@@ -81,6 +82,11 @@ def coerce(name: str, tp, value):
                 value = [w for v in value for w in _list_words(name, v, item)]
             elif isinstance(value, str):
                 value = _list_words(name, value, item)
+            elif isinstance(value, dict) and item is str and name.endswith("_kwargs"):
+                # a YAML mapping for a list of KEY=VALUE (chat_template_kwargs): the same
+                # pairs, each value as JSON writes it (false, 3, "text" bare)
+                value = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                         for k, v in value.items()]
             if not isinstance(value, (list, tuple)):
                 value = [value]
             return tuple(coerce(name, item, v) for v in value)
