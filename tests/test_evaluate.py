@@ -1235,3 +1235,66 @@ def test_a_prepared_folder_of_regenerated_rows_gives_regenerates_system_prompt(c
     assert got == "Be terse." and "system" not in caplog.text
     given = system_prompt(SimpleNamespace(system_prompt="Other."), prepared, lineage, "draft")
     assert given == "Other." and "the system prompt 'Other.'" in caplog.text
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = open(f"/proc/{pid}/task/{pid}/children").read()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # (a zombie has ended)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_workers_end_with_the_eval_and_a_worker_that_dies_is_said(llama_dir, draft_dir, chats,
+                                                                 tmp_path):
+    """From an audit: an `eval --workers 2` stopped by SIGTERM left both workers alive for good,
+    each holding its own target; a worker killed (the OOM killer) ended eval in a raw
+    BrokenProcessPool traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def start(out):
+        return subprocess.Popen(
+            [sys.executable, "-m", "eyas", "eval", "--target", str(llama_dir), "--draft",
+             str(draft_dir), "--data", str(chats), "--out", str(out), "--num-prompts", "4",
+             "--max-new-tokens", "400", "--k", "1,2,3,4,5", "--dtype", "float32", "--device",
+             "cpu", "--workers", "2"], stderr=subprocess.PIPE, text=True)
+
+    def workers(proc):
+        for _ in range(600):  # until both workers run (each imports torch and loads the target)
+            found = [c for c in _children(proc.pid)
+                     if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+            if len(found) == 2:
+                return found
+            time.sleep(0.1)
+        raise AssertionError("no workers")
+
+    proc = start(tmp_path / "a")
+    found = workers(proc)
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    deadline = time.monotonic() + 20
+    while any(map(_alive, found)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, found))
+
+    proc = start(tmp_path / "b")
+    found = workers(proc)
+    time.sleep(3)
+    os.kill(found[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-2000:]  # (an EyasError, as every step's)
+    assert "a worker process of --workers 2 died before it finished" in err
+    assert "Traceback" not in err

@@ -16,6 +16,8 @@ import logging
 import math
 import os
 import re
+import signal
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,14 +291,21 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
     every method alike."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     n = min(cfg.workers, len(prompts))
     shards = [list(range(w, len(prompts), n)) for w in range(n)]
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-    with ProcessPoolExecutor(n, mp_context=ctx) as pool:
-        futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], record,
-                               shard) for shard in shards]
-        parts = [f.result() for f in futures]
+    try:
+        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_die_with_parent) as pool:
+            futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], record,
+                                   shard) for shard in shards]
+            parts = [f.result() for f in futures]
+    except BrokenProcessPool:
+        raise EyasError(f"a worker process of --workers {cfg.workers} died before it finished "
+                        f"(killed: the kernel's out-of-memory killer ends the largest process "
+                        f"when memory runs out, and each worker holds its own target and "
+                        f"draft); run again with fewer --workers") from None
     sets = {g: merge([p[0][g] for p in parts if g in p[0]])
             for g in dict.fromkeys(g for sets, _, _ in parts for g in sets)}
     # in prompt order, as one process measures them: a group by its first prompt, a next
@@ -307,6 +316,22 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
 
     sets = dict(sorted(sets.items(), key=place))
     return sets, parts[0][1], sum((p[2] for p in parts), Counter())
+
+
+def _die_with_parent() -> None:
+    """An --workers process ends when the eval that spawned it does (SIGTERM, SIGKILL, a
+    crash): left behind, it idled on its pipe forever, holding its own copy of the target
+    (on a GPU, that GPU's memory). Linux's parent-death signal; elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent went before the signal was set
+        os._exit(1)
 
 
 # what `eyas eval` writes into --out
