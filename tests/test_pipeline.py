@@ -895,6 +895,28 @@ def test_a_step_whose_output_files_are_gone_is_out_of_date_or_removed_after_use(
     assert by["train"].action == "run" and by["export"].action == "run", [(p.step, p.reason) for p in by.values()]
 
 
+def test_a_work_dir_moved_or_renamed_holds_the_same_runs(tmp_path, llama_dir):
+    """From an audit: with work_dir moved (to a bigger disk, a renamed project folder), every
+    step's recorded --out and the folders wired into it differed, so the plan ran everything
+    again: the capture deleted first, the draft retrained."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": str(tmp_path / "a" / "w"),
+            "vocab": {"draft_vocab_size": 64},
+            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2}}
+    run(RunConfig(pipeline=_write(tmp_path, spec), until_step="train"))
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w")})
+    plans = plan(RunConfig(pipeline=moved, until_step="train"))
+    assert [(p.action, p.reason) for p in plans] == [("skip", "up to date")] * 4
+    # a real change still counts, and the folder's own name is part of what it is
+    changed = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w"),
+                                "train": {**spec["train"], "lr": 5e-3}})
+    assert plan(RunConfig(pipeline=changed, until_step="train"))[-1].action == "run"
+
+
 def test_each_steps_result_neutral_options_are_its_own():
     """A step's RESULT_NEUTRAL names options that change how it runs, not what it makes
     (freshness.changed_options skips them); a name that is not one of its options (a typo, a

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 from eyas.config import to_dict
@@ -35,7 +36,7 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
         return False, "no finished output yet (or it was interrupted: the step resumes)"
     manifest = read_step_manifest(out)
     # a change first: an interrupted run with other settings may not resume (starts_over)
-    changed = _config_changes(cfg, manifest)
+    changed = _config_changes(cfg, manifest, out)
     if changed:
         return False, f"config changed ({', '.join(changed)})"
     swapped = (_target_missing(cfg, manifest) or _target_changes(cfg, manifest)
@@ -252,9 +253,35 @@ def _remember_stamps(folder: Path, manifest: dict, fresh: list[dict]) -> None:
                  folder, err)
 
 
-def _config_changes(cfg, manifest: dict) -> list[str]:
-    """The options of `cfg` that differ from those the manifest's run was made with."""
-    return changed_options(type(cfg), manifest.get("config") or {}, _normalise(cfg))
+def _config_changes(cfg, manifest: dict, folder: Path | None = None) -> list[str]:
+    """The options of `cfg` that differ from those the manifest's run was made with; where
+    that run's folder is `folder` now, not the --out it recorded, its paths are read as moved
+    with it (_moved)."""
+    old = manifest.get("config") or {}
+    if folder is not None and isinstance(old.get("out"), str):
+        old = _moved(old, old["out"], folder)
+    return changed_options(type(cfg), old, _normalise(cfg))
+
+
+def _moved(config: dict, was: str, now: Path) -> dict:
+    """`config` (a step's recorded options) with the paths inside the folder that held its
+    --out `was` read as inside the one that holds it `now`: a work_dir moved or renamed (to a
+    bigger disk, say) holds the same runs, which the plan had all run again, the capture
+    deleted and recaptured and the draft retrained. Paths outside it are left as they are."""
+    was_path, now_path = Path(os.path.abspath(was)), Path(os.path.abspath(now))
+    if was_path == now_path or was_path.name != now_path.name:
+        return config
+    old_root, new_root = str(was_path.parent), str(now_path.parent)
+
+    def rebased(value):
+        if isinstance(value, str) and os.path.isabs(value) and (
+                value == old_root or value.startswith(old_root + os.sep)):
+            return new_root + value[len(old_root):]
+        if isinstance(value, list):
+            return [rebased(v) for v in value]
+        return value
+
+    return {k: rebased(v) for k, v in config.items()}
 
 
 def changed_options(cls, old: dict, new: dict) -> list[str]:
@@ -307,7 +334,7 @@ def starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> 
         return ""  # not this step's folder: the step's own --out check refuses it
     if step == "regenerate":
         return _regenerate_starts_over(cfg, manifest, out, forced)
-    changed = _config_changes(cfg, manifest)
+    changed = _config_changes(cfg, manifest, out)
     if changed:
         return f"its config changed ({', '.join(changed)})"
     replaced = _input_changes(manifest)
