@@ -1863,6 +1863,20 @@ def test_a_resume_on_other_eval_samples_does_not_compare_the_best_with_them(run_
                                  **kw))
         assert summary["best"]["step"] == best
         assert ("was measured on other eval samples" in caplog.text) == (best == 6)
+    # resumed with no eval samples at all (a capture without an eval split, --eval-fraction
+    # 0): no next eval becomes the best, and the warning says so (from an audit: it said the
+    # next eval would, and the run ended with that old best all the same)
+    from types import SimpleNamespace
+
+    from eyas.draft.resume import best_on_this_eval
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        kept = best_on_this_eval(state, SimpleNamespace(eval_fingerprint=""),
+                                 "chain_acceptance_length", first)
+    assert kept == state["best"]
+    assert "no later step is measured, so it stays the best" in caplog.text
+    assert "the next eval becomes the best" not in caplog.text
 
 
 def test_a_capture_of_a_relative_target_trains_from_another_directory(run_inputs, tmp_path,

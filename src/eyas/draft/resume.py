@@ -189,6 +189,13 @@ def best_on_this_eval(state: dict, plan, metric: str, run_dir: str | Path,
     was = state.get("eval")
     if was is None or was == plan.eval_fingerprint or best.get("step") is None:
         return best
+    if not plan.eval_fingerprint:  # this run measures nothing: no next eval to be the best
+        if not quiet:
+            log.warning("the run's best checkpoint is step %d, measured before; resumed without "
+                        "eval samples (--eval-fraction 0, no --eval-data), no later step is "
+                        "measured, so it stays the best: `eyas export --which last` exports "
+                        "the steps trained since", best["step"])
+        return best
     if not quiet:
         log.warning("the run's best checkpoint (step %d) was measured on other eval samples "
                     "than this run's (another --eval-data, --eval-fraction or capture): its "
