@@ -1714,8 +1714,8 @@ def test_a_step_that_diverged_between_logs_is_not_saved_nor_resumed(run_inputs, 
     resume refuses a checkpoint saved before that check."""
     run = tmp_path / "run"
     with pytest.raises(EyasError, match=r"training diverged before step 4 \(its weights are "
-                                        r"not saved\).*start over \(nothing was saved before "
-                                        r"it\); or start over with --resume never$"):
+                                        r"not saved\).*run the same command again \(nothing "
+                                        r"was saved before it: it starts over\)$"):
         train(_cfg(run_inputs, run, max_steps=12, log_every=6, save_every=4, lr=1e30,
                    optimizer="adamw"))
     assert checkpoint.read_pointer(run, "last") is None

@@ -354,11 +354,13 @@ def _regenerate_template_changes(cfg, manifest: dict) -> str:
     was = manifest.get("chat_template_hash")
     if not was or (is_gguf(cfg.target) and not cfg.chat_template):
         return ""  # a GGUF's own template is in the file (_target_changes), costly to parse
-    from eyas.regenerate import target_tokenizer
     from eyas.store.manifest import chat_template_fingerprint
+    from eyas.targets.models import load_tokenizer
 
     try:
-        now = chat_template_fingerprint(target_tokenizer(cfg))
+        now = chat_template_fingerprint(load_tokenizer(
+            cfg.target, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+            chat_template=cfg.chat_template))
     except (EyasError, OSError, ValueError):
         return ""
     return "" if now == was else f"its chat template changed (chat_template_hash {was} -> {now})"

@@ -46,7 +46,7 @@ from eyas.targets.chat import (THINK_CLOSE, THINK_OPEN, has_text, normalize, sam
                               strip_reasoning, with_system_prompt)
 from eyas.targets.chat_files import FORMATS, BlankLine, ChatFormatError, read_rows
 from eyas.targets.chat_sources import check_out_outside, source_fingerprints
-from eyas.targets.masking import check_template_compiles, read_template_file
+from eyas.targets.masking import check_template_compiles
 from eyas.config import (ConfigError, check_choices, check_device_name, option, out_option,
                          required, revision_option, target_option, trust_remote_code_option)
 from eyas.store.manifest import (chat_template_fingerprint, check_out, placed, recorded_data,
@@ -257,22 +257,14 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     return stats
 
 
-def target_tokenizer(cfg: RegenerateConfig):
-    """The target's tokenizer, with --chat-template's file as its template where given."""
-    from eyas.targets.models import load_tokenizer
+def _target(cfg: RegenerateConfig):
+    """The target's tokenizer (--chat-template's file as its template where given) and
+    manifest record (config only; weights load later if needed)."""
+    from eyas.targets.models import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
-                               trust_remote_code=cfg.trust_remote_code)
-    if cfg.chat_template:
-        tokenizer.chat_template = read_template_file(cfg.chat_template)
-    return tokenizer
-
-
-def _target(cfg: RegenerateConfig):
-    """The target's tokenizer and manifest record (config only; weights load later if needed)."""
-    from eyas.targets.models import load_config
-
-    tokenizer = target_tokenizer(cfg)
+                               trust_remote_code=cfg.trust_remote_code,
+                               chat_template=cfg.chat_template)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
     # the weights' fingerprint where this process runs them (not a server's, unknown here):

@@ -168,13 +168,13 @@ def diverged(when: str, cfg: TrainConfig, run_dir: Path) -> EyasError:
 
     last = checkpoint.read_pointer(run_dir, "last")
     where = (f"run the same command again: it resumes from the run's last checkpoint, "
-             f"{last.name}, saved before it" if last is not None else
-             "start over (nothing was saved before it)")
+             f"{last.name}, saved before it; or start over with --resume never"
+             if last is not None else
+             "run the same command again (nothing was saved before it: it starts over)")
     return EyasError(f"training diverged {when}: the draft's weights are no longer finite. "
                      f"Lower --lr (now {cfg.lr}"
                      + (f", --muon-lr {cfg.muon_lr or cfg.lr}" if cfg.optimizer == "muon"
-                        else "") + f") or raise --warmup-ratio, and {where}; or start over "
-                     f"with --resume never")
+                        else "") + f") or raise --warmup-ratio, and {where}")
 
 
 def check_gradients(model: torch.nn.Module, cfg: TrainConfig,

@@ -284,8 +284,8 @@ def _whole_lines(text, broken):
 
 def _list_line_first(text: str) -> bool:
     """Whether text that opens with `[` but is not one JSON value is JSON Lines whose first
-    row is a list: a whole JSON value on the first line, with more on later lines. (Read as a list,
-    that line's items became rows and every later row was lost at the list's "end".)"""
+    row is a list: a whole JSON value on the first line, with more on later lines. (Read as
+    a list, that line's items became rows and every later row was lost at the list's end.)"""
     start = len(text) - len(text.lstrip("\ufeff \t\r\n"))
     try:
         _, end = json.JSONDecoder().raw_decode(text, start)

@@ -157,10 +157,17 @@ def load_config(name_or_path, *, revision=None, trust_remote_code=False):
     return _from_pretrained("config", name_or_path, revision, trust_remote_code)
 
 
-def load_tokenizer(name_or_path, *, revision=None, trust_remote_code=False):
+def load_tokenizer(name_or_path, *, revision=None, trust_remote_code=False,
+                   chat_template: str | None = None):
     """`AutoTokenizer.from_pretrained` (of a hub name, folder or .gguf file) with a clear
-    EyasError when it cannot be loaded."""
-    return _from_pretrained("tokenizer", name_or_path, revision, trust_remote_code)
+    EyasError when it cannot be loaded; `chat_template`: a --chat-template file whose template
+    replaces the tokenizer's own."""
+    tokenizer = _from_pretrained("tokenizer", name_or_path, revision, trust_remote_code)
+    if chat_template:
+        from eyas.targets.masking import read_template_file
+
+        tokenizer.chat_template = read_template_file(chat_template)
+    return tokenizer
 
 
 def _from_pretrained(kind: str, name_or_path, revision, trust_remote_code: bool):
