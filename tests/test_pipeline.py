@@ -764,6 +764,15 @@ def test_demo_fast_runs_the_whole_pipeline_then_skips_and_reruns_what_changed(tm
     assert (mine / "report.md").read_text() == "notes"
 
 
+def _regenerate_starts_over(tmp_path, pipeline, because: str) -> None:
+    """The plan starts regenerate over `because` ..., and the run moves the old one aside."""
+    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
+    assert regen.action == "run" and regen.start_over
+    assert f"regenerate starts over ({because}" in regen.reason
+    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
+    assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()
+
+
 def test_regenerate_on_a_target_whose_weights_changed_starts_over(tmp_path, llama_dir):
     """regenerate's resume refuses another model behind the same --target (two models' answers
     in one folder); in `eyas run` that refusal ended the pipeline, where a changed setting
@@ -785,12 +794,8 @@ def test_regenerate_on_a_target_whose_weights_changed_starts_over(tmp_path, llam
     weights = load_file(str(target / "model.safetensors"))
     weights["model.norm.weight"] += 0.5  # fine-tuned in place
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
-    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
-    assert regen.action == "run" and regen.start_over
-    assert "regenerate starts over (the target's weights changed (weights_fingerprint" in \
-        regen.reason
-    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
-    assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()
+    _regenerate_starts_over(tmp_path, pipeline, "the target's weights changed "
+                                                "(weights_fingerprint")
 
 
 def test_regenerate_asks_in_prepares_template_and_starts_over_when_it_changes(tmp_path,
@@ -823,12 +828,7 @@ def test_regenerate_asks_in_prepares_template_and_starts_over_when_it_changes(tm
     spec["prepare"]["chat_template"] = str(template)
     pipeline = _write(tmp_path, spec)
     template.write_text(own.replace("{{", "{{- ", 1))
-    regen = plan(RunConfig(pipeline=pipeline, until_step="regenerate"))[0]
-    assert regen.action == "run" and regen.start_over
-    assert "regenerate starts over (its chat template changed (chat_template_hash" in \
-        regen.reason
-    run(RunConfig(pipeline=pipeline, until_step="regenerate"))
-    assert (tmp_path / "w" / "regenerated.previous" / "eyas.json").is_file()
+    _regenerate_starts_over(tmp_path, pipeline, "its chat template changed (chat_template_hash")
 
 
 def test_a_removed_folder_whose_reader_is_past_until_step_is_not_made_again(tmp_path,
