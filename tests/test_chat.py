@@ -270,6 +270,12 @@ def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
         got = rows_of(str(tmp_path / spec))
         assert [r.file.rsplit("/", 1)[-1] for r in got] == files, spec
         assert all(r.data == MESSAGE_ROW for r in got), spec
+    # ... and only folders below the glob's own path: a state.json above the data (a project
+    # folder's, $HOME's) made every match stand for that folder (from a review)
+    (tmp_path / "state.json").write_text('{"app": 1}')
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text(json.dumps(MESSAGE_ROW) + "\n")
+    assert [r.data for r in rows_of(str(tmp_path / "data" / "*.jsonl"))] == [MESSAGE_ROW]
 
 
 def test_broken_files_become_rejects_not_crashes(tmp_path):
@@ -406,6 +412,14 @@ def test_a_json_file_that_breaks_part_way_keeps_the_rows_before_the_break(tmp_pa
     got = rows_of(tmp_path / "latin.json")
     assert [r.data for r in got[:3]] == rows[:3] and len(got) == 4
     assert got[3].row == 3 and "UnicodeDecodeError" in str(got[3].data)
+    # the same with a byte-order mark: the offsets are the file's (a review: one row early)
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "latin.json").read_bytes())
+    assert [r.row for r in rows_of(tmp_path / "bom.json")] == [0, 1, 2, 3]
+    # a .json list on one line with more lines after it stays a list (its rows kept, the rest
+    # one reject), as a .json file always was: only a .jsonl may be JSON Lines led by a list
+    (tmp_path / "two.json").write_text(json.dumps(rows[:2]) + "\n" + json.dumps(rows[:1]) + "\n")
+    got = rows_of(tmp_path / "two.json")
+    assert [r.data for r in got[:2]] == rows[:2] and "breaks at line 2" in str(got[2].data)
 
 
 def test_json_lines_in_a_json_file_lose_only_their_bad_lines(tmp_path):

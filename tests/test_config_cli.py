@@ -431,8 +431,11 @@ def test_chat_template_kwargs_as_a_yaml_mapping_are_its_key_value_pairs():
     as "cannot read {...} as <class 'str'>"; it is the natural YAML for them."""
     from eyas.config import coerce
 
-    assert coerce("eval.chat_template_kwargs", tuple[str, ...],
-                  {"enable_thinking": False, "n": 3, "mode": "brief"}) == \
-        ("enable_thinking=false", "n=3", "mode=brief")
+    from eyas.targets.chat import parse_template_kwargs
+
+    given = {"enable_thinking": False, "n": 3, "mode": "no", "day": "2024-07-26", "note": "a: b"}
+    pairs = coerce("eval.chat_template_kwargs", tuple[str, ...], given)
+    assert pairs[:2] == ("enable_thinking=false", "n=3")
+    assert parse_template_kwargs(pairs) == given  # every value of the type it was given
     assert coerce("chat_template_kwargs", tuple[str, ...], ["enable_thinking=false"]) == \
         ("enable_thinking=false",)

@@ -1298,3 +1298,19 @@ def test_workers_end_with_the_eval_and_a_worker_that_dies_is_said(llama_dir, dra
     assert proc.returncode == 2, err[-2000:]  # (an EyasError, as every step's)
     assert "a worker process of --workers 2 died before it finished" in err
     assert "Traceback" not in err
+
+
+def test_a_worker_checks_its_parent_by_pid_not_by_pid_1():
+    """From a review: a worker took a parent of pid 1 for a dead one, so an eval run as a
+    container's entrypoint (pid 1) lost every worker at once."""
+    import subprocess
+    import sys
+
+    code = ("import os; from eyas.evaluate import _die_with_parent; "
+            "_die_with_parent({}); print('alive')")
+    mine = subprocess.run([sys.executable, "-c", code.format("os.getppid()")],
+                          capture_output=True, text=True)
+    assert mine.returncode == 0 and mine.stdout.strip() == "alive", mine.stderr
+    gone = subprocess.run([sys.executable, "-c", code.format("os.getppid() + 1")],
+                          capture_output=True, text=True)
+    assert gone.returncode == 1 and "alive" not in gone.stdout

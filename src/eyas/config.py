@@ -84,9 +84,9 @@ def coerce(name: str, tp, value):
                 value = _list_words(name, value, item)
             elif isinstance(value, dict) and item is str and name.endswith("_kwargs"):
                 # a YAML mapping for a list of KEY=VALUE (chat_template_kwargs): the same
-                # pairs, each value as JSON writes it (false, 3, "text" bare)
-                value = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
-                         for k, v in value.items()]
+                # pairs, each value as JSON writes it (false, 3, "text"), which reads back as
+                # the same type (a bare no or 2024-07-26 would come back a bool, a date)
+                value = [f"{k}={json.dumps(v)}" for k, v in value.items()]
             if not isinstance(value, (list, tuple)):
                 value = [value]
             return tuple(coerce(name, item, v) for v in value)

@@ -297,7 +297,8 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
     shards = [list(range(w, len(prompts), n)) for w in range(n)]
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     try:
-        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_die_with_parent) as pool:
+        with ProcessPoolExecutor(n, mp_context=ctx, initializer=_die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             futures = [pool.submit(_measure_here, cfg, [prompts[i] for i in shard], record,
                                    shard) for shard in shards]
             parts = [f.result() for f in futures]
@@ -318,10 +319,10 @@ def _measure_in_workers(cfg: EvalConfig, prompts: list[Prompt], record: dict):
     return sets, parts[0][1], sum((p[2] for p in parts), Counter())
 
 
-def _die_with_parent() -> None:
-    """An --workers process ends when the eval that spawned it does (SIGTERM, SIGKILL, a
-    crash): left behind, it idled on its pipe forever, holding its own copy of the target
-    (on a GPU, that GPU's memory). Linux's parent-death signal; elsewhere nothing."""
+def _die_with_parent(parent: int) -> None:
+    """An --workers process ends when the eval that spawned it (pid `parent`) does (SIGTERM,
+    SIGKILL, a crash): left behind, it idled on its pipe forever, holding its own copy of the
+    target (on a GPU, that GPU's memory). Linux's parent-death signal; elsewhere nothing."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -330,8 +331,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent went before the signal was set
-        os._exit(1)
+    if os.getppid() != parent:  # the parent went before the signal was set (an eval that
+        os._exit(1)  # is pid 1 itself, a container's entrypoint, is its workers' parent)
 
 
 # what `eyas eval` writes into --out

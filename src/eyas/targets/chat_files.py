@@ -207,11 +207,15 @@ def _read_json(path: Path, blank_lines: bool = False) -> Iterator[RawRow]:
             if broken:
                 raise broken
             return
-        text, broken = _decode(data[:err.start]), err  # a list: its rows up to that byte
+        # a list: its rows up to that byte (utf-8-sig counts from after a byte-order mark)
+        cut = err.start + (3 if data.startswith(b"\xef\xbb\xbf") else 0)
+        text, broken = _decode(data[:cut]), err
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        if text.lstrip("\ufeff \t\r\n").startswith("[") and not _list_line_first(text):
+        named_json = path.name.endswith((".json", ".json.gz"))
+        if text.lstrip("\ufeff \t\r\n").startswith("[") and (
+                named_json or not _list_line_first(text)):
             _said_a_list(path)
             yield from _list_items(path, text, err, cut=broken is not None)
         else:
@@ -257,11 +261,12 @@ def _read_bytes(path: Path) -> tuple[bytes, Exception | None]:
     if not path.name.endswith(".gz"):
         return raw, None
     out, pos, step = [], 0, 1 << 16
+    end, view = len(raw.rstrip(b"\0")), memoryview(raw)  # (zero padding after the members)
     try:
-        while pos < len(raw) and raw[pos:].strip(b"\0"):  # member by member; zero padding
+        while pos < end:  # member by member (bgzip and `cat a.gz b.gz` write thousands)
             member = zlib.decompressobj(wbits=31)
             for at in range(pos, len(raw), step):
-                out.append(member.decompress(raw[at:at + step]))
+                out.append(member.decompress(view[at:at + step]))
                 if member.eof:
                     pos = min(at + step, len(raw)) - len(member.unused_data)
                     break

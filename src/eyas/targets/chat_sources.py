@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import itertools
 import json
 import logging
 import os
@@ -73,8 +74,9 @@ def _globbed(spec: str, skipped: list[Path]) -> list[Path]:
     if not matches:
         raise EyasError(f"no files match {spec!r}; check the --data glob")
     found, passed = [], []
+    base = _literal_prefix(spec)
     for match in map(Path, matches):
-        holder = None if match.is_dir() else _datasets_folder_of(match)
+        holder = None if match.is_dir() else _datasets_folder_of(match, base)
         if holder is not None:  # a file of a datasets folder (data or metadata): that folder
             found.append(holder)
         elif match.is_dir() and not is_datasets_folder(match):
@@ -88,11 +90,20 @@ def _globbed(spec: str, skipped: list[Path]) -> list[Path]:
     return [p for p in dict.fromkeys(found) if read.isdisjoint(p.parents)]
 
 
-def _datasets_folder_of(path: Path) -> Path | None:
+def _datasets_folder_of(path: Path, base: Path) -> Path | None:
     """The `datasets` folder that holds the file `path` (the nearest, a split's before its
     DatasetDict's), or None: its .json metadata are not chat rows, nor its .arrow data files
-    sources of their own."""
-    return next((p for p in path.parents if is_datasets_folder(p)), None)
+    sources of their own. Only folders from the glob's literal part `base` down: one above it
+    with a state.json of its own (a project folder, $HOME) is not the glob's data."""
+    return next((p for p in path.parents if (p == base or base in p.parents)
+                 and is_datasets_folder(p)), None)
+
+
+def _literal_prefix(spec: str) -> Path:
+    """The folder a glob's wildcards start below: `data/ds/*` -> data/ds, `*.jsonl` -> ."""
+    parts = Path(spec).parts
+    literal = list(itertools.takewhile(lambda part: not glob.has_magic(part), parts))
+    return Path(*literal) if literal else Path(".")
 
 
 def check_out_outside(paths, out: str | Path, step: str) -> None:
