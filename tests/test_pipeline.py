@@ -899,6 +899,8 @@ def test_a_work_dir_moved_or_renamed_holds_the_same_runs(tmp_path, llama_dir):
     """From an audit: with work_dir moved (to a bigger disk, a renamed project folder), every
     step's recorded --out and the folders wired into it differed, so the plan ran everything
     again: the capture deleted first, the draft retrained."""
+    import shutil
+
     from eyas.targets.corpus import synthetic_chats
 
     data = tmp_path / "chats.jsonl"
@@ -915,6 +917,30 @@ def test_a_work_dir_moved_or_renamed_holds_the_same_runs(tmp_path, llama_dir):
     changed = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w"),
                                 "train": {**spec["train"], "lr": 5e-3}})
     assert plan(RunConfig(pipeline=changed, until_step="train"))[-1].action == "run"
+    # captured/ pruned after train, then moved: removed after use still (a review: train's
+    # record of it named the old place, so capture ran and train started over)
+    shutil.rmtree(tmp_path / "b" / "w" / "captured")
+    (tmp_path / "b").rename(tmp_path / "c")
+    moved = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "c" / "w")})
+    plans = {p.step: p for p in plan(RunConfig(pipeline=moved, until_step="train"))}
+    assert {p.action for p in plans.values()} == {"skip"}, [p.reason for p in plans.values()]
+    assert plans["capture"].reason.startswith("its output was removed after train used it")
+
+
+def test_a_moved_work_dir_with_regenerate_holds_the_same_runs(tmp_path, llama_dir):
+    """From a review: prepare's record of regenerate's conversations.jsonl named its old
+    place, so a moved work_dir prepared (and captured, trained) again."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(3)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": str(tmp_path / "a" / "w"),
+            "regenerate": {"enabled": True, "max_new_tokens": 3, "device": "cpu"}}
+    run(RunConfig(pipeline=_write(tmp_path, spec), until_step="prepare"))
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w")})
+    plans = plan(RunConfig(pipeline=moved, until_step="prepare"))
+    assert [(p.action, p.reason) for p in plans] == [("skip", "up to date")] * 2
 
 
 def test_each_steps_result_neutral_options_are_its_own():

@@ -1106,3 +1106,27 @@ def test_chat_template_file_asks_a_target_without_one(setup, tmp_path):
         assert [r["messages"] for r in _read(tmp_path / d / "conversations.jsonl")] == \
             [r["messages"] for r in own]
     assert not (tmp_path / "srv0").exists()
+
+
+def test_an_openai_run_without_a_template_file_is_not_started_over_for_one(setup, tmp_path):
+    """From a review: an openai-backend run recorded its local tokenizer's template hash,
+    though the server rendered; `eyas run` passing prepare's template file then started the
+    whole corpus over on that hash. A GGUF target's run asked in a file, and now in none, is
+    a change all the same."""
+    from eyas.freshness import _regenerate_template_changes
+    from eyas.store.manifest import chat_template_fingerprint
+    from eyas.targets.models import load_tokenizer
+
+    template = tmp_path / "served.jinja"
+    template.write_text(TEMPLATE + "\n")  # the server's, one byte apart from the tokenizer's
+    hashed = chat_template_fingerprint(load_tokenizer(str(setup[0])))
+    cfg = _cfg(setup, tmp_path / "o", backend="openai", server_url=("http://localhost:1",),
+               chat_template=str(template))
+    ran = {"step": "regenerate", "config": {"backend": "openai"}, "chat_template_hash": hashed}
+    assert _regenerate_template_changes(cfg, ran) == ""
+    ran["config"]["chat_template"] = "old.jinja"  # a file said which: compared
+    assert _regenerate_template_changes(cfg, ran).startswith("its chat template changed")
+    gguf = replace(cfg, target="model.gguf", chat_template=None, backend="transformers",
+                   server_url=())
+    assert _regenerate_template_changes(gguf, ran) == \
+        "its chat template changed (a --chat-template file then, the target's own now)"

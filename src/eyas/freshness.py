@@ -228,7 +228,9 @@ def _data_changes(cfg, manifest: dict, folder: Path) -> str:
     from eyas.store.manifest import placed_data
     from eyas.targets.chat_sources import source_fingerprints
 
-    recorded = manifest["data_files"] or []  # files at their recorded size and mtime: not read
+    move = rebaser(manifest, folder)  # (regenerate's conversations in a moved work_dir)
+    recorded = [{**x, "path": move(x.get("path"))} if isinstance(x, dict) else x
+                for x in manifest["data_files"] or []]  # at their recorded stamps: not read
     fresh = _normalise(source_fingerprints(cfg.data, recorded))
     _remember_stamps(folder, manifest, fresh)
     now = placed_data(fresh)  # a file's path as the place it names, not as spelled
@@ -256,21 +258,26 @@ def _remember_stamps(folder: Path, manifest: dict, fresh: list[dict]) -> None:
 def _config_changes(cfg, manifest: dict, folder: Path | None = None) -> list[str]:
     """The options of `cfg` that differ from those the manifest's run was made with; where
     that run's folder is `folder` now, not the --out it recorded, its paths are read as moved
-    with it (_moved)."""
+    with it (rebaser)."""
     old = manifest.get("config") or {}
-    if folder is not None and isinstance(old.get("out"), str):
-        old = _moved(old, old["out"], folder)
+    if folder is not None:
+        move = rebaser(manifest, folder)
+        old = {k: move(v) for k, v in old.items()}
     return changed_options(type(cfg), old, _normalise(cfg))
 
 
-def _moved(config: dict, was: str, now: Path) -> dict:
-    """`config` (a step's recorded options) with the paths inside the folder that held its
-    --out `was` read as inside the one that holds it `now`: a work_dir moved or renamed (to a
-    bigger disk, say) holds the same runs, which the plan had all run again, the capture
-    deleted and recaptured and the draft retrained. Paths outside it are left as they are."""
+def rebaser(manifest: dict, now: Path):
+    """A function that reads a path the step of `manifest` recorded as it is now that the
+    step's folder is `now`: a work_dir moved or renamed (to a bigger disk, say) holds the same
+    runs, which the plan had all run again, the capture deleted and recaptured and the draft
+    retrained. Paths inside the folder that held its recorded --out are moved with it, others
+    (lists of paths too) are left as they are; where the folder did not move, the identity."""
+    was = (manifest.get("config") or {}).get("out")
+    if not isinstance(was, str):
+        return lambda value: value
     was_path, now_path = Path(os.path.abspath(was)), Path(os.path.abspath(now))
     if was_path == now_path or was_path.name != now_path.name:
-        return config
+        return lambda value: value
     old_root, new_root = str(was_path.parent), str(now_path.parent)
 
     def rebased(value):
@@ -281,7 +288,7 @@ def _moved(config: dict, was: str, now: Path) -> dict:
             return [rebased(v) for v in value]
         return value
 
-    return {k: rebased(v) for k, v in config.items()}
+    return rebased
 
 
 def changed_options(cls, old: dict, new: dict) -> list[str]:
@@ -307,7 +314,8 @@ def changes_since_read(cfg, read: dict) -> str:
     its section, or of the chat data it read (prepare's file), seen with its folder removed
     after use. A record without a config or `data_files` (from an eyas before inputs kept
     them) tells nothing of it: unknown, so the plan takes it as unchanged."""
-    changed = _config_changes(cfg, read) if isinstance(read.get("config"), dict) else []
+    changed = _config_changes(cfg, read, Path(cfg.out)) \
+        if isinstance(read.get("config"), dict) else []
     if changed:
         return f"config changed ({', '.join(changed)})"
     # the folder is gone: the stamps of data touched but not edited cannot be recorded, and
@@ -352,8 +360,14 @@ def _regenerate_template_changes(cfg, manifest: dict) -> str:
     from eyas.targets.gguf import is_gguf
 
     was = manifest.get("chat_template_hash")
-    if not was or (is_gguf(cfg.target) and not cfg.chat_template):
-        return ""  # a GGUF's own template is in the file (_target_changes), costly to parse
+    ran = manifest.get("config") or {}
+    if not was or (ran.get("backend") == "openai" and not ran.get("chat_template")):
+        return ""  # (a server rendered: the hash recorded is not of what it asked in)
+    if is_gguf(cfg.target) and not cfg.chat_template:
+        # a GGUF's own template is in the file (_target_changes), costly to parse; a file
+        # given then and none now is a change all the same
+        return "its chat template changed (a --chat-template file then, the target's own " \
+               "now)" if ran.get("chat_template") else ""
     from eyas.store.manifest import chat_template_fingerprint
     from eyas.targets.models import load_tokenizer
 

@@ -336,8 +336,10 @@ def _readers(out: Path, later: list[str], folders: dict[str, Path]) -> dict[str,
     found = {}
     for name in later:
         manifest = peek_manifest(folders[name]) or {}
+        move = freshness.rebaser(manifest, folders[name])  # (a work_dir moved since)
         read = next((i for i in manifest.get("inputs") or []
-                     if i.get("path") and Path(i["path"]).resolve() == out.resolve()), None)
+                     if i.get("path") and Path(move(i["path"])).resolve() == out.resolve()),
+                    None)
         if read is not None:
             found[name] = read
     return found
