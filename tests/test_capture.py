@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -352,6 +353,27 @@ def test_shard_jobs_fill_one_folder(llama_dir, llama_prepared, tmp_path, caplog,
     assert shards.verify(out)["settings"]["aux_layer_ids"] == [1, 2, 3]
 
 
+def test_parts_left_by_a_capture_of_other_layers_are_captured_again(llama_dir, llama_prepared,
+                                                                    tmp_path, caplog):
+    """From an audit: with a capture's state file moved away (as the refusal of a damaged one
+    said), a capture with other --aux-layer-ids adopted its part files unread and finished
+    with nothing captured: the manifest said layers 1,6,7, the states were of 2,4,5."""
+    out = tmp_path / "cap"
+    capture(_cfg(llama_dir, llama_prepared, out))
+    (tmp_path / "aside").mkdir()
+    for name in ("shard-00000-of-00001.json", "index.json", "eyas.json"):
+        (out / name).rename(tmp_path / "aside" / name)
+    with caplog.at_level(logging.WARNING, logger="eyas"):
+        capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 5, 6)))
+    assert "it was captured with aux_layer_ids 2,4,5 (this run: 1,5,6)" in caplog.text
+    model, info = load_fp32(llama_dir)
+    ds = datasets.load_from_disk(str(llama_prepared / "dataset"))["train"]
+    for row, got in _by_row(out).items():
+        hs, _ = _reference(model, info, ds[row]["input_ids"])
+        want = torch.stack([hs[1], hs[5], hs[6]], dim=1).bfloat16().float()
+        torch.testing.assert_close(got["aux_hidden"], want, rtol=1e-2, atol=1e-3)
+
+
 def test_resume_after_sigkill_loses_and_duplicates_nothing(llama_dir, llama_prepared, tmp_path):
     out = tmp_path / "cap"
     argv = [sys.executable, "-m", "eyas", "capture", "--target", str(llama_dir),
@@ -488,6 +510,32 @@ def test_aux_ids_beyond_the_target_are_refused_before_it_loads(llama_dir, llama_
     monkeypatch.setattr(models, "load_target", lambda *a, **k: pytest.fail("target loaded"))
     with pytest.raises(ConfigError, match=r"out of range.*this target has L = 8"):
         capture(_cfg(llama_dir, llama_prepared, tmp_path / "cap", aux_layer_ids=(2, 4, 99)))
+    assert not (tmp_path / "cap").exists()
+
+
+def test_a_prepared_folder_of_another_shape_is_refused_before_the_target_loads(
+        llama_dir, llama_prepared, tmp_path, monkeypatch):
+    """From an audit: the same tokenizer behind a model of another shape (an 8B's prepared
+    folder used with the 70B) was refused only once the weights had loaded."""
+    import shutil
+
+    from eyas.targets import models
+
+    prepared = tmp_path / "prep"  # as prepare records its target: with the config's shape
+    shutil.copytree(llama_prepared, prepared)
+    manifest = json.loads((prepared / "eyas.json").read_text())
+    manifest["target"] = target_record(str(llama_dir), config=models.load_config(str(llama_dir)),
+                                       tokenizer=load_tokenizer(str(llama_dir)))
+    (prepared / "eyas.json").write_text(json.dumps(manifest))
+    other = tmp_path / "deeper"
+    shutil.copytree(llama_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] += 2
+    (other / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(models, "load_target", lambda *a, **k: pytest.fail("target loaded"))
+    with pytest.raises(EyasError, match=r"made for target .* \(num_hidden_layers=8\) but this "
+                                        r"run uses .*deeper \(num_hidden_layers=10\)"):
+        capture(_cfg(other, prepared, tmp_path / "cap"))
     assert not (tmp_path / "cap").exists()
 
 

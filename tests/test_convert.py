@@ -7,6 +7,7 @@ The real SmolLM2 GGUF's conversion is in test_real_model.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,6 +205,32 @@ def test_a_damaged_or_unreadable_manifest_is_refused_by_name(gguf, folder, tmp_p
 def test_an_empty_folder_is_filled(gguf, tmp_path):
     (tmp_path / "empty").mkdir()
     assert (convert_gguf(gguf, tmp_path / "empty") / "model.safetensors").is_file()
+
+
+def test_an_empty_folder_that_cannot_be_replaced_is_filled(gguf, tmp_path, monkeypatch):
+    """From an audit: into an empty mount point (the rename onto it fails with EBUSY), the
+    whole conversion ended in a traceback and was thrown away; its files now move in. (The
+    mount point's refusal is stood in for: a test cannot mount.) A folder named as the GGUF
+    is said to be one."""
+    import errno
+    import os
+
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real = os.replace
+
+    def busy(src, dst):
+        if Path(dst) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(src), None, str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(convert_module.os, "replace", busy)
+    convert_gguf(gguf, out)
+    assert read_manifest(out, step="convert")["step"] == "convert"
+    assert not (tmp_path / "mnt.tmp-convert").exists()
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(EyasError, match=r"GGUF file .*dir.gguf is a folder; pass the path"):
+        convert_gguf(tmp_path / "dir.gguf", tmp_path / "x")
 
 
 def test_a_failed_run_leaves_no_folder_and_the_next_clears_its_leftover(gguf, tmp_path,

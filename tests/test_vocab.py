@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -199,3 +200,27 @@ def test_a_vocab_run_killed_before_its_end_is_made_again_and_refused_meanwhile(t
     monkeypatch.setattr(module, "save_file", real)
     vocab(VocabConfig(data=(str(prepared),), out=str(out), draft_vocab_size=8))
     assert load_vocab(out)[0].numel() == 8
+
+
+def test_a_full_disk_is_one_line_with_the_way_on(tmp_path, monkeypatch, capsys):
+    """From an audit: a full disk met outside a step's own checks (a state file, a manifest,
+    safetensors) ended in an OSError traceback; every step now says it in one line."""
+    import errno
+
+    import eyas.vocab as module
+    from eyas.cli import main
+
+    (tmp_path / "p").mkdir()
+    prepared = fake_prepared(tmp_path / "p", [3, 1, 4, 1, 5, 9, 2, 6])
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "v"))
+
+    monkeypatch.setattr(module, "save_file", full)
+    code = main(["vocab", "--data", str(prepared), "--out", str(tmp_path / "v"),
+                 "--draft-vocab-size", "4"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert re.search(r"eyas vocab: error: no space left on the device \(.*v\): No space left "
+                     r"on device\. Free some space .*then run the same command again", err)
+    assert "Traceback" not in err

@@ -163,7 +163,7 @@ CaptureConfig.RESULT_NEUTRAL = frozenset({
 
 def capture(cfg: CaptureConfig) -> dict:
     """Capture `cfg.split` of the prepared folder into `cfg.out`; returns the summary stats."""
-    from eyas.targets.models import load_target, load_tokenizer
+    from eyas.targets.models import load_config, load_target, load_tokenizer
 
     check_out(cfg.out, "capture", own=shards.FILES, unfinished=shards.FILES)  # before loading
     prepared = read_manifest(cfg.data, step="prepare")
@@ -178,7 +178,15 @@ def capture(cfg: CaptureConfig) -> dict:
     _check_rows(cfg, len(dataset))
     if cfg.backend == "vllm":
         return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)
-    _check_settings_before_loading(cfg, tokenizer, prepared)
+    # the target's config too (a model of another shape behind the same tokenizer: an 8B's
+    # prepared folder used with the 70B loaded all of the 70B before it was refused)
+    config = load_config(cfg.target, revision=cfg.revision,
+                         trust_remote_code=cfg.trust_remote_code)
+    check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
+                                                            config=config, tokenizer=tokenizer,
+                                                            weights=False),
+                      what, weights=False)
+    _check_settings_before_loading(cfg, tokenizer, prepared, config)
     model, info = load_target(cfg.target, revision=cfg.revision,
                               trust_remote_code=cfg.trust_remote_code,
                               dtype=MODEL_DTYPES[cfg.model_dtype], device_map=cfg.device_map,

@@ -8,6 +8,7 @@ on the command line override the file.
 from __future__ import annotations
 
 import argparse
+import errno
 import dataclasses
 import importlib
 import logging
@@ -211,6 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {args.command}: interrupted; {AGAIN.get(args.command, RESUMES)}",
               file=sys.stderr)
         return 130
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # a full disk (or quota) wherever it is met, a state file's write as a part's: one
+        # line with the way on, not a traceback
+        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        print(f"eyas {args.command}: error: no space left on the device{where}: "
+              f"{os.strerror(err.errno)}. Free some space (or give another --out on a disk "
+              f"with room), then {AGAIN.get(args.command, RESUMES)}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, before)
     if args.command == "doctor" and isinstance(result, dict) and result.get("ok") is False:

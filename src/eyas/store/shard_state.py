@@ -44,21 +44,26 @@ def all_states(folder: Path) -> list[dict[str, Any]]:
             state = None
         if not isinstance(state, dict) or state.get("format") != FORMAT or \
                 path.name != state_name(state.get("shard", -1), state.get("num_shards", -1)):
-            raise EyasError(f"{path} is not a shard state written by `eyas capture` (no "
-                            f"{FORMAT!r} format, or another shard's name); move it out of "
-                            f"{folder} or capture into another --out.", flag="--out")
+            raise EyasError(f"{path} is damaged (cut short, edited) or not a shard state "
+                            f"written by `eyas capture` (no {FORMAT!r} format, or another "
+                            f"shard's name), so its shard cannot be resumed from it; move it "
+                            f"out of {folder} (the shard's part files are then checked against "
+                            f"this run's settings, and captured again where they differ) or "
+                            f"capture into another --out.", flag="--out")
         states.append(state)
     return sorted(states, key=lambda s: (s["num_shards"], s["shard"]))
 
 
 def recover_parts(folder: Path, shard: int, num_shards: int,
-                  known: list[dict] | None) -> list[dict[str, Any]]:
+                  known: list[dict] | None, settings: dict | None = None) -> list[dict[str, Any]]:
     """Index entries of this shard's complete part files, after removing unfinished `.tmp` files.
 
     `known` are the entries the state file lists; a part renamed just before a kill is not
     listed yet and is hashed here instead. A listed part of another size than written (cut
-    short, replaced) and an unlisted one that cannot be opened are removed, named in a
-    warning (their samples are captured again).
+    short, replaced), an unlisted one that cannot be opened, and an unlisted one whose own
+    header says other layers or another dtype than `settings` (this run's: a part left by a
+    capture with other settings whose state file is gone) are removed, named in a warning
+    (their samples are captured again).
     """
     folder = Path(folder)
     prefix = f"shard-{shard:05d}-of-{num_shards:05d}."
@@ -72,7 +77,8 @@ def recover_parts(folder: Path, shard: int, num_shards: int,
             why = f"it has {path.stat().st_size} bytes, {entry['bytes']} were written"
         elif entry is None:
             try:
-                entry = _describe_existing(path)
+                why = _other_settings(path, settings or {})
+                entry = None if why else _describe_existing(path)
             except Exception as err:  # noqa: BLE001 - any unreadable file is redone, never trusted
                 why = f"it cannot be read ({str(err)[:120]})"
         if why is not None:
@@ -81,6 +87,18 @@ def recover_parts(folder: Path, shard: int, num_shards: int,
             continue
         entries.append(entry)
     return entries
+
+
+def _other_settings(path: Path, settings: dict) -> str:
+    """How an unlisted part's own header (the layers and dtype capture writes into it)
+    differs from this run's `settings` ("" where it does not, or does not say)."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    now = {"aux_layer_ids": ",".join(map(str, settings.get("aux_layer_ids") or [])) or None,
+           "dtype": settings.get("dtype")}
+    differ = [f"{k} {meta[k]} (this run: {v})" for k, v in now.items()
+              if v is not None and k in meta and meta[k] != v]
+    return f"it was captured with {', '.join(differ)}" if differ else ""
 
 
 def _describe_existing(path: Path) -> dict[str, Any]:
@@ -154,7 +172,7 @@ def start_shard(folder: Path, shard: int, num_shards: int, settings: dict, rows:
     state = read_state(folder, shard, num_shards) or {
         "format": FORMAT, "shard": shard, "num_shards": num_shards, "settings": settings,
         "rows": rows, "complete": False, "parts": [], "nonfinite": 0}
-    state["parts"] = recover_parts(folder, shard, num_shards, state["parts"])
+    state["parts"] = recover_parts(folder, shard, num_shards, state["parts"], settings)
     state["nonfinite"] = len(read_report(folder, shard, num_shards))
     state["complete"] = False
     write_json_atomic(folder / state_name(shard, num_shards), state)

@@ -9,6 +9,7 @@ recorded in its state file strictly in part order, so a killed run leaves parts 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -172,19 +173,26 @@ class PartWriter:
         self._put(None, closing=True)
         self.thread.join()
         if self.error is not None:
-            raise EyasError(f"writing capture parts into {self.folder} failed: "
-                            f"{self.error!r}") from self.error
+            raise self._failed() from self.error
 
     def _put(self, item, closing: bool = False) -> None:
         while True:
             if self.error is not None and not closing:
-                raise EyasError(f"writing capture parts into {self.folder} failed: "
-                                f"{self.error!r}") from self.error
+                raise self._failed() from self.error
             try:
                 self.queue.put(item, timeout=1.0)
                 return
             except queue.Full:
                 continue
+
+    def _failed(self) -> EyasError:
+        """The writer thread's error, with the way on where the disk is full: the parts
+        written are kept, and capture resumes from them."""
+        full = isinstance(self.error, OSError) and self.error.errno in (errno.ENOSPC,
+                                                                         errno.EDQUOT)
+        return EyasError(f"writing capture parts into {self.folder} failed: {self.error!r}"
+                         + ("; free some space there, then run the same command again: it "
+                            "resumes after the parts already written" if full else ""))
 
     def _fail(self, err: BaseException) -> None:
         with self.cond:

@@ -50,7 +50,9 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, dtype: str = "float32") -
         raise EyasError(f"{gguf} is not a .gguf file: only a GGUF target needs converting (a "
                         f"Hugging Face folder or hub name loads as it is)")
     if not gguf.is_file():
-        raise EyasError(f"GGUF file {gguf} does not exist; pass the path of a local .gguf file")
+        raise EyasError(f"GGUF file {gguf} "
+                        f"{'is a folder' if gguf.is_dir() else 'does not exist'}; pass the "
+                        f"path of a local .gguf file")
     gguf = gguf.resolve()
     if _already_converted(out, gguf, dtype):
         return out
@@ -60,14 +62,33 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, dtype: str = "float32") -
     tmp.mkdir(parents=True)
     try:
         _write(gguf, tmp, out, dtype)
-        os.replace(tmp, out)  # atomic; replaces only a missing or empty folder
-    except BaseException:
+        _put_in_place(tmp, out)
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if "No space left on device" in str(err) and not isinstance(err, EyasError):
+            # (safetensors' own error, not an OSError, says only this)
+            raise EyasError(f"converting {gguf} into {out}: no space left on the device "
+                            f"({str(err)[:200]}); free some space beside {out}, then run it "
+                            f"again (convert does not resume)") from err
         raise
     size = sum(f.stat().st_size for f in out.iterdir())
     log.info("wrote %s (%s, %.2f GB) from %s in %.1f s", out, dtype, size / 1e9, gguf,
              time.perf_counter() - start)
     return out
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """The finished conversion `tmp` becomes `out`: renamed (atomic) where `out` is missing
+    or an empty folder, its files moved in where that folder cannot be replaced (a mount
+    point: the rename failed after the whole conversion, which was thrown away)."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out.is_dir() and not any(out.iterdir())):
+            raise
+        for f in sorted(tmp.iterdir()):
+            shutil.move(str(f), str(out / f.name))
+        tmp.rmdir()
 
 
 def _write(gguf: Path, folder: Path, out: Path, dtype: str) -> None:
