@@ -439,3 +439,15 @@ def test_chat_template_kwargs_as_a_yaml_mapping_are_its_key_value_pairs():
     assert parse_template_kwargs(pairs) == given  # every value of the type it was given
     assert coerce("chat_template_kwargs", tuple[str, ...], ["enable_thinking=false"]) == \
         ("enable_thinking=false",)
+
+
+def test_a_value_of_the_wrong_kind_names_the_flag_and_what_it_takes():
+    """From an audit: `--aux-layer-ids a,b` said "config key 'aux_layer_ids': cannot read 'a'
+    as <class 'int'>" (a YAML key's name and a Python type, to a command-line user)."""
+    from eyas.config import coerce
+
+    with pytest.raises(ConfigError, match=r"^config key 'aux_layer_ids' \(--aux-layer-ids\): "
+                                          r"cannot read 'a' as a whole number$"):
+        coerce("aux_layer_ids", tuple[int, ...], "a,b")
+    with pytest.raises(ConfigError, match=r"'eval.lr' \(--lr\): cannot read 'x' as a number$"):
+        coerce("eval.lr", float, "x")

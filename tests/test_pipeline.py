@@ -92,7 +92,8 @@ def test_plan_wires_folders_and_refuses_unknown_keys(tmp_path, llama_dir):
     with pytest.raises(ConfigError, match=r"--from-step train skips capture"):
         plan(RunConfig(pipeline=_write(tmp_path, spec), from_step="train"))
     # 'enabled' belongs to regenerate: anywhere else it was silently ignored
-    with pytest.raises(ConfigError, match=r"'train.dflash_layers': cannot read 'five'"):
+    with pytest.raises(ConfigError, match=r"'train.dflash_layers' \(--dflash-layers\): "
+                                          r"cannot read 'five'"):
         plan(RunConfig(pipeline=_write(tmp_path, {**spec, "train": {
             "draft": "dflash", "dflash_layers": "five"}})))
     with pytest.raises(ConfigError, match=r"'enabled' in section 'prepare' would be ignored"):

@@ -119,7 +119,11 @@ def coerce(name: str, tp, value):
     except ConfigError:
         raise
     except (TypeError, ValueError):
-        raise ConfigError(f"config key '{name}': cannot read {value!r} as {tp}") from None
+        kind = {int: "a whole number", float: "a number", bool: "true or false",
+                str: "text"}.get(tp, getattr(tp, "__name__", str(tp)))
+        flag = "--" + name.rsplit(".", 1)[-1].replace("_", "-")
+        raise ConfigError(f"config key '{name}' ({flag}): cannot read {value!r} as "
+                          f"{kind}") from None
     return value
 
 
