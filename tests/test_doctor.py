@@ -411,3 +411,16 @@ def test_a_folder_without_config_json_and_an_offline_hub_name_are_named_as_such(
     with pytest.raises(EyasError) as err:
         doctor(DoctorConfig(target="nobody/no-such-model"))
     assert "download it first" in str(err.value) and "HF_HUB_OFFLINE" not in str(err.value)
+
+
+def test_the_default_aux_rule_named_is_the_one_used():
+    """From an audit: a 2-layer target's ids (0, 1, 2) were shown as "default (2, L//2, L-3)"."""
+    from eyas.doctor import _default_rule
+    from eyas.targets.taps import default_aux_layer_ids
+
+    assert _default_rule(32) == "default (2, L//2, L-3)"
+    assert default_aux_layer_ids(32) == (2, 16, 29)
+    assert _default_rule(5).startswith("default (1, L//2, L-1)")
+    assert default_aux_layer_ids(5) == (1, 2, 4)
+    assert _default_rule(2).startswith("default (0, 1, 2)")
+    assert default_aux_layer_ids(2) == (0, 1, 2)

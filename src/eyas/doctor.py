@@ -84,7 +84,8 @@ def doctor(cfg: DoctorConfig) -> dict:
         "layer_class": type(layers[0]).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "aux_layer_ids": {"ids": list(ids),
-                          "source": "given" if cfg.aux_layer_ids else "default (2, L//2, L-3)",
+                          "source": "given" if cfg.aux_layer_ids else _default_rule(
+                              info.num_layers),
                           "convention": LAYER_ID_CONVENTION},
         "capture_bytes": capture_bytes_per_token(info.hidden_size),
         "tokenizer": _tokenizer_report(cfg, info),
@@ -141,6 +142,15 @@ def capture_bytes_per_token(hidden_size: int) -> dict:
     fp8 = total - 3 * hidden_size + 3 * 4
     return {"bf16": total, "parts": parts, "fp8_aux": fp8,
             "gib_per_million_tokens_bf16": round(total * 1e6 / 2**30, 2)}
+
+
+def _default_rule(num_layers: int) -> str:
+    """How the default aux ids of a target of `num_layers` come (taps.default_aux_layer_ids):
+    vLLM's rule from 7 layers, the spread that fits below it."""
+    if num_layers >= 7:
+        return "default (2, L//2, L-3)"
+    return ("default (1, L//2, L-1): below L = 7 vLLM's (2, L//2, L-3) collide"
+            if num_layers >= 4 else "default (0, 1, 2): below L = 4 the only three there are")
 
 
 def _tokenizer_report(cfg: DoctorConfig, info: ModelInfo) -> dict:
