@@ -928,6 +928,30 @@ def test_a_work_dir_moved_or_renamed_holds_the_same_runs(tmp_path, llama_dir):
     assert plans["capture"].reason.startswith("its output was removed after train used it")
 
 
+def test_a_moved_work_dir_reads_its_steps_inputs_where_they_are_now(tmp_path, llama_dir):
+    """From an audit: after a move, each step's recorded inputs were looked up at the old
+    place: a prepare run again there went unseen by capture (and a copy's capture saw the
+    original's), and a retrained run's export refused its own draft as another run's."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": str(tmp_path / "a" / "w"),
+            "vocab": {"draft_vocab_size": 64},
+            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2}}
+    run(RunConfig(pipeline=_write(tmp_path, spec), until_step="export"))
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = {**spec, "work_dir": str(tmp_path / "b" / "w"),
+             "train": {**spec["train"], "lr": 5e-3}}
+    run(RunConfig(pipeline=_write(tmp_path, moved), until_step="export"))  # (export replaced)
+    moved["prepare"] = {"max_length": 1024}
+    run(RunConfig(pipeline=_write(tmp_path, moved), until_step="prepare"))
+    by = {p.step: p for p in plan(RunConfig(pipeline=_write(tmp_path, moved),
+                                            until_step="capture"))}
+    assert by["capture"].action == "run" and by["capture"].reason.startswith(
+        f"its input from prepare changed since it ran ({tmp_path / 'b' / 'w' / 'prepared'})")
+
+
 def test_a_moved_work_dir_with_regenerate_holds_the_same_runs(tmp_path, llama_dir):
     """From a review: prepare's record of regenerate's conversations.jsonl named its old
     place, so a moved work_dir prepared (and captured, trained) again."""

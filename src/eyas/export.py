@@ -48,7 +48,8 @@ from eyas.draft.formats import (from_speculators_config, from_vllm_config,  # no
 from eyas.serve.export_readme import ServedTarget, render_readme, served_target
 from eyas.serve.quoted_report import read_report, step_number
 from eyas.store.manifest import (MANIFEST, check_out, check_same_target, file_sha256, inside,
-                                 peek_manifest, read_manifest, target_record, write_manifest)
+                                 peek_manifest, read_manifest, rebaser, target_record,
+                                 write_manifest)
 from eyas.store.permissions import as_umask
 from eyas.draft.formats import (PICK_ANOTHER, REEXPORT, find_checkpoint, load_checkpoint,
                                 read_json, read_weights, reading_step)
@@ -500,6 +501,8 @@ def _fresh_dir(out: Path, source: Path, overwrite: bool) -> Path:
                             f"eyas wrote it (yours now); re-exporting would replace it. Move it "
                             f"away, or choose another --out.", flag="--out")
         theirs = _exported_from(earlier)
+        if theirs is not None:  # (a work_dir moved since holds its run where it is now)
+            theirs = Path(rebaser(earlier, out)(str(theirs)))
         if theirs != source and not overwrite:
             what = f"another training run ({theirs})" if theirs else \
                 "a training run its eyas.json does not name"

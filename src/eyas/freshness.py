@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eyas.config import to_dict
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, peek_manifest, read_manifest
+from eyas.store.manifest import MANIFEST, peek_manifest, read_manifest, rebaser
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def up_to_date(cfg, out: Path, upstream_ran: bool) -> tuple[bool, str]:
     moved = _data_moved(cfg, manifest, out)
     if moved:
         return False, moved
-    replaced = _input_changes(manifest)
+    replaced = _input_changes(manifest, out)
     if replaced:
         return False, replaced
     if manifest.get("complete") is False:
@@ -195,15 +195,17 @@ def _template_file_changes(path: str | None, was: str | None) -> str:
     return "" if now == was else f"its chat template file {path} changed"
 
 
-def _input_changes(manifest: dict) -> str:
+def _input_changes(manifest: dict, folder: Path | None = None) -> str:
     """Why the output folders a step read are not the ones it ran on ("" if they are): a
     step re-run alone (`--until-step prepare` after its data changed) leaves the steps after
     it made from its old output. An input folder without a manifest is left to the plan (its
     step runs: no finished output)."""
+    move = rebaser(manifest, folder) if folder is not None else (lambda value: value)
     for item in manifest.get("inputs") or []:
-        now = peek_manifest(item.get("path") or "")
-        if item.get("path") and now is not None and now.get("id") != item.get("id"):
-            return f"its input from {item.get('step')} changed since it ran ({item['path']})"
+        path = move(item.get("path") or "")  # (where a moved work_dir holds it now)
+        now = peek_manifest(path)
+        if path and now is not None and now.get("id") != item.get("id"):
+            return f"its input from {item.get('step')} changed since it ran ({path})"
     return ""
 
 
@@ -266,31 +268,6 @@ def _config_changes(cfg, manifest: dict, folder: Path | None = None) -> list[str
     return changed_options(type(cfg), old, _normalise(cfg))
 
 
-def rebaser(manifest: dict, now: Path):
-    """A function that reads a path the step of `manifest` recorded as it is now that the
-    step's folder is `now`: a work_dir moved or renamed (to a bigger disk, say) holds the same
-    runs, which the plan had all run again, the capture deleted and recaptured and the draft
-    retrained. Paths inside the folder that held its recorded --out are moved with it, others
-    (lists of paths too) are left as they are; where the folder did not move, the identity."""
-    was = (manifest.get("config") or {}).get("out")
-    if not isinstance(was, str):
-        return lambda value: value
-    was_path, now_path = Path(os.path.abspath(was)), Path(os.path.abspath(now))
-    if was_path == now_path or was_path.name != now_path.name:
-        return lambda value: value
-    old_root, new_root = str(was_path.parent), str(now_path.parent)
-
-    def rebased(value):
-        if isinstance(value, str) and os.path.isabs(value) and (
-                value == old_root or value.startswith(old_root + os.sep)):
-            return new_root + value[len(old_root):]
-        if isinstance(value, list):
-            return [rebased(v) for v in value]
-        return value
-
-    return rebased
-
-
 def changed_options(cls, old: dict, new: dict) -> list[str]:
     """The options of the config class `cls` whose values differ between `old` and `new`
     (both as a manifest stores them); an option the step gained since (no key in `old`) is a
@@ -345,7 +322,7 @@ def starts_over(step: str, cfg, out: Path, upstream_ran: bool, forced: bool) -> 
     changed = _config_changes(cfg, manifest, out)
     if changed:
         return f"its config changed ({', '.join(changed)})"
-    replaced = _input_changes(manifest)
+    replaced = _input_changes(manifest, out)
     if replaced:
         return replaced
     if manifest.get("complete") is not False:

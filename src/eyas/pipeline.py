@@ -21,7 +21,7 @@ from eyas.config import (ConfigError, check_choices, coerce, from_dict, load_yam
                          required)
 from eyas.errors import EyasError
 from eyas.store import locks
-from eyas.store.manifest import MANIFEST, peek_manifest
+from eyas.store.manifest import MANIFEST, peek_manifest, rebaser
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ def _readers(out: Path, later: list[str], folders: dict[str, Path]) -> dict[str,
     found = {}
     for name in later:
         manifest = peek_manifest(folders[name]) or {}
-        move = freshness.rebaser(manifest, folders[name])  # (a work_dir moved since)
+        move = rebaser(manifest, folders[name])  # (a work_dir moved since)
         read = next((i for i in manifest.get("inputs") or []
                      if i.get("path") and Path(move(i["path"])).resolve() == out.resolve()),
                     None)

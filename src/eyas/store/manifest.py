@@ -699,3 +699,28 @@ def draft_chat(folder: str | Path) -> dict[str, Any] | None:
     if not (folder / MANIFEST).is_file() and folder.parent.name == "checkpoints":
         folder = folder.parent.parent
     return chat_record(peek_manifest(folder))
+
+
+def rebaser(manifest: dict, now: Path):
+    """A function that reads a path the step of `manifest` recorded as it is now that the
+    step's folder is `now`: a work_dir moved or renamed (to a bigger disk, say) holds the same
+    runs, which the plan had all run again, the capture deleted and recaptured and the draft
+    retrained. Paths inside the folder that held its recorded --out are moved with it, others
+    (lists of paths too) are left as they are; where the folder did not move, the identity."""
+    was = (manifest.get("config") or {}).get("out")
+    if not isinstance(was, str):
+        return lambda value: value
+    was_path, now_path = Path(os.path.abspath(was)), Path(os.path.abspath(now))
+    if was_path == now_path or was_path.name != now_path.name:
+        return lambda value: value
+    old_root, new_root = str(was_path.parent), str(now_path.parent)
+
+    def rebased(value):
+        if isinstance(value, str) and os.path.isabs(value) and (
+                value == old_root or value.startswith(old_root + os.sep)):
+            return new_root + value[len(old_root):]
+        if isinstance(value, list):
+            return [rebased(v) for v in value]
+        return value
+
+    return rebased
