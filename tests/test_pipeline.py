@@ -914,6 +914,12 @@ def test_a_work_dir_moved_or_renamed_holds_the_same_runs(tmp_path, llama_dir):
     moved = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w")})
     plans = plan(RunConfig(pipeline=moved, until_step="train"))
     assert [(p.action, p.reason) for p in plans] == [("skip", "up to date")] * 4
+    # nor are prepare's process count and train's device (from an audit: lowering num_proc
+    # recaptured and retrained)
+    how = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w"),
+                            "prepare": {"num_proc": 2},
+                            "train": {**spec["train"], "device": "cpu"}})
+    assert {p.action for p in plan(RunConfig(pipeline=how, until_step="train"))} == {"skip"}
     # a real change still counts, and the folder's own name is part of what it is
     changed = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w"),
                                 "train": {**spec["train"], "lr": 5e-3}})

@@ -117,6 +117,10 @@ class PrepareSummary:
     reasoning_cut_off: int = 0
 
 
+# How the step runs, not what it writes (its output is the same for any count: tests)
+PrepareConfig.RESULT_NEUTRAL = frozenset({"num_proc"})
+
+
 # ---------------------------------------------------------------- the step
 
 def load_tokenizer(cfg: PrepareConfig):

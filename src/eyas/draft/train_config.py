@@ -443,4 +443,5 @@ TrainConfig.UNSET_DEFAULTS = TRAINING_DEFAULTS
 # options that change how a run logs, checkpoints or reads ahead, never the draft it makes
 # (eyas.freshness.changed_options: editing one in `eyas run`'s YAML does not start a finished
 # or half-trained run over; a run resumed with another value goes on as `eyas train` does)
-TrainConfig.RESULT_NEUTRAL = frozenset({"num_workers", "log_every", "save_every", "keep_last"})
+TrainConfig.RESULT_NEUTRAL = frozenset({"num_workers", "log_every", "save_every", "keep_last",
+                                        "device"})
