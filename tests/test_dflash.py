@@ -672,10 +672,19 @@ def test_export_writes_the_folder_vllms_dflash_loader_reads(dflash_run, dflash_i
     assert set(tensors) == want  # no embed_tokens / lm_head: vLLM shares the target's
     assert tensors["fc.weight"].shape == (64, 5 * 64)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
-    assert "method\": \"dflash\"" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "method\": \"dflash\"" in readme
     with pytest.raises(EyasError, match="speculators"):
         export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "s"),
                             format="speculators"))
+    # tap 8 = L, the last layer's output: SGLang captures only layers' inputs, so no SGLang
+    # command in the README and --format sglang refused (from an audit: the command given
+    # would tap a layer past the target's last)
+    assert "sglang.launch_server" not in readme
+    assert "Not served by SGLang: aux id 8 = L (the last layer's output)" in readme
+    with pytest.raises(EyasError, match=r"aux id 8 = L .*serve this draft with vLLM"):
+        export(ExportConfig(checkpoint=str(dflash_run), out=str(tmp_path / "g"),
+                            format="sglang"))
 
 
 def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tmp_path):
@@ -705,7 +714,30 @@ def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tm
                                   num_speculative_tokens=2, acceptance_report=str(report))) /
               "README.md").read_text()
     assert '"num_speculative_tokens": 2' in readme
-    assert "--speculative-num-draft-tokens 3" in readme  # SGLang counts the bonus token
+    assert "Not served by SGLang" in readme  # (tap 8 = L: test_export_writes_the_folder_...)
+    # a run of the same taps on a deeper target (9 layers): SGLang's command, which counts
+    # the bonus token
+    import shutil
+
+    deeper = tmp_path / "deeper"
+    shutil.copytree(dflash_run, deeper)
+    manifest = json.loads((deeper / "eyas.json").read_text())
+    manifest["target"]["num_hidden_layers"] = 9
+    (deeper / "eyas.json").write_text(json.dumps(manifest))
+    sglang = (export(ExportConfig(checkpoint=str(deeper), out=str(tmp_path / "c"),
+                                  num_speculative_tokens=2)) / "README.md").read_text()
+    assert "--speculative-num-draft-tokens 3" in sglang
+    # a weight over fp16's range is said as such, as for EAGLE-3 (from an audit: "NaN or Inf;
+    # export an earlier checkpoint")
+    from safetensors.torch import load_file, save_file
+
+    step = find_checkpoint(deeper)[0]
+    weights = load_file(str(step / "draft.safetensors"))
+    weights["fc.weight"][0, 0] = 1e5
+    save_file(weights, str(step / "draft.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EyasError, match=r"weight 'fc.weight' of .* holds values \(100000 at "
+                                        r"most\) that --dtype fp16 cannot hold"):
+        export(ExportConfig(checkpoint=str(deeper), out=str(tmp_path / "h"), dtype="fp16"))
     assert "| 2 | 1.750 | 0.50, 0.25 | - |" in readme
     assert "draft_sample_method" not in readme.split("## SGLang")[0].split("```")[1]
     # measured at T = 1 with sampled drafts: served so

@@ -165,15 +165,14 @@ def export_name(name: str, layout: str) -> str:
 
 # ----------------------------------------------------------------------------- validation
 
-def _check_cast(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], dtype: str,
-                layout: str, step: Path) -> None:
-    """A weight finite in the checkpoint that --dtype cannot hold (fp16 tops out at 65504)
-    is named with the dtypes that can: validate_export would call it NaN or Inf and advise an
-    earlier checkpoint of a draft that is fine."""
+def _check_cast(state: dict[str, torch.Tensor], dtype: str, step: Path) -> None:
+    """A weight finite in the checkpoint `state` that --dtype cannot hold (fp16 tops out at
+    65504) is named with the dtypes that can: the cast's Inf was called NaN or Inf, with
+    advice to export an earlier checkpoint of a draft that is fine (both families)."""
     for name, tensor in state.items():
         if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
-            continue  # (a checkpoint's own NaN: validate_export names it)
-        if not bool(torch.isfinite(tensors[export_name(name, layout)]).all()):
+            continue  # (a checkpoint's own NaN: the export's own check names it)
+        if not bool(torch.isfinite(tensor.to(DTYPES[dtype])).all()):
             raise EyasError(f"weight {name!r} of {step} holds values "
                             f"({float(tensor.abs().max()):g} at most) that --dtype {dtype} "
                             f"cannot hold; export with --dtype bf16 or fp32")
@@ -340,7 +339,7 @@ def export(cfg: ExportConfig) -> Path:
                             f"is not the identity; re-run `eyas vocab` and train")
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     tensors = export_state_dict(state, layout=cfg.resolved_layout, dtype=cfg.dtype)
-    _check_cast(state, tensors, cfg.dtype, cfg.resolved_layout, step)
+    _check_cast(state, cfg.dtype, step)
     validate_export(config, tensors, cfg.format)
     report = read_report(cfg.acceptance_report, target, train, step)
     out = Path(cfg.out).resolve()  # `--out .` too: its folder is written beside, then renamed
@@ -382,9 +381,19 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     target = (train or {}).get("target") or {}
     served = _served_target(cfg, train)
     report = read_report(cfg.acceptance_report, target, train, step, "dflash")
-    tensors = dflash_tensors(dcfg, read_weights(step / "draft.safetensors", PICK_ANOTHER),
-                             cfg.dtype)
+    weights = read_weights(step / "draft.safetensors", PICK_ANOTHER)
+    _check_cast(weights, cfg.dtype, step)
+    tensors = dflash_tensors(dcfg, weights, cfg.dtype)
     config = dflash_config_json(dcfg, cfg.dtype, target.get("num_hidden_layers"))
+    # SGLang captures the inputs of layers 0..L-1 only: a tap of layer L's output (vLLM's id
+    # L) it cannot serve (its `target_layer_ids` L - 1 is past its last layer)
+    try:
+        sglang_layer_ids(dcfg.aux_layer_ids, target.get("num_hidden_layers"))
+        sglang_refused = ""
+    except EyasError as err:
+        if cfg.format == "sglang":
+            raise
+        sglang_refused = str(err)
     out = Path(cfg.out).resolve()  # `--out .` too: its folder is written beside, then renamed
     tmp = _fresh_dir(out, source, cfg.overwrite)
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -392,7 +401,7 @@ def _export_dflash(cfg: ExportConfig, dcfg, step: Path, source: Path,
     (tmp / "README.md").write_text(dflash_readme(
         dcfg, str(out.resolve()), served, str(step), (train or {}).get("best"),
         cfg.num_speculative_tokens, report, unfinished=(train or {}).get("complete") is False,
-        train=train))
+        train=train, sglang_refused=sglang_refused))
     write_manifest(tmp, "export", asked, target=target or None, inputs=[train] if train else [],
                    format=cfg.format, draft="dflash", dtype=cfg.dtype, checkpoint=str(step),
                    aux_layer_ids=list(dcfg.aux_layer_ids), draft_config=dcfg.to_dict(),

@@ -68,11 +68,13 @@ def dflash_config_json(cfg: DFlashConfig, dtype: str, num_target_layers: int | N
 
 def dflash_readme(cfg: DFlashConfig, draft: str, target: ServedTarget, step: str,
                   best: dict | None, served_k: int | None = None, report: dict | None = None,
-                  unfinished: bool = False, train: dict | None = None) -> str:
+                  unfinished: bool = False, train: dict | None = None,
+                  sglang_refused: str = "") -> str:
     """The export's README: what the draft is, how vLLM and SGLang serve it (`served_k` draft
     tokens, at most the block's), the target and training the run recorded (`train`: its
     manifest) and, given `eyas eval`'s report, its measured acceptance. `unfinished`: the run
-    had not ended when `step` was exported."""
+    had not ended when `step` was exported; `sglang_refused`: why SGLang cannot serve it (its
+    command is left out)."""
     k = cfg.block_size - 1
     spec = json.dumps(speculative_config("dflash", draft, served_k or k, draft_sampling(report)))
     al = (best or {}).get("acceptance_length")
@@ -95,11 +97,13 @@ def dflash_readme(cfg: DFlashConfig, draft: str, target: ServedTarget, step: str
         "backend)", "", "```bash", f"vllm serve {name}{target.flags()} \\",
         f"    --speculative-config {shlex.quote(spec)}", "```", "",
         f"`num_speculative_tokens` may be anything up to {k}.", "", *sampling_lines(report),
-        "## SGLang (`--speculative-num-draft-tokens` counts the bonus token)", "", "```bash",
-        f"python -m sglang.launch_server --model-path {name}{target.flags()} \\",
-        f"    --speculative-algorithm DFLASH --speculative-draft-model-path "
-        f"{shlex.quote(draft)} \\",
-        f"    --speculative-num-draft-tokens {(served_k or k) + 1}", "```", "",
+        *(["## SGLang", "", f"Not served by SGLang: {sglang_refused}.", ""] if sglang_refused
+          else ["## SGLang (`--speculative-num-draft-tokens` counts the bonus token)", "",
+                "```bash",
+                f"python -m sglang.launch_server --model-path {name}{target.flags()} \\",
+                f"    --speculative-algorithm DFLASH --speculative-draft-model-path "
+                f"{shlex.quote(draft)} \\",
+                f"    --speculative-num-draft-tokens {(served_k or k) + 1}", "```", ""]),
         f"Replace `{draft}` with where this folder lives (or its hub name).", "",
         *target_lines(target.name, (train or {}).get("target") or {}, cfg.hidden_size,
                       cfg.vocab_size),
