@@ -986,3 +986,23 @@ def test_each_steps_result_neutral_options_are_its_own():
         cls = getattr(importlib.import_module(module), cls_name)
         names = {f.name for f in dataclasses.fields(cls)}
         assert getattr(cls, "RESULT_NEUTRAL", frozenset()) <= names, step
+
+
+def test_a_pipeline_yaml_that_would_lose_what_it_says_is_refused(tmp_path, llama_dir):
+    """From an audit: a section given twice kept only the last one's keys; an empty top-level
+    data was wired in as the path "None" (or refused as prepare's --data); a capture section
+    beside train.online: true was dropped without a word."""
+    (tmp_path / "dup.yaml").write_text(f"target: {llama_dir}\ndata: d.jsonl\nwork_dir: w\n"
+                                       "train: {lr: 0.1}\ntrain:\n  epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"key 'train' appears twice \(lines 4 and 5\): YAML "
+                                          r"would keep the last one only; merge them"):
+        plan(RunConfig(pipeline=str(tmp_path / "dup.yaml")))
+    for empty in (None, ""):
+        with pytest.raises(ConfigError, match=r"top-level 'data' is empty; give it a chat file"):
+            plan(RunConfig(pipeline=_write(tmp_path, {"target": str(llama_dir), "data": empty,
+                                                      "work_dir": "w"})))
+    with pytest.raises(ConfigError, match=r"section 'capture' would be ignored with "
+                                          r"train.online: true .*move what it sets into 'train'"):
+        plan(RunConfig(pipeline=_write(tmp_path, {
+            "target": str(llama_dir), "data": "d.jsonl", "work_dir": "w",
+            "capture": {"aux_layer_ids": [0, 1, 3]}, "train": {"online": True}})))

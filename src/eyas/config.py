@@ -191,6 +191,24 @@ def from_dict(cls, values: dict[str, Any]):
     return cls(**kwargs)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load's loader, with a key given twice in one mapping refused: YAML keeps the last,
+    so a section added again at the end of a config dropped the first one's keys unsaid."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key]} and "
+                                f"{key_node.start_mark.line + 1}): YAML would keep the last one "
+                                f"only; merge them", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -198,7 +216,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
                           f"{'is a folder' if path.is_dir() else 'does not exist'}; give the "
                           f"path of a YAML file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
     except yaml.YAMLError as err:
         # safe_load never runs a tag; a `!!python/...` one is refused here, like a syntax error.
         mark = getattr(err, "problem_mark", None)  # absent on some YAMLErrors

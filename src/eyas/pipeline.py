@@ -189,11 +189,20 @@ def _work_dir(cfg: RunConfig, spec: dict) -> Path:
     return work
 
 
+WANTS = {"target": "a model folder, a .gguf file or a hub name",
+         "data": "a chat file, folder or glob, or a list of them"}
+
+
 def _check_spec(cfg: RunConfig, spec: dict) -> None:
     """The pipeline YAML's keys and sections, refused with the fix where they are wrong."""
     for key in ("target", "data", "work_dir"):
         if key not in spec:
             raise ConfigError(f"pipeline {cfg.pipeline} needs a top-level '{key}' key")
+        if key != "work_dir" and spec[key] in (None, "", []):  # (work_dir: _work_dir's own)
+            # (a bare `data:` was wired in as the path "None", refused only inside the step,
+            # an empty one as prepare's --data, which eyas run has not)
+            raise ConfigError(f"pipeline {cfg.pipeline}: top-level '{key}' is empty; give it "
+                              f"{WANTS[key]}")
     unknown = set(spec) - {*SHARED_KEYS, "data", "work_dir", *STEPS}
     if unknown:
         raise ConfigError(f"pipeline {cfg.pipeline}: unknown top-level key(s) {sorted(unknown)}; "
@@ -207,6 +216,12 @@ def _check_spec(cfg: RunConfig, spec: dict) -> None:
             raise ConfigError(f"pipeline {cfg.pipeline}: 'enabled' in section '{step}' would be "
                               f"ignored: only regenerate is optional; to run part of the "
                               f"pipeline use --from-step / --until-step")
+    if spec.get("capture") and _flag(spec, "train", "online"):
+        # (no capture step runs: its section's layers and dtype were dropped without a word)
+        raise ConfigError(f"pipeline {cfg.pipeline}: section 'capture' would be ignored with "
+                          f"train.online: true (the target runs inside train, no capture step "
+                          f"does); move what it sets into 'train' (aux_layer_ids, "
+                          f"online_cache_dtype, target_device_map, ...) and drop it")
 
 
 def plan(cfg: RunConfig) -> list[Plan]:
