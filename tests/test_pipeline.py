@@ -1001,6 +1001,11 @@ def test_a_pipeline_yaml_that_would_lose_what_it_says_is_refused(tmp_path, llama
         with pytest.raises(ConfigError, match=r"top-level 'data' is empty; give it a chat file"):
             plan(RunConfig(pipeline=_write(tmp_path, {"target": str(llama_dir), "data": empty,
                                                       "work_dir": "w"})))
+    with pytest.raises(ConfigError, match=r"export.format speculators is not written for "
+                                          r"DFlash drafts .*set export.format: vllm"):
+        plan(RunConfig(pipeline=_write(tmp_path, {
+            "target": str(llama_dir), "data": "d.jsonl", "work_dir": "w",
+            "train": {"draft": "dflash"}, "export": {"format": "speculators"}})))
     with pytest.raises(ConfigError, match=r"section 'capture' would be ignored with "
                                           r"train.online: true .*move what it sets into 'train'"):
         plan(RunConfig(pipeline=_write(tmp_path, {

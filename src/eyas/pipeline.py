@@ -216,6 +216,12 @@ def _check_spec(cfg: RunConfig, spec: dict) -> None:
             raise ConfigError(f"pipeline {cfg.pipeline}: 'enabled' in section '{step}' would be "
                               f"ignored: only regenerate is optional; to run part of the "
                               f"pipeline use --from-step / --until-step")
+    if (spec.get("train") or {}).get("draft") == "dflash" and \
+            (spec.get("export") or {}).get("format") == "speculators":
+        # (refused by export only after every step before it had run)
+        raise ConfigError(f"pipeline {cfg.pipeline}: export.format speculators is not written "
+                          f"for DFlash drafts (train.draft: dflash) yet; set export.format: "
+                          f"vllm (the same folder serves SGLang's DFLASH)")
     if spec.get("capture") and _flag(spec, "train", "online"):
         # (no capture step runs: its section's layers and dtype were dropped without a word)
         raise ConfigError(f"pipeline {cfg.pipeline}: section 'capture' would be ignored with "
