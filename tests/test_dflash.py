@@ -724,7 +724,7 @@ def test_dflash_export_serves_the_k_asked_for_and_quotes_its_eval(dflash_run, tm
     manifest = json.loads((deeper / "eyas.json").read_text())
     manifest["target"]["num_hidden_layers"] = 9
     (deeper / "eyas.json").write_text(json.dumps(manifest))
-    sglang = (export(ExportConfig(checkpoint=str(deeper), out=str(tmp_path / "c"),
+    sglang = (export(ExportConfig(checkpoint=str(deeper), out=str(tmp_path / "deeper-export"),
                                   num_speculative_tokens=2)) / "README.md").read_text()
     assert "--speculative-num-draft-tokens 3" in sglang
     # a weight over fp16's range is said as such, as for EAGLE-3 (from an audit: "NaN or Inf;
@@ -794,6 +794,22 @@ def test_exported_draft_loads_back_with_identical_logits(dflash_run, tmp_path):
     trained.set_target(embed, head)
     served = DFlashDraft.from_pretrained(out, embed, head)
     assert served.cfg == cfg
+    # a config.json that names other taps than its weights read (a z-lab / SpecForge style
+    # config edited by hand): one line naming the mismatch, not load_state_dict's traceback
+    import shutil
+
+    from eyas.serve.draft_loading import load_draft
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out, mixed)
+    config = json.loads((mixed / "config.json").read_text())
+    config.pop("eagle_aux_hidden_state_layer_ids", None)
+    config["dflash_config"]["target_layer_ids"] = config["dflash_config"]["target_layer_ids"][:4]
+    (mixed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EyasError, match=r"draft .*mixed: its weights do not fit its config.json "
+                                        r"\(.*fc.weight.*\): .*export it again"):
+        load_draft(mixed, torch.nn.Embedding.from_pretrained(embed),
+                   lm_head=torch.nn.Linear(64, 2048, bias=False))
     aux = torch.randn(9, 5 * 64, generator=g)
     ids = torch.tensor([7] + [cfg.mask_token_id] * 3)
     outs = []

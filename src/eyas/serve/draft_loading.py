@@ -40,9 +40,19 @@ def load_draft(folder: str | Path, embedding: torch.nn.Module,
         manifest = read_manifest(manifest_dir)
         check_same_target(manifest.get("target"), target, f"draft {folder}", weights=weights)
     if step is None:
-        draft = (DFlashDraft.from_pretrained(folder, embedding.weight, _head(lm_head, folder))
-                 if is_dflash_folder(folder) else
-                 Eagle3Draft.from_pretrained(folder, embed_tokens=embedding))
+        try:
+            draft = (DFlashDraft.from_pretrained(folder, embedding.weight,
+                                                 _head(lm_head, folder))
+                     if is_dflash_folder(folder) else
+                     Eagle3Draft.from_pretrained(folder, embed_tokens=embedding))
+        except RuntimeError as err:  # torch's load_state_dict: shapes or keys that differ
+            if "state_dict" not in str(err):
+                raise
+            lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+            raise EyasError(f"draft {folder}: its weights do not fit its config.json "
+                            f"({'; '.join(lines[1:3])[:300]}): the folder holds one draft's "
+                            f"weights beside another's config (edited, or files copied in); "
+                            f"export it again from its training run") from None
     else:
         dflash = dflash_checkpoint_config(read_json(step / "draft_config.json", PICK_ANOTHER))
         if dflash is not None:
