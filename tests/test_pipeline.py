@@ -1011,3 +1011,23 @@ def test_a_pipeline_yaml_that_would_lose_what_it_says_is_refused(tmp_path, llama
         plan(RunConfig(pipeline=_write(tmp_path, {
             "target": str(llama_dir), "data": "d.jsonl", "work_dir": "w",
             "capture": {"aux_layer_ids": [0, 1, 3]}, "train": {"online": True}})))
+
+
+def test_a_path_spelled_another_way_is_the_same_input(tmp_path, llama_dir, monkeypatch):
+    """From an audit: `data: chats.jsonl` for the absolute path a run was made with (or the
+    target's folder by another spelling) prepared, captured and trained everything again."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(4)))
+    spec = {"target": str(llama_dir), "data": str(data), "work_dir": str(tmp_path / "w")}
+    run(RunConfig(pipeline=_write(tmp_path, spec), until_step="prepare"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").symlink_to(llama_dir)
+    again = _write(tmp_path, {**spec, "data": "chats.jsonl", "target": "model"})
+    assert [(p.action, p.reason) for p in plan(RunConfig(pipeline=again,
+                                                         until_step="prepare"))] == \
+        [("skip", "up to date")]
+    (tmp_path / "other.jsonl").write_text(data.read_text())  # the same rows, another file
+    other = _write(tmp_path, {**spec, "data": "other.jsonl"})
+    assert plan(RunConfig(pipeline=other, until_step="prepare"))[0].action == "run"

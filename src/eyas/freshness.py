@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eyas.config import to_dict
 from eyas.errors import EyasError
-from eyas.store.manifest import MANIFEST, peek_manifest, read_manifest, rebaser
+from eyas.store.manifest import MANIFEST, peek_manifest, placed, read_manifest, rebaser
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,12 @@ def _config_changes(cfg, manifest: dict, folder: Path | None = None) -> list[str
     if folder is not None:
         move = rebaser(manifest, folder)
         old = {k: move(v) for k, v in old.items()}
-    return changed_options(type(cfg), old, _normalise(cfg))
+    new = _normalise(cfg)
+    # a path spelled another way (relative, absolute, through a link) names the same input:
+    # `data: chats.jsonl` for the absolute path it ran with prepared, captured and trained again
+    old = {k: new[k] if k in new and v != new[k] and isinstance(v, (str, list))
+           and placed(v) == placed(new[k]) else v for k, v in old.items()}
+    return changed_options(type(cfg), old, new)
 
 
 def changed_options(cls, old: dict, new: dict) -> list[str]:
