@@ -212,6 +212,16 @@ def test_capture_forward_leaves_cudnn_attention_out(llama_dir, llama_prepared, m
 
 # ------------------------------------------------------------------ shards on disk
 
+def _captured_beside_reference(model_dir, prepared, out):
+    """Each captured sample of `out` with the fp32 target's hidden states of the same row and
+    (its row, the target's top-1 ids)."""
+    model, info = load_fp32(model_dir)
+    ds = datasets.load_from_disk(str(prepared / "dataset"))["train"]
+    for row, got in _by_row(out).items():
+        hs, top1 = _reference(model, info, ds[row]["input_ids"])
+        yield got, hs, (row, top1)
+
+
 def test_capture_writes_verified_shards_matching_the_forward(llama_dir, llama_prepared, tmp_path):
     out = tmp_path / "cap"
     stats = capture(_cfg(llama_dir, llama_prepared, out))
@@ -221,10 +231,8 @@ def test_capture_writes_verified_shards_matching_the_forward(llama_dir, llama_pr
     assert manifest["layer_id_convention"].startswith("vllm")
     assert index["num_samples"] == 14 == stats["samples"] and len(index["files"]) > 1
     assert stats["bytes_per_token"] > (3 * 64 + 64) * 2
-    model, info = load_fp32(llama_dir)
     ds = datasets.load_from_disk(str(llama_prepared / "dataset"))["train"]
-    for row, got in _by_row(out).items():
-        hs, top1 = _reference(model, info, ds[row]["input_ids"])
+    for got, hs, (row, top1) in _captured_beside_reference(llama_dir, llama_prepared, out):
         want = torch.stack([hs[2], hs[4], hs[5]], dim=1).bfloat16().float()
         torch.testing.assert_close(got["aux_hidden"], want, rtol=1e-2, atol=1e-3)
         torch.testing.assert_close(got["final_hidden"], hs[-1].bfloat16().float(), rtol=1e-2,
@@ -366,10 +374,7 @@ def test_parts_left_by_a_capture_of_other_layers_are_captured_again(llama_dir, l
     with caplog.at_level(logging.WARNING, logger="eyas"):
         capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 5, 6)))
     assert "it was captured with aux_layer_ids 2,4,5 (this run: 1,5,6)" in caplog.text
-    model, info = load_fp32(llama_dir)
-    ds = datasets.load_from_disk(str(llama_prepared / "dataset"))["train"]
-    for row, got in _by_row(out).items():
-        hs, _ = _reference(model, info, ds[row]["input_ids"])
+    for got, hs, _ in _captured_beside_reference(llama_dir, llama_prepared, out):
         want = torch.stack([hs[1], hs[5], hs[6]], dim=1).bfloat16().float()
         torch.testing.assert_close(got["aux_hidden"], want, rtol=1e-2, atol=1e-3)
 

@@ -896,19 +896,24 @@ def test_a_step_whose_output_files_are_gone_is_out_of_date_or_removed_after_use(
     assert by["train"].action == "run" and by["export"].action == "run", [(p.step, p.reason) for p in by.values()]
 
 
+def _small_spec(tmp_path, llama_dir, work: Path) -> dict:
+    """A pipeline of six synthetic chats on the tiny llama, 2 training steps, in `work`."""
+    from eyas.targets.corpus import synthetic_chats
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
+    return {"target": str(llama_dir), "data": str(data), "work_dir": str(work),
+            "vocab": {"draft_vocab_size": 64},
+            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2}}
+
+
 def test_a_work_dir_moved_or_renamed_holds_the_same_runs(tmp_path, llama_dir):
     """From an audit: with work_dir moved (to a bigger disk, a renamed project folder), every
     step's recorded --out and the folders wired into it differed, so the plan ran everything
     again: the capture deleted first, the draft retrained."""
     import shutil
 
-    from eyas.targets.corpus import synthetic_chats
-
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
-    spec = {"target": str(llama_dir), "data": str(data), "work_dir": str(tmp_path / "a" / "w"),
-            "vocab": {"draft_vocab_size": 64},
-            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2}}
+    spec = _small_spec(tmp_path, llama_dir, tmp_path / "a" / "w")
     run(RunConfig(pipeline=_write(tmp_path, spec), until_step="train"))
     (tmp_path / "a").rename(tmp_path / "b")
     moved = _write(tmp_path, {**spec, "work_dir": str(tmp_path / "b" / "w")})
@@ -938,13 +943,7 @@ def test_a_moved_work_dir_reads_its_steps_inputs_where_they_are_now(tmp_path, ll
     """From an audit: after a move, each step's recorded inputs were looked up at the old
     place: a prepare run again there went unseen by capture (and a copy's capture saw the
     original's), and a retrained run's export refused its own draft as another run's."""
-    from eyas.targets.corpus import synthetic_chats
-
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chats(6)))
-    spec = {"target": str(llama_dir), "data": str(data), "work_dir": str(tmp_path / "a" / "w"),
-            "vocab": {"draft_vocab_size": 64},
-            "train": {"max_steps": 2, "batch_tokens": 256, "eval_every": 2, "save_every": 2}}
+    spec = _small_spec(tmp_path, llama_dir, tmp_path / "a" / "w")
     run(RunConfig(pipeline=_write(tmp_path, spec), until_step="export"))
     (tmp_path / "a").rename(tmp_path / "b")
     moved = {**spec, "work_dir": str(tmp_path / "b" / "w"),
