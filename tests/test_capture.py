@@ -377,6 +377,21 @@ def test_parts_left_by_a_capture_of_other_layers_are_captured_again(llama_dir, l
     for got, hs, _ in _captured_beside_reference(llama_dir, llama_prepared, out):
         want = torch.stack([hs[1], hs[5], hs[6]], dim=1).bfloat16().float()
         torch.testing.assert_close(got["aux_hidden"], want, rtol=1e-2, atol=1e-3)
+    # parts of this run's own settings that its state file does not list yet (renamed just
+    # before a kill) are kept, not captured again
+    state_file = out / "shard-00000-of-00001.json"
+    state = json.loads(state_file.read_text())
+    state["parts"], state["complete"] = [], False
+    state_file.write_text(json.dumps(state))
+    for name in ("index.json", "eyas.json"):
+        (out / name).unlink()
+    parts = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="eyas"):
+        capture(_cfg(llama_dir, llama_prepared, out, aux_layer_ids=(1, 5, 6)))
+    assert "deleting it" not in caplog.text
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")} == parts
+    assert shards.verify(out)["num_samples"] == 14
 
 
 def test_resume_after_sigkill_loses_and_duplicates_nothing(llama_dir, llama_prepared, tmp_path):

@@ -77,7 +77,7 @@ def recover_parts(folder: Path, shard: int, num_shards: int,
             why = f"it has {path.stat().st_size} bytes, {entry['bytes']} were written"
         elif entry is None:
             try:
-                why = _other_settings(path, settings or {})
+                why = _other_settings(path, settings or {}) or None
                 entry = None if why else _describe_existing(path)
             except Exception as err:  # noqa: BLE001 - any unreadable file is redone, never trusted
                 why = f"it cannot be read ({str(err)[:120]})"
