@@ -251,7 +251,7 @@ def test_a_glob_that_matches_a_folder_reads_its_files(tmp_path, caplog):
     assert [m["path"] for m in found] == [str(regen)]
 
 
-def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
+def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog, monkeypatch):
     # `**` matched a DatasetDict folder and each split folder in it: every row was read twice
     # (trained twice, maybe in both splits), and its .json metadata read as malformed rows
     ds = datasets.Dataset.from_list([MESSAGE_ROW, MESSAGE_ROW])
@@ -276,6 +276,9 @@ def test_a_glob_over_a_datasets_folder_reads_it_once(tmp_path, caplog):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text(json.dumps(MESSAGE_ROW) + "\n")
     assert [r.data for r in rows_of(str(tmp_path / "data" / "*.jsonl"))] == [MESSAGE_ROW]
+    (tmp_path / "data" / "state.json").write_text('{"app": 2}')  # in the glob's own folder
+    monkeypatch.chdir(tmp_path / "data")
+    assert [r.data for r in rows_of("*.jsonl")] == [MESSAGE_ROW]
 
 
 def test_broken_files_become_rejects_not_crashes(tmp_path):

@@ -96,7 +96,15 @@ def _datasets_folder_of(path: Path, base: Path) -> Path | None:
     sources of their own. Only folders from the glob's literal part `base` down: one above it
     with a state.json of its own (a project folder, $HOME) is not the glob's data."""
     return next((p for p in path.parents if (p == base or base in p.parents)
-                 and is_datasets_folder(p)), None)
+                 and _saved_by_datasets(p)), None)
+
+
+def _saved_by_datasets(folder: Path) -> bool:
+    """A folder `save_to_disk` wrote, by its files (a DatasetDict's index, or a Dataset's
+    state beside its info): a state.json alone (an app's, in a project folder a glob starts
+    in) is not one."""
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
 
 
 def _literal_prefix(spec: str) -> Path:
