@@ -386,19 +386,24 @@ def test_a_chat_template_edited_in_place_prepares_again(tmp_path, llama_dir):
 
 
 def test_a_second_run_in_the_same_work_dir_is_refused_while_the_first_runs(tmp_path,
-                                                                           llama_dir):
+                                                                           llama_dir, caplog):
     # two `eyas run` on one work_dir planned from the same folders and ran the same steps
-    # into them side by side
+    # into them side by side; the refusal names the process, and a dry run beside it says
+    # that its plan reads folders being written (an audit: it called a step under way
+    # "interrupted" without a word)
     from eyas.pipeline import RUN_LOCK
     from eyas.store import locks
 
     data, pipeline, manifest, prepare = _prepared(tmp_path, llama_dir)
     with locks.exclusive(tmp_path / "w" / RUN_LOCK, "held by the test"):
-        with pytest.raises(EyasError, match=r"another `eyas run` is running the pipeline in "
-                                            r".*w \(its process id is in .*eyas-run.lock\)"):
+        with pytest.raises(EyasError, match=rf"another `eyas run` \(process {os.getpid()}\) "
+                                            rf"is running the pipeline in .*w; wait for it"):
             run(prepare)
-        assert [p.action for p in run(RunConfig(pipeline=pipeline, until_step="prepare",
-                                                dry_run=True))] == ["skip"]  # a look is fine
+        with caplog.at_level(logging.WARNING, logger="eyas.pipeline"):
+            assert [p.action for p in run(RunConfig(pipeline=pipeline, until_step="prepare",
+                                                    dry_run=True))] == ["skip"]  # a look
+        assert f"another `eyas run` (process {os.getpid()}) is running the pipeline" in \
+            caplog.text
     assert [p.action for p in run(prepare)] == ["skip"]
 
 

@@ -476,17 +476,21 @@ def _aside(out: Path) -> Path:
 
 def run(cfg: RunConfig) -> list[Plan]:
     """Run (or with dry_run, describe) the pipeline; returns the plan that was executed."""
-    if cfg.dry_run:
-        return _run(cfg)
     spec = load_yaml(cfg.pipeline)
     if "work_dir" not in spec:
         return _run(cfg)  # plan() says what is missing
     work = _work_dir(cfg, spec)
+    running = locks.holder(work / RUN_LOCK)
+    if cfg.dry_run:
+        if running:  # (its steps under way show as interrupted or not finished)
+            log.warning("another `eyas run` (process %s) is running the pipeline in %s: the "
+                        "plan below reads folders it is writing", running, work)
+        return _run(cfg)
     # one `eyas run` at a time in a work_dir, planning included: a second one would plan from
     # folders the first is writing, then run the same steps into them
-    busy = (f"another `eyas run` is running the pipeline in {work} (its process id is in "
-            f"{work / RUN_LOCK}); wait for it to end or stop it (its steps resume), or give "
-            f"this pipeline another work_dir")
+    busy = (f"another `eyas run` (process {running or 'id in ' + str(work / RUN_LOCK)}) is "
+            f"running the pipeline in {work}; wait for it to end or stop it (its steps "
+            f"resume), or give this pipeline another work_dir")
     with locks.exclusive(work / RUN_LOCK, busy):
         return _run(cfg)
 

@@ -51,6 +51,22 @@ def _held(path: Path, busy: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def holder(path: str | Path) -> str | None:
+    """The process id written in lock file `path` while another process holds its lock (None
+    where the file is missing or nobody holds it). Takes the lock for an instant to tell."""
+    try:
+        f = open(path, "r")
+    except OSError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "?"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def main_process() -> bool:
     """Whether this process writes for its job: not a torchrun rank other than 0 (a job's ranks
     share one --out, and only rank 0 writes there)."""
