@@ -169,23 +169,20 @@ def capture(cfg: CaptureConfig) -> dict:
     prepared = read_manifest(cfg.data, step="prepare")
     tokenizer = load_tokenizer(cfg.target, revision=cfg.revision,
                                trust_remote_code=cfg.trust_remote_code)
-    what = f"the prepared folder {cfg.data}"
-    # Before loading a possibly huge model: token ids from another tokenizer mean nothing here.
-    check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
-                                                            tokenizer=tokenizer, weights=False),
-                      what, weights=False)
-    dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
-    _check_rows(cfg, len(dataset))
-    if cfg.backend == "vllm":
-        return _capture_vllm(cfg, prepared, tokenizer, dataset, split_rows)
-    # the target's config too (a model of another shape behind the same tokenizer: an 8B's
-    # prepared folder used with the 70B loaded all of the 70B before it was refused)
     config = load_config(cfg.target, revision=cfg.revision,
                          trust_remote_code=cfg.trust_remote_code)
+    what = f"the prepared folder {cfg.data}"
+    # Before loading a possibly huge model: token ids from another tokenizer mean nothing
+    # here, nor a model of another shape behind the same tokenizer (an 8B's prepared folder
+    # used with the 70B loaded all of the 70B before it was refused)
     check_same_target(prepared.get("target"), target_record(cfg.target, cfg.revision,
                                                             config=config, tokenizer=tokenizer,
                                                             weights=False),
                       what, weights=False)
+    dataset, split_rows = load_split(cfg.data, cfg.split, cfg.limit)
+    _check_rows(cfg, len(dataset))
+    if cfg.backend == "vllm":
+        return _capture_vllm(cfg, prepared, tokenizer, config, dataset, split_rows)
     _check_settings_before_loading(cfg, tokenizer, prepared, config)
     model, info = load_target(cfg.target, revision=cfg.revision,
                               trust_remote_code=cfg.trust_remote_code,
@@ -236,18 +233,16 @@ def _check_settings_before_loading(cfg: CaptureConfig, tokenizer, prepared: dict
     shard_state.check_settings(Path(cfg.out), settings, cfg.shard_index()[1])
 
 
-def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, dataset, split_rows) -> dict:
+def _capture_vllm(cfg: CaptureConfig, prepared: dict, tokenizer, config, dataset,
+                  split_rows) -> dict:
     """`capture` through a vLLM engine (eyas.serve.vllm_capture): the same shards, resume and
-    manifest; what vLLM's files fail is set aside with its reason."""
+    manifest; what vLLM's files fail is set aside with its reason. `config`: the target's,
+    checked against the prepared folder's (capture)."""
     from eyas.serve.vllm_capture import VLLMCapture
-    from eyas.targets.models import inspect_model, load_config
+    from eyas.targets.models import inspect_model
     from eyas.targets.taps import validate_aux_layer_ids
 
-    config = load_config(cfg.target, revision=cfg.revision,
-                         trust_remote_code=cfg.trust_remote_code)
     target = target_record(cfg.target, cfg.revision, config=config, tokenizer=tokenizer)
-    check_same_target(prepared.get("target"), target, f"the prepared folder {cfg.data}",
-                      weights=False)
     engine = dict(vllm_engine_args(cfg.vllm_args), **engine_options(cfg))
     info = inspect_model(config, trust_remote_code=cfg.trust_remote_code)
     aux_ids = validate_aux_layer_ids(_aux_ids(cfg, info), info.num_layers, count=None)

@@ -150,17 +150,12 @@ def export_state_dict(state: dict[str, torch.Tensor], *, layout: str = "midlayer
     """Internal (checkpoint) names -> export names and dtype; d2t/t2d keep int64/bool."""
     out = {}
     for name, tensor in state.items():
+        if layout != "midlayer" and name.startswith("midlayer."):
+            name = layout + name[len("midlayer"):]
         if tensor.is_floating_point():
             tensor = tensor.to(DTYPES[dtype])
-        out[export_name(name, layout)] = tensor.contiguous()
+        out[name] = tensor.contiguous()
     return out
-
-
-def export_name(name: str, layout: str) -> str:
-    """A checkpoint weight's name in an export of `layout` (midlayer.* or layers.0.*)."""
-    if layout != "midlayer" and name.startswith("midlayer."):
-        return layout + name[len("midlayer"):]
-    return name
 
 
 # ----------------------------------------------------------------------------- validation

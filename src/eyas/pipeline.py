@@ -278,9 +278,8 @@ def plan(cfg: RunConfig) -> list[Plan]:
         # a reader that is up to date, or whose own output was pruned after its readers used
         # it (captured/ and train's checkpoints both removed once the draft was exported)
         ok, why = up_to_date(step, upstream_ran)
-        if ok or upstream_ran or step in needed or step in ("export", "eval"):
-            return ok, why
-        if Path(configs[step].out).exists() and not why.startswith(freshness.LOST):
+        if ok or upstream_ran or step in needed or step in ("export", "eval") or \
+                not _gone(step, Path(configs[step].out), why):
             return ok, why
         used, changed = removed_after_use(step)
         return bool(used) and not changed, why
@@ -310,11 +309,7 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
             ok, why = False, "forced" if cfg.force else "--from-step"
         else:
             ok, why = up_to_date(step, upstream_ran)
-            # (or files of it: an intermediate step's, pruned after use; the draft and
-            # the report are what a run is for, made again where gone)
-            lost = not out.exists() or (why.startswith(freshness.LOST)
-                                        and step not in ("export", "eval"))
-            if not ok and not upstream_ran and lost and step not in needed:
+            if not ok and not upstream_ran and _gone(step, out, why) and step not in needed:
                 used, changed = removed_after_use(step)
                 why = changed or why
                 if used and not changed:
@@ -335,6 +330,14 @@ def _plan_steps(cfg: RunConfig, steps: list[str], configs: dict, needed: set[str
         plans.append(Plan(step, step_cfg, out, "skip" if ok else "run", why, bool(again)))
         upstream_ran = upstream_ran or not ok
     return plans, readers
+
+
+def _gone(step: str, out: Path, why: str) -> bool:
+    """Whether a step that is not up to date (`why`) has its output removed: its folder, or
+    files of an intermediate step's (pruned after use; the draft and the report are what a
+    run is for, made again where gone)."""
+    return not out.exists() or (why.startswith(freshness.LOST)
+                                and step not in ("export", "eval"))
 
 
 def _removed_after_use(step_cfg, later: list[str], folders: dict[str, Path],

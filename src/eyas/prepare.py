@@ -33,8 +33,8 @@ from eyas.targets.chat_files import FORMATS
 from eyas.targets.chat_sources import (check_out_outside, regenerate_outputs, regenerated_files,
                                        source_fingerprints)
 # documented as eyas.prepare.tokenize_conversation and eyas.prepare.render_prompt
-from eyas.targets.masking import (check_template_compiles, read_template_file,
-                                  render_prompt, tokenize_conversation)  # noqa: F401
+from eyas.targets.masking import (check_template_compiles, render_prompt,  # noqa: F401
+                                  tokenize_conversation)
 from eyas.targets.tokenized_rows import tokenize_rows
 
 log = logging.getLogger(__name__)
@@ -129,9 +129,7 @@ def load_tokenizer(cfg: PrepareConfig):
 
     name = cfg.tokenizer or cfg.target
     tok = load(name, revision=None if cfg.tokenizer else cfg.revision,
-               trust_remote_code=cfg.trust_remote_code)
-    if cfg.chat_template:
-        tok.chat_template = read_template_file(cfg.chat_template)
+               trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
     if not tok.chat_template:
         raise EyasError(f"the tokenizer of {name} has no chat template; give the one the "
                         f"target is served with: --chat-template FILE.jinja")
@@ -192,6 +190,7 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
     folder's conversations file named by itself is recorded too, unchecked: its system prompt
     is the data's (eval renders with it)."""
     found = regenerate_outputs(cfg.data)
+    rendered = chat_template_fingerprint(tok)  # the template prepare renders in
     weighed = any((m.get("target") or {}).get("weights_fingerprint") for m in found)
     # this target's weights fingerprint only where an answer's is there to compare with
     mine = target_record(cfg.target, cfg.revision, config=config, tokenizer=tok) \
@@ -218,14 +217,14 @@ def _regenerated_for(cfg: PrepareConfig, target: dict, config, tok) -> list[dict
         ran = manifest.get("config") or {}
         asked = manifest.get("chat_template_hash") \
             if ran.get("backend") != "openai" or ran.get("chat_template") else None
-        if asked and asked != chat_template_fingerprint(tok):
+        if asked and asked != rendered:
             log.warning("the answers in the `eyas regenerate` output %s were asked in another "
                         "chat template (chat_template_hash %s) than prepare renders them in "
                         "(%s): the draft then learns answers to prompts written otherwise "
                         "than served. Give prepare the template regenerate asked in "
                         "(--chat-template FILE, its config's chat_template), or regenerate in "
                         "prepare's (eyas regenerate --chat-template FILE)", folder, asked,
-                        chat_template_fingerprint(tok))
+                        rendered)
     named = {m["path"] for m in found}
     return found + [m for m in regenerated_files(cfg.data) if m["path"] not in named]
 
